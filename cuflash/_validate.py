@@ -92,7 +92,7 @@ def check_same_library(**arrays) -> str:
 
 
 def _check_contiguous_last_axis(name: str, a) -> None:
-    if a.ndim and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
+    if a.size and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
         raise ValueError(
             f"{name} must have a contiguous last axis (stride {a.itemsize} bytes, one element); "
             f"got strides {tuple(a.strides)} for shape {_shape(a)}; "
