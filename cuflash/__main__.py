@@ -280,14 +280,18 @@ def demo(argv=None, out=None) -> int:
         return EXIT_USAGE
 
     defaults = GPU_DEFAULTS if backend == "cupy" else CPU_DEFAULTS
-    batch = args.batch or defaults["batch"]
-    seqlen_q = args.seqlen or defaults["seqlen"]
-    seqlen_k = args.seqlen_k or seqlen_q
-    heads = args.heads or defaults["heads"]
-    heads_kv = args.heads_kv or heads
-    head_dim = args.head_dim or defaults["head_dim"]
-    dtype_name = args.dtype or defaults["dtype"]
-    repeat = args.repeat or defaults["repeat"]
+
+    def given_or(value, default):
+        return default if value is None else value
+
+    batch = given_or(args.batch, defaults["batch"])
+    seqlen_q = given_or(args.seqlen, defaults["seqlen"])
+    seqlen_k = given_or(args.seqlen_k, seqlen_q)
+    heads = given_or(args.heads, defaults["heads"])
+    heads_kv = given_or(args.heads_kv, heads)
+    head_dim = given_or(args.head_dim, defaults["head_dim"])
+    dtype_name = given_or(args.dtype, defaults["dtype"])
+    repeat = given_or(args.repeat, defaults["repeat"])
     if min(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, repeat) < 1:
         print("cuflash demo: error: sizes and --repeat must be positive", file=sys.stderr)
         return EXIT_USAGE
@@ -325,7 +329,8 @@ def demo(argv=None, out=None) -> int:
         f"(kv {heads_kv}), head_dim {head_dim}, {dtype_name}, "
         f"causal {args.causal_align if args.causal else 'no'}, algorithm {args.algorithm}")
     s_bytes = batch * heads * seqlen_q * seqlen_k * 4
-    say(f"inputs {_fmt_bytes(q.nbytes + k.nbytes + v.nbytes + do.nbytes)}; for scale, one float32 score matrix S = QK^T "
+    in_bytes = q.nbytes + k.nbytes + v.nbytes + do.nbytes
+    say(f"inputs {_fmt_bytes(in_bytes)}; for scale, one float32 score matrix S = QK^T "
         f"would take {_fmt_bytes(s_bytes)}")
 
     fwd_flops = _flops(batch, heads, seqlen_q, seqlen_k, head_dim, args.causal)

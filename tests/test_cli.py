@@ -1,0 +1,114 @@
+"""``python -m cuflash``: the demo runs, checks itself against float64 and says so; errors are clear."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import __main__ as cli
+
+SMALL = ["--batch", "1", "--seqlen", "70", "--heads", "2", "--head-dim", "16"]
+
+
+def test_demo_in_process_passes(capsys):
+    code = cli.main(["demo", "--backend", "numpy", *SMALL])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "backend numpy" in out
+    assert "batch 1, seqlen_q 70, seqlen_k 70, heads 2 (kv 2), head_dim 16, float32" in out
+    for name in ("forward", "backward", "tracemalloc peak", "out", "lse", "dq", "dk", "dv"):
+        assert name in out
+    assert out.rstrip().endswith("PASS")
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--causal", "--seqlen-k", "45", "--heads", "4", "--heads-kv", "2"],  # GQA, rows that see no key
+        ["--causal", "--causal-align", "top-left", "--seqlen-k", "90", "--algorithm", "fa1"],
+        ["--dtype", "float64", "--algorithm", "naive"],
+        ["--dtype", "float16", "--no-backward"],
+    ],
+    ids=["causal-gqa-empty-rows", "top-left-fa1", "float64-naive", "float16-forward"],
+)
+def test_demo_variants_pass(capsys, extra):
+    code = cli.main(["demo", "--backend", "numpy", *SMALL, *extra])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert out.rstrip().endswith("PASS")
+
+
+def test_demo_as_module_subprocess():
+    proc = subprocess.run(
+        [sys.executable, "-m", "cuflash", "demo", "--backend", "numpy", *SMALL, "--causal"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "causal bottom-right" in proc.stdout
+    assert proc.stdout.rstrip().endswith("PASS")
+
+
+def test_demo_fails_when_results_are_wrong(capsys, monkeypatch):
+    """The check is real: a wrong output gives exit code 1 and FAIL."""
+    real = cuflash.attention
+
+    def off_by_a_bit(*args, **kwargs):
+        out, lse = real(*args, **kwargs)
+        return out + np.asarray(0.01, dtype=out.dtype), lse
+
+    monkeypatch.setattr(cuflash, "attention", off_by_a_bit)
+    code = cli.main(["demo", "--backend", "numpy", *SMALL, "--no-backward"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "FAIL" in out
+
+
+def test_float64_truth_matches_textbook_formula():
+    """The demo's own float64 oracle, on one head: softmax(scale q k^T) v and its gradients."""
+    rng = np.random.default_rng(1)
+    q, k, v, do = (rng.standard_normal((1, n, 1, 8)) for n in (5, 7, 7, 5))
+    scale = 0.3
+    out, lse, dq, dk, dv = cli.float64_truth(np, q, k, v, do, scale=scale, causal_offset=None)
+    s = scale * q[0, :, 0] @ k[0, :, 0].T
+    p = np.exp(s - s.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    np.testing.assert_allclose(out[0, :, 0], p @ v[0, :, 0], rtol=1e-12)
+    np.testing.assert_allclose(lse[0, 0], np.log(np.exp(s).sum(1)), rtol=1e-12)
+    dp = do[0, :, 0] @ v[0, :, 0].T
+    ds = p * (dp - (dp * p).sum(1, keepdims=True))
+    np.testing.assert_allclose(dq[0, :, 0], scale * ds @ k[0, :, 0], rtol=1e-10)
+    np.testing.assert_allclose(dk[0, :, 0], scale * ds.T @ q[0, :, 0], rtol=1e-10)
+    np.testing.assert_allclose(dv[0, :, 0], p.T @ do[0, :, 0], rtol=1e-10)
+
+
+def test_backend_cupy_without_gpu_is_a_clear_error(capsys):
+    if cli.gpu_available():
+        pytest.skip("CuPy and a GPU are present here")
+    code = cli.main(["demo", "--backend", "cupy", *SMALL])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "--backend cupy needs CuPy and a CUDA GPU" in err
+
+
+def test_bench_gpu_without_gpu_is_a_clear_error(capsys):
+    if cli.gpu_available():
+        pytest.skip("CuPy and a GPU are present here")
+    code = cli.main(["bench-gpu"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "bench" in err and ("needs CuPy and a CUDA GPU" in err or "not available" in err)
+
+
+def test_usage_errors(capsys):
+    assert cli.main([]) == 2
+    assert "usage: python -m cuflash" in capsys.readouterr().err
+    assert cli.main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'" in capsys.readouterr().err
+    assert cli.main(["demo", "--dtype", "int8"]) == 2
+    assert "invalid choice: 'int8'" in capsys.readouterr().err
+    assert cli.main(["demo", "--backend", "numpy", "--seqlen", "0"]) == 2
+    assert "must be positive" in capsys.readouterr().err
+    assert cli.main(["demo", "--help"]) == 0
+    assert "--backend" in capsys.readouterr().out
