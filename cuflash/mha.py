@@ -147,12 +147,32 @@ def _check_layer(z, params: MHAParams, num_heads, num_kv_heads) -> tuple[int, in
                 f"params.{name} must have shape {shape} (d_model {d_model}, num_heads {num_heads}, "
                 f"num_kv_heads {num_kv_heads}, head_dim {head_dim}); got {_shape(a)}"
             )
+    for name, a in zip(MHAParams._fields, params):
+        if a is not None and a.dtype != z.dtype:
+            raise TypeError(f"params.{name} must have the dtype of z, {z.dtype}; got {a.dtype}")
     return num_kv_heads, head_dim
+
+
+def _matmul(xp, a, b):
+    """``a @ b`` in the operands' dtype. NumPy's matmul on ``ml_dtypes.bfloat16`` accumulates in and
+    returns float32; rounding back keeps the whole layer in the caller's dtype (as the kernels do:
+    accumulate in float32, store in the input dtype)."""
+    c = xp.matmul(a, b)
+    dtype = xp.result_type(a, b)
+    return c if c.dtype == dtype else xp.astype(c, dtype)
+
+
+def _column_sum(xp, x):
+    """Sum over the rows of a matrix, accumulated in float32 (float64 for float64), in ``x``'s dtype.
+    A bias gradient sums batch * seqlen rows; summed in bfloat16 it would stall at 256 ones."""
+    acc = xp.float64 if x.dtype == xp.float64 else xp.float32
+    s = xp.sum(x, axis=0, dtype=acc)
+    return s if s.dtype == x.dtype else xp.astype(s, x.dtype)
 
 
 def _affine(xp, x, w, b):
     """``x W + b`` over the last axis of ``x``; ``b`` may be ``None``."""
-    y = xp.matmul(x, w)
+    y = _matmul(xp, x, w)
     return y if b is None else y + b
 
 
@@ -316,7 +336,11 @@ def mha_backward(
     num_kv_heads = _shape(k)[2]
     d_model, d_out = _shape(z)[2], _shape(params.w_o)[1]
     if _shape(dy) != (batch, seqlen, d_out):
-        raise ValueError(f"dy must have the shape of the forward's output, {(batch, seqlen, d_out)}; got {_shape(dy)}")
+        raise ValueError(
+            f"dy must have the shape of the forward's output, {(batch, seqlen, d_out)}; got {_shape(dy)}"
+        )
+    if dy.dtype != out.dtype:
+        raise TypeError(f"dy must have the dtype of the forward's output, {out.dtype}; got {dy.dtype}")
     # Every product below sums over the batch and sequence together: one (batch * seqlen)-row matrix.
     rows = batch * seqlen
     dy2 = xp.reshape(dy, (rows, d_out))
@@ -324,9 +348,9 @@ def mha_backward(
     # (10) Z̃^out = O W_O + b_O has the form of (9), O = P V, so (appendix, "Gradient with respect to
     # W_O and O"):  dW_O = O^T dZ̃^out,  dO = dZ̃^out W_O^T,  and db_O = column sums of dZ̃^out.
     o2 = xp.reshape(out, (rows, num_heads * head_dim))
-    dw_o = xp.matmul(o2.T, dy2)
-    db_o = None if params.b_o is None else xp.sum(dy2, axis=0)
-    do = xp.reshape(xp.matmul(dy2, params.w_o.T), (batch, seqlen, num_heads, head_dim))
+    dw_o = _matmul(xp, o2.T, dy2)
+    db_o = None if params.b_o is None else _column_sum(xp, dy2)
+    do = xp.reshape(_matmul(xp, dy2, params.w_o.T), (batch, seqlen, num_heads, head_dim))
 
     # (7)-(9) backward per head: D = rowsum(dO * O), P recomputed from lse, dV = P^T dO, dP = dO V^T,
     # dS = P * (dP - D), dQ = scale * dS K, dK = scale * dS^T Q. With grouped-query attention dK and dV
@@ -342,16 +366,16 @@ def mha_backward(
     dk2 = xp.reshape(dk, (rows, num_kv_heads * head_dim))
     dv2 = xp.reshape(dv, (rows, num_kv_heads * head_dim))
     z2_t = z2.T
-    dw_q = xp.matmul(z2_t, dq2)
-    dw_k = xp.matmul(z2_t, dk2)
-    dw_v = xp.matmul(z2_t, dv2)
-    db_q = None if params.b_q is None else xp.sum(dq2, axis=0)
-    db_k = None if params.b_k is None else xp.sum(dk2, axis=0)
-    db_v = None if params.b_v is None else xp.sum(dv2, axis=0)
+    dw_q = _matmul(xp, z2_t, dq2)
+    dw_k = _matmul(xp, z2_t, dk2)
+    dw_v = _matmul(xp, z2_t, dv2)
+    db_q = None if params.b_q is None else _column_sum(xp, dq2)
+    db_k = None if params.b_k is None else _column_sum(xp, dk2)
+    db_v = None if params.b_v is None else _column_sum(xp, dv2)
 
     # (84) Z̃ reaches the loss through row i of Q, K and V alike, so the three paths add:
     # dZ̃ = dQ W_Q^T + dK W_K^T + dV W_V^T.
-    dz2 = xp.matmul(dq2, params.w_q.T) + xp.matmul(dk2, params.w_k.T) + xp.matmul(dv2, params.w_v.T)
+    dz2 = _matmul(xp, dq2, params.w_q.T) + _matmul(xp, dk2, params.w_k.T) + _matmul(xp, dv2, params.w_v.T)
     dz = xp.reshape(dz2, (batch, seqlen, d_model))
 
     return MHAGrads(

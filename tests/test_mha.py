@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -202,6 +203,32 @@ def test_float32_layer_close_to_float64_truth():
         assert_close(a, b, name, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_low_precision_layer_keeps_its_dtype(dtype):
+    """float16 / bfloat16 in, the same dtype out for y and every gradient (NumPy's bfloat16 matmul returns
+    float32; the layer rounds back), within a few units of the dtype's rounding of the float64 truth."""
+    dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float16)
+    num_heads, num_kv_heads = HEADS["gqa"]
+    rng = np.random.default_rng(11)
+    params64 = random_params(rng, num_heads, num_kv_heads)
+    z64 = rng.standard_normal((BATCH, 16, D_MODEL))
+    g64 = rng.standard_normal((BATCH, 16, D_MODEL))
+    options = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, causal=True)
+    params_lo = MHAParams(*(p.astype(dtype) for p in params64))
+    y_lo, cache_lo = mha_forward(z64.astype(dtype), params_lo, **options)
+    grads_lo = mha_backward(g64.astype(dtype), cache_lo, params_lo)
+    assert y_lo.dtype == dtype and all(a.dtype == dtype for a in grads_lo)
+    # Truth: the float64 layer on the same (rounded) inputs.
+    params_r = MHAParams(*(p.astype(np.float64) for p in params_lo))
+    y64, cache64 = mha_forward(z64.astype(dtype).astype(np.float64), params_r, **options)
+    grads64 = mha_backward(g64.astype(dtype).astype(np.float64), cache64, params_r)
+    eps = float(ml_dtypes.finfo(dtype).eps)
+    for name, a, b in [("y", y_lo, y64), *zip(MHAGrads._fields, grads_lo, grads64)]:
+        err = np.max(np.abs(a.astype(np.float64) - b))
+        bound = 16 * eps * max(1.0, float(np.max(np.abs(b))))
+        assert err <= bound, f"{name}: max abs err {err:.3g} > {bound:.3g}"
+
+
 def test_strided_input_needs_no_copy_and_matches():
     """An input that is a transposed view (not C-contiguous) gives the same layer output."""
     num_heads, num_kv_heads = HEADS["mha"]
@@ -276,9 +303,13 @@ def test_layer_errors():
         mha_forward(z[0], params, num_heads=2)
     with pytest.raises(ValueError, match=r"params.b_o must have shape \(6,\)"):
         mha_forward(z, params._replace(b_o=np.ones(5)), num_heads=2)
+    with pytest.raises(TypeError, match="params.w_v must have the dtype of z, float64; got float32"):
+        mha_forward(z, params._replace(w_v=params.w_v.astype(np.float32)), num_heads=2)
     y, cache = mha_forward(z, params, num_heads=2)
     with pytest.raises(ValueError, match=r"dy must have the shape of the forward's output, \(2, 5, 6\)"):
         mha_backward(y[:, :-1], cache, params)
+    with pytest.raises(TypeError, match="dy must have the dtype of the forward's output, float64; got float32"):
+        mha_backward(y.astype(np.float32), cache, params)
 
 
 @pytest.mark.gpu
