@@ -102,15 +102,18 @@ def _shape(a) -> tuple[int, ...]:
     return tuple(int(s) for s in a.shape)
 
 
+def _head_count(name: str, value) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a positive integer; got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer; got {int(value)}")
+    return int(value)
+
+
 def _check_layer(z, params: MHAParams, num_heads, num_kv_heads) -> tuple[int, int]:
     """Validate the input against the parameters; return ``(num_kv_heads, head_dim)``."""
-    if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
-        raise ValueError(f"num_heads must be a positive integer; got {num_heads!r}")
-    if num_kv_heads is None:
-        num_kv_heads = num_heads
-    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, (int, np.integer)) or num_kv_heads < 1:
-        raise ValueError(f"num_kv_heads must be a positive integer or None; got {num_kv_heads!r}")
-    num_heads, num_kv_heads = int(num_heads), int(num_kv_heads)
+    num_heads = _head_count("num_heads", num_heads)
+    num_kv_heads = num_heads if num_kv_heads is None else _head_count("num_kv_heads", num_kv_heads)
     if num_heads % num_kv_heads != 0:
         raise ValueError(
             f"num_kv_heads must divide num_heads (grouped-query attention); "

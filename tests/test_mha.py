@@ -293,6 +293,8 @@ def test_layer_errors():
     z = rng.standard_normal((BATCH, SEQLEN, D_MODEL))
     with pytest.raises(ValueError, match="num_heads must be a positive integer; got 0"):
         mha_forward(z, params, num_heads=0)
+    with pytest.raises(TypeError, match="num_kv_heads must be a positive integer; got float 2.0"):
+        mha_forward(z, params, num_heads=2, num_kv_heads=2.0)
     with pytest.raises(ValueError, match=r"params.w_q must have shape \(d_model, num_heads \* head_dim\)"):
         mha_forward(z, params, num_heads=4)
     with pytest.raises(ValueError, match="num_kv_heads must divide num_heads"):
