@@ -1,0 +1,1 @@
+"""asv benchmarks for cuflash (run from asv_bench/, see asv.conf.json)."""
