@@ -355,8 +355,10 @@ def demo(argv=None, out=None) -> int:
             grads, first, times, peak = meter.run(
                 lambda: cuflash.attention_backward(do, q, k, v, o, lse, **common), repeat)
             report("backward", first, times, peak, 2.5 * fwd_flops)
-    except (ValueError, TypeError, NotImplementedError) as exc:
-        print(f"cuflash demo: error: cuflash refused the problem: {exc}", file=sys.stderr)
+    except (ValueError, TypeError, NotImplementedError, RuntimeError) as exc:
+        # The front door and the backends refuse what they cannot run with one of these, before any
+        # work starts (an unsupported head dim or dtype on the GPU, say): show the message, no traceback.
+        print(f"cuflash demo: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
     t0 = time.perf_counter()
