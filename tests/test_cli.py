@@ -110,5 +110,9 @@ def test_usage_errors(capsys):
     assert "invalid choice: 'int8'" in capsys.readouterr().err
     assert cli.main(["demo", "--backend", "numpy", "--seqlen", "0"]) == 2
     assert "must be positive" in capsys.readouterr().err
+    assert cli.main(["demo", "--backend", "numpy", *SMALL, "--heads", "3", "--heads-kv", "2"]) == 2
+    assert "ValueError: the number of key/value heads must divide the number of query heads" in (
+        capsys.readouterr().err
+    )
     assert cli.main(["demo", "--help"]) == 0
     assert "--backend" in capsys.readouterr().out
