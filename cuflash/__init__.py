@@ -2,10 +2,22 @@
 
 CuPy arrays run tiled FlashAttention CUDA kernels compiled at run time by NVRTC; NumPy arrays run a NumPy
 implementation of the same block algorithm, which is also the reference the kernels are tested against.
+PyTorch and JAX users go through :mod:`cuflash.torch` and :mod:`cuflash.jax` (imported on demand only).
 """
 
 from ._api import attention, attention_backward
+from .mha import MHACache, MHAGrads, MHAParams, init_mha_params, mha_backward, mha_forward
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_backward", "__version__"]
+__all__ = [
+    "attention",
+    "attention_backward",
+    "MHAParams",
+    "MHAGrads",
+    "MHACache",
+    "init_mha_params",
+    "mha_forward",
+    "mha_backward",
+    "__version__",
+]

@@ -1,0 +1,108 @@
+"""PyTorch front end: :func:`attention` as a ``torch.autograd.Function``.
+
+Tensors cross into cuflash without copies: CUDA tensors through DLPack into CuPy (the kernels run on
+PyTorch's current stream), CPU tensors as NumPy views (the NumPy block algorithm). The forward saves the
+logsumexp; the backward runs :func:`cuflash.attention_backward`. Importing :mod:`cuflash` never imports
+this module, so PyTorch stays an optional dependency (``pip install cuflash[torch]``).
+
+Layout is cuflash's ``(batch, seqlen, heads, head_dim)``; a ``(batch, heads, seqlen, head_dim)`` tensor
+goes in as ``t.transpose(1, 2)``, with no copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import ml_dtypes
+import numpy as np
+import torch
+
+import cuflash
+
+__all__ = ["attention"]
+
+
+def _to_array(t: torch.Tensor):
+    """A zero-copy NumPy (CPU) or CuPy (CUDA) view of a tensor."""
+    t = t.detach()
+    if t.is_cuda:
+        import cupy
+
+        return cupy.from_dlpack(t)
+    if t.dtype == torch.bfloat16:  # NumPy has no native bfloat16: reinterpret the bits as ml_dtypes'
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def _to_tensor(a) -> torch.Tensor:
+    """The inverse of :func:`_to_array`, again without a copy."""
+    if isinstance(a, np.ndarray):
+        if a.dtype == ml_dtypes.bfloat16:
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(a)
+    return torch.from_dlpack(a)
+
+
+def _on_torch_stream(t: torch.Tensor):
+    """Run CuPy work on PyTorch's current stream for the tensor's device."""
+    if not t.is_cuda:
+        return contextlib.nullcontext()
+    import cupy
+
+    stream = torch.cuda.current_stream(t.device)
+    return cupy.cuda.ExternalStream(stream.cuda_stream, t.device.index)
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, options, deterministic):
+        with _on_torch_stream(q):
+            out, lse = cuflash.attention(_to_array(q), _to_array(k), _to_array(v), return_lse=True, **options)
+        out, lse = _to_tensor(out), _to_tensor(lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options, ctx.deterministic = options, deterministic
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout.stride(-1) != 1:  # autograd may hand over an expanded or strided gradient
+            dout = dout.contiguous()
+        with _on_torch_stream(q):
+            dq, dk, dv = cuflash.attention_backward(
+                _to_array(dout), _to_array(q), _to_array(k), _to_array(v), _to_array(out), _to_array(lse),
+                deterministic=ctx.deterministic, **ctx.options,
+            )
+        return _to_tensor(dq), _to_tensor(dk), _to_tensor(dv), None, None
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    causal_align: str = "bottom-right",
+    algorithm: str = "fa2",
+    block_q: int | None = None,
+    block_k: int | None = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
+):
+    """Differentiable :func:`cuflash.attention` on PyTorch tensors.
+
+    Arguments as :func:`cuflash.attention`; ``deterministic`` selects the backward without atomics.
+    Gradients flow to ``q``, ``k`` and ``v``; the logsumexp (with ``return_lse=True``) is not
+    differentiable.
+    """
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        kinds = ", ".join(type(t).__name__ for t in (q, k, v))
+        raise TypeError(f"q, k and v must be torch.Tensor; got {kinds}")
+    options = dict(
+        causal=causal, softmax_scale=softmax_scale, causal_align=causal_align,
+        algorithm=algorithm, block_q=block_q, block_k=block_k,
+    )
+    out, lse = _Attention.apply(q, k, v, options, deterministic)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,73 @@
+"""cuflash.jax: the custom_vjp wrapper against jax.nn.dot_product_attention, eager and under jit."""
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jax.config.update("jax_enable_x64", True)
+import jax.numpy as jnp  # noqa: E402
+
+import cuflash.jax as cfj  # noqa: E402
+
+
+def _inputs(shape, dtype, seed=0):
+    batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim = shape
+    rng = np.random.default_rng(seed)
+    make = lambda n, h: jnp.asarray(rng.standard_normal((batch, n, h, head_dim)), dtype=dtype)  # noqa: E731
+    return make(seqlen_q, heads_q), make(seqlen_k, heads_kv), make(seqlen_k, heads_kv)
+
+
+def _plain(q, k, v, causal):
+    """Float64 truth in plain jnp (jax.nn.dot_product_attention computes its softmax in float32)."""
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    if causal:
+        s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def _loss(fn, dout):
+    return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float64) * dout)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "shape", [(2, 48, 48, 4, 4, 16), (1, 37, 75, 4, 2, 8)], ids=["square", "gqa-cross"]
+)
+def test_matches_jax_nn(shape, causal, jit):
+    q, k, v = _inputs(shape, jnp.float64)
+    dout = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape))
+    ours = lambda q, k, v: cfj.attention(q, k, v, causal=causal, causal_align="top-left", block_q=16, block_k=24)  # noqa: E731
+    ref = lambda q, k, v: _plain(q, k, v, causal)  # noqa: E731
+    grad = lambda fn: jax.value_and_grad(_loss(fn, dout), argnums=(0, 1, 2))  # noqa: E731
+    if jit:
+        ours = jax.jit(ours)
+    (l_ours, g_ours), (l_ref, g_ref) = grad(ours)(q, k, v), grad(ref)(q, k, v)
+    np.testing.assert_allclose(ours(q, k, v), ref(q, k, v), rtol=0, atol=1e-10)
+    np.testing.assert_allclose(l_ours, l_ref, rtol=1e-12)
+    for name, a, b in zip(("dq", "dk", "dv"), g_ours, g_ref):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-10, err_msg=name)
+    jax_nn = jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+    np.testing.assert_allclose(ours(q, k, v), jax_nn, rtol=0, atol=1e-5)
+
+
+def test_float32_and_deterministic_backward():
+    q, k, v = _inputs((1, 33, 33, 2, 2, 16), jnp.float32, seed=2)
+    f = lambda q, k, v: jnp.sum(cfj.attention(q, k, v, causal=True, deterministic=True) ** 2)  # noqa: E731
+    g = lambda q, k, v: jnp.sum(jax.nn.dot_product_attention(q, k, v, is_causal=True) ** 2)  # noqa: E731
+    for a, b in zip(jax.grad(f, (0, 1, 2))(q, k, v), jax.grad(g, (0, 1, 2))(q, k, v)):
+        assert a.dtype == jnp.float32
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_matches_jax_nn_on_gpu():
+    pytest.importorskip("cupy")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("no JAX GPU device")
+    q, k, v = _inputs((2, 128, 128, 4, 4, 64), jnp.bfloat16)
+    out = cfj.attention(q, k, v, causal=True, causal_align="top-left")
+    ref = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=2e-2)

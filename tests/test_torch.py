@@ -1,0 +1,107 @@
+"""cuflash.torch: the autograd wrapper against torch's own scaled_dot_product_attention.
+
+CPU tensors run the NumPy block algorithm (always, in CI); CUDA tensors run the kernels (on a GPU only).
+"""
+
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+
+import cuflash.torch as cft  # noqa: E402
+
+
+def _inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, device="cpu", seed=0):
+    """q, k, v in torch's (B, H, N, d) layout, requiring grad."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    make = lambda n, h: torch.randn(batch, h, n, head_dim, generator=g, dtype=torch.float64)  # noqa: E731
+    q, k, v = make(seqlen_q, heads_q), make(seqlen_k, heads_kv), make(seqlen_k, heads_kv)
+    return [t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v)]
+
+
+def _sdpa(q, k, v, causal, gqa):
+    """torch's attention on (B, H, N, d) tensors; is_causal there is aligned top-left."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+
+def _ours(q, k, v, causal, **kw):
+    """cuflash on the same (B, H, N, d) tensors, passed as transposed (B, N, H, d) views."""
+    out = cft.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                        causal=causal, causal_align="top-left", **kw)
+    return out.transpose(1, 2)
+
+
+def _compare(shape, causal, dtype, tol, device="cpu", **kw):
+    batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim = shape
+    q, k, v = _inputs(*shape, dtype, device=device)
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    do = torch.randn(batch, heads_q, seqlen_q, head_dim, dtype=torch.float64).to(device=device, dtype=dtype)
+    ref = _sdpa(q, k, v, causal, heads_q != heads_kv)
+    ref.backward(do)
+    out = _ours(q2, k2, v2, causal, **kw)
+    out.backward(do)
+    for name, a, b in (("out", out, ref), ("dq", q2.grad, q.grad), ("dk", k2.grad, k.grad), ("dv", v2.grad, v.grad)):
+        err = (a.double() - b.double()).abs().max().item()
+        assert err <= tol, f"{name}: max |cuflash - torch| = {err:.3g} > {tol:g}"
+        assert a.dtype == b.dtype and a.shape == b.shape
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("algorithm", ["fa2", "fa1"])
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 64, 64, 4, 4, 32), (1, 37, 75, 4, 2, 16), (2, 75, 37, 3, 1, 8)],
+    ids=["square", "gqa-cross", "mqa-longer-q"],
+)
+def test_matches_sdpa_cpu(shape, causal, algorithm):
+    _compare(shape, causal, torch.float64, 1e-10, algorithm=algorithm, block_q=16, block_k=24)
+    _compare(shape, causal, torch.float32, 2e-5, algorithm=algorithm)
+
+
+def test_gradcheck_cpu_float64():
+    q, k, v = _inputs(1, 9, 13, 2, 1, 4, torch.float64, seed=3)
+    fn = lambda q, k, v: cft.attention(q, k, v, causal=True, block_q=4, block_k=5)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)))
+
+
+def test_bfloat16_cpu_roundtrip():
+    q, k, v = _inputs(1, 40, 40, 2, 2, 16, torch.bfloat16, seed=5)
+    out = _ours(q, k, v, causal=False)
+    out.float().sum().backward()
+    ref = _sdpa(q.double(), k.double(), v.double(), False, False)
+    assert out.dtype == torch.bfloat16
+    assert (out.double() - ref).abs().max().item() < 3e-2
+    assert all(t.grad is not None and t.grad.dtype == torch.bfloat16 for t in (q, k, v))
+
+
+def test_return_lse_matches_logsumexp():
+    q, k, v = _inputs(1, 17, 23, 2, 2, 8, torch.float64, seed=7)
+    out, lse = cft.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), return_lse=True)
+    scores = q @ k.transpose(-1, -2) / 8**0.5
+    torch.testing.assert_close(lse, torch.logsumexp(scores, dim=-1))
+    assert not lse.requires_grad
+
+
+def test_rejects_non_tensors():
+    q, k, v = _inputs(1, 4, 4, 1, 1, 4, torch.float32)
+    with pytest.raises(TypeError, match="q, k and v must be torch.Tensor; got Tensor, ndarray, Tensor"):
+        cft.attention(q, k.detach().numpy(), v)
+
+
+def test_importing_cuflash_does_not_import_torch():
+    code = "import sys, cuflash; assert 'torch' not in sys.modules and 'jax' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_matches_sdpa_cuda(dtype, causal):
+    pytest.importorskip("cupy")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    for shape in [(2, 128, 128, 4, 4, 64), (1, 113, 203, 4, 2, 128)]:
+        _compare(shape, causal, dtype, 2e-2, device="cuda")
