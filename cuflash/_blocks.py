@@ -1,0 +1,131 @@
+"""Block arithmetic shared by the NumPy reference and the CUDA launcher.
+
+Everything here is integer arithmetic on row and column indices, so that the reference loops and the
+GPU grid agree on exactly which tiles exist, which are skipped and which are masked:
+
+- :func:`default_block_sizes` turns an on-chip budget of ``M`` elements into tile sizes, by the rule
+  of the seeds (000, eqs. 44 and 79): the forward keeps four blocks on chip, the backward eight.
+- :func:`causal_key_block_end` and :func:`causal_query_block_start` bound the inner loop under causal
+  masking, one for each loop order, so that tiles lying entirely above the diagonal are never visited.
+- :func:`tile_needs_mask` says whether a visited tile crosses the diagonal; the others are computed
+  without building a mask at all.
+
+Causal masking follows ``docs/architecture.md``: query row ``i`` sees key column ``j`` iff
+``j <= i + causal_offset``; ``causal_offset`` is ``None`` when attention is not causal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+__all__ = [
+    "DEFAULT_SRAM_ELEMS",
+    "default_block_sizes",
+    "num_blocks",
+    "iter_blocks",
+    "align_down",
+    "causal_key_block_end",
+    "causal_query_block_start",
+    "tile_needs_mask",
+    "tile_is_fully_masked",
+]
+
+# The "SRAM" of the CPU reference is the per-core L2 cache. 2**17 elements is 512 KiB of float32 (the
+# common L2 size of server cores, a quarter of a 2 MiB one); with the forward rule it gives
+# block_q = 512, block_k = 64 at head_dim 64. Because the reference runs one tile for every
+# (batch, head) at once, a whole vectorized score tile is batch * heads times this per-head budget;
+# measured on a 2-core EPYC (bench_cpu), the blocked forward is fastest between 2**16 and 2**18 and
+# loses time below that to per-tile Python overhead and above it to cache misses.
+DEFAULT_SRAM_ELEMS = 2**17
+
+# How many tiles the algorithm keeps on chip at once: Q, O, K-or-V and S forward (000, eq. 43);
+# Q, K, V, P-or-dS, dO, dQ, dK, dV backward (000, eq. 78).
+_BLOCKS_ON_CHIP = {"forward": 4, "backward": 8}
+
+
+def default_block_sizes(
+    head_dim: int, *, sram_elems: int = DEFAULT_SRAM_ELEMS, pass_: str = "forward"
+) -> tuple[int, int]:
+    """Tile sizes ``(block_q, block_k)`` that fit an on-chip budget of ``sram_elems`` elements.
+
+    Forward (000, eq. 44): ``block_q = floor(M / 4d)``, ``block_k = min(floor(M / 4d), d)``.
+    Backward (000, eq. 79): the same with ``8d``, since eight blocks are live instead of four.
+    Query blocks are made as tall as possible because every query block streams all of K and V;
+    key blocks are capped at ``d`` so that the ``block_q x block_k`` score tile fits the same budget.
+    Both are at least 1.
+    """
+    if pass_ not in _BLOCKS_ON_CHIP:
+        raise ValueError(f"pass_ must be 'forward' or 'backward', got {pass_!r}")
+    d = max(int(head_dim), 1)
+    rows = max(int(sram_elems) // (_BLOCKS_ON_CHIP[pass_] * d), 1)
+    return rows, max(min(rows, d), 1)
+
+
+def num_blocks(seqlen: int, block: int) -> int:
+    """How many blocks of ``block`` rows cover ``seqlen`` rows (the last one may be short)."""
+    return -(-seqlen // block)
+
+
+def iter_blocks(first: int, end: int, block: int, seqlen: int) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` of the blocks on the grid of multiples of ``block`` that hold a row of ``[first, end)``.
+
+    The first block starts at ``align_down(first, block)``, so blocks sit on the same grid whichever
+    loop visits them; there are none when ``first >= end``. ``stop`` is clipped to ``seqlen``, not to
+    ``end``: a block that starts before ``end`` is loaded whole and masked, as a kernel tile would be.
+    """
+    if first >= end:
+        return
+    for start in range(align_down(first, block), end, block):
+        yield start, min(start + block, seqlen)
+
+
+def align_down(index: int, block: int) -> int:
+    """Start of the block (on the grid of multiples of ``block``) that holds row ``index``."""
+    return index - index % block
+
+
+def causal_key_block_end(q_start: int, q_stop: int, causal_offset: int | None, seqlen_k: int) -> int:
+    """The last key index (exclusive) that query rows ``[q_start, q_stop)`` need, in ``[0, seqlen_k]``.
+
+    The block's last row ``q_stop - 1`` sees keys up to ``q_stop - 1 + causal_offset`` inclusive, and
+    every earlier row sees fewer, so key blocks starting at or after the returned index are entirely
+    masked for this query block and are skipped. Without causal masking every key is needed.
+    """
+    if causal_offset is None:
+        return seqlen_k
+    return min(max(q_stop + causal_offset, 0), seqlen_k)
+
+
+def causal_query_block_start(k_start: int, causal_offset: int | None, seqlen_q: int) -> int:
+    """The first query row that sees key ``k_start`` (and so the key block starting there), in ``[0, seqlen_q]``.
+
+    Row ``i`` sees key ``k_start`` iff ``i >= k_start - causal_offset``; later rows see it too, so the
+    loops with key blocks outer start their query loop at the block holding this row (see
+    :func:`iter_blocks`). ``seqlen_q`` means no query row sees the key block.
+    """
+    if causal_offset is None:
+        return 0
+    return min(max(k_start - causal_offset, 0), seqlen_q)
+
+
+def tile_needs_mask(q_start: int, q_stop: int, k_start: int, k_stop: int, causal_offset: int | None) -> bool:
+    """Whether some score of the tile ``[q_start, q_stop) x [k_start, k_stop)`` is masked.
+
+    Only tiles crossing the diagonal need a mask: the tile's first row sees keys up to
+    ``q_start + causal_offset``, so a tile whose last key is not beyond that is fully visible.
+    """
+    if causal_offset is None:
+        return False
+    return k_stop - 1 > q_start + causal_offset
+
+
+def tile_is_fully_masked(
+    q_start: int, q_stop: int, k_start: int, k_stop: int, causal_offset: int | None
+) -> bool:
+    """Whether every score of the tile is masked (its first key lies beyond what its last row sees).
+
+    The loop bounds above never visit such a tile; the reference asserts that.
+    """
+    if causal_offset is None:
+        return False
+    return k_start > q_stop - 1 + causal_offset

@@ -1,0 +1,562 @@
+"""The NumPy backend: naive attention (the oracle), FA2 and FA1 forward, and the blocked backward.
+
+The blocked functions follow the loop structure of the CUDA kernels so that the two can be compared
+tile for tile, and each algorithm step carries the tag that marks it in the kernels
+(``grep -rn "fa2-fwd 3"`` shows both sides; the tags are listed in ``docs/architecture.md``).
+
+Layout. Arrays are ``(batch, seqlen, heads, head_dim)`` with any strides and a contiguous last axis;
+nothing is copied whole. Inside, a block of rows is loaded ("from HBM into SRAM") as a contiguous
+``(batch, heads_kv, group, rows, head_dim)`` array in the accumulation dtype, where
+``group = heads_q // heads_kv``: query head ``h`` sits at ``(h // group, h % group)`` and every query head
+of a group reads the same key/value head. Keys and values are loaded as
+``(batch, heads_kv, 1, rows, head_dim)`` and broadcast over the group, so K and V are never repeated.
+One block loop thus serves every (batch, head) pair at once through batched matrix products.
+
+Precision. Products accumulate in float32 (float64 for float64 inputs). As in the kernels, the
+probabilities ``P`` are rounded to the input dtype before ``P @ V`` and ``P^T @ dO``, and ``dS`` before
+``dS @ K`` and ``dS^T @ Q``. Outputs and gradients come back in the input dtype, ``lse`` in the
+accumulation dtype.
+
+Masking. With ``causal_offset`` not ``None``, query row ``i`` sees key ``j`` iff ``j <= i + causal_offset``.
+The block loops visit only tiles that some row can see (bounds from :mod:`cuflash._blocks`) and build
+a mask only for tiles crossing the diagonal. A row that sees no key has running max ``-inf``; every
+``exp(x - m)`` below subtracts :func:`_shift` of the max (``0`` in place of ``-inf``) so that such a row
+gives ``P = 0``, ``out = 0``, ``lse = -inf`` and zero gradients, with no NaN and no floating-point warning.
+
+Like every backend, these functions trust their arguments: the front door (``cuflash._api``) has
+already validated shapes, dtypes, strides and options.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._blocks import (
+    causal_key_block_end,
+    causal_query_block_start,
+    default_block_sizes,
+    iter_blocks,
+    tile_is_fully_masked,
+    tile_needs_mask,
+)
+
+__all__ = [
+    "forward",
+    "backward",
+    "naive_forward",
+    "naive_backward",
+    "fa2_forward",
+    "fa1_forward",
+    "blocked_backward",
+    "preprocess_delta",
+]
+
+_ORDERS = ("kv_outer", "q_outer", "split")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Backend interface (docs/architecture.md)
+# ---------------------------------------------------------------------------------------------------
+
+
+def forward(q, k, v, *, scale, causal_offset, algorithm, block_q, block_k):
+    """Attention forward: ``(out, lse)``. ``algorithm`` is ``"fa2"``, ``"fa1"`` or ``"naive"``."""
+    if algorithm == "naive":
+        return naive_forward(q, k, v, scale=scale, causal_offset=causal_offset)
+    blocked = {"fa2": fa2_forward, "fa1": fa1_forward}
+    assert algorithm in blocked, algorithm
+    return blocked[algorithm](q, k, v, scale=scale, causal_offset=causal_offset, block_q=block_q, block_k=block_k)
+
+
+def backward(do, q, k, v, out, lse, *, scale, causal_offset, algorithm, block_q, block_k, order):
+    """Attention backward: ``(dq, dk, dv)``.
+
+    ``algorithm="naive"`` recomputes everything with full-size matrices; ``"fa2"`` and ``"fa1"`` share
+    the blocked backward (the two papers differ only in the forward), run in loop order ``order``
+    (``None`` means ``"kv_outer"``, the order of both papers).
+    """
+    if algorithm == "naive":
+        return naive_backward(do, q, k, v, scale=scale, causal_offset=causal_offset)
+    assert algorithm in ("fa2", "fa1"), algorithm
+    return blocked_backward(
+        do, q, k, v, out, lse, scale=scale, causal_offset=causal_offset,
+        block_q=block_q, block_k=block_k, order=order,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Shared pieces: dtypes, block loads and stores, scores, masks
+# ---------------------------------------------------------------------------------------------------
+
+
+def _acc_dtype(dtype) -> np.dtype:
+    """Accumulation dtype: float64 for float64 inputs, float32 for float16, bfloat16 and float32."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def _cast_like_kernel(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Round an accumulation-precision tile to the input dtype, as the kernel does before a product.
+
+    The result stays in the accumulation dtype (the rounded values are exact there) so that the
+    product runs in BLAS; for float32 and float64 inputs this is the tile itself.
+    """
+    if x.dtype == dtype:
+        return x
+    return x.astype(dtype).astype(x.dtype)
+
+
+def _resolve_block_sizes(head_dim, block_q, block_k, pass_):
+    default_q, default_k = default_block_sizes(head_dim, pass_=pass_)
+    return (default_q if block_q is None else block_q), (default_k if block_k is None else block_k)
+
+
+def _grouped(x: np.ndarray, heads_kv: int) -> np.ndarray:
+    """View ``(batch, seqlen, heads, d)`` as ``(batch, heads_kv, heads // heads_kv, seqlen, d)``, no copy.
+
+    Splitting the head axis and moving axes only changes strides, so this works for any input strides.
+    """
+    batch, seqlen, heads, head_dim = x.shape
+    return x.reshape(batch, seqlen, heads_kv, heads // heads_kv, head_dim).transpose(0, 2, 3, 1, 4)
+
+
+def _grouped_rows(x: np.ndarray, heads_kv: int) -> np.ndarray:
+    """View per-row statistics ``(batch, heads, seqlen)`` as ``(batch, heads_kv, group, seqlen)``."""
+    batch, heads, seqlen = x.shape
+    return x.reshape(batch, heads_kv, heads // heads_kv, seqlen)
+
+
+def _load(x5: np.ndarray, start: int, stop: int, acc: np.dtype) -> np.ndarray:
+    """Load rows ``[start, stop)`` of a grouped view as a contiguous block in the accumulation dtype."""
+    return np.ascontiguousarray(x5[..., start:stop, :], dtype=acc)
+
+
+def _shift(m: np.ndarray) -> np.ndarray:
+    """The row max to subtract before ``exp``: ``m`` itself, or 0 for a row that has seen no key yet.
+
+    Such a row has ``m = -inf`` and only ``-inf`` scores, so ``exp(-inf - 0) = 0`` where
+    ``exp(-inf - (-inf))`` would be NaN.
+    """
+    return np.where(np.isneginf(m), 0.0, m).astype(m.dtype, copy=False)
+
+
+def _causal_mask(q_start: int, q_stop: int, k_start: int, k_stop: int, causal_offset: int) -> np.ndarray:
+    """Boolean ``(rows, cols)`` tile, True where key ``j`` lies beyond what query ``i`` may see."""
+    rows = np.arange(q_start, q_stop)[:, None]
+    cols = np.arange(k_start, k_stop)[None, :]
+    return cols > rows + causal_offset
+
+
+def _scores(q_i, k_j, scale, q_start, q_stop, k_start, k_stop, causal_offset) -> np.ndarray:
+    """``S = scale * Q_i K_j^T``, with ``-inf`` where causally masked.
+
+    ``q_i`` is ``(batch, heads_kv, group, rows, d)``, ``k_j`` ``(batch, heads_kv, 1, cols, d)``; the key
+    block broadcasts over the group. Only a tile that crosses the diagonal builds a mask.
+    """
+    s = q_i @ k_j.swapaxes(-1, -2)
+    s *= scale
+    if tile_needs_mask(q_start, q_stop, k_start, k_stop, causal_offset):
+        np.copyto(s, -np.inf, where=_causal_mask(q_start, q_stop, k_start, k_stop, causal_offset))
+    return s
+
+
+def _group_transpose_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``sum over the group of a^T b``: ``(B, Hkv, G, rows, m)``, ``(B, Hkv, G, rows, n)`` -> ``(B, Hkv, 1, m, n)``.
+
+    Every query head of a group contributes to the gradient of the one key/value head they share;
+    stacking the group's rows makes that sum part of a single product.
+    """
+    batch, heads_kv, group, rows, _ = a.shape
+    a_rows = a.reshape(batch, heads_kv, group * rows, a.shape[-1])
+    b_rows = b.reshape(batch, heads_kv, group * rows, b.shape[-1])
+    return (a_rows.swapaxes(-1, -2) @ b_rows)[:, :, None]
+
+
+def _finish_lse(m: np.ndarray, l: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(l_safe, lse)``: ``lse = m + log l``, ``-inf`` where the row saw no key (``l = 0``).
+
+    ``l_safe`` is ``l`` with 1 in place of 0, to divide by: the unnormalized output of such a row is 0.
+    """
+    seen = l > 0
+    l_safe = np.where(seen, l, 1.0).astype(l.dtype, copy=False)
+    lse = np.where(seen, m + np.log(l_safe), -np.inf).astype(l.dtype, copy=False)
+    return l_safe, lse
+
+
+def _is_empty(q, k) -> bool:
+    batch, seqlen_q, heads_q, _ = q.shape
+    _, seqlen_k, heads_kv, _ = k.shape
+    return 0 in (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
+
+
+def _empty_forward(q):
+    """Forward with nothing to attend: zeros out, ``lse = -inf`` (some axes may have length 0)."""
+    batch, seqlen_q, heads_q, _ = q.shape
+    return np.zeros(q.shape, q.dtype), np.full((batch, heads_q, seqlen_q), -np.inf, _acc_dtype(q.dtype))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Naive attention: the oracle (000, sections 2-3)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _naive_probabilities(q5, k5, scale, causal_offset):
+    """Full ``P = softmax(S)`` and ``lse`` per row, from grouped full-length Q and K."""
+    seqlen_q, seqlen_k = q5.shape[-2], k5.shape[-2]
+    s = _scores(q5, k5, scale, 0, seqlen_q, 0, seqlen_k, causal_offset)
+    m = s.max(axis=-1)
+    s -= _shift(m)[..., None]
+    p = np.exp(s, out=s)
+    l_safe, lse = _finish_lse(m, p.sum(axis=-1))
+    p /= l_safe[..., None]
+    return p, lse
+
+
+def naive_forward(q, k, v, *, scale, causal_offset=None):
+    """Standard attention that materializes ``S`` and ``P`` (``seqlen_q x seqlen_k`` each): the oracle.
+
+    ``S = scale * Q K^T`` (masked), ``P = softmax(S)`` row by row, ``O = P V`` (000, eqs. 7-9), with ``P``
+    rounded to the input dtype before the product, as a framework computing in that dtype would.
+    Returns ``(out, lse)``.
+    """
+    if _is_empty(q, k):
+        return _empty_forward(q)
+    dtype, acc = q.dtype, _acc_dtype(q.dtype)
+    heads_kv = k.shape[2]
+    q5, k5, v5 = (np.asarray(_grouped(x, heads_kv), dtype=acc) for x in (q, k, v))
+    p, lse = _naive_probabilities(q5, k5, scale, causal_offset)
+    out = np.empty(q.shape, dtype)
+    _grouped(out, heads_kv)[...] = _cast_like_kernel(p, dtype) @ v5
+    return out, lse.reshape(q.shape[0], q.shape[2], q.shape[1])
+
+
+def naive_backward(do, q, k, v, *, scale, causal_offset=None):
+    """Gradients of standard attention from full-size ``P``, ``dP`` and ``dS`` (000, section 3).
+
+    Everything is recomputed from ``q, k, v, do``; ``gamma = rowsum(P * dP)`` is taken straight from its
+    definition (000, eq. 23) rather than from ``O``, so the oracle does not share the blocked backward's
+    shortcut. ``P`` and ``dS`` are rounded to the input dtype before their products. Returns
+    ``(dq, dk, dv)``, with dk and dv summed over each query-head group.
+    """
+    if _is_empty(q, k):
+        return np.zeros(q.shape, q.dtype), np.zeros(k.shape, k.dtype), np.zeros(v.shape, v.dtype)
+    dtype, acc = q.dtype, _acc_dtype(q.dtype)
+    heads_kv = k.shape[2]
+    q5, k5, v5, do5 = (np.ascontiguousarray(_grouped(x, heads_kv), dtype=acc) for x in (q, k, v, do))
+    p, _ = _naive_probabilities(q5, k5, scale, causal_offset)
+    dv = _group_transpose_matmul(_cast_like_kernel(p, dtype), do5)
+    dp = do5 @ v5.swapaxes(-1, -2)
+    gamma = (p * dp).sum(axis=-1)
+    ds = p * (dp - gamma[..., None])
+    ds_in = _cast_like_kernel(ds, dtype)
+    dq = scale * (ds_in @ k5)
+    dk = scale * _group_transpose_matmul(ds_in, q5)
+    grads = (np.empty(q.shape, dtype), np.empty(k.shape, dtype), np.empty(v.shape, dtype))
+    for grad, value in zip(grads, (dq, dk, dv)):
+        _grouped(grad, value.shape[1])[...] = value
+    return grads
+
+
+# ---------------------------------------------------------------------------------------------------
+# FlashAttention-2 forward: query blocks outer (000 Algorithm 3, 001 FlashForward2)
+# ---------------------------------------------------------------------------------------------------
+
+
+def fa2_forward(q, k, v, *, scale, causal_offset=None, block_q=None, block_k=None):
+    """FlashAttention-2 forward: ``(out, lse)``.
+
+    The outer loop takes one query block at a time and keeps its running row max ``m_i``, running sum
+    ``l_i`` and unnormalized output ``acc`` in local ("SRAM") arrays while the inner loop streams the
+    key/value blocks it can see; ``acc`` is normalized once at the end. Extra memory is
+    O(block_q x block_k) per (batch, head).
+    """
+    if _is_empty(q, k):
+        return _empty_forward(q)
+    dtype, acc_dtype = q.dtype, _acc_dtype(q.dtype)
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    block_q, block_k = _resolve_block_sizes(head_dim, block_q, block_k, "forward")
+    q5, k5, v5 = (_grouped(x, heads_kv) for x in (q, k, v))
+    out = np.empty(q.shape, dtype)
+    lse = np.empty((batch, heads_q, seqlen_q), acc_dtype)
+    out5, lse4 = _grouped(out, heads_kv), _grouped_rows(lse, heads_kv)
+
+    for q_start, q_stop in iter_blocks(0, seqlen_q, block_q, seqlen_q):
+        # [fa2-fwd 1] load a query block; start its running statistics
+        q_i = _load(q5, q_start, q_stop, acc_dtype)
+        m_i = np.full(q_i.shape[:-1], -np.inf, acc_dtype)
+        l_i = np.zeros(q_i.shape[:-1], acc_dtype)
+        acc = np.zeros(q_i.shape, acc_dtype)
+        k_end = causal_key_block_end(q_start, q_stop, causal_offset, seqlen_k)
+        for k_start, k_stop in iter_blocks(0, k_end, block_k, seqlen_k):
+            assert not tile_is_fully_masked(q_start, q_stop, k_start, k_stop, causal_offset)
+            k_j = _load(k5, k_start, k_stop, acc_dtype)
+            v_j = _load(v5, k_start, k_stop, acc_dtype)
+            # [fa2-fwd 2] S = scale * Q K^T (masked)
+            s = _scores(q_i, k_j, scale, q_start, q_stop, k_start, k_stop, causal_offset)
+            # [fa2-fwd 3] new row max; rescale acc and l_i by exp(m_old - m_new)
+            m_new = np.maximum(m_i, s.max(axis=-1))
+            m_shift = _shift(m_new)
+            alpha = np.exp(m_i - m_shift)
+            acc *= alpha[..., None]
+            l_i *= alpha
+            # [fa2-fwd 4] P = exp(S - m_new), l_i += rowsum(P)
+            s -= m_shift[..., None]
+            p = np.exp(s, out=s)
+            l_i += p.sum(axis=-1)
+            # [fa2-fwd 5] acc += P V, P rounded to the input dtype first
+            acc += _cast_like_kernel(p, dtype) @ v_j
+            m_i = m_new
+        # [fa2-fwd 6] O = acc / l, lse = m + log l
+        l_safe, lse_i = _finish_lse(m_i, l_i)
+        acc /= l_safe[..., None]
+        out5[..., q_start:q_stop, :] = acc
+        lse4[..., q_start:q_stop] = lse_i
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------------
+# FlashAttention(-1) forward: key/value blocks outer (000 Algorithm 4, 001 FlashForward)
+# ---------------------------------------------------------------------------------------------------
+
+
+def fa1_forward(q, k, v, *, scale, causal_offset=None, block_q=None, block_k=None):
+    """FlashAttention forward with the loops of the first paper: ``(out, lse)``.
+
+    The outer loop holds one key/value block; the inner loop visits every query block that can see it
+    and reads that block's normalized output ``O``, row max ``m`` and row sum ``l`` from full-size
+    ("HBM") arrays, folds in the new tile, and writes all three back. ``O`` is held in the accumulation
+    dtype between steps, so the repeated write-backs add no rounding; it is cast to the input dtype once
+    at the end, when ``lse = m + log l`` is formed too.
+    """
+    if _is_empty(q, k):
+        return _empty_forward(q)
+    dtype, acc_dtype = q.dtype, _acc_dtype(q.dtype)
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    block_q, block_k = _resolve_block_sizes(head_dim, block_q, block_k, "forward")
+    q5, k5, v5 = (_grouped(x, heads_kv) for x in (q, k, v))
+    group = heads_q // heads_kv
+    o_hbm = np.zeros((batch, heads_kv, group, seqlen_q, head_dim), acc_dtype)
+    m_hbm = np.full((batch, heads_kv, group, seqlen_q), -np.inf, acc_dtype)
+    l_hbm = np.zeros((batch, heads_kv, group, seqlen_q), acc_dtype)
+
+    for k_start, k_stop in iter_blocks(0, seqlen_k, block_k, seqlen_k):
+        k_j = _load(k5, k_start, k_stop, acc_dtype)
+        v_j = _load(v5, k_start, k_stop, acc_dtype)
+        q_first = causal_query_block_start(k_start, causal_offset, seqlen_q)
+        for q_start, q_stop in iter_blocks(q_first, seqlen_q, block_q, seqlen_q):
+            assert not tile_is_fully_masked(q_start, q_stop, k_start, k_stop, causal_offset)
+            # [fa1-fwd 1] load a query block and its O, m, l from HBM
+            q_i = _load(q5, q_start, q_stop, acc_dtype)
+            o_old = o_hbm[..., q_start:q_stop, :]
+            m_old = m_hbm[..., q_start:q_stop]
+            l_old = l_hbm[..., q_start:q_stop]
+            # [fa1-fwd 2] S = scale * Q K^T (masked)
+            s = _scores(q_i, k_j, scale, q_start, q_stop, k_start, k_stop, causal_offset)
+            # [fa1-fwd 3] new row max; rescale factor exp(m_old - m_new) for the old O and l
+            m_new = np.maximum(m_old, s.max(axis=-1))
+            m_shift = _shift(m_new)
+            alpha = np.exp(m_old - m_shift)
+            # [fa1-fwd 4] P = exp(S - m_new), l_new = alpha * l_old + rowsum(P)
+            s -= m_shift[..., None]
+            p = np.exp(s, out=s)
+            l_new = alpha * l_old + p.sum(axis=-1)
+            # [fa1-fwd 5] unnormalized output: alpha * l_old * O_old + P V, P rounded to the input dtype
+            o_new = o_old * (alpha * l_old)[..., None]
+            o_new += _cast_like_kernel(p, dtype) @ v_j
+            # [fa1-fwd 6] normalize by l_new and write O, m, l back to HBM
+            o_new /= np.where(l_new > 0, l_new, 1.0)[..., None]
+            o_hbm[..., q_start:q_stop, :] = o_new
+            m_hbm[..., q_start:q_stop] = m_new
+            l_hbm[..., q_start:q_stop] = l_new
+
+    # [fa1-fwd 6] lse = m + log l; O leaves HBM scratch in the input dtype
+    _, lse = _finish_lse(m_hbm, l_hbm)
+    out = np.empty(q.shape, dtype)
+    _grouped(out, heads_kv)[...] = o_hbm
+    return out, lse.reshape(batch, heads_q, seqlen_q)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Blocked backward (000 Algorithms 6 and 8, 001 FlashBackward, 003 split passes)
+# ---------------------------------------------------------------------------------------------------
+
+
+def preprocess_delta(do, out, *, block_q=None):
+    """``D = rowsum(dO * O)``, shape ``(batch, heads, seqlen_q)`` in the accumulation dtype.
+
+    Equal to ``rowsum(P * dP)`` (001, Lemma 2.1), so the backward never needs a whole row of ``P``.
+    Computed ``block_q`` rows at a time so that only a block of each input is ever upcast.
+    """
+    acc_dtype = _acc_dtype(out.dtype)
+    batch, seqlen_q, heads_q, head_dim = out.shape
+    block_q = block_q or default_block_sizes(head_dim, pass_="backward")[0]
+    delta = np.empty((batch, heads_q, seqlen_q), acc_dtype)
+    for start, stop in iter_blocks(0, seqlen_q, block_q, seqlen_q):
+        # [bwd 0] D = rowsum(dO * O)
+        do_i = do[:, start:stop].astype(acc_dtype, copy=False)
+        o_i = out[:, start:stop].astype(acc_dtype, copy=False)
+        delta[:, :, start:stop] = (do_i * o_i).sum(axis=-1).transpose(0, 2, 1)
+    return delta
+
+
+class _BackwardInputs:
+    """The backward's operands as grouped views, plus the sizes and options every loop order needs."""
+
+    def __init__(self, do, q, k, v, out, lse, scale, causal_offset, block_q, block_k):
+        self.dtype, self.acc = q.dtype, _acc_dtype(q.dtype)
+        self.batch, self.seqlen_q, self.heads_q, self.head_dim = q.shape
+        self.seqlen_k, self.heads_kv = k.shape[1], k.shape[2]
+        self.group = self.heads_q // self.heads_kv
+        self.scale, self.causal_offset = scale, causal_offset
+        self.block_q, self.block_k = _resolve_block_sizes(self.head_dim, block_q, block_k, "backward")
+        self.q5, self.k5, self.v5, self.do5 = (_grouped(x, self.heads_kv) for x in (q, k, v, do))
+        self.lse4 = _grouped_rows(lse, self.heads_kv)
+        # [bwd 0] D = rowsum(dO * O), once, before the main loops
+        self.delta4 = _grouped_rows(preprocess_delta(do, out, block_q=self.block_q), self.heads_kv)
+
+    def load_query_block(self, q_start, q_stop):
+        """``Q_i``, ``dO_i`` and the row statistics ``lse_i`` (shifted, see :func:`_shift`) and ``D_i``."""
+        q_i = _load(self.q5, q_start, q_stop, self.acc)
+        do_i = _load(self.do5, q_start, q_stop, self.acc)
+        lse_i = _shift(self.lse4[..., q_start:q_stop].astype(self.acc))
+        delta_i = self.delta4[..., q_start:q_stop]
+        return q_i, do_i, lse_i, delta_i
+
+    def load_key_block(self, k_start, k_stop):
+        """``K_j`` and ``V_j``."""
+        return _load(self.k5, k_start, k_stop, self.acc), _load(self.v5, k_start, k_stop, self.acc)
+
+    def tile(self, q_block, k_block, q_start, q_stop, k_start, k_stop):
+        """Steps 1, 3 and 4 of one tile: ``(P, dS)``, both rounded to the input dtype for their products."""
+        assert not tile_is_fully_masked(q_start, q_stop, k_start, k_stop, self.causal_offset)
+        q_i, do_i, lse_i, delta_i = q_block
+        k_j, v_j = k_block
+        # [bwd 1] P = exp(scale * Q K^T - lse), recomputed from the saved statistic
+        s = _scores(q_i, k_j, self.scale, q_start, q_stop, k_start, k_stop, self.causal_offset)
+        s -= lse_i[..., None]
+        p = np.exp(s, out=s)
+        # [bwd 3] dP = dO V^T
+        dp = do_i @ v_j.swapaxes(-1, -2)
+        # [bwd 4] dS = P * (dP - D)
+        dp -= delta_i[..., None]
+        ds = np.multiply(p, dp, out=dp)
+        return _cast_like_kernel(p, self.dtype), _cast_like_kernel(ds, self.dtype)
+
+    def empty_grads(self):
+        return (np.empty((self.batch, self.seqlen_q, self.heads_q, self.head_dim), self.dtype),
+                np.empty((self.batch, self.seqlen_k, self.heads_kv, self.head_dim), self.dtype),
+                np.empty((self.batch, self.seqlen_k, self.heads_kv, self.head_dim), self.dtype))
+
+    def hbm(self, rows, group):
+        """A zeroed full-size accumulator ``(batch, heads_kv, group, rows, head_dim)`` ("HBM")."""
+        return np.zeros((self.batch, self.heads_kv, group, rows, self.head_dim), self.acc)
+
+
+def _backward_kv_outer(a: _BackwardInputs):
+    """Key/value blocks outer (000 Algorithm 8, 001 FlashBackward): dK_j, dV_j stay local to the
+    outer step; dQ is read, updated and written back in a full-size array at every tile."""
+    dq, dk, dv = a.empty_grads()
+    dq_hbm = a.hbm(a.seqlen_q, a.group)
+    for k_start, k_stop in iter_blocks(0, a.seqlen_k, a.block_k, a.seqlen_k):
+        k_block = k_j, _ = a.load_key_block(k_start, k_stop)
+        dk_j = np.zeros(k_j.shape, a.acc)
+        dv_j = np.zeros(k_j.shape, a.acc)
+        q_first = causal_query_block_start(k_start, a.causal_offset, a.seqlen_q)
+        for q_start, q_stop in iter_blocks(q_first, a.seqlen_q, a.block_q, a.seqlen_q):
+            q_block = q_i, do_i, _, _ = a.load_query_block(q_start, q_stop)
+            p, ds = a.tile(q_block, k_block, q_start, q_stop, k_start, k_stop)
+            # [bwd 2] dV_j += P^T dO
+            dv_j += _group_transpose_matmul(p, do_i)
+            # [bwd 5] dQ_i += scale * dS K_j: read-modify-write in HBM (scale applied once, at the end)
+            dq_hbm[..., q_start:q_stop, :] += ds @ k_j
+            # [bwd 6] dK_j += scale * dS^T Q_i (scale applied when dK_j is written)
+            dk_j += _group_transpose_matmul(ds, q_i)
+        dk_j *= a.scale
+        _grouped(dk, a.heads_kv)[..., k_start:k_stop, :] = dk_j
+        _grouped(dv, a.heads_kv)[..., k_start:k_stop, :] = dv_j
+    dq_hbm *= a.scale
+    _grouped(dq, a.heads_kv)[...] = dq_hbm
+    return dq, dk, dv
+
+
+def _backward_q_outer(a: _BackwardInputs):
+    """Query blocks outer (000 Algorithm 6): dQ_i stays local to the outer step; dK and dV are read,
+    updated and written back in full-size arrays at every tile."""
+    dq, dk, dv = a.empty_grads()
+    dk_hbm = a.hbm(a.seqlen_k, 1)
+    dv_hbm = a.hbm(a.seqlen_k, 1)
+    for q_start, q_stop in iter_blocks(0, a.seqlen_q, a.block_q, a.seqlen_q):
+        q_block = q_i, do_i, _, _ = a.load_query_block(q_start, q_stop)
+        dq_i = np.zeros(q_i.shape, a.acc)
+        k_end = causal_key_block_end(q_start, q_stop, a.causal_offset, a.seqlen_k)
+        for k_start, k_stop in iter_blocks(0, k_end, a.block_k, a.seqlen_k):
+            k_block = k_j, _ = a.load_key_block(k_start, k_stop)
+            p, ds = a.tile(q_block, k_block, q_start, q_stop, k_start, k_stop)
+            # [bwd 2] dV_j += P^T dO: read-modify-write in HBM
+            dv_hbm[..., k_start:k_stop, :] += _group_transpose_matmul(p, do_i)
+            # [bwd 5] dQ_i += scale * dS K_j (scale applied when dQ_i is written)
+            dq_i += ds @ k_j
+            # [bwd 6] dK_j += scale * dS^T Q_i: read-modify-write in HBM (scale applied once, at the end)
+            dk_hbm[..., k_start:k_stop, :] += _group_transpose_matmul(ds, q_i)
+        dq_i *= a.scale
+        _grouped(dq, a.heads_kv)[..., q_start:q_stop, :] = dq_i
+    dk_hbm *= a.scale
+    _grouped(dk, a.heads_kv)[...] = dk_hbm
+    _grouped(dv, a.heads_kv)[...] = dv_hbm
+    return dq, dk, dv
+
+
+def _backward_split(a: _BackwardInputs):
+    """Two passes with no read-modify-write of a shared array (003): first dK and dV with key/value
+    blocks outer, then dQ with query blocks outer. P and dS are recomputed in each pass; every
+    gradient block is written exactly once, so the GPU version needs no atomics and is deterministic."""
+    dq, dk, dv = a.empty_grads()
+    for k_start, k_stop in iter_blocks(0, a.seqlen_k, a.block_k, a.seqlen_k):
+        k_block = k_j, _ = a.load_key_block(k_start, k_stop)
+        dk_j = np.zeros(k_j.shape, a.acc)
+        dv_j = np.zeros(k_j.shape, a.acc)
+        q_first = causal_query_block_start(k_start, a.causal_offset, a.seqlen_q)
+        for q_start, q_stop in iter_blocks(q_first, a.seqlen_q, a.block_q, a.seqlen_q):
+            q_block = q_i, do_i, _, _ = a.load_query_block(q_start, q_stop)
+            p, ds = a.tile(q_block, k_block, q_start, q_stop, k_start, k_stop)
+            # [bwd 2] dV_j += P^T dO
+            dv_j += _group_transpose_matmul(p, do_i)
+            # [bwd 6] dK_j += scale * dS^T Q_i (scale applied when dK_j is written)
+            dk_j += _group_transpose_matmul(ds, q_i)
+        dk_j *= a.scale
+        _grouped(dk, a.heads_kv)[..., k_start:k_stop, :] = dk_j
+        _grouped(dv, a.heads_kv)[..., k_start:k_stop, :] = dv_j
+    for q_start, q_stop in iter_blocks(0, a.seqlen_q, a.block_q, a.seqlen_q):
+        q_block = q_i, _, _, _ = a.load_query_block(q_start, q_stop)
+        dq_i = np.zeros(q_i.shape, a.acc)
+        k_end = causal_key_block_end(q_start, q_stop, a.causal_offset, a.seqlen_k)
+        for k_start, k_stop in iter_blocks(0, k_end, a.block_k, a.seqlen_k):
+            k_block = k_j, _ = a.load_key_block(k_start, k_stop)
+            _, ds = a.tile(q_block, k_block, q_start, q_stop, k_start, k_stop)
+            # [bwd 5] dQ_i += scale * dS K_j (scale applied when dQ_i is written)
+            dq_i += ds @ k_j
+        dq_i *= a.scale
+        _grouped(dq, a.heads_kv)[..., q_start:q_stop, :] = dq_i
+    return dq, dk, dv
+
+
+_BACKWARD_ORDERS = {"kv_outer": _backward_kv_outer, "q_outer": _backward_q_outer, "split": _backward_split}
+
+
+def blocked_backward(do, q, k, v, out, lse, *, scale, causal_offset=None, block_q=None, block_k=None,
+                     order=None):
+    """FlashAttention backward: ``(dq, dk, dv)`` from the forward's ``out`` and ``lse``.
+
+    ``P`` is recomputed tile by tile from ``lse`` ([bwd 1]), so nothing of size ``seqlen_q x seqlen_k``
+    exists. ``order`` picks the loop order (``docs/architecture.md``): ``"kv_outer"`` (default),
+    ``"q_outer"`` or ``"split"``. All three compute the same tiles; they differ in which gradient is
+    accumulated across the outer loop. Extra memory is O(seqlen x head_dim) for the accumulator plus
+    O(block_q x block_k) per (batch, head).
+    """
+    if _is_empty(q, k):
+        return np.zeros(q.shape, q.dtype), np.zeros(k.shape, k.dtype), np.zeros(v.shape, v.dtype)
+    order = "kv_outer" if order is None else order
+    assert order in _BACKWARD_ORDERS, order
+    inputs = _BackwardInputs(do, q, k, v, out, lse, scale, causal_offset, block_q, block_k)
+    return _BACKWARD_ORDERS[order](inputs)

@@ -1,0 +1,82 @@
+"""Shared test helpers: random inputs, the float64 truth, and the error-budget assertion.
+
+The error budget is the one flash-attention's tests use (see /work/shared/STYLE.md): a low-precision
+result may be off the float64 truth by at most ``factor`` times what naive attention computed in the same
+dtype is off by, plus a small ``floor``. ``factor`` is 2 for outputs and 3 for gradients.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cuflash import reference
+
+
+def random_inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype=np.float64, *, seed=0,
+                  with_do=True):
+    """Fresh standard-normal ``q, k, v`` (and ``do``), ``(batch, seqlen, heads, head_dim)``, in ``dtype``.
+
+    Fixed seed, never zeros. Returns ``(q, k, v, do)``, with ``do = None`` when ``with_do`` is False.
+    """
+    rng = np.random.default_rng(seed)
+
+    def draw(seqlen, heads):
+        return rng.standard_normal((batch, seqlen, heads, head_dim)).astype(dtype)
+
+    q, k, v = draw(seqlen_q, heads_q), draw(seqlen_k, heads_kv), draw(seqlen_k, heads_kv)
+    do = draw(seqlen_q, heads_q) if with_do else None
+    return q, k, v, do
+
+
+def float64_truth(q, k, v, do=None, *, scale, causal_offset=None):
+    """The truth: naive attention on the inputs converted to float64.
+
+    Returns ``(out, lse)``, or ``(out, lse, (dq, dk, dv))`` when ``do`` is given; all float64.
+    """
+    q64, k64, v64 = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    out, lse = reference.naive_forward(q64, k64, v64, scale=scale, causal_offset=causal_offset)
+    if do is None:
+        return out, lse
+    grads = reference.naive_backward(np.asarray(do, dtype=np.float64), q64, k64, v64, scale=scale,
+                                     causal_offset=causal_offset)
+    return out, lse, grads
+
+
+def max_abs_error(result, truth) -> float:
+    """``max |result - truth|`` in float64. Entries where both are the same infinity count as exact
+    (an ``lse`` of ``-inf`` for a row that sees no key); any other non-finite difference is ``inf``."""
+    result = np.asarray(result, dtype=np.float64)
+    truth = np.asarray(truth, dtype=np.float64)
+    assert result.shape == truth.shape, (result.shape, truth.shape)
+    if result.size == 0:
+        return 0.0
+    same_inf = np.isinf(result) & (result == truth)
+    diff = np.abs(np.where(same_inf, 0.0, result) - np.where(same_inf, 0.0, truth))
+    return float(np.where(np.isnan(diff), np.inf, diff).max())
+
+
+def rounding_floor(truth, dtype) -> float:
+    """What storing the truth in ``dtype`` alone costs: ``max |round(truth) - truth|``.
+
+    A data-driven floor for :func:`assert_within_budget`, in the spirit of flash-attention's
+    ``(out_ref + 0.3 - 0.3 - out_ref)``: no computation in ``dtype`` can be expected to beat it.
+    """
+    truth = np.asarray(truth, dtype=np.float64)
+    finite = np.isfinite(truth)
+    rounded = truth[finite].astype(dtype).astype(np.float64)
+    return float(np.abs(rounded - truth[finite]).max(initial=0.0))
+
+
+def assert_within_budget(result, truth, naive_same_dtype, factor, floor, name="result"):
+    """Assert ``max|result - truth| <= factor * max|naive_same_dtype - truth| + floor``.
+
+    ``truth`` is float64; ``naive_same_dtype`` is naive attention computed in the dtype of ``result``.
+    The message prints both errors, the factor and the floor, so a failure shows by how much.
+    """
+    error = max_abs_error(result, truth)
+    naive_error = max_abs_error(naive_same_dtype, truth)
+    budget = factor * naive_error + floor
+    assert error <= budget, (
+        f"{name}: max|result - truth| = {error:.3e} exceeds {factor} * max|naive - truth| + floor = "
+        f"{factor} * {naive_error:.3e} + {floor:.3e} = {budget:.3e}"
+    )
