@@ -305,10 +305,14 @@ def demo(argv=None, out=None) -> int:
         host = rng.standard_normal(shape).astype(dtype)
         return xp.asarray(host) if backend == "cupy" else host
 
-    q = make((batch, seqlen_q, heads, head_dim))
-    k = make((batch, seqlen_k, heads_kv, head_dim))
-    v = make((batch, seqlen_k, heads_kv, head_dim))
-    do = make((batch, seqlen_q, heads, head_dim))
+    try:
+        q = make((batch, seqlen_q, heads, head_dim))
+        k = make((batch, seqlen_k, heads_kv, head_dim))
+        v = make((batch, seqlen_k, heads_kv, head_dim))
+        do = make((batch, seqlen_q, heads, head_dim))
+    except (TypeError, ValueError) as exc:  # e.g. a CuPy without bfloat16 support
+        print(f"cuflash demo: error: cannot make {dtype_name} arrays on {backend}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     scale = 1.0 / math.sqrt(head_dim)
     causal_offset = None
     if args.causal:

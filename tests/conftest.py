@@ -1,7 +1,8 @@
 """Shared pytest set-up: Hypothesis profiles and the GPU skip.
 
-- Hypothesis: profile "ci" (no deadline, a modest number of examples, for 2-core CI machines) is loaded
-  by default; ``HYPOTHESIS_PROFILE=dev`` (more examples) or ``=quick`` picks another.
+- Hypothesis: profile "ci" (no deadline, a modest number of examples, derandomized, for 2-core CI
+  machines) is loaded by default; ``HYPOTHESIS_PROFILE=dev`` (200 random examples) or ``=quick`` (5)
+  picks another.
 - GPU: a test marked ``@pytest.mark.gpu`` or using the ``requires_gpu`` fixture is skipped, with the
   reason, unless CuPy imports and sees a CUDA device. The ``requires_gpu`` fixture returns the cupy
   module.
@@ -19,7 +20,10 @@ except ImportError:  # hypothesis is in the "test" extra; tests that need it imp
 
 if settings is not None:
     _slow_ok = [HealthCheck.too_slow, HealthCheck.data_too_large]
-    settings.register_profile("ci", deadline=None, max_examples=30, suppress_health_check=_slow_ok)
+    # "ci" is derandomized: a CI run tests the same examples every time, so it cannot fail by luck.
+    settings.register_profile(
+        "ci", deadline=None, max_examples=30, derandomize=True, suppress_health_check=_slow_ok
+    )
     settings.register_profile("dev", deadline=None, max_examples=200, suppress_health_check=_slow_ok)
     settings.register_profile("quick", deadline=None, max_examples=5, suppress_health_check=_slow_ok)
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
