@@ -1,0 +1,552 @@
+"""The CuPy backend: tile table, NVRTC module cache and kernel launches.
+
+Implements the backend interface of ``docs/architecture.md``::
+
+    forward(q, k, v, *, scale, causal_offset, algorithm, block_q, block_k) -> (out, lse)
+    backward(do, q, k, v, out, lse, *, scale, causal_offset, algorithm, block_q, block_k, order)
+        -> (dq, dk, dv)
+
+Arguments arrive validated and normalized from the front door (:mod:`cuflash._api`); only internal
+assertions live here. The CUDA sources in :mod:`cuflash_kernels` are compiled at run time by NVRTC through
+``cupy.RawModule``: one module per kernel instantiation actually used, cached per (device, source, options,
+name expression) in this process and on disk by CuPy. Every template argument (dtype, head dim, causal,
+tile sizes, warps, stages) comes from the one tile table below, :data:`TILES`.
+
+Paths:
+- float16 / bfloat16, head dim 32, 64, 96, 128, 256 (backward up to 128): tensor-core kernels
+  (``mma.sync``), sm_80 or newer. Backward at head dim 256 runs the float32 path on upcast inputs.
+- float32: plain SIMT float32 kernels (no tensor cores, no TF32): slow but as accurate as float32 allows.
+- ``algorithm="naive"``: the materialized reference computation with CuPy matmuls (O(N^2) memory).
+- ``algorithm="fa1"``: not implemented on the GPU yet (issue 4).
+
+Backward orders: ``"kv_outer"`` (default) is FlashAttention-2's: key/value tiles outer, dQ accumulated in a
+float32 workspace with atomicAdd. ``"split"`` (deterministic) and ``"q_outer"`` run two passes: dK/dV with
+key/value tiles outer, then dQ with query tiles outer; no atomics, bitwise reproducible. GQA/MQA: dK and dV
+are computed per query head into a float32 workspace (batch, heads_q, seqlen_k, d) and summed over each
+group in a fixed order by a small reduction kernel (deterministic in every order).
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import re
+import threading
+from typing import NamedTuple
+
+import numpy as np
+
+__all__ = [
+    "TILES",
+    "Tile",
+    "forward",
+    "backward",
+    "check_supported",
+    "instantiations",
+    "compile_source_for_nvrtc",
+    "NVRTC_OPTIONS",
+]
+
+# Options given to NVRTC (CuPy appends the -arch of the current device).
+NVRTC_OPTIONS = ("-std=c++17",)
+
+HEAD_DIMS = (32, 64, 96, 128, 256)
+BWD_HEAD_DIMS = (32, 64, 96, 128)
+_LOG2E = 1.4426950408889634
+
+
+class Tile(NamedTuple):
+    """Template arguments of one kernel: tile rows (block_m queries, block_n keys), warps, stages."""
+
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+
+
+# The tile table: (direction, arch class, head dim) -> Tile, shared by float16 and bfloat16.
+# direction "fwd": flash_fwd_kernel (block_m = 16 * warps query rows).
+# direction "bwd": flash_bwd_dkdv_kernel (block_n = 16 * warps key rows, block_m streamed query rows).
+# direction "bwd_dq": flash_bwd_dq_kernel of the split order (block_m = 16 * warps query rows).
+# Arch classes: "sm90" (H100/H200: 227 KiB shared memory per block), "sm80" (A100: 163 KiB),
+# "sm86" (sm_86/87/89 consumer and workstation parts: 99 KiB).
+TILES: dict[tuple[str, str, int], Tile] = {
+    ("fwd", "sm90", 32): Tile(128, 128, 8, 2),
+    ("fwd", "sm90", 64): Tile(128, 128, 8, 2),
+    ("fwd", "sm90", 96): Tile(128, 64, 8, 2),
+    ("fwd", "sm90", 128): Tile(128, 64, 8, 2),
+    ("fwd", "sm90", 256): Tile(128, 64, 8, 2),
+    ("fwd", "sm80", 32): Tile(128, 128, 8, 2),
+    ("fwd", "sm80", 64): Tile(128, 128, 8, 2),
+    ("fwd", "sm80", 96): Tile(128, 64, 8, 2),
+    ("fwd", "sm80", 128): Tile(128, 64, 8, 2),
+    ("fwd", "sm80", 256): Tile(64, 32, 4, 2),
+    ("fwd", "sm86", 32): Tile(128, 128, 8, 2),
+    ("fwd", "sm86", 64): Tile(128, 128, 8, 2),
+    ("fwd", "sm86", 96): Tile(64, 64, 4, 2),
+    ("fwd", "sm86", 128): Tile(64, 64, 4, 2),
+    ("fwd", "sm86", 256): Tile(64, 32, 4, 1),
+    ("bwd", "sm90", 32): Tile(64, 128, 8, 2),
+    ("bwd", "sm90", 64): Tile(64, 128, 8, 2),
+    ("bwd", "sm90", 96): Tile(64, 64, 4, 2),
+    ("bwd", "sm90", 128): Tile(32, 128, 8, 2),
+    ("bwd", "sm80", 32): Tile(64, 128, 8, 2),
+    ("bwd", "sm80", 64): Tile(64, 128, 8, 2),
+    ("bwd", "sm80", 96): Tile(64, 64, 4, 2),
+    ("bwd", "sm80", 128): Tile(32, 128, 8, 2),
+    ("bwd", "sm86", 32): Tile(64, 64, 4, 2),
+    ("bwd", "sm86", 64): Tile(64, 64, 4, 2),
+    ("bwd", "sm86", 96): Tile(64, 64, 4, 1),
+    ("bwd", "sm86", 128): Tile(32, 128, 8, 1),
+    ("bwd_dq", "sm90", 32): Tile(64, 128, 4, 2),
+    ("bwd_dq", "sm90", 64): Tile(64, 128, 4, 2),
+    ("bwd_dq", "sm90", 96): Tile(64, 64, 4, 2),
+    ("bwd_dq", "sm90", 128): Tile(64, 64, 4, 2),
+    ("bwd_dq", "sm80", 32): Tile(64, 128, 4, 2),
+    ("bwd_dq", "sm80", 64): Tile(64, 128, 4, 2),
+    ("bwd_dq", "sm80", 96): Tile(64, 64, 4, 2),
+    ("bwd_dq", "sm80", 128): Tile(64, 64, 4, 2),
+    ("bwd_dq", "sm86", 32): Tile(64, 64, 4, 2),
+    ("bwd_dq", "sm86", 64): Tile(64, 64, 4, 2),
+    ("bwd_dq", "sm86", 96): Tile(64, 64, 4, 1),
+    ("bwd_dq", "sm86", 128): Tile(64, 64, 4, 1),
+}
+
+_CXX_TYPE = {"float16": "cuflash::fp16", "bfloat16": "cuflash::bf16"}
+
+
+def _arch_class(cc: int) -> str:
+    if cc >= 90:
+        return "sm90"
+    if cc in (80, 87):
+        return "sm80"
+    return "sm86"
+
+
+def _bool(b: bool) -> str:
+    return "true" if b else "false"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Name expressions and shared-memory sizes (one place each).
+
+
+def _fwd_name(ctype: str, d: int, t: Tile, causal: bool) -> str:
+    return f"cuflash::flash_fwd_kernel<{ctype}, {d}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, {_bool(causal)}>"
+
+
+def _fwd_smem(d: int, t: Tile) -> int:
+    return 2 * d * (t.block_m + 2 * t.stages * t.block_n)
+
+
+def _dkdv_name(ctype: str, d: int, t: Tile, causal: bool, has_dq: bool) -> str:
+    return (
+        f"cuflash::flash_bwd_dkdv_kernel<{ctype}, {d}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, "
+        f"{_bool(causal)}, {_bool(has_dq)}>"
+    )
+
+
+def _dkdv_smem(d: int, t: Tile, has_dq: bool) -> int:
+    tiles = 2 * t.block_n * d + 2 * t.stages * t.block_m * d + (t.block_n * t.block_m if has_dq else 0)
+    return 2 * tiles + 4 * 2 * t.stages * t.block_m  # 16-bit tiles + float32 lse and D per stage
+
+
+def _dq_name(ctype: str, d: int, t: Tile, causal: bool) -> str:
+    return f"cuflash::flash_bwd_dq_kernel<{ctype}, {d}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, {_bool(causal)}>"
+
+
+def _dq_smem(d: int, t: Tile) -> int:
+    return 2 * d * (2 * t.block_m + 2 * t.stages * t.block_n)
+
+
+def _check_tile(direction: str, d: int, t: Tile) -> None:
+    """The constraints each kernel static_asserts, checked before compiling a user-chosen tile."""
+    ok = t.block_m % 16 == 0 and t.block_n % 16 == 0 and t.stages >= 1 and 1 <= t.warps <= 16
+    if direction in ("fwd", "bwd_dq"):
+        ok = ok and t.block_m == 16 * t.warps
+    else:
+        mt = t.block_m // 16
+        ok = ok and t.block_n == 16 * t.warps and t.block_m % 32 == 0 and mt >= 1
+        ok = ok and t.warps % mt == 0 and (d // (t.warps // mt)) % 16 == 0
+    if not ok:
+        raise ValueError(
+            f"block sizes block_q={t.block_m if direction != 'bwd' else t.block_m}, "
+            f"block_k={t.block_n} are not a valid CUDA tile for the {direction} kernel at head_dim {d}: "
+            "the CUDA kernels need multiples of 16 with 16 rows per warp (forward: block_q = 16 * warps, "
+            "up to 256; backward: block_k = 16 * warps, block_q a multiple of 32)"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sources and the module cache.
+
+_INCLUDE_RE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
+
+
+def _read_kernel_file(name: str) -> str:
+    return importlib.resources.files("cuflash_kernels").joinpath(name).read_text(encoding="utf-8")
+
+
+def compile_source_for_nvrtc(source: str) -> str:
+    """The full text NVRTC compiles for ``source`` ("forward.cu" or "backward.cu"): the file with its
+    local ``#include "...cuh"`` lines replaced by the headers' text, so no include path is needed."""
+
+    def expand(m: re.Match) -> str:
+        return f"// ---- begin {m.group(1)}\n{_read_kernel_file(m.group(1))}\n// ---- end {m.group(1)}"
+
+    return _INCLUDE_RE.sub(expand, _read_kernel_file(source))
+
+
+def instantiations() -> list[tuple[str, str, tuple[str, ...]]]:
+    """Every shipped kernel instantiation as (source file, name expression, NVRTC options)."""
+    out: list[tuple[str, str, tuple[str, ...]]] = []
+    seen = set()
+
+    def add(src: str, name: str) -> None:
+        if (src, name) not in seen:
+            seen.add((src, name))
+            out.append((src, name, NVRTC_OPTIONS))
+
+    for (direction, _arch, d), t in TILES.items():
+        for ctype in _CXX_TYPE.values():
+            for causal in (False, True):
+                if direction == "fwd":
+                    add("forward.cu", _fwd_name(ctype, d, t, causal))
+                elif direction == "bwd":
+                    for has_dq in (True, False):
+                        add("backward.cu", _dkdv_name(ctype, d, t, causal, has_dq))
+                else:
+                    add("backward.cu", _dq_name(ctype, d, t, causal))
+    for d in HEAD_DIMS:
+        for causal in (False, True):
+            add("forward.cu", f"cuflash::flash_fwd_f32_kernel<{d}, {_bool(causal)}>")
+            add("backward.cu", f"cuflash::flash_bwd_dq_f32_kernel<{d}, {_bool(causal)}>")
+            add("backward.cu", f"cuflash::flash_bwd_dkdv_f32_kernel<{d}, {_bool(causal)}>")
+        add("backward.cu", f"cuflash::flash_bwd_preprocess_f32_kernel<{d}>")
+        for ctype in _CXX_TYPE.values():
+            add("backward.cu", f"cuflash::flash_bwd_preprocess_kernel<{ctype}, {d}>")
+            add("backward.cu", f"cuflash::flash_bwd_convert_dq_kernel<{ctype}, {d}>")
+            add("backward.cu", f"cuflash::flash_bwd_reduce_dkv_kernel<{ctype}, {d}>")
+    return out
+
+
+_lock = threading.Lock()
+_modules: dict = {}
+_sources: dict = {}
+
+
+def _kernel(source: str, name: str, smem: int = 0):
+    """The compiled kernel ``name`` of ``source`` for the current device (compiled once, then cached)."""
+    import cupy
+
+    dev = cupy.cuda.Device().id
+    key = (dev, source, NVRTC_OPTIONS, name)
+    with _lock:
+        entry = _modules.get(key)
+        if entry is None:
+            text = _sources.get(source)
+            if text is None:
+                text = _sources[source] = compile_source_for_nvrtc(source)
+            module = cupy.RawModule(code=text, options=NVRTC_OPTIONS, name_expressions=[name])
+            entry = _modules[key] = [module.get_function(name), 0]
+        if smem > 48 * 1024 and entry[1] < smem:
+            entry[0].max_dynamic_shared_size_bytes = smem
+            entry[1] = smem
+    return entry[0]
+
+
+def _device_info():
+    import cupy
+
+    dev = cupy.cuda.Device()
+    cc = int(dev.compute_capability)
+    smem_optin = int(dev.attributes["MaxSharedMemoryPerBlockOptin"])
+    return cc, smem_optin
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checks.
+
+
+def check_supported(problem, algorithm: str) -> None:
+    """Refuse, before any launch, what the CUDA backend cannot run."""
+    if algorithm == "fa1":
+        raise NotImplementedError("algorithm='fa1' is not implemented for CuPy arrays yet (issue 4); use 'fa2'")
+    dtype = np.dtype(problem.dtype).name
+    if algorithm == "naive":
+        return
+    if dtype == "float64":
+        raise TypeError(
+            "float64 is not supported by the CUDA kernels (algorithm='fa2'); use float32, "
+            "algorithm='naive', or NumPy arrays"
+        )
+    if problem.head_dim not in HEAD_DIMS:
+        raise RuntimeError(
+            f"head_dim {problem.head_dim} is not supported by the CUDA kernels; "
+            f"supported: {', '.join(map(str, HEAD_DIMS))}"
+        )
+    if dtype in _CXX_TYPE:
+        cc, _ = _device_info()
+        if cc < 80:
+            raise RuntimeError(
+                f"the float16/bfloat16 CUDA kernels need compute capability 8.0 or newer (mma.sync bf16, "
+                f"cp.async); this GPU is sm_{cc}"
+            )
+
+
+def _tile(direction: str, d: int, block_q, block_k) -> Tile:
+    cc, smem_optin = _device_info()
+    t = TILES.get((direction, _arch_class(cc), d))
+    assert t is not None, (direction, cc, d)
+    if block_q is not None or block_k is not None:
+        bm = block_q if block_q is not None else t.block_m
+        bn = block_k if block_k is not None else t.block_n
+        warps = bm // 16 if direction != "bwd" else bn // 16
+        t = Tile(bm, bn, max(warps, 1), t.stages)
+        _check_tile(direction, d, t)
+    return t
+
+
+def _smem_check(smem: int, name: str) -> None:
+    _, optin = _device_info()
+    if smem > optin:
+        raise RuntimeError(
+            f"{name} needs {smem} bytes of shared memory per block; this GPU allows {optin}; "
+            "choose smaller block_q / block_k"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launch helpers.
+
+
+def _strides(a) -> tuple[np.int64, np.int64, np.int64]:
+    """(batch, seq, head) strides in elements."""
+    it = a.itemsize
+    return tuple(np.int64(s // it) for s in a.strides[:3])
+
+
+def _aligned(a) -> "object":
+    """``a`` itself when its tiles can be copied with 16-byte cp.async (base and every stride a multiple
+    of 16 bytes); otherwise a contiguous copy (rare: views with odd offsets or strides)."""
+    import cupy
+
+    if a.data.ptr % 16 == 0 and all((s % 16 == 0) or n == 1 for s, n in zip(a.strides[:3], a.shape[:3])):
+        return a
+    return cupy.ascontiguousarray(a)
+
+
+def _i32(x) -> np.int32:
+    return np.int32(x)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Forward.
+
+
+def forward(q, k, v, *, scale, causal_offset, algorithm, block_q, block_k):
+    import cupy
+
+    if algorithm == "fa1":
+        raise NotImplementedError("algorithm='fa1' is not implemented for CuPy arrays yet (issue 4); use 'fa2'")
+    if algorithm == "naive":
+        return _naive_forward(q, k, v, scale=scale, causal_offset=causal_offset)
+    B, Nq, Hq, d = q.shape
+    Nk, Hkv = k.shape[1], k.shape[2]
+    assert Hq % Hkv == 0 and d in HEAD_DIMS
+    group = Hq // Hkv
+    causal = causal_offset is not None
+    off = np.int32(causal_offset if causal else 0)
+    dtype = np.dtype(q.dtype).name
+    out = cupy.empty(q.shape, dtype=q.dtype)
+    lse = cupy.empty((B, Hq, Nq), dtype=cupy.float32)
+    scale_log2 = np.float32(scale * _LOG2E)
+    if dtype == "float32":
+        kern = _kernel("forward.cu", f"cuflash::flash_fwd_f32_kernel<{d}, {_bool(causal)}>")
+        kern((_cdiv(Nq, 4), Hq, B), (128,), (
+            q, k, v, out, lse, _i32(Nq), _i32(Nk), _i32(Hq), _i32(group),
+            *_strides(q), *_strides(k), *_strides(v), *_strides(out), scale_log2, off))
+        return out, lse
+    assert dtype in _CXX_TYPE, dtype
+    q, k, v = _aligned(q), _aligned(k), _aligned(v)
+    t = _tile("fwd", d, block_q, block_k)
+    smem = _fwd_smem(d, t)
+    name = _fwd_name(_CXX_TYPE[dtype], d, t, causal)
+    _smem_check(smem, name)
+    kern = _kernel("forward.cu", name, smem)
+    kern((_cdiv(Nq, t.block_m), Hq, B), (32 * t.warps,), (
+        q, k, v, out, lse, _i32(Nq), _i32(Nk), _i32(Hq), _i32(group),
+        *_strides(q), *_strides(k), *_strides(v), *_strides(out), scale_log2, off), shared_mem=smem)
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------------
+# Backward.
+
+
+def backward(do, q, k, v, out, lse, *, scale, causal_offset, algorithm, block_q, block_k, order):
+    import cupy
+
+    if algorithm == "fa1":
+        raise NotImplementedError("algorithm='fa1' is not implemented for CuPy arrays yet (issue 4); use 'fa2'")
+    if algorithm == "naive":
+        return _naive_backward(do, q, k, v, scale=scale, causal_offset=causal_offset)
+    B, Nq, Hq, d = q.shape
+    Nk, Hkv = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    causal = causal_offset is not None
+    off = np.int32(causal_offset if causal else 0)
+    dtype = np.dtype(q.dtype).name
+    if dtype in _CXX_TYPE and d not in BWD_HEAD_DIMS:
+        # No tensor-core backward at this head dim (dK and dV of 16 key rows would not fit in registers):
+        # run the float32 kernels on upcast inputs, cast the gradients back.
+        f32 = [a.astype(cupy.float32) for a in (do, q, k, v, out)]
+        grads = backward(*f32, lse, scale=scale, causal_offset=causal_offset, algorithm=algorithm,
+                         block_q=None, block_k=None, order=order)
+        return tuple(g.astype(q.dtype) for g in grads)
+
+    lse = cupy.ascontiguousarray(lse)
+    delta = cupy.empty((B, Hq, Nq), dtype=cupy.float32)
+    dq = cupy.empty(q.shape, dtype=q.dtype)
+    dk = cupy.empty(k.shape, dtype=k.dtype)
+    dv = cupy.empty(v.shape, dtype=v.dtype)
+    fscale = np.float32(scale)
+
+    if dtype == "float32":
+        pre = _kernel("backward.cu", f"cuflash::flash_bwd_preprocess_f32_kernel<{d}>")
+        pre((_cdiv(Nq, 4), Hq, B), (128,), (do, out, delta, _i32(Nq), _i32(Hq), *_strides(do), *_strides(out)))
+        kq = _kernel("backward.cu", f"cuflash::flash_bwd_dq_f32_kernel<{d}, {_bool(causal)}>")
+        kq((_cdiv(Nq, 4), Hq, B), (128,), (
+            q, k, v, do, lse, delta, dq, _i32(Nq), _i32(Nk), _i32(Hq), _i32(group),
+            *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), fscale, off))
+        kkv = _kernel("backward.cu", f"cuflash::flash_bwd_dkdv_f32_kernel<{d}, {_bool(causal)}>")
+        kkv((_cdiv(Nk, 4), Hkv, B), (128,), (
+            q, k, v, do, lse, delta, dk, dv, _i32(Nq), _i32(Nk), _i32(Hq), _i32(group),
+            *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
+            fscale, off))
+        return dq, dk, dv
+
+    assert dtype in _CXX_TYPE, dtype
+    ctype = _CXX_TYPE[dtype]
+    q, k, v, do = _aligned(q), _aligned(k), _aligned(v), _aligned(do)
+    # [bwd 0] D = rowsum(dO * O)
+    pre = _kernel("backward.cu", f"cuflash::flash_bwd_preprocess_kernel<{ctype}, {d}>")
+    pre((_cdiv(Nq, 4), Hq, B), (128,), (do, out, delta, _i32(Nq), _i32(Hq), *_strides(do), *_strides(out)))
+
+    split = order in ("split", "q_outer")
+    t = _tile("bwd", d, block_q, block_k)
+    smem = _dkdv_smem(d, t, not split)
+    name = _dkdv_name(ctype, d, t, causal, not split)
+    _smem_check(smem, name)
+    kdkdv = _kernel("backward.cu", name, smem)
+    dq_accum = None if split else cupy.zeros((B, Hq, Nq, d), dtype=cupy.float32)
+    dkv_accum = cupy.empty((2, B, Hq, Nk, d), dtype=cupy.float32) if group > 1 else None
+    null = np.uintp(0)
+    kdkdv((_cdiv(Nk, t.block_n), Hq, B), (32 * t.warps,), (
+        q, k, v, do, lse, delta,
+        dq_accum if dq_accum is not None else null, dk, dv, dkv_accum if dkv_accum is not None else null,
+        _i32(Nq), _i32(Nk), _i32(Hq), _i32(group),
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
+        fscale, off), shared_mem=smem)
+
+    if split:
+        tq = _tile("bwd_dq", d, None, None)
+        smem_q = _dq_smem(d, tq)
+        name_q = _dq_name(ctype, d, tq, causal)
+        _smem_check(smem_q, name_q)
+        kdq = _kernel("backward.cu", name_q, smem_q)
+        kdq((_cdiv(Nq, tq.block_m), Hq, B), (32 * tq.warps,), (
+            q, k, v, do, lse, delta, dq, _i32(Nq), _i32(Nk), _i32(Hq), _i32(group),
+            *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), fscale, off),
+            shared_mem=smem_q)
+    else:
+        conv = _kernel("backward.cu", f"cuflash::flash_bwd_convert_dq_kernel<{ctype}, {d}>")
+        conv((_cdiv(Nq * d // 2, 256), Hq, B), (256,), (dq_accum, dq, _i32(Nq), _i32(Hq), *_strides(dq), fscale))
+
+    if group > 1:
+        red = _kernel("backward.cu", f"cuflash::flash_bwd_reduce_dkv_kernel<{ctype}, {d}>")
+        red((_cdiv(Nk * d // 2, 256), Hkv, B), (256,), (
+            dkv_accum, dk, dv, _i32(Nk), _i32(group), np.int64(B * Hq * Nk * d), *_strides(dk), *_strides(dv)))
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------------
+# algorithm="naive": the materialized computation with CuPy (float32 accumulation, float64 for float64).
+
+
+def _acc_dtype(dtype):
+    import cupy
+
+    return cupy.float64 if np.dtype(dtype) == np.float64 else cupy.float32
+
+
+def _naive_scores(q, k, scale, causal_offset):
+    import cupy
+
+    acc = _acc_dtype(q.dtype)
+    B, Nq, Hq, d = q.shape
+    Nk, Hkv = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    qh = q.astype(acc).transpose(0, 2, 1, 3)  # (B, Hq, Nq, d)
+    kh = cupy.repeat(k.astype(acc).transpose(0, 2, 1, 3), group, axis=1)
+    s = scale * (qh @ kh.transpose(0, 1, 3, 2))
+    if causal_offset is not None:
+        i = cupy.arange(Nq)[:, None]
+        j = cupy.arange(Nk)[None, :]
+        s = cupy.where(j <= i + causal_offset, s, -cupy.inf)
+    return s
+
+
+def _naive_probs(s):
+    import cupy
+
+    m = s.max(axis=-1, keepdims=True)
+    m = cupy.where(cupy.isfinite(m), m, 0)
+    e = cupy.exp(s - m)
+    l = e.sum(axis=-1, keepdims=True)
+    p = cupy.where(l > 0, e / cupy.where(l > 0, l, 1), 0)
+    lsum = l[..., 0]
+    lse = cupy.where(lsum > 0, m[..., 0] + cupy.log(cupy.where(lsum > 0, lsum, 1)), -cupy.inf)
+    return p, lse
+
+
+def _naive_forward(q, k, v, *, scale, causal_offset):
+    import cupy
+
+    acc = _acc_dtype(q.dtype)
+    group = q.shape[2] // k.shape[2]
+    p, lse = _naive_probs(_naive_scores(q, k, scale, causal_offset))
+    vh = cupy.repeat(v.astype(acc).transpose(0, 2, 1, 3), group, axis=1)
+    out = (p @ vh).transpose(0, 2, 1, 3).astype(q.dtype)
+    return cupy.ascontiguousarray(out), lse.astype(acc)
+
+
+def _naive_backward(do, q, k, v, *, scale, causal_offset):
+    import cupy
+
+    acc = _acc_dtype(q.dtype)
+    B, Nq, Hq, d = q.shape
+    Nk, Hkv = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    p, _ = _naive_probs(_naive_scores(q, k, scale, causal_offset))
+    qh = q.astype(acc).transpose(0, 2, 1, 3)
+    kh = cupy.repeat(k.astype(acc).transpose(0, 2, 1, 3), group, axis=1)
+    vh = cupy.repeat(v.astype(acc).transpose(0, 2, 1, 3), group, axis=1)
+    doh = do.astype(acc).transpose(0, 2, 1, 3)
+    dv = p.transpose(0, 1, 3, 2) @ doh
+    dp = doh @ vh.transpose(0, 1, 3, 2)
+    ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+    dq = scale * (ds @ kh)
+    dk = scale * (ds.transpose(0, 1, 3, 2) @ qh)
+
+    def to_kv(g):
+        return g.reshape(B, Hkv, group, Nk, d).sum(axis=2).transpose(0, 2, 1, 3)
+
+    return (
+        cupy.ascontiguousarray(dq.transpose(0, 2, 1, 3).astype(q.dtype)),
+        cupy.ascontiguousarray(to_kv(dk).astype(k.dtype)),
+        cupy.ascontiguousarray(to_kv(dv).astype(v.dtype)),
+    )

@@ -1,0 +1,636 @@
+// cuflash backward kernels, mirroring cuflash/reference.py:blocked_backward.
+//
+// Algorithm (float16/bfloat16, order "kv_outer", FlashAttention-2 backward):
+//   flash_bwd_preprocess_kernel  [bwd 0] D = rowsum(dO * O), float32 (batch, heads_q, seqlen_q).
+//   flash_bwd_dkdv_kernel        one thread block per key/value tile of kBlockN rows of one (batch, query
+//       head); each of its kNWarps warps owns 16 key rows and keeps their dK and dV in float32 registers.
+//       It streams the query tiles (Q, dO through a ring of kStages cp.async buffers), recomputes
+//       P^T = exp(scale K Q^T - lse) from the saved lse, and forms dV += P^T dO, dP^T = V dO^T,
+//       dS^T = P^T (dP^T - D), dK += dS^T Q, all with the key rows as the mma M dimension so that P^T
+//       and dS^T stay in registers as A operands. With Has_dQ, dS^T is also written to shared memory
+//       and the block adds dS K for its query tile to a float32 dQ workspace with atomicAdd.
+//   flash_bwd_dq_kernel          (order "split", deterministic) one thread block per query tile, key tiles
+//       streamed, dQ in float32 registers: S, P, dP = dO V^T, dS, dQ += dS K; no atomics. Used together
+//       with flash_bwd_dkdv_kernel<Has_dQ = false>.
+//   flash_bwd_convert_dq_kernel  dQ = scale * dq_accum, cast to the input dtype, written with dq's strides.
+//   flash_bwd_reduce_dkv_kernel  GQA/MQA: dK, dV were written per *query* head into a float32 workspace
+//       (batch, heads_q, seqlen_k, d); this sums each group in a fixed order (deterministic) and casts.
+//   flash_bwd_*_f32_kernel        float32 path, plain SIMT float32 arithmetic, no atomics.
+//
+// Grid: dkdv (ceil(seqlen_k / kBlockN), heads_q, batch); dq (ceil(seqlen_q / kBlockM), heads_q, batch).
+// Shared memory of dkdv (16-bit elements): K, V kBlockN x d; kStages x (Q, dO) kBlockM x d; dS^T
+// kBlockN x kBlockM when Has_dQ. E.g. d = 128, kBlockN = 128, kBlockM = 64, 2 stages: 144 KiB.
+#include "cuflash_tiles.cuh"
+
+namespace cuflash {
+
+// [bwd 0] D = rowsum(dO * O): one warp per query row.
+template <class T, int kHeadDim>
+__global__ void __launch_bounds__(128, 1)
+flash_bwd_preprocess_kernel(const u16* __restrict__ dout, const u16* __restrict__ out, float* __restrict__ delta,
+                            int seqlen_q, int heads_q, i64 do_sb, i64 do_ss, i64 do_sh,
+                            i64 o_sb, i64 o_ss, i64 o_sh) {
+    const int row = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    const int h = blockIdx.y, b = blockIdx.z;
+    if (row >= seqlen_q) return;
+    const u16* dr = dout + b * do_sb + h * do_sh + (i64)row * do_ss;
+    const u16* orow = out + b * o_sb + h * o_sh + (i64)row * o_ss;
+    float acc = 0.f;
+    for (int d = lane; d < kHeadDim; d += 32) acc = fmaf(Elem<T>::to_float(dr[d]), Elem<T>::to_float(orow[d]), acc);
+    acc = warp_sum(acc);
+    if (lane == 0) delta[((i64)b * heads_q + h) * seqlen_q + row] = acc;
+}
+
+template <int kHeadDim>
+__global__ void __launch_bounds__(128, 1)
+flash_bwd_preprocess_f32_kernel(const float* __restrict__ dout, const float* __restrict__ out,
+                                float* __restrict__ delta, int seqlen_q, int heads_q,
+                                i64 do_sb, i64 do_ss, i64 do_sh, i64 o_sb, i64 o_ss, i64 o_sh) {
+    const int row = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    const int h = blockIdx.y, b = blockIdx.z;
+    if (row >= seqlen_q) return;
+    const float* dr = dout + b * do_sb + h * do_sh + (i64)row * do_ss;
+    const float* orow = out + b * o_sb + h * o_sh + (i64)row * o_ss;
+    float acc = 0.f;
+    for (int d = lane; d < kHeadDim; d += 32) acc = fmaf(dr[d], orow[d], acc);
+    acc = warp_sum(acc);
+    if (lane == 0) delta[((i64)b * heads_q + h) * seqlen_q + row] = acc;
+}
+
+// lse in log2 units for the exp2 recomputation of P; +inf where P must be 0 (rows past the end of the
+// query sequence, and rows that saw no key, whose lse is -inf).
+__device__ __forceinline__ float lse_log2(const float* lse_row, int i, int seqlen_q) {
+    if (i >= seqlen_q) return CUFLASH_INF;
+    const float x = lse_row[i];
+    return x == -CUFLASH_INF ? CUFLASH_INF : x * kLog2e;
+}
+
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool Is_causal, bool Has_dQ>
+__global__ void __launch_bounds__(kNWarps * 32)
+flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                      const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                      float* __restrict__ dq_accum, u16* __restrict__ dk, u16* __restrict__ dv,
+                      float* __restrict__ dkv_accum,
+                      int seqlen_q, int seqlen_k, int heads_q, int group,
+                      i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
+                      i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
+                      i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
+                      float scale, int causal_offset) {
+    static_assert(kBlockN == 16 * kNWarps, "each warp owns 16 key rows");
+    static_assert(kBlockM % 16 == 0 && kBlockM % 32 == 0 && kHeadDim % 32 == 0, "tile shape");
+    constexpr int kThreads = kNWarps * 32;
+    constexpr int kMT8 = kBlockM / 8;     // n8 tiles of a S^T row block (query columns)
+    constexpr int kDT = kHeadDim / 8;     // n8 tiles of dK, dV
+    constexpr int kKT = kHeadDim / 16;    // k16 steps over the head dimension
+    constexpr int kQTile = kBlockM * kHeadDim;
+    // dQ phase: the kBlockM x d tile of dS K is split over warps: kMT row tiles of 16, kCS column slices.
+    constexpr int kMT = kBlockM / 16;
+    constexpr int kCS = kNWarps / kMT > 0 ? kNWarps / kMT : 1;
+    constexpr int kDW = kHeadDim / kCS;
+    static_assert(!Has_dQ || (kNWarps % kMT == 0 && kDW % 16 == 0), "dQ phase warp split");
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    u16* sK = reinterpret_cast<u16*>(smem_raw);
+    u16* sV = sK + kBlockN * kHeadDim;
+    u16* sQ = sV + kBlockN * kHeadDim;
+    u16* sdO = sQ + kStages * kQTile;
+    float* sLse = reinterpret_cast<float*>(sdO + kStages * kQTile);  // kStages x kBlockM, raw lse
+    float* sD = sLse + kStages * kBlockM;                              // kStages x kBlockM, D
+    u16* sdS = reinterpret_cast<u16*>(sD + kStages * kBlockM);         // dS^T, kBlockN x kBlockM (Has_dQ only)
+
+    const int n_block = blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int n0 = n_block * kBlockN;
+
+    const u16* qg = q + b * q_sb + h * q_sh;
+    const u16* dog = dout + b * do_sb + h * do_sh;
+    const float* lse_row = lse + ((i64)b * heads_q + h) * seqlen_q;
+    const float* delta_row = delta + ((i64)b * heads_q + h) * seqlen_q;
+
+    // Query tiles [m_begin, m_end): causal key j is seen by queries i >= j - causal_offset.
+    const int m_end = (seqlen_q + kBlockM - 1) / kBlockM;
+    int m_begin = 0;
+    if (Is_causal) m_begin = max(0, n0 - causal_offset) / kBlockM;
+
+    // One query tile: Q, dO, and its rows' lse and D (rows past seqlen_q read as zeros: with dO = 0 and
+    // D = 0 they add nothing to dV, dK or dQ whatever P is).
+    auto load_q_stage = [&](int stage, int mi) {
+        load_tile_async<kBlockM, kHeadDim, kThreads>(sQ + stage * kQTile, qg, q_ss, mi * kBlockM, seqlen_q, tid);
+        load_tile_async<kBlockM, kHeadDim, kThreads>(sdO + stage * kQTile, dog, do_ss, mi * kBlockM, seqlen_q, tid);
+        for (int r = tid; r < 2 * kBlockM; r += kThreads) {
+            const int row = mi * kBlockM + (r % kBlockM);
+            const bool valid = row < seqlen_q;
+            const float* src = r < kBlockM ? lse_row : delta_row;
+            float* dst = (r < kBlockM ? sLse : sD) + stage * kBlockM + (r % kBlockM);
+            cp_async_4(smem_u32(dst), valid ? src + row : src, valid);
+        }
+    };
+
+    load_tile_async<kBlockN, kHeadDim, kThreads>(sK, k + b * k_sb + h_kv * k_sh, k_ss, n0, seqlen_k, tid);
+    load_tile_async<kBlockN, kHeadDim, kThreads>(sV, v + b * v_sb + h_kv * v_sh, v_ss, n0, seqlen_k, tid);
+    cp_async_commit();
+#pragma unroll
+    for (int st = 0; st < kStages - 1; ++st) {
+        if (m_begin + st < m_end) load_q_stage(st, m_begin + st);
+        cp_async_commit();
+    }
+
+    float dk_acc[kDT][4], dv_acc[kDT][4];
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk_acc[dt][e] = dv_acc[dt][e] = 0.f;
+    }
+    const float scale_log2 = scale * kLog2e;
+    const int key_base = n0 + warp * 16;
+
+    for (int mi = m_begin; mi < m_end; ++mi) {
+        const int it = mi - m_begin;
+        const int itn = it + kStages - 1;
+        if (m_begin + itn < m_end) load_q_stage(itn % kStages, m_begin + itn);
+        cp_async_commit();
+        const u16* tQ = sQ + (it % kStages) * kQTile;
+        const u16* tdO = sdO + (it % kStages) * kQTile;
+        const int m0 = mi * kBlockM;
+
+        const float* tLse = sLse + (it % kStages) * kBlockM;
+        const float* tD = sD + (it % kStages) * kBlockM;
+
+        cp_async_wait<kStages - 1>();
+        __syncthreads();
+
+        // [bwd 1] P^T = exp(scale K Q^T - lse), rows = this warp's 16 keys, cols = the kBlockM queries.
+        float st[kMT8][4];
+#pragma unroll
+        for (int nt = 0; nt < kMT8; ++nt) st[nt][0] = st[nt][1] = st[nt][2] = st[nt][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < kKT; ++kk) {
+            u32 a[4];
+            load_a<kHeadDim>(a, sK, warp * 16, kk, lane);
+#pragma unroll
+            for (int np = 0; np < kMT8 / 2; ++np) {
+                u32 bf[4];
+                load_b_nk<kHeadDim>(bf, tQ, np * 16, kk, lane);
+                Elem<T>::mma(st[2 * np], a, bf[0], bf[1]);
+                Elem<T>::mma(st[2 * np + 1], a, bf[2], bf[3]);
+            }
+        }
+        // A row that saw no key has lse = -inf: its P here is +inf, but all its keys are masked below
+        // (such a row sees no key, so every tile it meets crosses its diagonal and is masked).
+#pragma unroll
+        for (int nt = 0; nt < kMT8; ++nt) {
+            const float2 l2 = *reinterpret_cast<const float2*>(tLse + nt * 8 + 2 * t);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) st[nt][e] = fast_exp2(fmaf(st[nt][e], scale_log2, -(e & 1 ? l2.y : l2.x) * kLog2e));
+        }
+        const bool need_mask = n0 + kBlockN > seqlen_k || (Is_causal && n0 + kBlockN - 1 > m0 + causal_offset);
+        if (need_mask) mask_scores_t<kMT8, Is_causal>(st, key_base, m0, seqlen_k, causal_offset, lane, 0.f);
+
+        // [bwd 2] dV += P^T dO (P cast to the input dtype).
+#pragma unroll
+        for (int kk = 0; kk < kBlockM / 16; ++kk) {
+            u32 a[4];
+            c_to_a<T, kMT8>(a, st, kk);
+#pragma unroll
+            for (int np = 0; np < kDT / 2; ++np) {
+                u32 bf[4];
+                load_b_kn<kHeadDim>(bf, tdO, kk * 16, np, lane);
+                Elem<T>::mma(dv_acc[2 * np], a, bf[0], bf[1]);
+                Elem<T>::mma(dv_acc[2 * np + 1], a, bf[2], bf[3]);
+            }
+        }
+
+        // [bwd 3] dP^T = V dO^T.
+        float dpt[kMT8][4];
+#pragma unroll
+        for (int nt = 0; nt < kMT8; ++nt) dpt[nt][0] = dpt[nt][1] = dpt[nt][2] = dpt[nt][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < kKT; ++kk) {
+            u32 a[4];
+            load_a<kHeadDim>(a, sV, warp * 16, kk, lane);
+#pragma unroll
+            for (int np = 0; np < kMT8 / 2; ++np) {
+                u32 bf[4];
+                load_b_nk<kHeadDim>(bf, tdO, np * 16, kk, lane);
+                Elem<T>::mma(dpt[2 * np], a, bf[0], bf[1]);
+                Elem<T>::mma(dpt[2 * np + 1], a, bf[2], bf[3]);
+            }
+        }
+
+        // [bwd 4] dS^T = P^T (dP^T - D), in place of dP^T.
+#pragma unroll
+        for (int nt = 0; nt < kMT8; ++nt) {
+            const float2 d2 = *reinterpret_cast<const float2*>(tD + nt * 8 + 2 * t);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dpt[nt][e] = st[nt][e] * (dpt[nt][e] - (e & 1 ? d2.y : d2.x));
+        }
+
+        // [bwd 6] dK += dS^T Q (scale applied once at the end).
+#pragma unroll
+        for (int kk = 0; kk < kBlockM / 16; ++kk) {
+            u32 a[4];
+            c_to_a<T, kMT8>(a, dpt, kk);
+            if (Has_dQ) {
+                // dS^T rows warp*16 + g (+8), query cols 16 kk + 2 t (+1) and + 8: the four A registers.
+                const int r = warp * 16 + g;
+                *reinterpret_cast<u32*>(sdS + Swizzle<kBlockM>::offset(r, 2 * kk) + 2 * t) = a[0];
+                *reinterpret_cast<u32*>(sdS + Swizzle<kBlockM>::offset(r + 8, 2 * kk) + 2 * t) = a[1];
+                *reinterpret_cast<u32*>(sdS + Swizzle<kBlockM>::offset(r, 2 * kk + 1) + 2 * t) = a[2];
+                *reinterpret_cast<u32*>(sdS + Swizzle<kBlockM>::offset(r + 8, 2 * kk + 1) + 2 * t) = a[3];
+            }
+#pragma unroll
+            for (int np = 0; np < kDT / 2; ++np) {
+                u32 bf[4];
+                load_b_kn<kHeadDim>(bf, tQ, kk * 16, np, lane);
+                Elem<T>::mma(dk_acc[2 * np], a, bf[0], bf[1]);
+                Elem<T>::mma(dk_acc[2 * np + 1], a, bf[2], bf[3]);
+            }
+        }
+
+        if (Has_dQ) {
+            __syncthreads();  // dS^T complete
+            // [bwd 5] dQ += scale dS K: this warp's 16 query rows x kDW columns, added to the workspace.
+            const int rt = warp % kMT, cs = warp / kMT;
+            float dq[kDW / 8][4];
+#pragma unroll
+            for (int dt = 0; dt < kDW / 8; ++dt) dq[dt][0] = dq[dt][1] = dq[dt][2] = dq[dt][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < kBlockN / 16; ++kk) {
+                u32 a[4];
+                load_a_trans<kBlockM>(a, sdS, kk * 16, rt * 16, lane);
+#pragma unroll
+                for (int np = 0; np < kDW / 16; ++np) {
+                    u32 bf[4];
+                    load_b_kn<kHeadDim>(bf, sK, kk * 16, cs * (kDW / 16) + np, lane);
+                    Elem<T>::mma(dq[2 * np], a, bf[0], bf[1]);
+                    Elem<T>::mma(dq[2 * np + 1], a, bf[2], bf[3]);
+                }
+            }
+            float* dqg = dq_accum + ((i64)b * heads_q + h) * seqlen_q * kHeadDim;
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const int row = m0 + rt * 16 + g + 8 * hh;
+                if (row < seqlen_q) {
+                    float* dst = dqg + (i64)row * kHeadDim + cs * kDW + 2 * t;
+#pragma unroll
+                    for (int dt = 0; dt < kDW / 8; ++dt) {
+                        atomicAdd(dst + dt * 8, dq[dt][2 * hh]);
+                        atomicAdd(dst + dt * 8 + 1, dq[dt][2 * hh + 1]);
+                    }
+                }
+            }
+        }
+        __syncthreads();  // buffers of this query tile (and dS^T) are free for the next refill
+    }
+    cp_async_wait<0>();
+
+    // Write dK = scale * dK_acc and dV: straight to dk/dv (group == 1) or per query head to the float32
+    // workspace that flash_bwd_reduce_dkv_kernel sums over the group.
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int row = key_base + g + 8 * hh;
+        if (row >= seqlen_k) continue;
+        if (group == 1) {
+            u16* dkr = dk + b * dk_sb + h * dk_sh + (i64)row * dk_ss;
+            u16* dvr = dv + b * dv_sb + h * dv_sh + (i64)row * dv_ss;
+#pragma unroll
+            for (int dt = 0; dt < kDT; ++dt) {
+                *reinterpret_cast<u32*>(dkr + dt * 8 + 2 * t) =
+                    Elem<T>::pack(dk_acc[dt][2 * hh] * scale, dk_acc[dt][2 * hh + 1] * scale);
+                *reinterpret_cast<u32*>(dvr + dt * 8 + 2 * t) = Elem<T>::pack(dv_acc[dt][2 * hh], dv_acc[dt][2 * hh + 1]);
+            }
+        } else {
+            const i64 plane = (i64)gridDim.z * heads_q * seqlen_k * kHeadDim;
+            float* dkr = dkv_accum + (((i64)b * heads_q + h) * seqlen_k + row) * kHeadDim;
+#pragma unroll
+            for (int dt = 0; dt < kDT; ++dt) {
+                *reinterpret_cast<float2*>(dkr + dt * 8 + 2 * t) =
+                    make_float2(dk_acc[dt][2 * hh] * scale, dk_acc[dt][2 * hh + 1] * scale);
+                *reinterpret_cast<float2*>(dkr + plane + dt * 8 + 2 * t) = make_float2(dv_acc[dt][2 * hh], dv_acc[dt][2 * hh + 1]);
+            }
+        }
+    }
+}
+
+// Deterministic dQ (order "split"): query tile outer, key tiles streamed, dQ in registers.
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool Is_causal>
+__global__ void __launch_bounds__(kNWarps * 32)
+flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                    const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                    u16* __restrict__ dq,
+                    int seqlen_q, int seqlen_k, int heads_q, int group,
+                    i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
+                    i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
+                    i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale, int causal_offset) {
+    static_assert(kBlockM == 16 * kNWarps, "each warp owns 16 query rows");
+    static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shape");
+    constexpr int kThreads = kNWarps * 32;
+    constexpr int kNT = kBlockN / 8;
+    constexpr int kDT = kHeadDim / 8;
+    constexpr int kKT = kHeadDim / 16;
+    constexpr int kTile = kBlockN * kHeadDim;
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    u16* sQ = reinterpret_cast<u16*>(smem_raw);
+    u16* sdO = sQ + kBlockM * kHeadDim;
+    u16* sK = sdO + kBlockM * kHeadDim;
+    u16* sV = sK + kStages * kTile;
+
+    const int m_block = gridDim.x - 1 - blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int m0 = m_block * kBlockM;
+    const u16* kg = k + b * k_sb + h_kv * k_sh;
+    const u16* vg = v + b * v_sb + h_kv * v_sh;
+
+    int n_end = (seqlen_k + kBlockN - 1) / kBlockN;
+    if (Is_causal) {
+        const int last_key = min(m0 + kBlockM, seqlen_q) - 1 + causal_offset;
+        n_end = last_key < 0 ? 0 : min(n_end, last_key / kBlockN + 1);
+    }
+
+    load_tile_async<kBlockM, kHeadDim, kThreads>(sQ, q + b * q_sb + h * q_sh, q_ss, m0, seqlen_q, tid);
+    load_tile_async<kBlockM, kHeadDim, kThreads>(sdO, dout + b * do_sb + h * do_sh, do_ss, m0, seqlen_q, tid);
+    cp_async_commit();
+#pragma unroll
+    for (int st = 0; st < kStages - 1; ++st) {
+        if (st < n_end) {
+            load_tile_async<kBlockN, kHeadDim, kThreads>(sK + st * kTile, kg, k_ss, st * kBlockN, seqlen_k, tid);
+            load_tile_async<kBlockN, kHeadDim, kThreads>(sV + st * kTile, vg, v_ss, st * kBlockN, seqlen_k, tid);
+        }
+        cp_async_commit();
+    }
+
+    const float* lse_row = lse + ((i64)b * heads_q + h) * seqlen_q;
+    const float* delta_row = delta + ((i64)b * heads_q + h) * seqlen_q;
+    const int row_base = m0 + warp * 16;
+    float lse_r[2], d_r[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int i = row_base + g + 8 * hh;
+        lse_r[hh] = lse_log2(lse_row, i, seqlen_q);
+        d_r[hh] = i < seqlen_q ? delta_row[i] : 0.f;
+    }
+    const float scale_log2 = scale * kLog2e;
+
+    float dq_acc[kDT][4];
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) dq_acc[dt][0] = dq_acc[dt][1] = dq_acc[dt][2] = dq_acc[dt][3] = 0.f;
+
+    for (int j = 0; j < n_end; ++j) {
+        const int jn = j + kStages - 1;
+        if (jn < n_end) {
+            load_tile_async<kBlockN, kHeadDim, kThreads>(sK + (jn % kStages) * kTile, kg, k_ss, jn * kBlockN, seqlen_k, tid);
+            load_tile_async<kBlockN, kHeadDim, kThreads>(sV + (jn % kStages) * kTile, vg, v_ss, jn * kBlockN, seqlen_k, tid);
+        }
+        cp_async_commit();
+        const u16* tK = sK + (j % kStages) * kTile;
+        const u16* tV = sV + (j % kStages) * kTile;
+        cp_async_wait<kStages - 1>();
+        __syncthreads();
+
+        // [bwd 1] P = exp(scale Q K^T - lse)
+        float s[kNT][4], dp[kNT][4];
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.f;
+        }
+#pragma unroll
+        for (int kk = 0; kk < kKT; ++kk) {
+            u32 a[4], ad[4];
+            load_a<kHeadDim>(a, sQ, warp * 16, kk, lane);
+            load_a<kHeadDim>(ad, sdO, warp * 16, kk, lane);
+#pragma unroll
+            for (int np = 0; np < kNT / 2; ++np) {
+                u32 bf[4];
+                load_b_nk<kHeadDim>(bf, tK, np * 16, kk, lane);
+                Elem<T>::mma(s[2 * np], a, bf[0], bf[1]);
+                Elem<T>::mma(s[2 * np + 1], a, bf[2], bf[3]);
+                // [bwd 3] dP = dO V^T
+                load_b_nk<kHeadDim>(bf, tV, np * 16, kk, lane);
+                Elem<T>::mma(dp[2 * np], ad, bf[0], bf[1]);
+                Elem<T>::mma(dp[2 * np + 1], ad, bf[2], bf[3]);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2, -lse_r[e >> 1]));
+        }
+        const int n0 = j * kBlockN;
+        const bool need_mask = n0 + kBlockN > seqlen_k || (Is_causal && n0 + kBlockN - 1 > m0 + causal_offset);
+        if (need_mask) mask_scores<kNT, Is_causal>(s, row_base, n0, seqlen_k, causal_offset, lane, 0.f);
+        // [bwd 4] dS = P (dP - D), in place of dP.
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[nt][e] = s[nt][e] * (dp[nt][e] - d_r[e >> 1]);
+        }
+        // [bwd 5] dQ += dS K (scale applied once at the end).
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+            u32 a[4];
+            c_to_a<T, kNT>(a, dp, kk);
+#pragma unroll
+            for (int np = 0; np < kDT / 2; ++np) {
+                u32 bf[4];
+                load_b_kn<kHeadDim>(bf, tK, kk * 16, np, lane);
+                Elem<T>::mma(dq_acc[2 * np], a, bf[0], bf[1]);
+                Elem<T>::mma(dq_acc[2 * np + 1], a, bf[2], bf[3]);
+            }
+        }
+        __syncthreads();
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int row = row_base + g + 8 * hh;
+        if (row >= seqlen_q) continue;
+        u16* dqr = dq + b * dq_sb + h * dq_sh + (i64)row * dq_ss;
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt) {
+            *reinterpret_cast<u32*>(dqr + dt * 8 + 2 * t) =
+                Elem<T>::pack(dq_acc[dt][2 * hh] * scale, dq_acc[dt][2 * hh + 1] * scale);
+        }
+    }
+}
+
+// dQ = scale * dq_accum (float32, (batch, heads_q, seqlen_q, d)) cast to T with dq's strides.
+// Grid (ceil(seqlen_q * d / 2 / 256), heads_q, batch); one thread per pair of elements.
+template <class T, int kHeadDim>
+__global__ void __launch_bounds__(256)
+flash_bwd_convert_dq_kernel(const float* __restrict__ dq_accum, u16* __restrict__ dq, int seqlen_q, int heads_q,
+                            i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale) {
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int e = (blockIdx.x * 256 + threadIdx.x) * 2;  // element within this head's seqlen_q x d plane
+    if (e >= seqlen_q * kHeadDim) return;
+    const int i = e / kHeadDim, d = e % kHeadDim;
+    const float2 x = *reinterpret_cast<const float2*>(dq_accum + ((i64)b * heads_q + h) * seqlen_q * kHeadDim + e);
+    *reinterpret_cast<u32*>(dq + b * dq_sb + h * dq_sh + (i64)i * dq_ss + d) = Elem<T>::pack(x.x * scale, x.y * scale);
+}
+
+// GQA/MQA: dK[b, :, hk] = sum over the group's query heads of the per-head workspace, in a fixed order.
+// Grid (ceil(seqlen_k * d / 2 / 256), heads_kv, batch).
+template <class T, int kHeadDim>
+__global__ void __launch_bounds__(256)
+flash_bwd_reduce_dkv_kernel(const float* __restrict__ dkv_accum, u16* __restrict__ dk, u16* __restrict__ dv,
+                            int seqlen_k, int group, i64 plane,
+                            i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh) {
+    const int hk = blockIdx.y, b = blockIdx.z;
+    const int heads_q = gridDim.y * group;
+    const int e = (blockIdx.x * 256 + threadIdx.x) * 2;
+    if (e >= seqlen_k * kHeadDim) return;
+    const int j = e / kHeadDim, d = e % kHeadDim;
+    float2 sk = make_float2(0.f, 0.f), sv = make_float2(0.f, 0.f);
+    for (int gi = 0; gi < group; ++gi) {
+        const i64 off = ((i64)b * heads_q + hk * group + gi) * seqlen_k * kHeadDim + e;
+        const float2 xk = *reinterpret_cast<const float2*>(dkv_accum + off);
+        const float2 xv = *reinterpret_cast<const float2*>(dkv_accum + plane + off);
+        sk.x += xk.x; sk.y += xk.y;
+        sv.x += xv.x; sv.y += xv.y;
+    }
+    *reinterpret_cast<u32*>(dk + b * dk_sb + hk * dk_sh + (i64)j * dk_ss + d) = Elem<T>::pack(sk.x, sk.y);
+    *reinterpret_cast<u32*>(dv + b * dv_sb + hk * dv_sh + (i64)j * dv_ss + d) = Elem<T>::pack(sv.x, sv.y);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// float32 path: SIMT, deterministic, no workspace. One warp per query row for dQ (lanes over keys for
+// the scores, over the head dimension for dQ); one warp per key row of a key/value head for dK and dV,
+// looping over the query heads of its group and over the queries (lanes over queries, then over d).
+template <int kHeadDim, bool Is_causal>
+__global__ void __launch_bounds__(128, 1)
+flash_bwd_dq_f32_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                        const float* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                        float* __restrict__ dq, int seqlen_q, int seqlen_k, int heads_q, int group,
+                        i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
+                        i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
+                        i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale, int causal_offset) {
+    constexpr int kPer = kHeadDim / 32;
+    __shared__ float sq[4][kHeadDim], sdo[4][kHeadDim];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row = blockIdx.x * 4 + warp;
+    const int h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
+    if (row >= seqlen_q) return;
+    const float* qrow = q + b * q_sb + h * q_sh + (i64)row * q_ss;
+    const float* dorow = dout + b * do_sb + h * do_sh + (i64)row * do_ss;
+#pragma unroll
+    for (int c = 0; c < kPer; ++c) {
+        sq[warp][lane + 32 * c] = qrow[lane + 32 * c];
+        sdo[warp][lane + 32 * c] = dorow[lane + 32 * c];
+    }
+    __syncwarp();
+    const float* kg = k + b * k_sb + h_kv * k_sh;
+    const float* vg = v + b * v_sb + h_kv * v_sh;
+    const float l = lse[((i64)b * heads_q + h) * seqlen_q + row];
+    const float dd = delta[((i64)b * heads_q + h) * seqlen_q + row];
+    int n_keys = l == -CUFLASH_INF ? 0 : seqlen_k;
+    if (Is_causal) n_keys = max(0, min(n_keys, row + causal_offset + 1));
+    float acc[kPer];
+#pragma unroll
+    for (int c = 0; c < kPer; ++c) acc[c] = 0.f;
+    for (int j0 = 0; j0 < n_keys; j0 += 32) {
+        const int key = j0 + lane;
+        float ds = 0.f;
+        if (key < n_keys) {
+            const float* krow = kg + (i64)key * k_ss;
+            const float* vrow = vg + (i64)key * v_ss;
+            float s = 0.f, dp = 0.f;
+#pragma unroll 8
+            for (int d = 0; d < kHeadDim; ++d) {
+                s = fmaf(sq[warp][d], krow[d], s);
+                dp = fmaf(sdo[warp][d], vrow[d], dp);
+            }
+            const float p = expf(s * scale - l);  // [bwd 1]
+            ds = p * (dp - dd);                   // [bwd 3], [bwd 4]
+        }
+        const int nk = min(32, n_keys - j0);
+        for (int jj = 0; jj < nk; ++jj) {  // [bwd 5]
+            const float dsj = __shfl_sync(0xffffffffu, ds, jj);
+            const float* krow = kg + (i64)(j0 + jj) * k_ss;
+#pragma unroll
+            for (int c = 0; c < kPer; ++c) acc[c] = fmaf(dsj, krow[lane + 32 * c], acc[c]);
+        }
+    }
+    float* dqr = dq + b * dq_sb + h * dq_sh + (i64)row * dq_ss;
+#pragma unroll
+    for (int c = 0; c < kPer; ++c) dqr[lane + 32 * c] = acc[c] * scale;
+}
+
+template <int kHeadDim, bool Is_causal>
+__global__ void __launch_bounds__(128, 1)
+flash_bwd_dkdv_f32_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                          const float* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                          float* __restrict__ dk, float* __restrict__ dv, int seqlen_q, int seqlen_k, int heads_q, int group,
+                          i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
+                          i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
+                          i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
+                          float scale, int causal_offset) {
+    constexpr int kPer = kHeadDim / 32;
+    __shared__ float sk[4][kHeadDim], sv[4][kHeadDim];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int key = blockIdx.x * 4 + warp;
+    const int hk = blockIdx.y, b = blockIdx.z;
+    if (key >= seqlen_k) return;
+    const float* krow = k + b * k_sb + hk * k_sh + (i64)key * k_ss;
+    const float* vrow = v + b * v_sb + hk * v_sh + (i64)key * v_ss;
+#pragma unroll
+    for (int c = 0; c < kPer; ++c) {
+        sk[warp][lane + 32 * c] = krow[lane + 32 * c];
+        sv[warp][lane + 32 * c] = vrow[lane + 32 * c];
+    }
+    __syncwarp();
+    float dk_acc[kPer], dv_acc[kPer];
+#pragma unroll
+    for (int c = 0; c < kPer; ++c) dk_acc[c] = dv_acc[c] = 0.f;
+    // Causal: query i sees this key iff i >= key - causal_offset.
+    const int i_begin = Is_causal ? max(0, key - causal_offset) : 0;
+    for (int gi = 0; gi < group; ++gi) {
+        const int h = hk * group + gi;
+        const float* qg = q + b * q_sb + h * q_sh;
+        const float* dog = dout + b * do_sb + h * do_sh;
+        const float* lse_row = lse + ((i64)b * heads_q + h) * seqlen_q;
+        const float* delta_row = delta + ((i64)b * heads_q + h) * seqlen_q;
+        for (int i0 = i_begin; i0 < seqlen_q; i0 += 32) {
+            const int i = i0 + lane;
+            float p = 0.f, ds = 0.f;
+            if (i < seqlen_q && lse_row[i] != -CUFLASH_INF) {
+                const float* qr = qg + (i64)i * q_ss;
+                const float* dr = dog + (i64)i * do_ss;
+                float s = 0.f, dp = 0.f;
+#pragma unroll 2
+                for (int d = 0; d < kHeadDim; ++d) {
+                    s = fmaf(qr[d], sk[warp][d], s);
+                    dp = fmaf(dr[d], sv[warp][d], dp);
+                }
+                p = expf(s * scale - lse_row[i]);  // [bwd 1]
+                ds = p * (dp - delta_row[i]);      // [bwd 3], [bwd 4]
+            }
+            const int ni = min(32, seqlen_q - i0);
+            for (int ii = 0; ii < ni; ++ii) {
+                const float pi = __shfl_sync(0xffffffffu, p, ii);
+                const float dsi = __shfl_sync(0xffffffffu, ds, ii);
+                const float* qr = qg + (i64)(i0 + ii) * q_ss;
+                const float* dr = dog + (i64)(i0 + ii) * do_ss;
+#pragma unroll
+                for (int c = 0; c < kPer; ++c) {
+                    dv_acc[c] = fmaf(pi, dr[lane + 32 * c], dv_acc[c]);  // [bwd 2]
+                    dk_acc[c] = fmaf(dsi, qr[lane + 32 * c], dk_acc[c]);  // [bwd 6]
+                }
+            }
+        }
+    }
+    float* dkr = dk + b * dk_sb + hk * dk_sh + (i64)key * dk_ss;
+    float* dvr = dv + b * dv_sb + hk * dv_sh + (i64)key * dv_ss;
+#pragma unroll
+    for (int c = 0; c < kPer; ++c) {
+        dkr[lane + 32 * c] = dk_acc[c] * scale;
+        dvr[lane + 32 * c] = dv_acc[c];
+    }
+}
+
+}  // namespace cuflash

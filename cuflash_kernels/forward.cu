@@ -1,0 +1,233 @@
+// cuflash forward kernels (FlashAttention-2 order), mirroring cuflash/reference.py:fa2_forward.
+//
+// Algorithm (flash_fwd_kernel, float16/bfloat16): one thread block owns one query tile of kBlockM rows of
+// one (batch, query head). Each of its kNWarps warps owns 16 query rows. The block streams the key/value
+// tiles of kBlockN rows through a ring of kStages shared-memory buffers with cp.async (K and V are
+// separate commit groups, so V of tile j still loads while S = Q K_j^T is computed); per tile it forms
+// the scores in float32 registers with mma.sync, updates the running row max / sum (online softmax, exp2
+// with log2(e) folded into the scale), keeps P in registers as the A operand of P @ V, and normalizes
+// the output once at the end. lse (natural log) is written per row.
+// Causal masking skips key tiles wholly above the diagonal; only tiles that cross the diagonal or the
+// end of the key sequence are masked element by element.
+//
+// Grid: (ceil(seqlen_q / kBlockM), heads_q, batch); query tiles are taken last-first so the longest
+// causal tiles start first. Key/value head = query head / group (GQA/MQA without expanding K, V).
+//
+// Shared memory (16-bit elements): Q kBlockM x d + kStages x (K + V) kBlockN x d, swizzled;
+// bytes = 2 * d * (kBlockM + 2 * kStages * kBlockN), e.g. d = 128, 128 x 64, 2 stages: 96 KiB.
+//
+// flash_fwd_f32_kernel: the float32 path, plain SIMT float32 arithmetic (no tensor cores): one warp per
+// query row, lanes over keys for the scores and over the head dimension for the output.
+#include "cuflash_tiles.cuh"
+
+namespace cuflash {
+
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool Is_causal>
+__global__ void __launch_bounds__(kNWarps * 32)
+flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                 u16* __restrict__ o, float* __restrict__ lse,
+                 int seqlen_q, int seqlen_k, int heads_q, int group,
+                 i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
+                 i64 v_sb, i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh,
+                 float scale_log2, int causal_offset) {
+    static_assert(kBlockM == 16 * kNWarps, "each warp owns 16 query rows");
+    static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shape");
+    static_assert(kStages >= 1, "at least one key/value buffer");
+    constexpr int kThreads = kNWarps * 32;
+    constexpr int kNT = kBlockN / 8;     // n8 tiles of a score row block
+    constexpr int kDT = kHeadDim / 8;    // n8 tiles of an output row block
+    constexpr int kKT = kHeadDim / 16;   // k16 steps of Q K^T
+    constexpr int kTile = kBlockN * kHeadDim;
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    u16* sQ = reinterpret_cast<u16*>(smem_raw);
+    u16* sK = sQ + kBlockM * kHeadDim;
+    u16* sV = sK + kStages * kTile;
+
+    const int m_block = gridDim.x - 1 - blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int m0 = m_block * kBlockM;
+
+    const u16* qg = q + b * q_sb + h * q_sh;
+    const u16* kg = k + b * k_sb + h_kv * k_sh;
+    const u16* vg = v + b * v_sb + h_kv * v_sh;
+
+    // Key tiles [0, n_end): causal rows see keys j <= i + causal_offset.
+    int n_end = (seqlen_k + kBlockN - 1) / kBlockN;
+    if (Is_causal) {
+        const int last_key = min(m0 + kBlockM, seqlen_q) - 1 + causal_offset;
+        n_end = last_key < 0 ? 0 : min(n_end, last_key / kBlockN + 1);
+    }
+
+    // [fa2-fwd 1] load the query block (its own commit group), then the first kStages - 1 K/V tiles.
+    load_tile_async<kBlockM, kHeadDim, kThreads>(sQ, qg, q_ss, m0, seqlen_q, tid);
+    cp_async_commit();
+#pragma unroll
+    for (int st = 0; st < kStages - 1; ++st) {
+        if (st < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sK + st * kTile, kg, k_ss, st * kBlockN, seqlen_k, tid);
+        cp_async_commit();
+        if (st < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sV + st * kTile, vg, v_ss, st * kBlockN, seqlen_k, tid);
+        cp_async_commit();
+    }
+
+    float acc[kDT][4];
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.f;
+    OnlineSoftmax sm;
+    sm.init();
+    const int row_base = m0 + warp * 16;
+
+    for (int j = 0; j < n_end; ++j) {
+        // Refill the buffer freed at the end of iteration j - 1 with tile j + kStages - 1.
+        const int jn = j + kStages - 1;
+        const int buf_n = jn % kStages;
+        if (jn < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sK + buf_n * kTile, kg, k_ss, jn * kBlockN, seqlen_k, tid);
+        cp_async_commit();
+        if (jn < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sV + buf_n * kTile, vg, v_ss, jn * kBlockN, seqlen_k, tid);
+        cp_async_commit();
+        const u16* tK = sK + (j % kStages) * kTile;
+        const u16* tV = sV + (j % kStages) * kTile;
+
+        cp_async_wait<2 * kStages - 1>();  // Q and K_j have landed; V_j may still be in flight
+        __syncthreads();
+
+        // [fa2-fwd 2] S = scale * Q K^T (times log2(e), for exp2), masked.
+        float s[kNT][4];
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < kKT; ++kk) {
+            u32 a[4];
+            load_a<kHeadDim>(a, sQ, warp * 16, kk, lane);
+#pragma unroll
+            for (int np = 0; np < kNT / 2; ++np) {
+                u32 bf[4];
+                load_b_nk<kHeadDim>(bf, tK, np * 16, kk, lane);
+                Elem<T>::mma(s[2 * np], a, bf[0], bf[1]);
+                Elem<T>::mma(s[2 * np + 1], a, bf[2], bf[3]);
+            }
+        }
+        scale_scores<kNT>(s, scale_log2);
+        const int n0 = j * kBlockN;
+        const bool need_mask = n0 + kBlockN > seqlen_k || (Is_causal && n0 + kBlockN - 1 > m0 + causal_offset);
+        if (need_mask) mask_scores<kNT, Is_causal>(s, row_base, n0, seqlen_k, causal_offset, lane, -CUFLASH_INF);
+
+        // [fa2-fwd 3] and [fa2-fwd 4]
+        sm.update(s, acc);
+
+        cp_async_wait<2 * kStages - 2>();  // V_j has landed
+        __syncthreads();
+
+        // [fa2-fwd 5] acc += P V, P cast to the input dtype and used straight from registers.
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+            u32 a[4];
+            c_to_a<T, kNT>(a, s, kk);
+#pragma unroll
+            for (int np = 0; np < kDT / 2; ++np) {
+                u32 bf[4];
+                load_b_kn<kHeadDim>(bf, tV, kk * 16, np, lane);
+                Elem<T>::mma(acc[2 * np], a, bf[0], bf[1]);
+                Elem<T>::mma(acc[2 * np + 1], a, bf[2], bf[3]);
+            }
+        }
+        __syncthreads();  // every warp is done with buffer j % kStages before it is refilled
+    }
+    cp_async_wait<0>();
+
+    // [fa2-fwd 6] O = acc / l, lse = m + log l; rows that saw no key: O = 0, lse = -inf.
+    const int g = lane >> 2, t = lane & 3;
+    u16* og = o + b * o_sb + h * o_sh;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const float l = quad_sum(sm.l[hh]);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int row = row_base + g + 8 * hh;
+        if (row < seqlen_q) {
+            u16* orow = og + (i64)row * o_ss;
+#pragma unroll
+            for (int dt = 0; dt < kDT; ++dt) {
+                *reinterpret_cast<u32*>(orow + dt * 8 + 2 * t) =
+                    Elem<T>::pack(acc[dt][2 * hh] * inv, acc[dt][2 * hh + 1] * inv);
+            }
+            if (t == 0) {
+                lse[((i64)b * heads_q + h) * seqlen_q + row] =
+                    l > 0.f ? (sm.m[hh] + __log2f(l)) * kLn2 : -CUFLASH_INF;
+            }
+        }
+    }
+}
+
+// float32 forward: plain SIMT arithmetic, one warp per query row. Lane j scores key (chunk + j) with a
+// full dot product, the chunk's max/sum are warp reductions, and lane j accumulates head-dimension
+// elements j, j + 32, ... of the output. Same online-softmax steps as the tensor-core kernel.
+template <int kHeadDim, bool Is_causal>
+__global__ void __launch_bounds__(128, 1)
+flash_fwd_f32_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                     float* __restrict__ o, float* __restrict__ lse,
+                     int seqlen_q, int seqlen_k, int heads_q, int group,
+                     i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
+                     i64 v_sb, i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh,
+                     float scale_log2, int causal_offset) {
+    static_assert(kHeadDim % 32 == 0, "head dim");
+    constexpr int kPer = kHeadDim / 32;
+    __shared__ float sq[4][kHeadDim];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row = blockIdx.x * 4 + warp;
+    const int h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
+    if (row >= seqlen_q) return;  // whole warp leaves together; no block-wide barrier follows
+    const float* qrow = q + b * q_sb + h * q_sh + (i64)row * q_ss;
+    const float* kg = k + b * k_sb + h_kv * k_sh;
+    const float* vg = v + b * v_sb + h_kv * v_sh;
+    // [fa2-fwd 1]
+#pragma unroll
+    for (int c = 0; c < kPer; ++c) sq[warp][lane + 32 * c] = qrow[lane + 32 * c];
+    __syncwarp();
+
+    int n_keys = seqlen_k;
+    if (Is_causal) n_keys = max(0, min(seqlen_k, row + causal_offset + 1));
+    float acc[kPer];
+#pragma unroll
+    for (int c = 0; c < kPer; ++c) acc[c] = 0.f;
+    float m = -CUFLASH_INF, l = 0.f;
+    for (int j0 = 0; j0 < n_keys; j0 += 32) {
+        const int key = j0 + lane;
+        // [fa2-fwd 2]
+        float s = -CUFLASH_INF;
+        if (key < n_keys) {
+            const float* krow = kg + (i64)key * k_ss;
+            float dot = 0.f;
+#pragma unroll 8
+            for (int d = 0; d < kHeadDim; ++d) dot = fmaf(sq[warp][d], krow[d], dot);
+            s = dot * scale_log2;
+        }
+        // [fa2-fwd 3]
+        const float m_new = fmaxf(m, warp_max(s));
+        const float corr = exp2f(m - m_new);
+        // [fa2-fwd 4]
+        const float p = key < n_keys ? exp2f(s - m_new) : 0.f;
+        l = l * corr + warp_sum(p);
+        m = m_new;
+        // [fa2-fwd 5]
+#pragma unroll
+        for (int c = 0; c < kPer; ++c) acc[c] *= corr;
+        const int nk = min(32, n_keys - j0);
+        for (int jj = 0; jj < nk; ++jj) {
+            const float pj = __shfl_sync(0xffffffffu, p, jj);
+            const float* vrow = vg + (i64)(j0 + jj) * v_ss;
+#pragma unroll
+            for (int c = 0; c < kPer; ++c) acc[c] = fmaf(pj, vrow[lane + 32 * c], acc[c]);
+        }
+    }
+    // [fa2-fwd 6]
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    float* orow = o + b * o_sb + h * o_sh + (i64)row * o_ss;
+#pragma unroll
+    for (int c = 0; c < kPer; ++c) orow[lane + 32 * c] = acc[c] * inv;
+    if (lane == 0) {
+        lse[((i64)b * heads_q + h) * seqlen_q + row] = l > 0.f ? m * kLn2 + logf(l) : -CUFLASH_INF;
+    }
+}
+
+}  // namespace cuflash
