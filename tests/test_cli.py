@@ -116,3 +116,18 @@ def test_usage_errors(capsys):
     )
     assert cli.main(["demo", "--help"]) == 0
     assert "--backend" in capsys.readouterr().out
+
+
+def test_bench_passes_its_arguments_through(monkeypatch):
+    """``bench`` picks bench_gpu with CuPy and a GPU, else bench_cpu, and hands it argv unchanged."""
+    import types
+
+    calls = []
+    for which in ("cpu", "gpu"):
+        fake = types.ModuleType(f"cuflash.bench_{which}")
+        fake.main = lambda argv, which=which: calls.append((which, argv)) or 0
+        monkeypatch.setitem(sys.modules, f"cuflash.bench_{which}", fake)
+    expected = "gpu" if cli.gpu_available() else "cpu"
+    assert cli.main(["bench", "--seqlen", "512", "--causal"]) == 0
+    assert cli.main(["bench-cpu", "--quick"]) == 0
+    assert calls == [(expected, ["--seqlen", "512", "--causal"]), ("cpu", ["--quick"])]
