@@ -185,14 +185,19 @@ class _CpuMeter:
     def run(self, fn, repeat):
         import tracemalloc
 
-        tracemalloc.start()
-        tracemalloc.reset_peak()
-        base = tracemalloc.get_traced_memory()[0]
-        t0 = time.perf_counter()
-        result = fn()
-        first = time.perf_counter() - t0
-        peak = tracemalloc.get_traced_memory()[1] - base
-        tracemalloc.stop()
+        was_tracing = tracemalloc.is_tracing()
+        if not was_tracing:
+            tracemalloc.start()
+        try:
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
+            t0 = time.perf_counter()
+            result = fn()
+            first = time.perf_counter() - t0
+            peak = tracemalloc.get_traced_memory()[1] - base
+        finally:  # also when fn raises: never leave tracing on behind the caller's back
+            if not was_tracing:
+                tracemalloc.stop()
         times = [first]
         for _ in range(repeat - 1):
             t0 = time.perf_counter()

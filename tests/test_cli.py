@@ -101,6 +101,16 @@ def test_bench_gpu_without_gpu_is_a_clear_error(capsys):
     assert "bench" in err and ("needs CuPy and a CUDA GPU" in err or "not available" in err)
 
 
+def test_demo_leaves_tracemalloc_off(capsys):
+    """Even when the library raises mid-measurement (here: a refused problem)."""
+    import tracemalloc
+
+    assert cli.main(["demo", "--backend", "numpy", *SMALL, "--heads", "3", "--heads-kv", "2"]) == 2
+    assert not tracemalloc.is_tracing()
+    assert cli.main(["demo", "--backend", "numpy", *SMALL]) == 0
+    assert not tracemalloc.is_tracing()
+
+
 def test_usage_errors(capsys):
     assert cli.main([]) == 2
     assert "usage: python -m cuflash" in capsys.readouterr().err
