@@ -64,21 +64,21 @@ class Tile(NamedTuple):
 
 
 # The tile table: (direction, arch class, head dim) -> Tile, shared by float16 and bfloat16.
-# direction "fwd": flash_fwd_kernel (block_m = 16 * warps query rows).
+# direction "fwd": flash_fwd_kernel (block_m = 16 or 32 query rows per warp).
 # direction "bwd": flash_bwd_dkdv_kernel (block_n = 16 * warps key rows, block_m streamed query rows).
 # direction "bwd_dq": flash_bwd_dq_kernel of the split order (block_m = 16 * warps query rows).
 # Arch classes: "sm90" (H100/H200: 227 KiB shared memory per block), "sm80" (A100: 163 KiB),
 # "sm86" (sm_86/87/89 consumer and workstation parts: 99 KiB).
 TILES: dict[tuple[str, str, int], Tile] = {
-    ("fwd", "sm90", 32): Tile(128, 128, 8, 2),
-    ("fwd", "sm90", 64): Tile(128, 128, 8, 2),
-    ("fwd", "sm90", 96): Tile(128, 64, 8, 2),
-    ("fwd", "sm90", 128): Tile(128, 64, 8, 2),
+    ("fwd", "sm90", 32): Tile(128, 128, 4, 2),
+    ("fwd", "sm90", 64): Tile(128, 64, 4, 2),
+    ("fwd", "sm90", 96): Tile(128, 64, 4, 2),
+    ("fwd", "sm90", 128): Tile(128, 128, 8, 2),
     ("fwd", "sm90", 256): Tile(128, 64, 8, 2),
-    ("fwd", "sm80", 32): Tile(128, 128, 8, 2),
-    ("fwd", "sm80", 64): Tile(128, 128, 8, 2),
-    ("fwd", "sm80", 96): Tile(128, 64, 8, 2),
-    ("fwd", "sm80", 128): Tile(128, 64, 8, 2),
+    ("fwd", "sm80", 32): Tile(128, 128, 4, 2),
+    ("fwd", "sm80", 64): Tile(128, 64, 4, 2),
+    ("fwd", "sm80", 96): Tile(128, 64, 4, 2),
+    ("fwd", "sm80", 128): Tile(128, 32, 4, 2),
     ("fwd", "sm80", 256): Tile(64, 32, 4, 2),
     ("fwd", "sm86", 32): Tile(128, 128, 8, 2),
     ("fwd", "sm86", 64): Tile(128, 128, 8, 2),
@@ -105,8 +105,8 @@ TILES: dict[tuple[str, str, int], Tile] = {
     ("bwd_dq", "sm80", 64): Tile(64, 128, 4, 2),
     ("bwd_dq", "sm80", 96): Tile(64, 64, 4, 2),
     ("bwd_dq", "sm80", 128): Tile(64, 64, 4, 2),
-    ("bwd_dq", "sm86", 32): Tile(64, 64, 4, 2),
-    ("bwd_dq", "sm86", 64): Tile(64, 64, 4, 2),
+    ("bwd_dq", "sm86", 32): Tile(64, 128, 4, 2),
+    ("bwd_dq", "sm86", 64): Tile(64, 128, 4, 2),
     ("bwd_dq", "sm86", 96): Tile(64, 64, 4, 1),
     ("bwd_dq", "sm86", 128): Tile(64, 64, 4, 1),
 }
@@ -161,7 +161,9 @@ def _dq_smem(d: int, t: Tile) -> int:
 def _check_tile(direction: str, d: int, t: Tile) -> None:
     """The constraints each kernel static_asserts, checked before compiling a user-chosen tile."""
     ok = t.block_m % 16 == 0 and t.block_n % 16 == 0 and t.stages >= 1 and 1 <= t.warps <= 16
-    if direction in ("fwd", "bwd_dq"):
+    if direction == "fwd":
+        ok = ok and t.block_m % (16 * t.warps) == 0 and t.block_m // (16 * t.warps) in (1, 2)
+    elif direction == "bwd_dq":
         ok = ok and t.block_m == 16 * t.warps
     else:
         mt = t.block_m // 16
@@ -238,7 +240,7 @@ def _kernel(source: str, name: str, smem: int = 0):
     """The compiled kernel ``name`` of ``source`` for the current device (compiled once, then cached)."""
     import cupy
 
-    dev = cupy.cuda.Device().id
+    dev = cupy.cuda.runtime.getDevice()
     key = (dev, source, NVRTC_OPTIONS, name)
     with _lock:
         entry = _modules.get(key)
@@ -254,13 +256,19 @@ def _kernel(source: str, name: str, smem: int = 0):
     return entry[0]
 
 
+_device_cache: dict = {}
+
+
 def _device_info():
+    """(compute capability as an int, opt-in shared memory per block) of the current device, cached."""
     import cupy
 
-    dev = cupy.cuda.Device()
-    cc = int(dev.compute_capability)
-    smem_optin = int(dev.attributes["MaxSharedMemoryPerBlockOptin"])
-    return cc, smem_optin
+    dev_id = cupy.cuda.runtime.getDevice()
+    info = _device_cache.get(dev_id)
+    if info is None:
+        dev = cupy.cuda.Device(dev_id)
+        info = _device_cache[dev_id] = (int(dev.compute_capability), int(dev.attributes["MaxSharedMemoryPerBlockOptin"]))
+    return info
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -300,7 +308,12 @@ def _tile(direction: str, d: int, block_q, block_k) -> Tile:
     if block_q is not None or block_k is not None:
         bm = block_q if block_q is not None else t.block_m
         bn = block_k if block_k is not None else t.block_n
-        warps = bm // 16 if direction != "bwd" else bn // 16
+        if direction == "bwd":
+            warps = bn // 16
+        elif direction == "fwd" and bm % (16 * t.warps) == 0 and bm // (16 * t.warps) in (1, 2):
+            warps = t.warps
+        else:
+            warps = bm // 16
         t = Tile(bm, bn, max(warps, 1), t.stages)
         _check_tile(direction, d, t)
     return t

@@ -1,7 +1,8 @@
 // cuflash forward kernels (FlashAttention-2 order), mirroring cuflash/reference.py:fa2_forward.
 //
 // Algorithm (flash_fwd_kernel, float16/bfloat16): one thread block owns one query tile of kBlockM rows of
-// one (batch, query head). Each of its kNWarps warps owns 16 query rows. The block streams the key/value
+// one (batch, query head). Each of its kNWarps warps owns kBlockM / kNWarps query rows (1 or 2 mma tiles
+// of 16; with 2, every K/V fragment read from shared memory feeds two mma, halving shared-memory traffic). The block streams the key/value
 // tiles of kBlockN rows through a ring of kStages shared-memory buffers with cp.async (K and V are
 // separate commit groups, so V of tile j still loads while S = Q K_j^T is computed); per tile it forms
 // the scores in float32 registers with mma.sync, updates the running row max / sum (online softmax, exp2
@@ -30,10 +31,11 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                  i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                  i64 v_sb, i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh,
                  float scale_log2, int causal_offset) {
-    static_assert(kBlockM == 16 * kNWarps, "each warp owns 16 query rows");
+    static_assert(kBlockM % (16 * kNWarps) == 0, "each warp owns kMT x 16 query rows");
     static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shape");
     static_assert(kStages >= 1, "at least one key/value buffer");
     constexpr int kThreads = kNWarps * 32;
+    constexpr int kMT = kBlockM / (16 * kNWarps);  // 16-row mma tiles per warp: B fragments read once, used kMT times
     constexpr int kNT = kBlockN / 8;     // n8 tiles of a score row block
     constexpr int kDT = kHeadDim / 8;    // n8 tiles of an output row block
     constexpr int kKT = kHeadDim / 16;   // k16 steps of Q K^T
@@ -71,12 +73,15 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         cp_async_commit();
     }
 
-    float acc[kDT][4];
+    float acc[kMT][kDT][4];
+    OnlineSoftmax sm[kMT];
 #pragma unroll
-    for (int dt = 0; dt < kDT; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.f;
-    OnlineSoftmax sm;
-    sm.init();
-    const int row_base = m0 + warp * 16;
+    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt) acc[mt][dt][0] = acc[mt][dt][1] = acc[mt][dt][2] = acc[mt][dt][3] = 0.f;
+        sm[mt].init();
+    }
+    const int row_base = m0 + warp * 16 * kMT;
 
     for (int j = 0; j < n_end; ++j) {
         // Refill the buffer freed at the end of iteration j - 1 with tile j + kStages - 1.
@@ -93,28 +98,39 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         __syncthreads();
 
         // [fa2-fwd 2] S = scale * Q K^T (times log2(e), for exp2), masked.
-        float s[kNT][4];
+        float s[kMT][kNT][4];
 #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+        for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
+        }
 #pragma unroll
         for (int kk = 0; kk < kKT; ++kk) {
-            u32 a[4];
-            load_a<kHeadDim>(a, sQ, warp * 16, kk, lane);
+            u32 a[kMT][4];
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) load_a<kHeadDim>(a[mt], sQ, (warp * kMT + mt) * 16, kk, lane);
 #pragma unroll
             for (int np = 0; np < kNT / 2; ++np) {
                 u32 bf[4];
                 load_b_nk<kHeadDim>(bf, tK, np * 16, kk, lane);
-                Elem<T>::mma(s[2 * np], a, bf[0], bf[1]);
-                Elem<T>::mma(s[2 * np + 1], a, bf[2], bf[3]);
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) {
+                    Elem<T>::mma(s[mt][2 * np], a[mt], bf[0], bf[1]);
+                    Elem<T>::mma(s[mt][2 * np + 1], a[mt], bf[2], bf[3]);
+                }
             }
         }
-        scale_scores<kNT>(s, scale_log2);
         const int n0 = j * kBlockN;
         const bool need_mask = n0 + kBlockN > seqlen_k || (Is_causal && n0 + kBlockN - 1 > m0 + causal_offset);
-        if (need_mask) mask_scores<kNT, Is_causal>(s, row_base, n0, seqlen_k, causal_offset, lane, -CUFLASH_INF);
-
-        // [fa2-fwd 3] and [fa2-fwd 4]
-        sm.update(s, acc);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+            scale_scores<kNT>(s[mt], scale_log2);
+            if (need_mask) {
+                mask_scores<kNT, Is_causal>(s[mt], row_base + mt * 16, n0, seqlen_k, causal_offset, lane, -CUFLASH_INF);
+            }
+            // [fa2-fwd 3] and [fa2-fwd 4]
+            sm[mt].update(s[mt], acc[mt]);
+        }
 
         cp_async_wait<2 * kStages - 2>();  // V_j has landed
         __syncthreads();
@@ -122,14 +138,18 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         // [fa2-fwd 5] acc += P V, P cast to the input dtype and used straight from registers.
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
-            u32 a[4];
-            c_to_a<T, kNT>(a, s, kk);
+            u32 a[kMT][4];
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) c_to_a<T, kNT>(a[mt], s[mt], kk);
 #pragma unroll
             for (int np = 0; np < kDT / 2; ++np) {
                 u32 bf[4];
                 load_b_kn<kHeadDim>(bf, tV, kk * 16, np, lane);
-                Elem<T>::mma(acc[2 * np], a, bf[0], bf[1]);
-                Elem<T>::mma(acc[2 * np + 1], a, bf[2], bf[3]);
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) {
+                    Elem<T>::mma(acc[mt][2 * np], a[mt], bf[0], bf[1]);
+                    Elem<T>::mma(acc[mt][2 * np + 1], a[mt], bf[2], bf[3]);
+                }
             }
         }
         __syncthreads();  // every warp is done with buffer j % kStages before it is refilled
@@ -140,20 +160,23 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     const int g = lane >> 2, t = lane & 3;
     u16* og = o + b * o_sb + h * o_sh;
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const float l = quad_sum(sm.l[hh]);
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        const int row = row_base + g + 8 * hh;
-        if (row < seqlen_q) {
-            u16* orow = og + (i64)row * o_ss;
+    for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
-            for (int dt = 0; dt < kDT; ++dt) {
-                *reinterpret_cast<u32*>(orow + dt * 8 + 2 * t) =
-                    Elem<T>::pack(acc[dt][2 * hh] * inv, acc[dt][2 * hh + 1] * inv);
-            }
-            if (t == 0) {
-                lse[((i64)b * heads_q + h) * seqlen_q + row] =
-                    l > 0.f ? (sm.m[hh] + __log2f(l)) * kLn2 : -CUFLASH_INF;
+        for (int hh = 0; hh < 2; ++hh) {
+            const float l = quad_sum(sm[mt].l[hh]);
+            const float inv = l > 0.f ? 1.f / l : 0.f;
+            const int row = row_base + mt * 16 + g + 8 * hh;
+            if (row < seqlen_q) {
+                u16* orow = og + (i64)row * o_ss;
+#pragma unroll
+                for (int dt = 0; dt < kDT; ++dt) {
+                    *reinterpret_cast<u32*>(orow + dt * 8 + 2 * t) =
+                        Elem<T>::pack(acc[mt][dt][2 * hh] * inv, acc[mt][dt][2 * hh + 1] * inv);
+                }
+                if (t == 0) {
+                    lse[((i64)b * heads_q + h) * seqlen_q + row] =
+                        l > 0.f ? (sm[mt].m[hh] + __log2f(l)) * kLn2 : -CUFLASH_INF;
+                }
             }
         }
     }

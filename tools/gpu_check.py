@@ -231,12 +231,56 @@ def bench(torch, cp, cuda, quick):
     return rows
 
 
+FWD_SWEEP = {
+    64: [(128, 128, 8, 2), (128, 64, 4, 2), (128, 64, 4, 3), (128, 32, 4, 2)],
+    128: [(128, 64, 8, 2), (128, 32, 4, 2), (128, 128, 8, 2), (128, 64, 4, 2)],
+}
+
+
+def sweep(torch, cp, cuda):
+    """Forward tile candidates: check against torch flash, then time at N = 4096 (ANCHORS grid)."""
+    import triton.testing as tt
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    rows = []
+    cc = cp.cuda.Device().compute_capability
+    arch = cuda._arch_class(int(cc))
+    for d, cands in FWD_SWEEP.items():
+        saved = cuda.TILES[("fwd", arch, d)]
+        N = 4096
+        B, H = 16384 // N, 2048 // d
+        q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        qc, kc, vc = (cp.from_dlpack(x.transpose(1, 2)) for x in (q, k, v))
+        for cand in cands:
+            cuda.TILES[("fwd", arch, d)] = cuda.Tile(*cand)
+            for causal in (False, True):
+                off = 0 if causal else None
+                fn = lambda: cuda.forward(qc, kc, vc, scale=d ** -0.5, causal_offset=off, algorithm="fa2",
+                                          block_q=None, block_k=None)
+                try:
+                    o, _ = fn()
+                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                        o_t = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                    diff = float((torch.from_dlpack(o).transpose(1, 2).float() - o_t.float()).abs().max())
+                    ms = tt.do_bench(fn, warmup=25, rep=100, return_mode="median")
+                    tf = 4 * B * H * N * N * d / (2 if causal else 1) / ms / 1e9
+                except Exception as exc:
+                    diff, tf = float("nan"), 0.0
+                    log("sweep EXC", d, cand, exc)
+                rows.append((d, cand, causal, tf, diff))
+                log("sweep", d, cand, causal, f"{tf:.0f}", f"{diff:.3g}")
+        cuda.TILES[("fwd", arch, d)] = saved
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sanitize", action="store_true")
+    ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args()
 
@@ -265,6 +309,9 @@ def main():
         for r in results:
             if not r["ok"]:
                 summary.append(f"  FAIL {r['case']} {str({k: r.get(k) for k in ('fwd', 'lse', 'kv_outer', 'split', 'det')})[:400]}")
+    if args.sweep:
+        for d, cand, causal, tf, diff in sweep(torch, cp, cuda):
+            summary.append(f"sweep fwd bf16 d={d} tile={cand} causal={int(causal)} N=4096: {tf:.0f} TFLOP/s (diff {diff:.3g})")
     if args.bench:
         rows = bench(torch, cp, cuda, args.quick)
         with open(os.path.join(args.out, "bench.json"), "w") as f:

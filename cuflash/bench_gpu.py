@@ -1,0 +1,236 @@
+"""Side-by-side GPU benchmark: cuflash vs PyTorch SDPA (FLASH_ATTENTION, CUDNN_ATTENTION), same process,
+same inputs, the FlashAttention FLOP convention of ANCHORS.md.
+
+    python -m cuflash.bench_gpu [--quick] [--dtypes bfloat16,float16] [--dims 64,128] [--seqlens ...]
+                                [--no-extras] [--json FILE]
+
+Grid: batch * seqlen = 16384, heads * head_dim = 2048. FLOPs: forward 4 B H N^2 d (halved when causal),
+forward + backward 3.5x that. Each cuflash cell is first checked against torch-flash's output. Timing:
+``triton.testing.do_bench`` median (CUDA events). torch tensors are shared with CuPy through DLPack, and
+cuflash runs on torch's current stream. Extras: first-call compile time with a cold CuPy cache, warm-call
+overhead of a tiny problem, and peak GPU memory at seqlen 16384 (cuflash vs naive CuPy attention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+
+
+def _backend_fns(torch, cp, cuda, q, k, v, do, causal):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d)
+    off = 0 if causal else None
+    qc, kc, vc, doc = (cp.from_dlpack(x.transpose(1, 2)) for x in (q, k, v, do))
+    stream = cp.cuda.Stream.from_external(torch.cuda.current_stream())
+
+    def cf_fwd():
+        with stream:
+            return cuda.forward(qc, kc, vc, scale=scale, causal_offset=off, algorithm="fa2", block_q=None, block_k=None)
+
+    def cf_fb():
+        with stream:
+            o, lse = cuda.forward(qc, kc, vc, scale=scale, causal_offset=off, algorithm="fa2", block_q=None,
+                                  block_k=None)
+            return cuda.backward(doc, qc, kc, vc, o, lse, scale=scale, causal_offset=off, algorithm="fa2",
+                                 block_q=None, block_k=None, order="kv_outer")
+
+    qr, kr, vr = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+
+    def torch_pair(backend):
+        def fwd():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        def fb():
+            with sdpa_kernel(backend):
+                o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
+            qr.grad = kr.grad = vr.grad = None
+            o.backward(do)
+
+        return fwd, fb
+
+    fns = {"cuflash": (cf_fwd, cf_fb), "torch-flash": torch_pair(SDPBackend.FLASH_ATTENTION),
+           "torch-cudnn": torch_pair(SDPBackend.CUDNN_ATTENTION)}
+    return fns
+
+
+def run_grid(dtypes, dims, seqlens, rep_ms=200, log=print):
+    import cupy as cp
+    import torch
+    import triton.testing as tt
+
+    from cuflash import _cuda as cuda
+
+    rows = []
+    for dtname in dtypes:
+        dtype = getattr(torch, dtname)
+        for d in dims:
+            for causal in (False, True):
+                for n in seqlens:
+                    b, h = 16384 // n, 2048 // d
+                    g = torch.Generator(device="cuda").manual_seed(n + d)
+                    q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=dtype, generator=g) for _ in range(4))
+                    fns = _backend_fns(torch, cp, cuda, q, k, v, do, causal)
+                    o_c, _ = fns["cuflash"][0]()
+                    o_t = fns["torch-flash"][0]()
+                    torch.cuda.synchronize()
+                    diff = float((torch.from_dlpack(o_c).transpose(1, 2).float() - o_t.float()).abs().max())
+                    if not diff < 0.05:
+                        raise AssertionError(f"cuflash differs from torch-flash by {diff} at {dtname} d={d} "
+                                             f"causal={causal} N={n}")
+                    flops = 4 * b * h * n * n * d / (2 if causal else 1)
+                    row = {"dtype": dtname, "d": d, "causal": causal, "N": n, "maxdiff": diff}
+                    for system, (fwd, fb) in fns.items():
+                        for pass_, fn, mult in (("fwd", fwd, 1.0), ("fwd+bwd", fb, 3.5)):
+                            try:
+                                ms = tt.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+                                row[f"{system} {pass_}"] = flops * mult / ms / 1e9
+                            except Exception as exc:  # e.g. a backend not available for this shape
+                                row[f"{system} {pass_}"] = float("nan")
+                                row[f"{system} error"] = str(exc)[:200]
+                    rows.append(row)
+                    log(json.dumps(row))
+                    del q, k, v, do, fns
+    return rows
+
+
+def format_table(rows) -> str:
+    lines = ["| dtype | d | causal | pass | N | cuflash | torch-flash | torch-cudnn | cuflash / torch-flash |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for pass_ in ("fwd", "fwd+bwd"):
+            c, f, n = r[f"cuflash {pass_}"], r[f"torch-flash {pass_}"], r[f"torch-cudnn {pass_}"]
+            lines.append(f"| {r['dtype']} | {r['d']} | {'yes' if r['causal'] else 'no'} | {pass_} | {r['N']} | "
+                         f"{c:.0f} | {f:.0f} | {n:.0f} | {c / f:.2f} |")
+    return "\n".join(lines)
+
+
+_COLD_SNIPPET = r"""
+import time, cupy as cp, numpy as np
+t0 = time.perf_counter()
+import cuflash
+q = cp.random.standard_normal((1, 128, 2, 64)).astype(cp.float16)
+t1 = time.perf_counter()
+out, lse = cuflash.attention(q, q, q, causal=True, return_lse=True)
+cp.cuda.runtime.deviceSynchronize()
+t2 = time.perf_counter()
+g = cuflash.attention_backward(q, q, q, q, out, lse, causal=True)
+cp.cuda.runtime.deviceSynchronize()
+t3 = time.perf_counter()
+print(f"{t2 - t1:.3f} {t3 - t2:.3f}")
+"""
+
+
+def extras(log=print):
+    """Cold-cache compile time, warm-call overhead, and peak memory at seqlen 16384."""
+    import cupy as cp
+
+    import cuflash
+
+    res = {}
+    for label in ("cold", "warm disk cache"):
+        env = dict(os.environ)
+        if label == "cold":
+            cache = tempfile.mkdtemp(prefix="cuflash-cupy-cache-")
+        env["CUPY_CACHE_DIR"] = cache
+        out = subprocess.run([sys.executable, "-c", _COLD_SNIPPET], env=env, capture_output=True, text=True,
+                             check=True).stdout.split()
+        res[f"first forward call, {label} (s)"] = float(out[0])
+        res[f"first backward call, {label} (s)"] = float(out[1])
+
+    q = cp.random.standard_normal((1, 128, 2, 64)).astype(cp.float16)
+    cuflash.attention(q, q, q)
+    cp.cuda.runtime.deviceSynchronize()
+    n = 200
+    t0 = time.perf_counter()
+    for _ in range(n):
+        cuflash.attention(q, q, q)
+    cp.cuda.runtime.deviceSynchronize()
+    res["warm forward call, (1, 128, 2, 64) float16 (us)"] = (time.perf_counter() - t0) / n * 1e6
+
+    pool = cp.get_default_memory_pool()
+    N, H, d = 16384, 16, 128
+    q, k, v, do = (cp.random.standard_normal((1, N, H, d), dtype=cp.float32).astype(cp.float16) for _ in range(4))
+    base = pool.used_bytes()
+
+    def peak(fn):
+        pool.free_all_blocks()
+        cp.cuda.runtime.deviceSynchronize()
+        # the pool's total is a high-water mark of what was allocated at once
+        start = pool.total_bytes()
+        r = fn()
+        cp.cuda.runtime.deviceSynchronize()
+        return (pool.total_bytes() - start), r
+
+    out_lse = {}
+
+    def fwd():
+        out_lse["v"] = cuflash.attention(q, k, v, causal=True, return_lse=True)
+        return None
+
+    res["peak extra memory, cuflash forward (1, 16384, 16, 128) fp16 (MiB)"] = peak(fwd)[0] / 2**20
+    out, lse = out_lse["v"]
+    res["peak extra memory, cuflash backward (MiB)"] = peak(
+        lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=True))[0] / 2**20
+
+    def naive():
+        qh = q.transpose(0, 2, 1, 3)
+        s = (qh @ k.transpose(0, 2, 3, 1)).astype(cp.float32) / math.sqrt(d)
+        s -= s.max(axis=-1, keepdims=True)
+        p = cp.exp(s)
+        p /= p.sum(axis=-1, keepdims=True)
+        return p.astype(cp.float16) @ v.transpose(0, 2, 1, 3)
+
+    try:
+        res["peak extra memory, naive CuPy forward (MiB)"] = peak(naive)[0] / 2**20
+    except cp.cuda.memory.OutOfMemoryError:
+        res["peak extra memory, naive CuPy forward (MiB)"] = float("inf")
+    del base
+    for key, val in res.items():
+        log(f"{key}: {val:.3f}")
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="cuflash.bench_gpu", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="bfloat16, seqlens 512, 2048, 8192, short timing")
+    ap.add_argument("--dtypes", default="bfloat16,float16")
+    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--seqlens", default=",".join(map(str, DEFAULT_SEQLENS)))
+    ap.add_argument("--no-extras", action="store_true")
+    ap.add_argument("--json", default=None, help="write all numbers to this file")
+    args = ap.parse_args(argv)
+    dtypes = args.dtypes.split(",")
+    seqlens = [int(x) for x in args.seqlens.split(",")]
+    rep = 200
+    if args.quick:
+        dtypes, seqlens, rep = ["bfloat16"], [512, 2048, 8192], 100
+    import cupy as cp
+
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    print(f"device: {props['name'].decode()}")
+    rows = run_grid(dtypes, [int(x) for x in args.dims.split(",")], seqlens, rep)
+    ext = {} if args.no_extras else extras()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "extras": ext}, f, indent=1)
+    print(format_table(rows))
+    for key, val in ext.items():
+        print(f"{key}: {val:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
