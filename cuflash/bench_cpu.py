@@ -1,0 +1,142 @@
+"""CPU benchmark of the NumPy reference: blocked FA2 and FA1 forward against naive attention.
+
+Two measurements, each after checking the blocked results against naive:
+
+- time: the median of a few forward runs at batch x heads = 16, seqlen 2048, head_dim 64, float32;
+  the algorithms take turns within each round, so a noisy neighbour slows them alike;
+- memory: peak traced memory (``tracemalloc``) of one forward at seqlen 8192, where naive attention's
+  ``seqlen x seqlen`` score matrix dominates and the blocked paths keep only tiles.
+
+Targets: FA2 forward within 2x of naive time; blocked peak memory below a tenth of naive's.
+Run with ``python -m cuflash bench-cpu [options]`` or ``python -m cuflash.bench_cpu``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import tracemalloc
+
+import numpy as np
+
+from . import _blocks, reference
+
+ALGORITHMS = {"naive": reference.naive_forward, "fa2": reference.fa2_forward, "fa1": reference.fa1_forward}
+TIME_TARGET = 2.0  # FA2 forward time / naive forward time
+MEMORY_TARGET = 0.1  # blocked peak / naive peak
+CHECK_TOLERANCE = 1e-5  # max|blocked - naive| / max|naive| for float32
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m cuflash bench-cpu",
+        description="Time and peak memory of the NumPy reference forward: blocked FA2 and FA1 vs naive.",
+    )
+    parser.add_argument("--batch", type=int, default=2, help="batch for the timing (default 2)")
+    parser.add_argument("--heads", type=int, default=8, help="heads for the timing (default 8)")
+    parser.add_argument("--seqlen", type=int, default=2048, help="seqlen for the timing (default 2048)")
+    parser.add_argument("--head-dim", type=int, default=64, help="head_dim (default 64)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per algorithm (default 5)")
+    parser.add_argument("--memory-seqlen", type=int, default=8192,
+                        help="seqlen for the peak-memory measurement (default 8192; 0 skips it)")
+    parser.add_argument("--memory-heads", type=int, default=2,
+                        help="heads for the peak-memory measurement, batch 1 (default 2)")
+    parser.add_argument("--sram-elems", type=int, default=_blocks.DEFAULT_SRAM_ELEMS,
+                        help=f"on-chip budget M in elements for the block sizes (default {_blocks.DEFAULT_SRAM_ELEMS})")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    return parser
+
+
+def _inputs(batch, seqlen, heads, head_dim, seed):
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal((batch, seqlen, heads, head_dim)).astype(np.float32) for _ in range(3))
+
+
+def _check(outputs, naive_out, out=sys.stdout) -> bool:
+    """Compare each blocked output with naive's; print the relative errors; True if all pass."""
+    scale = float(np.abs(naive_out).max())
+    passed = True
+    for name, result in outputs.items():
+        error = float(np.abs(result.astype(np.float64) - naive_out).max()) / scale
+        ok = error <= CHECK_TOLERANCE
+        passed &= ok
+        print(f"  check {name}: max|{name} - naive| / max|naive| = {error:.2e}  "
+              f"({'ok' if ok else f'FAILED, tolerance {CHECK_TOLERANCE:.0e}'})", file=out)
+    return passed
+
+
+def _time(args, options, out) -> tuple[bool, dict[str, float]]:
+    """Median forward time per algorithm, in seconds, after the correctness check."""
+    q, k, v = _inputs(args.batch, args.seqlen, args.heads, args.head_dim, args.seed)
+    results = {name: forward(q, k, v, **options[name])[0] for name, forward in ALGORITHMS.items()}
+    passed = _check({name: results[name] for name in ("fa2", "fa1")}, results["naive"], out)
+    del results
+    times = {name: [] for name in ALGORITHMS}
+    for _ in range(args.repeats):
+        for name, forward in ALGORITHMS.items():
+            start = time.perf_counter()
+            forward(q, k, v, **options[name])
+            times[name].append(time.perf_counter() - start)
+    return passed, {name: statistics.median(runs) for name, runs in times.items()}
+
+
+def _peak_memory(args, options, out) -> tuple[bool, dict[str, int]]:
+    """Peak traced memory of one forward per algorithm, in bytes, after the correctness check."""
+    q, k, v = _inputs(1, args.memory_seqlen, args.memory_heads, args.head_dim, args.seed + 1)
+    peaks, results = {}, {}
+    for name, forward in ALGORITHMS.items():
+        tracemalloc.start()
+        try:
+            results[name] = forward(q, k, v, **options[name])[0]
+            peaks[name] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    passed = _check({name: results[name] for name in ("fa2", "fa1")}, results["naive"], out)
+    return passed, peaks
+
+
+def main(argv=None, out=None) -> int:
+    """Run both measurements and print the table; exit status 1 if a check or a target fails."""
+    out = sys.stdout if out is None else out
+    args = _parser().parse_args(argv)
+    block_q, block_k = _blocks.default_block_sizes(args.head_dim, sram_elems=args.sram_elems)
+    blocked = dict(causal_offset=None, block_q=block_q, block_k=block_k)
+    scale = args.head_dim**-0.5
+    options = {"naive": dict(scale=scale, causal_offset=None),
+               "fa2": dict(scale=scale, **blocked), "fa1": dict(scale=scale, **blocked)}
+    print(f"cuflash CPU benchmark (NumPy reference), forward, float32, head_dim {args.head_dim}; "
+          f"blocked paths use block_q={block_q}, block_k={block_k} (M = {args.sram_elems} elements)", file=out)
+
+    print(f"\ntime: batch {args.batch} x heads {args.heads}, seqlen {args.seqlen}, "
+          f"median of {args.repeats} runs", file=out)
+    passed, times = _time(args, options, out)
+    print(f"  {'algorithm':<10}{'median ms':>12}{'vs naive':>10}", file=out)
+    for name, seconds in times.items():
+        print(f"  {name:<10}{seconds * 1e3:>12.1f}{seconds / times['naive']:>9.2f}x", file=out)
+    time_ratio = times["fa2"] / times["naive"]
+    targets = [(f"fa2 forward time <= {TIME_TARGET:g} x naive", time_ratio <= TIME_TARGET, f"{time_ratio:.2f}x")]
+
+    if args.memory_seqlen > 0:
+        print(f"\npeak traced memory: batch 1 x heads {args.memory_heads}, seqlen {args.memory_seqlen}",
+              file=out)
+        memory_passed, peaks = _peak_memory(args, options, out)
+        passed &= memory_passed
+        print(f"  {'algorithm':<10}{'peak MiB':>12}{'vs naive':>10}", file=out)
+        for name, peak in peaks.items():
+            print(f"  {name:<10}{peak / 2**20:>12.1f}{peak / peaks['naive']:>10.4f}  (1/{peaks['naive'] / peak:.0f})",
+                  file=out)
+        memory_ratio = max(peaks["fa2"], peaks["fa1"]) / peaks["naive"]
+        targets.append((f"blocked peak memory < {MEMORY_TARGET:g} x naive", memory_ratio < MEMORY_TARGET,
+                        f"{memory_ratio:.4f}"))
+
+    print("\ntargets:", file=out)
+    for text, met, value in targets:
+        passed &= met
+        print(f"  {text}: {'met' if met else 'NOT met'} ({value})", file=out)
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
