@@ -232,8 +232,7 @@ def bench(torch, cp, cuda, quick):
 
 
 FWD_SWEEP = {
-    64: [(128, 128, 8, 2), (128, 64, 4, 2), (128, 64, 4, 3), (128, 32, 4, 2)],
-    128: [(128, 64, 8, 2), (128, 32, 4, 2), (128, 128, 8, 2), (128, 64, 4, 2)],
+    64: [(128, 64, 4, 2), (128, 128, 4, 2)],
 }
 
 
@@ -271,6 +270,39 @@ def sweep(torch, cp, cuda):
                 rows.append((d, cand, causal, tf, diff))
                 log("sweep", d, cand, causal, f"{tf:.0f}", f"{diff:.3g}")
         cuda.TILES[("fwd", arch, d)] = saved
+    return rows
+
+
+BWD_SWEEP = {64: [(64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2)]}
+
+
+def sweep_bwd(torch, cp, cuda):
+    """Backward (kv_outer) tile candidates at N = 4096: max |dq - dq of the shipped tile|, then time."""
+    import triton.testing as tt
+
+    rows = []
+    arch = cuda._arch_class(int(cp.cuda.Device().compute_capability))
+    for d, cands in BWD_SWEEP.items():
+        saved = cuda.TILES[("bwd", arch, d)]
+        N = 4096
+        B, H = 16384 // N, 2048 // d
+        q, k, v, do = (cp.random.standard_normal((B, N, H, d), dtype=cp.float32).astype(cp.float16) for _ in range(4))
+        for causal in (False, True):
+            off = 0 if causal else None
+            o, lse = cuda.forward(q, k, v, scale=d ** -0.5, causal_offset=off, algorithm="fa2", block_q=None, block_k=None)
+            fn = lambda: cuda.backward(do, q, k, v, o, lse, scale=d ** -0.5, causal_offset=off, algorithm="fa2",
+                                       block_q=None, block_k=None, order="kv_outer")
+            cuda.TILES[("bwd", arch, d)] = saved
+            ref = fn()
+            for cand in cands:
+                cuda.TILES[("bwd", arch, d)] = cuda.Tile(*cand)
+                g = fn()
+                diff = max(float(cp.abs(a.astype(cp.float32) - b.astype(cp.float32)).max()) for a, b in zip(g, ref))
+                ms = tt.do_bench(fn, warmup=25, rep=100, return_mode="median")
+                tf = 2.5 * 4 * B * H * N * N * d / (2 if causal else 1) / ms / 1e9
+                rows.append((d, cand, causal, tf, diff))
+                log("sweep bwd", d, cand, causal, f"{tf:.0f}", f"{diff:.3g}")
+        cuda.TILES[("bwd", arch, d)] = saved
     return rows
 
 
@@ -312,6 +344,9 @@ def main():
     if args.sweep:
         for d, cand, causal, tf, diff in sweep(torch, cp, cuda):
             summary.append(f"sweep fwd bf16 d={d} tile={cand} causal={int(causal)} N=4096: {tf:.0f} TFLOP/s (diff {diff:.3g})")
+    if args.sweep:
+        for d, cand, causal, tf, diff in sweep_bwd(torch, cp, cuda):
+            summary.append(f"sweep bwd fp16 d={d} tile={cand} causal={int(causal)} N=4096: {tf:.0f} TFLOP/s (diff {diff:.3g})")
     if args.bench:
         rows = bench(torch, cp, cuda, args.quick)
         with open(os.path.join(args.out, "bench.json"), "w") as f:
