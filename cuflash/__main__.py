@@ -328,7 +328,10 @@ def demo(argv=None, out=None) -> int:
         import cupy
 
         meter = _GpuMeter(cupy)
-        where = f"CuPy {cupy.__version__} on {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}"
+        device = cupy.cuda.Device()
+        name = cupy.cuda.runtime.getDeviceProperties(device.id)["name"]
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        where = f"CuPy {cupy.__version__} on {name}, device {device.id}"
     else:
         meter = _CpuMeter()
         where = f"NumPy {np.__version__} on the CPU"
