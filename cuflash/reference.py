@@ -113,10 +113,13 @@ def _resolve_block_sizes(head_dim, block_q, block_k, pass_):
 def _grouped(x: np.ndarray, heads_kv: int) -> np.ndarray:
     """View ``(batch, seqlen, heads, d)`` as ``(batch, heads_kv, heads // heads_kv, seqlen, d)``, no copy.
 
-    Splitting the head axis and moving axes only changes strides, so this works for any input strides.
+    Splitting the head axis and moving axes only changes strides, so this works for any input strides;
+    the functions below also write their outputs through such views.
     """
     batch, seqlen, heads, head_dim = x.shape
-    return x.reshape(batch, seqlen, heads_kv, heads // heads_kv, head_dim).transpose(0, 2, 3, 1, 4)
+    view = x.reshape(batch, seqlen, heads_kv, heads // heads_kv, head_dim).transpose(0, 2, 3, 1, 4)
+    assert x.size == 0 or np.may_share_memory(view, x), "splitting the head axis must not copy"
+    return view
 
 
 def _grouped_rows(x: np.ndarray, heads_kv: int) -> np.ndarray:
