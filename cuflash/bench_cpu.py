@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--sram-elems", type=int, default=_blocks.DEFAULT_SRAM_ELEMS,
                         help=f"on-chip budget M in elements for the block sizes (default {_blocks.DEFAULT_SRAM_ELEMS})")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--plot", metavar="DIR", default=None,
+                        help="also sweep seqlen 256..4096 (batch 1, --memory-heads heads) and write "
+                             "cpu-throughput.png and cpu-memory.png to DIR (needs matplotlib)")
     return parser
 
 
@@ -97,6 +100,50 @@ def _peak_memory(args, options, out) -> tuple[bool, dict[str, int]]:
     return passed, peaks
 
 
+def _sweep(args, options, out, seqlens=(256, 512, 1024, 2048, 4096)):
+    """Forward GFLOP/s and peak traced memory per algorithm over ``seqlens``, for the plots."""
+    rows, points = [], []
+    for seqlen in seqlens:
+        q, k, v = _inputs(1, seqlen, args.memory_heads, args.head_dim, args.seed + seqlen)
+        flops = 4 * args.memory_heads * seqlen * seqlen * args.head_dim
+        row = {"dtype": "float32", "d": args.head_dim, "causal": False, "N": seqlen}
+        point = {"N": seqlen}
+        for name, forward in ALGORITHMS.items():
+            tracemalloc.start()
+            try:
+                forward(q, k, v, **options[name])
+                point[name] = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            seconds = []
+            for _ in range(3):
+                start = time.perf_counter()
+                forward(q, k, v, **options[name])
+                seconds.append(time.perf_counter() - start)
+            row[f"{name} fwd"] = flops / min(seconds) / 1e9
+        rows.append(row)
+        points.append(point)
+        print(f"  sweep seqlen {seqlen}: " + ", ".join(
+            f"{name} {row[f'{name} fwd']:.1f} GFLOP/s, {point[name] / 2**20:.1f} MiB" for name in ALGORITHMS),
+            file=out)
+    return rows, points
+
+
+def _plot(args, options, out) -> None:
+    from pathlib import Path
+
+    from .plots import plot_memory, plot_throughput
+
+    directory = Path(args.plot)
+    directory.mkdir(parents=True, exist_ok=True)
+    print(f"\nsweep for the plots (batch 1, heads {args.memory_heads}, head_dim {args.head_dim}):", file=out)
+    rows, points = _sweep(args, options, out)
+    title = f"cuflash NumPy reference, forward, float32, batch 1, heads {args.memory_heads}"
+    plot_throughput(rows, directory / "cpu-throughput.png", title=title, unit="GFLOP/s")
+    plot_memory(points, directory / "cpu-memory.png", title=title)
+    print(f"  wrote {directory / 'cpu-throughput.png'} and {directory / 'cpu-memory.png'}", file=out)
+
+
 def main(argv=None, out=None) -> int:
     """Run both measurements and print the table; exit status 1 if a check or a target fails."""
     out = sys.stdout if out is None else out
@@ -130,6 +177,9 @@ def main(argv=None, out=None) -> int:
         memory_ratio = max(peaks["fa2"], peaks["fa1"]) / peaks["naive"]
         targets.append((f"blocked peak memory < {MEMORY_TARGET:g} x naive", memory_ratio < MEMORY_TARGET,
                         f"{memory_ratio:.4f}"))
+
+    if args.plot:
+        _plot(args, options, out)
 
     print("\ntargets:", file=out)
     for text, met, value in targets:

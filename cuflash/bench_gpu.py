@@ -203,6 +203,43 @@ def extras(log=print):
     return res
 
 
+def memory_sweep(seqlens=(1024, 2048, 4096, 8192, 16384), heads=16, head_dim=128, log=print):
+    """Peak extra GPU memory (bytes) of cuflash forward and backward and of naive CuPy attention per seqlen.
+
+    batch 1, float16, causal; naive stores the float32 scores and the probabilities, O(N^2).
+    """
+    import cupy as cp
+
+    import cuflash
+
+    pool = cp.get_default_memory_pool()
+
+    def peak(fn):
+        pool.free_all_blocks()
+        start = pool.total_bytes()
+        fn()
+        cp.cuda.runtime.deviceSynchronize()
+        return pool.total_bytes() - start
+
+    points = []
+    for n in seqlens:
+        q, k, v, do = (cp.random.standard_normal((1, n, heads, head_dim), dtype=cp.float32).astype(cp.float16)
+                       for _ in range(4))
+        saved = {}
+        point = {"N": n, "cuflash forward": peak(
+            lambda: saved.update(r=cuflash.attention(q, k, v, causal=True, return_lse=True)))}
+        out, lse = saved.pop("r")
+        point["cuflash backward"] = peak(lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=True))
+        try:
+            point["naive CuPy forward"] = peak(lambda: cuflash.attention(q, k, v, causal=True, algorithm="naive"))
+        except cp.cuda.memory.OutOfMemoryError:
+            point["naive CuPy forward"] = float("inf")
+        points.append(point)
+        log(json.dumps(point))
+        del q, k, v, do, out, lse
+    return points
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="cuflash.bench_gpu", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="bfloat16, seqlens 512, 2048, 8192, short timing")
@@ -211,6 +248,9 @@ def main(argv=None):
     ap.add_argument("--seqlens", default=",".join(map(str, DEFAULT_SEQLENS)))
     ap.add_argument("--no-extras", action="store_true")
     ap.add_argument("--json", default=None, help="write all numbers to this file")
+    ap.add_argument("--plot", metavar="DIR", default=None,
+                    help="write throughput.png (TFLOP/s vs seqlen, peers included) and memory.png "
+                         "(peak memory vs seqlen, cuflash vs naive) to DIR (needs matplotlib)")
     args = ap.parse_args(argv)
     dtypes = args.dtypes.split(",")
     seqlens = [int(x) for x in args.seqlens.split(",")]
@@ -223,9 +263,21 @@ def main(argv=None):
     print(f"device: {props['name'].decode()}")
     rows = run_grid(dtypes, [int(x) for x in args.dims.split(",")], seqlens, rep)
     ext = {} if args.no_extras else extras()
+    memory = memory_sweep() if args.plot else []
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "extras": ext}, f, indent=1)
+            json.dump({"rows": rows, "extras": ext, "memory": memory}, f, indent=1)
+    if args.plot:
+        from pathlib import Path
+
+        from .plots import plot_memory, plot_throughput
+
+        directory = Path(args.plot)
+        directory.mkdir(parents=True, exist_ok=True)
+        device = props["name"].decode()
+        plot_throughput(rows, directory / "throughput.png", title=f"cuflash vs PyTorch SDPA on {device}")
+        plot_memory(memory, directory / "memory.png",
+                    title=f"peak memory, batch 1, 16 heads, d 128, fp16, causal, {device}")
     print(format_table(rows))
     for key, val in ext.items():
         print(f"{key}: {val:.3f}")
