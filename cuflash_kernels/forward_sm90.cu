@@ -1,0 +1,243 @@
+// cuflash Hopper forward kernel (sm_90a, wgmma), FlashAttention-2 order, mirroring
+// cuflash/reference.py:fa2_forward. Same contract as flash_fwd_kernel in forward.cu; the launcher picks
+// this one on sm_90 devices for float16/bfloat16 at the head dims of the "fwd_sm90a" tile table rows.
+//
+// Algorithm (flash_fwd_sm90_kernel): one thread block owns one query tile of kBlockM = 16 * kNWarps rows of
+// one (batch, query head); each of its kNWarps / 4 warpgroups (128 threads) owns 64 query rows. Q, K and V live
+// in shared memory in the 128-byte-swizzled layout that wgmma descriptors read (hopper_tiles.cuh); K and
+// V stream through two buffers each, loaded with cp.async by all threads one tile ahead.
+// Per key tile j, each warpgroup:
+//   S_j = Q K_j^T           wgmma m64 n=kBlockN k16, both operands from shared memory (K-major)
+//   O  += P_{j-1} V_{j-1}   wgmma m64 n=d k16, P from registers, V MN-major (transpose bit)
+// are issued back to back; while the tensor cores run P V, the warpgroup does the online softmax of S_j
+// (row max, exp2 with scale * log2(e) folded into one FMA, row sum), then waits for P V, rescales O and
+// packs P_j to 16 bits in registers for the next iteration. O is normalized once at the end and stored
+// through shared memory (the warpgroup's own rows of the Q buffer) with 16-byte coalesced stores.
+// Causal: key tiles wholly above the diagonal are skipped; only tiles that cross it (or the end of K)
+// are masked element by element. Rows that see no key: O = 0, lse = -inf.
+//
+// Grid: (ceil(seqlen_q / kBlockM), heads_q, batch), query tiles last-first (longest causal tiles start
+// first); key/value head = query head / group.
+// Shared memory: 2 * d * (kBlockM + 4 * kBlockN) bytes + 1024 for alignment, e.g. d = 128, 128 x 128:
+// 161 KiB; d = 64, 192 x 128: 89 KiB.
+#include "cuflash_tiles.cuh"
+#include "hopper_tiles.cuh"
+
+namespace cuflash {
+
+// Named barrier over the 128 threads of one warpgroup (id 0 is __syncthreads).
+__device__ __forceinline__ void warpgroup_sync(int wg) {
+    asm volatile("bar.sync %0, 128;" :: "r"(wg + 1) : "memory");
+}
+
+// [fa2-fwd 3] and [fa2-fwd 4] on raw (unscaled) scores: m is the running row max of the raw scores, l the
+// lane-partial row sum; S is replaced by P = exp2(scale_log2 * (S - m_new)) and corr[h] =
+// exp2(scale_log2 * (m_old - m_new)) is returned for the caller to rescale O once P V of the previous tile
+// has retired. A row that has seen only masked keys keeps m = -inf and subtracts 0 instead (no NaN).
+template <int kNT>
+__device__ __forceinline__ void softmax_step(float (&s)[kNT][4], float (&m)[2], float (&l)[2], float (&corr)[2],
+                                             float scale_log2) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float mx = m[h];
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
+        mx = quad_max(mx);
+        const float m_scaled = mx == -CUFLASH_INF ? 0.f : mx * scale_log2;
+        corr[h] = fast_exp2(fmaf(m[h], scale_log2, -m_scaled));
+        m[h] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+            s[nt][2 * h] = fast_exp2(fmaf(s[nt][2 * h], scale_log2, -m_scaled));
+            s[nt][2 * h + 1] = fast_exp2(fmaf(s[nt][2 * h + 1], scale_log2, -m_scaled));
+            sum += s[nt][2 * h] + s[nt][2 * h + 1];
+        }
+        l[h] = l[h] * corr[h] + sum;
+    }
+}
+
+// Template arguments as the launcher's tile table: kBlockM = 16 * kNWarps query rows (kNWarps / 4
+// warpgroups of 64 rows), kBlockN key rows, kStages = 2 K/V buffers.
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool Is_causal>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                      u16* __restrict__ o, float* __restrict__ lse,
+                      int seqlen_q, int seqlen_k, int heads_q, int group,
+                      i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
+                      i64 v_sb, i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh,
+                      float scale_log2, int causal_offset) {
+    static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head dim: whole 64-column swizzle blocks, wgmma n <= 256");
+    static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "key tile: wgmma n = kBlockN");
+    static_assert(kNWarps % 4 == 0 && kNWarps >= 4 && kNWarps <= 16, "one to four warpgroups");
+    static_assert(kBlockM == 16 * kNWarps, "each warpgroup owns 64 query rows");
+    static_assert(kStages == 2, "two K/V buffers (the loop loads one tile ahead)");
+    constexpr int kThreads = kNWarps * 32;
+    constexpr int kNT = kBlockN / 8;    // n8 fragments of a score row block
+    constexpr int kDT = kHeadDim / 8;   // n8 fragments of an output row block
+    constexpr int kKT = kHeadDim / 16;  // k16 steps of Q K^T
+    constexpr int kPT = kBlockN / 16;   // k16 steps of P V
+    constexpr int kKVTile = kBlockN * kHeadDim;
+
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    // Swizzle atoms need 1024-byte alignment, whatever the alignment of the dynamic shared memory base.
+    const u32 raw_addr = smem_u32(smem_raw);
+    u16* sQ = reinterpret_cast<u16*>(smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr));
+    u16* sK = sQ + kBlockM * kHeadDim;  // 2 buffers
+    u16* sV = sK + 2 * kKVTile;         // 2 buffers
+
+    const int m_block = gridDim.x - 1 - blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
+    const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, warp_in_wg = (tid >> 5) & 3;
+    const int m0 = m_block * kBlockM;
+    const int row_base = m0 + wg * 64 + warp_in_wg * 16;  // this warp's fragment rows: + g, + g + 8
+
+    const u16* qg = q + b * q_sb + h * q_sh;
+    const u16* kg = k + b * k_sb + h_kv * k_sh;
+    const u16* vg = v + b * v_sb + h_kv * v_sh;
+
+    // Key tiles [0, n_end): causal rows see keys j <= i + causal_offset.
+    int n_end = (seqlen_k + kBlockN - 1) / kBlockN;
+    if (Is_causal) {
+        const int last_key = min(m0 + kBlockM, seqlen_q) - 1 + causal_offset;
+        n_end = last_key < 0 ? 0 : min(n_end, last_key / kBlockN + 1);
+    }
+
+    // Descriptors: this warpgroup's 64 rows of Q; K and V buffers (see hopper_tiles.cuh for the layout).
+    const u32 q_addr = smem_u32(sQ) + wg * 64 * 128;
+    const u32 k_addr = smem_u32(sK), v_addr = smem_u32(sV);
+    auto desc_q = [&](int kk) { return sw128_desc(q_addr + (kk >> 2) * kBlockM * 128 + (kk & 3) * 32, 16, 1024); };
+    auto desc_k = [&](int buf, int kk) {
+        return sw128_desc(k_addr + buf * kKVTile * 2 + (kk >> 2) * kBlockN * 128 + (kk & 3) * 32, 16, 1024);
+    };
+    auto desc_v = [&](int buf, int kk) { return sw128_desc(v_addr + buf * kKVTile * 2 + kk * 2048, kBlockN * 128, 1024); };
+
+    float acc[kDT][4];
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.f;
+    float m[2] = {-CUFLASH_INF, -CUFLASH_INF}, l[2] = {0.f, 0.f}, corr[2];
+    float s[kNT][4];
+    u32 p[kPT][4];
+
+    // [fa2-fwd 2] S = Q K_buf^T (raw scores), then the mask of key tile j where it is needed.
+    auto scores = [&](int buf) {
+#pragma unroll
+        for (int kk = 0; kk < kKT; ++kk) Wgmma<T>::ss(s, desc_q(kk), desc_k(buf, kk), kk > 0 ? 1 : 0, Int<kBlockN>());
+        wgmma_commit();
+    };
+    auto mask = [&](int j) {
+        const int n0 = j * kBlockN;
+        if (n0 + kBlockN > seqlen_k || (Is_causal && n0 + kBlockN - 1 > m0 + causal_offset)) {
+            mask_scores<kNT, Is_causal>(s, row_base, n0, seqlen_k, causal_offset, lane, -CUFLASH_INF);
+        }
+    };
+    // [fa2-fwd 5] O += P V_buf, P (already 16-bit) straight from registers.
+    auto pv = [&](int buf) {
+#pragma unroll
+        for (int kk = 0; kk < kPT; ++kk) Wgmma<T>::rs_tb(acc, p[kk], desc_v(buf, kk), 1, Int<kHeadDim>());
+        wgmma_commit();
+    };
+    auto pack_p = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < kPT; ++kk) c_to_a<T, kNT>(p[kk], s, kk);
+    };
+    auto rescale_o = [&]() {
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt) {
+            acc[dt][0] *= corr[0];
+            acc[dt][1] *= corr[0];
+            acc[dt][2] *= corr[1];
+            acc[dt][3] *= corr[1];
+        }
+    };
+
+    if (n_end > 0) {
+        // [fa2-fwd 1] the query block and K_0, then (in flight during S_0) K_1 and V_0.
+        load_tile_sw128<kBlockM, kHeadDim, kThreads>(sQ, qg, q_ss, m0, seqlen_q, tid);
+        load_tile_sw128<kBlockN, kHeadDim, kThreads>(sK, kg, k_ss, 0, seqlen_k, tid);
+        cp_async_commit();
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();
+        wgmma_fence();
+        scores(0);
+        if (1 < n_end) load_tile_sw128<kBlockN, kHeadDim, kThreads>(sK + kKVTile, kg, k_ss, kBlockN, seqlen_k, tid);
+        load_tile_sw128<kBlockN, kHeadDim, kThreads>(sV, vg, v_ss, 0, seqlen_k, tid);
+        cp_async_commit();
+        wgmma_wait<0>();
+        fence_regs(s);
+        mask(0);
+        softmax_step<kNT>(s, m, l, corr, scale_log2);
+        pack_p();
+
+        for (int j = 1; j < n_end; ++j) {
+            // K_j and V_{j-1} have landed; every warpgroup's wgmma reads of K_{j-1} and V_{j-2} retired.
+            cp_async_wait<0>();
+            fence_proxy_async();
+            __syncthreads();
+            wgmma_fence();
+            scores(j & 1);
+            pv((j - 1) & 1);
+            // Loads for the next iteration, while the tensor cores work: K_{j+1} and V_j.
+            if (j + 1 < n_end) {
+                load_tile_sw128<kBlockN, kHeadDim, kThreads>(sK + ((j + 1) & 1) * kKVTile, kg, k_ss, (j + 1) * kBlockN,
+                                                             seqlen_k, tid);
+            }
+            load_tile_sw128<kBlockN, kHeadDim, kThreads>(sV + (j & 1) * kKVTile, vg, v_ss, j * kBlockN, seqlen_k, tid);
+            cp_async_commit();
+            wgmma_wait<1>();  // S_j is ready; P_{j-1} V_{j-1} may still run
+            fence_regs(s);
+            mask(j);
+            softmax_step<kNT>(s, m, l, corr, scale_log2);
+            wgmma_wait<0>();
+            fence_regs(acc);
+            // [fa2-fwd 3] rescale O by exp(m_old - m_new), now that P_{j-1} V_{j-1} is in it.
+            rescale_o();
+            pack_p();
+        }
+        // The last P V.
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();
+        wgmma_fence();
+        pv((n_end - 1) & 1);
+        wgmma_wait<0>();
+        fence_regs(acc);
+    }
+
+    // [fa2-fwd 6] O = acc / l, lse = m + log l; rows that saw no key: O = 0, lse = -inf.
+    // O goes through this warpgroup's own rows of the Q buffer (only its own wgmma read them, and those
+    // have retired), then out with 16-byte stores.
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const float lsum = quad_sum(l[hh]);
+        const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+        const int r = wg * 64 + warp_in_wg * 16 + g + 8 * hh;  // row inside the block
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt) {
+            *reinterpret_cast<u32*>(sQ + sw128_offset<kBlockM>(r, dt) + 2 * t) =
+                Elem<T>::pack(acc[dt][2 * hh] * inv, acc[dt][2 * hh + 1] * inv);
+        }
+        const int row = m0 + r;
+        if (t == 0 && row < seqlen_q) {
+            lse[((i64)b * heads_q + h) * seqlen_q + row] = lsum > 0.f ? (m[hh] * scale_log2 + __log2f(lsum)) * kLn2
+                                                                      : -CUFLASH_INF;
+        }
+    }
+    warpgroup_sync(wg);
+    constexpr int kChunks = kHeadDim / 8;
+    u16* og = o + b * o_sb + h * o_sh;
+    const int wtid = tid & 127;
+#pragma unroll
+    for (int i = wtid; i < 64 * kChunks; i += 128) {
+        const int r = wg * 64 + i / kChunks, c = i % kChunks;
+        const int row = m0 + r;
+        if (row < seqlen_q) {
+            *reinterpret_cast<uint4*>(og + (i64)row * o_ss + c * 8) =
+                *reinterpret_cast<const uint4*>(sQ + sw128_offset<kBlockM>(r, c));
+        }
+    }
+}
+
+}  // namespace cuflash
