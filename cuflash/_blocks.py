@@ -30,13 +30,17 @@ __all__ = [
     "tile_is_fully_masked",
 ]
 
-# The "SRAM" of the CPU reference is the per-core L2 cache. 2**17 elements is 512 KiB of float32 (the
-# common L2 size of server cores, a quarter of a 2 MiB one); with the forward rule it gives
-# block_q = 512, block_k = 64 at head_dim 64. Because the reference runs one tile for every
-# (batch, head) at once, a whole vectorized score tile is batch * heads times this per-head budget;
-# measured on a 2-core EPYC (bench_cpu), the blocked forward is fastest between 2**16 and 2**18 and
-# loses time below that to per-tile Python overhead and above it to cache misses.
-DEFAULT_SRAM_ELEMS = 2**17
+# The "SRAM" of the CPU reference: 2**14 elements, 64 KiB of float32. At head_dim 64 the rule gives
+# 64 x 64 tiles forward (32 x 32 backward): the four blocks of one (batch, head) take 16 KiB each, and
+# since the reference runs the tile of every (batch, head) at once, a score tile at batch x heads = 16
+# is 1 MiB, about one core's L2. (It is also the scale of a GPU thread block's shared memory, and the
+# tiles are of the order of the kernels', 64 to 128 rows.) Larger budgets are no faster on an idle
+# CPU and much slower on a busy one: each product of a larger tile is big enough for BLAS to split it
+# across threads, and thousands of such small threaded calls stall whenever a core is taken away.
+# Measured with bench_cpu on a shared 2-core EPYC (FA2 forward, batch x heads 16, seqlen 2048, d 64):
+# M = 2**14 ran at 0.4x naive's time where M = 2**15 to 2**18 ran at 1.7x to 2.3x (medians of 5, with
+# single runs up to 19 s); on an idle machine all of them ran at 0.5x to 1.1x of naive.
+DEFAULT_SRAM_ELEMS = 2**14
 
 # How many tiles the algorithm keeps on chip at once: Q, O, K-or-V and S forward (000, eq. 43);
 # Q, K, V, P-or-dS, dO, dQ, dK, dV backward (000, eq. 78).

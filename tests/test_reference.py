@@ -445,3 +445,20 @@ def test_blocked_peak_memory_is_far_below_naive():
     for order in ORDERS:
         peak = _traced_peak(reference.blocked_backward, do, q, k, v, out, lse, **options, order=order)
         assert peak < naive_backward_peak / 10, (order, peak, naive_backward_peak)
+
+
+def test_bench_cpu_runs_and_checks_before_timing():
+    """A small run of the CPU benchmark: both checks pass and the table has every algorithm. (At this
+    size the targets themselves are not expected to hold.)"""
+    import io
+
+    from cuflash import bench_cpu
+
+    out = io.StringIO()
+    bench_cpu.main(["--batch", "1", "--heads", "2", "--seqlen", "256", "--head-dim", "32", "--repeats", "1",
+                    "--memory-seqlen", "512", "--memory-heads", "1"], out=out)
+    text = out.getvalue()
+    assert text.count("(ok)") == 4, text
+    for name in ("naive", "fa2", "fa1"):
+        assert f"  {name} " in text, text
+    assert "targets:" in text and "fa2 forward time <= 2 x naive" in text, text
