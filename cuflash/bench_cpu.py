@@ -108,6 +108,10 @@ def _sweep(args, options, out, seqlens=(256, 512, 1024, 2048, 4096)):
         flops = 4 * args.memory_heads * seqlen * seqlen * args.head_dim
         row = {"dtype": "float32", "d": args.head_dim, "causal": False, "N": seqlen}
         point = {"N": seqlen}
+        results = {name: forward(q, k, v, **options[name])[0] for name, forward in ALGORITHMS.items()}
+        if not _check({name: results[name] for name in ("fa2", "fa1")}, results["naive"], out):
+            raise AssertionError(f"blocked and naive forward disagree at seqlen {seqlen}")
+        del results
         for name, forward in ALGORITHMS.items():
             tracemalloc.start()
             try:
