@@ -48,6 +48,11 @@ __all__ = [
 
 # Options given to NVRTC (CuPy appends the -arch of the current device).
 NVRTC_OPTIONS = ("-std=c++17",)
+# The Hopper forward (forward_sm90.cu: wgmma, sm_90a only) names its target; CuPy still appends the
+# device's -arch=sm_90, and NVRTC keeps the architecture-specific sm_90a (hopper_tiles.cuh #errors otherwise).
+SM90A_OPTIONS = NVRTC_OPTIONS + ("-arch=sm_90a",)
+# The forward on sm_90 devices runs flash_fwd_sm90_kernel where TILES has a ("fwd", "sm90a", d) row.
+SM90A_FORWARD = True
 
 HEAD_DIMS = (32, 64, 96, 128, 256)
 BWD_HEAD_DIMS = (32, 64, 96, 128)
@@ -85,6 +90,9 @@ TILES: dict[tuple[str, str, int], Tile] = {
     ("fwd", "sm86", 96): Tile(64, 64, 4, 2),
     ("fwd", "sm86", 128): Tile(64, 64, 4, 2),
     ("fwd", "sm86", 256): Tile(64, 32, 4, 1),
+    # ("fwd", "sm90a", d): flash_fwd_sm90_kernel (wgmma; block_m = 64 query rows per warpgroup of 4 warps).
+    ("fwd", "sm90a", 64): Tile(128, 64, 8, 2),
+    ("fwd", "sm90a", 128): Tile(128, 128, 8, 2),
     ("bwd", "sm90", 32): Tile(64, 128, 8, 2),
     ("bwd", "sm90", 64): Tile(64, 128, 8, 2),
     ("bwd", "sm90", 96): Tile(64, 64, 4, 2),
@@ -136,6 +144,15 @@ def _fwd_name(ctype: str, d: int, t: Tile, causal: bool) -> str:
 
 def _fwd_smem(d: int, t: Tile) -> int:
     return 2 * d * (t.block_m + 2 * t.stages * t.block_n)
+
+
+def _fwd_sm90_name(ctype: str, d: int, t: Tile, causal: bool) -> str:
+    return (f"cuflash::flash_fwd_sm90_kernel<{ctype}, {d}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, "
+            f"{_bool(causal)}>")
+
+
+def _fwd_sm90_smem(d: int, t: Tile) -> int:
+    return 2 * d * (t.block_m + 2 * t.stages * t.block_n) + 1024  # + 1024: the kernel aligns its base
 
 
 def _dkdv_name(ctype: str, d: int, t: Tile, causal: bool, has_dq: bool) -> str:
@@ -203,15 +220,17 @@ def instantiations() -> list[tuple[str, str, tuple[str, ...]]]:
     out: list[tuple[str, str, tuple[str, ...]]] = []
     seen = set()
 
-    def add(src: str, name: str) -> None:
+    def add(src: str, name: str, options: tuple[str, ...] = NVRTC_OPTIONS) -> None:
         if (src, name) not in seen:
             seen.add((src, name))
-            out.append((src, name, NVRTC_OPTIONS))
+            out.append((src, name, options))
 
     for (direction, _arch, d), t in TILES.items():
         for ctype in _CXX_TYPE.values():
             for causal in (False, True):
-                if direction == "fwd":
+                if direction == "fwd" and _arch == "sm90a":
+                    add("forward_sm90.cu", _fwd_sm90_name(ctype, d, t, causal), SM90A_OPTIONS)
+                elif direction == "fwd":
                     add("forward.cu", _fwd_name(ctype, d, t, causal))
                 elif direction == "bwd":
                     for has_dq in (True, False):
@@ -236,19 +255,19 @@ _modules: dict = {}
 _sources: dict = {}
 
 
-def _kernel(source: str, name: str, smem: int = 0):
+def _kernel(source: str, name: str, smem: int = 0, options: tuple[str, ...] = NVRTC_OPTIONS):
     """The compiled kernel ``name`` of ``source`` for the current device (compiled once, then cached)."""
     import cupy
 
     dev = cupy.cuda.runtime.getDevice()
-    key = (dev, source, NVRTC_OPTIONS, name)
+    key = (dev, source, options, name)
     with _lock:
         entry = _modules.get(key)
         if entry is None:
             text = _sources.get(source)
             if text is None:
                 text = _sources[source] = compile_source_for_nvrtc(source)
-            module = cupy.RawModule(code=text, options=NVRTC_OPTIONS, name_expressions=[name])
+            module = cupy.RawModule(code=text, options=options, name_expressions=[name])
             entry = _modules[key] = [module.get_function(name), 0]
         if smem > 48 * 1024 and entry[1] < smem:
             entry[0].max_dynamic_shared_size_bytes = smem
@@ -385,11 +404,18 @@ def forward(q, k, v, *, scale, causal_offset, algorithm, block_q, block_k):
         return out, lse
     assert dtype in _CXX_TYPE, dtype
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
-    t = _tile("fwd", d, block_q, block_k)
-    smem = _fwd_smem(d, t)
-    name = _fwd_name(_CXX_TYPE[dtype], d, t, causal)
-    _smem_check(smem, name)
-    kern = _kernel("forward.cu", name, smem)
+    t = TILES.get(("fwd", "sm90a", d))
+    if SM90A_FORWARD and t is not None and block_q is None and block_k is None and _device_info()[0] == 90:
+        smem = _fwd_sm90_smem(d, t)
+        name = _fwd_sm90_name(_CXX_TYPE[dtype], d, t, causal)
+        _smem_check(smem, name)
+        kern = _kernel("forward_sm90.cu", name, smem, SM90A_OPTIONS)
+    else:
+        t = _tile("fwd", d, block_q, block_k)
+        smem = _fwd_smem(d, t)
+        name = _fwd_name(_CXX_TYPE[dtype], d, t, causal)
+        _smem_check(smem, name)
+        kern = _kernel("forward.cu", name, smem)
     kern((_cdiv(Nq, t.block_m), Hq, B), (32 * t.warps,), (
         q, k, v, out, lse, _i32(Nq), _i32(Nk), _i32(Hq), _i32(group),
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), scale_log2, off), shared_mem=smem)
