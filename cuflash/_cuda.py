@@ -70,7 +70,8 @@ class Tile(NamedTuple):
 
 # The tile table: (direction, arch class, head dim) -> Tile, shared by float16 and bfloat16.
 # direction "fwd": flash_fwd_kernel (block_m = 16 or 32 query rows per warp).
-# direction "bwd": flash_bwd_dkdv_kernel (block_n = 16 * warps key rows, block_m streamed query rows).
+# direction "bwd": flash_bwd_dkdv_kernel (block_n key rows in groups of 32, warps / (block_n / 32) warps per
+# group splitting the query columns and the head dim; block_m streamed query rows; stages >= 2).
 # direction "bwd_dq": flash_bwd_dq_kernel of the split order (block_m = 16 * warps query rows).
 # Arch classes: "sm90" (H100/H200: 227 KiB shared memory per block), "sm80" (A100: 163 KiB),
 # "sm86" (sm_86/87/89 consumer and workstation parts: 99 KiB).
@@ -96,15 +97,15 @@ TILES: dict[tuple[str, str, int], Tile] = {
     ("bwd", "sm90", 32): Tile(64, 128, 8, 2),
     ("bwd", "sm90", 64): Tile(64, 128, 8, 2),
     ("bwd", "sm90", 96): Tile(64, 64, 4, 2),
-    ("bwd", "sm90", 128): Tile(32, 128, 8, 2),
+    ("bwd", "sm90", 128): Tile(64, 128, 8, 2),
     ("bwd", "sm80", 32): Tile(64, 128, 8, 2),
     ("bwd", "sm80", 64): Tile(64, 128, 8, 2),
     ("bwd", "sm80", 96): Tile(64, 64, 4, 2),
-    ("bwd", "sm80", 128): Tile(32, 128, 8, 2),
-    ("bwd", "sm86", 32): Tile(64, 64, 4, 2),
+    ("bwd", "sm80", 128): Tile(64, 128, 8, 2),
+    ("bwd", "sm86", 32): Tile(64, 128, 8, 2),
     ("bwd", "sm86", 64): Tile(64, 64, 4, 2),
-    ("bwd", "sm86", 96): Tile(64, 64, 4, 1),
-    ("bwd", "sm86", 128): Tile(32, 128, 8, 1),
+    ("bwd", "sm86", 96): Tile(64, 64, 4, 2),
+    ("bwd", "sm86", 128): Tile(32, 64, 4, 2),
     ("bwd_dq", "sm90", 32): Tile(64, 128, 4, 2),
     ("bwd_dq", "sm90", 64): Tile(64, 128, 4, 2),
     ("bwd_dq", "sm90", 96): Tile(64, 64, 4, 2),
@@ -163,8 +164,21 @@ def _dkdv_name(ctype: str, d: int, t: Tile, causal: bool, has_dq: bool) -> str:
 
 
 def _dkdv_smem(d: int, t: Tile, has_dq: bool) -> int:
-    tiles = 2 * t.block_n * d + 2 * t.stages * t.block_m * d + (t.block_n * t.block_m if has_dq else 0)
+    tiles = 2 * t.block_n * d + 2 * t.stages * t.block_m * d + 2 * t.block_n * t.block_m  # K, V; Q, dO; P^T, dS^T
     return 2 * tiles + 4 * 2 * t.stages * t.block_m  # 16-bit tiles + float32 lse and D per stage
+
+
+def _dkdv_ok(d: int, t: Tile) -> bool:
+    """The shape constraints flash_bwd_dkdv_kernel static_asserts (warp grid of S^T, dK/dV and dQ)."""
+    if t.block_n % 32 or t.block_m % 32 or t.stages < 2 or t.warps % (t.block_n // 32 or 1):
+        return False
+    wm = t.warps // (t.block_n // 32)
+    if wm < 1 or (t.block_m // wm) % 16 or (d // wm) % 16 or t.block_m % wm or d % wm:
+        return False
+    wqm = t.block_m // 32
+    rows = 32 if t.warps % wqm == 0 and d % (16 * (t.warps // wqm)) == 0 else 16
+    wqm = t.block_m // rows
+    return t.warps % wqm == 0 and (d // (t.warps // wqm)) % 16 == 0 and d % (t.warps // wqm) == 0
 
 
 def _dq_name(ctype: str, d: int, t: Tile, causal: bool) -> str:
@@ -183,15 +197,14 @@ def _check_tile(direction: str, d: int, t: Tile) -> None:
     elif direction == "bwd_dq":
         ok = ok and t.block_m == 16 * t.warps
     else:
-        mt = t.block_m // 16
-        ok = ok and t.block_n == 16 * t.warps and t.block_m % 32 == 0 and mt >= 1
-        ok = ok and t.warps % mt == 0 and (d // (t.warps // mt)) % 16 == 0
+        ok = ok and _dkdv_ok(d, t)
     if not ok:
         raise ValueError(
             f"block sizes block_q={t.block_m if direction != 'bwd' else t.block_m}, "
             f"block_k={t.block_n} are not a valid CUDA tile for the {direction} kernel at head_dim {d}: "
             "the CUDA kernels need multiples of 16 with 16 rows per warp (forward: block_q = 16 * warps, "
-            "up to 256; backward: block_k = 16 * warps, block_q a multiple of 32)"
+            "up to 256; backward: block_k and block_q multiples of 32, head_dim / 2 a multiple of 16 for "
+            "two warps per 32 key rows)"
         )
 
 
@@ -328,7 +341,7 @@ def _tile(direction: str, d: int, block_q, block_k) -> Tile:
         bm = block_q if block_q is not None else t.block_m
         bn = block_k if block_k is not None else t.block_n
         if direction == "bwd":
-            warps = bn // 16
+            warps = 2 * max(bn // 32, 1)  # two warps per group of 32 key rows
         elif direction == "fwd" and bm % (16 * t.warps) == 0 and bm // (16 * t.warps) in (1, 2):
             warps = t.warps
         else:

@@ -3,12 +3,13 @@
 // Algorithm (float16/bfloat16, order "kv_outer", FlashAttention-2 backward):
 //   flash_bwd_preprocess_kernel  [bwd 0] D = rowsum(dO * O), float32 (batch, heads_q, seqlen_q).
 //   flash_bwd_dkdv_kernel        one thread block per key/value tile of kBlockN rows of one (batch, query
-//       head); each of its kNWarps warps owns 16 key rows and keeps their dK and dV in float32 registers.
-//       It streams the query tiles (Q, dO through a ring of kStages cp.async buffers), recomputes
-//       P^T = exp(scale K Q^T - lse) from the saved lse, and forms dV += P^T dO, dP^T = V dO^T,
-//       dS^T = P^T (dP^T - D), dK += dS^T Q, all with the key rows as the mma M dimension so that P^T
-//       and dS^T stay in registers as A operands. With Has_dQ, dS^T is also written to shared memory
-//       and the block adds dS K for its query tile to a float32 dQ workspace with atomicAdd.
+//       head), FlashAttention-2's two-dimensional warp tiling: the key rows come in groups of 32 and the
+//       kNWarps / (kBlockN / 32) warps of a group split the query columns of S^T, dP^T and the head-dim
+//       columns of dK, dV (float32 registers). It streams the query tiles (Q, dO, lse, D through a ring of
+//       kStages cp.async buffers), recomputes P^T = exp(scale K Q^T - lse) from the saved lse, writes P^T
+//       and dS^T = P^T (dP^T - D), dP^T = V dO^T, to shared memory in the input dtype, then forms
+//       dV += P^T dO and dK += dS^T Q. With Has_dQ the block also forms dS K for its query tile and adds it
+//       to a float32 dQ workspace (red.global.add.v2.f32 on sm_90, atomicAdd before).
 //   flash_bwd_dq_kernel          (order "split", deterministic) one thread block per query tile, key tiles
 //       streamed, dQ in float32 registers: S, P, dP = dO V^T, dS, dQ += dS K; no atomics. Used together
 //       with flash_bwd_dkdv_kernel<Has_dQ = false>.
@@ -18,9 +19,14 @@
 //   flash_bwd_*_f32_kernel        float32 path, plain SIMT float32 arithmetic, no atomics.
 //
 // Grid: dkdv (ceil(seqlen_k / kBlockN), heads_q, batch); dq (ceil(seqlen_q / kBlockM), heads_q, batch).
-// Shared memory of dkdv (16-bit elements): K, V kBlockN x d; kStages x (Q, dO) kBlockM x d; dS^T
-// kBlockN x kBlockM when Has_dQ. E.g. d = 128, kBlockN = 128, kBlockM = 64, 2 stages: 144 KiB.
+// Shared memory of dkdv (16-bit elements): K, V kBlockN x d; kStages x (Q, dO) kBlockM x d; P^T, dS^T
+// kBlockN x kBlockM; float32 lse, D per stage. E.g. d = 128, kBlockN = 128, kBlockM = 64, 2 stages: 161 KiB.
 #include "cuflash_tiles.cuh"
+// Unroll depth of the k16 loops of the dK/dV kernel: full unrolling lets ptxas hoist every fragment load
+// and spill at d = 128; 4 keeps the swizzle arithmetic constant (it repeats every 4 steps).
+#ifndef CUFLASH_BWD_UNROLL
+#define CUFLASH_BWD_UNROLL 4
+#endif
 
 namespace cuflash {
 
@@ -65,8 +71,37 @@ __device__ __forceinline__ float lse_log2(const float* lse_row, int i, int seqle
     return x == -CUFLASH_INF ? CUFLASH_INF : x * kLog2e;
 }
 
+// dQ accumulation into the float32 workspace: two neighbouring columns in one vector reduction on sm_90
+// (red.global.add.v2.f32), two scalar atomics before.
+__device__ __forceinline__ void red_add_f32x2(float* p, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(p), "f"(a), "f"(b) : "memory");
+#else
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+#endif
+}
+
+// Store an A fragment (16 x 16, rows r..r+15 of which this lane holds r + g and r + g + 8, column
+// chunks c, c + 1) into a swizzled row-major tile: the inverse of load_a.
+template <int kWidth>
+__device__ __forceinline__ void store_a_frag(u16* tile, const u32 (&a)[4], int row, int c, int t) {
+    *reinterpret_cast<u32*>(tile + Swizzle<kWidth>::offset(row, c) + 2 * t) = a[0];
+    *reinterpret_cast<u32*>(tile + Swizzle<kWidth>::offset(row + 8, c) + 2 * t) = a[1];
+    *reinterpret_cast<u32*>(tile + Swizzle<kWidth>::offset(row, c + 1) + 2 * t) = a[2];
+    *reinterpret_cast<u32*>(tile + Swizzle<kWidth>::offset(row + 8, c + 1) + 2 * t) = a[3];
+}
+
+// dK/dV (and, with Has_dQ, dQ by atomics) with FlashAttention-2's two-dimensional warp tiling.
+// The block holds kBlockN key rows, in groups of 32; the kWM = kNWarps / (kBlockN / 32) warps of a key
+// group split the query columns of S^T and dP^T (kQW each) and the head-dim columns of dK and dV (kDW
+// each). Every Q / dO fragment read from shared memory therefore feeds two key row tiles (4 mma), and
+// every P^T / dS^T fragment read feeds kDW / 8 mma. P^T and dS^T go through shared memory (16-bit), which
+// also makes dS^T available to the dQ product. Per query tile: two barriers (stage ready, P^T/dS^T
+// written); the next tile's cp.async is issued after the first barrier, into the buffer every warp has
+// finished with.
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool Is_causal, bool Has_dQ>
-__global__ void __launch_bounds__(kNWarps * 32)
+__global__ void __launch_bounds__(kNWarps * 32, 1)
 flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                       const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
                       float* __restrict__ dq_accum, u16* __restrict__ dk, u16* __restrict__ dv,
@@ -76,33 +111,41 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
                       i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
                       i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
                       float scale, int causal_offset) {
-    static_assert(kBlockN == 16 * kNWarps, "each warp owns 16 key rows");
-    static_assert(kBlockM % 16 == 0 && kBlockM % 32 == 0 && kHeadDim % 32 == 0, "tile shape");
     constexpr int kThreads = kNWarps * 32;
-    constexpr int kMT8 = kBlockM / 8;     // n8 tiles of a S^T row block (query columns)
-    constexpr int kDT = kHeadDim / 8;     // n8 tiles of dK, dV
-    constexpr int kKT = kHeadDim / 16;    // k16 steps over the head dimension
+    constexpr int kWN = kBlockN / 32;        // key groups of 32 rows (2 mma row tiles)
+    static_assert(kBlockN % 32 == 0 && kNWarps % kWN == 0, "warps come in whole key groups");
+    constexpr int kWM = kNWarps / kWN;       // warps per key group
+    constexpr int kQW = kBlockM / kWM;       // query columns of S^T, dP^T per warp
+    constexpr int kDW = kHeadDim / kWM;      // head-dim columns of dK, dV per warp
+    static_assert(kBlockM % 32 == 0 && kQW % 16 == 0 && kDW % 16 == 0, "tile shape");
+    static_assert(kStages >= 2, "the next query tile is loaded while this one is used");
+    constexpr int kQN8 = kQW / 8, kDN8 = kDW / 8;
+    constexpr int kKT = kHeadDim / 16;
     constexpr int kQTile = kBlockM * kHeadDim;
-    // dQ phase: the kBlockM x d tile of dS K is split over warps: kMT row tiles of 16, kCS column slices.
-    constexpr int kMT = kBlockM / 16;
-    constexpr int kCS = kNWarps / kMT > 0 ? kNWarps / kMT : 1;
-    constexpr int kDW = kHeadDim / kCS;
-    static_assert(!Has_dQ || (kNWarps % kMT == 0 && kDW % 16 == 0), "dQ phase warp split");
+    // dQ phase: the kBlockM x d tile of dS K over a kWQM x kWQD warp grid of kQMW x kQDW warp tiles
+    // (32 x 32 where the shape allows: 4 fragment loads per 8 mma).
+    constexpr int kQMW = (kNWarps % (kBlockM / 32) == 0 && kHeadDim % (16 * (kNWarps / (kBlockM / 32))) == 0) ? 32 : 16;
+    constexpr int kWQM = kBlockM / kQMW;
+    constexpr int kWQD = kNWarps / kWQM > 0 ? kNWarps / kWQM : 1;
+    constexpr int kQDW = kHeadDim / kWQD;
+    static_assert(!Has_dQ || (kNWarps % kWQM == 0 && kQDW % 16 == 0), "dQ phase warp split");
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     u16* sK = reinterpret_cast<u16*>(smem_raw);
     u16* sV = sK + kBlockN * kHeadDim;
     u16* sQ = sV + kBlockN * kHeadDim;
     u16* sdO = sQ + kStages * kQTile;
-    float* sLse = reinterpret_cast<float*>(sdO + kStages * kQTile);  // kStages x kBlockM, raw lse
-    float* sD = sLse + kStages * kBlockM;                              // kStages x kBlockM, D
-    u16* sdS = reinterpret_cast<u16*>(sD + kStages * kBlockM);         // dS^T, kBlockN x kBlockM (Has_dQ only)
+    u16* sPt = sdO + kStages * kQTile;                                  // P^T, kBlockN x kBlockM
+    u16* sdSt = sPt + kBlockN * kBlockM;                                // dS^T, kBlockN x kBlockM
+    float* sLse = reinterpret_cast<float*>(sdSt + kBlockN * kBlockM);  // kStages x kBlockM, raw lse
+    float* sD = sLse + kStages * kBlockM;                               // kStages x kBlockM, D
 
     const int n_block = blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
     const int n0 = n_block * kBlockN;
+    const int wn = warp % kWN, wm = warp / kWN;  // key group, column slice (queries in S^T, d in dK/dV)
 
     const u16* qg = q + b * q_sb + h * q_sh;
     const u16* dog = dout + b * do_sb + h * do_sh;
@@ -137,178 +180,245 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
         cp_async_commit();
     }
 
-    float dk_acc[kDT][4], dv_acc[kDT][4];
+    float dk_acc[2][kDN8][4], dv_acc[2][kDN8][4];
 #pragma unroll
-    for (int dt = 0; dt < kDT; ++dt) {
+    for (int i = 0; i < 2; ++i) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dk_acc[dt][e] = dv_acc[dt][e] = 0.f;
+        for (int dt = 0; dt < kDN8; ++dt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dk_acc[i][dt][e] = dv_acc[i][dt][e] = 0.f;
+        }
     }
     const float scale_log2 = scale * kLog2e;
-    const int key_base = n0 + warp * 16;
+    const int key_base = n0 + wn * 32;
 
     for (int mi = m_begin; mi < m_end; ++mi) {
         const int it = mi - m_begin;
-        const int itn = it + kStages - 1;
-        if (m_begin + itn < m_end) load_q_stage(itn % kStages, m_begin + itn);
-        cp_async_commit();
         const u16* tQ = sQ + (it % kStages) * kQTile;
         const u16* tdO = sdO + (it % kStages) * kQTile;
-        const int m0 = mi * kBlockM;
-
         const float* tLse = sLse + (it % kStages) * kBlockM;
         const float* tD = sD + (it % kStages) * kBlockM;
+        const int m0 = mi * kBlockM;
 
-        cp_async_wait<kStages - 1>();
-        __syncthreads();
+        cp_async_wait<kStages - 2>();
+        __syncthreads();  // this tile's stage landed; every warp is done with the previous tile
+        {
+            const int itn = it + kStages - 1;
+            if (m_begin + itn < m_end) load_q_stage(itn % kStages, m_begin + itn);
+            cp_async_commit();
+        }
 
-        // [bwd 1] P^T = exp(scale K Q^T - lse), rows = this warp's 16 keys, cols = the kBlockM queries.
-        float st[kMT8][4];
+        // [bwd 1] P^T = exp(scale K Q^T - lse): this warp's 32 keys x kQW queries.
+        float st[2][kQN8][4];
 #pragma unroll
-        for (int nt = 0; nt < kMT8; ++nt) st[nt][0] = st[nt][1] = st[nt][2] = st[nt][3] = 0.f;
+        for (int i = 0; i < 2; ++i) {
 #pragma unroll
+            for (int nt = 0; nt < kQN8; ++nt) st[i][nt][0] = st[i][nt][1] = st[i][nt][2] = st[i][nt][3] = 0.f;
+        }
+#pragma unroll CUFLASH_BWD_UNROLL
         for (int kk = 0; kk < kKT; ++kk) {
-            u32 a[4];
-            load_a<kHeadDim>(a, sK, warp * 16, kk, lane);
+            u32 ak[2][4];
 #pragma unroll
-            for (int np = 0; np < kMT8 / 2; ++np) {
-                u32 bf[4];
-                load_b_nk<kHeadDim>(bf, tQ, np * 16, kk, lane);
-                Elem<T>::mma(st[2 * np], a, bf[0], bf[1]);
-                Elem<T>::mma(st[2 * np + 1], a, bf[2], bf[3]);
+            for (int i = 0; i < 2; ++i) load_a<kHeadDim>(ak[i], sK, wn * 32 + 16 * i, kk, lane);
+#pragma unroll
+            for (int np = 0; np < kQN8 / 2; ++np) {
+                u32 bq[4];
+                load_b_nk<kHeadDim>(bq, tQ, wm * kQW + np * 16, kk, lane);
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    Elem<T>::mma(st[i][2 * np], ak[i], bq[0], bq[1]);
+                    Elem<T>::mma(st[i][2 * np + 1], ak[i], bq[2], bq[3]);
+                }
             }
         }
         // A row that saw no key has lse = -inf: its P here is +inf, but all its keys are masked below
         // (such a row sees no key, so every tile it meets crosses its diagonal and is masked).
 #pragma unroll
-        for (int nt = 0; nt < kMT8; ++nt) {
-            const float2 l2 = *reinterpret_cast<const float2*>(tLse + nt * 8 + 2 * t);
+        for (int nt = 0; nt < kQN8; ++nt) {
+            const float2 l2 = *reinterpret_cast<const float2*>(tLse + wm * kQW + nt * 8 + 2 * t);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) st[nt][e] = fast_exp2(fmaf(st[nt][e], scale_log2, -(e & 1 ? l2.y : l2.x) * kLog2e));
+            for (int i = 0; i < 2; ++i) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    st[i][nt][e] = fast_exp2(fmaf(st[i][nt][e], scale_log2, -(e & 1 ? l2.y : l2.x) * kLog2e));
+                }
+            }
         }
         const bool need_mask = n0 + kBlockN > seqlen_k || (Is_causal && n0 + kBlockN - 1 > m0 + causal_offset);
-        if (need_mask) mask_scores_t<kMT8, Is_causal>(st, key_base, m0, seqlen_k, causal_offset, lane, 0.f);
-
-        // [bwd 2] dV += P^T dO (P cast to the input dtype).
+        if (need_mask) {
 #pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk) {
-            u32 a[4];
-            c_to_a<T, kMT8>(a, st, kk);
+            for (int i = 0; i < 2; ++i)
+                mask_scores_t<kQN8, Is_causal>(st[i], key_base + 16 * i, m0 + wm * kQW, seqlen_k, causal_offset, lane, 0.f);
+        }
+        // P^T in the input dtype, as A fragments: to shared memory for dV, and kept (16 bits, half the
+        // registers of float32) for dS^T.
+        u32 pt[2][kQN8 / 2][4];
 #pragma unroll
-            for (int np = 0; np < kDT / 2; ++np) {
-                u32 bf[4];
-                load_b_kn<kHeadDim>(bf, tdO, kk * 16, np, lane);
-                Elem<T>::mma(dv_acc[2 * np], a, bf[0], bf[1]);
-                Elem<T>::mma(dv_acc[2 * np + 1], a, bf[2], bf[3]);
+        for (int i = 0; i < 2; ++i) {
+#pragma unroll
+            for (int kk = 0; kk < kQN8 / 2; ++kk) {
+                c_to_a<T, kQN8>(pt[i][kk], st[i], kk);
+                store_a_frag<kBlockM>(sPt, pt[i][kk], wn * 32 + 16 * i + g, wm * (kQW / 8) + 2 * kk, t);
             }
         }
 
         // [bwd 3] dP^T = V dO^T.
-        float dpt[kMT8][4];
+        float dpt[2][kQN8][4];
 #pragma unroll
-        for (int nt = 0; nt < kMT8; ++nt) dpt[nt][0] = dpt[nt][1] = dpt[nt][2] = dpt[nt][3] = 0.f;
+        for (int i = 0; i < 2; ++i) {
 #pragma unroll
+            for (int nt = 0; nt < kQN8; ++nt) dpt[i][nt][0] = dpt[i][nt][1] = dpt[i][nt][2] = dpt[i][nt][3] = 0.f;
+        }
+#pragma unroll CUFLASH_BWD_UNROLL
         for (int kk = 0; kk < kKT; ++kk) {
-            u32 a[4];
-            load_a<kHeadDim>(a, sV, warp * 16, kk, lane);
+            u32 av[2][4];
 #pragma unroll
-            for (int np = 0; np < kMT8 / 2; ++np) {
-                u32 bf[4];
-                load_b_nk<kHeadDim>(bf, tdO, np * 16, kk, lane);
-                Elem<T>::mma(dpt[2 * np], a, bf[0], bf[1]);
-                Elem<T>::mma(dpt[2 * np + 1], a, bf[2], bf[3]);
-            }
-        }
-
-        // [bwd 4] dS^T = P^T (dP^T - D), in place of dP^T.
+            for (int i = 0; i < 2; ++i) load_a<kHeadDim>(av[i], sV, wn * 32 + 16 * i, kk, lane);
 #pragma unroll
-        for (int nt = 0; nt < kMT8; ++nt) {
-            const float2 d2 = *reinterpret_cast<const float2*>(tD + nt * 8 + 2 * t);
+            for (int np = 0; np < kQN8 / 2; ++np) {
+                u32 bd[4];
+                load_b_nk<kHeadDim>(bd, tdO, wm * kQW + np * 16, kk, lane);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) dpt[nt][e] = st[nt][e] * (dpt[nt][e] - (e & 1 ? d2.y : d2.x));
-        }
-
-        // [bwd 6] dK += dS^T Q (scale applied once at the end).
-#pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk) {
-            u32 a[4];
-            c_to_a<T, kMT8>(a, dpt, kk);
-            if (Has_dQ) {
-                // dS^T rows warp*16 + g (+8), query cols 16 kk + 2 t (+1) and + 8: the four A registers.
-                const int r = warp * 16 + g;
-                *reinterpret_cast<u32*>(sdS + Swizzle<kBlockM>::offset(r, 2 * kk) + 2 * t) = a[0];
-                *reinterpret_cast<u32*>(sdS + Swizzle<kBlockM>::offset(r + 8, 2 * kk) + 2 * t) = a[1];
-                *reinterpret_cast<u32*>(sdS + Swizzle<kBlockM>::offset(r, 2 * kk + 1) + 2 * t) = a[2];
-                *reinterpret_cast<u32*>(sdS + Swizzle<kBlockM>::offset(r + 8, 2 * kk + 1) + 2 * t) = a[3];
-            }
-#pragma unroll
-            for (int np = 0; np < kDT / 2; ++np) {
-                u32 bf[4];
-                load_b_kn<kHeadDim>(bf, tQ, kk * 16, np, lane);
-                Elem<T>::mma(dk_acc[2 * np], a, bf[0], bf[1]);
-                Elem<T>::mma(dk_acc[2 * np + 1], a, bf[2], bf[3]);
-            }
-        }
-
-        if (Has_dQ) {
-            __syncthreads();  // dS^T complete
-            // [bwd 5] dQ += scale dS K: this warp's 16 query rows x kDW columns, added to the workspace.
-            const int rt = warp % kMT, cs = warp / kMT;
-            float dq[kDW / 8][4];
-#pragma unroll
-            for (int dt = 0; dt < kDW / 8; ++dt) dq[dt][0] = dq[dt][1] = dq[dt][2] = dq[dt][3] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < kBlockN / 16; ++kk) {
-                u32 a[4];
-                load_a_trans<kBlockM>(a, sdS, kk * 16, rt * 16, lane);
-#pragma unroll
-                for (int np = 0; np < kDW / 16; ++np) {
-                    u32 bf[4];
-                    load_b_kn<kHeadDim>(bf, sK, kk * 16, cs * (kDW / 16) + np, lane);
-                    Elem<T>::mma(dq[2 * np], a, bf[0], bf[1]);
-                    Elem<T>::mma(dq[2 * np + 1], a, bf[2], bf[3]);
+                for (int i = 0; i < 2; ++i) {
+                    Elem<T>::mma(dpt[i][2 * np], av[i], bd[0], bd[1]);
+                    Elem<T>::mma(dpt[i][2 * np + 1], av[i], bd[2], bd[3]);
                 }
             }
-            float* dqg = dq_accum + ((i64)b * heads_q + h) * seqlen_q * kHeadDim;
+        }
+        // [bwd 4] dS^T = P^T (dP^T - D), with P^T as cast to the input dtype (as it enters dV), to shared
+        // memory in the input dtype.
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const int row = m0 + rt * 16 + g + 8 * hh;
-                if (row < seqlen_q) {
-                    float* dst = dqg + (i64)row * kHeadDim + cs * kDW + 2 * t;
+        for (int kk = 0; kk < kQN8 / 2; ++kk) {
 #pragma unroll
-                    for (int dt = 0; dt < kDW / 8; ++dt) {
-                        atomicAdd(dst + dt * 8, dq[dt][2 * hh]);
-                        atomicAdd(dst + dt * 8 + 1, dq[dt][2 * hh + 1]);
+            for (int hn = 0; hn < 2; ++hn) {
+                const int nt = 2 * kk + hn;
+                const float2 d2 = *reinterpret_cast<const float2*>(tD + wm * kQW + nt * 8 + 2 * t);
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const u32 w = pt[i][kk][2 * hn + (e >> 1)];
+                        const float p = Elem<T>::to_float(static_cast<u16>(e & 1 ? w >> 16 : w & 0xffffu));
+                        dpt[i][nt][e] = p * (dpt[i][nt][e] - (e & 1 ? d2.y : d2.x));
                     }
                 }
             }
         }
-        __syncthreads();  // buffers of this query tile (and dS^T) are free for the next refill
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+#pragma unroll
+            for (int kk = 0; kk < kQN8 / 2; ++kk) {
+                u32 a[4];
+                c_to_a<T, kQN8>(a, dpt[i], kk);
+                store_a_frag<kBlockM>(sdSt, a, wn * 32 + 16 * i + g, wm * (kQW / 8) + 2 * kk, t);
+            }
+        }
+        __syncthreads();  // P^T and dS^T of the whole block are in shared memory
+
+        // [bwd 2] dV += P^T dO and [bwd 6] dK += dS^T Q (scale applied once at the end): this warp's 32
+        // keys x kDW head-dim columns, over the kBlockM queries.
+#pragma unroll CUFLASH_BWD_UNROLL
+        for (int kk = 0; kk < kBlockM / 16; ++kk) {
+            u32 ap[2][4];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) load_a<kBlockM>(ap[i], sPt, wn * 32 + 16 * i, kk, lane);
+#pragma unroll
+            for (int np = 0; np < kDN8 / 2; ++np) {
+                u32 bd[4];
+                load_b_kn<kHeadDim>(bd, tdO, kk * 16, wm * (kDW / 16) + np, lane);
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    Elem<T>::mma(dv_acc[i][2 * np], ap[i], bd[0], bd[1]);
+                    Elem<T>::mma(dv_acc[i][2 * np + 1], ap[i], bd[2], bd[3]);
+                }
+            }
+        }
+#pragma unroll CUFLASH_BWD_UNROLL
+        for (int kk = 0; kk < kBlockM / 16; ++kk) {
+            u32 ads[2][4];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) load_a<kBlockM>(ads[i], sdSt, wn * 32 + 16 * i, kk, lane);
+#pragma unroll
+            for (int np = 0; np < kDN8 / 2; ++np) {
+                u32 bq[4];
+                load_b_kn<kHeadDim>(bq, tQ, kk * 16, wm * (kDW / 16) + np, lane);
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    Elem<T>::mma(dk_acc[i][2 * np], ads[i], bq[0], bq[1]);
+                    Elem<T>::mma(dk_acc[i][2 * np + 1], ads[i], bq[2], bq[3]);
+                }
+            }
+        }
+
+        if (Has_dQ) {
+            // [bwd 5] dQ += dS K: this warp's kQMW query rows x kQDW columns, added to the workspace.
+            const int qm = warp % kWQM, qd = warp / kWQM;
+            float dq[kQMW / 16][kQDW / 8][4];
+#pragma unroll
+            for (int i = 0; i < kQMW / 16; ++i) {
+#pragma unroll
+                for (int dt = 0; dt < kQDW / 8; ++dt) dq[i][dt][0] = dq[i][dt][1] = dq[i][dt][2] = dq[i][dt][3] = 0.f;
+            }
+#pragma unroll CUFLASH_BWD_UNROLL
+            for (int kk = 0; kk < kBlockN / 16; ++kk) {
+                u32 a[kQMW / 16][4];
+#pragma unroll
+                for (int i = 0; i < kQMW / 16; ++i) load_a_trans<kBlockM>(a[i], sdSt, kk * 16, qm * kQMW + 16 * i, lane);
+#pragma unroll
+                for (int np = 0; np < kQDW / 16; ++np) {
+                    u32 bf[4];
+                    load_b_kn<kHeadDim>(bf, sK, kk * 16, qd * (kQDW / 16) + np, lane);
+#pragma unroll
+                    for (int i = 0; i < kQMW / 16; ++i) {
+                        Elem<T>::mma(dq[i][2 * np], a[i], bf[0], bf[1]);
+                        Elem<T>::mma(dq[i][2 * np + 1], a[i], bf[2], bf[3]);
+                    }
+                }
+            }
+            float* dqg = dq_accum + ((i64)b * heads_q + h) * seqlen_q * kHeadDim;
+#pragma unroll
+            for (int i = 0; i < kQMW / 16; ++i) {
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int row = m0 + qm * kQMW + 16 * i + g + 8 * hh;
+                    if (row < seqlen_q) {
+                        float* dst = dqg + (i64)row * kHeadDim + qd * kQDW + 2 * t;
+#pragma unroll
+                        for (int dt = 0; dt < kQDW / 8; ++dt) red_add_f32x2(dst + dt * 8, dq[i][dt][2 * hh], dq[i][dt][2 * hh + 1]);
+                    }
+                }
+            }
+        }
     }
     cp_async_wait<0>();
 
     // Write dK = scale * dK_acc and dV: straight to dk/dv (group == 1) or per query head to the float32
     // workspace that flash_bwd_reduce_dkv_kernel sums over the group.
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const int row = key_base + g + 8 * hh;
-        if (row >= seqlen_k) continue;
-        if (group == 1) {
-            u16* dkr = dk + b * dk_sb + h * dk_sh + (i64)row * dk_ss;
-            u16* dvr = dv + b * dv_sb + h * dv_sh + (i64)row * dv_ss;
+    for (int i = 0; i < 2; ++i) {
 #pragma unroll
-            for (int dt = 0; dt < kDT; ++dt) {
-                *reinterpret_cast<u32*>(dkr + dt * 8 + 2 * t) =
-                    Elem<T>::pack(dk_acc[dt][2 * hh] * scale, dk_acc[dt][2 * hh + 1] * scale);
-                *reinterpret_cast<u32*>(dvr + dt * 8 + 2 * t) = Elem<T>::pack(dv_acc[dt][2 * hh], dv_acc[dt][2 * hh + 1]);
-            }
-        } else {
-            const i64 plane = (i64)gridDim.z * heads_q * seqlen_k * kHeadDim;
-            float* dkr = dkv_accum + (((i64)b * heads_q + h) * seqlen_k + row) * kHeadDim;
+        for (int hh = 0; hh < 2; ++hh) {
+            const int row = key_base + 16 * i + g + 8 * hh;
+            if (row >= seqlen_k) continue;
+            const int col0 = wm * kDW + 2 * t;
+            if (group == 1) {
+                u16* dkr = dk + b * dk_sb + h * dk_sh + (i64)row * dk_ss + col0;
+                u16* dvr = dv + b * dv_sb + h * dv_sh + (i64)row * dv_ss + col0;
 #pragma unroll
-            for (int dt = 0; dt < kDT; ++dt) {
-                *reinterpret_cast<float2*>(dkr + dt * 8 + 2 * t) =
-                    make_float2(dk_acc[dt][2 * hh] * scale, dk_acc[dt][2 * hh + 1] * scale);
-                *reinterpret_cast<float2*>(dkr + plane + dt * 8 + 2 * t) = make_float2(dv_acc[dt][2 * hh], dv_acc[dt][2 * hh + 1]);
+                for (int dt = 0; dt < kDN8; ++dt) {
+                    *reinterpret_cast<u32*>(dkr + dt * 8) =
+                        Elem<T>::pack(dk_acc[i][dt][2 * hh] * scale, dk_acc[i][dt][2 * hh + 1] * scale);
+                    *reinterpret_cast<u32*>(dvr + dt * 8) = Elem<T>::pack(dv_acc[i][dt][2 * hh], dv_acc[i][dt][2 * hh + 1]);
+                }
+            } else {
+                const i64 plane = (i64)gridDim.z * heads_q * seqlen_k * kHeadDim;
+                float* dkr = dkv_accum + (((i64)b * heads_q + h) * seqlen_k + row) * kHeadDim + col0;
+#pragma unroll
+                for (int dt = 0; dt < kDN8; ++dt) {
+                    *reinterpret_cast<float2*>(dkr + dt * 8) =
+                        make_float2(dk_acc[i][dt][2 * hh] * scale, dk_acc[i][dt][2 * hh + 1] * scale);
+                    *reinterpret_cast<float2*>(dkr + plane + dt * 8) = make_float2(dv_acc[i][dt][2 * hh], dv_acc[i][dt][2 * hh + 1]);
+                }
             }
         }
     }
