@@ -17,7 +17,9 @@ Paths:
   (``mma.sync``), sm_80 or newer. Backward at head dim 256 runs the float32 path on upcast inputs.
 - float32: plain SIMT float32 kernels (no tensor cores, no TF32): slow but as accurate as float32 allows.
 - ``algorithm="naive"``: the materialized reference computation with CuPy matmuls (O(N^2) memory).
-- ``algorithm="fa1"``: not implemented on the GPU yet (issue 4).
+- ``algorithm="fa1"``: FlashAttention-1 kernels (``fa1.cu``): one thread block per (batch, head), key/value
+  tiles outer, the running O, m, l (forward) and dQ (backward) read-modify-written in float32 global
+  memory at every step. float32 inputs (and the backward at head dim 256) take the float32 paths above.
 
 Backward orders: ``"kv_outer"`` (default) is FlashAttention-2's: key/value tiles outer, dQ accumulated in a
 float32 workspace with atomicAdd. ``"split"`` (deterministic) and ``"q_outer"`` run two passes: dK/dV with
@@ -118,6 +120,36 @@ TILES: dict[tuple[str, str, int], Tile] = {
     ("bwd_dq", "sm86", 64): Tile(64, 128, 4, 2),
     ("bwd_dq", "sm86", 96): Tile(64, 64, 4, 1),
     ("bwd_dq", "sm86", 128): Tile(64, 64, 4, 1),
+    # direction "fa1_fwd": fa1_fwd_kernel (block_m = 16 query rows per warp tile, block_n key rows held by
+    # the block, warps taking query tiles in turn, stages = query buffers per warp).
+    # direction "fa1_bwd": fa1_bwd_kernel (block_n = 16 * warps key rows outer, block_m query rows inner).
+    ("fa1_fwd", "sm90", 32): Tile(16, 128, 8, 2),
+    ("fa1_fwd", "sm90", 64): Tile(16, 128, 8, 2),
+    ("fa1_fwd", "sm90", 96): Tile(16, 64, 8, 2),
+    ("fa1_fwd", "sm90", 128): Tile(16, 64, 8, 2),
+    ("fa1_fwd", "sm90", 256): Tile(16, 32, 4, 2),
+    ("fa1_fwd", "sm80", 32): Tile(16, 128, 8, 2),
+    ("fa1_fwd", "sm80", 64): Tile(16, 128, 8, 2),
+    ("fa1_fwd", "sm80", 96): Tile(16, 64, 8, 2),
+    ("fa1_fwd", "sm80", 128): Tile(16, 64, 8, 2),
+    ("fa1_fwd", "sm80", 256): Tile(16, 32, 4, 2),
+    ("fa1_fwd", "sm86", 32): Tile(16, 128, 8, 2),
+    ("fa1_fwd", "sm86", 64): Tile(16, 128, 8, 2),
+    ("fa1_fwd", "sm86", 96): Tile(16, 64, 8, 1),
+    ("fa1_fwd", "sm86", 128): Tile(16, 64, 8, 1),
+    ("fa1_fwd", "sm86", 256): Tile(16, 32, 4, 1),
+    ("fa1_bwd", "sm90", 32): Tile(64, 128, 8, 2),
+    ("fa1_bwd", "sm90", 64): Tile(64, 128, 8, 2),
+    ("fa1_bwd", "sm90", 96): Tile(64, 64, 4, 2),
+    ("fa1_bwd", "sm90", 128): Tile(32, 128, 8, 2),
+    ("fa1_bwd", "sm80", 32): Tile(64, 128, 8, 2),
+    ("fa1_bwd", "sm80", 64): Tile(64, 128, 8, 2),
+    ("fa1_bwd", "sm80", 96): Tile(64, 64, 4, 2),
+    ("fa1_bwd", "sm80", 128): Tile(32, 128, 8, 2),
+    ("fa1_bwd", "sm86", 32): Tile(64, 64, 4, 2),
+    ("fa1_bwd", "sm86", 64): Tile(64, 64, 4, 2),
+    ("fa1_bwd", "sm86", 96): Tile(64, 64, 4, 1),
+    ("fa1_bwd", "sm86", 128): Tile(32, 64, 4, 2),
 }
 
 _CXX_TYPE = {"float16": "cuflash::fp16", "bfloat16": "cuflash::bf16"}
@@ -248,6 +280,8 @@ def instantiations() -> list[tuple[str, str, tuple[str, ...]]]:
                 elif direction == "bwd":
                     for has_dq in (True, False):
                         add("backward.cu", _dkdv_name(ctype, d, t, causal, has_dq))
+                elif direction in ("fa1_fwd", "fa1_bwd"):
+                    add("fa1.cu", _fa1_name(direction, ctype, d, t, causal))
                 else:
                     add("backward.cu", _dq_name(ctype, d, t, causal))
     for d in HEAD_DIMS:
@@ -309,14 +343,12 @@ def _device_info():
 
 def check_supported(problem, algorithm: str) -> None:
     """Refuse, before any launch, what the CUDA backend cannot run."""
-    if algorithm == "fa1":
-        raise NotImplementedError("algorithm='fa1' is not implemented for CuPy arrays yet (issue 4); use 'fa2'")
     dtype = np.dtype(problem.dtype).name
     if algorithm == "naive":
         return
     if dtype == "float64":
         raise TypeError(
-            "float64 is not supported by the CUDA kernels (algorithm='fa2'); use float32, "
+            f"float64 is not supported by the CUDA kernels (algorithm='{algorithm}'); use float32, "
             "algorithm='naive', or NumPy arrays"
         )
     if problem.head_dim not in HEAD_DIMS:
@@ -395,8 +427,8 @@ def _cdiv(a: int, b: int) -> int:
 def forward(q, k, v, *, scale, causal_offset, algorithm, block_q, block_k):
     import cupy
 
-    if algorithm == "fa1":
-        raise NotImplementedError("algorithm='fa1' is not implemented for CuPy arrays yet (issue 4); use 'fa2'")
+    if algorithm == "fa1" and np.dtype(q.dtype).name in _CXX_TYPE:
+        return _fa1_forward(q, k, v, scale=scale, causal_offset=causal_offset, block_q=block_q, block_k=block_k)
     if algorithm == "naive":
         return _naive_forward(q, k, v, scale=scale, causal_offset=causal_offset)
     B, Nq, Hq, d = q.shape
@@ -442,8 +474,9 @@ def forward(q, k, v, *, scale, causal_offset, algorithm, block_q, block_k):
 def backward(do, q, k, v, out, lse, *, scale, causal_offset, algorithm, block_q, block_k, order):
     import cupy
 
-    if algorithm == "fa1":
-        raise NotImplementedError("algorithm='fa1' is not implemented for CuPy arrays yet (issue 4); use 'fa2'")
+    if algorithm == "fa1" and np.dtype(q.dtype).name in _CXX_TYPE and q.shape[3] in BWD_HEAD_DIMS:
+        return _fa1_backward(do, q, k, v, out, lse, scale=scale, causal_offset=causal_offset, block_q=block_q,
+                             block_k=block_k)
     if algorithm == "naive":
         return _naive_backward(do, q, k, v, scale=scale, causal_offset=causal_offset)
     B, Nq, Hq, d = q.shape
@@ -602,3 +635,117 @@ def _naive_backward(do, q, k, v, *, scale, causal_offset):
         cupy.ascontiguousarray(to_kv(dk).astype(k.dtype)),
         cupy.ascontiguousarray(to_kv(dv).astype(v.dtype)),
     )
+
+
+# ---------------------------------------------------------------------------------------------------
+# algorithm="fa1" (fa1.cu): one thread block per (batch, query head), key/value tiles outer.
+
+
+def _fa1_name(direction: str, ctype: str, d: int, t: Tile, causal: bool) -> str:
+    stem = {"fa1_fwd": "fa1_fwd_kernel", "fa1_bwd": "fa1_bwd_kernel"}[direction]
+    return f"cuflash::{stem}<{ctype}, {d}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, {_bool(causal)}>"
+
+
+def _fa1_fwd_smem(d: int, t: Tile) -> int:
+    return 2 * d * (2 * t.block_n + t.block_m * t.warps * t.stages)  # K, V + per warp stages x Q
+
+
+def _fa1_bwd_smem(d: int, t: Tile) -> int:
+    tiles = 2 * t.block_n * d + 2 * t.stages * t.block_m * d + t.block_n * t.block_m  # K, V; Q, dO; dS^T
+    return 2 * tiles + 4 * 2 * t.stages * t.block_m  # 16-bit tiles + float32 lse and D per stage
+
+
+def _fa1_tile(direction: str, d: int, block_q, block_k) -> Tile:
+    """The table's FA1 tile, or one with the user's block sizes (forward: block_q must be 16, the rows of
+    a warp's query tile; backward: block_k = 16 * warps key rows, block_q a multiple of 32)."""
+    cc, _ = _device_info()
+    t = TILES[(direction, _arch_class(cc), d)]
+    if block_q is None and block_k is None:
+        return t
+    bm = block_q if block_q is not None else t.block_m
+    bn = block_k if block_k is not None else t.block_n
+    if direction == "fa1_fwd":
+        t = Tile(bm, bn, t.warps, t.stages)
+        ok = bm == 16 and bn % 16 == 0 and 16 <= bn <= 128
+    else:
+        t = Tile(bm, bn, max(bn // 16, 1), t.stages)
+        mt = bm // 16
+        ok = bn % 16 == 0 and 1 <= t.warps <= 16 and bm % 32 == 0 and t.warps % mt == 0
+        ok = ok and (d // (t.warps // mt)) % 16 == 0
+    if not ok:
+        raise ValueError(
+            f"block sizes block_q={bm}, block_k={bn} are not a valid CUDA tile for algorithm='fa1' at head_dim "
+            f"{d}: the forward needs block_q = 16 and block_k a multiple of 16 up to 128; the backward "
+            "block_k = 16 * warps (up to 256) and block_q a multiple of 32"
+        )
+    return t
+
+
+def _fa1_forward(q, k, v, *, scale, causal_offset, block_q, block_k):
+    """FA1 forward (fa1_fwd_kernel): grid (heads_q, batch). The running output (normalized, float32),
+    row max m (log2 units) and row sum l live in global memory between key/value tiles, as in
+    reference.fa1_forward; nothing is read from them on the first key tile, so they need no zeroing."""
+    import cupy
+
+    B, Nq, Hq, d = q.shape
+    Nk, Hkv = k.shape[1], k.shape[2]
+    causal = causal_offset is not None
+    ctype = _CXX_TYPE[np.dtype(q.dtype).name]
+    q, k, v = _aligned(q), _aligned(k), _aligned(v)
+    out = cupy.empty(q.shape, dtype=q.dtype)
+    lse = cupy.empty((B, Hq, Nq), dtype=cupy.float32)
+    o_run = cupy.empty((B, Hq, Nq, d), dtype=cupy.float32)
+    ml_run = cupy.empty((2, B, Hq, Nq), dtype=cupy.float32)
+    t = _fa1_tile("fa1_fwd", d, block_q, block_k)
+    smem = _fa1_fwd_smem(d, t)
+    name = _fa1_name("fa1_fwd", ctype, d, t, causal)
+    _smem_check(smem, name)
+    kern = _kernel("fa1.cu", name, smem)
+    kern((Hq, B), (32 * t.warps,), (
+        q, k, v, out, lse, o_run, ml_run[0], ml_run[1], _i32(Nq), _i32(Nk), _i32(Hq), _i32(Hq // Hkv),
+        *_strides(q), *_strides(k), *_strides(v), *_strides(out), np.float32(scale * _LOG2E),
+        np.int32(causal_offset if causal else 0)), shared_mem=smem)
+    return out, lse
+
+
+def _fa1_backward(do, q, k, v, out, lse, *, scale, causal_offset, block_q, block_k):
+    """FA1 backward (fa1_bwd_kernel): grid (heads_q, batch), key/value tiles outer, dQ read-modify-written
+    in a zeroed float32 workspace without atomics (one block owns a (batch, head)). D, the dQ scale/cast
+    and the GQA dK/dV group sum are backward.cu's small kernels, shared with FA2."""
+    import cupy
+
+    B, Nq, Hq, d = q.shape
+    Nk, Hkv = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    causal = causal_offset is not None
+    ctype = _CXX_TYPE[np.dtype(q.dtype).name]
+    q, k, v, do = _aligned(q), _aligned(k), _aligned(v), _aligned(do)
+    lse = cupy.ascontiguousarray(lse)
+    delta = cupy.empty((B, Hq, Nq), dtype=cupy.float32)
+    dq = cupy.empty(q.shape, dtype=q.dtype)
+    dk = cupy.empty(k.shape, dtype=k.dtype)
+    dv = cupy.empty(v.shape, dtype=v.dtype)
+    # [bwd 0] D = rowsum(dO * O)
+    pre = _kernel("backward.cu", f"cuflash::flash_bwd_preprocess_kernel<{ctype}, {d}>")
+    pre((_cdiv(Nq, 4), Hq, B), (128,), (do, out, delta, _i32(Nq), _i32(Hq), *_strides(do), *_strides(out)))
+
+    t = _fa1_tile("fa1_bwd", d, block_q, block_k)
+    smem = _fa1_bwd_smem(d, t)
+    name = _fa1_name("fa1_bwd", ctype, d, t, causal)
+    _smem_check(smem, name)
+    kern = _kernel("fa1.cu", name, smem)
+    dq_accum = cupy.zeros((B, Hq, Nq, d), dtype=cupy.float32)
+    dkv_accum = cupy.empty((2, B, Hq, Nk, d), dtype=cupy.float32) if group > 1 else None
+    kern((Hq, B), (32 * t.warps,), (
+        q, k, v, do, lse, delta, dq_accum, dk, dv, dkv_accum if dkv_accum is not None else np.uintp(0),
+        _i32(Nq), _i32(Nk), _i32(Hq), _i32(group),
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
+        np.float32(scale), np.int32(causal_offset if causal else 0)), shared_mem=smem)
+
+    conv = _kernel("backward.cu", f"cuflash::flash_bwd_convert_dq_kernel<{ctype}, {d}>")
+    conv((_cdiv(Nq * d // 2, 256), Hq, B), (256,), (dq_accum, dq, _i32(Nq), _i32(Hq), *_strides(dq), np.float32(scale)))
+    if group > 1:
+        red = _kernel("backward.cu", f"cuflash::flash_bwd_reduce_dkv_kernel<{ctype}, {d}>")
+        red((_cdiv(Nk * d // 2, 256), Hkv, B), (256,), (
+            dkv_accum, dk, dv, _i32(Nk), _i32(group), np.int64(B * Hq * Nk * d), *_strides(dk), *_strides(dv)))
+    return dq, dk, dv

@@ -73,7 +73,7 @@ def _groups():
 
 
 @pytest.mark.parametrize("arch", TARGETS)
-@pytest.mark.parametrize("source", ["forward.cu", "backward.cu", "forward_sm90.cu"])
+@pytest.mark.parametrize("source", ["forward.cu", "backward.cu", "forward_sm90.cu", "fa1.cu"])
 def test_every_instantiation_compiles_without_spills(arch, source):
     nvrtc = _nvrtc()
     text = _cuda.compile_source_for_nvrtc(source)
@@ -98,7 +98,8 @@ def test_instantiation_list_covers_the_tile_table():
     names = [name for _, name, _ in _cuda.instantiations()]
     assert len(names) == len(set(names))
     for (direction, _arch, d), t in _cuda.TILES.items():
-        stem = {"fwd": "flash_fwd_kernel", "bwd": "flash_bwd_dkdv_kernel", "bwd_dq": "flash_bwd_dq_kernel"}[direction]
+        stem = {"fwd": "flash_fwd_kernel", "bwd": "flash_bwd_dkdv_kernel", "bwd_dq": "flash_bwd_dq_kernel",
+                "fa1_fwd": "fa1_fwd_kernel", "fa1_bwd": "fa1_bwd_kernel"}[direction]
         if (direction, _arch) == ("fwd", "sm90a"):
             stem = "flash_fwd_sm90_kernel"
         want = f"cuflash::{stem}<cuflash::bf16, {d}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, true"
@@ -106,7 +107,7 @@ def test_instantiation_list_covers_the_tile_table():
 
 
 def test_source_text_is_self_contained():
-    for source in ("forward.cu", "backward.cu", "forward_sm90.cu"):
+    for source in ("forward.cu", "backward.cu", "forward_sm90.cu", "fa1.cu"):
         text = _cuda.compile_source_for_nvrtc(source)
         assert '#include "' not in text
         assert "namespace cuflash" in text
