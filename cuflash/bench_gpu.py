@@ -7,8 +7,10 @@ same inputs, the FlashAttention FLOP convention of ANCHORS.md.
 Grid: batch * seqlen = 16384, heads * head_dim = 2048. FLOPs: forward 4 B H N^2 d (halved when causal),
 forward + backward 3.5x that. Each cuflash cell is first checked against torch-flash's output. Timing:
 ``triton.testing.do_bench`` median (CUDA events). torch tensors are shared with CuPy through DLPack, and
-cuflash runs on torch's current stream. Extras: first-call compile time with a cold CuPy cache, warm-call
-overhead of a tiny problem, and peak GPU memory at seqlen 16384 (cuflash vs naive CuPy attention).
+cuflash runs on torch's current stream. cuflash-fa1 is ``algorithm="fa1"`` (FlashAttention-1 order, one block
+per (batch, head)); the table gives the FA2 / FA1 ratio (docs/fa1-vs-fa2.md). Extras: first-call compile
+time with a cold CuPy cache, warm-call overhead of a tiny problem, and peak GPU memory at seqlen 16384
+(cuflash vs naive CuPy attention).
 """
 
 from __future__ import annotations
@@ -46,6 +48,18 @@ def _backend_fns(torch, cp, cuda, q, k, v, do, causal):
             return cuda.backward(doc, qc, kc, vc, o, lse, scale=scale, causal_offset=off, algorithm="fa2",
                                  block_q=None, block_k=None, order="kv_outer")
 
+    # FlashAttention-1 order (fa1.cu: one block per (batch, head), O, m, l and dQ through global memory).
+    def cf1_fwd():
+        with stream:
+            return cuda.forward(qc, kc, vc, scale=scale, causal_offset=off, algorithm="fa1", block_q=None, block_k=None)
+
+    def cf1_fb():
+        with stream:
+            o, lse = cuda.forward(qc, kc, vc, scale=scale, causal_offset=off, algorithm="fa1", block_q=None,
+                                  block_k=None)
+            return cuda.backward(doc, qc, kc, vc, o, lse, scale=scale, causal_offset=off, algorithm="fa1",
+                                 block_q=None, block_k=None, order="kv_outer")
+
     qr, kr, vr = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
 
     def torch_pair(backend):
@@ -62,7 +76,7 @@ def _backend_fns(torch, cp, cuda, q, k, v, do, causal):
         return fwd, fb
 
     fns = {"cuflash": (cf_fwd, cf_fb), "torch-flash": torch_pair(SDPBackend.FLASH_ATTENTION),
-           "torch-cudnn": torch_pair(SDPBackend.CUDNN_ATTENTION)}
+           "torch-cudnn": torch_pair(SDPBackend.CUDNN_ATTENTION), "cuflash-fa1": (cf1_fwd, cf1_fb)}
     return fns
 
 
@@ -90,8 +104,13 @@ def run_grid(dtypes, dims, seqlens, rep_ms=200, log=print):
                     if not diff < 0.05:
                         raise AssertionError(f"cuflash differs from torch-flash by {diff} at {dtname} d={d} "
                                              f"causal={causal} N={n}")
+                    o_1, _ = fns["cuflash-fa1"][0]()  # FA1 is checked against torch-flash too
+                    diff1 = float((torch.from_dlpack(o_1).transpose(1, 2).float() - o_t.float()).abs().max())
+                    if not diff1 < 0.05:
+                        raise AssertionError(f"cuflash fa1 differs from torch-flash by {diff1} at {dtname} d={d} "
+                                             f"causal={causal} N={n}")
                     flops = 4 * b * h * n * n * d / (2 if causal else 1)
-                    row = {"dtype": dtname, "d": d, "causal": causal, "N": n, "maxdiff": diff}
+                    row = {"dtype": dtname, "d": d, "causal": causal, "N": n, "maxdiff": diff, "maxdiff fa1": diff1}
                     for system, (fwd, fb) in fns.items():
                         for pass_, fn, mult in (("fwd", fwd, 1.0), ("fwd+bwd", fb, 3.5)):
                             try:
@@ -107,13 +126,15 @@ def run_grid(dtypes, dims, seqlens, rep_ms=200, log=print):
 
 
 def format_table(rows) -> str:
-    lines = ["| dtype | d | causal | pass | N | cuflash | torch-flash | torch-cudnn | cuflash / torch-flash |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| dtype | d | causal | pass | N | cuflash | torch-flash | torch-cudnn | cuflash / torch-flash "
+             "| cuflash-fa1 | cuflash / cuflash-fa1 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for pass_ in ("fwd", "fwd+bwd"):
             c, f, n = r[f"cuflash {pass_}"], r[f"torch-flash {pass_}"], r[f"torch-cudnn {pass_}"]
+            a1 = r.get(f"cuflash-fa1 {pass_}", float("nan"))  # FA1 column: FA2 / FA1 is the issue-4 ratio
             lines.append(f"| {r['dtype']} | {r['d']} | {'yes' if r['causal'] else 'no'} | {pass_} | {r['N']} | "
-                         f"{c:.0f} | {f:.0f} | {n:.0f} | {c / f:.2f} |")
+                         f"{c:.0f} | {f:.0f} | {n:.0f} | {c / f:.2f} | {a1:.0f} | {c / a1:.1f} |")
     return "\n".join(lines)
 
 
