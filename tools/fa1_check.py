@@ -10,7 +10,9 @@
           (--quick: bf16, seqlens 512, 2048, 8192). FA1's output is first checked against FA2's.
 --profile-config  the configuration whose DRAM bytes ncu counts (docs/fa1-vs-fa2.md): bf16, d 64,
           batch 4, seqlen 4096, 32 heads, not causal; each kernel launched once, after a warm-up that is
-          not profiled (ncu --launch-skip).
+          not profiled (ncu --launch-skip). --shape B,N,H,d picks another shape.
+--mma-sync  FA1 vs FA2's mma.sync forward (forward.cu, chosen by passing its block sizes; on sm_90 the
+          default FA2 forward is the wgmma kernel) at a few grid cells: separates FA1's own cost from wgmma.
 --sanitize  bf16 causal GQA on (B, H, N, d) views (77 x 131, d 64) and fp16 non-causal, forward + backward.
 Prints a short table last; logs go to --out (default $OUT or /tmp).
 """
@@ -123,7 +125,7 @@ def format_rows(rows):
     return "\n".join(lines)
 
 
-def profile_config():
+def profile_config(shape=(4, 4096, 32, 64)):
     """One launch of each FA1 and FA2 kernel on the profiled configuration, after one unprofiled warm-up."""
     import cupy as cp
     import ml_dtypes
@@ -131,7 +133,7 @@ def profile_config():
 
     from cuflash import _cuda as cuda
 
-    b, n, h, d = 4, 4096, 32, 64
+    b, n, h, d = shape
     rs = np.random.default_rng(0)
     q, k, v, do = (cp.asarray(rs.standard_normal((b, n, h, d), dtype=np.float32).astype(ml_dtypes.bfloat16))
                    for _ in range(4))
@@ -143,6 +145,33 @@ def profile_config():
                           block_k=None, order="kv_outer")
         cp.cuda.runtime.deviceSynchronize()
         log(f"profile-config rep {rep} done")
+
+
+def mma_sync_rows():
+    """FA1 and FA2 forward TFLOP/s, FA2 both as shipped (wgmma on sm_90) and as forward.cu's mma.sync kernel."""
+    import cupy as cp
+    import ml_dtypes
+    import numpy as np
+
+    from cuflash import _cuda as cuda
+
+    rows = []
+    for d, n in ((64, 4096), (64, 16384), (128, 2048), (128, 16384)):
+        b, h = 16384 // n, 2048 // d
+        rs = np.random.default_rng(n + d)
+        q, k, v = (cp.asarray(rs.standard_normal((b, h, n, d), dtype=np.float32).astype(ml_dtypes.bfloat16))
+                   .transpose(0, 2, 1, 3) for _ in range(3))
+        t = cuda.TILES[("fwd", cuda._arch_class(cuda._device_info()[0]), d)]
+        flops = 4 * b * h * n * n * d
+        row = {"d": d, "N": n, "blocks fa1": b * h}
+        for label, alg, bq, bk in (("fa1", "fa1", None, None), ("fa2", "fa2", None, None),
+                                   ("fa2 mma.sync", "fa2", t.block_m, t.block_n)):
+            fn = lambda: cuda.forward(q, k, v, scale=d ** -0.5, causal_offset=None, algorithm=alg, block_q=bq,
+                                      block_k=bk)
+            row[label] = flops / _time_ms(cp, fn) / 1e9
+        rows.append(row)
+        log(json.dumps(row))
+    return rows
 
 
 def sanitize():
@@ -176,11 +205,13 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--profile-config", action="store_true")
     ap.add_argument("--sanitize", action="store_true")
+    ap.add_argument("--shape", default="4,4096,32,64", help="B,N,H,d of --profile-config")
+    ap.add_argument("--mma-sync", action="store_true")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args()
     if args.profile_config:
-        return profile_config()
+        return profile_config(tuple(int(x) for x in args.shape.split(",")))
     if args.sanitize:
         return sanitize()
 
@@ -200,6 +231,11 @@ def main():
         tail = (res.stdout + res.stderr).strip().splitlines()[-25:]
         summary.append(f"tests (rc {res.returncode}, {time.time() - t0:.0f} s):")
         summary += ["  " + line for line in tail]
+    if args.mma_sync:
+        rows = mma_sync_rows()
+        summary.append("d N FA1-blocks | FA1 | FA2 (shipped) | FA2 mma.sync (forward.cu) TFLOP/s, bf16 forward")
+        summary += [f"{r['d']} {r['N']} {r['blocks fa1']} | {r['fa1']:.1f} | {r['fa2']:.1f} | {r['fa2 mma.sync']:.1f}"
+                    for r in rows]
     if args.bench:
         t0 = time.time()
         rows = bench(args.quick)
