@@ -57,22 +57,44 @@ __device__ __forceinline__ void softmax_step(float (&s)[kNT][4], float (&m)[2], 
     }
 }
 
-// Template arguments as the launcher's tile table: kBlockM = 16 * kNWarps query rows (kNWarps / 4
-// warpgroups of 64 rows), kBlockN key rows, kStages = 2 K/V buffers.
+// Two variants of one kernel, told apart by the tile (the launcher's Tile):
+//   - kBlockM == 16 * kNWarps: every warpgroup computes; all threads issue the cp.async loads of the next
+//     tile and a block-wide barrier per key tile hands buffers over.
+//   - kBlockM == 16 * (kNWarps - 4): warp-specialized: one extra warpgroup (the last) only loads (cp.async,
+//     then a proxy fence and an mbarrier arrive per tile), holding few registers (setmaxnreg), and the
+//     kBlockM / 64 consumer warpgroups never wait on each other: each waits on "tile landed" mbarriers
+//     and releases buffers through "buffer free" mbarriers.
+// Two blocks per SM for the first variant where a thread's S, O and P fragments are small
+// (kBlockN + kHeadDim <= 128: at most 128 registers with two 8-warp blocks), so that one block's prologue
+// (Q and K_0 loads, exposed) and epilogue hide under the other's main loop.
+template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps>
+struct Sm90Config {
+    static constexpr bool kWS = kBlockM == 16 * (kNWarps - 4);
+    static constexpr int kNWG = kBlockM / 64;  // computing (consumer) warpgroups
+    static constexpr int kMinBlocks = (!kWS && kNWarps == 8 && kBlockN + kHeadDim <= 128) ? 2 : 1;
+    static constexpr int kProducerRegs = 24;
+    static constexpr int kConsumerRegsRaw = (65536 - 128 * kProducerRegs) / (kNWG * 128) / 8 * 8;
+    static constexpr int kConsumerRegs = kConsumerRegsRaw > 240 ? 240 : kConsumerRegsRaw;
+};
+
+// Template arguments as the launcher's tile table: kBlockM query rows (kBlockM / 64 computing
+// warpgroups), kBlockN key rows, kNWarps warps (see Sm90Config), kStages = 2 K/V buffers.
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool Is_causal>
-__global__ void __launch_bounds__(kNWarps * 32, 1)
+__global__ void __launch_bounds__(kNWarps * 32, (Sm90Config<kHeadDim, kBlockM, kBlockN, kNWarps>::kMinBlocks))
 flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                       u16* __restrict__ o, float* __restrict__ lse,
                       int seqlen_q, int seqlen_k, int heads_q, int group,
                       i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                       i64 v_sb, i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh,
                       float scale_log2, int causal_offset) {
+    using Cfg = Sm90Config<kHeadDim, kBlockM, kBlockN, kNWarps>;
+    constexpr bool kWS = Cfg::kWS;
     static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head dim: whole 64-column swizzle blocks, wgmma n <= 256");
     static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "key tile: wgmma n = kBlockN");
     static_assert(kNWarps % 4 == 0 && kNWarps >= 4 && kNWarps <= 16, "one to four warpgroups");
-    static_assert(kBlockM == 16 * kNWarps, "each warpgroup owns 64 query rows");
+    static_assert(kBlockM % 64 == 0 && (kBlockM == 16 * kNWarps || kWS), "each computing warpgroup owns 64 query rows");
     static_assert(kStages == 2, "two K/V buffers (the loop loads one tile ahead)");
-    constexpr int kThreads = kNWarps * 32;
+    constexpr int kLoaders = kWS ? 128 : kNWarps * 32;  // threads that issue the loads
     constexpr int kNT = kBlockN / 8;    // n8 fragments of a score row block
     constexpr int kDT = kHeadDim / 8;   // n8 fragments of an output row block
     constexpr int kKT = kHeadDim / 16;  // k16 steps of Q K^T
@@ -85,12 +107,14 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
     u16* sQ = reinterpret_cast<u16*>(smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr));
     u16* sK = sQ + kBlockM * kHeadDim;  // 2 buffers
     u16* sV = sK + 2 * kKVTile;         // 2 buffers
+    // mbarriers of the warp-specialized variant: Q landed, K/V buffer landed, K/V buffer free.
+    const u32 bar = smem_u32(sV + 2 * kKVTile);
+    const u32 full_q = bar, full_k = bar + 8, full_v = bar + 24, free_k = bar + 40, free_v = bar + 56;
 
     const int m_block = gridDim.x - 1 - blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
     const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, warp_in_wg = (tid >> 5) & 3;
     const int m0 = m_block * kBlockM;
-    const int row_base = m0 + wg * 64 + warp_in_wg * 16;  // this warp's fragment rows: + g, + g + 8
 
     const u16* qg = q + b * q_sb + h * q_sh;
     const u16* kg = k + b * k_sb + h_kv * k_sh;
@@ -103,140 +127,236 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
         n_end = last_key < 0 ? 0 : min(n_end, last_key / kBlockN + 1);
     }
 
-    // Descriptors: this warpgroup's 64 rows of Q; K and V buffers (see hopper_tiles.cuh for the layout).
-    const u32 q_addr = smem_u32(sQ) + wg * 64 * 128;
-    const u32 k_addr = smem_u32(sK), v_addr = smem_u32(sV);
-    auto desc_q = [&](int kk) { return sw128_desc(q_addr + (kk >> 2) * kBlockM * 128 + (kk & 3) * 32, 16, 1024); };
-    auto desc_k = [&](int buf, int kk) {
-        return sw128_desc(k_addr + buf * kKVTile * 2 + (kk >> 2) * kBlockN * 128 + (kk & 3) * 32, 16, 1024);
-    };
-    auto desc_v = [&](int buf, int kk) { return sw128_desc(v_addr + buf * kKVTile * 2 + kk * 2048, kBlockN * 128, 1024); };
-
-    float acc[kDT][4];
-#pragma unroll
-    for (int dt = 0; dt < kDT; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.f;
-    float m[2] = {-CUFLASH_INF, -CUFLASH_INF}, l[2] = {0.f, 0.f}, corr[2];
-    float s[kNT][4];
-    u32 p[kPT][4];
-
-    // [fa2-fwd 2] S = Q K_buf^T (raw scores), then the mask of key tile j where it is needed.
-    auto scores = [&](int buf) {
-#pragma unroll
-        for (int kk = 0; kk < kKT; ++kk) Wgmma<T>::ss(s, desc_q(kk), desc_k(buf, kk), kk > 0 ? 1 : 0, Int<kBlockN>());
-        wgmma_commit();
-    };
-    auto mask = [&](int j) {
-        const int n0 = j * kBlockN;
-        if (n0 + kBlockN > seqlen_k || (Is_causal && n0 + kBlockN - 1 > m0 + causal_offset)) {
-            mask_scores<kNT, Is_causal>(s, row_base, n0, seqlen_k, causal_offset, lane, -CUFLASH_INF);
+    auto load_k = [&](int j, int ltid) {
+        if constexpr (kWS) {
+            load_tile_sw128_lean<kBlockN, kHeadDim, kLoaders>(sK + (j & 1) * kKVTile, kg, k_ss, j * kBlockN, seqlen_k, ltid);
+        } else {
+            load_tile_sw128<kBlockN, kHeadDim, kLoaders>(sK + (j & 1) * kKVTile, kg, k_ss, j * kBlockN, seqlen_k, ltid);
         }
     };
-    // [fa2-fwd 5] O += P V_buf, P (already 16-bit) straight from registers.
-    auto pv = [&](int buf) {
-#pragma unroll
-        for (int kk = 0; kk < kPT; ++kk) Wgmma<T>::rs_tb(acc, p[kk], desc_v(buf, kk), 1, Int<kHeadDim>());
-        wgmma_commit();
-    };
-    auto pack_p = [&]() {
-#pragma unroll
-        for (int kk = 0; kk < kPT; ++kk) c_to_a<T, kNT>(p[kk], s, kk);
-    };
-    auto rescale_o = [&]() {
-#pragma unroll
-        for (int dt = 0; dt < kDT; ++dt) {
-            acc[dt][0] *= corr[0];
-            acc[dt][1] *= corr[0];
-            acc[dt][2] *= corr[1];
-            acc[dt][3] *= corr[1];
+    auto load_v = [&](int j, int ltid) {
+        if constexpr (kWS) {
+            load_tile_sw128_lean<kBlockN, kHeadDim, kLoaders>(sV + (j & 1) * kKVTile, vg, v_ss, j * kBlockN, seqlen_k, ltid);
+        } else {
+            load_tile_sw128<kBlockN, kHeadDim, kLoaders>(sV + (j & 1) * kKVTile, vg, v_ss, j * kBlockN, seqlen_k, ltid);
         }
     };
 
-    if (n_end > 0) {
-        // [fa2-fwd 1] the query block and K_0, then (in flight during S_0) K_1 and V_0.
-        load_tile_sw128<kBlockM, kHeadDim, kThreads>(sQ, qg, q_ss, m0, seqlen_q, tid);
-        load_tile_sw128<kBlockN, kHeadDim, kThreads>(sK, kg, k_ss, 0, seqlen_k, tid);
+    // The producer warpgroup of the warp-specialized variant: loads Q, then K_0, V_0, K_1, V_1, ... one
+    // commit group each; once a group has landed (wait_group 1 after the next commit), fence it for the
+    // tensor cores and arrive on its "landed" barrier. Buffer j % 2 is refilled once both computing
+    // warpgroups have released tile j - 2 from it.
+    auto produce = [&]() {
+        const int ptid = tid - Cfg::kNWG * 128;
+        if (n_end == 0) return;
+        load_tile_sw128_lean<kBlockM, kHeadDim, kLoaders>(sQ, qg, q_ss, m0, seqlen_q, ptid);
         cp_async_commit();
+        u32 landed = full_q;
+        auto hand_over = [&](u32 next) {  // the group before the newest has landed
+            cp_async_wait<1>();
+            fence_proxy_async();
+            mbar_arrive(landed);
+            landed = next;
+        };
+        for (int j = 0; j < n_end; ++j) {
+            const int buf = j & 1;
+            if (j >= 2) mbar_wait(free_k + 8 * buf, ((j >> 1) - 1) & 1);
+            load_k(j, ptid);
+            cp_async_commit();
+            hand_over(full_k + 8 * buf);
+            if (j >= 2) mbar_wait(free_v + 8 * buf, ((j >> 1) - 1) & 1);
+            load_v(j, ptid);
+            cp_async_commit();
+            hand_over(full_v + 8 * buf);
+        }
         cp_async_wait<0>();
         fence_proxy_async();
-        __syncthreads();
-        wgmma_fence();
-        scores(0);
-        if (1 < n_end) load_tile_sw128<kBlockN, kHeadDim, kThreads>(sK + kKVTile, kg, k_ss, kBlockN, seqlen_k, tid);
-        load_tile_sw128<kBlockN, kHeadDim, kThreads>(sV, vg, v_ss, 0, seqlen_k, tid);
-        cp_async_commit();
-        wgmma_wait<0>();
-        fence_regs(s);
-        mask(0);
-        softmax_step<kNT>(s, m, l, corr, scale_log2);
-        pack_p();
+        mbar_arrive(landed);
+    };
 
-        for (int j = 1; j < n_end; ++j) {
-            // K_j and V_{j-1} have landed; every warpgroup's wgmma reads of K_{j-1} and V_{j-2} retired.
+    // A computing warpgroup: 64 query rows.
+    auto consume = [&]() {
+        const int row_base = m0 + wg * 64 + warp_in_wg * 16;  // this warp's fragment rows: + g, + g + 8
+        // Descriptors: this warpgroup's 64 rows of Q; K and V buffers (see hopper_tiles.cuh for the layout).
+        const u32 q_addr = smem_u32(sQ) + wg * 64 * 128;
+        const u32 k_addr = smem_u32(sK), v_addr = smem_u32(sV);
+        auto desc_q = [&](int kk) { return sw128_desc(q_addr + (kk >> 2) * kBlockM * 128 + (kk & 3) * 32, 16, 1024); };
+        auto desc_k = [&](int buf, int kk) {
+            return sw128_desc(k_addr + buf * kKVTile * 2 + (kk >> 2) * kBlockN * 128 + (kk & 3) * 32, 16, 1024);
+        };
+        auto desc_v = [&](int buf, int kk) {
+            return sw128_desc(v_addr + buf * kKVTile * 2 + kk * 2048, kBlockN * 128, 1024);
+        };
+
+        float acc[kDT][4];
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.f;
+        float m[2] = {-CUFLASH_INF, -CUFLASH_INF}, l[2] = {0.f, 0.f}, corr[2];
+        float s[kNT][4];
+        u32 p[kPT][4];
+
+        // [fa2-fwd 2] S = Q K_buf^T (raw scores), then the mask of key tile j where it is needed.
+        auto scores = [&](int buf) {
+#pragma unroll
+            for (int kk = 0; kk < kKT; ++kk) {
+                Wgmma<T>::ss(s, desc_q(kk), desc_k(buf, kk), kk > 0 ? 1 : 0, Int<kBlockN>());
+            }
+            wgmma_commit();
+        };
+        auto mask = [&](int j) {
+            const int n0 = j * kBlockN;
+            if (n0 + kBlockN > seqlen_k || (Is_causal && n0 + kBlockN - 1 > m0 + causal_offset)) {
+                mask_scores<kNT, Is_causal>(s, row_base, n0, seqlen_k, causal_offset, lane, -CUFLASH_INF);
+            }
+        };
+        // [fa2-fwd 5] O += P V_buf, P (already 16-bit) straight from registers.
+        auto pv = [&](int buf) {
+#pragma unroll
+            for (int kk = 0; kk < kPT; ++kk) Wgmma<T>::rs_tb(acc, p[kk], desc_v(buf, kk), 1, Int<kHeadDim>());
+            wgmma_commit();
+        };
+        auto pack_p = [&]() {
+#pragma unroll
+            for (int kk = 0; kk < kPT; ++kk) c_to_a<T, kNT>(p[kk], s, kk);
+        };
+        auto rescale_o = [&]() {
+#pragma unroll
+            for (int dt = 0; dt < kDT; ++dt) {
+                acc[dt][0] *= corr[0];
+                acc[dt][1] *= corr[0];
+                acc[dt][2] *= corr[1];
+                acc[dt][3] *= corr[1];
+            }
+        };
+        // All threads' cp.async of the previous commit group have landed and are visible to wgmma.
+        auto landed_all = [&]() {
             cp_async_wait<0>();
             fence_proxy_async();
             __syncthreads();
-            wgmma_fence();
-            scores(j & 1);
-            pv((j - 1) & 1);
-            // Loads for the next iteration, while the tensor cores work: K_{j+1} and V_j.
-            if (j + 1 < n_end) {
-                load_tile_sw128<kBlockN, kHeadDim, kThreads>(sK + ((j + 1) & 1) * kKVTile, kg, k_ss, (j + 1) * kBlockN,
-                                                             seqlen_k, tid);
+        };
+
+        if (n_end > 0) {
+            // [fa2-fwd 1] the query block and K_0, then (in flight during S_0) K_1 and V_0.
+            if constexpr (kWS) {
+                mbar_wait(full_q, 0);
+                mbar_wait(full_k, 0);
+            } else {
+                load_tile_sw128<kBlockM, kHeadDim, kLoaders>(sQ, qg, q_ss, m0, seqlen_q, tid);
+                load_k(0, tid);
+                cp_async_commit();
+                landed_all();
             }
-            load_tile_sw128<kBlockN, kHeadDim, kThreads>(sV + (j & 1) * kKVTile, vg, v_ss, j * kBlockN, seqlen_k, tid);
-            cp_async_commit();
-            wgmma_wait<1>();  // S_j is ready; P_{j-1} V_{j-1} may still run
+            wgmma_fence();
+            scores(0);
+            if constexpr (!kWS) {
+                if (1 < n_end) load_k(1, tid);
+                load_v(0, tid);
+                cp_async_commit();
+            }
+            wgmma_wait<0>();
             fence_regs(s);
-            mask(j);
+            if constexpr (kWS) mbar_arrive(free_k);
+            mask(0);
             softmax_step<kNT>(s, m, l, corr, scale_log2);
+            pack_p();
+
+            for (int j = 1; j < n_end; ++j) {
+                // K_j and V_{j-1} have landed (and, without a producer, every warpgroup's wgmma reads of
+                // K_{j-1} and V_{j-2} have retired).
+                if constexpr (kWS) {
+                    mbar_wait(full_k + 8 * (j & 1), (j >> 1) & 1);
+                    mbar_wait(full_v + 8 * ((j - 1) & 1), ((j - 1) >> 1) & 1);
+                } else {
+                    landed_all();
+                }
+                wgmma_fence();
+                scores(j & 1);
+                pv((j - 1) & 1);
+                if constexpr (!kWS) {  // loads for the next iteration while the tensor cores work
+                    if (j + 1 < n_end) load_k(j + 1, tid);
+                    load_v(j, tid);
+                    cp_async_commit();
+                }
+                wgmma_wait<1>();  // S_j is ready; P_{j-1} V_{j-1} may still run
+                fence_regs(s);
+                if constexpr (kWS) mbar_arrive(free_k + 8 * (j & 1));
+                mask(j);
+                softmax_step<kNT>(s, m, l, corr, scale_log2);
+                wgmma_wait<0>();
+                fence_regs(acc);
+                if constexpr (kWS) mbar_arrive(free_v + 8 * ((j - 1) & 1));
+                // [fa2-fwd 3] rescale O by exp(m_old - m_new), now that P_{j-1} V_{j-1} is in it.
+                rescale_o();
+                pack_p();
+            }
+            // The last P V.
+            if constexpr (kWS) {
+                mbar_wait(full_v + 8 * ((n_end - 1) & 1), ((n_end - 1) >> 1) & 1);
+            } else {
+                landed_all();
+            }
+            wgmma_fence();
+            pv((n_end - 1) & 1);
             wgmma_wait<0>();
             fence_regs(acc);
-            // [fa2-fwd 3] rescale O by exp(m_old - m_new), now that P_{j-1} V_{j-1} is in it.
-            rescale_o();
-            pack_p();
         }
-        // The last P V.
-        cp_async_wait<0>();
-        fence_proxy_async();
-        __syncthreads();
-        wgmma_fence();
-        pv((n_end - 1) & 1);
-        wgmma_wait<0>();
-        fence_regs(acc);
-    }
 
-    // [fa2-fwd 6] O = acc / l, lse = m + log l; rows that saw no key: O = 0, lse = -inf.
-    // O goes through this warpgroup's own rows of the Q buffer (only its own wgmma read them, and those
-    // have retired), then out with 16-byte stores.
-    const int g = lane >> 2, t = lane & 3;
+        // [fa2-fwd 6] O = acc / l, lse = m + log l; rows that saw no key: O = 0, lse = -inf.
+        // O goes through this warpgroup's own rows of the Q buffer (only its own wgmma read them, and
+        // those have retired), then out with 16-byte stores.
+        const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const float lsum = quad_sum(l[hh]);
-        const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
-        const int r = wg * 64 + warp_in_wg * 16 + g + 8 * hh;  // row inside the block
+        for (int hh = 0; hh < 2; ++hh) {
+            const float lsum = quad_sum(l[hh]);
+            const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+            const int r = wg * 64 + warp_in_wg * 16 + g + 8 * hh;  // row inside the block
 #pragma unroll
-        for (int dt = 0; dt < kDT; ++dt) {
-            *reinterpret_cast<u32*>(sQ + sw128_offset<kBlockM>(r, dt) + 2 * t) =
-                Elem<T>::pack(acc[dt][2 * hh] * inv, acc[dt][2 * hh + 1] * inv);
+            for (int dt = 0; dt < kDT; ++dt) {
+                *reinterpret_cast<u32*>(sQ + sw128_offset<kBlockM>(r, dt) + 2 * t) =
+                    Elem<T>::pack(acc[dt][2 * hh] * inv, acc[dt][2 * hh + 1] * inv);
+            }
+            const int row = m0 + r;
+            if (t == 0 && row < seqlen_q) {
+                lse[((i64)b * heads_q + h) * seqlen_q + row] =
+                    lsum > 0.f ? (m[hh] * scale_log2 + __log2f(lsum)) * kLn2 : -CUFLASH_INF;
+            }
         }
-        const int row = m0 + r;
-        if (t == 0 && row < seqlen_q) {
-            lse[((i64)b * heads_q + h) * seqlen_q + row] = lsum > 0.f ? (m[hh] * scale_log2 + __log2f(lsum)) * kLn2
-                                                                      : -CUFLASH_INF;
-        }
-    }
-    warpgroup_sync(wg);
-    constexpr int kChunks = kHeadDim / 8;
-    u16* og = o + b * o_sb + h * o_sh;
-    const int wtid = tid & 127;
+        warpgroup_sync(wg);
+        constexpr int kChunks = kHeadDim / 8;
+        u16* og = o + b * o_sb + h * o_sh;
+        const int wtid = tid & 127;
 #pragma unroll
-    for (int i = wtid; i < 64 * kChunks; i += 128) {
-        const int r = wg * 64 + i / kChunks, c = i % kChunks;
-        const int row = m0 + r;
-        if (row < seqlen_q) {
-            *reinterpret_cast<uint4*>(og + (i64)row * o_ss + c * 8) =
-                *reinterpret_cast<const uint4*>(sQ + sw128_offset<kBlockM>(r, c));
+        for (int i = wtid; i < 64 * kChunks; i += 128) {
+            const int r = wg * 64 + i / kChunks, c = i % kChunks;
+            const int row = m0 + r;
+            if (row < seqlen_q) {
+                *reinterpret_cast<uint4*>(og + (i64)row * o_ss + c * 8) =
+                    *reinterpret_cast<const uint4*>(sQ + sw128_offset<kBlockM>(r, c));
+            }
         }
+    };
+
+    if constexpr (kWS) {
+        if (tid == 0) {
+            mbar_init(full_q, 128);
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                mbar_init(full_k + 8 * i, 128);
+                mbar_init(full_v + 8 * i, 128);
+                mbar_init(free_k + 8 * i, Cfg::kNWG * 128);
+                mbar_init(free_v + 8 * i, Cfg::kNWG * 128);
+            }
+        }
+        __syncthreads();
+        if (wg == Cfg::kNWG) {
+            setmaxnreg_dec<Cfg::kProducerRegs>();
+            produce();
+        } else {
+            setmaxnreg_inc<Cfg::kConsumerRegs>();
+            consume();
+        }
+    } else {
+        consume();
     }
 }
 

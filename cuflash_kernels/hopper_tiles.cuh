@@ -56,6 +56,22 @@ __device__ __forceinline__ void load_tile_sw128(u16* tile, const u16* g, i64 str
     }
 }
 
+// The same copy with a rolled loop, for a producer warpgroup that holds few registers (setmaxnreg):
+// one source pointer and one destination offset live at a time.
+template <int kRows, int kWidth, int kThreads>
+__device__ __forceinline__ void load_tile_sw128_lean(u16* tile, const u16* g, i64 stride, int row0, int nrows, int tid) {
+    static_assert(kWidth % 64 == 0, "128-byte swizzle needs 64-element column blocks");
+    constexpr int kChunks = kWidth / 8;
+    constexpr int kTotal = kRows * kChunks;
+#pragma unroll 1
+    for (int i = tid; i < kTotal; i += kThreads) {
+        const int r = i / kChunks, c = i % kChunks;
+        const bool valid = row0 + r < nrows;
+        const u16* src = valid ? g + (i64)(row0 + r) * stride + c * 8 : g;
+        cp_async_16(smem_u32(tile + sw128_offset<kRows>(r, c)), src, valid);
+    }
+}
+
 // Shared-memory matrix descriptor, 128-byte swizzle (mode 1 in bits 62-63), base offset 0.
 __device__ __forceinline__ u64 sw128_desc(u32 smem_addr, u32 lbo_bytes, u32 sbo_bytes) {
     return (u64)((smem_addr & 0x3FFFF) >> 4) | ((u64)(lbo_bytes >> 4) << 16) | ((u64)(sbo_bytes >> 4) << 32) |
@@ -89,6 +105,32 @@ __device__ __forceinline__ void fence_regs(u32 (&a)[kN][4]) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[i][e]) :: "memory");
     }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// mbarriers (shared memory, CTA scope) for the warp-specialized kernel: a producer warpgroup signals
+// "tile landed" (after its cp.async completed and a proxy fence), consumers signal "buffer free".
+__device__ __forceinline__ void mbar_init(u32 addr, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(addr), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 addr) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" :: "r"(addr) : "memory");
+}
+// Wait until the phase with the given parity (0 or 1) has completed.
+__device__ __forceinline__ void mbar_wait(u32 addr, int parity) {
+    u32 done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(addr), "r"(parity) : "memory");
+    } while (!done);
+}
+
+// Move registers between warpgroups (needs a register cap at kernel entry: __launch_bounds__(n, 1)).
+template <int N> __device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(N));
+}
+template <int N> __device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(N));
 }
 
 // wgmma.mma_async m64nNk16, float32 accumulators d[N / 8][4] (see the layout note above).

@@ -2,6 +2,8 @@
 
     PYTHONPATH=. python3 tools/sm90_check.py [--quick] [--no-check] [--no-bench] [--sanitize] [--out DIR]
 
+--quick   benchmark seqlens 512, 2048, 8192 only
+
 check     every tile variant below on awkward lengths, causal bottom-right / top-left / none, GQA and MQA,
           (B, H, N, d) views, rows that see no key: max |out - truth| against 2x the error of naive
           attention in the same dtype (+ the rounding floor), truth in float64; lse within 1e-3; outputs
@@ -30,8 +32,10 @@ from cuflash._cuda import Tile
 
 # Tile variants per head dim (the first is the one the tile table ships).
 VARIANTS = {
-    64: [cuda.TILES[("fwd", "sm90a", 64)], Tile(128, 64, 8, 2), Tile(128, 192, 8, 2)],
-    128: [cuda.TILES[("fwd", "sm90a", 128)], Tile(128, 64, 8, 2)],
+    # block_m == 16 * (warps - 4): warp-specialized (one producer warpgroup), see forward_sm90.cu.
+    64: [cuda.TILES[("fwd", "sm90a", 64)], Tile(128, 128, 8, 2), Tile(256, 64, 16, 2), Tile(128, 128, 12, 2),
+         Tile(192, 128, 16, 2), Tile(128, 64, 12, 2), Tile(192, 64, 16, 2)],
+    128: [cuda.TILES[("fwd", "sm90a", 128)], Tile(128, 128, 12, 2), Tile(192, 64, 16, 2), Tile(128, 64, 12, 2)],
 }
 CT = {"bfloat16": "cuflash::bf16", "float16": "cuflash::fp16"}
 
@@ -41,7 +45,7 @@ def log(*a):
 
 
 def vname(t: Tile) -> str:
-    return f"{t.block_m}x{t.block_n}"
+    return f"{t.block_m}x{t.block_n}" + ("ws" if t.block_m == 16 * (t.warps - 4) else "")
 
 
 def launch(cp, q, k, v, scale, off, t: Tile, dtname=None):
@@ -108,7 +112,7 @@ CASES = [  # (B, Nq, Nk, Hq, Hkv, dtype, causal, layout)
 def check(torch, cp, quick, rows):
     fails = 0
     for d, tiles in VARIANTS.items():
-        for t in tiles[:1] if quick else tiles:
+        for t in tiles:
             for case in CASES:
                 B, Nq, Nk, Hq, Hkv, dtname, causal, layout = case
                 dtype = getattr(torch, dtname)
@@ -243,11 +247,13 @@ def sanitize(cp):
 
         q, k, v = arr(nq, 4), arr(nk, 2), arr(nk, 2)
         off = None if causal is None else nk - nq
-        out, lse = launch(cp, q, k, v, 1.0 / math.sqrt(d), off, VARIANTS[d][0], dtname=dt)
-        cp.cuda.runtime.deviceSynchronize()
-        o = cp.asnumpy(out).view(npdt).astype(np.float32)
-        log(f"sanitize d={d} {dt} causal={causal}: finite={bool(np.isfinite(o).all())}, "
-            f"lse finite rows={int(np.isfinite(cp.asnumpy(lse)).sum())}")
+        ws = [t for t in VARIANTS[d] if vname(t).endswith("ws")]
+        for t in [VARIANTS[d][0]] + ws[:1]:  # the shipped tile and a warp-specialized one
+            out, lse = launch(cp, q, k, v, 1.0 / math.sqrt(d), off, t, dtname=dt)
+            cp.cuda.runtime.deviceSynchronize()
+            o = cp.asnumpy(out).view(npdt).astype(np.float32)
+            log(f"sanitize {vname(t)} d={d} {dt} causal={causal}: finite={bool(np.isfinite(o).all())}, "
+                f"lse finite rows={int(np.isfinite(cp.asnumpy(lse)).sum())}")
 
 
 def main():
