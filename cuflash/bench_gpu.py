@@ -267,6 +267,7 @@ def main(argv=None):
     ap.add_argument("--dtypes", default="bfloat16,float16")
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--seqlens", default=",".join(map(str, DEFAULT_SEQLENS)))
+    ap.add_argument("--rep-ms", type=int, default=200, help="milliseconds of timed repeats per cell (default 200)")
     ap.add_argument("--no-extras", action="store_true")
     ap.add_argument("--json", default=None, help="write all numbers to this file")
     ap.add_argument("--plot", metavar="DIR", default=None,
@@ -275,7 +276,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     dtypes = args.dtypes.split(",")
     seqlens = [int(x) for x in args.seqlens.split(",")]
-    rep = 200
+    rep = args.rep_ms
     if args.quick:
         dtypes, seqlens, rep = ["bfloat16"], [512, 2048, 8192], 100
     import cupy as cp
