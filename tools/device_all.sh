@@ -2,8 +2,14 @@
 # One device call that checks and measures everything that needs a GPU: the GPU tests, the demo, and the
 # side-by-side benchmark with its plots. Run from the repository root on the device machine:
 #   bash tools/device_all.sh [REP_MS]          (writes logs, bench.json and plots/ under $OUT)
+# The device has no package index: wheels of missing pure-Python dependencies (array-api-compat) travel
+# in .whl/ (git-ignored; name it in the call's carry) and are installed to /tmp/site first.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    export PYTHONPATH=.:/tmp/site
+fi
 out=${OUT:-/tmp/cuflash-device}
 mkdir -p "$out"
 rep=${1:-60}
