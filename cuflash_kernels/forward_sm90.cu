@@ -1,11 +1,12 @@
 // cuflash Hopper forward kernel (sm_90a, wgmma), FlashAttention-2 order, mirroring
 // cuflash/reference.py:fa2_forward. Same contract as flash_fwd_kernel in forward.cu; the launcher picks
-// this one on sm_90 devices for float16/bfloat16 at the head dims of the "fwd_sm90a" tile table rows.
+// this one on sm_90 devices for float16/bfloat16 at the head dims of the ("fwd", "sm90a", d) tile rows.
 //
-// Algorithm (flash_fwd_sm90_kernel): one thread block owns one query tile of kBlockM = 16 * kNWarps rows of
-// one (batch, query head); each of its kNWarps / 4 warpgroups (128 threads) owns 64 query rows. Q, K and V live
-// in shared memory in the 128-byte-swizzled layout that wgmma descriptors read (hopper_tiles.cuh); K and
-// V stream through two buffers each, loaded with cp.async by all threads one tile ahead.
+// Algorithm (flash_fwd_sm90_kernel): one thread block owns one query tile of kBlockM rows of one (batch,
+// query head); each of its kBlockM / 64 computing warpgroups (128 threads) owns 64 query rows. Q, K and V
+// live in shared memory in the 128-byte-swizzled layout that wgmma descriptors read (hopper_tiles.cuh);
+// K and V stream through two buffers each, loaded with cp.async one tile ahead (by all threads, or by a
+// producer warpgroup in the warp-specialized variant, see Sm90Config).
 // Per key tile j, each warpgroup:
 //   S_j = Q K_j^T           wgmma m64 n=kBlockN k16, both operands from shared memory (K-major)
 //   O  += P_{j-1} V_{j-1}   wgmma m64 n=d k16, P from registers, V MN-major (transpose bit)
@@ -18,8 +19,8 @@
 //
 // Grid: (ceil(seqlen_q / kBlockM), heads_q, batch), query tiles last-first (longest causal tiles start
 // first); key/value head = query head / group.
-// Shared memory: 2 * d * (kBlockM + 4 * kBlockN) bytes + 1024 for alignment, e.g. d = 128, 128 x 128:
-// 161 KiB; d = 64, 192 x 128: 89 KiB.
+// Shared memory: 2 * d * (kBlockM + 4 * kBlockN) bytes + 1024 for alignment + 128 for mbarriers, e.g.
+// d = 128, 128 x 128: 161 KiB; d = 64, 128 x 64: 49 KiB (two blocks per SM).
 #include "cuflash_tiles.cuh"
 #include "hopper_tiles.cuh"
 
