@@ -15,6 +15,8 @@ tile sizes, warps, stages) comes from the one tile table below, :data:`TILES`.
 Paths:
 - float16 / bfloat16, head dim 32, 64, 96, 128, 256 (backward up to 128): tensor-core kernels
   (``mma.sync``), sm_80 or newer. Backward at head dim 256 runs the float32 path on upcast inputs.
+  On sm_90 (H100/H200) the forward at head dim 64 and 128 runs the Hopper kernel (``forward_sm90.cu``:
+  ``wgmma``, compiled for sm_90a) instead, unless the caller chooses block sizes.
 - float32: plain SIMT float32 kernels (no tensor cores, no TF32): slow but as accurate as float32 allows.
 - ``algorithm="naive"``: the materialized reference computation with CuPy matmuls (O(N^2) memory).
 - ``algorithm="fa1"``: FlashAttention-1 kernels (``fa1.cu``): one thread block per (batch, head), key/value
