@@ -7,9 +7,9 @@
 //       kNWarps / (kBlockN / 32) warps of a group split the query columns of S^T, dP^T and the head-dim
 //       columns of dK, dV (float32 registers). It streams the query tiles (Q, dO, lse, D through a ring of
 //       kStages cp.async buffers), recomputes P^T = exp(scale K Q^T - lse) from the saved lse, writes P^T
-//       and dS^T = P^T (dP^T - D), dP^T = V dO^T, to shared memory in the input dtype, then forms
-//       dV += P^T dO and dK += dS^T Q. With Has_dQ the block also forms dS K for its query tile and adds it
-//       to a float32 dQ workspace (red.global.add.v2.f32 on sm_90, atomicAdd before).
+//       (cast to the input dtype) and dS^T = P^T (dP^T - D) with dP^T = V dO^T to shared memory, then
+//       forms dV += P^T dO and dK += dS^T Q. With Has_dQ the block also forms dS K for its query tile and
+//       adds it to a float32 dQ workspace (red.global.add.v2.f32 on sm_90, atomicAdd before).
 //   flash_bwd_dq_kernel          (order "split", deterministic) one thread block per query tile, key tiles
 //       streamed, dQ in float32 registers: S, P, dP = dO V^T, dS, dQ += dS K; no atomics. Used together
 //       with flash_bwd_dkdv_kernel<Has_dQ = false>.
@@ -22,11 +22,6 @@
 // Shared memory of dkdv (16-bit elements): K, V kBlockN x d; kStages x (Q, dO) kBlockM x d; P^T, dS^T
 // kBlockN x kBlockM; float32 lse, D per stage. E.g. d = 128, kBlockN = 128, kBlockM = 64, 2 stages: 161 KiB.
 #include "cuflash_tiles.cuh"
-// Unroll depth of the k16 loops of the dK/dV kernel: full unrolling lets ptxas hoist every fragment load
-// and spill at d = 128; 4 keeps the swizzle arithmetic constant (it repeats every 4 steps).
-#ifndef CUFLASH_BWD_UNROLL
-#define CUFLASH_BWD_UNROLL 4
-#endif
 
 namespace cuflash {
 
@@ -93,6 +88,8 @@ __device__ __forceinline__ void store_a_frag(u16* tile, const u32 (&a)[4], int r
 }
 
 // dK/dV (and, with Has_dQ, dQ by atomics) with FlashAttention-2's two-dimensional warp tiling.
+// The k16 loops are unrolled by 4, not fully: full unrolling lets ptxas hoist every fragment load and
+// spill at d = 128, and the swizzled chunk offsets repeat every 4 steps anyway.
 // The block holds kBlockN key rows, in groups of 32; the kWM = kNWarps / (kBlockN / 32) warps of a key
 // group split the query columns of S^T and dP^T (kQW each) and the head-dim columns of dK and dV (kDW
 // each). Every Q / dO fragment read from shared memory therefore feeds two key row tiles (4 mma), and
@@ -215,7 +212,7 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
 #pragma unroll
             for (int nt = 0; nt < kQN8; ++nt) st[i][nt][0] = st[i][nt][1] = st[i][nt][2] = st[i][nt][3] = 0.f;
         }
-#pragma unroll CUFLASH_BWD_UNROLL
+#pragma unroll 4
         for (int kk = 0; kk < kKT; ++kk) {
             u32 ak[2][4];
 #pragma unroll
@@ -269,7 +266,7 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
 #pragma unroll
             for (int nt = 0; nt < kQN8; ++nt) dpt[i][nt][0] = dpt[i][nt][1] = dpt[i][nt][2] = dpt[i][nt][3] = 0.f;
         }
-#pragma unroll CUFLASH_BWD_UNROLL
+#pragma unroll 4
         for (int kk = 0; kk < kKT; ++kk) {
             u32 av[2][4];
 #pragma unroll
@@ -317,7 +314,7 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
 
         // [bwd 2] dV += P^T dO and [bwd 6] dK += dS^T Q (scale applied once at the end): this warp's 32
         // keys x kDW head-dim columns, over the kBlockM queries.
-#pragma unroll CUFLASH_BWD_UNROLL
+#pragma unroll 4
         for (int kk = 0; kk < kBlockM / 16; ++kk) {
             u32 ap[2][4];
 #pragma unroll
@@ -333,7 +330,7 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
                 }
             }
         }
-#pragma unroll CUFLASH_BWD_UNROLL
+#pragma unroll 4
         for (int kk = 0; kk < kBlockM / 16; ++kk) {
             u32 ads[2][4];
 #pragma unroll
@@ -359,7 +356,7 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
 #pragma unroll
                 for (int dt = 0; dt < kQDW / 8; ++dt) dq[i][dt][0] = dq[i][dt][1] = dq[i][dt][2] = dq[i][dt][3] = 0.f;
             }
-#pragma unroll CUFLASH_BWD_UNROLL
+#pragma unroll 4
             for (int kk = 0; kk < kBlockN / 16; ++kk) {
                 u32 a[kQMW / 16][4];
 #pragma unroll

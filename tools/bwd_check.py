@@ -35,10 +35,12 @@ def log(*a):
 
 
 # Variants of the backward timed side by side: name -> (extra NVRTC options, {head_dim: bwd Tile args}).
+# Options reach the kernels through cuflash._cuda._kernel's default options (for -D knobs while tuning);
+# the tile entries replace the "bwd" rows of the tile table for this GPU's arch class.
 VARIANTS = {
     "shipped": ((), {}),
-    "unroll2": (("-DCUFLASH_BWD_UNROLL=2",), {}),
-    "4warps": ((), {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}),
+    "d64_8warps": ((), {64: (64, 128, 8, 2)}),
+    "d128_4warps": ((), {128: (64, 64, 4, 2)}),
 }
 
 
@@ -49,14 +51,17 @@ class Variant:
 
     def __enter__(self):
         c = self.cuda
-        self.saved = (c.NVRTC_OPTIONS, dict(c.TILES))
+        self.saved = (c.NVRTC_OPTIONS, dict(c.TILES), c._kernel.__defaults__)
         c.NVRTC_OPTIONS = tuple(self.saved[0]) + tuple(self.extra)
+        if c._kernel.__defaults__ and len(c._kernel.__defaults__) == 2:  # _kernel(source, name, smem=0, options=...)
+            c._kernel.__defaults__ = (c._kernel.__defaults__[0], c.NVRTC_OPTIONS)
         for d, t in self.tiles.items():
             c.TILES[("bwd", self.arch, d)] = c.Tile(*t)
         return self
 
     def __exit__(self, *exc):
         self.cuda.NVRTC_OPTIONS = self.saved[0]
+        self.cuda._kernel.__defaults__ = self.saved[2]
         self.cuda.TILES.clear()
         self.cuda.TILES.update(self.saved[1])
 
@@ -296,7 +301,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer timing cells")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="only a few backward calls (for ncu)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--check-variants", default="", help="variants to run the correctness cases on as well")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args()
 
@@ -304,6 +311,17 @@ def main():
     import torch
 
     from cuflash import _cuda as cuda
+
+    if args.profile:  # a few backward calls for a profiler: bf16, d = 128 and 64, N = 4096, not causal
+        for d in (128, 64):
+            N, B, H = 4096, 4, 2048 // d
+            q, k, v, do = (cp.random.standard_normal((B, N, H, d), dtype=cp.float32).astype(cp.float16) for _ in range(4))
+            out, lse = q.copy(), cp.zeros((B, H, N), dtype=cp.float32)
+            for _ in range(3):
+                cuda.backward(do, q, k, v, out, lse, scale=d ** -0.5, causal_offset=None, algorithm="fa2",
+                              block_q=None, block_k=None, order="kv_outer")
+            cp.cuda.runtime.deviceSynchronize()
+        return 0
 
     dev = cp.cuda.Device()
     cc = int(dev.compute_capability)
@@ -326,27 +344,33 @@ def main():
 
     summary = []
     fails = 0
-    # 2. correctness
-    if not args.no_check:
-        t0 = time.time()
-        results, fails = [], 0
-        for case in build_cases():
-            try:
-                row = check_case(torch, cp, cuda, case)
-            except Exception:
-                row = {"case": case, "ok": False, "exc": traceback.format_exc()[-2000:]}
-                log("EXC", case, row["exc"])
-            results.append(row)
-            fails += not row["ok"]
-            log(json.dumps(row, default=str))
+    # 2. correctness (of the shipped kernels, and of each variant named in --check-variants)
+    checks = [] if args.no_check else ["shipped"]
+    checks += [v for v in args.check_variants.split(",") if v and v != "shipped"]
+    for cname in checks:
+        with Variant(cuda, arch, cname):
+            if cname != "shipped":
+                precompile(cp, cuda, backward_names(cuda, arch, dts, (32, 64, 96, 128), (False, True), ("kv_outer", "split")))
+            t0 = time.time()
+            results, nfail = [], 0
+            for case in build_cases():
+                try:
+                    row = check_case(torch, cp, cuda, case)
+                except Exception:
+                    row = {"case": case, "ok": False, "exc": traceback.format_exc()[-2000:]}
+                    log("EXC", case, row["exc"])
+                results.append(row)
+                nfail += not row["ok"]
+                log(json.dumps(row, default=str))
+        fails += nfail
         worst = max((r.get("worst_ratio", 0.0) for r in results), default=0.0)
-        summary.append(f"check: {len(results) - fails}/{len(results)} cases pass, worst gradient error / naive "
-                       f"error {worst:.2f} (budget 3), split bitwise reproducible: "
+        summary.append(f"check {cname}: {len(results) - nfail}/{len(results)} cases pass, worst gradient error / "
+                       f"naive error {worst:.2f} (budget 3), split bitwise reproducible: "
                        f"{all(r.get('det', False) for r in results)} ({time.time() - t0:.0f} s)")
         for r in results:
             if not r["ok"]:
                 summary.append(f"  FAIL {r['case']} {str({k: r.get(k) for k in ('kv_outer', 'split', 'det', 'exc')})[:600]}")
-        with open(os.path.join(args.out, "bwd_check_correct.json"), "w") as f:
+        with open(os.path.join(args.out, f"bwd_check_correct_{cname}.json"), "w") as f:
             json.dump(results, f, default=str)
 
     # 3. timing
