@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything that needs a GPU: the GPU tests, the demo, and the
 # side-by-side benchmark with its plots. Run from the repository root on the device machine:
-#   bash tools/device_all.sh [REP_MS]          (writes logs, bench.json and plots/ under $OUT)
+#   TESTS_S=600 bash tools/device_all.sh [REP_MS [bench_gpu options...]]
+# (writes logs, bench.json and plots/ under $OUT; TESTS_S bounds the test run in seconds)
 # The device has no package index: wheels of missing pure-Python dependencies (array-api-compat) travel
 # in .whl/ (git-ignored; name it in the call's carry) and are installed to /tmp/site first.
 set -uo pipefail
@@ -15,8 +16,10 @@ mkdir -p "$out"
 rep=${1:-60}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import cupy, torch; print('cupy', cupy.__version__, 'torch', torch.__version__)"
-python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_attention.py tests/test_cuda_fa1.py \
-    tests/test_torch.py tests/test_jax.py tests/test_mha.py 2>&1 | tee "$out/pytest-gpu.log" | tail -15
+tests_s=${TESTS_S:-600}
+timeout "$tests_s" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_attention.py \
+    tests/test_cuda_fa1.py tests/test_torch.py tests/test_jax.py tests/test_mha.py 2>&1 \
+    | tee "$out/pytest-gpu.log" | tail -15
 python3 -m cuflash demo 2>&1 | tee "$out/demo.log" | tail -12
-python3 -m cuflash.bench_gpu --rep-ms "$rep" --json "$out/bench.json" --plot "$out/plots" 2>&1 \
+python3 -m cuflash.bench_gpu --rep-ms "$rep" --json "$out/bench.json" --plot "$out/plots" "${@:2}" 2>&1 \
     | tee "$out/bench.log" | grep -v '^{'
