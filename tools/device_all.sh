@@ -6,7 +6,7 @@
 # The device has no package index: wheels of missing pure-Python dependencies (array-api-compat) travel
 # in .whl/ (git-ignored; name it in the call's carry) and are installed to /tmp/site first.
 set -uo pipefail
-export PYTHONPATH=. PYTHONUNBUFFERED=1
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     export PYTHONPATH=.:/tmp/site
