@@ -49,8 +49,7 @@ def _on_torch_stream(t: torch.Tensor):
         return contextlib.nullcontext()
     import cupy
 
-    stream = torch.cuda.current_stream(t.device)
-    return cupy.cuda.ExternalStream(stream.cuda_stream, t.device.index)
+    return cupy.cuda.Stream.from_external(torch.cuda.current_stream(t.device))
 
 
 class _Attention(torch.autograd.Function):
