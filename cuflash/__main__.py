@@ -207,25 +207,21 @@ class _CpuMeter:
 
 
 class _GpuMeter:
-    """Device time between CUDA events; peak growth of CuPy's default memory pool."""
+    """Device time between CUDA events; peak device memory held by the call (a CuPy memory hook)."""
 
-    name = "CuPy pool peak"
+    name = "peak device memory"
 
     def __init__(self, cupy):
         self.cupy = cupy
 
     def run(self, fn, repeat):
+        from ._gpu_memory import peak_bytes
+
         cupy = self.cupy
-        pool = cupy.get_default_memory_pool()
         cupy.cuda.Device().synchronize()
-        pool.free_all_blocks()
-        base = pool.total_bytes()
         t0 = time.perf_counter()
-        result = fn()                      # first call: includes NVRTC compile or cache load
-        cupy.cuda.Device().synchronize()
+        result, peak = peak_bytes(fn)      # first call: includes NVRTC compile or cache load
         first = time.perf_counter() - t0
-        # The pool keeps freed blocks, so its size after the call is the call's high-water mark.
-        peak = pool.total_bytes() - base
         times = []
         for _ in range(repeat):
             start, stop = cupy.cuda.Event(), cupy.cuda.Event()

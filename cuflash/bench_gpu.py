@@ -185,44 +185,10 @@ def extras(log=print):
     cp.cuda.runtime.deviceSynchronize()
     res["warm forward call, (1, 128, 2, 64) float16 (us)"] = (time.perf_counter() - t0) / n * 1e6
 
-    pool = cp.get_default_memory_pool()
-    N, H, d = 16384, 16, 128
-    q, k, v, do = (cp.random.standard_normal((1, N, H, d), dtype=cp.float32).astype(cp.float16) for _ in range(4))
-    base = pool.used_bytes()
-
-    def peak(fn):
-        pool.free_all_blocks()
-        cp.cuda.runtime.deviceSynchronize()
-        # the pool's total is a high-water mark of what was allocated at once
-        start = pool.total_bytes()
-        r = fn()
-        cp.cuda.runtime.deviceSynchronize()
-        return (pool.total_bytes() - start), r
-
-    out_lse = {}
-
-    def fwd():
-        out_lse["v"] = cuflash.attention(q, k, v, causal=True, return_lse=True)
-        return None
-
-    res["peak extra memory, cuflash forward (1, 16384, 16, 128) fp16 (MiB)"] = peak(fwd)[0] / 2**20
-    out, lse = out_lse["v"]
-    res["peak extra memory, cuflash backward (MiB)"] = peak(
-        lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=True))[0] / 2**20
-
-    def naive():
-        qh = q.transpose(0, 2, 1, 3)
-        s = (qh @ k.transpose(0, 2, 3, 1)).astype(cp.float32) / math.sqrt(d)
-        s -= s.max(axis=-1, keepdims=True)
-        p = cp.exp(s)
-        p /= p.sum(axis=-1, keepdims=True)
-        return p.astype(cp.float16) @ v.transpose(0, 2, 1, 3)
-
-    try:
-        res["peak extra memory, naive CuPy forward (MiB)"] = peak(naive)[0] / 2**20
-    except cp.cuda.memory.OutOfMemoryError:
-        res["peak extra memory, naive CuPy forward (MiB)"] = float("inf")
-    del base
+    (point,) = memory_sweep((16384,), log=lambda _: None)
+    for label, nbytes in point.items():
+        if label != "N":
+            res[f"peak extra memory at (1, 16384, 16, 128) fp16 causal, {label} (MiB)"] = nbytes / 2**20
     for key, val in res.items():
         log(f"{key}: {val:.3f}")
     return res
@@ -237,32 +203,25 @@ def memory_sweep(seqlens=(1024, 2048, 4096, 8192, 16384), heads=16, head_dim=128
 
     import cuflash
 
-    pool = cp.get_default_memory_pool()
-
-    def peak(fn):
-        pool.free_all_blocks()
-        start = pool.total_bytes()
-        fn()
-        cp.cuda.runtime.deviceSynchronize()
-        return pool.total_bytes() - start
-
     points = []
     for n in seqlens:
-        q, k, v, do = (cp.random.standard_normal((1, n, heads, head_dim), dtype=cp.float32).astype(cp.float16)
-                       for _ in range(4))
-        saved = {}
-        point = {"N": n, "cuflash forward": peak(
-            lambda: saved.update(r=cuflash.attention(q, k, v, causal=True, return_lse=True)))}
-        out, lse = saved.pop("r")
-        point["cuflash backward"] = peak(lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=True))
-        try:
-            point["naive CuPy forward"] = peak(lambda: cuflash.attention(q, k, v, causal=True, algorithm="naive"))
-        except cp.cuda.memory.OutOfMemoryError:
-            point["naive CuPy forward"] = float("inf")
-        points.append(point)
-        log(json.dumps(point))
-        del q, k, v, do, out, lse
+        points.append(_memory_point(cp, cuflash, n, heads, head_dim))
+        log(json.dumps(points[-1]))
     return points
+
+
+def _memory_point(cp, cuflash, n, heads, head_dim):
+    from ._gpu_memory import peak_bytes
+
+    q, k, v, do = (cp.random.standard_normal((1, n, heads, head_dim), dtype=cp.float32).astype(cp.float16)
+                   for _ in range(4))
+    (out, lse), fwd = peak_bytes(lambda: cuflash.attention(q, k, v, causal=True, return_lse=True))
+    _, bwd = peak_bytes(lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=True))
+    try:
+        _, naive = peak_bytes(lambda: cuflash.attention(q, k, v, causal=True, algorithm="naive"))
+    except cp.cuda.memory.OutOfMemoryError:
+        naive = float("inf")
+    return {"N": n, "cuflash forward": fwd, "cuflash backward": bwd, "naive CuPy forward": naive}
 
 
 def main(argv=None):
