@@ -37,28 +37,19 @@ def _backend_fns(torch, cp, cuda, q, k, v, do, causal):
     qc, kc, vc, doc = (cp.from_dlpack(x.transpose(1, 2)) for x in (q, k, v, do))
     stream = cp.cuda.Stream.from_external(torch.cuda.current_stream())
 
-    def cf_fwd():
-        with stream:
-            return cuda.forward(qc, kc, vc, scale=scale, causal_offset=off, algorithm="fa2", block_q=None, block_k=None)
+    def cuflash_pair(algorithm):
+        options = dict(scale=scale, causal_offset=off, algorithm=algorithm, block_q=None, block_k=None)
 
-    def cf_fb():
-        with stream:
-            o, lse = cuda.forward(qc, kc, vc, scale=scale, causal_offset=off, algorithm="fa2", block_q=None,
-                                  block_k=None)
-            return cuda.backward(doc, qc, kc, vc, o, lse, scale=scale, causal_offset=off, algorithm="fa2",
-                                 block_q=None, block_k=None, order="kv_outer")
+        def fwd():
+            with stream:
+                return cuda.forward(qc, kc, vc, **options)
 
-    # FlashAttention-1 order (fa1.cu: one block per (batch, head), O, m, l and dQ through global memory).
-    def cf1_fwd():
-        with stream:
-            return cuda.forward(qc, kc, vc, scale=scale, causal_offset=off, algorithm="fa1", block_q=None, block_k=None)
+        def fb():
+            with stream:
+                o, lse = cuda.forward(qc, kc, vc, **options)
+                return cuda.backward(doc, qc, kc, vc, o, lse, order="kv_outer", **options)
 
-    def cf1_fb():
-        with stream:
-            o, lse = cuda.forward(qc, kc, vc, scale=scale, causal_offset=off, algorithm="fa1", block_q=None,
-                                  block_k=None)
-            return cuda.backward(doc, qc, kc, vc, o, lse, scale=scale, causal_offset=off, algorithm="fa1",
-                                 block_q=None, block_k=None, order="kv_outer")
+        return fwd, fb
 
     qr, kr, vr = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
 
@@ -75,9 +66,10 @@ def _backend_fns(torch, cp, cuda, q, k, v, do, causal):
 
         return fwd, fb
 
-    fns = {"cuflash": (cf_fwd, cf_fb), "torch-flash": torch_pair(SDPBackend.FLASH_ATTENTION),
-           "torch-cudnn": torch_pair(SDPBackend.CUDNN_ATTENTION), "cuflash-fa1": (cf1_fwd, cf1_fb)}
-    return fns
+    # cuflash-fa1: FlashAttention-1 order (fa1.cu: one block per (batch, head), O, m, l and dQ through
+    # global memory).
+    return {"cuflash": cuflash_pair("fa2"), "torch-flash": torch_pair(SDPBackend.FLASH_ATTENTION),
+            "torch-cudnn": torch_pair(SDPBackend.CUDNN_ATTENTION), "cuflash-fa1": cuflash_pair("fa1")}
 
 
 def run_grid(dtypes, dims, seqlens, rep_ms=200, log=print, fa1=True):
