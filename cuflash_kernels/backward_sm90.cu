@@ -1,0 +1,317 @@
+// cuflash Hopper backward kernel (sm_90a, wgmma), FlashAttention-3 style dK/dV(+dQ), mirroring
+// cuflash/reference.py:blocked_backward (order "kv_outer") and flash_bwd_dkdv_kernel in backward.cu, whose
+// kernel arguments, grid, dQ workspace and GQA workspace it keeps, so that the launcher can swap it in for
+// the dK/dV kernel with a different name and shared-memory size (preprocess, convert-dQ and GQA-reduce
+// kernels stay those of backward.cu).
+//
+// STATUS: draft, compiled but not yet run on a GPU; not dispatched (see docs/kernel-notes.md, "Hopper
+// backward draft"). tools/sm90_bwd_check.py checks and times it.
+//
+// Algorithm (flash_bwd_dkdv_sm90_kernel): one thread block owns one key/value tile of kBlockN = 64 rows
+// per warpgroup (kNWarps / 4 computing warpgroups; no producer warpgroup yet) of one (batch, query head);
+// K and V stay in shared memory for the whole block, in the 128-byte-swizzled layout that wgmma
+// descriptors read (hopper_tiles.cuh). The block streams the query tiles of kBlockM = 64 rows: Q, dO and
+// the rows' lse and D double-buffered with cp.async, the next tile loading while this one is computed.
+// Per query tile, each warpgroup, for its 64 key rows (everything transposed, keys are the M dimension):
+//   [bwd 1] S^T  = K Q^T                 wgmma m64 n64 k16, A = K, B = Q, both K-major in shared memory
+//   [bwd 3] dP^T = V dO^T                the same with V, dO (issued right after S^T; both in flight)
+//   [bwd 1] P^T  = exp2(S^T * scale * log2 e - lse * log2 e), masked, packed to 16 bits (A fragments)
+//   [bwd 4] dS^T = P^T (dP^T - D)         with P^T as rounded to the input dtype, packed to 16 bits
+//   [bwd 2] dV  += P^T dO                wgmma m64 n=d k16, A = P^T from registers, B = dO MN-major
+//   [bwd 6] dK  += dS^T Q                the same with dS^T and Q
+//   [bwd 5] dQ  += dS K (Has_dQ)         dS^T is written to shared memory (swizzled, 16-bit); after a
+//       block barrier each warpgroup computes a 64 x kDqN slice of dS K with wgmma, A = dS^T read as dS
+//       (MN-major, transpose bit), B = K (MN-major, transpose bit), and adds it to the float32 dQ workspace
+//       with red.global.add.v2.f32; flash_bwd_convert_dq_kernel scales and casts. The two warpgroups split
+//       the head-dim columns of dQ (n = d / 2), or, with -DCUFLASH_SM90_BWD_DQ_KEY_SPLIT=1, the keys (each
+//       a full-width partial over its own 64 keys: twice the reductions, but no descriptor that starts
+//       inside a 128-byte swizzle row; kept as a fallback until a GPU run says which is right and faster).
+// dK = scale * dK_acc and dV are written as backward.cu does: straight to dk / dv for MHA, per query head
+// into the float32 workspace (2, B, H_q, N_k, d) for GQA/MQA (flash_bwd_reduce_dkv_kernel sums groups).
+// Causal: query tiles wholly above the key tile's diagonal are skipped (query i sees key j iff
+// j <= i + causal_offset); only tiles that cross it, or the end of K, are masked element by element.
+// Rows past seqlen_q are zero-filled (dO = 0, D = 0, lse = 0: they add nothing); rows that see no key
+// (lse = -inf) meet only masked tiles, so their P is 0, never NaN.
+//
+// Grid: (ceil(seqlen_k / kBlockN), heads_q, batch), 32 * kNWarps threads; key/value head = query head / group.
+// Shared memory (16-bit tiles, each 1024-byte aligned): K, V kBlockN x d; 2 x (Q, dO) kBlockM x d;
+// dS^T kBlockN x kBlockM; float32 lse, D 2 x kBlockM each; + 1024 for alignment (Sm90BwdConfig::kSmemBytes):
+// d = 128, kBlockN = 128: 146 KiB (one block per SM); d = 64, kBlockN = 128: 82 KiB.
+#include "cuflash_tiles.cuh"
+#include "hopper_tiles.cuh"
+
+#ifndef CUFLASH_SM90_BWD_DQ_KEY_SPLIT
+#define CUFLASH_SM90_BWD_DQ_KEY_SPLIT 0
+#endif
+
+namespace cuflash {
+
+template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps>
+struct Sm90BwdConfig {
+    static constexpr int kNWG = kNWarps / 4;  // computing warpgroups, 64 key rows each
+    // dQ = dS K per warpgroup: kDqN head-dim columns over kDqKeys keys (see the header).
+    static constexpr bool kDqKeySplit = CUFLASH_SM90_BWD_DQ_KEY_SPLIT != 0 && kNWG > 1;
+    static constexpr int kDqN = kDqKeySplit ? kHeadDim : kHeadDim / kNWG;
+    static constexpr int kDqKeys = kDqKeySplit ? kBlockN / kNWG : kBlockN;
+    static constexpr int kSmemBytes =
+        2 * (2 * kBlockN * kHeadDim + 4 * kBlockM * kHeadDim + kBlockN * kBlockM) + 4 * 4 * kBlockM + 1024;
+};
+
+// Template arguments as flash_bwd_dkdv_kernel's (the launcher's Tile): kBlockM streamed query rows (64),
+// kBlockN = 16 * kNWarps key rows (64 per warpgroup), kStages = 2 query buffers.
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool Is_causal, bool Has_dQ>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                           const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                           float* __restrict__ dq_accum, u16* __restrict__ dk, u16* __restrict__ dv,
+                           float* __restrict__ dkv_accum,
+                           int seqlen_q, int seqlen_k, int heads_q, int group,
+                           i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
+                           i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
+                           i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
+                           float scale, int causal_offset) {
+    using Cfg = Sm90BwdConfig<kHeadDim, kBlockM, kBlockN, kNWarps>;
+    static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim: whole 64-column swizzle blocks, n = d <= 128");
+    static_assert(kNWarps == 4 || kNWarps == 8, "one or two computing warpgroups");
+    static_assert(kBlockN == 16 * kNWarps, "each warpgroup owns 64 key rows");
+    static_assert(kBlockM == 64, "query tile: wgmma n = 64 for S^T, m = 64 for dQ");
+    static_assert(kStages == 2, "two query buffers (the loop loads one tile ahead)");
+    static_assert(Cfg::kDqN % 32 == 0 && Cfg::kDqKeys % 16 == 0, "dQ slice shape");
+    constexpr int kThreads = kNWarps * 32;
+    constexpr int kNT = kBlockM / 8;    // n8 fragments of an S^T row block (queries)
+    constexpr int kDT = kHeadDim / 8;   // n8 fragments of a dK / dV row block
+    constexpr int kKT = kHeadDim / 16;  // k16 steps of S^T and dP^T
+    constexpr int kMT = kBlockM / 16;   // k16 steps of dV and dK (A fragments of P^T, dS^T)
+    constexpr int kDqChunk = Cfg::kDqN > 64 ? 64 : Cfg::kDqN;  // dQ columns per wgmma batch
+    constexpr int kQTile = kBlockM * kHeadDim;
+    constexpr int kKVTile = kBlockN * kHeadDim;
+
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    // Swizzle atoms need 1024-byte alignment, whatever the alignment of the dynamic shared memory base.
+    const u32 raw_addr = smem_u32(smem_raw);
+    u16* sK = reinterpret_cast<u16*>(smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr));
+    u16* sV = sK + kKVTile;
+    u16* sQ = sV + kKVTile;                                             // 2 buffers
+    u16* sdO = sQ + 2 * kQTile;                                         // 2 buffers
+    u16* sdSt = sdO + 2 * kQTile;                                       // dS^T, kBlockN x kBlockM
+    float* sLse = reinterpret_cast<float*>(sdSt + kBlockN * kBlockM);  // 2 x kBlockM, raw lse
+    float* sD = sLse + 2 * kBlockM;                                     // 2 x kBlockM, D
+
+    const int n_block = blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
+    const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, warp_in_wg = (tid >> 5) & 3;
+    const int g = lane >> 2, t = lane & 3;
+    const int n0 = n_block * kBlockN;
+    const int key_base = n0 + wg * 64 + warp_in_wg * 16;  // this warp's fragment rows: + g, + g + 8
+
+    const u16* qg = q + b * q_sb + h * q_sh;
+    const u16* dog = dout + b * do_sb + h * do_sh;
+    const float* lse_row = lse + ((i64)b * heads_q + h) * seqlen_q;
+    const float* delta_row = delta + ((i64)b * heads_q + h) * seqlen_q;
+
+    // Query tiles [m_begin, m_end): causal key j is seen by queries i >= j - causal_offset.
+    const int m_end = (seqlen_q + kBlockM - 1) / kBlockM;
+    int m_begin = 0;
+    if (Is_causal) m_begin = max(0, n0 - causal_offset) / kBlockM;
+
+    // One query tile: Q, dO, and its rows' lse and D (rows past seqlen_q read as zeros).
+    auto load_q_stage = [&](int buf, int mi) {
+        load_tile_sw128<kBlockM, kHeadDim, kThreads>(sQ + buf * kQTile, qg, q_ss, mi * kBlockM, seqlen_q, tid);
+        load_tile_sw128<kBlockM, kHeadDim, kThreads>(sdO + buf * kQTile, dog, do_ss, mi * kBlockM, seqlen_q, tid);
+        for (int r = tid; r < 2 * kBlockM; r += kThreads) {
+            const int row = mi * kBlockM + (r % kBlockM);
+            const bool valid = row < seqlen_q;
+            const float* src = r < kBlockM ? lse_row : delta_row;
+            float* dst = (r < kBlockM ? sLse : sD) + buf * kBlockM + (r % kBlockM);
+            cp_async_4(smem_u32(dst), valid ? src + row : src, valid);
+        }
+    };
+
+    load_tile_sw128<kBlockN, kHeadDim, kThreads>(sK, k + b * k_sb + h_kv * k_sh, k_ss, n0, seqlen_k, tid);
+    load_tile_sw128<kBlockN, kHeadDim, kThreads>(sV, v + b * v_sb + h_kv * v_sh, v_ss, n0, seqlen_k, tid);
+    if (m_begin < m_end) load_q_stage(0, m_begin);
+    cp_async_commit();
+
+    // Descriptors (layouts in hopper_tiles.cuh). K-major operands advance 32 bytes per k16 step inside a
+    // 64-column block; MN-major operands advance 2048 bytes (16 rows of the reduction dim) per k16 step.
+    const u32 k_addr = smem_u32(sK), v_addr = smem_u32(sV), q_addr = smem_u32(sQ), do_addr = smem_u32(sdO);
+    const u32 dst_addr = smem_u32(sdSt);
+    // A of S^T / dP^T: this warpgroup's 64 rows of K / V.
+    auto desc_kv = [&](u32 base, int kk) {
+        return sw128_desc(base + wg * 64 * 128 + (kk >> 2) * kBlockN * 128 + (kk & 3) * 32, 16, 1024);
+    };
+    // B of S^T / dP^T: the kBlockM rows of Q / dO, K-major.
+    auto desc_qk = [&](u32 base, int kk) {
+        return sw128_desc(base + (kk >> 2) * kBlockM * 128 + (kk & 3) * 32, 16, 1024);
+    };
+    // B of dV / dK: dO / Q read as (queries x d), MN-major.
+    auto desc_qmn = [&](u32 base, int kk) { return sw128_desc(base + kk * 2048, kBlockM * 128, 1024); };
+    // dQ: A = dS^T read as dS (queries x keys), MN-major (M = 64: one column block, LBO unused);
+    // B = K read as (keys x d), MN-major, from this warpgroup's first dQ column.
+    constexpr int kDqKT = Cfg::kDqKeys / 16;
+    const int dq_kk0 = Cfg::kDqKeySplit ? wg * kDqKT : 0;
+    const int dq_col0 = Cfg::kDqKeySplit ? 0 : wg * Cfg::kDqN;
+    auto desc_ds = [&](int kk) { return sw128_desc(dst_addr + kk * 2048, kBlockN * 128, 1024); };
+    auto desc_kmn = [&](int col, int kk) {
+        return sw128_desc(k_addr + (col >> 6) * kBlockN * 128 + (col & 63) * 2 + kk * 2048, kBlockN * 128, 1024);
+    };
+
+    float dk_acc[kDT][4], dv_acc[kDT][4];
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk_acc[dt][e] = dv_acc[dt][e] = 0.f;
+    }
+    const float scale_log2 = scale * kLog2e;
+    float* dqg = Has_dQ ? dq_accum + ((i64)b * heads_q + h) * seqlen_q * kHeadDim : nullptr;
+
+    for (int mi = m_begin; mi < m_end; ++mi) {
+        const int buf = (mi - m_begin) & 1;
+        const int m0 = mi * kBlockM;
+        const u32 tq = q_addr + buf * kQTile * 2, tdo = do_addr + buf * kQTile * 2;
+        const float* tLse = sLse + buf * kBlockM;
+        const float* tD = sD + buf * kBlockM;
+
+        // This tile's stage (and, the first time, K and V) landed and is visible to the tensor cores;
+        // every warpgroup is done with the previous tile (its wgmma retired), so buf ^ 1 and dS^T are free.
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();
+        if (mi + 1 < m_end) load_q_stage(buf ^ 1, mi + 1);
+        cp_async_commit();
+
+        // [bwd 1] S^T = K Q^T and [bwd 3] dP^T = V dO^T, both in flight at once.
+        float st[kNT][4], dpt[kNT][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kKT; ++kk) Wgmma<T>::ss(st, desc_kv(k_addr, kk), desc_qk(tq, kk), kk > 0 ? 1 : 0, Int<kBlockM>());
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < kKT; ++kk) Wgmma<T>::ss(dpt, desc_kv(v_addr, kk), desc_qk(tdo, kk), kk > 0 ? 1 : 0, Int<kBlockM>());
+        wgmma_commit();
+
+        // [bwd 1] P^T = exp(scale K Q^T - lse) while dP^T runs. A row that saw no key has lse = -inf:
+        // its P here is +inf, but every tile it meets crosses its diagonal and is masked to 0 below.
+        wgmma_wait<1>();
+        fence_regs(st);
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+            const float2 l2 = *reinterpret_cast<const float2*>(tLse + nt * 8 + 2 * t);
+            const float nl0 = -l2.x * kLog2e, nl1 = -l2.y * kLog2e;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) st[nt][e] = fast_exp2(fmaf(st[nt][e], scale_log2, e & 1 ? nl1 : nl0));
+        }
+        const bool need_mask = n0 + kBlockN > seqlen_k || (Is_causal && n0 + kBlockN - 1 > m0 + causal_offset);
+        if (need_mask) mask_scores_t<kNT, Is_causal>(st, key_base, m0, seqlen_k, causal_offset, lane, 0.f);
+        // P^T in the input dtype as A fragments (as it enters dV, and as dS^T uses it).
+        u32 pt[kMT][4];
+#pragma unroll
+        for (int kk = 0; kk < kMT; ++kk) c_to_a<T, kNT>(pt[kk], st, kk);
+
+        // [bwd 4] dS^T = P^T (dP^T - D), in place of dP^T, then packed to the input dtype.
+        wgmma_wait<0>();
+        fence_regs(dpt);
+#pragma unroll
+        for (int kk = 0; kk < kMT; ++kk) {
+#pragma unroll
+            for (int hn = 0; hn < 2; ++hn) {
+                const int nt = 2 * kk + hn;
+                const float2 d2 = *reinterpret_cast<const float2*>(tD + nt * 8 + 2 * t);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const u32 w = pt[kk][2 * hn + (e >> 1)];
+                    const float p = Elem<T>::to_float(static_cast<u16>(e & 1 ? w >> 16 : w & 0xffffu));
+                    dpt[nt][e] = p * (dpt[nt][e] - (e & 1 ? d2.y : d2.x));
+                }
+            }
+        }
+        u32 dst[kMT][4];
+#pragma unroll
+        for (int kk = 0; kk < kMT; ++kk) c_to_a<T, kNT>(dst[kk], dpt, kk);
+
+        // [bwd 2] dV += P^T dO and [bwd 6] dK += dS^T Q (scale applied once at the end), A from registers.
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kMT; ++kk) Wgmma<T>::rs_tb(dv_acc, pt[kk], desc_qmn(tdo, kk), 1, Int<kHeadDim>());
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < kMT; ++kk) Wgmma<T>::rs_tb(dk_acc, dst[kk], desc_qmn(tq, kk), 1, Int<kHeadDim>());
+        wgmma_commit();
+
+        if constexpr (Has_dQ) {
+            // [bwd 5] dQ += dS K. dS^T to shared memory (row = key, 32-bit stores: the 8 rows of a store
+            // phase hit 8 different 16-byte chunks, conflict-free), visible to the tensor cores of both
+            // warpgroups after the proxy fence and the barrier.
+            {
+                const int r = wg * 64 + warp_in_wg * 16 + g;
+#pragma unroll
+                for (int kk = 0; kk < kMT; ++kk) {
+                    *reinterpret_cast<u32*>(sdSt + sw128_offset<kBlockN>(r, 2 * kk) + 2 * t) = dst[kk][0];
+                    *reinterpret_cast<u32*>(sdSt + sw128_offset<kBlockN>(r + 8, 2 * kk) + 2 * t) = dst[kk][1];
+                    *reinterpret_cast<u32*>(sdSt + sw128_offset<kBlockN>(r, 2 * kk + 1) + 2 * t) = dst[kk][2];
+                    *reinterpret_cast<u32*>(sdSt + sw128_offset<kBlockN>(r + 8, 2 * kk + 1) + 2 * t) = dst[kk][3];
+                }
+            }
+            fence_proxy_async();
+            __syncthreads();
+            // At most 64 columns at a time (32 accumulator registers): a 128-column slice (one warpgroup,
+            // or the key split at d = 128) would spill next to dK and dV.
+#pragma unroll
+            for (int c = 0; c < Cfg::kDqN / kDqChunk; ++c) {
+                const int col0 = dq_col0 + c * kDqChunk;
+                float dq[kDqChunk / 8][4];
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < kDqKT; ++kk) {
+                    WgmmaTT<T>::ss_tt(dq, desc_ds(dq_kk0 + kk), desc_kmn(col0, dq_kk0 + kk), kk > 0 ? 1 : 0, Int<kDqChunk>());
+                }
+                wgmma_commit();
+                wgmma_wait<0>();
+                fence_regs(dq);
+                // This warp's 16 query rows (+ g, + g + 8) of the warpgroup's 64 x kDqChunk slice.
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int row = m0 + warp_in_wg * 16 + g + 8 * hh;
+                    if (row < seqlen_q) {
+                        float* dqr = dqg + (i64)row * kHeadDim + col0 + 2 * t;
+#pragma unroll
+                        for (int dt = 0; dt < kDqChunk / 8; ++dt) red_add_v2_f32(dqr + dt * 8, dq[dt][2 * hh], dq[dt][2 * hh + 1]);
+                    }
+                }
+            }
+        } else {
+            wgmma_wait<0>();
+        }
+    }
+    cp_async_wait<0>();
+    fence_regs(dk_acc);
+    fence_regs(dv_acc);
+
+    // Write dK = scale * dK_acc and dV: straight to dk/dv (group == 1) or per query head to the float32
+    // workspace that flash_bwd_reduce_dkv_kernel sums over the group.
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int row = key_base + g + 8 * hh;
+        if (row >= seqlen_k) continue;
+        const int col0 = 2 * t;
+        if (group == 1) {
+            u16* dkr = dk + b * dk_sb + h * dk_sh + (i64)row * dk_ss + col0;
+            u16* dvr = dv + b * dv_sb + h * dv_sh + (i64)row * dv_ss + col0;
+#pragma unroll
+            for (int dt = 0; dt < kDT; ++dt) {
+                *reinterpret_cast<u32*>(dkr + dt * 8) = Elem<T>::pack(dk_acc[dt][2 * hh] * scale, dk_acc[dt][2 * hh + 1] * scale);
+                *reinterpret_cast<u32*>(dvr + dt * 8) = Elem<T>::pack(dv_acc[dt][2 * hh], dv_acc[dt][2 * hh + 1]);
+            }
+        } else {
+            const i64 plane = (i64)gridDim.z * heads_q * seqlen_k * kHeadDim;
+            float* dkr = dkv_accum + (((i64)b * heads_q + h) * seqlen_k + row) * kHeadDim + col0;
+#pragma unroll
+            for (int dt = 0; dt < kDT; ++dt) {
+                *reinterpret_cast<float2*>(dkr + dt * 8) = make_float2(dk_acc[dt][2 * hh] * scale, dk_acc[dt][2 * hh + 1] * scale);
+                *reinterpret_cast<float2*>(dkr + plane + dt * 8) = make_float2(dv_acc[dt][2 * hh], dv_acc[dt][2 * hh + 1]);
+            }
+        }
+    }
+}
+
+}  // namespace cuflash
