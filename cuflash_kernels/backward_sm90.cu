@@ -229,19 +229,11 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
 #pragma unroll
         for (int kk = 0; kk < kMT; ++kk) c_to_a<T, kNT>(dst[kk], dpt, kk);
 
-        // [bwd 2] dV += P^T dO and [bwd 6] dK += dS^T Q (scale applied once at the end), A from registers.
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kMT; ++kk) Wgmma<T>::rs_tb(dv_acc, pt[kk], desc_qmn(tdo, kk), 1, Int<kHeadDim>());
-        wgmma_commit();
-#pragma unroll
-        for (int kk = 0; kk < kMT; ++kk) Wgmma<T>::rs_tb(dk_acc, dst[kk], desc_qmn(tq, kk), 1, Int<kHeadDim>());
-        wgmma_commit();
-
         if constexpr (Has_dQ) {
-            // [bwd 5] dQ += dS K. dS^T to shared memory (row = key, 32-bit stores: the 8 rows of a store
+            // [bwd 5] dQ += dS K, part 1: dS^T to shared memory (row = key, 32-bit stores: the 8 rows of a store
             // phase hit 8 different 16-byte chunks, conflict-free), visible to the tensor cores of both
-            // warpgroups after the proxy fence and the barrier.
+            // warpgroups after the proxy fence and the barrier below. Stored before dK's wgmma is issued:
+            // the PTX ISA leaves any access to an in-flight wgmma's A registers undefined.
             {
                 const int r = wg * 64 + warp_in_wg * 16 + g;
 #pragma unroll
@@ -253,6 +245,19 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
                 }
             }
             fence_proxy_async();
+        }
+
+        // [bwd 2] dV += P^T dO and [bwd 6] dK += dS^T Q (scale applied once at the end), A from registers.
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kMT; ++kk) Wgmma<T>::rs_tb(dv_acc, pt[kk], desc_qmn(tdo, kk), 1, Int<kHeadDim>());
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < kMT; ++kk) Wgmma<T>::rs_tb(dk_acc, dst[kk], desc_qmn(tq, kk), 1, Int<kHeadDim>());
+        wgmma_commit();
+
+        if constexpr (Has_dQ) {
+            // [bwd 5] part 2: dS K once every warpgroup's dS^T is in shared memory.
             __syncthreads();
             // At most 64 columns at a time (32 accumulator registers): a 128-column slice (one warpgroup,
             // or the key split at d = 128) would spill next to dK and dV.
