@@ -108,7 +108,7 @@ class Backward:
         truth = cuflash.attention_backward(*one, out32, lse32, causal=causal, algorithm="naive")
         scale = max(float(self.cp.abs(t).max()) for t in truth)
         for name, x, t in zip(("dq", "dk", "dv"), (dq, dk, dv), truth):
-            _check(cp, name, x[:1] / scale, t / scale)
+            _check(cp, name, x[:1].astype(cp.float32) / scale, t / scale)
         self.causal = causal
 
     def _run(self):
