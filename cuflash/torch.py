@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 import cuflash
+from cuflash import _validate
 
 __all__ = ["attention"]
 
@@ -68,12 +69,26 @@ class _Attention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout.stride(-1) != 1:  # autograd may hand over an expanded or strided gradient
             dout = dout.contiguous()
+        dq, dk, dv = _AttentionBackward.apply(dout, q, k, v, out, lse, ctx.options, ctx.deterministic)
+        return dq, dk, dv, None, None
+
+
+class _AttentionBackward(torch.autograd.Function):
+    """The backward as a node of its own: under ``create_graph=True`` the gradients stay connected to
+    q, k, v and dout, so that differentiating them again raises instead of treating them as constants."""
+
+    @staticmethod
+    def forward(ctx, dout, q, k, v, out, lse, options, deterministic):
         with _on_torch_stream(q):
             dq, dk, dv = cuflash.attention_backward(
                 _to_array(dout), _to_array(q), _to_array(k), _to_array(v), _to_array(out), _to_array(lse),
-                deterministic=ctx.deterministic, **ctx.options,
+                deterministic=deterministic, **options,
             )
-        return _to_tensor(dq), _to_tensor(dk), _to_tensor(dv), None, None
+        return _to_tensor(dq), _to_tensor(dk), _to_tensor(dv)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise NotImplementedError("cuflash.torch.attention has no second derivative (double backward)")
 
 
 def attention(
@@ -99,6 +114,7 @@ def attention(
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         kinds = ", ".join(type(t).__name__ for t in (q, k, v))
         raise TypeError(f"q, k and v must be torch.Tensor; got {kinds}")
+    _validate.backward_order(None, deterministic)  # only the backward uses it: check it before the forward
     options = dict(
         causal=causal, softmax_scale=softmax_scale, causal_align=causal_align,
         algorithm=algorithm, block_q=block_q, block_k=block_k,

@@ -97,6 +97,22 @@ def test_rejects_non_tensors():
         cft.attention(q, k.detach().numpy(), v)
 
 
+def test_double_backward_raises_instead_of_dropping_terms():
+    # The backward runs outside autograd: a gradient taken with create_graph=True must not come back
+    # as a constant, which would silently drop every term of a loss built from it.
+    q, k, v = _inputs(1, 5, 5, 2, 2, 4, torch.float64, seed=11)
+    out = _ours(q, k, v, causal=False)
+    (dq,) = torch.autograd.grad((out**2).sum(), q, create_graph=True)
+    with pytest.raises(NotImplementedError, match="no second derivative"):
+        torch.autograd.grad((out**2).sum() + (dq**2).sum(), q)
+
+
+def test_rejects_bad_deterministic_before_the_forward_runs():
+    q, k, v = _inputs(1, 4, 4, 1, 1, 4, torch.float32)
+    with pytest.raises(TypeError, match="deterministic must be a bool; got str"):
+        cft.attention(q, k, v, deterministic="yes")
+
+
 def test_importing_cuflash_does_not_import_torch():
     code = "import sys, cuflash; assert 'torch' not in sys.modules and 'jax' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
