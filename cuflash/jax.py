@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 import cuflash
+from cuflash import _api, _validate
 
 __all__ = ["attention"]
 
@@ -62,6 +63,19 @@ def _lse_shape(q):
 
 def _shape_of(a):
     return jax.ShapeDtypeStruct(a.shape, a.dtype)
+
+
+def _check(q, k, v, options):
+    """cuflash's checks of shapes, dtypes and options, before anything is traced or called back.
+
+    Under ``jit`` the work runs in a callback, where an error would surface only when the compiled
+    function runs. Shapes and dtypes are known at trace time, so the checks run on NumPy stand-ins of
+    that shape and dtype (one row broadcast, contiguous last axis).
+    """
+    stand_ins = [np.broadcast_to(np.zeros(np.shape(a)[-1:], a.dtype), np.shape(a)) for a in (q, k, v)]
+    options = dict(options)
+    _validate.backward_order(None, options.pop("deterministic"))
+    _api._prepare(*stand_ins, **options)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -112,4 +126,5 @@ def attention(
         ("algorithm", algorithm), ("block_q", block_q), ("block_k", block_k),
         ("deterministic", deterministic),
     )
+    _check(q, k, v, options)
     return _attention(q, k, v, options)

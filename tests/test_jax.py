@@ -71,3 +71,19 @@ def test_matches_jax_nn_on_gpu():
     out = cfj.attention(q, k, v, causal=True, causal_align="top-left")
     ref = jax.nn.dot_product_attention(q, k, v, is_causal=True)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=2e-2)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_checks_run_before_the_call_and_name_the_argument(jit):
+    # Under jit the work runs in a callback, where an error surfaced only when the compiled function
+    # ran, wrapped in a runtime error; a 3-d q failed on an unpacking of its shape before any check.
+    q, k, v = _inputs((1, 5, 5, 2, 2, 4), jnp.float32)
+    call = lambda fn, *a: (jax.jit(fn) if jit else fn)(*a)  # noqa: E731
+    with pytest.raises(ValueError, match=r"q must have 4 dimensions .* got 3 dimensions with shape \(5, 2, 4\)"):
+        call(cfj.attention, q[0], k, v)
+    with pytest.raises(ValueError, match="algorithm must be one of 'fa2', 'fa1', 'naive'; got 'fa3'"):
+        call(lambda q, k, v: cfj.attention(q, k, v, algorithm="fa3"), q, k, v)
+    with pytest.raises(ValueError, match="key/value heads must divide the number of query heads"):
+        call(cfj.attention, q, k[:, :, :1].repeat(3, axis=2), v[:, :, :1].repeat(3, axis=2))
+    with pytest.raises(TypeError, match="deterministic must be a bool; got str"):
+        call(lambda q, k, v: cfj.attention(q, k, v, deterministic="yes"), q, k, v)
