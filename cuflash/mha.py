@@ -338,6 +338,12 @@ def mha_backward(
     batch, seqlen, num_heads, head_dim = _shape(q)
     num_kv_heads = _shape(k)[2]
     d_model, d_out = _shape(z)[2], _shape(params.w_o)[1]
+    # The parameters must be the forward's: check them against the cache before any product.
+    if _check_layer(z, params, num_heads, num_kv_heads)[1] != head_dim:
+        raise ValueError(
+            f"params.w_q must have shape {(d_model, num_heads * head_dim)} as in the forward; "
+            f"got {_shape(params.w_q)}"
+        )
     if _shape(dy) != (batch, seqlen, d_out):
         raise ValueError(
             f"dy must have the shape of the forward's output, {(batch, seqlen, d_out)}; got {_shape(dy)}"

@@ -314,6 +314,21 @@ def test_layer_errors():
         mha_backward(y.astype(np.float32), cache, params)
 
 
+def test_backward_checks_params_against_the_forward():
+    # Parameters other than the forward's used to fail half-way through the backward, in a reshape or
+    # in the attention core's checks, with a message that did not name them.
+    rng = np.random.default_rng(10)
+    params = random_params(rng, 2, 2)
+    z = rng.standard_normal((BATCH, SEQLEN, D_MODEL))
+    y, cache = mha_forward(z, params, num_heads=2)
+    with pytest.raises(ValueError, match=r"params.w_q must have shape \(d_model, num_heads \* head_dim\) = \(6, 2 \* head_dim\); got \(4, 6\)"):
+        mha_backward(y, cache, random_params(rng, 2, 2, d_model=4))
+    with pytest.raises(ValueError, match=r"params.w_q must have shape \(6, 6\) as in the forward; got \(6, 4\)"):
+        mha_backward(y, cache, random_params(rng, 2, 2, head_dim=2))
+    with pytest.raises(TypeError, match="params.w_q must have the dtype of z, float64; got float32"):
+        mha_backward(y, cache, MHAParams(*(None if a is None else a.astype(np.float32) for a in params)))
+
+
 @pytest.mark.gpu
 def test_cupy_matches_numpy(requires_gpu):
     """The same functions on CuPy arrays (the CUDA kernels) agree with the NumPy layer in float32."""
