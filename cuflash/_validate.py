@@ -51,6 +51,12 @@ def _library(a) -> str:
     return type(a).__module__.split(".")[0]
 
 
+def _dtype_name(dtype) -> str:
+    """The dtype's name, plus its byte order when that is not the machine's (the name alone omits it)."""
+    dtype = np.dtype(dtype)
+    return dtype.name if dtype.isnative else f"{dtype.name} (non-native byte order)"
+
+
 def lse_dtype(dtype: np.dtype) -> np.dtype:
     """The logsumexp dtype for inputs of ``dtype``: float64 for float64, float32 otherwise."""
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
@@ -118,7 +124,7 @@ def check_qkv(q, k, v) -> Problem:
     if np.dtype(k.dtype) != dtype or np.dtype(v.dtype) != dtype:
         raise TypeError(
             "q, k and v must have the same dtype; "
-            f"got q {dtype.name}, k {np.dtype(k.dtype).name}, v {np.dtype(v.dtype).name}"
+            f"got q {_dtype_name(dtype)}, k {_dtype_name(k.dtype)}, v {_dtype_name(v.dtype)}"
         )
     batch, seqlen_q, heads_q, head_dim = _shape(q)
     if _shape(k) != _shape(v):
@@ -150,7 +156,7 @@ def check_backward_tensors(problem: Problem, do, out, lse) -> None:
             raise ValueError(f"{name} must have the shape of q, {q_shape}; got {_shape(a)}")
         if np.dtype(a.dtype) != problem.dtype:
             raise TypeError(
-                f"{name} must have the dtype of q, {problem.dtype.name}; got {np.dtype(a.dtype).name}"
+                f"{name} must have the dtype of q, {_dtype_name(problem.dtype)}; got {_dtype_name(a.dtype)}"
             )
         _check_contiguous_last_axis(name, a)
     if _shape(lse) != problem.lse_shape:
@@ -161,7 +167,7 @@ def check_backward_tensors(problem: Problem, do, out, lse) -> None:
     if np.dtype(lse.dtype) != want:
         raise TypeError(
             f"lse must have dtype {want.name} for {problem.dtype.name} inputs "
-            f"(as returned by attention(..., return_lse=True)); got {np.dtype(lse.dtype).name}"
+            f"(as returned by attention(..., return_lse=True)); got {_dtype_name(lse.dtype)}"
         )
 
 

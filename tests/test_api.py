@@ -77,6 +77,19 @@ def test_dtypes_differ(no_backend):
         cuflash.attention(q, k.astype(np.float16), v)
 
 
+def test_dtypes_differ_in_byte_order_only():
+    # The messages named the dtypes only ("got q float32, k float32, v float32"), which hid the difference.
+    swapped = np.dtype(np.float32).newbyteorder()
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match=r"same dtype; got q float32, k float32 \(non-native byte order\), v float32"):
+        cuflash.attention(q, k.astype(swapped), v)
+    do, q, k, v, out, lse = _backward_args()
+    with pytest.raises(TypeError, match=r"do must have the dtype of q, float32; got float32 \(non-native byte order\)"):
+        cuflash.attention_backward(do.astype(swapped), q, k, v, out, lse)
+    with pytest.raises(TypeError, match=r"lse must have dtype float32 for float32 inputs .*; got float32 \(non-native byte order\)"):
+        cuflash.attention_backward(do, q, k, v, out, lse.astype(swapped))
+
+
 def test_dtype_not_floating(no_backend):
     q, k, v = _qkv()
     with pytest.raises(TypeError, match="q must have a floating dtype .*; got int32"):
