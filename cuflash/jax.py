@@ -126,5 +126,6 @@ def attention(
         ("algorithm", algorithm), ("block_q", block_q), ("block_k", block_k),
         ("deterministic", deterministic),
     )
+    q, k, v = (jax.numpy.asarray(a) for a in (q, k, v))  # NumPy inputs too, as any JAX function
     _check(q, k, v, options)
     return _attention(q, k, v, options)

@@ -87,3 +87,14 @@ def test_checks_run_before_the_call_and_name_the_argument(jit):
         call(cfj.attention, q, k[:, :, :1].repeat(3, axis=2), v[:, :, :1].repeat(3, axis=2))
     with pytest.raises(TypeError, match="deterministic must be a bool; got str"):
         call(lambda q, k, v: cfj.attention(q, k, v, deterministic="yes"), q, k, v)
+
+
+def test_accepts_numpy_inputs_like_any_jax_function():
+    # NumPy inputs reached the backend choice as they were and failed with an AttributeError (devices).
+    q, k, v = _inputs((1, 6, 6, 2, 1, 4), jnp.float64)
+    loss = lambda q, k, v: jnp.sum(cfj.attention(q, k, v, causal=True) ** 2)  # noqa: E731
+    want = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+    got = jax.value_and_grad(loss, argnums=(0, 1, 2))(np.asarray(q), k, np.asarray(v))
+    np.testing.assert_array_equal(got[0], want[0])
+    for a, b in zip(got[1], want[1]):
+        np.testing.assert_array_equal(a, b)
