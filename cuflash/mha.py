@@ -207,8 +207,12 @@ def init_mha_params(
     rng : ``numpy.random.Generator`` or seed; the values are drawn on the host by NumPy.
     xp : array namespace to place the parameters in (``numpy``, ``cupy``, ...); default NumPy.
     """
-    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads != 0:
+    d_model = _head_count("d_model", d_model)
+    num_heads = _head_count("num_heads", num_heads)
+    num_kv_heads = num_heads if num_kv_heads is None else _head_count("num_kv_heads", num_kv_heads)
+    head_dim = None if head_dim is None else _head_count("head_dim", head_dim)
+    d_out = None if d_out is None else _head_count("d_out", d_out)
+    if num_heads % num_kv_heads != 0:
         raise ValueError(
             f"num_kv_heads must be a positive divisor of num_heads; "
             f"got num_heads {num_heads}, num_kv_heads {num_kv_heads}"

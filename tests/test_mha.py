@@ -287,6 +287,20 @@ def test_init_mha_params_errors():
         init_mha_params(10, 4)
 
 
+def test_init_mha_params_size_errors_name_the_argument():
+    # Zero or non-integer sizes failed inside the weight draw (ZeroDivisionError, or NumPy's messages).
+    with pytest.raises(TypeError, match="num_heads must be a positive integer; got float 2.0"):
+        init_mha_params(8, 2.0)
+    with pytest.raises(TypeError, match="num_kv_heads must be a positive integer; got float 1.0"):
+        init_mha_params(8, 2, num_kv_heads=1.0)
+    with pytest.raises(ValueError, match="head_dim must be a positive integer; got 0"):
+        init_mha_params(8, 2, head_dim=0)
+    with pytest.raises(ValueError, match="d_model must be a positive integer; got 0"):
+        init_mha_params(0, 2, head_dim=4)
+    with pytest.raises(ValueError, match="d_out must be a positive integer; got -1"):
+        init_mha_params(8, 2, d_out=-1)
+
+
 def test_layer_errors():
     rng = np.random.default_rng(9)
     params = random_params(rng, 2, 2)
