@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import array_api_compat
 import numpy as np
 
+from . import _validate
 from ._api import attention, attention_backward
 
 __all__ = ["MHAParams", "MHAGrads", "MHACache", "init_mha_params", "mha_forward", "mha_backward"]
@@ -354,6 +355,7 @@ def mha_backward(
         )
     if dy.dtype != out.dtype:
         raise TypeError(f"dy must have the dtype of the forward's output, {out.dtype}; got {dy.dtype}")
+    _validate.backward_order(order, deterministic)
     # Every product below sums over the batch and sequence together: one (batch * seqlen)-row matrix.
     rows = batch * seqlen
     dy2 = xp.reshape(dy, (rows, d_out))

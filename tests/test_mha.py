@@ -343,6 +343,24 @@ def test_backward_checks_params_against_the_forward():
         mha_backward(y, cache, MHAParams(*(None if a is None else a.astype(np.float32) for a in params)))
 
 
+def test_backward_checks_order_before_any_product(monkeypatch):
+    import cuflash.mha
+
+    rng = np.random.default_rng(12)
+    params = random_params(rng, 2, 2)
+    z = rng.standard_normal((BATCH, SEQLEN, D_MODEL))
+    y, cache = mha_forward(z, params, num_heads=2)
+
+    def refuse(*args):
+        raise AssertionError("the backward started computing before its options were checked")
+
+    monkeypatch.setattr(cuflash.mha, "_matmul", refuse)
+    with pytest.raises(TypeError, match="deterministic must be a bool; got str"):
+        mha_backward(y, cache, params, deterministic="yes")
+    with pytest.raises(ValueError, match="order must be None or one of 'kv_outer', 'q_outer', 'split'; got 'ij'"):
+        mha_backward(y, cache, params, order="ij")
+
+
 @pytest.mark.gpu
 def test_cupy_matches_numpy(requires_gpu):
     """The same functions on CuPy arrays (the CUDA kernels) agree with the NumPy layer in float32."""
