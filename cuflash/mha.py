@@ -287,6 +287,12 @@ def mha_forward(
     xp = _namespace(z, params)
     num_kv_heads, head_dim = _check_layer(z, params, num_heads, num_kv_heads)
     batch, seqlen, _ = _shape(z)
+    # The attention core checks these too, but only after the projections: check them first.
+    _validate.softmax_scale(softmax_scale, head_dim)
+    _validate.causal_offset(causal, causal_align, seqlen, seqlen)
+    _validate.algorithm(algorithm)
+    _validate.block_size("block_q", block_q)
+    _validate.block_size("block_k", block_k)
 
     # (6) Q = Z̃ W_Q + b_Q, K = Z̃ W_K + b_K, V = Z̃ W_V + b_V. Head h is the column block
     # [h*d, (h+1)*d): reshaping the last axis to (heads, d) splits the heads without a copy.

@@ -343,6 +343,29 @@ def test_backward_checks_params_against_the_forward():
         mha_backward(y, cache, MHAParams(*(None if a is None else a.astype(np.float32) for a in params)))
 
 
+def test_forward_checks_attention_options_before_any_product(monkeypatch):
+    import cuflash.mha
+
+    rng = np.random.default_rng(13)
+    params = random_params(rng, 2, 2)
+    z = rng.standard_normal((BATCH, SEQLEN, D_MODEL))
+
+    def refuse(*args):
+        raise AssertionError("the forward started computing before its options were checked")
+
+    monkeypatch.setattr(cuflash.mha, "_matmul", refuse)
+    with pytest.raises(ValueError, match="algorithm must be one of 'fa2', 'fa1', 'naive'; got 'fa3'"):
+        mha_forward(z, params, num_heads=2, algorithm="fa3")
+    with pytest.raises(TypeError, match="causal must be a bool; got str"):
+        mha_forward(z, params, num_heads=2, causal="yes")
+    with pytest.raises(ValueError, match="causal_align must be one of"):
+        mha_forward(z, params, num_heads=2, causal_align="top_left")
+    with pytest.raises(ValueError, match="softmax_scale must be finite and positive; got -1.0"):
+        mha_forward(z, params, num_heads=2, softmax_scale=-1.0)
+    with pytest.raises(ValueError, match="block_k must be a positive integer or None; got 0"):
+        mha_forward(z, params, num_heads=2, block_k=0)
+
+
 def test_backward_checks_order_before_any_product(monkeypatch):
     import cuflash.mha
 
