@@ -456,11 +456,12 @@ class _BackwardInputs:
         return np.zeros((self.batch, self.heads_kv, group, rows, self.head_dim), self.acc)
 
 
-def _backward_kv_outer(a: _BackwardInputs):
-    """Key/value blocks outer (000 Algorithm 8, 001 FlashBackward): dK_j, dV_j stay local to the
-    outer step; dQ is read, updated and written back in a full-size array at every tile."""
-    dq, dk, dv = a.empty_grads()
-    dq_hbm = a.hbm(a.seqlen_q, a.group)
+def _dkdv_pass(a: _BackwardInputs, dk, dv, dq_hbm=None):
+    """Key/value blocks outer: dK_j and dV_j stay local to the outer step and are written once.
+
+    With ``dq_hbm`` (a full-size array), dQ is also read, updated and written back there at every tile,
+    as the kernel's ``Has_dQ`` variant does with atomics; without it, only dK and dV are formed.
+    """
     for k_start, k_stop in iter_blocks(0, a.seqlen_k, a.block_k, a.seqlen_k):
         k_block = k_j, _ = a.load_key_block(k_start, k_stop)
         dk_j = np.zeros(k_j.shape, a.acc)
@@ -471,13 +472,22 @@ def _backward_kv_outer(a: _BackwardInputs):
             p, ds = a.tile(q_block, k_block, q_start, q_stop, k_start, k_stop)
             # [bwd 2] dV_j += P^T dO
             dv_j += _group_transpose_matmul(p, do_i)
-            # [bwd 5] dQ_i += scale * dS K_j: read-modify-write in HBM (scale applied once, at the end)
-            dq_hbm[..., q_start:q_stop, :] += ds @ k_j
+            if dq_hbm is not None:
+                # [bwd 5] dQ_i += scale * dS K_j: read-modify-write in HBM (scale applied once, at the end)
+                dq_hbm[..., q_start:q_stop, :] += ds @ k_j
             # [bwd 6] dK_j += scale * dS^T Q_i (scale applied when dK_j is written)
             dk_j += _group_transpose_matmul(ds, q_i)
         dk_j *= a.scale
         _grouped(dk, a.heads_kv)[..., k_start:k_stop, :] = dk_j
         _grouped(dv, a.heads_kv)[..., k_start:k_stop, :] = dv_j
+
+
+def _backward_kv_outer(a: _BackwardInputs):
+    """Key/value blocks outer (000 Algorithm 8, 001 FlashBackward): dK_j, dV_j stay local to the
+    outer step; dQ is read, updated and written back in a full-size array at every tile."""
+    dq, dk, dv = a.empty_grads()
+    dq_hbm = a.hbm(a.seqlen_q, a.group)
+    _dkdv_pass(a, dk, dv, dq_hbm)
     dq_hbm *= a.scale
     _grouped(dq, a.heads_kv)[...] = dq_hbm
     return dq, dk, dv
@@ -515,21 +525,7 @@ def _backward_split(a: _BackwardInputs):
     blocks outer, then dQ with query blocks outer. P and dS are recomputed in each pass; every
     gradient block is written exactly once, so the GPU version needs no atomics and is deterministic."""
     dq, dk, dv = a.empty_grads()
-    for k_start, k_stop in iter_blocks(0, a.seqlen_k, a.block_k, a.seqlen_k):
-        k_block = k_j, _ = a.load_key_block(k_start, k_stop)
-        dk_j = np.zeros(k_j.shape, a.acc)
-        dv_j = np.zeros(k_j.shape, a.acc)
-        q_first = causal_query_block_start(k_start, a.causal_offset, a.seqlen_q)
-        for q_start, q_stop in iter_blocks(q_first, a.seqlen_q, a.block_q, a.seqlen_q):
-            q_block = q_i, do_i, _, _ = a.load_query_block(q_start, q_stop)
-            p, ds = a.tile(q_block, k_block, q_start, q_stop, k_start, k_stop)
-            # [bwd 2] dV_j += P^T dO
-            dv_j += _group_transpose_matmul(p, do_i)
-            # [bwd 6] dK_j += scale * dS^T Q_i (scale applied when dK_j is written)
-            dk_j += _group_transpose_matmul(ds, q_i)
-        dk_j *= a.scale
-        _grouped(dk, a.heads_kv)[..., k_start:k_stop, :] = dk_j
-        _grouped(dv, a.heads_kv)[..., k_start:k_stop, :] = dv_j
+    _dkdv_pass(a, dk, dv)
     for q_start, q_stop in iter_blocks(0, a.seqlen_q, a.block_q, a.seqlen_q):
         q_block = q_i, _, _, _ = a.load_query_block(q_start, q_stop)
         dq_i = np.zeros(q_i.shape, a.acc)
