@@ -65,6 +65,18 @@ def parse_resources(log: str) -> list[dict]:
     return rows
 
 
+def assert_compiles_without_spills(nvrtc, text, names, options, arch, label):
+    """Compile ``names`` from ``text``; fail on a compile error, a missing resource line or any spill."""
+    ok, log = compile_with_nvrtc(nvrtc, text, names, options, arch)
+    assert ok, f"NVRTC failed for {label}:\n{log[-6000:]}"
+    rows = parse_resources(log)
+    assert len(rows) >= len(names), f"expected a resource line per kernel; log:\n{log[-3000:]}"
+    spills = [r for r in rows if r["stores"] or r["loads"]]
+    assert not spills, "register spills:\n" + "\n".join(
+        f"{r['fn']}: {r['regs']} regs, {r['stores']} B spill stores, {r['loads']} B spill loads" for r in spills
+    )
+
+
 def _groups():
     groups = defaultdict(list)
     for source, name, options in _cuda.instantiations():
@@ -84,14 +96,7 @@ def test_every_instantiation_compiles_without_spills(arch, source):
     if not groups:
         pytest.skip(f"no {source} instantiation targets {arch}")
     for options, names in groups:
-        ok, log = compile_with_nvrtc(nvrtc, text, names, options, arch)
-        assert ok, f"NVRTC failed for {source} ({arch}):\n{log[-6000:]}"
-        rows = parse_resources(log)
-        assert len(rows) >= len(names), f"expected a resource line per kernel; log:\n{log[-3000:]}"
-        spills = [r for r in rows if r["stores"] or r["loads"]]
-        assert not spills, "register spills:\n" + "\n".join(
-            f"{r['fn']}: {r['regs']} regs, {r['stores']} B spill stores, {r['loads']} B spill loads" for r in spills
-        )
+        assert_compiles_without_spills(nvrtc, text, names, options, arch, f"{source} ({arch})")
 
 
 def test_instantiation_list_covers_the_tile_table():

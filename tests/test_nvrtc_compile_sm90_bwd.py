@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from cuflash import _cuda
-from test_nvrtc_compile import _nvrtc, compile_with_nvrtc, parse_resources
+from test_nvrtc_compile import _nvrtc, assert_compiles_without_spills
 
 SOURCE = "backward_sm90.cu"
 TILE = "64, 128, 8, 2"  # block_m, block_n, warps, stages (tools/sm90_bwd_check.py TILES)
@@ -33,14 +33,8 @@ def test_sm90_backward_draft_compiles_without_spills(variant):
     nvrtc = _nvrtc()
     extra, names = CASES[variant]
     text = _cuda.compile_source_for_nvrtc(SOURCE)
-    ok, log = compile_with_nvrtc(nvrtc, text, names, _cuda.SM90A_OPTIONS + extra, "sm_90a")
-    assert ok, f"NVRTC failed for {SOURCE} ({variant}):\n{log[-6000:]}"
-    rows = parse_resources(log)
-    assert len(rows) >= len(names), f"expected a resource line per kernel; log:\n{log[-3000:]}"
-    spills = [r for r in rows if r["stores"] or r["loads"]]
-    assert not spills, "register spills:\n" + "\n".join(
-        f"{r['fn']}: {r['regs']} regs, {r['stores']} B spill stores, {r['loads']} B spill loads" for r in spills
-    )
+    assert_compiles_without_spills(nvrtc, text, names, _cuda.SM90A_OPTIONS + extra, "sm_90a",
+                                   f"{SOURCE} ({variant})")
 
 
 def test_sm90_backward_draft_is_marked_and_not_dispatched():
