@@ -87,6 +87,60 @@ __device__ __forceinline__ void store_a_frag(u16* tile, const u32 (&a)[4], int r
     *reinterpret_cast<u32*>(tile + Swizzle<kWidth>::offset(row + 8, c + 1) + 2 * t) = a[3];
 }
 
+// The two products of the dK/dV kernel's warp tile: 32 rows (two mma row tiles, a_row0 and a_row0 + 16, of
+// a swizzled shared-memory tile sA) times kNT n8 columns; every B fragment read feeds both row tiles. The
+// k16 loops are unrolled by 4 (see flash_bwd_dkdv_kernel).
+// c = A B^T over the head dimension, B = rows b_row0 .. b_row0 + 8 kNT - 1 of a [n][kHeadDim] tile:
+// S^T = K Q^T and dP^T = V dO^T.
+template <class T, int kHeadDim, int kNT>
+__device__ __forceinline__ void warp_mma_abt_x2(float (&c)[2][kNT][4], const u16* sA, int a_row0, const u16* sB,
+                                                int b_row0, int lane) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) c[i][nt][0] = c[i][nt][1] = c[i][nt][2] = c[i][nt][3] = 0.f;
+    }
+#pragma unroll 4
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        u32 a[2][4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) load_a<kHeadDim>(a[i], sA, a_row0 + 16 * i, kk, lane);
+#pragma unroll
+        for (int np = 0; np < kNT / 2; ++np) {
+            u32 b[4];
+            load_b_nk<kHeadDim>(b, sB, b_row0 + np * 16, kk, lane);
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                Elem<T>::mma(c[i][2 * np], a[i], b[0], b[1]);
+                Elem<T>::mma(c[i][2 * np + 1], a[i], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// c += A B over kK, B = column chunk pairs np0 .. np0 + kNT / 2 - 1 of a [kK][kHeadDim] tile:
+// dV += P^T dO and dK += dS^T Q.
+template <class T, int kK, int kHeadDim, int kNT>
+__device__ __forceinline__ void warp_mma_ab_x2(float (&c)[2][kNT][4], const u16* sA, int a_row0, const u16* sB,
+                                               int np0, int lane) {
+#pragma unroll 4
+    for (int kk = 0; kk < kK / 16; ++kk) {
+        u32 a[2][4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) load_a<kK>(a[i], sA, a_row0 + 16 * i, kk, lane);
+#pragma unroll
+        for (int np = 0; np < kNT / 2; ++np) {
+            u32 b[4];
+            load_b_kn<kHeadDim>(b, sB, kk * 16, np0 + np, lane);
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                Elem<T>::mma(c[i][2 * np], a[i], b[0], b[1]);
+                Elem<T>::mma(c[i][2 * np + 1], a[i], b[2], b[3]);
+            }
+        }
+    }
+}
+
 // dK/dV (and, with Has_dQ, dQ by atomics) with FlashAttention-2's two-dimensional warp tiling.
 // The k16 loops are unrolled by 4, not fully: full unrolling lets ptxas hoist every fragment load and
 // spill at d = 128, and the swizzled chunk offsets repeat every 4 steps anyway.
@@ -117,7 +171,6 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
     static_assert(kBlockM % 32 == 0 && kQW % 16 == 0 && kDW % 16 == 0, "tile shape");
     static_assert(kStages >= 2, "the next query tile is loaded while this one is used");
     constexpr int kQN8 = kQW / 8, kDN8 = kDW / 8;
-    constexpr int kKT = kHeadDim / 16;
     constexpr int kQTile = kBlockM * kHeadDim;
     // dQ phase: the kBlockM x d tile of dS K over a kWQM x kWQD warp grid of kQMW x kQDW warp tiles
     // (32 x 32 where the shape allows: 4 fragment loads per 8 mma).
@@ -151,8 +204,7 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
 
     // Query tiles [m_begin, m_end): causal key j is seen by queries i >= j - causal_offset.
     const int m_end = (seqlen_q + kBlockM - 1) / kBlockM;
-    int m_begin = 0;
-    if (Is_causal) m_begin = max(0, n0 - causal_offset) / kBlockM;
+    const int m_begin = Is_causal ? causal_query_block_start(n0, causal_offset) / kBlockM : 0;
 
     // One query tile: Q, dO, and its rows' lse and D (rows past seqlen_q read as zeros: with dO = 0 and
     // D = 0 they add nothing to dV, dK or dQ whatever P is).
@@ -207,27 +259,7 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
 
         // [bwd 1] P^T = exp(scale K Q^T - lse): this warp's 32 keys x kQW queries.
         float st[2][kQN8][4];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-#pragma unroll
-            for (int nt = 0; nt < kQN8; ++nt) st[i][nt][0] = st[i][nt][1] = st[i][nt][2] = st[i][nt][3] = 0.f;
-        }
-#pragma unroll 4
-        for (int kk = 0; kk < kKT; ++kk) {
-            u32 ak[2][4];
-#pragma unroll
-            for (int i = 0; i < 2; ++i) load_a<kHeadDim>(ak[i], sK, wn * 32 + 16 * i, kk, lane);
-#pragma unroll
-            for (int np = 0; np < kQN8 / 2; ++np) {
-                u32 bq[4];
-                load_b_nk<kHeadDim>(bq, tQ, wm * kQW + np * 16, kk, lane);
-#pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    Elem<T>::mma(st[i][2 * np], ak[i], bq[0], bq[1]);
-                    Elem<T>::mma(st[i][2 * np + 1], ak[i], bq[2], bq[3]);
-                }
-            }
-        }
+        warp_mma_abt_x2<T, kHeadDim, kQN8>(st, sK, wn * 32, tQ, wm * kQW, lane);
         // A row that saw no key has lse = -inf: its P here is +inf, but all its keys are masked below
         // (such a row sees no key, so every tile it meets crosses its diagonal and is masked).
 #pragma unroll
@@ -261,27 +293,7 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
 
         // [bwd 3] dP^T = V dO^T.
         float dpt[2][kQN8][4];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-#pragma unroll
-            for (int nt = 0; nt < kQN8; ++nt) dpt[i][nt][0] = dpt[i][nt][1] = dpt[i][nt][2] = dpt[i][nt][3] = 0.f;
-        }
-#pragma unroll 4
-        for (int kk = 0; kk < kKT; ++kk) {
-            u32 av[2][4];
-#pragma unroll
-            for (int i = 0; i < 2; ++i) load_a<kHeadDim>(av[i], sV, wn * 32 + 16 * i, kk, lane);
-#pragma unroll
-            for (int np = 0; np < kQN8 / 2; ++np) {
-                u32 bd[4];
-                load_b_nk<kHeadDim>(bd, tdO, wm * kQW + np * 16, kk, lane);
-#pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    Elem<T>::mma(dpt[i][2 * np], av[i], bd[0], bd[1]);
-                    Elem<T>::mma(dpt[i][2 * np + 1], av[i], bd[2], bd[3]);
-                }
-            }
-        }
+        warp_mma_abt_x2<T, kHeadDim, kQN8>(dpt, sV, wn * 32, tdO, wm * kQW, lane);
         // [bwd 4] dS^T = P^T (dP^T - D), with P^T as cast to the input dtype (as it enters dV), to shared
         // memory in the input dtype.
 #pragma unroll
@@ -314,38 +326,8 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
 
         // [bwd 2] dV += P^T dO and [bwd 6] dK += dS^T Q (scale applied once at the end): this warp's 32
         // keys x kDW head-dim columns, over the kBlockM queries.
-#pragma unroll 4
-        for (int kk = 0; kk < kBlockM / 16; ++kk) {
-            u32 ap[2][4];
-#pragma unroll
-            for (int i = 0; i < 2; ++i) load_a<kBlockM>(ap[i], sPt, wn * 32 + 16 * i, kk, lane);
-#pragma unroll
-            for (int np = 0; np < kDN8 / 2; ++np) {
-                u32 bd[4];
-                load_b_kn<kHeadDim>(bd, tdO, kk * 16, wm * (kDW / 16) + np, lane);
-#pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    Elem<T>::mma(dv_acc[i][2 * np], ap[i], bd[0], bd[1]);
-                    Elem<T>::mma(dv_acc[i][2 * np + 1], ap[i], bd[2], bd[3]);
-                }
-            }
-        }
-#pragma unroll 4
-        for (int kk = 0; kk < kBlockM / 16; ++kk) {
-            u32 ads[2][4];
-#pragma unroll
-            for (int i = 0; i < 2; ++i) load_a<kBlockM>(ads[i], sdSt, wn * 32 + 16 * i, kk, lane);
-#pragma unroll
-            for (int np = 0; np < kDN8 / 2; ++np) {
-                u32 bq[4];
-                load_b_kn<kHeadDim>(bq, tQ, kk * 16, wm * (kDW / 16) + np, lane);
-#pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    Elem<T>::mma(dk_acc[i][2 * np], ads[i], bq[0], bq[1]);
-                    Elem<T>::mma(dk_acc[i][2 * np + 1], ads[i], bq[2], bq[3]);
-                }
-            }
-        }
+        warp_mma_ab_x2<T, kBlockM, kHeadDim, kDN8>(dv_acc, sPt, wn * 32, tdO, wm * (kDW / 16), lane);
+        warp_mma_ab_x2<T, kBlockM, kHeadDim, kDN8>(dk_acc, sdSt, wn * 32, tQ, wm * (kDW / 16), lane);
 
         if (Has_dQ) {
             // [bwd 5] dQ += dS K: this warp's kQMW query rows x kQDW columns, added to the workspace.
@@ -453,11 +435,9 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
     const u16* kg = k + b * k_sb + h_kv * k_sh;
     const u16* vg = v + b * v_sb + h_kv * v_sh;
 
-    int n_end = (seqlen_k + kBlockN - 1) / kBlockN;
-    if (Is_causal) {
-        const int last_key = min(m0 + kBlockM, seqlen_q) - 1 + causal_offset;
-        n_end = last_key < 0 ? 0 : min(n_end, last_key / kBlockN + 1);
-    }
+    // Key tiles [0, n_end): causal rows see keys j <= i + causal_offset.
+    const int q_stop = min(m0 + kBlockM, seqlen_q);
+    const int n_end = num_blocks<kBlockN>(Is_causal ? causal_key_block_end(q_stop, causal_offset, seqlen_k) : seqlen_k);
 
     load_tile_async<kBlockM, kHeadDim, kThreads>(sQ, q + b * q_sb + h * q_sh, q_ss, m0, seqlen_q, tid);
     load_tile_async<kBlockM, kHeadDim, kThreads>(sdO, dout + b * do_sb + h * do_sh, do_ss, m0, seqlen_q, tid);
@@ -636,7 +616,7 @@ flash_bwd_dq_f32_kernel(const float* __restrict__ q, const float* __restrict__ k
     const float l = lse[((i64)b * heads_q + h) * seqlen_q + row];
     const float dd = delta[((i64)b * heads_q + h) * seqlen_q + row];
     int n_keys = l == -CUFLASH_INF ? 0 : seqlen_k;
-    if (Is_causal) n_keys = max(0, min(n_keys, row + causal_offset + 1));
+    if (Is_causal) n_keys = causal_key_block_end(row + 1, causal_offset, n_keys);
     float acc[kPer];
 #pragma unroll
     for (int c = 0; c < kPer; ++c) acc[c] = 0.f;
@@ -695,7 +675,7 @@ flash_bwd_dkdv_f32_kernel(const float* __restrict__ q, const float* __restrict__
 #pragma unroll
     for (int c = 0; c < kPer; ++c) dk_acc[c] = dv_acc[c] = 0.f;
     // Causal: query i sees this key iff i >= key - causal_offset.
-    const int i_begin = Is_causal ? max(0, key - causal_offset) : 0;
+    const int i_begin = Is_causal ? causal_query_block_start(key, causal_offset) : 0;
     for (int gi = 0; gi < group; ++gi) {
         const int h = hk * group + gi;
         const float* qg = q + b * q_sb + h * q_sh;

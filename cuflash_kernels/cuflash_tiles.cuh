@@ -198,6 +198,36 @@ __device__ __forceinline__ void load_tile_async(u16* tile, const u16* g, i64 str
 }
 
 // ---------------------------------------------------------------------------------------------------
+// Causal loop bounds, the kernels' side of cuflash/_blocks.py (one copy of the arithmetic for every
+// kernel): query row i sees key column j iff j <= i + causal_offset, and tiles lying wholly above the
+// diagonal are never visited. The reference's `causal_offset is None` branch is the caller's Is_causal
+// test (`Is_causal ? causal_key_block_end(...) : seqlen_k`): written outside the helper, it leaves the
+// non-causal kernels compiled exactly as before (an inlined call that folds to 0 still moved ptxas's
+// register allocation of flash_bwd_dkdv_kernel by up to 5 registers).
+
+// How many blocks of kBlock rows cover n rows, n >= 0 (cuflash/_blocks.py:num_blocks).
+template <int kBlock>
+__device__ __forceinline__ int num_blocks(int n) { return (n + kBlock - 1) / kBlock; }
+
+// cuflash/_blocks.py:causal_key_block_end: the end (exclusive) of the keys that query rows
+// [q_start, q_stop) need, in [0, seqlen_k]. The last row q_stop - 1 sees keys up to
+// q_stop - 1 + causal_offset and every earlier row fewer, so the key loop runs over the tiles
+// [0, num_blocks<kBlockN>(end)). q_stop is clipped to seqlen_q by the caller, as iter_blocks clips it.
+__device__ __forceinline__ int causal_key_block_end(int q_stop, int causal_offset, int seqlen_k) {
+    return min(max(q_stop + causal_offset, 0), seqlen_k);
+}
+
+// cuflash/_blocks.py:causal_query_block_start: the first query row that sees key k_start (row i does
+// iff i >= k_start - causal_offset), so the query loop of the key tile starting at k_start begins at
+// tile causal_query_block_start(k_start, ...) / kBlockM. Unlike the reference it is not clamped at
+// seqlen_q: the callers' loops stop at num_blocks(seqlen_q), so where no query row sees the key tile
+// (top-left alignment with seqlen_k > seqlen_q) the partial last query tile may still be visited, wholly
+// masked, where the reference visits none.
+__device__ __forceinline__ int causal_query_block_start(int k_start, int causal_offset) {
+    return max(0, k_start - causal_offset);
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Masking of a score block held as C fragments: element e of n8 tile nt sits at
 // row = row_base + g + 8 * (e / 2), col = col_base + nt * 8 + 2 t + e % 2.
 // A column is kept iff col < col_limit and (not causal, or col <= row + causal_offset); others := fill.

@@ -103,15 +103,6 @@ __device__ __forceinline__ void zero_frags(float (&c)[kN][4]) {
     for (int i = 0; i < kN; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.f;
 }
 
-// Key tiles that query rows [m0, m0 + rows) need: [0, key_tiles_seen) (causal: row i sees j <= i + offset).
-template <int kBlockN, bool Is_causal>
-__device__ __forceinline__ int key_tiles_seen(int m0, int rows, int seqlen_q, int seqlen_k, int causal_offset) {
-    const int n_tiles = (seqlen_k + kBlockN - 1) / kBlockN;
-    if (!Is_causal) return n_tiles;
-    const int last_key = min(m0 + rows, seqlen_q) - 1 + causal_offset;
-    return last_key < 0 ? 0 : min(n_tiles, last_key / kBlockN + 1);
-}
-
 // ---------------------------------------------------------------------------------------------------
 // Forward.
 
@@ -151,7 +142,7 @@ fa1_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
     // Query tiles that see no key at all (causal, rows i < -causal_offset): O = 0, lse = -inf.
     if (Is_causal) {
         for (int mi = warp; mi < m_tiles; mi += kNWarps) {
-            if (key_tiles_seen<kBlockN, Is_causal>(mi * kBlockM, kBlockM, seqlen_q, seqlen_k, causal_offset) > 0) break;
+            if (causal_key_block_end(min(mi * kBlockM + kBlockM, seqlen_q), causal_offset, seqlen_k) > 0) break;
             for (int r = 0; r < kBlockM; ++r) {
                 const int row = mi * kBlockM + r;
                 if (row >= seqlen_q) break;
@@ -161,7 +152,7 @@ fa1_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
         }
     }
 
-    const int n_end = key_tiles_seen<kBlockN, Is_causal>(0, seqlen_q, seqlen_q, seqlen_k, causal_offset);
+    const int n_end = num_blocks<kBlockN>(Is_causal ? causal_key_block_end(seqlen_q, causal_offset, seqlen_k) : seqlen_k);
     for (int j = 0; j < n_end; ++j) {
         const int n0 = j * kBlockN;
         __syncthreads();  // every warp is done with K_{j-1}, V_{j-1}
@@ -173,7 +164,7 @@ fa1_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
 
         // Query tiles that can see key tile j: rows i >= n0 - causal_offset. This warp's share of them
         // goes through its own ring of kStages query buffers.
-        const int m_first = (Is_causal ? max(0, n0 - causal_offset) : 0) / kBlockM + warp;
+        const int m_first = (Is_causal ? causal_query_block_start(n0, causal_offset) : 0) / kBlockM + warp;
 #pragma unroll
         for (int st = 0; st < kStages - 1; ++st) {
             const int mi = m_first + st * kNWarps;
@@ -190,7 +181,9 @@ fa1_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
             cp_async_commit();
             const int m0 = mi * kBlockM;
             const bool first = j == 0;
-            const bool last = j == key_tiles_seen<kBlockN, Is_causal>(m0, kBlockM, seqlen_q, seqlen_k, causal_offset) - 1;
+            const int q_stop = min(m0 + kBlockM, seqlen_q);
+            const int n_seen = num_blocks<kBlockN>(Is_causal ? causal_key_block_end(q_stop, causal_offset, seqlen_k) : seqlen_k);
+            const bool last = j == n_seen - 1;  // the last key tile this query tile sees
 
             // [fa1-fwd 1] load O_i, m_i, l_i from HBM (not on the first key tile: O = 0, m = -inf, l = 0).
             // The running O is normalized; acc holds l * O, which step 3 rescales like FA2's accumulator.
@@ -341,7 +334,7 @@ fa1_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
         }
         cp_async_commit();
         // Query tiles that see key tile j: rows i >= n0 - causal_offset.
-        const int m_begin = Is_causal ? max(0, n0 - causal_offset) / kBlockM : 0;
+        const int m_begin = Is_causal ? causal_query_block_start(n0, causal_offset) / kBlockM : 0;
 #pragma unroll
         for (int st = 0; st < kStages - 1; ++st) {
             if (m_begin + st < m_tiles) load_q_stage(st, m_begin + st);

@@ -56,11 +56,8 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     const u16* vg = v + b * v_sb + h_kv * v_sh;
 
     // Key tiles [0, n_end): causal rows see keys j <= i + causal_offset.
-    int n_end = (seqlen_k + kBlockN - 1) / kBlockN;
-    if (Is_causal) {
-        const int last_key = min(m0 + kBlockM, seqlen_q) - 1 + causal_offset;
-        n_end = last_key < 0 ? 0 : min(n_end, last_key / kBlockN + 1);
-    }
+    const int q_stop = min(m0 + kBlockM, seqlen_q);
+    const int n_end = num_blocks<kBlockN>(Is_causal ? causal_key_block_end(q_stop, causal_offset, seqlen_k) : seqlen_k);
 
     // [fa2-fwd 1] load the query block (its own commit group), then the first kStages - 1 K/V tiles.
     load_tile_async<kBlockM, kHeadDim, kThreads>(sQ, qg, q_ss, m0, seqlen_q, tid);
@@ -208,8 +205,7 @@ flash_fwd_f32_kernel(const float* __restrict__ q, const float* __restrict__ k, c
     for (int c = 0; c < kPer; ++c) sq[warp][lane + 32 * c] = qrow[lane + 32 * c];
     __syncwarp();
 
-    int n_keys = seqlen_k;
-    if (Is_causal) n_keys = max(0, min(seqlen_k, row + causal_offset + 1));
+    const int n_keys = Is_causal ? causal_key_block_end(row + 1, causal_offset, seqlen_k) : seqlen_k;
     float acc[kPer];
 #pragma unroll
     for (int c = 0; c < kPer; ++c) acc[c] = 0.f;

@@ -122,11 +122,8 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
     const u16* vg = v + b * v_sb + h_kv * v_sh;
 
     // Key tiles [0, n_end): causal rows see keys j <= i + causal_offset.
-    int n_end = (seqlen_k + kBlockN - 1) / kBlockN;
-    if (Is_causal) {
-        const int last_key = min(m0 + kBlockM, seqlen_q) - 1 + causal_offset;
-        n_end = last_key < 0 ? 0 : min(n_end, last_key / kBlockN + 1);
-    }
+    const int q_stop = min(m0 + kBlockM, seqlen_q);
+    const int n_end = num_blocks<kBlockN>(Is_causal ? causal_key_block_end(q_stop, causal_offset, seqlen_k) : seqlen_k);
 
     auto load_k = [&](int j, int ltid) {
         if constexpr (kWS) {
