@@ -15,8 +15,9 @@ tile sizes, warps, stages) comes from the one tile table below, :data:`TILES`.
 Paths:
 - float16 / bfloat16, head dim 32, 64, 96, 128, 256 (backward up to 128): tensor-core kernels
   (``mma.sync``), sm_80 or newer. Backward at head dim 256 runs the float32 path on upcast inputs.
-  On sm_90 (H100/H200) the forward at head dim 64 and 128 runs the Hopper kernel (``forward_sm90.cu``:
-  ``wgmma``, compiled for sm_90a) instead, unless the caller chooses block sizes.
+  On sm_90 (H100/H200) the forward and the backward's dK/dV(+dQ) kernel at head dim 64 and 128 run the
+  Hopper kernels (``forward_sm90.cu``, ``backward_sm90.cu``: ``wgmma``, compiled for sm_90a) instead,
+  unless the caller chooses block sizes.
 - float32: plain SIMT float32 kernels (no tensor cores, no TF32): slow but as accurate as float32 allows.
 - ``algorithm="naive"``: the materialized reference computation with CuPy matmuls (O(N^2) memory).
 - ``algorithm="fa1"``: FlashAttention-1 kernels (``fa1.cu``): one thread block per (batch, head), key/value
@@ -55,8 +56,10 @@ NVRTC_OPTIONS = ("-std=c++17",)
 # The Hopper forward (forward_sm90.cu: wgmma, sm_90a only) names its target; CuPy still appends the
 # device's -arch=sm_90, and NVRTC keeps the architecture-specific sm_90a (hopper_tiles.cuh #errors otherwise).
 SM90A_OPTIONS = NVRTC_OPTIONS + ("-arch=sm_90a",)
-# The forward on sm_90 devices runs flash_fwd_sm90_kernel where TILES has a ("fwd", "sm90a", d) row.
+# On sm_90 devices the forward runs flash_fwd_sm90_kernel where TILES has a ("fwd", "sm90a", d) row, and the
+# backward flash_bwd_dkdv_sm90_kernel where it has a ("bwd", "sm90a", d) row (switches for benchmarks).
 SM90A_FORWARD = True
+SM90A_BACKWARD = True
 
 HEAD_DIMS = (32, 64, 96, 128, 256)
 BWD_HEAD_DIMS = (32, 64, 96, 128)
@@ -98,6 +101,10 @@ TILES: dict[tuple[str, str, int], Tile] = {
     # ("fwd", "sm90a", d): flash_fwd_sm90_kernel (wgmma; block_m = 64 query rows per warpgroup of 4 warps).
     ("fwd", "sm90a", 64): Tile(128, 64, 8, 2),
     ("fwd", "sm90a", 128): Tile(128, 128, 8, 2),
+    # ("bwd", "sm90a", d): flash_bwd_dkdv_sm90_kernel (wgmma; block_n = 64 key rows per warpgroup of 4 warps,
+    # block_m = 64 streamed query rows, 2 query buffers).
+    ("bwd", "sm90a", 64): Tile(64, 128, 8, 2),
+    ("bwd", "sm90a", 128): Tile(64, 128, 8, 2),
     ("bwd", "sm90", 32): Tile(64, 128, 8, 2),
     ("bwd", "sm90", 64): Tile(64, 64, 4, 2),
     ("bwd", "sm90", 96): Tile(64, 64, 4, 2),
@@ -203,6 +210,18 @@ def _dkdv_smem(d: int, t: Tile, has_dq: bool) -> int:
     return 2 * tiles + 4 * 2 * t.stages * t.block_m  # 16-bit tiles + float32 lse and D per stage
 
 
+def _dkdv_sm90_name(ctype: str, d: int, t: Tile, causal: bool, has_dq: bool) -> str:
+    return (
+        f"cuflash::flash_bwd_dkdv_sm90_kernel<{ctype}, {d}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, "
+        f"{_bool(causal)}, {_bool(has_dq)}>"
+    )
+
+
+def _dkdv_sm90_smem(d: int, t: Tile) -> int:
+    # Sm90BwdConfig::kSmemBytes: K, V; 2 x (Q, dO); dS^T (16-bit); 2 x (lse, D) float32; + 1024 for alignment
+    return 2 * (2 * t.block_n * d + 4 * t.block_m * d + t.block_n * t.block_m) + 16 * t.block_m + 1024
+
+
 def _dkdv_ok(d: int, t: Tile) -> bool:
     """The shape constraints flash_bwd_dkdv_kernel static_asserts (warp grid of S^T, dK/dV and dQ)."""
     if t.block_n % 32 or t.block_m % 32 or t.stages < 2 or t.warps % (t.block_n // 32 or 1):
@@ -280,6 +299,9 @@ def instantiations() -> list[tuple[str, str, tuple[str, ...]]]:
                     add("forward_sm90.cu", _fwd_sm90_name(ctype, d, t, causal), SM90A_OPTIONS)
                 elif direction == "fwd":
                     add("forward.cu", _fwd_name(ctype, d, t, causal))
+                elif direction == "bwd" and _arch == "sm90a":
+                    for has_dq in (True, False):
+                        add("backward_sm90.cu", _dkdv_sm90_name(ctype, d, t, causal, has_dq), SM90A_OPTIONS)
                 elif direction == "bwd":
                     for has_dq in (True, False):
                         add("backward.cu", _dkdv_name(ctype, d, t, causal, has_dq))
@@ -525,11 +547,18 @@ def backward(do, q, k, v, out, lse, *, scale, causal_offset, algorithm, block_q,
     pre((_cdiv(Nq, 4), Hq, B), (128,), (do, out, delta, _i32(Nq), _i32(Hq), *_strides(do), *_strides(out)))
 
     split = order in ("split", "q_outer")
-    t = _tile("bwd", d, block_q, block_k)
-    smem = _dkdv_smem(d, t, not split)
-    name = _dkdv_name(ctype, d, t, causal, not split)
-    _smem_check(smem, name)
-    kdkdv = _kernel("backward.cu", name, smem)
+    t = TILES.get(("bwd", "sm90a", d))
+    if SM90A_BACKWARD and t is not None and block_q is None and block_k is None and _device_info()[0] == 90:
+        smem = _dkdv_sm90_smem(d, t)
+        name = _dkdv_sm90_name(ctype, d, t, causal, not split)
+        _smem_check(smem, name)
+        kdkdv = _kernel("backward_sm90.cu", name, smem, SM90A_OPTIONS)
+    else:
+        t = _tile("bwd", d, block_q, block_k)
+        smem = _dkdv_smem(d, t, not split)
+        name = _dkdv_name(ctype, d, t, causal, not split)
+        _smem_check(smem, name)
+        kdkdv = _kernel("backward.cu", name, smem)
     dq_accum = None if split else cupy.zeros((B, Hq, Nq, d), dtype=cupy.float32)
     dkv_accum = cupy.empty((2, B, Hq, Nk, d), dtype=cupy.float32) if group > 1 else None
     null = np.uintp(0)

