@@ -22,7 +22,8 @@ Paths:
 - ``algorithm="naive"``: the materialized reference computation with CuPy matmuls (O(N^2) memory).
 - ``algorithm="fa1"``: FlashAttention-1 kernels (``fa1.cu``): one thread block per (batch, head), key/value
   tiles outer, the running O, m, l (forward) and dQ (backward) read-modify-written in float32 global
-  memory at every step. float32 inputs (and the backward at head dim 256) take the float32 paths above.
+  memory at every step; float32 inputs run FA1-order float32 kernels of the same file (one query row per
+  warp step), and the fp16/bf16 backward at head dim 256 runs them on upcast inputs.
 
 Backward orders: ``"kv_outer"`` (default) is FlashAttention-2's: key/value tiles outer, dQ accumulated in a
 float32 workspace with atomicAdd. ``"split"`` (deterministic) and ``"q_outer"`` run two passes: dK/dV with
@@ -159,6 +160,11 @@ TILES: dict[tuple[str, str, int], Tile] = {
     ("fa1_bwd", "sm86", 64): Tile(64, 64, 4, 2),
     ("fa1_bwd", "sm86", 96): Tile(64, 64, 4, 1),
     ("fa1_bwd", "sm86", 128): Tile(32, 64, 4, 2),
+    # Arch class "f32": the FA1 float32 kernels (fa1_fwd_f32_kernel, fa1_bwd_f32_kernel; any GPU), 4 warps,
+    # block_m = 1 query row per warp step; block_n key rows (forward: one lane per key, at most 32;
+    # backward: block_n / 4 key rows per warp, their dK and dV in registers).
+    **{("fa1_fwd", "f32", d): Tile(1, 32, 4, 1) for d in (32, 64, 96, 128, 256)},
+    **{("fa1_bwd", "f32", d): Tile(1, 32 if d <= 128 else 16, 4, 1) for d in (32, 64, 96, 128, 256)},
 }
 
 _CXX_TYPE = {"float16": "cuflash::fp16", "bfloat16": "cuflash::bf16"}
@@ -305,6 +311,8 @@ def instantiations() -> list[tuple[str, str, tuple[str, ...]]]:
                 elif direction == "bwd":
                     for has_dq in (True, False):
                         add("backward.cu", _dkdv_name(ctype, d, t, causal, has_dq))
+                elif direction in ("fa1_fwd", "fa1_bwd") and _arch == "f32":
+                    add("fa1.cu", _fa1_name(direction, "float", d, t, causal))
                 elif direction in ("fa1_fwd", "fa1_bwd"):
                     add("fa1.cu", _fa1_name(direction, ctype, d, t, causal))
                 else:
@@ -452,7 +460,7 @@ def _cdiv(a: int, b: int) -> int:
 def forward(q, k, v, *, scale, causal_offset, algorithm, block_q, block_k):
     import cupy
 
-    if algorithm == "fa1" and np.dtype(q.dtype).name in _CXX_TYPE:
+    if algorithm == "fa1" and np.dtype(q.dtype).name in (*_CXX_TYPE, "float32"):
         return _fa1_forward(q, k, v, scale=scale, causal_offset=causal_offset, block_q=block_q, block_k=block_k)
     if algorithm == "naive":
         return _naive_forward(q, k, v, scale=scale, causal_offset=causal_offset)
@@ -499,7 +507,7 @@ def forward(q, k, v, *, scale, causal_offset, algorithm, block_q, block_k):
 def backward(do, q, k, v, out, lse, *, scale, causal_offset, algorithm, block_q, block_k, order):
     import cupy
 
-    if algorithm == "fa1" and np.dtype(q.dtype).name in _CXX_TYPE and q.shape[3] in BWD_HEAD_DIMS:
+    if algorithm == "fa1" and (np.dtype(q.dtype) == np.float32 or q.shape[3] in BWD_HEAD_DIMS):
         return _fa1_backward(do, q, k, v, out, lse, scale=scale, causal_offset=causal_offset, block_q=block_q,
                              block_k=block_k)
     if algorithm == "naive":
@@ -674,26 +682,46 @@ def _naive_backward(do, q, k, v, *, scale, causal_offset):
 
 
 def _fa1_name(direction: str, ctype: str, d: int, t: Tile, causal: bool) -> str:
-    stem = {"fa1_fwd": "fa1_fwd_kernel", "fa1_bwd": "fa1_bwd_kernel"}[direction]
-    return f"cuflash::{stem}<{ctype}, {d}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, {_bool(causal)}>"
+    """fa1.cu's kernel for ``ctype`` (a 16-bit type, or "float" for the float32 kernels)."""
+    stem = {"fa1_fwd": "fa1_fwd", "fa1_bwd": "fa1_bwd"}[direction]
+    if ctype == "float":
+        return f"cuflash::{stem}_f32_kernel<{d}, {t.block_n}, {_bool(causal)}>"
+    return f"cuflash::{stem}_kernel<{ctype}, {d}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, {_bool(causal)}>"
 
 
-def _fa1_fwd_smem(d: int, t: Tile) -> int:
+def _fa1_fwd_smem(d: int, t: Tile, f32: bool = False) -> int:
+    if f32:  # K (rows padded by one float), V, one query row per warp
+        return 4 * (t.block_n * (d + 1) + t.block_n * d + t.warps * d)
     return 2 * d * (2 * t.block_n + t.block_m * t.warps * t.stages)  # K, V + per warp stages x Q
 
 
-def _fa1_bwd_smem(d: int, t: Tile) -> int:
+def _fa1_bwd_smem(d: int, t: Tile, f32: bool = False) -> int:
+    if f32:  # K, V; one Q and dO row; a partial dQ row per warp
+        return 4 * d * (2 * t.block_n + 2 + t.warps)
     tiles = 2 * t.block_n * d + 2 * t.stages * t.block_m * d + t.block_n * t.block_m  # K, V; Q, dO; dS^T
     return 2 * tiles + 4 * 2 * t.stages * t.block_m  # 16-bit tiles + float32 lse and D per stage
 
 
-def _fa1_tile(direction: str, d: int, block_q, block_k) -> Tile:
+def _fa1_tile(direction: str, d: int, block_q, block_k, f32: bool = False) -> Tile:
     """The table's FA1 tile, or one with the user's block sizes (forward: block_q must be 16, the rows of
-    a warp's query tile; backward: block_k = 16 * warps key rows, block_q a multiple of 32)."""
+    a warp's query tile; backward: block_k = 16 * warps key rows, block_q a multiple of 32). The float32
+    kernels step one query row per warp, so only block_k applies to them (forward: up to 32 keys, one per
+    lane; backward: a multiple of 4, block_k / 4 * head_dim / 32 <= 32 registers of dK and of dV)."""
     cc, _ = _device_info()
-    t = TILES[(direction, _arch_class(cc), d)]
-    if block_q is None and block_k is None:
+    t = TILES[(direction, "f32" if f32 else _arch_class(cc), d)]
+    if block_k is None and (block_q is None or f32):
         return t
+    if f32:
+        bn = block_k
+        if direction == "fa1_fwd":
+            ok, rule = 1 <= bn <= 32, "the float32 forward needs 1 <= block_k <= 32 (one lane per key)"
+        else:
+            ok = bn % 4 == 0 and (bn // 4) * (d // 32) <= 32
+            rule = (f"the float32 backward needs block_k a multiple of 4 with block_k / 4 * head_dim / 32 <= 32 "
+                    f"(at most {32 * 4 // (d // 32)} at head_dim {d})")
+        if not ok:
+            raise ValueError(f"block_k={bn} is not a valid CUDA tile for algorithm='fa1' on float32 inputs: {rule}")
+        return Tile(t.block_m, bn, t.warps, t.stages)
     bm = block_q if block_q is not None else t.block_m
     bn = block_k if block_k is not None else t.block_n
     if direction == "fa1_fwd":
@@ -714,22 +742,25 @@ def _fa1_tile(direction: str, d: int, block_q, block_k) -> Tile:
 
 
 def _fa1_forward(q, k, v, *, scale, causal_offset, block_q, block_k):
-    """FA1 forward (fa1_fwd_kernel): grid (heads_q, batch). The running output (normalized, float32),
-    row max m (log2 units) and row sum l live in global memory between key/value tiles, as in
-    reference.fa1_forward; nothing is read from them on the first key tile, so they need no zeroing."""
+    """FA1 forward (fa1_fwd_kernel, or fa1_fwd_f32_kernel for float32): grid (heads_q, batch). The running
+    output (normalized, float32), row max m (log2 units) and row sum l live in global memory between
+    key/value tiles, as in reference.fa1_forward; nothing is read from them on the first key tile, so they
+    need no zeroing."""
     import cupy
 
     B, Nq, Hq, d = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
     causal = causal_offset is not None
-    ctype = _CXX_TYPE[np.dtype(q.dtype).name]
-    q, k, v = _aligned(q), _aligned(k), _aligned(v)
+    f32 = np.dtype(q.dtype) == np.float32
+    ctype = "float" if f32 else _CXX_TYPE[np.dtype(q.dtype).name]
+    if not f32:
+        q, k, v = _aligned(q), _aligned(k), _aligned(v)
     out = cupy.empty(q.shape, dtype=q.dtype)
     lse = cupy.empty((B, Hq, Nq), dtype=cupy.float32)
     o_run = cupy.empty((B, Hq, Nq, d), dtype=cupy.float32)
     ml_run = cupy.empty((2, B, Hq, Nq), dtype=cupy.float32)
-    t = _fa1_tile("fa1_fwd", d, block_q, block_k)
-    smem = _fa1_fwd_smem(d, t)
+    t = _fa1_tile("fa1_fwd", d, block_q, block_k, f32)
+    smem = _fa1_fwd_smem(d, t, f32)
     name = _fa1_name("fa1_fwd", ctype, d, t, causal)
     _smem_check(smem, name)
     kern = _kernel("fa1.cu", name, smem)
@@ -746,6 +777,8 @@ def _fa1_backward(do, q, k, v, out, lse, *, scale, causal_offset, block_q, block
     and the GQA dK/dV group sum are backward.cu's small kernels, shared with FA2."""
     import cupy
 
+    if np.dtype(q.dtype) == np.float32:
+        return _fa1_backward_f32(do, q, k, v, out, lse, scale=scale, causal_offset=causal_offset, block_k=block_k)
     B, Nq, Hq, d = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -781,3 +814,33 @@ def _fa1_backward(do, q, k, v, out, lse, *, scale, causal_offset, block_q, block
         red((_cdiv(Nk * d // 2, 256), Hkv, B), (256,), (
             dkv_accum, dk, dv, _i32(Nk), _i32(group), np.int64(B * Hq * Nk * d), *_strides(dk), *_strides(dv)))
     return dq, dk, dv
+
+
+def _fa1_backward_f32(do, q, k, v, out, lse, *, scale, causal_offset, block_k):
+    """FA1 backward on float32 inputs (fa1_bwd_f32_kernel): grid (heads_q, batch), key/value tiles outer,
+    query rows inner, dQ read-modify-written in the zeroed float32 output itself; dK and dV per query head
+    into a float32 workspace, summed over each GQA group here (a fixed order: deterministic)."""
+    import cupy
+
+    B, Nq, Hq, d = q.shape
+    Nk, Hkv = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    causal = causal_offset is not None
+    lse = cupy.ascontiguousarray(lse)
+    delta = cupy.empty((B, Hq, Nq), dtype=cupy.float32)
+    # [bwd 0] D = rowsum(dO * O)
+    pre = _kernel("backward.cu", f"cuflash::flash_bwd_preprocess_f32_kernel<{d}>")
+    pre((_cdiv(Nq, 4), Hq, B), (128,), (do, out, delta, _i32(Nq), _i32(Hq), *_strides(do), *_strides(out)))
+    t = _fa1_tile("fa1_bwd", d, None, block_k, f32=True)
+    smem = _fa1_bwd_smem(d, t, f32=True)
+    name = _fa1_name("fa1_bwd", "float", d, t, causal)
+    _smem_check(smem, name)
+    kern = _kernel("fa1.cu", name, smem)
+    dq = cupy.zeros(q.shape, dtype=cupy.float32)
+    dkv = cupy.empty((2, B, Hq, Nk, d), dtype=cupy.float32)
+    kern((Hq, B), (32 * t.warps,), (
+        q, k, v, do, lse, delta, dq, dkv, _i32(Nq), _i32(Nk), _i32(Hq), _i32(group),
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
+        np.float32(scale), np.int32(causal_offset if causal else 0)), shared_mem=smem)
+    dkv = dkv.reshape(2, B, Hkv, group, Nk, d).sum(axis=3).transpose(0, 1, 3, 2, 4)  # (2, B, Nk, Hkv, d)
+    return dq, cupy.ascontiguousarray(dkv[0]), cupy.ascontiguousarray(dkv[1])

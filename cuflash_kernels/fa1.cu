@@ -466,4 +466,243 @@ fa1_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
     }
 }
 
+// ---------------------------------------------------------------------------------------------------
+// float32 inputs: the same FA1 loop order, grid and global-memory running state on plain float32
+// arithmetic (no tensor cores; as accurate as float32 allows). Four warps per block; where the 16-bit
+// kernels give a warp a 16-row mma tile, these give it one row.
+
+// Forward: key/value tiles of kBlockN <= 32 rows outer (K_j, V_j in shared memory, K's rows padded by one
+// float so that lane j reading row j hits bank (j + c) % 32); each warp takes the query rows that see the
+// tile in turn (first + warp, first + warp + 4, ...). Per row, [fa1-fwd 1] reads O_i (float32, normalized),
+// m_i, l_i back from global memory (not on the first key tile), lane j scores key n0 + j [fa1-fwd 2], the
+// online-softmax update [fa1-fwd 3, 4] uses warp reductions, lane c accumulates head-dim elements c,
+// c + 32, ... of O [fa1-fwd 5], and [fa1-fwd 6] writes O_i, m_i, l_i back, or on the last key tile the row
+// sees, O in the output and lse = m + log l.
+template <int kHeadDim, int kBlockN, bool Is_causal>
+__global__ void __launch_bounds__(128, 1)
+fa1_fwd_f32_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                   float* __restrict__ o, float* __restrict__ lse,
+                   float* __restrict__ o_run, float* __restrict__ m_run, float* __restrict__ l_run,
+                   int seqlen_q, int seqlen_k, int heads_q, int group,
+                   i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
+                   i64 v_sb, i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh,
+                   float scale_log2, int causal_offset) {
+    static_assert(kHeadDim % 32 == 0 && kBlockN >= 1 && kBlockN <= 32, "one lane per key of the tile");
+    constexpr int kNWarps = 4, kThreads = 32 * kNWarps, kPer = kHeadDim / 32, kKStride = kHeadDim + 1;
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    float* sK = reinterpret_cast<float*>(smem_raw);  // kBlockN x kKStride
+    float* sV = sK + kBlockN * kKStride;               // kBlockN x kHeadDim
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    float* sq = sV + kBlockN * kHeadDim + warp * kHeadDim;  // this warp's query row
+
+    const int h = blockIdx.x, b = blockIdx.y, h_kv = h / group;
+    const float* qg = q + b * q_sb + h * q_sh;
+    const float* kg = k + b * k_sb + h_kv * k_sh;
+    const float* vg = v + b * v_sb + h_kv * v_sh;
+    float* og = o + b * o_sb + h * o_sh;
+    const i64 row_stat = ((i64)b * heads_q + h) * seqlen_q;
+    float* o_run_h = o_run + row_stat * kHeadDim;
+
+    // Rows that see no key at all (causal, i < -causal_offset): O = 0, lse = -inf.
+    if (Is_causal) {
+        for (int row = warp; row < min(seqlen_q, causal_query_block_start(0, causal_offset)); row += kNWarps) {
+#pragma unroll
+            for (int c = 0; c < kPer; ++c) og[(i64)row * o_ss + lane + 32 * c] = 0.f;
+            if (lane == 0) lse[row_stat + row] = -CUFLASH_INF;
+        }
+    }
+
+    const int n_end = num_blocks<kBlockN>(Is_causal ? causal_key_block_end(seqlen_q, causal_offset, seqlen_k) : seqlen_k);
+    for (int j = 0; j < n_end; ++j) {
+        const int n0 = j * kBlockN;
+        __syncthreads();  // every warp is done with K_{j-1}, V_{j-1}
+        for (int e = tid; e < kBlockN * kHeadDim; e += kThreads) {
+            const int r = e / kHeadDim, c = e % kHeadDim;
+            const bool ok = n0 + r < seqlen_k;
+            sK[r * kKStride + c] = ok ? kg[(i64)(n0 + r) * k_ss + c] : 0.f;
+            sV[r * kHeadDim + c] = ok ? vg[(i64)(n0 + r) * v_ss + c] : 0.f;
+        }
+        __syncthreads();
+
+        // Rows that see key tile j: i >= n0 - causal_offset (each of them sees key n0, so its max is finite).
+        const int r_begin = Is_causal ? causal_query_block_start(n0, causal_offset) : 0;
+        for (int row = r_begin + warp; row < seqlen_q; row += kNWarps) {
+            const int n_keys = Is_causal ? causal_key_block_end(row + 1, causal_offset, seqlen_k) : seqlen_k;
+            const bool first = j == 0, last = j == num_blocks<kBlockN>(n_keys) - 1;
+            // [fa1-fwd 1] Q_i to shared memory; O_i, m_i, l_i from HBM (acc holds l * O, as in fa1_fwd_kernel).
+            const float* qrow = qg + (i64)row * q_ss;
+#pragma unroll
+            for (int c = 0; c < kPer; ++c) sq[lane + 32 * c] = qrow[lane + 32 * c];
+            float acc[kPer], m = -CUFLASH_INF, l = 0.f;
+            if (first) {
+#pragma unroll
+                for (int c = 0; c < kPer; ++c) acc[c] = 0.f;
+            } else {
+                m = m_run[row_stat + row];
+                l = l_run[row_stat + row];
+                const float* src = o_run_h + (i64)row * kHeadDim;
+#pragma unroll
+                for (int c = 0; c < kPer; ++c) acc[c] = src[lane + 32 * c] * l;
+            }
+            __syncwarp();
+            // [fa1-fwd 2] s = scale * log2(e) * q_i . k_{n0 + lane}, masked.
+            const bool valid = lane < kBlockN && n0 + lane < n_keys;
+            float s = -CUFLASH_INF;
+            if (valid) {
+                const float* krow = sK + lane * kKStride;
+                float dot = 0.f;
+#pragma unroll 8
+                for (int d = 0; d < kHeadDim; ++d) dot = fmaf(sq[d], krow[d], dot);
+                s = dot * scale_log2;
+            }
+            // [fa1-fwd 3] new row max and the rescale of l * O_old; [fa1-fwd 4] P and l_new.
+            const float m_new = fmaxf(m, warp_max(s));
+            const float corr = exp2f(m - m_new);
+            const float p = valid ? exp2f(s - m_new) : 0.f;
+            l = l * corr + warp_sum(p);
+            // [fa1-fwd 5] l_new O_new = corr l_old O_old + P V_j.
+#pragma unroll
+            for (int c = 0; c < kPer; ++c) acc[c] *= corr;
+            const int nk = min(kBlockN, n_keys - n0);
+            for (int jj = 0; jj < nk; ++jj) {
+                const float pj = __shfl_sync(0xffffffffu, p, jj);
+                const float* vrow = sV + jj * kHeadDim;
+#pragma unroll
+                for (int c = 0; c < kPer; ++c) acc[c] = fmaf(pj, vrow[lane + 32 * c], acc[c]);
+            }
+            // [fa1-fwd 6] normalize; O_i, m_i, l_i back to HBM, or the output and lse on the last tile.
+            const float inv = 1.f / l;
+            if (last) {
+                float* orow = og + (i64)row * o_ss;
+#pragma unroll
+                for (int c = 0; c < kPer; ++c) orow[lane + 32 * c] = acc[c] * inv;
+                if (lane == 0) lse[row_stat + row] = m_new * kLn2 + logf(l);
+            } else {
+                float* dst = o_run_h + (i64)row * kHeadDim;
+#pragma unroll
+                for (int c = 0; c < kPer; ++c) dst[lane + 32 * c] = acc[c] * inv;
+                if (lane == 0) {
+                    m_run[row_stat + row] = m_new;
+                    l_run[row_stat + row] = l;
+                }
+            }
+            __syncwarp();  // every lane is done with sq before the next row overwrites it
+        }
+    }
+}
+
+// Backward: key/value tiles of kBlockN rows outer, each warp owning kBlockN / 4 of them (dK, dV in
+// registers, lane c holding head-dim elements c, c + 32, ...); query rows inner, one at a time for the
+// whole block. Per row and key: [bwd 1] P = exp(scale q.k - lse) and [bwd 3] dP = dO.v (two warp
+// reductions), [bwd 4] dS = P (dP - D), [bwd 2] dV += P dO, [bwd 6] dK += dS Q; then [bwd 5]
+// dQ_i += scale dS K_j, the four warps' partial sums added in shared memory and read-modify-written in
+// dq (float32, zeroed by the launcher) at every step: the block owns its (batch, head), so no atomics.
+// dK = scale dK_acc and dV go per query head to the float32 workspace dkv (2, B, heads_q, seqlen_k, d);
+// the launcher sums each GQA group.
+template <int kHeadDim, int kBlockN, bool Is_causal>
+__global__ void __launch_bounds__(128, 1)
+fa1_bwd_f32_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                   const float* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                   float* __restrict__ dq, float* __restrict__ dkv,
+                   int seqlen_q, int seqlen_k, int heads_q, int group,
+                   i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
+                   i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
+                   i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale, int causal_offset) {
+    constexpr int kNWarps = 4, kThreads = 32 * kNWarps, kPer = kHeadDim / 32, kKW = kBlockN / kNWarps;
+    static_assert(kHeadDim % 32 == 0 && kBlockN % kNWarps == 0 && kKW * kPer <= 32, "tile shape");
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    float* sK = reinterpret_cast<float*>(smem_raw);  // kBlockN x kHeadDim
+    float* sV = sK + kBlockN * kHeadDim;               // kBlockN x kHeadDim
+    float* sQ = sV + kBlockN * kHeadDim;               // one query row
+    float* sdO = sQ + kHeadDim;                        // its dO row
+    float* sdQ = sdO + kHeadDim;                       // kNWarps partial dQ rows
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int h = blockIdx.x, b = blockIdx.y, h_kv = h / group;
+    const float* qg = q + b * q_sb + h * q_sh;
+    const float* dog = dout + b * do_sb + h * do_sh;
+    const float* kg = k + b * k_sb + h_kv * k_sh;
+    const float* vg = v + b * v_sb + h_kv * v_sh;
+    float* dqg = dq + b * dq_sb + h * dq_sh;
+    const i64 row_stat = ((i64)b * heads_q + h) * seqlen_q;
+    const int n_tiles = num_blocks<kBlockN>(seqlen_k);
+
+    // Every key tile, also those no query sees (their dK, dV are zeros).
+    for (int j = 0; j < n_tiles; ++j) {
+        const int n0 = j * kBlockN;
+        __syncthreads();  // every warp is done with K_{j-1}, V_{j-1}
+        for (int e = tid; e < kBlockN * kHeadDim; e += kThreads) {
+            const int r = e / kHeadDim, c = e % kHeadDim;
+            const bool ok = n0 + r < seqlen_k;
+            sK[e] = ok ? kg[(i64)(n0 + r) * k_ss + c] : 0.f;
+            sV[e] = ok ? vg[(i64)(n0 + r) * v_ss + c] : 0.f;
+        }
+        float dk_acc[kKW][kPer], dv_acc[kKW][kPer];
+#pragma unroll
+        for (int kk = 0; kk < kKW; ++kk) {
+#pragma unroll
+            for (int c = 0; c < kPer; ++c) dk_acc[kk][c] = dv_acc[kk][c] = 0.f;
+        }
+        // Query rows that see key tile j: i >= n0 - causal_offset.
+        for (int row = Is_causal ? causal_query_block_start(n0, causal_offset) : 0; row < seqlen_q; ++row) {
+            __syncthreads();  // K_j, V_j landed (first row); the previous row's sQ, sdO, sdQ are consumed
+            for (int c = tid; c < kHeadDim; c += kThreads) {
+                sQ[c] = qg[(i64)row * q_ss + c];
+                sdO[c] = dog[(i64)row * do_ss + c];
+            }
+            const float lse_i = lse[row_stat + row], d_i = delta[row_stat + row];
+            const int n_keys = lse_i == -CUFLASH_INF ? 0
+                               : Is_causal ? causal_key_block_end(row + 1, causal_offset, seqlen_k) : seqlen_k;
+            __syncthreads();
+            float dq_part[kPer];
+#pragma unroll
+            for (int c = 0; c < kPer; ++c) dq_part[c] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < kKW; ++kk) {
+                const int kr = warp * kKW + kk;  // row of the tile
+                if (n0 + kr < n_keys) {          // warp-uniform
+                    const float* krow = sK + kr * kHeadDim;
+                    const float* vrow = sV + kr * kHeadDim;
+                    float s = 0.f, dp = 0.f;
+#pragma unroll
+                    for (int c = 0; c < kPer; ++c) {
+                        s = fmaf(sQ[lane + 32 * c], krow[lane + 32 * c], s);
+                        dp = fmaf(sdO[lane + 32 * c], vrow[lane + 32 * c], dp);
+                    }
+                    const float p = expf(warp_sum(s) * scale - lse_i);  // [bwd 1]
+                    const float ds = p * (warp_sum(dp) - d_i);          // [bwd 3], [bwd 4]
+#pragma unroll
+                    for (int c = 0; c < kPer; ++c) {
+                        dv_acc[kk][c] = fmaf(p, sdO[lane + 32 * c], dv_acc[kk][c]);    // [bwd 2]
+                        dk_acc[kk][c] = fmaf(ds, sQ[lane + 32 * c], dk_acc[kk][c]);    // [bwd 6]
+                        dq_part[c] = fmaf(ds, krow[lane + 32 * c], dq_part[c]);        // [bwd 5]
+                    }
+                }
+            }
+#pragma unroll
+            for (int c = 0; c < kPer; ++c) sdQ[warp * kHeadDim + lane + 32 * c] = dq_part[c];
+            __syncthreads();
+            // [bwd 5] dQ_i += scale dS K_j, read-modify-written in HBM.
+            for (int c = tid; c < kHeadDim; c += kThreads) {
+                float sum = 0.f;
+#pragma unroll
+                for (int w = 0; w < kNWarps; ++w) sum += sdQ[w * kHeadDim + c];
+                dqg[(i64)row * dq_ss + c] += scale * sum;
+            }
+        }
+        // dK_j = scale dK_acc, dV_j to the per-query-head workspace.
+        const i64 plane = (i64)gridDim.y * heads_q * seqlen_k * kHeadDim;
+#pragma unroll
+        for (int kk = 0; kk < kKW; ++kk) {
+            const int key = n0 + warp * kKW + kk;
+            if (key >= seqlen_k) continue;
+            float* dkr = dkv + (((i64)b * heads_q + h) * seqlen_k + key) * kHeadDim;
+#pragma unroll
+            for (int c = 0; c < kPer; ++c) {
+                dkr[lane + 32 * c] = dk_acc[kk][c] * scale;
+                dkr[plane + lane + 32 * c] = dv_acc[kk][c];
+            }
+        }
+    }
+}
+
 }  // namespace cuflash

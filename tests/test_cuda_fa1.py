@@ -18,7 +18,7 @@ import cuflash
 from cuflash import reference
 
 from _gpu_helpers import ALIGN, DTYPES, as_float32, causal_offset, poison, run
-from _helpers import max_abs_error, random_inputs
+from _helpers import float64_truth, max_abs_error, random_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -79,3 +79,49 @@ def test_fa1_invalid_block_sizes_are_a_clear_error(requires_gpu):
     q = cp.ones((1, 64, 2, 64), dtype=cp.float16)
     with pytest.raises(ValueError, match="not a valid CUDA tile for algorithm='fa1'"):
         cuflash.attention(q, q, q, algorithm="fa1", block_q=32, block_k=64)
+
+
+@pytest.mark.parametrize("d,block_k", [(32, None), (96, None), (256, None), (64, 8)])
+@pytest.mark.parametrize("causal", [None, "br", "tl"])
+@pytest.mark.parametrize("shape", [(2, 150, 230, 4, 2), (1, 200, 50, 2, 1)])
+def test_fa1_float32_kernels_match_numpy_fa1(requires_gpu, d, block_k, causal, shape):
+    """float32 inputs run fa1.cu's FA1-order float32 kernels: against reference.fa1_forward and
+    blocked_backward(order="kv_outer") at the kernel's key tile (both float32, so they differ only by
+    summation order), and against the float64 truth. (1, 200, 50) with causal bottom-right has rows that
+    see no key (O = 0, lse = -inf, dQ = 0). Inputs as (B, H, N, d) views for the GQA shape."""
+    cp = requires_gpu
+    B, nq, nk, hq, hkv = shape
+    q, k, v, do = random_inputs(B, nq, nk, hq, hkv, d, np.float32, seed=d + nq)
+    scale = 1.0 / np.sqrt(d)
+    off = causal_offset(causal, nq, nk)
+    bk_fwd = block_k or 32
+    bk_bwd = block_k or (32 if d <= 128 else 16)
+    out_r, lse_r = reference.fa1_forward(q, k, v, scale=scale, causal_offset=off, block_q=1, block_k=bk_fwd)
+    grads_r = reference.blocked_backward(do, q, k, v, out_r, lse_r, scale=scale, causal_offset=off, block_q=1,
+                                         block_k=bk_bwd, order="kv_outer")
+    out_t, lse_t, grads_t = float64_truth(q, k, v, do, scale=scale, causal_offset=off)
+    layout = "bhnd" if hq > hkv else "bnhd"
+    out, lse, grads = run(cp, q, k, v, do, causal, algorithm="fa1", layout=layout, block_k=block_k)
+
+    lse_h = cp.asnumpy(lse)
+    fin = np.isfinite(lse_r)
+    assert np.array_equal(np.isfinite(lse_h), fin)
+    assert np.abs(lse_h[fin] - lse_r[fin]).max() < 1e-5
+    assert np.abs(lse_h[fin] - lse_t[fin]).max() < 1e-4
+    for name, x, xr, xt, rel in (("out", out, out_r, out_t, 2e-5),
+                                 *zip(("dq", "dk", "dv"), grads, grads_r, grads_t, (1e-4,) * 3)):
+        xh = cp.asnumpy(x)
+        assert not np.isnan(xh).any(), f"{name}: unwritten (NaN) elements"
+        size = max(1.0, float(np.abs(xt).max()))
+        assert max_abs_error(xh, xr) <= rel * size, (name, max_abs_error(xh, xr))
+        assert max_abs_error(xh, xt) <= 2 * rel * size, (name, max_abs_error(xh, xt))
+    if causal == "br" and nq > nk:
+        blind = nq - nk  # rows i < nq - nk see no key
+        assert float(cp.abs(out[:, :blind]).max()) == 0.0 and float(cp.abs(grads[0][:, :blind]).max()) == 0.0
+
+
+def test_fa1_float32_invalid_block_k_is_a_clear_error(requires_gpu):
+    cp = requires_gpu
+    q = cp.ones((1, 64, 2, 64), dtype=cp.float32)
+    with pytest.raises(ValueError, match="block_k=48 is not a valid CUDA tile for algorithm='fa1' on float32"):
+        cuflash.attention(q, q, q, algorithm="fa1", block_k=48)

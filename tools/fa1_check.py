@@ -7,13 +7,15 @@
 --tests   pytest tests/test_cuda_fa1.py (float64 truth, error budget, NumPy FA1 at equal tiles, NaN pool)
 --bench   FA1 and FA2 TFLOP/s and the FA2/FA1 ratio, forward and forward+backward, on the ANCHORS.md grid
           (batch * seqlen = 16384, heads * d = 2048): bf16 at every seqlen 512..16384, fp16 at 512, 4096, 16384
-          (--quick: bf16, seqlens 512, 2048, 8192). FA1's output is first checked against FA2's.
+          (--quick: bf16, seqlens 512, 2048, 8192; --f32: float32 at 512 and 2048, the SIMT kernels of both
+          orders). FA1's output is first checked against FA2's.
 --profile-config  the configuration whose DRAM bytes ncu counts (docs/fa1-vs-fa2.md): bf16, d 64,
           batch 4, seqlen 4096, 32 heads, not causal; each kernel launched once, after a warm-up that is
           not profiled (ncu --launch-skip). --shape B,N,H,d picks another shape.
 --mma-sync  FA1 vs FA2's mma.sync forward (forward.cu, chosen by passing its block sizes; on sm_90 the
           default FA2 forward is the wgmma kernel) at a few grid cells: separates FA1's own cost from wgmma.
---sanitize  bf16 causal GQA on (B, H, N, d) views (77 x 131, d 64) and fp16 non-causal, forward + backward.
+--sanitize  on (B, H, N, d) views, 77 x 131, forward + backward: bf16 causal GQA d 64, fp16 non-causal d 64,
+          float32 causal GQA d 96 (the FA1 float32 kernels), fp16 causal d 256 (its backward on them).
 Prints a short table last; logs go to --out (default $OUT or /tmp).
 """
 
@@ -54,7 +56,7 @@ def _time_ms(cp, fn, min_reps=3, budget_s=0.6):
     return times[len(times) // 2]
 
 
-def bench(quick):
+def bench(quick, f32=False):
     import cupy as cp
     import ml_dtypes
     import numpy as np
@@ -62,14 +64,16 @@ def bench(quick):
     from cuflash import _cuda as cuda
 
     cells = []
-    if quick:
+    if f32:  # the float32 kernels (SIMT, no tensor cores): FA1 order vs FA2 order
+        cells = [("float32", n) for n in (512, 2048)]
+    elif quick:
         cells = [("bfloat16", n) for n in (512, 2048, 8192)]
     else:
         cells = [("bfloat16", n) for n in (512, 1024, 2048, 4096, 8192, 16384)]
         cells += [("float16", n) for n in (512, 4096, 16384)]
     rows = []
     for dtname, n in cells:
-        dtype = np.dtype(ml_dtypes.bfloat16) if dtname == "bfloat16" else np.dtype(np.float16)
+        dtype = np.dtype(ml_dtypes.bfloat16) if dtname == "bfloat16" else np.dtype(dtname)
         for d in (64, 128):
             for causal in (False, True):
                 b, h = 16384 // n, 2048 // d
@@ -181,9 +185,10 @@ def sanitize():
 
     import cuflash
 
-    for dtype, causal, hkv in ((np.dtype(ml_dtypes.bfloat16), True, 1), (np.dtype(np.float16), False, 2)):
+    for dtype, causal, hkv, d in ((np.dtype(ml_dtypes.bfloat16), True, 1, 64), (np.dtype(np.float16), False, 2, 64),
+                                  (np.dtype(np.float32), True, 1, 96), (np.dtype(np.float16), True, 2, 256)):
         rs = np.random.default_rng(0)
-        b, nq, nk, hq, d = 1, 77, 131, 2, 64
+        b, nq, nk, hq = 1, 77, 131, 2
 
         def view(n, h):  # (B, H, N, d) memory seen as (B, N, H, d)
             x = rs.standard_normal((b, h, n, d)).astype(dtype)
@@ -203,6 +208,7 @@ def main():
     ap.add_argument("--tests", action="store_true")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--f32", action="store_true", help="--bench on float32 inputs (N 512, 2048)")
     ap.add_argument("--profile-config", action="store_true")
     ap.add_argument("--sanitize", action="store_true")
     ap.add_argument("--shape", default="4,4096,32,64", help="B,N,H,d of --profile-config")
@@ -238,7 +244,7 @@ def main():
                     for r in rows]
     if args.bench:
         t0 = time.time()
-        rows = bench(args.quick)
+        rows = bench(args.quick, args.f32)
         with open(os.path.join(args.out, "fa1_bench.json"), "w") as f:
             json.dump(rows, f, indent=1)
         summary.append(f"bench ({time.time() - t0:.0f} s):")
