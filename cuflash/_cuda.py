@@ -164,6 +164,9 @@ TILES: dict[tuple[str, str, int], Tile] = {
     # block_m = 1 query row per warp step; block_n key rows (forward: one lane per key, at most 32;
     # backward: block_n / 4 key rows per warp, their dK and dV in registers).
     **{("fa1_fwd", "f32", d): Tile(1, 32, 4, 1) for d in (32, 64, 96, 128, 256)},
+    # ("fwd", "f32", d): FA2's float32 forward (flash_fwd_f32_kernel): block_m query rows, 4 warps of
+    # block_m / 4 rows each, block_n <= 32 key rows (one lane per key).
+    **{("fwd", "f32", d): Tile(16, 32, 4, 1) for d in (32, 64, 96, 128, 256)},
     **{("fa1_bwd", "f32", d): Tile(1, 32 if d <= 128 else 16, 4, 1) for d in (32, 64, 96, 128, 256)},
 }
 
@@ -192,6 +195,14 @@ def _fwd_name(ctype: str, d: int, t: Tile, causal: bool) -> str:
 
 def _fwd_smem(d: int, t: Tile) -> int:
     return 2 * d * (t.block_m + 2 * t.stages * t.block_n)
+
+
+def _fwd_f32_name(d: int, t: Tile, causal: bool) -> str:
+    return f"cuflash::flash_fwd_f32_kernel<{d}, {t.block_m}, {t.block_n}, {_bool(causal)}>"
+
+
+def _fwd_f32_smem(d: int, t: Tile) -> int:
+    return 4 * (t.block_n * (2 * d + 1) + t.block_m * d)  # K (rows padded by one float), V; the query tile
 
 
 def _fwd_sm90_name(ctype: str, d: int, t: Tile, causal: bool) -> str:
@@ -303,6 +314,8 @@ def instantiations() -> list[tuple[str, str, tuple[str, ...]]]:
             for causal in (False, True):
                 if direction == "fwd" and _arch == "sm90a":
                     add("forward_sm90.cu", _fwd_sm90_name(ctype, d, t, causal), SM90A_OPTIONS)
+                elif direction == "fwd" and _arch == "f32":
+                    add("forward.cu", _fwd_f32_name(d, t, causal))
                 elif direction == "fwd":
                     add("forward.cu", _fwd_name(ctype, d, t, causal))
                 elif direction == "bwd" and _arch == "sm90a":
@@ -319,7 +332,6 @@ def instantiations() -> list[tuple[str, str, tuple[str, ...]]]:
                     add("backward.cu", _dq_name(ctype, d, t, causal))
     for d in HEAD_DIMS:
         for causal in (False, True):
-            add("forward.cu", f"cuflash::flash_fwd_f32_kernel<{d}, {_bool(causal)}>")
             add("backward.cu", f"cuflash::flash_bwd_dq_f32_kernel<{d}, {_bool(causal)}>")
             add("backward.cu", f"cuflash::flash_bwd_dkdv_f32_kernel<{d}, {_bool(causal)}>")
         add("backward.cu", f"cuflash::flash_bwd_preprocess_f32_kernel<{d}>")
@@ -475,10 +487,14 @@ def forward(q, k, v, *, scale, causal_offset, algorithm, block_q, block_k):
     lse = cupy.empty((B, Hq, Nq), dtype=cupy.float32)
     scale_log2 = np.float32(scale * _LOG2E)
     if dtype == "float32":
-        kern = _kernel("forward.cu", f"cuflash::flash_fwd_f32_kernel<{d}, {_bool(causal)}>")
-        kern((_cdiv(Nq, 4), Hq, B), (128,), (
+        t = TILES[("fwd", "f32", d)]
+        smem = _fwd_f32_smem(d, t)
+        name = _fwd_f32_name(d, t, causal)
+        _smem_check(smem, name)
+        kern = _kernel("forward.cu", name, smem)
+        kern((_cdiv(Nq, t.block_m), Hq, B), (32 * t.warps,), (
             q, k, v, out, lse, _i32(Nq), _i32(Nk), _i32(Hq), _i32(group),
-            *_strides(q), *_strides(k), *_strides(v), *_strides(out), scale_log2, off))
+            *_strides(q), *_strides(k), *_strides(v), *_strides(out), scale_log2, off), shared_mem=smem)
         return out, lse
     assert dtype in _CXX_TYPE, dtype
     q, k, v = _aligned(q), _aligned(k), _aligned(v)

@@ -327,4 +327,56 @@ __device__ __forceinline__ void scale_scores(float (&s)[kNT][4], float scale) {
     }
 }
 
+// ---------------------------------------------------------------------------------------------------
+// float32 inputs (plain SIMT arithmetic, no tensor cores): one warp per query row.
+
+// K_j, V_j (kBlockN rows from n0; rows past seqlen_k as zeros) to shared memory as float32, K's rows
+// kKStride floats apart (kHeadDim + 1 where lane j reads row j: bank (j + c) % 32, no conflict).
+template <int kBlockN, int kHeadDim, int kKStride, int kThreads>
+__device__ __forceinline__ void load_kv_f32(float* sK, float* sV, const float* kg, i64 k_ss, const float* vg, i64 v_ss,
+                                            int n0, int seqlen_k, int tid) {
+    for (int e = tid; e < kBlockN * kHeadDim; e += kThreads) {
+        const int r = e / kHeadDim, c = e % kHeadDim;
+        const bool ok = n0 + r < seqlen_k;
+        sK[r * kKStride + c] = ok ? kg[(i64)(n0 + r) * k_ss + c] : 0.f;
+        sV[r * kHeadDim + c] = ok ? vg[(i64)(n0 + r) * v_ss + c] : 0.f;
+    }
+}
+
+// One query row (sq, in shared memory) against the key tile [n0, n0 + kBlockN) held by load_kv_f32
+// (kKStride = kHeadDim + 1), for a row that sees keys [0, n_keys) with n0 < n_keys: lane j scores key
+// n0 + j [fa2-fwd 2], warp reductions give the new max and the rescale [fa2-fwd 3] and the sum of
+// P [fa2-fwd 4], and lane c adds P V_j into elements c, c + 32, ... of acc = l * O [fa2-fwd 5].
+// m (scale * log2(e) units) and l are the row's running max and sum; m stays finite (key n0 is seen).
+template <int kHeadDim, int kBlockN>
+__device__ __forceinline__ void f32_row_step(const float* sq, const float* sK, const float* sV, int n0, int n_keys,
+                                             float scale_log2, float (&acc)[kHeadDim / 32], float& m, float& l,
+                                             int lane) {
+    static_assert(kHeadDim % 32 == 0 && kBlockN >= 1 && kBlockN <= 32, "one lane per key of the tile");
+    constexpr int kPer = kHeadDim / 32, kKStride = kHeadDim + 1;
+    const bool valid = lane < kBlockN && n0 + lane < n_keys;
+    float s = -CUFLASH_INF;
+    if (valid) {
+        const float* krow = sK + lane * kKStride;
+        float dot = 0.f;
+#pragma unroll 8
+        for (int d = 0; d < kHeadDim; ++d) dot = fmaf(sq[d], krow[d], dot);
+        s = dot * scale_log2;
+    }
+    const float m_new = fmaxf(m, warp_max(s));
+    const float corr = exp2f(m - m_new);
+    const float p = valid ? exp2f(s - m_new) : 0.f;
+    l = l * corr + warp_sum(p);
+    m = m_new;
+#pragma unroll
+    for (int c = 0; c < kPer; ++c) acc[c] *= corr;
+    const int nk = min(kBlockN, n_keys - n0);
+    for (int jj = 0; jj < nk; ++jj) {
+        const float pj = __shfl_sync(0xffffffffu, p, jj);
+        const float* vrow = sV + jj * kHeadDim;
+#pragma unroll
+        for (int c = 0; c < kPer; ++c) acc[c] = fmaf(pj, vrow[lane + 32 * c], acc[c]);
+    }
+}
+
 }  // namespace cuflash

@@ -471,13 +471,12 @@ fa1_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
 // arithmetic (no tensor cores; as accurate as float32 allows). Four warps per block; where the 16-bit
 // kernels give a warp a 16-row mma tile, these give it one row.
 
-// Forward: key/value tiles of kBlockN <= 32 rows outer (K_j, V_j in shared memory, K's rows padded by one
-// float so that lane j reading row j hits bank (j + c) % 32); each warp takes the query rows that see the
-// tile in turn (first + warp, first + warp + 4, ...). Per row, [fa1-fwd 1] reads O_i (float32, normalized),
-// m_i, l_i back from global memory (not on the first key tile), lane j scores key n0 + j [fa1-fwd 2], the
-// online-softmax update [fa1-fwd 3, 4] uses warp reductions, lane c accumulates head-dim elements c,
-// c + 32, ... of O [fa1-fwd 5], and [fa1-fwd 6] writes O_i, m_i, l_i back, or on the last key tile the row
-// sees, O in the output and lse = m + log l.
+// Forward: key/value tiles of kBlockN <= 32 rows outer (K_j, V_j in shared memory, load_kv_f32); each warp
+// takes the query rows that see the tile in turn (first + warp, first + warp + 4, ...). Per row,
+// [fa1-fwd 1] reads O_i (float32, normalized), m_i, l_i back from global memory (not on the first key
+// tile), [fa1-fwd 2..5] is f32_row_step (cuflash_tiles.cuh, shared with FA2's float32 forward), and
+// [fa1-fwd 6] writes O_i, m_i, l_i back, or on the last key tile the row sees, O in the output and
+// lse = m + log l.
 template <int kHeadDim, int kBlockN, bool Is_causal>
 __global__ void __launch_bounds__(128, 1)
 fa1_fwd_f32_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
@@ -516,12 +515,7 @@ fa1_fwd_f32_kernel(const float* __restrict__ q, const float* __restrict__ k, con
     for (int j = 0; j < n_end; ++j) {
         const int n0 = j * kBlockN;
         __syncthreads();  // every warp is done with K_{j-1}, V_{j-1}
-        for (int e = tid; e < kBlockN * kHeadDim; e += kThreads) {
-            const int r = e / kHeadDim, c = e % kHeadDim;
-            const bool ok = n0 + r < seqlen_k;
-            sK[r * kKStride + c] = ok ? kg[(i64)(n0 + r) * k_ss + c] : 0.f;
-            sV[r * kHeadDim + c] = ok ? vg[(i64)(n0 + r) * v_ss + c] : 0.f;
-        }
+        load_kv_f32<kBlockN, kHeadDim, kKStride, kThreads>(sK, sV, kg, k_ss, vg, v_ss, n0, seqlen_k, tid);
         __syncthreads();
 
         // Rows that see key tile j: i >= n0 - causal_offset (each of them sees key n0, so its max is finite).
@@ -545,44 +539,21 @@ fa1_fwd_f32_kernel(const float* __restrict__ q, const float* __restrict__ k, con
                 for (int c = 0; c < kPer; ++c) acc[c] = src[lane + 32 * c] * l;
             }
             __syncwarp();
-            // [fa1-fwd 2] s = scale * log2(e) * q_i . k_{n0 + lane}, masked.
-            const bool valid = lane < kBlockN && n0 + lane < n_keys;
-            float s = -CUFLASH_INF;
-            if (valid) {
-                const float* krow = sK + lane * kKStride;
-                float dot = 0.f;
-#pragma unroll 8
-                for (int d = 0; d < kHeadDim; ++d) dot = fmaf(sq[d], krow[d], dot);
-                s = dot * scale_log2;
-            }
-            // [fa1-fwd 3] new row max and the rescale of l * O_old; [fa1-fwd 4] P and l_new.
-            const float m_new = fmaxf(m, warp_max(s));
-            const float corr = exp2f(m - m_new);
-            const float p = valid ? exp2f(s - m_new) : 0.f;
-            l = l * corr + warp_sum(p);
-            // [fa1-fwd 5] l_new O_new = corr l_old O_old + P V_j.
-#pragma unroll
-            for (int c = 0; c < kPer; ++c) acc[c] *= corr;
-            const int nk = min(kBlockN, n_keys - n0);
-            for (int jj = 0; jj < nk; ++jj) {
-                const float pj = __shfl_sync(0xffffffffu, p, jj);
-                const float* vrow = sV + jj * kHeadDim;
-#pragma unroll
-                for (int c = 0; c < kPer; ++c) acc[c] = fmaf(pj, vrow[lane + 32 * c], acc[c]);
-            }
+            // [fa1-fwd 2..5] scores, online-softmax update, l_new O_new = corr l_old O_old + P V_j.
+            f32_row_step<kHeadDim, kBlockN>(sq, sK, sV, n0, n_keys, scale_log2, acc, m, l, lane);
             // [fa1-fwd 6] normalize; O_i, m_i, l_i back to HBM, or the output and lse on the last tile.
             const float inv = 1.f / l;
             if (last) {
                 float* orow = og + (i64)row * o_ss;
 #pragma unroll
                 for (int c = 0; c < kPer; ++c) orow[lane + 32 * c] = acc[c] * inv;
-                if (lane == 0) lse[row_stat + row] = m_new * kLn2 + logf(l);
+                if (lane == 0) lse[row_stat + row] = m * kLn2 + logf(l);
             } else {
                 float* dst = o_run_h + (i64)row * kHeadDim;
 #pragma unroll
                 for (int c = 0; c < kPer; ++c) dst[lane + 32 * c] = acc[c] * inv;
                 if (lane == 0) {
-                    m_run[row_stat + row] = m_new;
+                    m_run[row_stat + row] = m;
                     l_run[row_stat + row] = l;
                 }
             }
@@ -630,12 +601,7 @@ fa1_bwd_f32_kernel(const float* __restrict__ q, const float* __restrict__ k, con
     for (int j = 0; j < n_tiles; ++j) {
         const int n0 = j * kBlockN;
         __syncthreads();  // every warp is done with K_{j-1}, V_{j-1}
-        for (int e = tid; e < kBlockN * kHeadDim; e += kThreads) {
-            const int r = e / kHeadDim, c = e % kHeadDim;
-            const bool ok = n0 + r < seqlen_k;
-            sK[e] = ok ? kg[(i64)(n0 + r) * k_ss + c] : 0.f;
-            sV[e] = ok ? vg[(i64)(n0 + r) * v_ss + c] : 0.f;
-        }
+        load_kv_f32<kBlockN, kHeadDim, kHeadDim, kThreads>(sK, sV, kg, k_ss, vg, v_ss, n0, seqlen_k, tid);
         float dk_acc[kKW][kPer], dv_acc[kKW][kPer];
 #pragma unroll
         for (int kk = 0; kk < kKW; ++kk) {

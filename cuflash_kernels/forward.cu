@@ -17,8 +17,9 @@
 // Shared memory (16-bit elements): Q kBlockM x d + kStages x (K + V) kBlockN x d, swizzled;
 // bytes = 2 * d * (kBlockM + 2 * kStages * kBlockN), e.g. d = 128, 128 x 64, 2 stages: 96 KiB.
 //
-// flash_fwd_f32_kernel: the float32 path, plain SIMT float32 arithmetic (no tensor cores): one warp per
-// query row, lanes over keys for the scores and over the head dimension for the output.
+// flash_fwd_f32_kernel: the float32 path, plain SIMT float32 arithmetic (no tensor cores): query tiles of
+// 4 * kRows rows, key/value tiles through shared memory, one warp per query row at a time, lanes over keys
+// for the scores and over the head dimension for the output (f32_row_step, shared with fa1.cu).
 #include "cuflash_tiles.cuh"
 
 namespace cuflash {
@@ -179,10 +180,12 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     }
 }
 
-// float32 forward: plain SIMT arithmetic, one warp per query row. Lane j scores key (chunk + j) with a
-// full dot product, the chunk's max/sum are warp reductions, and lane j accumulates head-dimension
-// elements j, j + 32, ... of the output. Same online-softmax steps as the tensor-core kernel.
-template <int kHeadDim, bool Is_causal>
+// float32 forward: plain SIMT arithmetic. One thread block per query tile of kBlockM = 4 * kRows rows
+// (kRows per warp); key/value tiles of kBlockN <= 32 rows through shared memory (load_kv_f32); each
+// warp takes its rows one at a time against the tile (f32_row_step: lane j scores key n0 + j, lane c
+// accumulates head-dim elements c, c + 32, ... of l * O), keeping every row's l * O, m, l in registers
+// across the key loop; the output is normalized once and lse written per row.
+template <int kHeadDim, int kBlockM, int kBlockN, bool Is_causal>
 __global__ void __launch_bounds__(128, 1)
 flash_fwd_f32_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                      float* __restrict__ o, float* __restrict__ lse,
@@ -190,62 +193,61 @@ flash_fwd_f32_kernel(const float* __restrict__ q, const float* __restrict__ k, c
                      i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                      i64 v_sb, i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh,
                      float scale_log2, int causal_offset) {
-    static_assert(kHeadDim % 32 == 0, "head dim");
-    constexpr int kPer = kHeadDim / 32;
-    __shared__ float sq[4][kHeadDim];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int row = blockIdx.x * 4 + warp;
+    constexpr int kNWarps = 4, kThreads = 32 * kNWarps, kRows = kBlockM / kNWarps, kPer = kHeadDim / 32;
+    constexpr int kKStride = kHeadDim + 1;
+    static_assert(kBlockM % kNWarps == 0 && kHeadDim % 32 == 0, "tile shape");
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    float* sK = reinterpret_cast<float*>(smem_raw);  // kBlockN x kKStride
+    float* sV = sK + kBlockN * kKStride;               // kBlockN x kHeadDim
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    float* sQ = sV + kBlockN * kHeadDim + warp * kRows * kHeadDim;  // this warp's kRows query rows
     const int h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
-    if (row >= seqlen_q) return;  // whole warp leaves together; no block-wide barrier follows
-    const float* qrow = q + b * q_sb + h * q_sh + (i64)row * q_ss;
+    const int m0 = blockIdx.x * kBlockM, row0 = m0 + warp * kRows;
+    const float* qg = q + b * q_sb + h * q_sh;
     const float* kg = k + b * k_sb + h_kv * k_sh;
     const float* vg = v + b * v_sb + h_kv * v_sh;
-    // [fa2-fwd 1]
-#pragma unroll
-    for (int c = 0; c < kPer; ++c) sq[warp][lane + 32 * c] = qrow[lane + 32 * c];
-    __syncwarp();
 
-    const int n_keys = Is_causal ? causal_key_block_end(row + 1, causal_offset, seqlen_k) : seqlen_k;
-    float acc[kPer];
+    // [fa2-fwd 1] this warp's query rows (rows past seqlen_q as zeros, never used).
 #pragma unroll
-    for (int c = 0; c < kPer; ++c) acc[c] = 0.f;
-    float m = -CUFLASH_INF, l = 0.f;
-    for (int j0 = 0; j0 < n_keys; j0 += 32) {
-        const int key = j0 + lane;
-        // [fa2-fwd 2]
-        float s = -CUFLASH_INF;
-        if (key < n_keys) {
-            const float* krow = kg + (i64)key * k_ss;
-            float dot = 0.f;
-#pragma unroll 8
-            for (int d = 0; d < kHeadDim; ++d) dot = fmaf(sq[warp][d], krow[d], dot);
-            s = dot * scale_log2;
-        }
-        // [fa2-fwd 3]
-        const float m_new = fmaxf(m, warp_max(s));
-        const float corr = exp2f(m - m_new);
-        // [fa2-fwd 4]
-        const float p = key < n_keys ? exp2f(s - m_new) : 0.f;
-        l = l * corr + warp_sum(p);
-        m = m_new;
-        // [fa2-fwd 5]
+    for (int i = 0; i < kRows; ++i) {
 #pragma unroll
-        for (int c = 0; c < kPer; ++c) acc[c] *= corr;
-        const int nk = min(32, n_keys - j0);
-        for (int jj = 0; jj < nk; ++jj) {
-            const float pj = __shfl_sync(0xffffffffu, p, jj);
-            const float* vrow = vg + (i64)(j0 + jj) * v_ss;
-#pragma unroll
-            for (int c = 0; c < kPer; ++c) acc[c] = fmaf(pj, vrow[lane + 32 * c], acc[c]);
+        for (int c = 0; c < kPer; ++c) {
+            sQ[i * kHeadDim + lane + 32 * c] = row0 + i < seqlen_q ? qg[(i64)(row0 + i) * q_ss + lane + 32 * c] : 0.f;
         }
     }
-    // [fa2-fwd 6]
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    float* orow = o + b * o_sb + h * o_sh + (i64)row * o_ss;
+    float acc[kRows][kPer], m[kRows], l[kRows];
+    int n_keys[kRows];  // keys [0, n_keys) seen by each row
 #pragma unroll
-    for (int c = 0; c < kPer; ++c) orow[lane + 32 * c] = acc[c] * inv;
-    if (lane == 0) {
-        lse[((i64)b * heads_q + h) * seqlen_q + row] = l > 0.f ? m * kLn2 + logf(l) : -CUFLASH_INF;
+    for (int i = 0; i < kRows; ++i) {
+        m[i] = -CUFLASH_INF;
+        l[i] = 0.f;
+        n_keys[i] = row0 + i >= seqlen_q ? 0 : Is_causal ? causal_key_block_end(row0 + i + 1, causal_offset, seqlen_k) : seqlen_k;
+#pragma unroll
+        for (int c = 0; c < kPer; ++c) acc[i][c] = 0.f;
+    }
+    const int n_end = Is_causal ? causal_key_block_end(min(m0 + kBlockM, seqlen_q), causal_offset, seqlen_k) : seqlen_k;
+    for (int n0 = 0; n0 < n_end; n0 += kBlockN) {
+        __syncthreads();  // every warp is done with the previous K, V tile (and, the first time, sQ is written)
+        load_kv_f32<kBlockN, kHeadDim, kKStride, kThreads>(sK, sV, kg, k_ss, vg, v_ss, n0, seqlen_k, tid);
+        __syncthreads();
+        // [fa2-fwd 2..5] for the rows that see key n0 (causal: skip the rows above the tile).
+#pragma unroll
+        for (int i = 0; i < kRows; ++i) {
+            if (n0 < n_keys[i]) f32_row_step<kHeadDim, kBlockN>(sQ + i * kHeadDim, sK, sV, n0, n_keys[i], scale_log2, acc[i], m[i], l[i], lane);
+        }
+    }
+    // [fa2-fwd 6] O = acc / l; lse = m + log l (rows that saw no key: O = 0, lse = -inf).
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+        const int row = row0 + i;
+        if (row >= seqlen_q) continue;
+        const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+        float* orow = o + b * o_sb + h * o_sh + (i64)row * o_ss;
+#pragma unroll
+        for (int c = 0; c < kPer; ++c) orow[lane + 32 * c] = acc[i][c] * inv;
+        if (lane == 0) {
+            lse[((i64)b * heads_q + h) * seqlen_q + row] = l[i] > 0.f ? m[i] * kLn2 + logf(l[i]) : -CUFLASH_INF;
+        }
     }
 }
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import cuflash
+from cuflash import reference
 
 from _gpu_helpers import DTYPES, causal_offset, check, run
 from _helpers import float64_truth, max_abs_error, random_inputs
@@ -77,6 +78,54 @@ def test_float32_simt_path(requires_gpu, algorithm, d, causal):
     assert max_abs_error(cp.asnumpy(out), out_t) < 2e-5
     for g, gt in zip(grads, grads_t):
         assert max_abs_error(cp.asnumpy(g), gt) < 1e-4
+
+
+def _shipped_tiles(d, dtname):
+    """(forward tile, backward dK/dV tile) the launcher picks for this GPU with default block sizes."""
+    from cuflash import _cuda
+
+    if dtname == "float32":
+        return _cuda.TILES[("fwd", "f32", d)], None
+    cc, _ = _cuda._device_info()
+    arch = _cuda._arch_class(cc)
+    fwd = _cuda.TILES.get(("fwd", "sm90a", d)) if cc == 90 and _cuda.SM90A_FORWARD else None
+    bwd = _cuda.TILES.get(("bwd", "sm90a", d)) if cc == 90 and _cuda.SM90A_BACKWARD else None
+    return fwd or _cuda.TILES[("fwd", arch, d)], bwd or _cuda.TILES[("bwd", arch, d)]
+
+
+@pytest.mark.parametrize("dtname", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [None, "br"])
+def test_fa2_matches_numpy_fa2_at_equal_tiles(requires_gpu, dtname, d, causal):
+    """The FA2 kernels with their shipped tiles vs reference.fa2_forward / blocked_backward(order="kv_outer")
+    at the same tiles: both accumulate in float32 and round P and dS to the input dtype in the same places,
+    so lse agrees to a few float32 ulps and the outputs and gradients to a rounding of the input dtype
+    (float32: to float32 summation-order noise). The float32 backward kernels are row-wise (no tiles);
+    they are held to the reference at the forward's tiles."""
+    cp = requires_gpu
+    dtype = np.dtype(np.float32) if dtname == "float32" else DTYPES[dtname]
+    B, nq, nk, hq, hkv = 1, 300, 459, 4, 2
+    q, k, v, do = random_inputs(B, nq, nk, hq, hkv, d, dtype, seed=d + 5)
+    scale = 1.0 / np.sqrt(d)
+    off = causal_offset(causal, nq, nk)
+    tf, tb = _shipped_tiles(d, dtname)
+    tb = tb or tf
+    out_r, lse_r = reference.fa2_forward(q, k, v, scale=scale, causal_offset=off, block_q=tf.block_m,
+                                         block_k=tf.block_n)
+    grads_r = reference.blocked_backward(do, q, k, v, out_r, lse_r, scale=scale, causal_offset=off,
+                                         block_q=tb.block_m, block_k=tb.block_n, order="kv_outer")
+    out, lse, grads = run(cp, q, k, v, do, causal)
+    lse_h = cp.asnumpy(lse)
+    fin = np.isfinite(lse_r)
+    assert np.array_equal(np.isfinite(lse_h), fin)
+    assert np.abs(lse_h[fin] - lse_r[fin]).max() < 2e-5, np.abs(lse_h[fin] - lse_r[fin]).max()
+    ulp = {"float32": 2e-5, "float16": float(np.finfo(np.float16).eps), "bfloat16": 2.0**-7}[dtname]
+    out_r32 = out_r.astype(np.float32)
+    assert max_abs_error(cp.asnumpy(out), out_r32) <= ulp * max(1.0, float(np.abs(out_r32).max()))
+    for name, g, gr in zip(("dq", "dk", "dv"), grads, grads_r):
+        gr32 = gr.astype(np.float32)
+        err = max_abs_error(cp.asnumpy(g), gr32)
+        assert err <= (5 if dtname == "float32" else 2) * ulp * max(1.0, float(np.abs(gr32).max())), (name, err)
 
 
 def test_unsupported_head_dim_is_a_clear_error(requires_gpu):

@@ -326,7 +326,8 @@ def main():
         "cupy", cp.__version__, "torch", torch.__version__, "bf16 in cupy:", hasattr(cp, "bfloat16"))
 
     if args.sanitize:
-        for d, dtname, causal in ((64, "bfloat16", "br"), (128, "float16", None), (128, "bfloat16", "tl")):
+        for d, dtname, causal in ((64, "bfloat16", "br"), (128, "float16", None), (128, "bfloat16", "tl"),
+                                  (64, "float32", "br"), (256, "float32", None)):
             case = (1, 77, 131, 2, 1, d, dtname, causal, "bhnd")
             check_case(torch, cp, cuda, case, [])
         return
