@@ -18,7 +18,8 @@ Paths:
   On sm_90 (H100/H200) the forward and the backward's dK/dV(+dQ) kernel at head dim 64 and 128 run the
   Hopper kernels (``forward_sm90.cu``, ``backward_sm90.cu``: ``wgmma``, compiled for sm_90a) instead,
   unless the caller chooses block sizes.
-- float32: plain SIMT float32 kernels (no tensor cores, no TF32): slow but as accurate as float32 allows.
+- float32: plain SIMT float32 kernels (no tensor cores, no TF32; key/value tiles through shared memory): as
+  accurate as float32 allows, ~40x slower than the 16-bit tensor-core kernels.
 - ``algorithm="naive"``: the materialized reference computation with CuPy matmuls (O(N^2) memory).
 - ``algorithm="fa1"``: FlashAttention-1 kernels (``fa1.cu``): one thread block per (batch, head), key/value
   tiles outer, the running O, m, l (forward) and dQ (backward) read-modify-written in float32 global
@@ -26,7 +27,7 @@ Paths:
   warp step), and the fp16/bf16 backward at head dim 256 runs them on upcast inputs.
 
 Backward orders: ``"kv_outer"`` (default) is FlashAttention-2's: key/value tiles outer, dQ accumulated in a
-float32 workspace with atomicAdd. ``"split"`` (deterministic) and ``"q_outer"`` run two passes: dK/dV with
+float32 workspace with atomicAdd (float32 inputs too). ``"split"`` (deterministic) and ``"q_outer"`` run two passes: dK/dV with
 key/value tiles outer, then dQ with query tiles outer; no atomics, bitwise reproducible. GQA/MQA: dK and dV
 are computed per query head into a float32 workspace (batch, heads_q, seqlen_k, d) and summed over each
 group in a fixed order by a small reduction kernel (deterministic in every order).
@@ -167,6 +168,9 @@ TILES: dict[tuple[str, str, int], Tile] = {
     # ("fwd", "f32", d): FA2's float32 forward (flash_fwd_f32_kernel): block_m query rows, 4 warps of
     # block_m / 4 rows each, block_n <= 32 key rows (one lane per key).
     **{("fwd", "f32", d): Tile(16, 32, 4, 1) for d in (32, 64, 96, 128, 256)},
+    # ("bwd", "f32", d): FA2's float32 dK/dV(+dQ) kernel (flash_bwd_dkdv_f32_kernel), one key tile of block_n
+    # rows per block, as the FA1 float32 backward's tiles.
+    **{("bwd", "f32", d): Tile(1, 32 if d <= 128 else 16, 4, 1) for d in (32, 64, 96, 128, 256)},
     **{("fa1_bwd", "f32", d): Tile(1, 32 if d <= 128 else 16, 4, 1) for d in (32, 64, 96, 128, 256)},
 }
 
@@ -316,6 +320,10 @@ def instantiations() -> list[tuple[str, str, tuple[str, ...]]]:
                     add("forward_sm90.cu", _fwd_sm90_name(ctype, d, t, causal), SM90A_OPTIONS)
                 elif direction == "fwd" and _arch == "f32":
                     add("forward.cu", _fwd_f32_name(d, t, causal))
+                elif direction == "bwd" and _arch == "f32":
+                    for has_dq in (True, False):
+                        add("backward.cu", f"cuflash::flash_bwd_dkdv_f32_kernel<{d}, {t.block_n}, {_bool(causal)}, "
+                                           f"{_bool(has_dq)}>")
                 elif direction == "fwd":
                     add("forward.cu", _fwd_name(ctype, d, t, causal))
                 elif direction == "bwd" and _arch == "sm90a":
@@ -333,7 +341,6 @@ def instantiations() -> list[tuple[str, str, tuple[str, ...]]]:
     for d in HEAD_DIMS:
         for causal in (False, True):
             add("backward.cu", f"cuflash::flash_bwd_dq_f32_kernel<{d}, {_bool(causal)}>")
-            add("backward.cu", f"cuflash::flash_bwd_dkdv_f32_kernel<{d}, {_bool(causal)}>")
         add("backward.cu", f"cuflash::flash_bwd_preprocess_f32_kernel<{d}>")
         for ctype in _CXX_TYPE.values():
             add("backward.cu", f"cuflash::flash_bwd_preprocess_kernel<{ctype}, {d}>")
@@ -542,26 +549,16 @@ def backward(do, q, k, v, out, lse, *, scale, causal_offset, algorithm, block_q,
                          block_q=None, block_k=None, order=order)
         return tuple(g.astype(q.dtype) for g in grads)
 
+    if dtype == "float32":
+        return _backward_f32(do, q, k, v, out, lse, scale=scale, causal_offset=causal_offset, fa1=False,
+                             split=order in ("split", "q_outer"), block_k=None)
+
     lse = cupy.ascontiguousarray(lse)
     delta = cupy.empty((B, Hq, Nq), dtype=cupy.float32)
     dq = cupy.empty(q.shape, dtype=q.dtype)
     dk = cupy.empty(k.shape, dtype=k.dtype)
     dv = cupy.empty(v.shape, dtype=v.dtype)
     fscale = np.float32(scale)
-
-    if dtype == "float32":
-        pre = _kernel("backward.cu", f"cuflash::flash_bwd_preprocess_f32_kernel<{d}>")
-        pre((_cdiv(Nq, 4), Hq, B), (128,), (do, out, delta, _i32(Nq), _i32(Hq), *_strides(do), *_strides(out)))
-        kq = _kernel("backward.cu", f"cuflash::flash_bwd_dq_f32_kernel<{d}, {_bool(causal)}>")
-        kq((_cdiv(Nq, 4), Hq, B), (128,), (
-            q, k, v, do, lse, delta, dq, _i32(Nq), _i32(Nk), _i32(Hq), _i32(group),
-            *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), fscale, off))
-        kkv = _kernel("backward.cu", f"cuflash::flash_bwd_dkdv_f32_kernel<{d}, {_bool(causal)}>")
-        kkv((_cdiv(Nk, 4), Hkv, B), (128,), (
-            q, k, v, do, lse, delta, dk, dv, _i32(Nq), _i32(Nk), _i32(Hq), _i32(group),
-            *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
-            fscale, off))
-        return dq, dk, dv
 
     assert dtype in _CXX_TYPE, dtype
     ctype = _CXX_TYPE[dtype]
@@ -794,7 +791,8 @@ def _fa1_backward(do, q, k, v, out, lse, *, scale, causal_offset, block_q, block
     import cupy
 
     if np.dtype(q.dtype) == np.float32:
-        return _fa1_backward_f32(do, q, k, v, out, lse, scale=scale, causal_offset=causal_offset, block_k=block_k)
+        return _backward_f32(do, q, k, v, out, lse, scale=scale, causal_offset=causal_offset, fa1=True, split=False,
+                             block_k=block_k)
     B, Nq, Hq, d = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -832,31 +830,43 @@ def _fa1_backward(do, q, k, v, out, lse, *, scale, causal_offset, block_q, block
     return dq, dk, dv
 
 
-def _fa1_backward_f32(do, q, k, v, out, lse, *, scale, causal_offset, block_k):
-    """FA1 backward on float32 inputs (fa1_bwd_f32_kernel): grid (heads_q, batch), key/value tiles outer,
-    query rows inner, dQ read-modify-written in the zeroed float32 output itself; dK and dV per query head
-    into a float32 workspace, summed over each GQA group here (a fixed order: deterministic)."""
+def _backward_f32(do, q, k, v, out, lse, *, scale, causal_offset, fa1, split, block_k):
+    """The float32 backward (SIMT): D; then dK, dV (+ dQ) by key/value tiles through shared memory, either
+    FA1's (fa1_bwd_f32_kernel: grid (heads_q, batch), every key tile per block, dQ read-modify-written) or
+    FA2's (flash_bwd_dkdv_f32_kernel: one key tile per block, dQ by atomicAdd, or for the split order
+    without dQ, then the row-wise flash_bwd_dq_f32_kernel, no atomics). dQ accumulates in the zeroed
+    float32 output itself; dK and dV per query head into a float32 workspace, summed over each GQA group
+    here (a fixed order)."""
     import cupy
 
     B, Nq, Hq, d = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
     group = Hq // Hkv
     causal = causal_offset is not None
+    off, fscale = np.int32(causal_offset if causal else 0), np.float32(scale)
     lse = cupy.ascontiguousarray(lse)
     delta = cupy.empty((B, Hq, Nq), dtype=cupy.float32)
     # [bwd 0] D = rowsum(dO * O)
     pre = _kernel("backward.cu", f"cuflash::flash_bwd_preprocess_f32_kernel<{d}>")
     pre((_cdiv(Nq, 4), Hq, B), (128,), (do, out, delta, _i32(Nq), _i32(Hq), *_strides(do), *_strides(out)))
-    t = _fa1_tile("fa1_bwd", d, None, block_k, f32=True)
-    smem = _fa1_bwd_smem(d, t, f32=True)
-    name = _fa1_name("fa1_bwd", "float", d, t, causal)
-    _smem_check(smem, name)
-    kern = _kernel("fa1.cu", name, smem)
     dq = cupy.zeros(q.shape, dtype=cupy.float32)
     dkv = cupy.empty((2, B, Hq, Nk, d), dtype=cupy.float32)
-    kern((Hq, B), (32 * t.warps,), (
+    if fa1:
+        t = _fa1_tile("fa1_bwd", d, None, block_k, f32=True)
+        name, source, grid = _fa1_name("fa1_bwd", "float", d, t, causal), "fa1.cu", (Hq, B)
+    else:
+        t = TILES[("bwd", "f32", d)]
+        name = f"cuflash::flash_bwd_dkdv_f32_kernel<{d}, {t.block_n}, {_bool(causal)}, {_bool(not split)}>"
+        source, grid = "backward.cu", (_cdiv(Nk, t.block_n), Hq, B)
+    smem = _fa1_bwd_smem(d, t, f32=True)
+    _smem_check(smem, name)
+    _kernel(source, name, smem)(grid, (32 * t.warps,), (
         q, k, v, do, lse, delta, dq, dkv, _i32(Nq), _i32(Nk), _i32(Hq), _i32(group),
-        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
-        np.float32(scale), np.int32(causal_offset if causal else 0)), shared_mem=smem)
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), fscale, off), shared_mem=smem)
+    if split:
+        kq = _kernel("backward.cu", f"cuflash::flash_bwd_dq_f32_kernel<{d}, {_bool(causal)}>")
+        kq((_cdiv(Nq, 4), Hq, B), (128,), (
+            q, k, v, do, lse, delta, dq, _i32(Nq), _i32(Nk), _i32(Hq), _i32(group),
+            *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), fscale, off))
     dkv = dkv.reshape(2, B, Hkv, group, Nk, d).sum(axis=3).transpose(0, 1, 3, 2, 4)  # (2, B, Nk, Hkv, d)
     return dq, cupy.ascontiguousarray(dkv[0]), cupy.ascontiguousarray(dkv[1])

@@ -16,7 +16,8 @@
 //   flash_bwd_convert_dq_kernel  dQ = scale * dq_accum, cast to the input dtype, written with dq's strides.
 //   flash_bwd_reduce_dkv_kernel  GQA/MQA: dK, dV were written per *query* head into a float32 workspace
 //       (batch, heads_q, seqlen_k, d); this sums each group in a fixed order (deterministic) and casts.
-//   flash_bwd_*_f32_kernel        float32 path, plain SIMT float32 arithmetic, no atomics.
+//   flash_bwd_*_f32_kernel        float32 path, plain SIMT float32 arithmetic: key/value tiles through
+//       shared memory (dQ by atomicAdd in order "kv_outer"), or for "split" a row-wise dQ kernel.
 //
 // Grid: dkdv (ceil(seqlen_k / kBlockN), heads_q, batch); dq (ceil(seqlen_q / kBlockM), heads_q, batch).
 // Shared memory of dkdv (16-bit elements): K, V kBlockN x d; kStages x (Q, dO) kBlockM x d; P^T, dS^T
@@ -586,9 +587,8 @@ flash_bwd_reduce_dkv_kernel(const float* __restrict__ dkv_accum, u16* __restrict
 }
 
 // ---------------------------------------------------------------------------------------------------
-// float32 path: SIMT, deterministic, no workspace. One warp per query row for dQ (lanes over keys for
-// the scores, over the head dimension for dQ); one warp per key row of a key/value head for dK and dV,
-// looping over the query heads of its group and over the queries (lanes over queries, then over d).
+// float32 path: SIMT. flash_bwd_dq_f32_kernel (order "split"): one warp per query row (lanes over keys for
+// the scores, over the head dimension for dQ), no atomics; flash_bwd_dkdv_f32_kernel below.
 template <int kHeadDim, bool Is_causal>
 __global__ void __launch_bounds__(128, 1)
 flash_bwd_dq_f32_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
@@ -648,76 +648,25 @@ flash_bwd_dq_f32_kernel(const float* __restrict__ q, const float* __restrict__ k
     for (int c = 0; c < kPer; ++c) dqr[lane + 32 * c] = acc[c] * scale;
 }
 
-template <int kHeadDim, bool Is_causal>
+// dK/dV (+ dQ) of one key/value tile per thread block, grid (ceil(seqlen_k / kBlockN), heads_q, batch):
+// bwd_f32_key_tile (cuflash_tiles.cuh, shared with fa1.cu's float32 backward). With Has_dQ (order
+// "kv_outer") dQ_i += scale dS K_j goes to dq (float32, zeroed) by atomicAdd; without it (order "split")
+// flash_bwd_dq_f32_kernel computes dQ. dK, dV go per query head to dkv; the launcher sums each GQA group.
+template <int kHeadDim, int kBlockN, bool Is_causal, bool Has_dQ>
 __global__ void __launch_bounds__(128, 1)
 flash_bwd_dkdv_f32_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                           const float* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-                          float* __restrict__ dk, float* __restrict__ dv, int seqlen_q, int seqlen_k, int heads_q, int group,
+                          float* __restrict__ dq, float* __restrict__ dkv,
+                          int seqlen_q, int seqlen_k, int heads_q, int group,
                           i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                           i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
-                          i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
-                          float scale, int causal_offset) {
-    constexpr int kPer = kHeadDim / 32;
-    __shared__ float sk[4][kHeadDim], sv[4][kHeadDim];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int key = blockIdx.x * 4 + warp;
-    const int hk = blockIdx.y, b = blockIdx.z;
-    if (key >= seqlen_k) return;
-    const float* krow = k + b * k_sb + hk * k_sh + (i64)key * k_ss;
-    const float* vrow = v + b * v_sb + hk * v_sh + (i64)key * v_ss;
-#pragma unroll
-    for (int c = 0; c < kPer; ++c) {
-        sk[warp][lane + 32 * c] = krow[lane + 32 * c];
-        sv[warp][lane + 32 * c] = vrow[lane + 32 * c];
-    }
-    __syncwarp();
-    float dk_acc[kPer], dv_acc[kPer];
-#pragma unroll
-    for (int c = 0; c < kPer; ++c) dk_acc[c] = dv_acc[c] = 0.f;
-    // Causal: query i sees this key iff i >= key - causal_offset.
-    const int i_begin = Is_causal ? causal_query_block_start(key, causal_offset) : 0;
-    for (int gi = 0; gi < group; ++gi) {
-        const int h = hk * group + gi;
-        const float* qg = q + b * q_sb + h * q_sh;
-        const float* dog = dout + b * do_sb + h * do_sh;
-        const float* lse_row = lse + ((i64)b * heads_q + h) * seqlen_q;
-        const float* delta_row = delta + ((i64)b * heads_q + h) * seqlen_q;
-        for (int i0 = i_begin; i0 < seqlen_q; i0 += 32) {
-            const int i = i0 + lane;
-            float p = 0.f, ds = 0.f;
-            if (i < seqlen_q && lse_row[i] != -CUFLASH_INF) {
-                const float* qr = qg + (i64)i * q_ss;
-                const float* dr = dog + (i64)i * do_ss;
-                float s = 0.f, dp = 0.f;
-#pragma unroll 2
-                for (int d = 0; d < kHeadDim; ++d) {
-                    s = fmaf(qr[d], sk[warp][d], s);
-                    dp = fmaf(dr[d], sv[warp][d], dp);
-                }
-                p = expf(s * scale - lse_row[i]);  // [bwd 1]
-                ds = p * (dp - delta_row[i]);      // [bwd 3], [bwd 4]
-            }
-            const int ni = min(32, seqlen_q - i0);
-            for (int ii = 0; ii < ni; ++ii) {
-                const float pi = __shfl_sync(0xffffffffu, p, ii);
-                const float dsi = __shfl_sync(0xffffffffu, ds, ii);
-                const float* qr = qg + (i64)(i0 + ii) * q_ss;
-                const float* dr = dog + (i64)(i0 + ii) * do_ss;
-#pragma unroll
-                for (int c = 0; c < kPer; ++c) {
-                    dv_acc[c] = fmaf(pi, dr[lane + 32 * c], dv_acc[c]);  // [bwd 2]
-                    dk_acc[c] = fmaf(dsi, qr[lane + 32 * c], dk_acc[c]);  // [bwd 6]
-                }
-            }
-        }
-    }
-    float* dkr = dk + b * dk_sb + hk * dk_sh + (i64)key * dk_ss;
-    float* dvr = dv + b * dv_sb + hk * dv_sh + (i64)key * dv_ss;
-#pragma unroll
-    for (int c = 0; c < kPer; ++c) {
-        dkr[lane + 32 * c] = dk_acc[c] * scale;
-        dvr[lane + 32 * c] = dv_acc[c];
-    }
+                          i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale, int causal_offset) {
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    const F32BwdArgs args{q, k, v, dout, lse, delta, dq, dkv, seqlen_q, seqlen_k, heads_q, group, (int)gridDim.z,
+                          q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, do_sb, do_ss, do_sh,
+                          dq_sb, dq_ss, dq_sh, scale, causal_offset};
+    bwd_f32_key_tile<kHeadDim, kBlockN, Is_causal, Has_dQ ? DqUpdate::kAtomic : DqUpdate::kNone>(
+        args, blockIdx.x, blockIdx.y, blockIdx.z, reinterpret_cast<float*>(smem_raw));
 }
 
 }  // namespace cuflash

@@ -379,4 +379,123 @@ __device__ __forceinline__ void f32_row_step(const float* sq, const float* sK, c
     }
 }
 
+// The arguments of the float32 backward kernels (fa1_bwd_f32_kernel, flash_bwd_dkdv_f32_kernel).
+struct F32BwdArgs {
+    const float* q;
+    const float* k;
+    const float* v;
+    const float* dout;
+    const float* lse;
+    const float* delta;
+    float* dq;   // float32 output, zeroed by the launcher (unused without a dQ update)
+    float* dkv;  // float32 workspace (2, batch, heads_q, seqlen_k, d): dK, dV per query head
+    int seqlen_q, seqlen_k, heads_q, group, batch;
+    i64 q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, do_sb, do_ss, do_sh, dq_sb, dq_ss, dq_sh;
+    float scale;
+    int causal_offset;
+};
+
+// How bwd_f32_key_tile adds dS K_j to dQ: not at all (the split order's dK/dV pass), read-modify-write
+// (FA1: one block owns the (batch, head)), or atomicAdd (FA2: key tiles spread over blocks).
+enum class DqUpdate { kNone, kReadModifyWrite, kAtomic };
+
+// One key/value tile j of kBlockN rows of (batch b, query head h), 4 warps: each warp owns kBlockN / 4
+// key rows (dK, dV in registers, lane c holding head-dim elements c, c + 32, ...); the query rows that see
+// the tile come one at a time for the whole block. Per row and key: [bwd 1] P = exp(scale q.k - lse) and
+// [bwd 3] dP = dO.v (two warp reductions), [bwd 4] dS = P (dP - D), [bwd 2] dV += P dO, [bwd 6]
+// dK += dS Q; [bwd 5] dQ_i += scale dS K_j, the four warps' partial rows summed in shared memory. At the
+// end dK = scale dK_acc and dV go to args.dkv. smem: K, V (kBlockN x d each), Q and dO rows, 4 dQ rows.
+template <int kHeadDim, int kBlockN, bool Is_causal, DqUpdate kDq>
+__device__ __forceinline__ void bwd_f32_key_tile(const F32BwdArgs& a, int j, int h, int b, float* smem) {
+    constexpr int kNWarps = 4, kThreads = 32 * kNWarps, kPer = kHeadDim / 32, kKW = kBlockN / kNWarps;
+    static_assert(kHeadDim % 32 == 0 && kBlockN % kNWarps == 0 && kKW * kPer <= 32, "tile shape");
+    float* sK = smem;                     // kBlockN x kHeadDim
+    float* sV = sK + kBlockN * kHeadDim;  // kBlockN x kHeadDim
+    float* sQ = sV + kBlockN * kHeadDim;  // one query row
+    float* sdO = sQ + kHeadDim;           // its dO row
+    float* sdQ = sdO + kHeadDim;          // kNWarps partial dQ rows
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, h_kv = h / a.group;
+    const float* qg = a.q + b * a.q_sb + h * a.q_sh;
+    const float* dog = a.dout + b * a.do_sb + h * a.do_sh;
+    float* dqg = a.dq + b * a.dq_sb + h * a.dq_sh;
+    const i64 row_stat = ((i64)b * a.heads_q + h) * a.seqlen_q;
+    const int n0 = j * kBlockN;
+    __syncthreads();  // every warp is done with the previous tile's shared memory
+    load_kv_f32<kBlockN, kHeadDim, kHeadDim, kThreads>(sK, sV, a.k + b * a.k_sb + h_kv * a.k_sh, a.k_ss,
+                                                       a.v + b * a.v_sb + h_kv * a.v_sh, a.v_ss, n0, a.seqlen_k, tid);
+    float dk_acc[kKW][kPer], dv_acc[kKW][kPer];
+#pragma unroll
+    for (int kk = 0; kk < kKW; ++kk) {
+#pragma unroll
+        for (int c = 0; c < kPer; ++c) dk_acc[kk][c] = dv_acc[kk][c] = 0.f;
+    }
+    // Query rows that see key tile j: i >= n0 - causal_offset.
+    for (int row = Is_causal ? causal_query_block_start(n0, a.causal_offset) : 0; row < a.seqlen_q; ++row) {
+        __syncthreads();  // K_j, V_j landed (first row); the previous row's sQ, sdO, sdQ are consumed
+        for (int c = tid; c < kHeadDim; c += kThreads) {
+            sQ[c] = qg[(i64)row * a.q_ss + c];
+            sdO[c] = dog[(i64)row * a.do_ss + c];
+        }
+        const float lse_i = a.lse[row_stat + row], d_i = a.delta[row_stat + row];
+        const int n_keys = lse_i == -CUFLASH_INF ? 0
+                           : Is_causal ? causal_key_block_end(row + 1, a.causal_offset, a.seqlen_k) : a.seqlen_k;
+        __syncthreads();
+        float dq_part[kPer];
+#pragma unroll
+        for (int c = 0; c < kPer; ++c) dq_part[c] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < kKW; ++kk) {
+            const int kr = warp * kKW + kk;  // row of the tile
+            if (n0 + kr < n_keys) {          // warp-uniform
+                const float* krow = sK + kr * kHeadDim;
+                const float* vrow = sV + kr * kHeadDim;
+                float s = 0.f, dp = 0.f;
+#pragma unroll
+                for (int c = 0; c < kPer; ++c) {
+                    s = fmaf(sQ[lane + 32 * c], krow[lane + 32 * c], s);
+                    dp = fmaf(sdO[lane + 32 * c], vrow[lane + 32 * c], dp);
+                }
+                const float p = expf(warp_sum(s) * a.scale - lse_i);  // [bwd 1]
+                const float ds = p * (warp_sum(dp) - d_i);            // [bwd 3], [bwd 4]
+#pragma unroll
+                for (int c = 0; c < kPer; ++c) {
+                    dv_acc[kk][c] = fmaf(p, sdO[lane + 32 * c], dv_acc[kk][c]);  // [bwd 2]
+                    dk_acc[kk][c] = fmaf(ds, sQ[lane + 32 * c], dk_acc[kk][c]);  // [bwd 6]
+                    dq_part[c] = fmaf(ds, krow[lane + 32 * c], dq_part[c]);      // [bwd 5]
+                }
+            }
+        }
+        if constexpr (kDq != DqUpdate::kNone) {
+#pragma unroll
+            for (int c = 0; c < kPer; ++c) sdQ[warp * kHeadDim + lane + 32 * c] = dq_part[c];
+            __syncthreads();
+            // [bwd 5] dQ_i += scale dS K_j in HBM.
+            for (int c = tid; c < kHeadDim; c += kThreads) {
+                float sum = 0.f;
+#pragma unroll
+                for (int w = 0; w < kNWarps; ++w) sum += sdQ[w * kHeadDim + c];
+                float* dst = dqg + (i64)row * a.dq_ss + c;
+                if constexpr (kDq == DqUpdate::kAtomic) {
+                    atomicAdd(dst, a.scale * sum);
+                } else {
+                    *dst += a.scale * sum;
+                }
+            }
+        }
+    }
+    // dK_j = scale dK_acc, dV_j to the per-query-head workspace.
+    const i64 plane = (i64)a.batch * a.heads_q * a.seqlen_k * kHeadDim;
+#pragma unroll
+    for (int kk = 0; kk < kKW; ++kk) {
+        const int key = n0 + warp * kKW + kk;
+        if (key >= a.seqlen_k) continue;
+        float* dkr = a.dkv + (((i64)b * a.heads_q + h) * a.seqlen_k + key) * kHeadDim;
+#pragma unroll
+        for (int c = 0; c < kPer; ++c) {
+            dkr[lane + 32 * c] = dk_acc[kk][c] * a.scale;
+            dkr[plane + lane + 32 * c] = dv_acc[kk][c];
+        }
+    }
+}
+
 }  // namespace cuflash

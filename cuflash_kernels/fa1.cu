@@ -562,14 +562,10 @@ fa1_fwd_f32_kernel(const float* __restrict__ q, const float* __restrict__ k, con
     }
 }
 
-// Backward: key/value tiles of kBlockN rows outer, each warp owning kBlockN / 4 of them (dK, dV in
-// registers, lane c holding head-dim elements c, c + 32, ...); query rows inner, one at a time for the
-// whole block. Per row and key: [bwd 1] P = exp(scale q.k - lse) and [bwd 3] dP = dO.v (two warp
-// reductions), [bwd 4] dS = P (dP - D), [bwd 2] dV += P dO, [bwd 6] dK += dS Q; then [bwd 5]
-// dQ_i += scale dS K_j, the four warps' partial sums added in shared memory and read-modify-written in
-// dq (float32, zeroed by the launcher) at every step: the block owns its (batch, head), so no atomics.
-// dK = scale dK_acc and dV go per query head to the float32 workspace dkv (2, B, heads_q, seqlen_k, d);
-// the launcher sums each GQA group.
+// Backward: every key/value tile in turn (bwd_f32_key_tile, cuflash_tiles.cuh: query rows inner, one at a
+// time for the whole block), dQ_i read-modify-written in dq (float32, zeroed by the launcher) at every
+// step: the block owns its (batch, head), so no atomics. dK = scale dK_acc and dV go per query head to the
+// float32 workspace dkv (2, B, heads_q, seqlen_k, d); the launcher sums each GQA group.
 template <int kHeadDim, int kBlockN, bool Is_causal>
 __global__ void __launch_bounds__(128, 1)
 fa1_bwd_f32_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
@@ -579,95 +575,14 @@ fa1_bwd_f32_kernel(const float* __restrict__ q, const float* __restrict__ k, con
                    i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                    i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
                    i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale, int causal_offset) {
-    constexpr int kNWarps = 4, kThreads = 32 * kNWarps, kPer = kHeadDim / 32, kKW = kBlockN / kNWarps;
-    static_assert(kHeadDim % 32 == 0 && kBlockN % kNWarps == 0 && kKW * kPer <= 32, "tile shape");
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    float* sK = reinterpret_cast<float*>(smem_raw);  // kBlockN x kHeadDim
-    float* sV = sK + kBlockN * kHeadDim;               // kBlockN x kHeadDim
-    float* sQ = sV + kBlockN * kHeadDim;               // one query row
-    float* sdO = sQ + kHeadDim;                        // its dO row
-    float* sdQ = sdO + kHeadDim;                       // kNWarps partial dQ rows
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int h = blockIdx.x, b = blockIdx.y, h_kv = h / group;
-    const float* qg = q + b * q_sb + h * q_sh;
-    const float* dog = dout + b * do_sb + h * do_sh;
-    const float* kg = k + b * k_sb + h_kv * k_sh;
-    const float* vg = v + b * v_sb + h_kv * v_sh;
-    float* dqg = dq + b * dq_sb + h * dq_sh;
-    const i64 row_stat = ((i64)b * heads_q + h) * seqlen_q;
-    const int n_tiles = num_blocks<kBlockN>(seqlen_k);
-
+    const F32BwdArgs args{q, k, v, dout, lse, delta, dq, dkv, seqlen_q, seqlen_k, heads_q, group, (int)gridDim.y,
+                          q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, do_sb, do_ss, do_sh,
+                          dq_sb, dq_ss, dq_sh, scale, causal_offset};
     // Every key tile, also those no query sees (their dK, dV are zeros).
-    for (int j = 0; j < n_tiles; ++j) {
-        const int n0 = j * kBlockN;
-        __syncthreads();  // every warp is done with K_{j-1}, V_{j-1}
-        load_kv_f32<kBlockN, kHeadDim, kHeadDim, kThreads>(sK, sV, kg, k_ss, vg, v_ss, n0, seqlen_k, tid);
-        float dk_acc[kKW][kPer], dv_acc[kKW][kPer];
-#pragma unroll
-        for (int kk = 0; kk < kKW; ++kk) {
-#pragma unroll
-            for (int c = 0; c < kPer; ++c) dk_acc[kk][c] = dv_acc[kk][c] = 0.f;
-        }
-        // Query rows that see key tile j: i >= n0 - causal_offset.
-        for (int row = Is_causal ? causal_query_block_start(n0, causal_offset) : 0; row < seqlen_q; ++row) {
-            __syncthreads();  // K_j, V_j landed (first row); the previous row's sQ, sdO, sdQ are consumed
-            for (int c = tid; c < kHeadDim; c += kThreads) {
-                sQ[c] = qg[(i64)row * q_ss + c];
-                sdO[c] = dog[(i64)row * do_ss + c];
-            }
-            const float lse_i = lse[row_stat + row], d_i = delta[row_stat + row];
-            const int n_keys = lse_i == -CUFLASH_INF ? 0
-                               : Is_causal ? causal_key_block_end(row + 1, causal_offset, seqlen_k) : seqlen_k;
-            __syncthreads();
-            float dq_part[kPer];
-#pragma unroll
-            for (int c = 0; c < kPer; ++c) dq_part[c] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < kKW; ++kk) {
-                const int kr = warp * kKW + kk;  // row of the tile
-                if (n0 + kr < n_keys) {          // warp-uniform
-                    const float* krow = sK + kr * kHeadDim;
-                    const float* vrow = sV + kr * kHeadDim;
-                    float s = 0.f, dp = 0.f;
-#pragma unroll
-                    for (int c = 0; c < kPer; ++c) {
-                        s = fmaf(sQ[lane + 32 * c], krow[lane + 32 * c], s);
-                        dp = fmaf(sdO[lane + 32 * c], vrow[lane + 32 * c], dp);
-                    }
-                    const float p = expf(warp_sum(s) * scale - lse_i);  // [bwd 1]
-                    const float ds = p * (warp_sum(dp) - d_i);          // [bwd 3], [bwd 4]
-#pragma unroll
-                    for (int c = 0; c < kPer; ++c) {
-                        dv_acc[kk][c] = fmaf(p, sdO[lane + 32 * c], dv_acc[kk][c]);    // [bwd 2]
-                        dk_acc[kk][c] = fmaf(ds, sQ[lane + 32 * c], dk_acc[kk][c]);    // [bwd 6]
-                        dq_part[c] = fmaf(ds, krow[lane + 32 * c], dq_part[c]);        // [bwd 5]
-                    }
-                }
-            }
-#pragma unroll
-            for (int c = 0; c < kPer; ++c) sdQ[warp * kHeadDim + lane + 32 * c] = dq_part[c];
-            __syncthreads();
-            // [bwd 5] dQ_i += scale dS K_j, read-modify-written in HBM.
-            for (int c = tid; c < kHeadDim; c += kThreads) {
-                float sum = 0.f;
-#pragma unroll
-                for (int w = 0; w < kNWarps; ++w) sum += sdQ[w * kHeadDim + c];
-                dqg[(i64)row * dq_ss + c] += scale * sum;
-            }
-        }
-        // dK_j = scale dK_acc, dV_j to the per-query-head workspace.
-        const i64 plane = (i64)gridDim.y * heads_q * seqlen_k * kHeadDim;
-#pragma unroll
-        for (int kk = 0; kk < kKW; ++kk) {
-            const int key = n0 + warp * kKW + kk;
-            if (key >= seqlen_k) continue;
-            float* dkr = dkv + (((i64)b * heads_q + h) * seqlen_k + key) * kHeadDim;
-#pragma unroll
-            for (int c = 0; c < kPer; ++c) {
-                dkr[lane + 32 * c] = dk_acc[kk][c] * scale;
-                dkr[plane + lane + 32 * c] = dv_acc[kk][c];
-            }
-        }
+    for (int j = 0; j < num_blocks<kBlockN>(seqlen_k); ++j) {
+        bwd_f32_key_tile<kHeadDim, kBlockN, Is_causal, DqUpdate::kReadModifyWrite>(
+            args, j, blockIdx.x, blockIdx.y, reinterpret_cast<float*>(smem_raw));
     }
 }
 
