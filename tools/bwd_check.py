@@ -29,9 +29,9 @@ import time
 import traceback
 import zlib
 
+from _gpu_tools import log, make_inputs, poison_pool, ref_attention
 
-def log(*a):
-    print(*a, flush=True)
+
 
 
 # Variants of the backward timed side by side: name -> (extra NVRTC options, {head_dim: bwd Tile args}).
@@ -139,38 +139,10 @@ def build_cases():
     return cases
 
 
-def make_inputs(torch, B, Nq, Nk, Hq, Hkv, d, dtype, layout, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-
-    def rnd(n, h):
-        if layout == "bhnd":  # a (B, H, N, d) tensor viewed as (B, N, H, d): non-contiguous
-            return torch.randn(B, h, n, d, generator=g, device="cuda", dtype=torch.float32).to(dtype).transpose(1, 2)
-        return torch.randn(B, n, h, d, generator=g, device="cuda", dtype=torch.float32).to(dtype)
-
-    return rnd(Nq, Hq), rnd(Nk, Hkv), rnd(Nk, Hkv), rnd(Nq, Hq)
 
 
-def ref_attention(torch, q, k, v, scale, offset, upcast):
-    """Naive attention on (B, N, H, d): float64 when upcast, else the inputs' dtype with a float32 softmax."""
-    dt = torch.float64 if upcast else q.dtype
-    qh, kh, vh = (x.to(dt).transpose(1, 2) for x in (q, k, v))
-    group = qh.shape[1] // kh.shape[1]
-    kh = kh.repeat_interleave(group, dim=1)
-    vh = vh.repeat_interleave(group, dim=1)
-    s = qh @ kh.transpose(-1, -2)
-    s = (s if upcast else s.float()) * scale
-    Nq, Nk = s.shape[-2], s.shape[-1]
-    if offset is not None:
-        i = torch.arange(Nq, device=s.device)[:, None]
-        j = torch.arange(Nk, device=s.device)[None, :]
-        s = s.masked_fill(j > i + offset, float("-inf"))
-    p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
-    return (p.to(dt) @ vh).transpose(1, 2)
 
 
-def poison_pool(cp, nbytes=1 << 30):
-    x = cp.full((nbytes // 4,), cp.nan, dtype=cp.float32)
-    del x
 
 
 def check_case(torch, cp, cuda, case):

@@ -21,47 +21,15 @@ import time
 import zlib
 import traceback
 
-
-def log(*a):
-    print(*a, flush=True)
+from _gpu_tools import log, make_inputs, poison_pool, ref_attention
 
 
-def make_inputs(torch, B, Nq, Nk, Hq, Hkv, d, dtype, layout, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-
-    def rnd(n, h):
-        if layout == "bhnd":  # a (B, H, N, d) tensor viewed as (B, N, H, d): non-contiguous
-            return torch.randn(B, h, n, d, generator=g, device="cuda", dtype=torch.float32).to(dtype).transpose(1, 2)
-        return torch.randn(B, n, h, d, generator=g, device="cuda", dtype=torch.float32).to(dtype)
-
-    return rnd(Nq, Hq), rnd(Nk, Hkv), rnd(Nk, Hkv), rnd(Nq, Hq)
 
 
-def ref_attention(torch, q, k, v, scale, offset, upcast):
-    """Naive attention on (B, N, H, d) tensors: float64 when upcast, else in the inputs' dtype with a
-    float32 softmax (P cast back to the dtype before P V), as flash-attention's attention_ref."""
-    dt = torch.float64 if upcast else q.dtype
-    qh, kh, vh = (x.to(dt).transpose(1, 2) for x in (q, k, v))
-    group = qh.shape[1] // kh.shape[1]
-    kh = kh.repeat_interleave(group, dim=1)
-    vh = vh.repeat_interleave(group, dim=1)
-    s = (qh @ kh.transpose(-1, -2)).float() if not upcast else qh @ kh.transpose(-1, -2)
-    s = s * scale
-    Nq, Nk = s.shape[-2], s.shape[-1]
-    if offset is not None:
-        i = torch.arange(Nq, device=s.device)[:, None]
-        j = torch.arange(Nk, device=s.device)[None, :]
-        s = s.masked_fill(j > i + offset, float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    p = torch.nan_to_num(p, nan=0.0)  # rows that see no key
-    o = p.to(dt) @ vh
-    return o.transpose(1, 2)
 
 
-def poison_pool(cp, nbytes=1 << 30):
-    """Fill what the memory pool will hand out next with NaN, so unwritten outputs show."""
-    x = cp.full((nbytes // 4,), cp.nan, dtype=cp.float32)
-    del x
+
+
 
 
 def check_case(torch, cp, cuda, case, results):

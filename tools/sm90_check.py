@@ -30,6 +30,8 @@ import numpy as np
 from cuflash import _cuda as cuda
 from cuflash._cuda import Tile
 
+from _gpu_tools import log, poison_pool, ref_attention
+
 # Tile variants per head dim (the first is the one the tile table ships).
 VARIANTS = {
     # block_m == 16 * (warps - 4): warp-specialized (one producer warpgroup), see forward_sm90.cu.
@@ -40,8 +42,6 @@ VARIANTS = {
 CT = {"bfloat16": "cuflash::bf16", "float16": "cuflash::fp16"}
 
 
-def log(*a):
-    print(*a, flush=True)
 
 
 def vname(t: Tile) -> str:
@@ -66,31 +66,12 @@ def launch(cp, q, k, v, scale, off, t: Tile, dtname=None):
     return out, lse
 
 
-def poison_pool(cp, nbytes=1 << 28):
-    x = cp.full((nbytes // 4,), cp.nan, dtype=cp.float32)
-    del x
 
 
 # ---------------------------------------------------------------------------------------------------
 # Correctness.
 
 
-def ref_attention(torch, q, k, v, scale, off, upcast):
-    """Naive attention on (B, N, H, d): float64 when upcast, else in the dtype with a float32 softmax and P
-    cast back before P V (flash-attention's attention_ref). Returns (out, lse or None)."""
-    dt = torch.float64 if upcast else q.dtype
-    qh, kh, vh = (x.to(dt).transpose(1, 2) for x in (q, k, v))
-    group = qh.shape[1] // kh.shape[1]
-    kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
-    s = qh @ kh.transpose(-1, -2)
-    s = (s if upcast else s.float()) * scale
-    if off is not None:
-        i = torch.arange(s.shape[-2], device=s.device)[:, None]
-        j = torch.arange(s.shape[-1], device=s.device)[None, :]
-        s = s.masked_fill(j > i + off, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1) if upcast else None
-    p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
-    return (p.to(dt) @ vh).transpose(1, 2), lse
 
 
 CASES = [  # (B, Nq, Nk, Hq, Hkv, dtype, causal, layout)
@@ -126,9 +107,9 @@ def check(torch, cp, quick, rows):
                     return torch.randn(B, n, h, d, generator=g, device="cuda").to(dtype)
 
                 q, k, v = rnd(Nq, Hq), rnd(Nk, Hkv), rnd(Nk, Hkv)
-                ref, lse_ref = ref_attention(torch, q, k, v, scale, off, True)
-                low, _ = ref_attention(torch, q, k, v, scale, off, False)
-                poison_pool(cp)
+                ref, lse_ref = ref_attention(torch, q, k, v, scale, off, True, return_lse=True)
+                low = ref_attention(torch, q, k, v, scale, off, False)
+                poison_pool(cp, 1 << 28)
                 out, lse = launch(cp, *(cp.from_dlpack(x) for x in (q, k, v)), scale, off, t)
                 cp.cuda.runtime.deviceSynchronize()
                 o = torch.from_dlpack(out).double()

@@ -1,0 +1,44 @@
+"""Helpers shared by the device scripts in tools/ (gpu_check.py, bwd_check.py, sm90_check.py): PyTorch
+inputs and the naive reference attention on the GPU, and the NaN-poisoned CuPy memory pool.
+Run the scripts as ``python3 tools/<script>.py``: this directory is then first on ``sys.path``."""
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def make_inputs(torch, B, Nq, Nk, Hq, Hkv, d, dtype, layout, seed):
+    """q, k, v, do as (B, N, H, d) CUDA tensors; layout "bhnd": (B, H, N, d) memory seen as (B, N, H, d)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rnd(n, h):
+        if layout == "bhnd":  # a (B, H, N, d) tensor viewed as (B, N, H, d): non-contiguous
+            return torch.randn(B, h, n, d, generator=g, device="cuda", dtype=torch.float32).to(dtype).transpose(1, 2)
+        return torch.randn(B, n, h, d, generator=g, device="cuda", dtype=torch.float32).to(dtype)
+
+    return rnd(Nq, Hq), rnd(Nk, Hkv), rnd(Nk, Hkv), rnd(Nq, Hq)
+
+
+def ref_attention(torch, q, k, v, scale, offset, upcast, return_lse=False):
+    """Naive attention on (B, N, H, d) tensors: float64 when upcast, else in the inputs' dtype with a
+    float32 softmax (P cast back to the dtype before P V), as flash-attention's attention_ref. With
+    return_lse: (out, the logsumexp of the scaled scores)."""
+    dt = torch.float64 if upcast else q.dtype
+    qh, kh, vh = (x.to(dt).transpose(1, 2) for x in (q, k, v))
+    group = qh.shape[1] // kh.shape[1]
+    kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
+    s = qh @ kh.transpose(-1, -2)
+    s = (s if upcast else s.float()) * scale
+    if offset is not None:
+        i = torch.arange(s.shape[-2], device=s.device)[:, None]
+        j = torch.arange(s.shape[-1], device=s.device)[None, :]
+        s = s.masked_fill(j > i + offset, float("-inf"))
+    p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)  # rows that see no key
+    out = (p.to(dt) @ vh).transpose(1, 2)
+    return (out, torch.logsumexp(s, dim=-1)) if return_lse else out
+
+
+def poison_pool(cp, nbytes=1 << 30):
+    """Fill what the memory pool will hand out next with NaN, so unwritten outputs show."""
+    x = cp.full((nbytes // 4,), cp.nan, dtype=cp.float32)
+    del x
