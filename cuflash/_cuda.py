@@ -164,14 +164,14 @@ TILES: dict[tuple[str, str, int], Tile] = {
     # Arch class "f32": the FA1 float32 kernels (fa1_fwd_f32_kernel, fa1_bwd_f32_kernel; any GPU), 4 warps,
     # block_m = 1 query row per warp step; block_n key rows (forward: one lane per key, at most 32;
     # backward: block_n / 4 key rows per warp, their dK and dV in registers).
-    **{("fa1_fwd", "f32", d): Tile(1, 32, 4, 1) for d in (32, 64, 96, 128, 256)},
+    **{("fa1_fwd", "f32", d): Tile(1, 32, 4, 1) for d in HEAD_DIMS},
     # ("fwd", "f32", d): FA2's float32 forward (flash_fwd_f32_kernel): block_m query rows, 4 warps of
     # block_m / 4 rows each, block_n <= 32 key rows (one lane per key).
-    **{("fwd", "f32", d): Tile(16, 32, 4, 1) for d in (32, 64, 96, 128, 256)},
+    **{("fwd", "f32", d): Tile(16, 32, 4, 1) for d in HEAD_DIMS},
     # ("bwd", "f32", d): FA2's float32 dK/dV(+dQ) kernel (flash_bwd_dkdv_f32_kernel), one key tile of block_n
     # rows per block, as the FA1 float32 backward's tiles.
-    **{("bwd", "f32", d): Tile(1, 32 if d <= 128 else 16, 4, 1) for d in (32, 64, 96, 128, 256)},
-    **{("fa1_bwd", "f32", d): Tile(1, 32 if d <= 128 else 16, 4, 1) for d in (32, 64, 96, 128, 256)},
+    **{("bwd", "f32", d): Tile(1, 32 if d <= 128 else 16, 4, 1) for d in HEAD_DIMS},
+    **{("fa1_bwd", "f32", d): Tile(1, 32 if d <= 128 else 16, 4, 1) for d in HEAD_DIMS},
 }
 
 _CXX_TYPE = {"float16": "cuflash::fp16", "bfloat16": "cuflash::bf16"}
@@ -229,6 +229,15 @@ def _dkdv_name(ctype: str, d: int, t: Tile, causal: bool, has_dq: bool) -> str:
 def _dkdv_smem(d: int, t: Tile, has_dq: bool) -> int:
     tiles = 2 * t.block_n * d + 2 * t.stages * t.block_m * d + 2 * t.block_n * t.block_m  # K, V; Q, dO; P^T, dS^T
     return 2 * tiles + 4 * 2 * t.stages * t.block_m  # 16-bit tiles + float32 lse and D per stage
+
+
+def _dkdv_f32_name(d: int, t: Tile, causal: bool, has_dq: bool) -> str:
+    return f"cuflash::flash_bwd_dkdv_f32_kernel<{d}, {t.block_n}, {_bool(causal)}, {_bool(has_dq)}>"
+
+
+def _bwd_f32_smem(d: int, t: Tile) -> int:
+    # bwd_f32_key_tile (fa1_bwd_f32_kernel, flash_bwd_dkdv_f32_kernel): K, V; one Q and dO row; a dQ row per warp
+    return 4 * d * (2 * t.block_n + 2 + t.warps)
 
 
 def _dkdv_sm90_name(ctype: str, d: int, t: Tile, causal: bool, has_dq: bool) -> str:
@@ -322,8 +331,7 @@ def instantiations() -> list[tuple[str, str, tuple[str, ...]]]:
                     add("forward.cu", _fwd_f32_name(d, t, causal))
                 elif direction == "bwd" and _arch == "f32":
                     for has_dq in (True, False):
-                        add("backward.cu", f"cuflash::flash_bwd_dkdv_f32_kernel<{d}, {t.block_n}, {_bool(causal)}, "
-                                           f"{_bool(has_dq)}>")
+                        add("backward.cu", _dkdv_f32_name(d, t, causal, has_dq))
                 elif direction == "fwd":
                     add("forward.cu", _fwd_name(ctype, d, t, causal))
                 elif direction == "bwd" and _arch == "sm90a":
@@ -696,10 +704,10 @@ def _naive_backward(do, q, k, v, *, scale, causal_offset):
 
 def _fa1_name(direction: str, ctype: str, d: int, t: Tile, causal: bool) -> str:
     """fa1.cu's kernel for ``ctype`` (a 16-bit type, or "float" for the float32 kernels)."""
-    stem = {"fa1_fwd": "fa1_fwd", "fa1_bwd": "fa1_bwd"}[direction]
+    assert direction in ("fa1_fwd", "fa1_bwd"), direction
     if ctype == "float":
-        return f"cuflash::{stem}_f32_kernel<{d}, {t.block_n}, {_bool(causal)}>"
-    return f"cuflash::{stem}_kernel<{ctype}, {d}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, {_bool(causal)}>"
+        return f"cuflash::{direction}_f32_kernel<{d}, {t.block_n}, {_bool(causal)}>"
+    return f"cuflash::{direction}_kernel<{ctype}, {d}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, {_bool(causal)}>"
 
 
 def _fa1_fwd_smem(d: int, t: Tile, f32: bool = False) -> int:
@@ -708,9 +716,7 @@ def _fa1_fwd_smem(d: int, t: Tile, f32: bool = False) -> int:
     return 2 * d * (2 * t.block_n + t.block_m * t.warps * t.stages)  # K, V + per warp stages x Q
 
 
-def _fa1_bwd_smem(d: int, t: Tile, f32: bool = False) -> int:
-    if f32:  # K, V; one Q and dO row; a partial dQ row per warp
-        return 4 * d * (2 * t.block_n + 2 + t.warps)
+def _fa1_bwd_smem(d: int, t: Tile) -> int:
     tiles = 2 * t.block_n * d + 2 * t.stages * t.block_m * d + t.block_n * t.block_m  # K, V; Q, dO; dS^T
     return 2 * tiles + 4 * 2 * t.stages * t.block_m  # 16-bit tiles + float32 lse and D per stage
 
@@ -856,9 +862,9 @@ def _backward_f32(do, q, k, v, out, lse, *, scale, causal_offset, fa1, split, bl
         name, source, grid = _fa1_name("fa1_bwd", "float", d, t, causal), "fa1.cu", (Hq, B)
     else:
         t = TILES[("bwd", "f32", d)]
-        name = f"cuflash::flash_bwd_dkdv_f32_kernel<{d}, {t.block_n}, {_bool(causal)}, {_bool(not split)}>"
+        name = _dkdv_f32_name(d, t, causal, not split)
         source, grid = "backward.cu", (_cdiv(Nk, t.block_n), Hq, B)
-    smem = _fa1_bwd_smem(d, t, f32=True)
+    smem = _bwd_f32_smem(d, t)
     _smem_check(smem, name)
     _kernel(source, name, smem)(grid, (32 * t.warps,), (
         q, k, v, do, lse, delta, dq, dkv, _i32(Nq), _i32(Nk), _i32(Hq), _i32(group),
