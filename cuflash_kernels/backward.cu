@@ -212,13 +212,8 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
     auto load_q_stage = [&](int stage, int mi) {
         load_tile_async<kBlockM, kHeadDim, kThreads>(sQ + stage * kQTile, qg, q_ss, mi * kBlockM, seqlen_q, tid);
         load_tile_async<kBlockM, kHeadDim, kThreads>(sdO + stage * kQTile, dog, do_ss, mi * kBlockM, seqlen_q, tid);
-        for (int r = tid; r < 2 * kBlockM; r += kThreads) {
-            const int row = mi * kBlockM + (r % kBlockM);
-            const bool valid = row < seqlen_q;
-            const float* src = r < kBlockM ? lse_row : delta_row;
-            float* dst = (r < kBlockM ? sLse : sD) + stage * kBlockM + (r % kBlockM);
-            cp_async_4(smem_u32(dst), valid ? src + row : src, valid);
-        }
+        load_row_stats_async<kBlockM, kThreads>(sLse + stage * kBlockM, sD + stage * kBlockM, lse_row, delta_row,
+                                                mi * kBlockM, seqlen_q, tid);
     };
 
     load_tile_async<kBlockN, kHeadDim, kThreads>(sK, k + b * k_sb + h_kv * k_sh, k_ss, n0, seqlen_k, tid);

@@ -205,6 +205,20 @@ __device__ __forceinline__ void load_tile_async(u16* tile, const u16* g, i64 str
 // non-causal kernels compiled exactly as before (an inlined call that folds to 0 still moved ptxas's
 // register allocation of flash_bwd_dkdv_kernel by up to 5 registers).
 
+// The backward's per-row statistics of one query tile: lse and D of rows [row0, row0 + kBlockM) to
+// sLse[0 .. kBlockM) and sD[0 .. kBlockM) with 4-byte cp.async; rows at or past seqlen_q read as zeros.
+template <int kBlockM, int kThreads>
+__device__ __forceinline__ void load_row_stats_async(float* sLse, float* sD, const float* lse_row, const float* delta_row,
+                                                     int row0, int seqlen_q, int tid) {
+    for (int r = tid; r < 2 * kBlockM; r += kThreads) {
+        const int row = row0 + (r % kBlockM);
+        const bool valid = row < seqlen_q;
+        const float* src = r < kBlockM ? lse_row : delta_row;
+        float* dst = (r < kBlockM ? sLse : sD) + (r % kBlockM);
+        cp_async_4(smem_u32(dst), valid ? src + row : src, valid);
+    }
+}
+
 // How many blocks of kBlock rows cover n rows, n >= 0 (cuflash/_blocks.py:num_blocks).
 template <int kBlock>
 __device__ __forceinline__ int num_blocks(int n) { return (n + kBlock - 1) / kBlock; }

@@ -312,13 +312,8 @@ fa1_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
         const float* delta_row = delta + ((i64)b * heads_q + h) * seqlen_q;
         load_tile_async<kBlockM, kHeadDim, kThreads>(sQ + stage * kQTile, qg, q_ss, mi * kBlockM, seqlen_q, tid);
         load_tile_async<kBlockM, kHeadDim, kThreads>(sdO + stage * kQTile, dog, do_ss, mi * kBlockM, seqlen_q, tid);
-        for (int r = tid; r < 2 * kBlockM; r += kThreads) {
-            const int row = mi * kBlockM + (r % kBlockM);
-            const bool valid = row < seqlen_q;
-            const float* src = r < kBlockM ? lse_row : delta_row;
-            float* dst = (r < kBlockM ? sLse : sD) + stage * kBlockM + (r % kBlockM);
-            cp_async_4(smem_u32(dst), valid ? src + row : src, valid);
-        }
+        load_row_stats_async<kBlockM, kThreads>(sLse + stage * kBlockM, sD + stage * kBlockM, lse_row, delta_row,
+                                                mi * kBlockM, seqlen_q, tid);
     };
 
     // Every key tile, also those no query sees (their dK, dV are zeros).
