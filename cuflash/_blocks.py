@@ -5,18 +5,20 @@ GPU grid agree on exactly which tiles exist, which are skipped and which are mas
 
 - :func:`default_block_sizes` turns an on-chip budget of ``M`` elements into tile sizes, by the rule
   of the seeds (000, eqs. 44 and 79): the forward keeps four blocks on chip, the backward eight.
-- :func:`causal_key_block_end` and :func:`causal_query_block_start` bound the inner loop under causal
-  masking, one for each loop order, so that tiles lying entirely above the diagonal are never visited.
-- :func:`tile_needs_mask` says whether a visited tile crosses the diagonal; the others are computed
-  without building a mask at all.
+- :func:`key_range` and :func:`query_range` bound the inner loop under a positional mask (a
+  :class:`Band`: causal masking, sliding windows), one for each loop order, so that tiles lying
+  entirely outside the band are never visited.
+- :func:`tile_needs_mask` says whether a visited tile crosses an edge of the band; the others are
+  computed without building a mask at all.
 
-Causal masking follows ``docs/architecture.md``: query row ``i`` sees key column ``j`` iff
-``j <= i + causal_offset``; ``causal_offset`` is ``None`` when attention is not causal.
+The kernels hold the same arithmetic (``cuflash_kernels/variants.cuh``); the band's meaning is in
+``docs/variants.md``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import NamedTuple
 
 __all__ = [
     "DEFAULT_SRAM_ELEMS",
@@ -24,8 +26,9 @@ __all__ = [
     "num_blocks",
     "iter_blocks",
     "align_down",
-    "causal_key_block_end",
-    "causal_query_block_start",
+    "Band",
+    "key_range",
+    "query_range",
     "tile_needs_mask",
     "tile_is_fully_masked",
 ]
@@ -88,48 +91,65 @@ def align_down(index: int, block: int) -> int:
     return index - index % block
 
 
-def causal_key_block_end(q_start: int, q_stop: int, causal_offset: int | None, seqlen_k: int) -> int:
-    """The last key index (exclusive) that query rows ``[q_start, q_stop)`` need, in ``[0, seqlen_k]``.
+class Band(NamedTuple):
+    """The keys a query row sees by position: row ``i`` sees key ``j`` iff
+    ``i + offset - left <= j <= i + offset + right``; ``left`` or ``right`` None is unlimited on that side.
 
-    The block's last row ``q_stop - 1`` sees keys up to ``q_stop - 1 + causal_offset`` inclusive, and
-    every earlier row sees fewer, so key blocks starting at or after the returned index are entirely
-    masked for this query block and are skipped. Without causal masking every key is needed.
+    Causal masking is the band with ``right = 0`` (``offset`` from the alignment); a sliding window sets
+    both edges. ``None`` in place of a band means every key is seen.
     """
-    if causal_offset is None:
-        return seqlen_k
-    return min(max(q_stop + causal_offset, 0), seqlen_k)
+
+    offset: int
+    left: int | None
+    right: int | None
 
 
-def causal_query_block_start(k_start: int, causal_offset: int | None, seqlen_q: int) -> int:
-    """The first query row that sees key ``k_start`` (and so the key block starting there), in ``[0, seqlen_q]``.
+def key_range(q_start: int, q_stop: int, band: Band | None, seqlen_k: int) -> tuple[int, int]:
+    """``(first, end)``: the keys that some query row of ``[q_start, q_stop)`` sees, clipped to ``[0, seqlen_k]``.
 
-    Row ``i`` sees key ``k_start`` iff ``i >= k_start - causal_offset``; later rows see it too, so the
-    loops with key blocks outer start their query loop at the block holding this row (see
-    :func:`iter_blocks`). ``seqlen_q`` means no query row sees the key block.
+    The block's last row ``q_stop - 1`` sees keys up to ``q_stop - 1 + offset + right`` and its first row
+    keys from ``q_start + offset - left``; every row in between sees a range inside those two, so key
+    blocks wholly outside ``[first, end)`` are skipped. ``first >= end`` means none.
     """
-    if causal_offset is None:
-        return 0
-    return min(max(k_start - causal_offset, 0), seqlen_q)
+    if band is None:
+        return 0, seqlen_k
+    first = 0 if band.left is None else min(max(q_start + band.offset - band.left, 0), seqlen_k)
+    end = seqlen_k if band.right is None else min(max(q_stop + band.offset + band.right, 0), seqlen_k)
+    return first, end
 
 
-def tile_needs_mask(q_start: int, q_stop: int, k_start: int, k_stop: int, causal_offset: int | None) -> bool:
-    """Whether some score of the tile ``[q_start, q_stop) x [k_start, k_stop)`` is masked.
+def query_range(k_start: int, k_stop: int, band: Band | None, seqlen_q: int) -> tuple[int, int]:
+    """``(first, end)``: the query rows that see some key of ``[k_start, k_stop)``, clipped to ``[0, seqlen_q]``.
 
-    Only tiles crossing the diagonal need a mask: the tile's first row sees keys up to
-    ``q_start + causal_offset``, so a tile whose last key is not beyond that is fully visible.
+    Row ``i`` sees key ``k_start`` or a later one of the block iff ``i >= k_start - offset - right``, and
+    key ``k_stop - 1`` or an earlier one iff ``i <= k_stop - 1 - offset + left``: the loops with key
+    blocks outer visit the query blocks holding ``[first, end)`` (see :func:`iter_blocks`).
     """
-    if causal_offset is None:
+    if band is None:
+        return 0, seqlen_q
+    first = 0 if band.right is None else min(max(k_start - band.offset - band.right, 0), seqlen_q)
+    end = seqlen_q if band.left is None else min(max(k_stop - band.offset + band.left, 0), seqlen_q)
+    return first, end
+
+
+def tile_needs_mask(q_start: int, q_stop: int, k_start: int, k_stop: int, band: Band | None) -> bool:
+    """Whether some score of the tile ``[q_start, q_stop) x [k_start, k_stop)`` lies outside the band.
+
+    The tile's first row sees keys up to ``q_start + offset + right`` and its last row keys from
+    ``q_stop - 1 + offset - left``; a tile inside both is computed without building a mask at all.
+    """
+    if band is None:
         return False
-    return k_stop - 1 > q_start + causal_offset
+    beyond = band.right is not None and k_stop - 1 > q_start + band.offset + band.right
+    before = band.left is not None and k_start < q_stop - 1 + band.offset - band.left
+    return beyond or before
 
 
-def tile_is_fully_masked(
-    q_start: int, q_stop: int, k_start: int, k_stop: int, causal_offset: int | None
-) -> bool:
-    """Whether every score of the tile is masked (its first key lies beyond what its last row sees).
-
-    The loop bounds above never visit such a tile; the reference asserts that.
-    """
-    if causal_offset is None:
+def tile_is_fully_masked(q_start: int, q_stop: int, k_start: int, k_stop: int, band: Band | None) -> bool:
+    """Whether every score of the tile lies outside the band. The loop bounds above never visit such a
+    tile; the reference asserts that."""
+    if band is None:
         return False
-    return k_start > q_stop - 1 + causal_offset
+    beyond = band.right is not None and k_start > q_stop - 1 + band.offset + band.right
+    before = band.left is not None and k_stop - 1 < q_start + band.offset - band.left
+    return beyond or before

@@ -2,8 +2,14 @@
 
 Each check raises before any computation starts, with a message that names the argument, what was
 expected and what was given. The front door (:mod:`cuflash._api`) calls these and hands the backends
-normalized values only: a Python float scale, an integer causal offset (or ``None``), positive integer
-block sizes (or ``None``), a known algorithm and backward order.
+normalized values only: a Python float scale, a :class:`~cuflash._variant.Variant` (causal masking,
+window, softcap, ALiBi slopes, packed sequences, used keys), positive integer block sizes (or ``None``),
+a known algorithm and backward order.
+
+Reading the values of ``cu_seqlens_q``, ``cu_seqlens_k`` and ``seqused_k`` (first entry, order, ranges)
+copies them to the host when they are CuPy arrays: a few bytes, and only when they are given. A caller
+that cannot read them yet (``cuflash.jax`` under ``jit``, where they are tracers) passes
+``read_values=False``: their shapes and dtypes are checked, their values when the call runs.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._variant import Variant
+
 ALGORITHMS = ("fa2", "fa1", "naive")
 ORDERS = ("kv_outer", "q_outer", "split")
 CAUSAL_ALIGNS = ("bottom-right", "top-left")
@@ -22,7 +30,13 @@ _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 @dataclass(frozen=True)
 class Problem:
-    """Shapes of one attention call, read off validated q, k, v."""
+    """Shapes of one attention call, read off validated q, k, v.
+
+    A padded batch has ``(batch, seqlen, heads, head_dim)`` arrays. A packed variable-length batch
+    (``cu_seqlens_q``/``cu_seqlens_k``) has ``(total, heads, head_dim)`` arrays: then ``batch`` is the
+    number of sequences, ``seqlen_q``/``seqlen_k`` are ``max_seqlen_q``/``max_seqlen_k`` and
+    ``total_q``/``total_k`` the row counts (None for a padded batch).
+    """
 
     batch: int
     seqlen_q: int
@@ -31,14 +45,32 @@ class Problem:
     heads_kv: int
     head_dim: int
     dtype: np.dtype
+    total_q: int | None = None
+    total_k: int | None = None
 
     @property
-    def lse_shape(self) -> tuple[int, int, int]:
+    def is_varlen(self) -> bool:
+        return self.total_q is not None
+
+    @property
+    def q_shape(self) -> tuple[int, ...]:
+        """The shape of q (and of out, do, dq)."""
+        if self.is_varlen:
+            return (self.total_q, self.heads_q, self.head_dim)
+        return (self.batch, self.seqlen_q, self.heads_q, self.head_dim)
+
+    @property
+    def lse_shape(self) -> tuple[int, ...]:
+        """``(batch, heads_q, seqlen_q)``, or ``(heads_q, total_q)`` packed (flash-attention's varlen layout)."""
+        if self.is_varlen:
+            return (self.heads_q, self.total_q)
         return (self.batch, self.heads_q, self.seqlen_q)
 
     @property
     def is_empty(self) -> bool:
         """True when there is no score to compute (a zero-sized batch, sequence or head axis)."""
+        if self.is_varlen:
+            return 0 in (self.batch, self.total_q, self.total_k, self.heads_q)
         return 0 in (self.batch, self.seqlen_q, self.seqlen_k, self.heads_q)
 
 
@@ -106,13 +138,26 @@ def _check_contiguous_last_axis(name: str, a) -> None:
         )
 
 
-def check_qkv(q, k, v) -> Problem:
-    """Ranks, shapes, dtypes and strides of q, k, v; returns the problem's sizes."""
+def check_qkv(q, k, v, *, varlen: bool = False) -> Problem:
+    """Ranks, shapes, dtypes and strides of q, k, v; returns the problem's sizes.
+
+    ``varlen``: the arrays are packed ``(total, heads, head_dim)`` (cu_seqlens given); the problem's batch
+    and lengths then come from :func:`check_cu_seqlens`, and this returns them as one sequence of
+    ``total`` rows.
+    """
+    ndim = 3 if varlen else 4
     for name, a in (("q", q), ("k", k), ("v", v)):
-        if a.ndim != 4:
+        if a.ndim != ndim:
+            if varlen:
+                raise ValueError(
+                    f"{name} must have 3 dimensions (total, heads, head_dim) with cu_seqlens_q and "
+                    f"cu_seqlens_k; got {a.ndim} dimensions with shape {_shape(a)}"
+                )
+            hint = ("; packed (total, heads, head_dim) arrays need cu_seqlens_q and cu_seqlens_k"
+                    if a.ndim == 3 else "")
             raise ValueError(
                 f"{name} must have 4 dimensions (batch, seqlen, heads, head_dim); "
-                f"got {a.ndim} dimensions with shape {_shape(a)}"
+                f"got {a.ndim} dimensions with shape {_shape(a)}{hint}"
             )
     dtype = np.dtype(q.dtype)
     for name, a in (("q", q), ("k", k), ("v", v)):
@@ -126,43 +171,47 @@ def check_qkv(q, k, v) -> Problem:
             "q, k and v must have the same dtype; "
             f"got q {_dtype_name(dtype)}, k {_dtype_name(k.dtype)}, v {_dtype_name(v.dtype)}"
         )
-    batch, seqlen_q, heads_q, head_dim = _shape(q)
     if _shape(k) != _shape(v):
         raise ValueError(f"k and v must have the same shape; got k {_shape(k)} and v {_shape(v)}")
-    batch_k, seqlen_k, heads_kv, head_dim_k = _shape(k)
+    if varlen:
+        (total_q, heads_q, head_dim), (total_k, heads_kv, head_dim_k) = _shape(q), _shape(k)
+        batch, seqlen_q, seqlen_k, heads_axis = 1, total_q, total_k, 1
+    else:
+        (batch, seqlen_q, heads_q, head_dim), (batch_k, seqlen_k, heads_kv, head_dim_k) = _shape(q), _shape(k)
+        heads_axis = 2
     if head_dim_k != head_dim:
         raise ValueError(
             f"q, k and v must have the same head_dim (last axis); got q {head_dim}, k and v {head_dim_k}"
         )
     if head_dim < 1:
         raise ValueError(f"head_dim must be positive; got {head_dim}")
-    if batch_k != batch:
+    if not varlen and batch_k != batch:
         raise ValueError(f"q and k must have the same batch size (axis 0); got q {batch}, k {batch_k}")
     if heads_kv < 1 or heads_q % heads_kv != 0:
         raise ValueError(
-            "the number of key/value heads must divide the number of query heads (axis 2); "
+            f"the number of key/value heads must divide the number of query heads (axis {heads_axis}); "
             f"got {heads_q} query heads and {heads_kv} key/value heads"
         )
     for name, a in (("q", q), ("k", k), ("v", v)):
         _check_contiguous_last_axis(name, a)
+    if varlen:
+        return Problem(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, total_q, total_k)
     return Problem(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype)
 
 
 def check_backward_tensors(problem: Problem, do, out, lse) -> None:
     """do and out are shaped and typed like q; lse like the forward's logsumexp."""
-    q_shape = (problem.batch, problem.seqlen_q, problem.heads_q, problem.head_dim)
     for name, a in (("do", do), ("out", out)):
-        if _shape(a) != q_shape:
-            raise ValueError(f"{name} must have the shape of q, {q_shape}; got {_shape(a)}")
+        if _shape(a) != problem.q_shape:
+            raise ValueError(f"{name} must have the shape of q, {problem.q_shape}; got {_shape(a)}")
         if np.dtype(a.dtype) != problem.dtype:
             raise TypeError(
                 f"{name} must have the dtype of q, {_dtype_name(problem.dtype)}; got {_dtype_name(a.dtype)}"
             )
         _check_contiguous_last_axis(name, a)
     if _shape(lse) != problem.lse_shape:
-        raise ValueError(
-            f"lse must have shape (batch, heads, seqlen_q) = {problem.lse_shape}; got {_shape(lse)}"
-        )
+        layout = "(heads, total_q)" if problem.is_varlen else "(batch, heads, seqlen_q)"
+        raise ValueError(f"lse must have shape {layout} = {problem.lse_shape}; got {_shape(lse)}")
     want = lse_dtype(problem.dtype)
     if np.dtype(lse.dtype) != want:
         raise TypeError(
@@ -183,17 +232,195 @@ def softmax_scale(value, head_dim: int) -> float:
     return scale
 
 
-def causal_offset(causal, causal_align: str, seqlen_q: int, seqlen_k: int) -> int | None:
-    """The diagonal offset: query ``i`` sees key ``j`` iff ``j <= i + offset``; None when not causal."""
+def causal_options(causal, causal_align: str) -> tuple[bool, bool]:
+    """``(causal, bottom_right)``: whether keys after the diagonal are masked, and which diagonal."""
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool; got {type(causal).__name__} {causal!r}")
     if causal_align not in CAUSAL_ALIGNS:
         raise ValueError(
             f"causal_align must be one of {', '.join(map(repr, CAUSAL_ALIGNS))}; got {causal_align!r}"
         )
-    if not causal:
+    return bool(causal), causal_align == "bottom-right"
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def window_size(value) -> tuple[int | None, int | None]:
+    """``(left, right)`` of a sliding window, each an int >= 0 or None (flash-attention's -1: unlimited)."""
+    expected = "window_size must be a pair of integers (left, right), -1 for unlimited"
+    if not isinstance(value, (tuple, list)):
+        raise TypeError(f"{expected}; got {type(value).__name__} {value!r}")
+    if len(value) != 2:
+        raise ValueError(f"{expected}; got {len(value)} entries {tuple(value)!r}")
+    if not all(_is_int(x) for x in value):
+        raise TypeError(f"{expected}; got ({', '.join(f'{type(x).__name__} {x!r}' for x in value)})")
+    left, right = (int(x) for x in value)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1: unlimited on that side); got ({left}, {right})")
+    return (None if left == -1 else left), (None if right == -1 else right)
+
+
+def softcap(value) -> float:
+    """The softcap: 0.0 for none, else a finite positive float."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"softcap must be a real number (0 for none); got {type(value).__name__} {value!r}")
+    cap = float(value)
+    if not math.isfinite(cap) or cap < 0.0:
+        raise ValueError(f"softcap must be finite and >= 0 (0 for none); got {value!r}")
+    return cap
+
+
+def varlen_mode(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> bool:
+    """Whether the call is a packed variable-length batch: cu_seqlens_q and cu_seqlens_k both given (or
+    neither), with max_seqlen_q and max_seqlen_k (which mean nothing without them)."""
+    given = {"cu_seqlens_q": cu_seqlens_q is not None, "cu_seqlens_k": cu_seqlens_k is not None}
+    if given["cu_seqlens_q"] != given["cu_seqlens_k"]:
+        have, missing = ("cu_seqlens_q", "cu_seqlens_k") if given["cu_seqlens_q"] else ("cu_seqlens_k", "cu_seqlens_q")
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must be given together (a packed variable-length batch); "
+            f"got {have} without {missing}"
+        )
+    varlen = given["cu_seqlens_q"]
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if varlen and value is None:
+            raise ValueError(
+                f"{name} is required with cu_seqlens_q and cu_seqlens_k (the longest sequence's length, "
+                f"as in flash_attn_varlen_func); got None"
+            )
+        if not varlen and value is not None:
+            raise ValueError(
+                f"{name} is only used with cu_seqlens_q and cu_seqlens_k (a packed variable-length batch); "
+                f"got {name}={value!r} without them"
+            )
+    return varlen
+
+
+def _to_host(a) -> np.ndarray:
+    """The values of a NumPy or CuPy array as a NumPy array (a device-to-host copy for CuPy)."""
+    return a if isinstance(a, np.ndarray) else a.get()
+
+
+def _check_index_array(name: str, a, length: int | None, what: str) -> None:
+    """A 1-D contiguous int32 array (of ``length`` entries when given): cu_seqlens and seqused_k."""
+    if a.ndim != 1 or (length is not None and _shape(a)[0] != length):
+        raise ValueError(f"{name} must have shape {what}; got {_shape(a)}")
+    if np.dtype(a.dtype) != np.int32:
+        raise TypeError(f"{name} must have dtype int32; got {_dtype_name(a.dtype)}")
+    if a.size > 1 and a.strides[0] != a.itemsize:
+        raise ValueError(f"{name} must be contiguous (stride {a.itemsize} bytes); got strides {tuple(a.strides)}")
+
+
+def _max_seqlen(name: str, value, longest: int, what: str) -> int:
+    if not _is_int(value):
+        raise TypeError(f"{name} must be a positive integer; got {type(value).__name__} {value!r}")
+    if int(value) < 1:
+        raise ValueError(f"{name} must be a positive integer; got {int(value)}")
+    if int(value) < longest:
+        raise ValueError(f"{name} must be at least the longest {what} sequence, {longest}; got {int(value)}")
+    return int(value)
+
+
+def check_cu_seqlens(problem: Problem, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                     read_values: bool = True) -> Problem:
+    """A packed batch's prefix sums and maximum lengths, against the row counts of ``problem`` (from
+    :func:`check_qkv` with ``varlen=True``). Returns the problem with its batch and maximum lengths."""
+    lengths = {"cu_seqlens_q": np.zeros(0, np.int64), "cu_seqlens_k": np.zeros(0, np.int64)}
+    for name, cu, total, rows in (("cu_seqlens_q", cu_seqlens_q, problem.total_q, "q"),
+                                  ("cu_seqlens_k", cu_seqlens_k, problem.total_k, "k")):
+        _check_index_array(name, cu, None, "(batch + 1,)")
+        if cu.size < 1:
+            raise ValueError(f"{name} must have batch + 1 >= 1 entries, starting with 0; got shape {_shape(cu)}")
+        if not read_values:
+            continue
+        host = _to_host(cu).astype(np.int64)
+        if host[0] != 0:
+            raise ValueError(f"{name} must start at 0; got {name}[0] = {host[0]}")
+        steps = np.diff(host)
+        if (steps < 0).any():
+            b = int(np.argmax(steps < 0)) + 1
+            raise ValueError(
+                f"{name} must be non-decreasing (sequence b is rows {name}[b]:{name}[b + 1]); "
+                f"got {name}[{b}] = {host[b]} < {name}[{b - 1}] = {host[b - 1]}"
+            )
+        if host[-1] != total:
+            raise ValueError(f"{name} must end at the number of rows of {rows}, {total}; got {name}[-1] = {host[-1]}")
+        lengths[name] = steps
+    if cu_seqlens_q.size != cu_seqlens_k.size:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have the same length, batch + 1; "
+            f"got {cu_seqlens_q.size} and {cu_seqlens_k.size}"
+        )
+    seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q, int(lengths["cu_seqlens_q"].max(initial=0)), "query")
+    seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k, int(lengths["cu_seqlens_k"].max(initial=0)), "key")
+    return Problem(int(cu_seqlens_q.size) - 1, seqlen_q, seqlen_k, problem.heads_q, problem.heads_kv,
+                   problem.head_dim, problem.dtype, problem.total_q, problem.total_k)
+
+
+def seqused_k(value, problem: Problem, cu_seqlens_k=None, *, read_values: bool = True):
+    """int32 ``(batch,)``: the keys each sequence uses, within its keys (``seqlen_k`` of a padded batch,
+    or its segment ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of a packed one). Returns the array as given."""
+    if value is None:
         return None
-    return seqlen_k - seqlen_q if causal_align == "bottom-right" else 0
+    _check_index_array("seqused_k", value, problem.batch, f"(batch,) = ({problem.batch},)")
+    if not read_values:
+        return value
+    used = _to_host(value).astype(np.int64)
+    if cu_seqlens_k is None:
+        bad = np.flatnonzero((used < 0) | (used > problem.seqlen_k))
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(
+                f"seqused_k must lie in [0, seqlen_k] = [0, {problem.seqlen_k}]; got seqused_k[{b}] = {used[b]}"
+            )
+    else:
+        lengths = np.diff(_to_host(cu_seqlens_k).astype(np.int64))
+        bad = np.flatnonzero((used < 0) | (used > lengths))
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(
+                f"seqused_k[b] must lie in [0, cu_seqlens_k[b + 1] - cu_seqlens_k[b]] (the keys of sequence b); "
+                f"got seqused_k[{b}] = {used[b]} for a sequence of {lengths[b]} keys"
+            )
+    return value
+
+
+def alibi_slopes(value, problem: Problem, xp):
+    """float32 ``(heads_q,)`` or ``(batch, heads_q)``; returns a ``(batch, heads_q)`` array of the same
+    library (a ``(heads_q,)`` input as a broadcast view, batch stride 0, no copy)."""
+    if value is None:
+        return None
+    per_head, per_batch = (problem.heads_q,), (problem.batch, problem.heads_q)
+    if _shape(value) not in (per_head, per_batch):
+        raise ValueError(
+            f"alibi_slopes must have shape (heads_q,) = {per_head} or (batch, heads_q) = {per_batch}; "
+            f"got {_shape(value)}"
+        )
+    if np.dtype(value.dtype) != np.float32:
+        raise TypeError(f"alibi_slopes must have dtype float32 (as flash-attention); got {_dtype_name(value.dtype)}")
+    _check_contiguous_last_axis("alibi_slopes", value)
+    return xp.broadcast_to(value, per_batch) if value.ndim == 1 else value
+
+
+def variant(problem: Problem, xp, options: dict, *, read_values: bool = True) -> Variant:
+    """The variant options of a call, checked against its problem and normalized into a :class:`Variant`.
+
+    ``options`` holds the user's keywords: ``causal``, ``causal_align``, ``window_size``, ``softcap``,
+    ``alibi_slopes``, ``cu_seqlens_q``, ``cu_seqlens_k``, ``seqused_k`` (the cu_seqlens already checked by
+    :func:`check_cu_seqlens`, whose problem this is). ``xp`` is the array module of q.
+    """
+    is_causal, bottom_right = causal_options(options["causal"], options["causal_align"])
+    left, right = window_size(options["window_size"])
+    return Variant(
+        causal=is_causal, bottom_right=bottom_right, window_left=left, window_right=right,
+        softcap=softcap(options["softcap"]),
+        alibi_slopes=alibi_slopes(options["alibi_slopes"], problem, xp),
+        cu_seqlens_q=options["cu_seqlens_q"], cu_seqlens_k=options["cu_seqlens_k"],
+        max_seqlen_q=problem.seqlen_q if problem.is_varlen else None,
+        max_seqlen_k=problem.seqlen_k if problem.is_varlen else None,
+        seqused_k=seqused_k(options["seqused_k"], problem, options["cu_seqlens_k"], read_values=read_values),
+    )
 
 
 def algorithm(value) -> str:

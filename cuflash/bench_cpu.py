@@ -153,9 +153,9 @@ def main(argv=None, out=None) -> int:
     out = sys.stdout if out is None else out
     args = _parser().parse_args(argv)
     block_q, block_k = _blocks.default_block_sizes(args.head_dim, sram_elems=args.sram_elems)
-    blocked = dict(causal_offset=None, block_q=block_q, block_k=block_k)
+    blocked = dict(block_q=block_q, block_k=block_k)
     scale = args.head_dim**-0.5
-    options = {"naive": dict(scale=scale, causal_offset=None),
+    options = {"naive": dict(scale=scale),
                "fa2": dict(scale=scale, **blocked), "fa1": dict(scale=scale, **blocked)}
     print(f"cuflash CPU benchmark (NumPy reference), forward, float32, head_dim {args.head_dim}; "
           f"blocked paths use block_q={block_q}, block_k={block_k} (M = {args.sram_elems} elements)", file=out)

@@ -289,7 +289,7 @@ def mha_forward(
     batch, seqlen, _ = _shape(z)
     # The attention core checks these too, but only after the projections: check them first.
     _validate.softmax_scale(softmax_scale, head_dim)
-    _validate.causal_offset(causal, causal_align, seqlen, seqlen)
+    _validate.causal_options(causal, causal_align)
     _validate.algorithm(algorithm)
     _validate.block_size("block_q", block_q)
     _validate.block_size("block_k", block_k)

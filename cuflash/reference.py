@@ -17,11 +17,23 @@ probabilities ``P`` are rounded to the input dtype before ``P @ V`` and ``P^T @ 
 ``dS @ K`` and ``dS^T @ Q``. Outputs and gradients come back in the input dtype, ``lse`` in the
 accumulation dtype.
 
-Masking. With ``causal_offset`` not ``None``, query row ``i`` sees key ``j`` iff ``j <= i + causal_offset``.
-The block loops visit only tiles that some row can see (bounds from :mod:`cuflash._blocks`) and build
-a mask only for tiles crossing the diagonal. A row that sees no key has running max ``-inf``; every
-``exp(x - m)`` below subtracts :func:`_shift` of the max (``0`` in place of ``-inf``) so that such a row
-gives ``P = 0``, ``out = 0``, ``lse = -inf`` and zero gradients, with no NaN and no floating-point warning.
+Variants. A :class:`~cuflash._variant.Variant` changes three things, each in one place
+(``docs/variants.md`` has the math):
+
+- which rows form a sequence: every function runs its block loops once per sequence
+  (:func:`_sequences`) on views of that sequence's rows, as the CUDA grid's per-sequence block info
+  does: one run over the whole batch when every batch entry has the same lengths, one per sequence for
+  packed variable-length batches (``cu_seqlens``) and for key padding (``seqused_k``, whose keys past the
+  used ones are never loaded);
+- which keys a row sees by position (a :class:`~cuflash._blocks.Band`: causal masking, sliding windows):
+  the block loops visit only tiles that some row can see (bounds from :mod:`cuflash._blocks`) and build
+  a mask only for tiles crossing an edge of the band (``[variant mask]``);
+- the scores themselves: softcap and ALiBi modify every score of a tile in :func:`_scores`
+  (``[variant mod]``), and softcap's derivative multiplies dS in the backward (``[variant grad]``).
+
+Rows that see no key. A row that sees no key has running max ``-inf``; every ``exp(x - m)`` below
+subtracts :func:`_shift` of the max (``0`` in place of ``-inf``) so that such a row gives ``P = 0``,
+``out = 0``, ``lse = -inf`` and zero gradients, with no NaN and no floating-point warning.
 
 Like every backend, these functions trust their arguments: the front door (``cuflash._api``) has
 already validated shapes, dtypes, strides and options.
@@ -31,14 +43,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from typing import NamedTuple
+
 from ._blocks import (
-    causal_key_block_end,
-    causal_query_block_start,
+    Band,
     default_block_sizes,
     iter_blocks,
+    key_range,
+    query_range,
     tile_is_fully_masked,
     tile_needs_mask,
 )
+from ._variant import Variant
 
 __all__ = [
     "forward",
@@ -52,6 +68,7 @@ __all__ = [
 ]
 
 _ORDERS = ("kv_outer", "q_outer", "split")
+DENSE = Variant()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -59,16 +76,16 @@ _ORDERS = ("kv_outer", "q_outer", "split")
 # ---------------------------------------------------------------------------------------------------
 
 
-def forward(q, k, v, *, scale, causal_offset, algorithm, block_q, block_k):
+def forward(q, k, v, *, scale, variant, algorithm, block_q, block_k):
     """Attention forward: ``(out, lse)``. ``algorithm`` is ``"fa2"``, ``"fa1"`` or ``"naive"``."""
     if algorithm == "naive":
-        return naive_forward(q, k, v, scale=scale, causal_offset=causal_offset)
+        return naive_forward(q, k, v, scale=scale, variant=variant)
     blocked = {"fa2": fa2_forward, "fa1": fa1_forward}
     assert algorithm in blocked, algorithm
-    return blocked[algorithm](q, k, v, scale=scale, causal_offset=causal_offset, block_q=block_q, block_k=block_k)
+    return blocked[algorithm](q, k, v, scale=scale, variant=variant, block_q=block_q, block_k=block_k)
 
 
-def backward(do, q, k, v, out, lse, *, scale, causal_offset, algorithm, block_q, block_k, order):
+def backward(do, q, k, v, out, lse, *, scale, variant, algorithm, block_q, block_k, order):
     """Attention backward: ``(dq, dk, dv)``.
 
     ``algorithm="naive"`` recomputes everything with full-size matrices; ``"fa2"`` and ``"fa1"`` share
@@ -76,16 +93,15 @@ def backward(do, q, k, v, out, lse, *, scale, causal_offset, algorithm, block_q,
     (``None`` means ``"kv_outer"``, the order of both papers).
     """
     if algorithm == "naive":
-        return naive_backward(do, q, k, v, scale=scale, causal_offset=causal_offset)
+        return naive_backward(do, q, k, v, scale=scale, variant=variant)
     assert algorithm in ("fa2", "fa1"), algorithm
     return blocked_backward(
-        do, q, k, v, out, lse, scale=scale, causal_offset=causal_offset,
-        block_q=block_q, block_k=block_k, order=order,
+        do, q, k, v, out, lse, scale=scale, variant=variant, block_q=block_q, block_k=block_k, order=order,
     )
 
 
 # ---------------------------------------------------------------------------------------------------
-# Shared pieces: dtypes, block loads and stores, scores, masks
+# Shared pieces: dtypes, block loads and stores, sequences, scores, masks
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -123,9 +139,11 @@ def _grouped(x: np.ndarray, heads_kv: int) -> np.ndarray:
 
 
 def _grouped_rows(x: np.ndarray, heads_kv: int) -> np.ndarray:
-    """View per-row statistics ``(batch, heads, seqlen)`` as ``(batch, heads_kv, group, seqlen)``."""
+    """View per-row statistics ``(batch, heads, seqlen)`` as ``(batch, heads_kv, group, seqlen)``, no copy."""
     batch, heads, seqlen = x.shape
-    return x.reshape(batch, heads_kv, heads // heads_kv, seqlen)
+    view = x.reshape(batch, heads_kv, heads // heads_kv, seqlen)
+    assert x.size == 0 or np.may_share_memory(view, x), "splitting the head axis must not copy"
+    return view
 
 
 def _load(x5: np.ndarray, start: int, stop: int, acc: np.dtype) -> np.ndarray:
@@ -142,24 +160,112 @@ def _shift(m: np.ndarray) -> np.ndarray:
     return np.where(np.isneginf(m), 0.0, m).astype(m.dtype, copy=False)
 
 
-def _causal_mask(q_start: int, q_stop: int, k_start: int, k_stop: int, causal_offset: int) -> np.ndarray:
-    """Boolean ``(rows, cols)`` tile, True where key ``j`` lies beyond what query ``i`` may see."""
-    rows = np.arange(q_start, q_stop)[:, None]
+class _ScoreMods(NamedTuple):
+    """What turns ``q_i . k_j`` into the scores of one sequence (``docs/variants.md``)."""
+
+    scale: float
+    softcap: float               # 0: none
+    slopes: np.ndarray | None    # ALiBi, (nb, heads_kv, group, 1, 1) in the accumulation dtype
+    offset: int                  # the diagonal: query i faces key i + offset (ALiBi's distance)
+    band: Band | None            # the keys each row sees by position (None: all)
+
+
+class _Sequence(NamedTuple):
+    """One sequence of a call, or every batch entry at once when they all have the same lengths.
+
+    The accessors view an array of the call as this sequence's ``(nb, rows, heads, d)`` (``q``-like and
+    ``k``-like arrays) or ``(nb, heads, rows)`` (``lse`` and ``D``), without a copy, so that the block loops
+    run on it unchanged and write their results into the call's outputs.
+    """
+
+    batch: slice    # batch entries of a padded batch (one, or all of them)
+    rows_q: slice   # its query rows (of the packed rows, or of a batch entry)
+    rows_k: slice   # its used key rows
+    packed: bool    # q-like arrays are (total, heads, d), lse (heads, total)
+    mods: _ScoreMods
+
+    def q(self, x: np.ndarray) -> np.ndarray:
+        return x[None, self.rows_q] if self.packed else x[self.batch, self.rows_q]
+
+    def k(self, x: np.ndarray) -> np.ndarray:
+        return x[None, self.rows_k] if self.packed else x[self.batch, self.rows_k]
+
+    def rows(self, x: np.ndarray) -> np.ndarray:
+        return x[None, :, self.rows_q] if self.packed else x[self.batch, :, self.rows_q]
+
+
+def _sequences(q, k, variant: Variant, scale: float):
+    """The sequences of a call that have a score to compute (a query and a used key), as :class:`_Sequence`.
+
+    Packed batches (``cu_seqlens``) and key padding (``seqused_k``) give one sequence per batch entry, as
+    the kernels' per-sequence block info; otherwise the whole batch is one run. A sequence left out
+    (no query or no used key) keeps what the outputs start as: ``out = 0``, ``lse = -inf``, zero gradients.
+    """
+    if variant.is_varlen:
+        cu_q, cu_k = (np.asarray(cu, np.int64) for cu in (variant.cu_seqlens_q, variant.cu_seqlens_k))
+        spans = [(b, cu_q[b], cu_q[b + 1] - cu_q[b], cu_k[b], cu_k[b + 1] - cu_k[b]) for b in range(len(cu_q) - 1)]
+    elif variant.seqused_k is not None:
+        spans = [(b, 0, q.shape[1], 0, k.shape[1]) for b in range(q.shape[0])]
+    else:
+        spans = [(None, 0, q.shape[1], 0, k.shape[1])]
+    for b, first_q, len_q, first_k, len_k in spans:
+        if variant.seqused_k is not None:
+            # [variant mask] seqused_k: keys past the used ones are never loaded; the diagonal is placed with them
+            len_k = variant.seqused_k[b]
+        first_q, len_q, first_k, len_k = (int(x) for x in (first_q, len_q, first_k, len_k))
+        if len_q == 0 or len_k == 0:
+            continue
+        batch = slice(None) if b is None else slice(b, b + 1)
+        yield _Sequence(batch, slice(first_q, first_q + len_q), slice(first_k, first_k + len_k), variant.is_varlen,
+                        _score_mods(variant, scale, q, k, batch, len_q, len_k))
+
+
+def _score_mods(variant: Variant, scale: float, q, k, batch: slice, len_q: int, len_k: int) -> _ScoreMods:
+    slopes = None
+    if variant.alibi_slopes is not None:
+        heads_q, heads_kv = q.shape[-2], k.shape[-2]
+        chosen = np.asarray(variant.alibi_slopes[batch], dtype=_acc_dtype(q.dtype))  # (nb, heads_q)
+        slopes = chosen.reshape(chosen.shape[0], heads_kv, heads_q // heads_kv, 1, 1)
+    return _ScoreMods(scale, variant.softcap, slopes, variant.offset(len_q, len_k), variant.band(len_q, len_k))
+
+
+def _outside_band(q_start: int, q_stop: int, k_start: int, k_stop: int, band: Band) -> np.ndarray:
+    """Boolean ``(rows, cols)`` tile, True where key ``j`` lies outside what query ``i`` may see."""
+    rows = np.arange(q_start, q_stop)[:, None] + band.offset
     cols = np.arange(k_start, k_stop)[None, :]
-    return cols > rows + causal_offset
+    outside = np.zeros((q_stop - q_start, k_stop - k_start), bool)
+    if band.right is not None:
+        outside |= cols > rows + band.right
+    if band.left is not None:
+        outside |= cols < rows - band.left
+    return outside
 
 
-def _scores(q_i, k_j, scale, q_start, q_stop, k_start, k_stop, causal_offset) -> np.ndarray:
-    """``S = scale * Q_i K_j^T``, with ``-inf`` where causally masked.
+def _scores(q_i, k_j, mods: _ScoreMods, q_start, q_stop, k_start, k_stop):
+    """``(S, dcap)``: the scores of one tile, and softcap's derivative for the backward (None without).
 
-    ``q_i`` is ``(batch, heads_kv, group, rows, d)``, ``k_j`` ``(batch, heads_kv, 1, cols, d)``; the key
-    block broadcasts over the group. Only a tile that crosses the diagonal builds a mask.
+    ``S = scale * Q_i K_j^T``, then softcap and ALiBi, then ``-inf`` outside the band. ``q_i`` is
+    ``(batch, heads_kv, group, rows, d)``, ``k_j`` ``(batch, heads_kv, 1, cols, d)``; the key block
+    broadcasts over the group. Only a tile that crosses an edge of the band builds a mask.
     """
     s = q_i @ k_j.swapaxes(-1, -2)
-    s *= scale
-    if tile_needs_mask(q_start, q_stop, k_start, k_stop, causal_offset):
-        np.copyto(s, -np.inf, where=_causal_mask(q_start, q_stop, k_start, k_stop, causal_offset))
-    return s
+    s *= mods.scale
+    dcap = None
+    if mods.softcap:
+        # [variant mod] softcap: t = softcap * tanh(t / softcap); keep 1 - tanh^2 for [variant grad]
+        s /= mods.softcap
+        tanh = np.tanh(s, out=s)
+        dcap = 1.0 - tanh * tanh
+        s *= mods.softcap
+    if mods.slopes is not None:
+        # [variant mod] ALiBi: t -= slope * |i + offset - j|
+        rows = np.arange(q_start, q_stop)[:, None] + mods.offset
+        distance = np.abs(rows - np.arange(k_start, k_stop)[None, :]).astype(s.dtype)
+        s -= mods.slopes * distance
+    if tile_needs_mask(q_start, q_stop, k_start, k_stop, mods.band):
+        # [variant mask] -inf outside the band (causal masking, sliding window)
+        np.copyto(s, -np.inf, where=_outside_band(q_start, q_stop, k_start, k_stop, mods.band))
+    return s, dcap
 
 
 def _group_transpose_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -186,15 +292,22 @@ def _finish_lse(m: np.ndarray, l: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _is_empty(q, k) -> bool:
-    batch, seqlen_q, heads_q, _ = q.shape
-    _, seqlen_k, heads_kv, _ = k.shape
-    return 0 in (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
+    """No score at all: a zero-sized batch, row or head axis (``(batch, seqlen, heads, d)`` or packed)."""
+    return 0 in q.shape[:-1] + k.shape[:-1]
 
 
-def _empty_forward(q):
-    """Forward with nothing to attend: zeros out, ``lse = -inf`` (some axes may have length 0)."""
-    batch, seqlen_q, heads_q, _ = q.shape
-    return np.zeros(q.shape, q.dtype), np.full((batch, heads_q, seqlen_q), -np.inf, _acc_dtype(q.dtype))
+def _forward_outputs(q):
+    """``out`` (zeros, like q) and ``lse`` (``-inf``): what a row that sees no key keeps.
+
+    ``lse`` is ``(batch, heads, seqlen_q)``, or ``(heads, total_q)`` for packed ``(total_q, heads, d)`` q.
+    """
+    lse_shape = (q.shape[1], q.shape[0]) if q.ndim == 3 else (q.shape[0], q.shape[2], q.shape[1])
+    return np.zeros(q.shape, q.dtype), np.full(lse_shape, -np.inf, _acc_dtype(q.dtype))
+
+
+def _zero_grads(q, k, v):
+    """Gradients start at zero: keys that no query sees (past ``seqused_k``, say) keep it."""
+    return np.zeros(q.shape, q.dtype), np.zeros(k.shape, k.dtype), np.zeros(v.shape, v.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -202,37 +315,39 @@ def _empty_forward(q):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _naive_probabilities(q5, k5, scale, causal_offset):
-    """Full ``P = softmax(S)`` and ``lse`` per row, from grouped full-length Q and K."""
+def _naive_probabilities(q5, k5, mods: _ScoreMods):
+    """Full ``P = softmax(S)``, ``lse`` per row and softcap's derivative, from grouped full-length Q and K."""
     seqlen_q, seqlen_k = q5.shape[-2], k5.shape[-2]
-    s = _scores(q5, k5, scale, 0, seqlen_q, 0, seqlen_k, causal_offset)
+    s, dcap = _scores(q5, k5, mods, 0, seqlen_q, 0, seqlen_k)
     m = s.max(axis=-1)
     s -= _shift(m)[..., None]
     p = np.exp(s, out=s)
     l_safe, lse = _finish_lse(m, p.sum(axis=-1))
     p /= l_safe[..., None]
-    return p, lse
+    return p, lse, dcap
 
 
-def naive_forward(q, k, v, *, scale, causal_offset=None):
+def naive_forward(q, k, v, *, scale, variant=DENSE):
     """Standard attention that materializes ``S`` and ``P`` (``seqlen_q x seqlen_k`` each): the oracle.
 
-    ``S = scale * Q K^T`` (masked), ``P = softmax(S)`` row by row, ``O = P V`` (000, eqs. 7-9), with ``P``
-    rounded to the input dtype before the product, as a framework computing in that dtype would.
-    Returns ``(out, lse)``.
+    ``S = scale * Q K^T`` (modified and masked by ``variant``), ``P = softmax(S)`` row by row, ``O = P V``
+    (000, eqs. 7-9), with ``P`` rounded to the input dtype before the product, as a framework computing
+    in that dtype would. One sequence at a time. Returns ``(out, lse)``.
     """
+    out, lse = _forward_outputs(q)
     if _is_empty(q, k):
-        return _empty_forward(q)
+        return out, lse
     dtype, acc = q.dtype, _acc_dtype(q.dtype)
-    heads_kv = k.shape[2]
-    q5, k5, v5 = (np.asarray(_grouped(x, heads_kv), dtype=acc) for x in (q, k, v))
-    p, lse = _naive_probabilities(q5, k5, scale, causal_offset)
-    out = np.empty(q.shape, dtype)
-    _grouped(out, heads_kv)[...] = _cast_like_kernel(p, dtype) @ v5
-    return out, lse.reshape(q.shape[0], q.shape[2], q.shape[1])
+    heads_kv = k.shape[-2]
+    for seq in _sequences(q, k, variant, scale):
+        q5, k5, v5 = (np.asarray(_grouped(x, heads_kv), dtype=acc) for x in (seq.q(q), seq.k(k), seq.k(v)))
+        p, lse_seq, _ = _naive_probabilities(q5, k5, seq.mods)
+        _grouped(seq.q(out), heads_kv)[...] = _cast_like_kernel(p, dtype) @ v5
+        _grouped_rows(seq.rows(lse), heads_kv)[...] = lse_seq
+    return out, lse
 
 
-def naive_backward(do, q, k, v, *, scale, causal_offset=None):
+def naive_backward(do, q, k, v, *, scale, variant=DENSE):
     """Gradients of standard attention from full-size ``P``, ``dP`` and ``dS`` (000, section 3).
 
     Everything is recomputed from ``q, k, v, do``; ``gamma = rowsum(P * dP)`` is taken straight from its
@@ -240,22 +355,27 @@ def naive_backward(do, q, k, v, *, scale, causal_offset=None):
     shortcut. ``P`` and ``dS`` are rounded to the input dtype before their products. Returns
     ``(dq, dk, dv)``, with dk and dv summed over each query-head group.
     """
+    grads = _zero_grads(q, k, v)
     if _is_empty(q, k):
-        return np.zeros(q.shape, q.dtype), np.zeros(k.shape, k.dtype), np.zeros(v.shape, v.dtype)
+        return grads
     dtype, acc = q.dtype, _acc_dtype(q.dtype)
-    heads_kv = k.shape[2]
-    q5, k5, v5, do5 = (np.ascontiguousarray(_grouped(x, heads_kv), dtype=acc) for x in (q, k, v, do))
-    p, _ = _naive_probabilities(q5, k5, scale, causal_offset)
-    dv = _group_transpose_matmul(_cast_like_kernel(p, dtype), do5)
-    dp = do5 @ v5.swapaxes(-1, -2)
-    gamma = (p * dp).sum(axis=-1)
-    ds = p * (dp - gamma[..., None])
-    ds_in = _cast_like_kernel(ds, dtype)
-    dq = scale * (ds_in @ k5)
-    dk = scale * _group_transpose_matmul(ds_in, q5)
-    grads = (np.empty(q.shape, dtype), np.empty(k.shape, dtype), np.empty(v.shape, dtype))
-    for grad, value in zip(grads, (dq, dk, dv)):
-        _grouped(grad, value.shape[1])[...] = value
+    heads_kv = k.shape[-2]
+    for seq in _sequences(q, k, variant, scale):
+        q5, do5 = (np.ascontiguousarray(_grouped(seq.q(x), heads_kv), dtype=acc) for x in (q, do))
+        k5, v5 = (np.ascontiguousarray(_grouped(seq.k(x), heads_kv), dtype=acc) for x in (k, v))
+        p, _, dcap = _naive_probabilities(q5, k5, seq.mods)
+        dv = _group_transpose_matmul(_cast_like_kernel(p, dtype), do5)
+        dp = do5 @ v5.swapaxes(-1, -2)
+        gamma = (p * dp).sum(axis=-1)
+        ds = p * (dp - gamma[..., None])
+        if dcap is not None:
+            # [variant grad] softcap: dS *= 1 - (t_capped / softcap)^2
+            ds *= dcap
+        ds_in = _cast_like_kernel(ds, dtype)
+        dq = scale * (ds_in @ k5)
+        dk = scale * _group_transpose_matmul(ds_in, q5)
+        for grad, value, view in zip(grads, (dq, dk, dv), (seq.q, seq.k, seq.k)):
+            _grouped(view(grad), value.shape[1])[...] = value
     return grads
 
 
@@ -264,23 +384,27 @@ def naive_backward(do, q, k, v, *, scale, causal_offset=None):
 # ---------------------------------------------------------------------------------------------------
 
 
-def fa2_forward(q, k, v, *, scale, causal_offset=None, block_q=None, block_k=None):
+def fa2_forward(q, k, v, *, scale, variant=DENSE, block_q=None, block_k=None):
     """FlashAttention-2 forward: ``(out, lse)``.
 
     The outer loop takes one query block at a time and keeps its running row max ``m_i``, running sum
     ``l_i`` and unnormalized output ``acc`` in local ("SRAM") arrays while the inner loop streams the
     key/value blocks it can see; ``acc`` is normalized once at the end. Extra memory is
-    O(block_q x block_k) per (batch, head).
+    O(block_q x block_k) per (batch, head). One sequence at a time (see :func:`_sequences`).
     """
+    out, lse = _forward_outputs(q)
     if _is_empty(q, k):
-        return _empty_forward(q)
+        return out, lse
+    block_q, block_k = _resolve_block_sizes(q.shape[-1], block_q, block_k, "forward")
+    for seq in _sequences(q, k, variant, scale):
+        _fa2_forward_sequence(seq.q(q), seq.k(k), seq.k(v), seq.q(out), seq.rows(lse), seq.mods, block_q, block_k)
+    return out, lse
+
+
+def _fa2_forward_sequence(q, k, v, out, lse, mods: _ScoreMods, block_q, block_k):
     dtype, acc_dtype = q.dtype, _acc_dtype(q.dtype)
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    seqlen_k, heads_kv = k.shape[1], k.shape[2]
-    block_q, block_k = _resolve_block_sizes(head_dim, block_q, block_k, "forward")
+    seqlen_q, seqlen_k, heads_kv = q.shape[1], k.shape[1], k.shape[2]
     q5, k5, v5 = (_grouped(x, heads_kv) for x in (q, k, v))
-    out = np.empty(q.shape, dtype)
-    lse = np.empty((batch, heads_q, seqlen_q), acc_dtype)
     out5, lse4 = _grouped(out, heads_kv), _grouped_rows(lse, heads_kv)
 
     for q_start, q_stop in iter_blocks(0, seqlen_q, block_q, seqlen_q):
@@ -289,13 +413,13 @@ def fa2_forward(q, k, v, *, scale, causal_offset=None, block_q=None, block_k=Non
         m_i = np.full(q_i.shape[:-1], -np.inf, acc_dtype)
         l_i = np.zeros(q_i.shape[:-1], acc_dtype)
         acc = np.zeros(q_i.shape, acc_dtype)
-        k_end = causal_key_block_end(q_start, q_stop, causal_offset, seqlen_k)
-        for k_start, k_stop in iter_blocks(0, k_end, block_k, seqlen_k):
-            assert not tile_is_fully_masked(q_start, q_stop, k_start, k_stop, causal_offset)
+        k_first, k_end = key_range(q_start, q_stop, mods.band, seqlen_k)
+        for k_start, k_stop in iter_blocks(k_first, k_end, block_k, seqlen_k):
+            assert not tile_is_fully_masked(q_start, q_stop, k_start, k_stop, mods.band)
             k_j = _load(k5, k_start, k_stop, acc_dtype)
             v_j = _load(v5, k_start, k_stop, acc_dtype)
-            # [fa2-fwd 2] S = scale * Q K^T (masked)
-            s = _scores(q_i, k_j, scale, q_start, q_stop, k_start, k_stop, causal_offset)
+            # [fa2-fwd 2] S = scale * Q K^T (modified and masked)
+            s, _ = _scores(q_i, k_j, mods, q_start, q_stop, k_start, k_stop)
             # [fa2-fwd 3] new row max; rescale acc and l_i by exp(m_old - m_new)
             m_new = np.maximum(m_i, s.max(axis=-1))
             m_shift = _shift(m_new)
@@ -314,7 +438,6 @@ def fa2_forward(q, k, v, *, scale, causal_offset=None, block_q=None, block_k=Non
         acc /= l_safe[..., None]
         out5[..., q_start:q_stop, :] = acc
         lse4[..., q_start:q_stop] = lse_i
-    return out, lse
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -322,21 +445,28 @@ def fa2_forward(q, k, v, *, scale, causal_offset=None, block_q=None, block_k=Non
 # ---------------------------------------------------------------------------------------------------
 
 
-def fa1_forward(q, k, v, *, scale, causal_offset=None, block_q=None, block_k=None):
+def fa1_forward(q, k, v, *, scale, variant=DENSE, block_q=None, block_k=None):
     """FlashAttention forward with the loops of the first paper: ``(out, lse)``.
 
     The outer loop holds one key/value block; the inner loop visits every query block that can see it
     and reads that block's normalized output ``O``, row max ``m`` and row sum ``l`` from full-size
     ("HBM") arrays, folds in the new tile, and writes all three back. ``O`` is held in the accumulation
     dtype between steps, so the repeated write-backs add no rounding; it is cast to the input dtype once
-    at the end, when ``lse = m + log l`` is formed too.
+    at the end, when ``lse = m + log l`` is formed too. One sequence at a time (see :func:`_sequences`).
     """
+    out, lse = _forward_outputs(q)
     if _is_empty(q, k):
-        return _empty_forward(q)
+        return out, lse
+    block_q, block_k = _resolve_block_sizes(q.shape[-1], block_q, block_k, "forward")
+    for seq in _sequences(q, k, variant, scale):
+        _fa1_forward_sequence(seq.q(q), seq.k(k), seq.k(v), seq.q(out), seq.rows(lse), seq.mods, block_q, block_k)
+    return out, lse
+
+
+def _fa1_forward_sequence(q, k, v, out, lse, mods: _ScoreMods, block_q, block_k):
     dtype, acc_dtype = q.dtype, _acc_dtype(q.dtype)
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
-    block_q, block_k = _resolve_block_sizes(head_dim, block_q, block_k, "forward")
     q5, k5, v5 = (_grouped(x, heads_kv) for x in (q, k, v))
     group = heads_q // heads_kv
     o_hbm = np.zeros((batch, heads_kv, group, seqlen_q, head_dim), acc_dtype)
@@ -346,16 +476,16 @@ def fa1_forward(q, k, v, *, scale, causal_offset=None, block_q=None, block_k=Non
     for k_start, k_stop in iter_blocks(0, seqlen_k, block_k, seqlen_k):
         k_j = _load(k5, k_start, k_stop, acc_dtype)
         v_j = _load(v5, k_start, k_stop, acc_dtype)
-        q_first = causal_query_block_start(k_start, causal_offset, seqlen_q)
-        for q_start, q_stop in iter_blocks(q_first, seqlen_q, block_q, seqlen_q):
-            assert not tile_is_fully_masked(q_start, q_stop, k_start, k_stop, causal_offset)
+        q_first, q_end = query_range(k_start, k_stop, mods.band, seqlen_q)
+        for q_start, q_stop in iter_blocks(q_first, q_end, block_q, seqlen_q):
+            assert not tile_is_fully_masked(q_start, q_stop, k_start, k_stop, mods.band)
             # [fa1-fwd 1] load a query block and its O, m, l from HBM
             q_i = _load(q5, q_start, q_stop, acc_dtype)
             o_old = o_hbm[..., q_start:q_stop, :]
             m_old = m_hbm[..., q_start:q_stop]
             l_old = l_hbm[..., q_start:q_stop]
-            # [fa1-fwd 2] S = scale * Q K^T (masked)
-            s = _scores(q_i, k_j, scale, q_start, q_stop, k_start, k_stop, causal_offset)
+            # [fa1-fwd 2] S = scale * Q K^T (modified and masked)
+            s, _ = _scores(q_i, k_j, mods, q_start, q_stop, k_start, k_stop)
             # [fa1-fwd 3] new row max; rescale factor exp(m_old - m_new) for the old O and l
             m_new = np.maximum(m_old, s.max(axis=-1))
             m_shift = _shift(m_new)
@@ -374,10 +504,9 @@ def fa1_forward(q, k, v, *, scale, causal_offset=None, block_q=None, block_k=Non
             l_hbm[..., q_start:q_stop] = l_new
 
     # [fa1-fwd 6] lse = m + log l; O leaves HBM scratch in the input dtype
-    _, lse = _finish_lse(m_hbm, l_hbm)
-    out = np.empty(q.shape, dtype)
+    _, lse_all = _finish_lse(m_hbm, l_hbm)
     _grouped(out, heads_kv)[...] = o_hbm
-    return out, lse.reshape(batch, heads_q, seqlen_q)
+    _grouped_rows(lse, heads_kv)[...] = lse_all
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -386,11 +515,14 @@ def fa1_forward(q, k, v, *, scale, causal_offset=None, block_q=None, block_k=Non
 
 
 def preprocess_delta(do, out, *, block_q=None):
-    """``D = rowsum(dO * O)``, shape ``(batch, heads, seqlen_q)`` in the accumulation dtype.
+    """``D = rowsum(dO * O)``, shaped like ``lse`` in the accumulation dtype: ``(batch, heads, seqlen_q)``,
+    or ``(heads, total_q)`` for packed ``(total_q, heads, d)`` arrays.
 
     Equal to ``rowsum(P * dP)`` (001, Lemma 2.1), so the backward never needs a whole row of ``P``.
     Computed ``block_q`` rows at a time so that only a block of each input is ever upcast.
     """
+    if out.ndim == 3:
+        return preprocess_delta(do[None], out[None], block_q=block_q)[0]
     acc_dtype = _acc_dtype(out.dtype)
     batch, seqlen_q, heads_q, head_dim = out.shape
     block_q = block_q or default_block_sizes(head_dim, pass_="backward")[0]
@@ -404,19 +536,20 @@ def preprocess_delta(do, out, *, block_q=None):
 
 
 class _BackwardInputs:
-    """The backward's operands as grouped views, plus the sizes and options every loop order needs."""
+    """One sequence's backward operands as grouped views, its gradients (views of the call's, written in
+    place), and the sizes and options every loop order needs."""
 
-    def __init__(self, do, q, k, v, out, lse, scale, causal_offset, block_q, block_k):
+    def __init__(self, do, q, k, v, lse, delta, grads, mods: _ScoreMods, block_q, block_k):
         self.dtype, self.acc = q.dtype, _acc_dtype(q.dtype)
         self.batch, self.seqlen_q, self.heads_q, self.head_dim = q.shape
         self.seqlen_k, self.heads_kv = k.shape[1], k.shape[2]
         self.group = self.heads_q // self.heads_kv
-        self.scale, self.causal_offset = scale, causal_offset
-        self.block_q, self.block_k = _resolve_block_sizes(self.head_dim, block_q, block_k, "backward")
+        self.mods, self.scale = mods, mods.scale
+        self.block_q, self.block_k = block_q, block_k
         self.q5, self.k5, self.v5, self.do5 = (_grouped(x, self.heads_kv) for x in (q, k, v, do))
         self.lse4 = _grouped_rows(lse, self.heads_kv)
-        # [bwd 0] D = rowsum(dO * O), once, before the main loops
-        self.delta4 = _grouped_rows(preprocess_delta(do, out, block_q=self.block_q), self.heads_kv)
+        self.delta4 = _grouped_rows(delta, self.heads_kv)
+        self.dq5, self.dk5, self.dv5 = (_grouped(x, self.heads_kv) for x in grads)
 
     def load_query_block(self, q_start, q_stop):
         """``Q_i``, ``dO_i`` and the row statistics ``lse_i`` (shifted, see :func:`_shift`) and ``D_i``."""
@@ -430,13 +563,23 @@ class _BackwardInputs:
         """``K_j`` and ``V_j``."""
         return _load(self.k5, k_start, k_stop, self.acc), _load(self.v5, k_start, k_stop, self.acc)
 
+    def key_blocks(self, q_start, q_stop):
+        """The key blocks that some row of the query block sees."""
+        first, end = key_range(q_start, q_stop, self.mods.band, self.seqlen_k)
+        return iter_blocks(first, end, self.block_k, self.seqlen_k)
+
+    def query_blocks(self, k_start, k_stop):
+        """The query blocks that some row of which sees a key of the key block."""
+        first, end = query_range(k_start, k_stop, self.mods.band, self.seqlen_q)
+        return iter_blocks(first, end, self.block_q, self.seqlen_q)
+
     def tile(self, q_block, k_block, q_start, q_stop, k_start, k_stop):
         """Steps 1, 3 and 4 of one tile: ``(P, dS)``, both rounded to the input dtype for their products."""
-        assert not tile_is_fully_masked(q_start, q_stop, k_start, k_stop, self.causal_offset)
+        assert not tile_is_fully_masked(q_start, q_stop, k_start, k_stop, self.mods.band)
         q_i, do_i, lse_i, delta_i = q_block
         k_j, v_j = k_block
-        # [bwd 1] P = exp(scale * Q K^T - lse), recomputed from the saved statistic
-        s = _scores(q_i, k_j, self.scale, q_start, q_stop, k_start, k_stop, self.causal_offset)
+        # [bwd 1] P = exp(S - lse), S = scale * Q K^T (modified and masked) recomputed, lse saved
+        s, dcap = _scores(q_i, k_j, self.mods, q_start, q_stop, k_start, k_stop)
         s -= lse_i[..., None]
         p = np.exp(s, out=s)
         # [bwd 3] dP = dO V^T
@@ -444,19 +587,17 @@ class _BackwardInputs:
         # [bwd 4] dS = P * (dP - D)
         dp -= delta_i[..., None]
         ds = np.multiply(p, dp, out=dp)
+        if dcap is not None:
+            # [variant grad] softcap: dS *= 1 - (t_capped / softcap)^2, the derivative of softcap * tanh(t / softcap)
+            ds *= dcap
         return _cast_like_kernel(p, self.dtype), _cast_like_kernel(ds, self.dtype)
-
-    def empty_grads(self):
-        return (np.empty((self.batch, self.seqlen_q, self.heads_q, self.head_dim), self.dtype),
-                np.empty((self.batch, self.seqlen_k, self.heads_kv, self.head_dim), self.dtype),
-                np.empty((self.batch, self.seqlen_k, self.heads_kv, self.head_dim), self.dtype))
 
     def hbm(self, rows, group):
         """A zeroed full-size accumulator ``(batch, heads_kv, group, rows, head_dim)`` ("HBM")."""
         return np.zeros((self.batch, self.heads_kv, group, rows, self.head_dim), self.acc)
 
 
-def _dkdv_pass(a: _BackwardInputs, dk, dv, dq_hbm=None):
+def _dkdv_pass(a: _BackwardInputs, dq_hbm=None):
     """Key/value blocks outer: dK_j and dV_j stay local to the outer step and are written once.
 
     With ``dq_hbm`` (a full-size array), dQ is also read, updated and written back there at every tile,
@@ -466,8 +607,7 @@ def _dkdv_pass(a: _BackwardInputs, dk, dv, dq_hbm=None):
         k_block = k_j, _ = a.load_key_block(k_start, k_stop)
         dk_j = np.zeros(k_j.shape, a.acc)
         dv_j = np.zeros(k_j.shape, a.acc)
-        q_first = causal_query_block_start(k_start, a.causal_offset, a.seqlen_q)
-        for q_start, q_stop in iter_blocks(q_first, a.seqlen_q, a.block_q, a.seqlen_q):
+        for q_start, q_stop in a.query_blocks(k_start, k_stop):
             q_block = q_i, do_i, _, _ = a.load_query_block(q_start, q_stop)
             p, ds = a.tile(q_block, k_block, q_start, q_stop, k_start, k_stop)
             # [bwd 2] dV_j += P^T dO
@@ -478,32 +618,28 @@ def _dkdv_pass(a: _BackwardInputs, dk, dv, dq_hbm=None):
             # [bwd 6] dK_j += scale * dS^T Q_i (scale applied when dK_j is written)
             dk_j += _group_transpose_matmul(ds, q_i)
         dk_j *= a.scale
-        _grouped(dk, a.heads_kv)[..., k_start:k_stop, :] = dk_j
-        _grouped(dv, a.heads_kv)[..., k_start:k_stop, :] = dv_j
+        a.dk5[..., k_start:k_stop, :] = dk_j
+        a.dv5[..., k_start:k_stop, :] = dv_j
 
 
 def _backward_kv_outer(a: _BackwardInputs):
     """Key/value blocks outer (000 Algorithm 8, 001 FlashBackward): dK_j, dV_j stay local to the
     outer step; dQ is read, updated and written back in a full-size array at every tile."""
-    dq, dk, dv = a.empty_grads()
     dq_hbm = a.hbm(a.seqlen_q, a.group)
-    _dkdv_pass(a, dk, dv, dq_hbm)
+    _dkdv_pass(a, dq_hbm)
     dq_hbm *= a.scale
-    _grouped(dq, a.heads_kv)[...] = dq_hbm
-    return dq, dk, dv
+    a.dq5[...] = dq_hbm
 
 
 def _backward_q_outer(a: _BackwardInputs):
     """Query blocks outer (000 Algorithm 6): dQ_i stays local to the outer step; dK and dV are read,
     updated and written back in full-size arrays at every tile."""
-    dq, dk, dv = a.empty_grads()
     dk_hbm = a.hbm(a.seqlen_k, 1)
     dv_hbm = a.hbm(a.seqlen_k, 1)
     for q_start, q_stop in iter_blocks(0, a.seqlen_q, a.block_q, a.seqlen_q):
         q_block = q_i, do_i, _, _ = a.load_query_block(q_start, q_stop)
         dq_i = np.zeros(q_i.shape, a.acc)
-        k_end = causal_key_block_end(q_start, q_stop, a.causal_offset, a.seqlen_k)
-        for k_start, k_stop in iter_blocks(0, k_end, a.block_k, a.seqlen_k):
+        for k_start, k_stop in a.key_blocks(q_start, q_stop):
             k_block = k_j, _ = a.load_key_block(k_start, k_stop)
             p, ds = a.tile(q_block, k_block, q_start, q_stop, k_start, k_stop)
             # [bwd 2] dV_j += P^T dO: read-modify-write in HBM
@@ -513,49 +649,51 @@ def _backward_q_outer(a: _BackwardInputs):
             # [bwd 6] dK_j += scale * dS^T Q_i: read-modify-write in HBM (scale applied once, at the end)
             dk_hbm[..., k_start:k_stop, :] += _group_transpose_matmul(ds, q_i)
         dq_i *= a.scale
-        _grouped(dq, a.heads_kv)[..., q_start:q_stop, :] = dq_i
+        a.dq5[..., q_start:q_stop, :] = dq_i
     dk_hbm *= a.scale
-    _grouped(dk, a.heads_kv)[...] = dk_hbm
-    _grouped(dv, a.heads_kv)[...] = dv_hbm
-    return dq, dk, dv
+    a.dk5[...] = dk_hbm
+    a.dv5[...] = dv_hbm
 
 
 def _backward_split(a: _BackwardInputs):
     """Two passes with no read-modify-write of a shared array (003): first dK and dV with key/value
     blocks outer, then dQ with query blocks outer. P and dS are recomputed in each pass; every
     gradient block is written exactly once, so the GPU version needs no atomics and is deterministic."""
-    dq, dk, dv = a.empty_grads()
-    _dkdv_pass(a, dk, dv)
+    _dkdv_pass(a)
     for q_start, q_stop in iter_blocks(0, a.seqlen_q, a.block_q, a.seqlen_q):
         q_block = q_i, _, _, _ = a.load_query_block(q_start, q_stop)
         dq_i = np.zeros(q_i.shape, a.acc)
-        k_end = causal_key_block_end(q_start, q_stop, a.causal_offset, a.seqlen_k)
-        for k_start, k_stop in iter_blocks(0, k_end, a.block_k, a.seqlen_k):
+        for k_start, k_stop in a.key_blocks(q_start, q_stop):
             k_block = k_j, _ = a.load_key_block(k_start, k_stop)
             _, ds = a.tile(q_block, k_block, q_start, q_stop, k_start, k_stop)
             # [bwd 5] dQ_i += scale * dS K_j (scale applied when dQ_i is written)
             dq_i += ds @ k_j
         dq_i *= a.scale
-        _grouped(dq, a.heads_kv)[..., q_start:q_stop, :] = dq_i
-    return dq, dk, dv
+        a.dq5[..., q_start:q_stop, :] = dq_i
 
 
 _BACKWARD_ORDERS = {"kv_outer": _backward_kv_outer, "q_outer": _backward_q_outer, "split": _backward_split}
 
 
-def blocked_backward(do, q, k, v, out, lse, *, scale, causal_offset=None, block_q=None, block_k=None,
-                     order=None):
+def blocked_backward(do, q, k, v, out, lse, *, scale, variant=DENSE, block_q=None, block_k=None, order=None):
     """FlashAttention backward: ``(dq, dk, dv)`` from the forward's ``out`` and ``lse``.
 
     ``P`` is recomputed tile by tile from ``lse`` ([bwd 1]), so nothing of size ``seqlen_q x seqlen_k``
     exists. ``order`` picks the loop order (``docs/architecture.md``): ``"kv_outer"`` (default),
     ``"q_outer"`` or ``"split"``. All three compute the same tiles; they differ in which gradient is
     accumulated across the outer loop. Extra memory is O(seqlen x head_dim) for the accumulator plus
-    O(block_q x block_k) per (batch, head).
+    O(block_q x block_k) per (batch, head). One sequence at a time (see :func:`_sequences`).
     """
+    grads = _zero_grads(q, k, v)
     if _is_empty(q, k):
-        return np.zeros(q.shape, q.dtype), np.zeros(k.shape, k.dtype), np.zeros(v.shape, v.dtype)
+        return grads
     order = "kv_outer" if order is None else order
     assert order in _BACKWARD_ORDERS, order
-    inputs = _BackwardInputs(do, q, k, v, out, lse, scale, causal_offset, block_q, block_k)
-    return _BACKWARD_ORDERS[order](inputs)
+    block_q, block_k = _resolve_block_sizes(q.shape[-1], block_q, block_k, "backward")
+    # [bwd 0] D = rowsum(dO * O), once, before the main loops
+    delta = preprocess_delta(do, out, block_q=block_q)
+    for seq in _sequences(q, k, variant, scale):
+        inputs = _BackwardInputs(seq.q(do), seq.q(q), seq.k(k), seq.k(v), seq.rows(lse), seq.rows(delta),
+                                 (seq.q(grads[0]), seq.k(grads[1]), seq.k(grads[2])), seq.mods, block_q, block_k)
+        _BACKWARD_ORDERS[order](inputs)
+    return grads

@@ -11,6 +11,7 @@ import numpy as np
 
 import cuflash
 from cuflash import reference
+from cuflash._variant import Variant
 
 from _helpers import assert_within_budget, float64_truth, max_abs_error, random_inputs, rounding_floor
 
@@ -33,6 +34,12 @@ def poison(cp):
 
 def causal_offset(causal, nq, nk):
     return None if causal is None else (nk - nq if causal == "br" else 0)
+
+
+def variant_of(causal):
+    """The reference's Variant for a causal test id (None, "br", "tl")."""
+    is_causal, align = ALIGN[causal]
+    return Variant(causal=is_causal, bottom_right=align == "bottom-right")
 
 
 def to_device(cp, x, layout="bnhd"):
@@ -67,10 +74,10 @@ def check(cp, shape, d, dtname, causal, *, algorithm="fa2", deterministic=False,
     dtype = DTYPES[dtname]
     q, k, v, do = random_inputs(B, nq, nk, hq, hkv, d, dtype, seed=seed)
     scale = 1.0 / np.sqrt(d)
-    off = causal_offset(causal, nq, nk)
-    out_t, lse_t, grads_t = float64_truth(q, k, v, do, scale=scale, causal_offset=off)
-    out_n, _ = reference.naive_forward(q, k, v, scale=scale, causal_offset=off)
-    grads_n = reference.naive_backward(do, q, k, v, scale=scale, causal_offset=off)
+    variant = variant_of(causal)
+    out_t, lse_t, grads_t = float64_truth(q, k, v, do, scale=scale, variant=variant)
+    out_n, _ = reference.naive_forward(q, k, v, scale=scale, variant=variant)
+    grads_n = reference.naive_backward(do, q, k, v, scale=scale, variant=variant)
     out, lse, grads = run(cp, q, k, v, do, causal, algorithm=algorithm, deterministic=deterministic,
                           layout=layout)
     out_h = cp.asnumpy(out)

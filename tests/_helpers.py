@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from cuflash import reference
+from cuflash._variant import Variant
 
 
 def random_inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype=np.float64, *, seed=0,
@@ -28,17 +29,17 @@ def random_inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype=
     return q, k, v, do
 
 
-def float64_truth(q, k, v, do=None, *, scale, causal_offset=None):
-    """The truth: naive attention on the inputs converted to float64.
+def float64_truth(q, k, v, do=None, *, scale, variant=Variant()):
+    """The truth: naive attention on the inputs converted to float64 (any variant; its ALiBi slopes are
+    float32 by definition and used as they are).
 
     Returns ``(out, lse)``, or ``(out, lse, (dq, dk, dv))`` when ``do`` is given; all float64.
     """
     q64, k64, v64 = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
-    out, lse = reference.naive_forward(q64, k64, v64, scale=scale, causal_offset=causal_offset)
+    out, lse = reference.naive_forward(q64, k64, v64, scale=scale, variant=variant)
     if do is None:
         return out, lse
-    grads = reference.naive_backward(np.asarray(do, dtype=np.float64), q64, k64, v64, scale=scale,
-                                     causal_offset=causal_offset)
+    grads = reference.naive_backward(np.asarray(do, dtype=np.float64), q64, k64, v64, scale=scale, variant=variant)
     return out, lse, grads
 
 

@@ -40,9 +40,13 @@ class _FakeDeviceArray:
 
     def __init__(self, like, device_id):
         self._a = like
-        self.shape, self.ndim, self.dtype = like.shape, like.ndim, like.dtype
+        self.shape, self.ndim, self.dtype, self.size = like.shape, like.ndim, like.dtype, like.size
         self.strides, self.itemsize = like.strides, like.itemsize
         self.device = self._Device(device_id)
+
+    def get(self):
+        """The device-to-host copy (cupy.ndarray.get)."""
+        return self._a
 
 
 def test_wrong_rank(no_backend):
@@ -224,3 +228,176 @@ def test_return_lse_flag():
     out2, lse = cuflash.attention(q, k, v, return_lse=True)
     np.testing.assert_array_equal(out, out2)
     assert lse.shape == (2, 4, 5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Variant options: window_size, softcap, alibi_slopes, cu_seqlens / max_seqlen (packed batches), seqused_k
+# ---------------------------------------------------------------------------------------------------
+
+
+def _packed(lens_q=(3, 0, 4), lens_k=(5, 2, 6), heads_q=4, heads_kv=2, head_dim=8, seed=0):
+    """Packed q, k, v and their cu_seqlens (int32)."""
+    rng = np.random.default_rng(seed)
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
+    q = rng.standard_normal((int(cu_q[-1]), heads_q, head_dim)).astype(np.float32)
+    k, v = (rng.standard_normal((int(cu_k[-1]), heads_kv, head_dim)).astype(np.float32) for _ in range(2))
+    options = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+    return q, k, v, options
+
+
+@pytest.mark.parametrize("value, error, message", [
+    (5, TypeError, r"window_size must be a pair of integers \(left, right\), -1 for unlimited; got int 5"),
+    ((1, 2, 3), ValueError, r"window_size must be a pair of integers .*; got 3 entries \(1, 2, 3\)"),
+    ((1.5, -1), TypeError, r"window_size must be a pair of integers .*; got \(float 1.5, int -1\)"),
+    ((True, 0), TypeError, r"window_size must be a pair of integers .*; got \(bool True, int 0\)"),
+    ((-2, 0), ValueError, r"window_size entries must be >= -1 \(-1: unlimited on that side\); got \(-2, 0\)"),
+])
+def test_bad_window_size(no_backend, value, error, message):
+    with pytest.raises(error, match=message):
+        cuflash.attention(*_qkv(), window_size=value)
+
+
+def test_bad_softcap(no_backend):
+    with pytest.raises(TypeError, match=r"softcap must be a real number \(0 for none\); got str '1'"):
+        cuflash.attention(*_qkv(), softcap="1")
+    for value in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=r"softcap must be finite and >= 0 \(0 for none\); got"):
+            cuflash.attention(*_qkv(), softcap=value)
+
+
+def test_bad_alibi_slopes(no_backend):
+    q, k, v = _qkv()  # batch 2, 4 query heads
+    with pytest.raises(ValueError, match=re.escape(
+            "alibi_slopes must have shape (heads_q,) = (4,) or (batch, heads_q) = (2, 4); got (2,)")):
+        cuflash.attention(q, k, v, alibi_slopes=np.ones(2, np.float32))
+    with pytest.raises(TypeError, match=r"alibi_slopes must have dtype float32 \(as flash-attention\); got float64"):
+        cuflash.attention(q, k, v, alibi_slopes=np.ones(4))
+    with pytest.raises(ValueError, match=r"alibi_slopes must have a contiguous last axis .*got strides \(32, 8\)"):
+        cuflash.attention(q, k, v, alibi_slopes=np.ones((2, 8), np.float32)[:, ::2])
+    with pytest.raises(TypeError, match=r"q and alibi_slopes must come from the same array library; "
+                                        r"got numpy.ndarray for q and builtins.list for alibi_slopes"):
+        cuflash.attention(q, k, v, alibi_slopes=[0.5] * 4)
+
+
+def test_cu_seqlens_come_together_with_max_seqlen(no_backend):
+    q, k, v, packed = _packed()
+    with pytest.raises(ValueError, match=r"cu_seqlens_q and cu_seqlens_k must be given together "
+                                         r"\(a packed variable-length batch\); got cu_seqlens_q without cu_seqlens_k"):
+        cuflash.attention(q, k, v, cu_seqlens_q=packed["cu_seqlens_q"], max_seqlen_q=4, max_seqlen_k=6)
+    with pytest.raises(ValueError, match="got cu_seqlens_k without cu_seqlens_q"):
+        cuflash.attention(q, k, v, cu_seqlens_k=packed["cu_seqlens_k"])
+    with pytest.raises(ValueError, match=r"max_seqlen_k is required with cu_seqlens_q and cu_seqlens_k "
+                                         r"\(the longest sequence's length, as in flash_attn_varlen_func\); got None"):
+        cuflash.attention(q, k, v, **{**packed, "max_seqlen_k": None})
+    with pytest.raises(ValueError, match=r"max_seqlen_q is only used with cu_seqlens_q and cu_seqlens_k "
+                                         r"\(a packed variable-length batch\); got max_seqlen_q=5 without them"):
+        cuflash.attention(*_qkv(), max_seqlen_q=5)
+
+
+def test_rank_follows_the_layout(no_backend):
+    q, k, v, packed = _packed()
+    with pytest.raises(ValueError, match=r"q must have 3 dimensions \(total, heads, head_dim\) with cu_seqlens_q "
+                                         r"and cu_seqlens_k; got 4 dimensions with shape \(1, 7, 4, 8\)"):
+        cuflash.attention(q[None], k, v, **packed)
+    with pytest.raises(ValueError, match=r"q must have 4 dimensions \(batch, seqlen, heads, head_dim\); got 3 "
+                                         r"dimensions with shape \(7, 4, 8\); packed \(total, heads, head_dim\) "
+                                         r"arrays need cu_seqlens_q and cu_seqlens_k"):
+        cuflash.attention(q, k, v)
+    with pytest.raises(ValueError, match=r"must divide the number of query heads \(axis 1\); got 4 query heads and 3"):
+        cuflash.attention(q, k[:, :1].repeat(3, axis=1), v[:, :1].repeat(3, axis=1), **packed)
+
+
+@pytest.mark.parametrize("name, value, error, message", [
+    ("cu_seqlens_q", np.array([[0, 3], [3, 7]], np.int32), ValueError,
+     r"cu_seqlens_q must have shape \(batch \+ 1,\); got \(2, 2\)"),
+    ("cu_seqlens_k", np.array([0, 5, 7, 13]), TypeError, "cu_seqlens_k must have dtype int32; got int64"),
+    ("cu_seqlens_q", np.array([0, 0, 3, 3, 7, 7], np.int32)[::2], ValueError,
+     r"cu_seqlens_q must be contiguous \(stride 4 bytes\); got strides \(8,\)"),
+    ("cu_seqlens_q", np.zeros(0, np.int32), ValueError,
+     r"cu_seqlens_q must have batch \+ 1 >= 1 entries, starting with 0; got shape \(0,\)"),
+    ("cu_seqlens_q", np.array([2, 3, 3, 7], np.int32), ValueError, r"cu_seqlens_q must start at 0; got cu_seqlens_q\[0\] = 2"),
+    ("cu_seqlens_k", np.array([0, 5, 3, 13], np.int32), ValueError,
+     r"cu_seqlens_k must be non-decreasing \(sequence b is rows cu_seqlens_k\[b\]:cu_seqlens_k\[b \+ 1\]\); "
+     r"got cu_seqlens_k\[2\] = 3 < cu_seqlens_k\[1\] = 5"),
+    ("cu_seqlens_q", np.array([0, 3, 3, 6], np.int32), ValueError,
+     r"cu_seqlens_q must end at the number of rows of q, 7; got cu_seqlens_q\[-1\] = 6"),
+    ("cu_seqlens_k", np.array([0, 13], np.int32), ValueError,
+     r"cu_seqlens_q and cu_seqlens_k must have the same length, batch \+ 1; got 4 and 2"),
+    ("max_seqlen_q", 4.0, TypeError, "max_seqlen_q must be a positive integer; got float 4.0"),
+    ("max_seqlen_q", 0, ValueError, "max_seqlen_q must be a positive integer; got 0"),
+    ("max_seqlen_k", 5, ValueError, "max_seqlen_k must be at least the longest key sequence, 6; got 5"),
+    ("max_seqlen_q", 3, ValueError, "max_seqlen_q must be at least the longest query sequence, 4; got 3"),
+])
+def test_bad_packed_batch(no_backend, name, value, error, message):
+    q, k, v, packed = _packed()
+    with pytest.raises(error, match=message):
+        cuflash.attention(q, k, v, **{**packed, name: value})
+
+
+def test_cu_seqlens_values_are_read_from_the_device(no_backend):
+    """CuPy cu_seqlens are copied to the host to check their values (.get())."""
+    q, k, v, packed = _packed()
+    on_device = {name: _FakeDeviceArray(a, 0) for name, a in packed.items() if name.startswith("cu")}
+    on_device["cu_seqlens_q"] = _FakeDeviceArray(np.array([0, 3, 2, 7], np.int32), 0)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must be non-decreasing .*got cu_seqlens_q\[2\] = 2"):
+        cuflash.attention(*(_FakeDeviceArray(a, 0) for a in (q, k, v)), max_seqlen_q=4, max_seqlen_k=6, **on_device)
+    with pytest.raises(TypeError, match=r"q and cu_seqlens_q must come from the same array library; got "
+                                        r"numpy.ndarray for q and cupy._FakeDeviceArray for cu_seqlens_q"):
+        cuflash.attention(q, k, v, **{**packed, "cu_seqlens_q": on_device["cu_seqlens_q"]})
+
+
+def test_bad_seqused_k(no_backend):
+    q, k, v = _qkv()  # batch 2, 7 keys
+    with pytest.raises(ValueError, match=re.escape("seqused_k must have shape (batch,) = (2,); got (3,)")):
+        cuflash.attention(q, k, v, seqused_k=np.array([1, 2, 3], np.int32))
+    with pytest.raises(TypeError, match="seqused_k must have dtype int32; got uint32"):
+        cuflash.attention(q, k, v, seqused_k=np.array([1, 2], np.uint32))
+    with pytest.raises(ValueError, match=re.escape("seqused_k must lie in [0, seqlen_k] = [0, 7]; got seqused_k[1] = 8")):
+        cuflash.attention(q, k, v, seqused_k=np.array([7, 8], np.int32))
+    with pytest.raises(ValueError, match=re.escape("got seqused_k[0] = -1")):
+        cuflash.attention(q, k, v, seqused_k=np.array([-1, 0], np.int32))
+    q, k, v, packed = _packed()  # keys per sequence: 5, 2, 6
+    with pytest.raises(ValueError, match=re.escape(
+            "seqused_k[b] must lie in [0, cu_seqlens_k[b + 1] - cu_seqlens_k[b]] (the keys of sequence b); "
+            "got seqused_k[1] = 3 for a sequence of 2 keys")):
+        cuflash.attention(q, k, v, seqused_k=np.array([5, 3, 0], np.int32), **packed)
+
+
+def test_packed_backward_checks():
+    q, k, v, packed = _packed()
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **packed)
+    assert lse.shape == (4, 7)
+    with pytest.raises(ValueError, match=re.escape("lse must have shape (heads, total_q) = (4, 7); got (1, 4, 7)")):
+        cuflash.attention_backward(out, q, k, v, out, lse[None], **packed)
+    with pytest.raises(ValueError, match=re.escape("do must have the shape of q, (7, 4, 8); got (6, 4, 8)")):
+        cuflash.attention_backward(out[:6], q, k, v, out, lse, **packed)
+    with pytest.raises(ValueError, match="cu_seqlens_q and cu_seqlens_k must be given together"):
+        cuflash.attention_backward(out, q, k, v, out, lse, cu_seqlens_q=packed["cu_seqlens_q"])
+
+
+def test_backends_receive_the_variant(monkeypatch):
+    """check_supported and forward get one normalized Variant (the backend interface of docs/architecture.md)."""
+    calls = {}
+
+    class Backend:
+        @staticmethod
+        def check_supported(problem, algorithm, variant):
+            calls["check"] = (problem, algorithm, variant)
+
+        @staticmethod
+        def forward(q, k, v, *, scale, variant, algorithm, block_q, block_k):
+            calls["forward"] = variant
+            return np.zeros(q.shape, q.dtype), np.zeros((4, q.shape[0]), np.float32)
+
+    monkeypatch.setattr(_api, "_backend", lambda library: Backend)
+    q, k, v, packed = _packed()
+    cuflash.attention(q, k, v, causal=True, causal_align="top-left", window_size=(3, 5), softcap=2.5, **packed)
+    problem, algorithm, variant = calls["check"]
+    assert variant is calls["forward"] and algorithm == "fa2"
+    assert (problem.batch, problem.seqlen_q, problem.seqlen_k, problem.total_q, problem.total_k) == (3, 4, 6, 7, 13)
+    assert (variant.causal, variant.bottom_right, variant.window_left, variant.window_right, variant.right) == (
+        True, False, 3, 5, 0)
+    assert variant.softcap == 2.5 and variant.is_varlen and (variant.max_seqlen_q, variant.max_seqlen_k) == (4, 6)
+    assert variant.cu_seqlens_q is packed["cu_seqlens_q"] and variant.seqused_k is None
+    cuflash.attention(*_qkv(), window_size=(-1, 2))
+    assert calls["forward"].window_left is None and calls["forward"].window_right == 2

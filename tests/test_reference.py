@@ -19,6 +19,8 @@ from _helpers import assert_within_budget, float64_truth, max_abs_error, random_
 from scipy.special import softmax
 
 from cuflash import _blocks, reference
+from cuflash._blocks import Band
+from cuflash._variant import Variant
 
 pytestmark = pytest.mark.filterwarnings("error")
 
@@ -26,9 +28,9 @@ ORDERS = ["kv_outer", "q_outer", "split"]
 BLOCKED_FORWARDS = {"fa2": reference.fa2_forward, "fa1": reference.fa1_forward}
 
 
-def causal_offset_for(causal, seqlen_q, seqlen_k):
-    """The internal offset for a causal alignment ("none", "bottom-right", "top-left")."""
-    return {"none": None, "bottom-right": seqlen_k - seqlen_q, "top-left": 0}[causal]
+# The variant of each causal alignment ("none", "bottom-right", "top-left").
+CAUSAL_VARIANTS = {"none": Variant(), "bottom-right": Variant(causal=True),
+                   "top-left": Variant(causal=True, bottom_right=False)}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -52,17 +54,26 @@ def test_default_block_sizes_follow_the_seed_rule():
         _blocks.default_block_sizes(64, pass_="sideways")
 
 
-def test_causal_bounds_clamp_to_the_sequence():
+def test_band_bounds_clamp_to_the_sequence():
+    causal = Band(3, None, 0)
     # query rows [8, 16) with offset 3 see keys up to 15 + 3 = 18 inclusive
-    assert _blocks.causal_key_block_end(8, 16, 3, 100) == 19
-    assert _blocks.causal_key_block_end(8, 16, 3, 10) == 10
-    assert _blocks.causal_key_block_end(0, 4, -10, 10) == 0
-    assert _blocks.causal_key_block_end(0, 4, None, 10) == 10
-    # key 20 is first seen by row 20 - 3 = 17
-    assert _blocks.causal_query_block_start(20, 3, 100) == 17
-    assert _blocks.causal_query_block_start(2, 3, 100) == 0
-    assert _blocks.causal_query_block_start(50, -60, 100) == 100
-    assert _blocks.causal_query_block_start(50, None, 100) == 0
+    assert _blocks.key_range(8, 16, causal, 100) == (0, 19)
+    assert _blocks.key_range(8, 16, causal, 10) == (0, 10)
+    assert _blocks.key_range(0, 4, Band(-10, None, 0), 10) == (0, 0)
+    assert _blocks.key_range(0, 4, None, 10) == (0, 10)
+    # key 20 is first seen by row 20 - 3 = 17 (and key 29, the block's last, by every later row)
+    assert _blocks.query_range(20, 30, causal, 100) == (17, 100)
+    assert _blocks.query_range(2, 5, causal, 100) == (0, 100)
+    assert _blocks.query_range(50, 60, Band(-60, None, 0), 100) == (100, 100)
+    assert _blocks.query_range(50, 60, None, 100) == (0, 100)
+    # a window of 2 keys left, 1 right around the diagonal i + 3: rows [8, 16) see keys [9, 20)
+    window = Band(3, 2, 1)
+    assert _blocks.key_range(8, 16, window, 100) == (9, 20)
+    assert _blocks.key_range(8, 16, window, 12) == (9, 12)
+    assert _blocks.key_range(40, 48, window, 12) == (12, 12)  # first >= end: no key block
+    # keys [20, 30) are seen by rows 20 - 3 - 1 = 16 to 29 - 3 + 2 = 28
+    assert _blocks.query_range(20, 30, window, 100) == (16, 29)
+    assert _blocks.query_range(20, 30, Band(3, 2, None), 100) == (0, 29)
 
 
 def test_iter_blocks_stays_on_the_grid():
@@ -74,15 +85,19 @@ def test_iter_blocks_stays_on_the_grid():
     assert _blocks.num_blocks(10, 4) == 3 and _blocks.num_blocks(0, 4) == 0
 
 
-def test_tile_classification_matches_a_brute_force_mask():
-    offset = 2
+@pytest.mark.parametrize("band", [Band(2, None, 0), Band(2, 1, 0), Band(2, 1, None), Band(-1, 0, 2)])
+def test_tile_classification_matches_a_brute_force_mask(band):
     for q_start, q_stop, k_start, k_stop in [(0, 4, 0, 4), (0, 4, 6, 8), (4, 8, 0, 4), (0, 4, 2, 7),
-                                             (3, 5, 5, 6), (0, 1, 3, 4)]:
-        rows = np.arange(q_start, q_stop)[:, None]
+                                             (3, 5, 5, 6), (0, 1, 3, 4), (6, 9, 0, 3), (4, 6, 5, 7)]:
+        diagonal = np.arange(q_start, q_stop)[:, None] + band.offset
         cols = np.arange(k_start, k_stop)[None, :]
-        masked = cols > rows + offset
-        assert _blocks.tile_needs_mask(q_start, q_stop, k_start, k_stop, offset) == masked.any()
-        assert _blocks.tile_is_fully_masked(q_start, q_stop, k_start, k_stop, offset) == masked.all()
+        masked = np.zeros((q_stop - q_start, k_stop - k_start), bool)
+        if band.right is not None:
+            masked |= cols > diagonal + band.right
+        if band.left is not None:
+            masked |= cols < diagonal - band.left
+        assert _blocks.tile_needs_mask(q_start, q_stop, k_start, k_stop, band) == masked.any()
+        assert _blocks.tile_is_fully_masked(q_start, q_stop, k_start, k_stop, band) == masked.all()
     assert not _blocks.tile_needs_mask(0, 4, 0, 100, None)
     assert not _blocks.tile_is_fully_masked(0, 4, 0, 100, None)
 
@@ -108,7 +123,7 @@ SEED_DV = [[0.590] * 4, [0.217] * 4, [0.976] * 4, [0.217] * 4]
 @pytest.mark.parametrize("order", ORDERS)
 def test_seed_worked_example(algorithm, order):
     q, k, v, do = (np.array(x, np.float64)[None, :, None, :] for x in (SEED_Q, SEED_K, SEED_V, SEED_DO))
-    options = dict(scale=1.0, causal_offset=None, block_q=2, block_k=2)
+    options = dict(scale=1.0, variant=Variant(), block_q=2, block_k=2)
     out, lse = reference.forward(q, k, v, algorithm=algorithm, **options)
     grads = reference.backward(do, q, k, v, out, lse, algorithm=algorithm, order=order, **options)
     np.testing.assert_allclose(out[0, :, 0], SEED_O, atol=0.011)
@@ -116,9 +131,10 @@ def test_seed_worked_example(algorithm, order):
         np.testing.assert_allclose(grad[0, :, 0], expected, atol=0.011)
 
 
-def _per_head_loop_attention(q, k, v, scale, causal_offset):
+def _per_head_loop_attention(q, k, v, scale, offset):
     """Attention one (batch, head) at a time, the way the formulas read; query head h uses kv head
-    h // (heads_q // heads_kv). Only for inputs where every row sees a key."""
+    h // (heads_q // heads_kv); query i sees key j iff j <= i + offset (offset None: every key). Only for
+    inputs where every row sees a key."""
     batch, seqlen_q, heads_q, _ = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     out = np.empty_like(q)
@@ -126,23 +142,24 @@ def _per_head_loop_attention(q, k, v, scale, causal_offset):
         for h in range(heads_q):
             h_kv = h // (heads_q // heads_kv)
             s = scale * q[b, :, h] @ k[b, :, h_kv].T
-            if causal_offset is not None:
-                s[np.arange(seqlen_k)[None, :] > np.arange(seqlen_q)[:, None] + causal_offset] = -np.inf
+            if offset is not None:
+                s[np.arange(seqlen_k)[None, :] > np.arange(seqlen_q)[:, None] + offset] = -np.inf
             out[b, :, h] = softmax(s, axis=-1) @ v[b, :, h_kv]
     return out
 
 
 @pytest.mark.parametrize("heads", [(3, 3), (6, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
-@pytest.mark.parametrize("causal_offset", [None, 0, 5])
-def test_naive_matches_a_per_head_loop(heads, causal_offset):
+@pytest.mark.parametrize("causal", list(CAUSAL_VARIANTS))
+def test_naive_matches_a_per_head_loop(heads, causal):
     q, k, v, _ = random_inputs(2, 9, 14, *heads, 8, seed=1, with_do=False)
-    out, _ = reference.naive_forward(q, k, v, scale=0.4, causal_offset=causal_offset)
-    np.testing.assert_allclose(out, _per_head_loop_attention(q, k, v, 0.4, causal_offset), rtol=0, atol=1e-13)
+    out, _ = reference.naive_forward(q, k, v, scale=0.4, variant=CAUSAL_VARIANTS[causal])
+    offset = {"none": None, "bottom-right": 14 - 9, "top-left": 0}[causal]
+    np.testing.assert_allclose(out, _per_head_loop_attention(q, k, v, 0.4, offset), rtol=0, atol=1e-13)
 
 
 def test_naive_backward_matches_finite_differences():
     q, k, v, do = random_inputs(1, 3, 5, 2, 1, 3, seed=2)
-    options = dict(scale=0.7, causal_offset=1)
+    options = dict(scale=0.7, variant=Variant(causal=True))
 
     def loss(q, k, v):
         return float((reference.naive_forward(q, k, v, **options)[0] * do).sum())
@@ -166,7 +183,7 @@ def test_naive_backward_matches_finite_differences():
 
 SHAPES = [(1, 1), (1, 257), (113, 203), (203, 113)]
 HEADS = {"mha": (3, 3), "gqa": (4, 2), "mqa": (4, 1)}
-CAUSALS = ["none", "bottom-right", "top-left"]
+CAUSALS = list(CAUSAL_VARIANTS)
 # 1 on either side, sizes that divide nothing, larger than the sequence, and the defaults
 BLOCKS = [(1, 64), (64, 1), (16, 16), (13, 29), (100, 37), (512, 300), (None, None)]
 TIGHT = 1e-12
@@ -189,7 +206,7 @@ def _assert_grads_match(grads, grads_ref, context):
 def _check_blocked_against_naive(shape, heads, causal, blocks, batch=2, head_dim=24):
     seqlen_q, seqlen_k = shape
     q, k, v, do = random_inputs(batch, seqlen_q, seqlen_k, *heads, head_dim, seed=seqlen_q + seqlen_k)
-    options = dict(scale=head_dim**-0.5, causal_offset=causal_offset_for(causal, seqlen_q, seqlen_k))
+    options = dict(scale=head_dim**-0.5, variant=CAUSAL_VARIANTS[causal])
     truth = reference.naive_forward(q, k, v, **options)
     grads_ref = reference.naive_backward(do, q, k, v, **options)
     for block_q, block_k in blocks:
@@ -221,7 +238,7 @@ def test_blocked_matches_naive_float64_long(causal):
 
 def test_dispatch_and_defaults():
     q, k, v, do = random_inputs(1, 70, 90, 4, 2, 8, seed=3)
-    options = dict(scale=0.3, causal_offset=20)
+    options = dict(scale=0.3, variant=Variant(causal=True))
     default_q, default_k = _blocks.default_block_sizes(8)
     out, lse = reference.forward(q, k, v, algorithm="fa2", block_q=None, block_k=None, **options)
     expected = reference.fa2_forward(q, k, v, block_q=default_q, block_k=default_k, **options)
@@ -255,7 +272,7 @@ LOW_PRECISION = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32
 def test_low_precision_within_error_budget(dtype_name, causal):
     dtype = LOW_PRECISION[dtype_name]
     q, k, v, do = random_inputs(2, 150, 230, 4, 2, 64, dtype, seed=4)
-    options = dict(scale=64**-0.5, causal_offset=causal_offset_for(causal, 150, 230))
+    options = dict(scale=64**-0.5, variant=CAUSAL_VARIANTS[causal])
     out_truth, lse_truth, grads_truth = float64_truth(q, k, v, do, **options)
     out_naive, lse_naive = reference.naive_forward(q, k, v, **options)
     grads_naive = reference.naive_backward(do, q, k, v, **options)
@@ -302,7 +319,7 @@ def test_huge_scores_stay_finite_and_correct(sign):
     q, k, v, do = random_inputs(2, 60, 90, 2, 1, 16, seed=6)
     q *= 100.0
     k *= 100.0 * sign
-    options = dict(scale=0.25, causal_offset=30)
+    options = dict(scale=0.25, variant=Variant(causal=True))
     truth = reference.naive_forward(q, k, v, **options)
     assert np.abs(truth[1]).max() > 5e3  # the scores really are that large
     grads_ref = reference.naive_backward(do, q, k, v, **options)
@@ -334,7 +351,7 @@ def test_rows_that_see_no_key(algorithm, dtype_name):
     dtype = LOW_PRECISION.get(dtype_name, np.float64)
     seqlen_q, seqlen_k = 50, 20
     q, k, v, do = random_inputs(2, seqlen_q, seqlen_k, 4, 2, 16, dtype, seed=7)
-    options = dict(scale=0.25, causal_offset=seqlen_k - seqlen_q, block_q=16, block_k=8)
+    options = dict(scale=0.25, variant=Variant(causal=True), block_q=16, block_k=8)
     out, lse = reference.forward(q, k, v, algorithm=algorithm, **options)
     blind = slice(0, seqlen_q - seqlen_k)
     assert np.all(out[:, blind].astype(np.float64) == 0)
@@ -348,9 +365,10 @@ def test_rows_that_see_no_key(algorithm, dtype_name):
 
 
 def test_rows_that_see_no_key_inside_a_visited_tile():
-    """Top-left alignment with a negative offset: blind rows share query blocks with seeing rows."""
-    q, k, v, do = random_inputs(1, 40, 40, 2, 2, 8, seed=8)
-    options = dict(scale=0.3, causal_offset=-5)
+    """Bottom-right alignment with 5 more queries than keys (offset -5): blind rows share query blocks
+    with seeing rows."""
+    q, k, v, do = random_inputs(1, 45, 40, 2, 2, 8, seed=8)
+    options = dict(scale=0.3, variant=Variant(causal=True))
     truth = reference.naive_forward(q, k, v, **options)
     assert np.isneginf(truth[1][:, :, :5]).all()
     grads_ref = reference.naive_backward(do, q, k, v, **options)
@@ -373,7 +391,7 @@ def test_strided_views_give_the_same_results():
     do = do_wide[::2, :, ::2]
     assert not any(x.flags.c_contiguous for x in (q, k, v, do))
     before = [x.copy() for x in (q, k, v, do)]
-    options = dict(scale=0.2, causal_offset=20, block_q=32, block_k=16)
+    options = dict(scale=0.2, variant=Variant(causal=True), block_q=32, block_k=16)
     contiguous = [np.ascontiguousarray(x) for x in (q, k, v, do)]
     for algorithm in ("fa2", "fa1", "naive"):
         out, lse = reference.forward(q, k, v, algorithm=algorithm, **options)
@@ -412,7 +430,7 @@ EMPTY_SHAPES = {"batch": (0, 5, 7), "seqlen_q": (2, 0, 7), "seqlen_k": (2, 5, 0)
 def test_empty_shapes(which, algorithm):
     batch, seqlen_q, seqlen_k = EMPTY_SHAPES[which]
     q, k, v, do = random_inputs(batch, seqlen_q, seqlen_k, 4, 2, 8, np.float32, seed=11)
-    options = dict(scale=0.3, causal_offset=seqlen_k - seqlen_q, block_q=None, block_k=None)
+    options = dict(scale=0.3, variant=Variant(causal=True), block_q=None, block_k=None)
     out, lse = reference.forward(q, k, v, algorithm=algorithm, **options)
     assert out.shape == q.shape and out.dtype == q.dtype and not out.any()
     assert lse.shape == (batch, 4, seqlen_q) and lse.dtype == np.float32 and np.isneginf(lse).all()
@@ -435,7 +453,7 @@ def test_blocked_peak_memory_is_far_below_naive():
     """At seqlen 2048 the naive path holds one (forward) or four (backward) 2048 x 2048 matrices per head;
     the blocked paths, at their default block sizes, hold tiles and O(seqlen x head_dim) arrays."""
     q, k, v, do = random_inputs(1, 2048, 2048, 2, 2, 32, np.float32, seed=12)
-    options = dict(scale=32**-0.5, causal_offset=None)
+    options = dict(scale=32**-0.5, variant=Variant())
     out, lse = reference.naive_forward(q, k, v, **options)
     naive_forward_peak = _traced_peak(reference.naive_forward, q, k, v, **options)
     naive_backward_peak = _traced_peak(reference.naive_backward, do, q, k, v, **options)

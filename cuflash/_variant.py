@@ -1,0 +1,95 @@
+"""What changes the scores of one attention call: the backends' normalized view of the variant options.
+
+The front door (:mod:`cuflash._api`) validates the user's options (``causal``, ``window_size``,
+``softcap``, ``alibi_slopes``, ``cu_seqlens_q``/``cu_seqlens_k``, ``seqused_k``) and hands every backend
+one :class:`Variant`. The math of each piece, in the forward and the backward, is in
+``docs/variants.md``; both backends apply it through the same hooks:
+
+- **sequences** (:meth:`Variant.lengths`): which rows of the arrays form sequence ``b`` (packed
+  variable-length batches) and how many of its keys are used (``seqused_k``);
+- **the band** (:meth:`Variant.band`): which keys a query row sees by position (causal masking and
+  sliding windows), from which the loop bounds of both backends follow (:mod:`cuflash._blocks`);
+- **score modifications**: softcap and ALiBi change the visible scores before the softmax, and their
+  derivative multiplies dS in the backward.
+
+A plain dense call is ``Variant()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ._blocks import Band
+
+__all__ = ["Variant"]
+
+
+@dataclass(frozen=True, eq=False)
+class Variant:
+    """Normalized variant options (validated by :mod:`cuflash._validate`; backends trust them).
+
+    Attributes
+    ----------
+    causal : bool
+        Keys after the query's diagonal are masked (the band's right edge is at most 0).
+    bottom_right : bool
+        The diagonal of sequence ``b``: query ``i`` faces key ``i + len_k - len_q`` (True, flash-attention's
+        alignment) or key ``i`` (False, ``causal_align="top-left"``). Used by causal masking, windows and ALiBi.
+    window_left, window_right : int or None
+        Sliding window: query ``i`` sees keys ``[i + off - window_left, i + off + window_right]``;
+        None is unlimited on that side (flash-attention's -1).
+    softcap : float
+        0 for none; else scores ``t`` (already scaled) become ``softcap * tanh(t / softcap)``.
+    alibi_slopes : array or None
+        float32, shape ``(batch, heads_q)`` (a ``(heads_q,)`` input arrives broadcast, batch stride 0),
+        same array library as q: adds ``-slope * |i + off - j|`` to the scaled scores.
+    cu_seqlens_q, cu_seqlens_k : arrays or None
+        int32 ``(batch + 1,)`` prefix sums: sequence ``b`` is rows ``[cu[b], cu[b + 1])`` of the packed
+        ``(total, heads, head_dim)`` arrays. Both or neither.
+    max_seqlen_q, max_seqlen_k : int or None
+        Upper bounds of the sequence lengths (with cu_seqlens): they size the CUDA grid.
+    seqused_k : array or None
+        int32 ``(batch,)``: sequence ``b`` uses only its first ``seqused_k[b]`` keys (the rest are padding),
+        in the padded ``(batch, seqlen, heads, d)`` layout or with cu_seqlens_k.
+    """
+
+    causal: bool = False
+    bottom_right: bool = True
+    window_left: int | None = None
+    window_right: int | None = None
+    softcap: float = 0.0
+    alibi_slopes: Any = None
+    cu_seqlens_q: Any = None
+    cu_seqlens_k: Any = None
+    max_seqlen_q: int | None = None
+    max_seqlen_k: int | None = None
+    seqused_k: Any = None
+
+    @property
+    def is_varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    @property
+    def is_dense(self) -> bool:
+        """Nothing but plain softmax attention over the whole (batch, seqlen) arrays."""
+        return (not self.causal and self.window_left is None and self.window_right is None and not self.softcap
+                and self.alibi_slopes is None and not self.is_varlen and self.seqused_k is None)
+
+    @property
+    def right(self) -> int | None:
+        """The band's right edge: causal caps it at 0."""
+        if self.causal:
+            return 0 if self.window_right is None else min(self.window_right, 0)
+        return self.window_right
+
+    def offset(self, len_q: int, len_k: int) -> int:
+        """The diagonal of a sequence: query ``i`` faces key ``i + offset``."""
+        return len_k - len_q if self.bottom_right else 0
+
+    def band(self, len_q: int, len_k: int) -> Band | None:
+        """The positional mask of a sequence of ``len_q`` queries and ``len_k`` keys (None: every key)."""
+        right, left = self.right, self.window_left
+        if right is None and left is None:
+            return None
+        return Band(self.offset(len_q, len_k), left, right)
