@@ -6,6 +6,13 @@ which no foreign library can read; there the call goes through ``jax.pure_callba
 implementation (correct everywhere, but on a GPU it copies through host memory: call the function
 outside ``jit`` for the kernels). The forward saves the logsumexp for the backward.
 
+The variant arrays (``alibi_slopes``, ``cu_seqlens_q``, ``cu_seqlens_k``, ``seqused_k``) travel with q, k,
+v (through DLPack, or into the callback under ``jit``) and get no gradient. Under ``jit`` their values are
+tracers too: their shapes and dtypes are checked when the function is traced, their values (cu_seqlens
+start at 0, grow, end at the row count; seqused_k in range) only when the compiled function runs, where a
+bad value raises from inside the callback. ``max_seqlen_q``, ``max_seqlen_k``, ``window_size`` and
+``softcap`` are Python values, static under ``jit``.
+
 Importing :mod:`cuflash` never imports this module, so JAX stays optional (``pip install cuflash[jax]``).
 """
 
@@ -31,33 +38,38 @@ def _on_gpu(a) -> bool:
 
 
 def _host(fn):
-    """``fn`` on NumPy copies of JAX arrays, returning NumPy arrays (for ``jax.pure_callback``)."""
+    """``fn`` on NumPy copies of JAX arrays (any pytree of them), returning NumPy arrays (for ``jax.pure_callback``)."""
 
-    def call(*arrays):
-        return fn(*(np.asarray(a) for a in arrays))
+    def call(*args):
+        return fn(*jax.tree_util.tree_map(np.asarray, args))
 
     return call
 
 
-def _call(fn, result_shapes, *arrays):
-    """Run a cuflash function on JAX arrays: zero-copy through DLPack when concrete, else a callback."""
-    if _is_traced(*arrays):
-        return jax.pure_callback(_host(fn), result_shapes, *arrays)
-    if _on_gpu(arrays[0]):
+def _call(fn, result_shapes, *args):
+    """Run a cuflash function on JAX arrays (pytrees of them; None leaves stay None): zero-copy through
+    DLPack when concrete, else a callback."""
+    leaves = jax.tree_util.tree_leaves(args)
+    if _is_traced(*leaves):
+        return jax.pure_callback(_host(fn), result_shapes, *args)
+    if _on_gpu(leaves[0]):
         import cupy
 
-        for a in arrays:  # JAX and CuPy work on different streams: hand over finished buffers only
+        for a in leaves:  # JAX and CuPy work on different streams: hand over finished buffers only
             a.block_until_ready()
-        results = fn(*(cupy.from_dlpack(a) for a in arrays))
+        results = fn(*jax.tree_util.tree_map(cupy.from_dlpack, args))
         cupy.cuda.get_current_stream().synchronize()
         return tuple(jax.dlpack.from_dlpack(r) for r in results)
-    results = fn(*(np.asarray(a) for a in arrays))
+    results = fn(*jax.tree_util.tree_map(np.asarray, args))
     return tuple(jax.numpy.asarray(r) for r in results)
 
 
 def _lse_shape(q):
-    batch, seqlen_q, heads_q, _ = q.shape
+    """``(batch, heads_q, seqlen_q)``, or ``(heads_q, total_q)`` for packed ``(total_q, heads_q, d)`` q."""
     lse_dtype = np.float64 if q.dtype == np.float64 else np.float32
+    if q.ndim == 3:
+        return jax.ShapeDtypeStruct((q.shape[1], q.shape[0]), lse_dtype)
+    batch, seqlen_q, heads_q, _ = q.shape
     return jax.ShapeDtypeStruct((batch, heads_q, seqlen_q), lse_dtype)
 
 
@@ -65,40 +77,60 @@ def _shape_of(a):
     return jax.ShapeDtypeStruct(a.shape, a.dtype)
 
 
-def _check(q, k, v, options):
+def _stand_in(a):
+    """A NumPy array of ``a``'s shape and dtype (one row broadcast, contiguous last axis), values zero."""
+    return np.broadcast_to(np.zeros(np.shape(a)[-1:], a.dtype), np.shape(a))
+
+
+def _check(q, k, v, arrays, options):
     """cuflash's checks of shapes, dtypes and options, before anything is traced or called back.
 
     Under ``jit`` the work runs in a callback, where an error would surface only when the compiled
     function runs. Shapes and dtypes are known at trace time, so the checks run on NumPy stand-ins of
-    that shape and dtype (one row broadcast, contiguous last axis).
+    that shape and dtype; the variant arrays are read when they are concrete (a device-to-host copy of
+    a few integers on a GPU), else only their shapes and dtypes are checked here.
     """
-    stand_ins = [np.broadcast_to(np.zeros(np.shape(a)[-1:], a.dtype), np.shape(a)) for a in (q, k, v)]
     options = dict(options)
     _validate.backward_order(None, options.pop("deterministic"))
-    _api._prepare(*stand_ins, **options)
+    traced = _is_traced(*(a for a in arrays if a is not None))
+    array_options = {name: None if a is None else (_stand_in(a) if traced else np.asarray(a))
+                     for name, a in zip(_api.ARRAY_OPTIONS, arrays)}
+    _api._prepare(*(_stand_in(a) for a in (q, k, v)), softmax_scale=options.pop("softmax_scale"),
+                  algorithm=options.pop("algorithm"), block_q=options.pop("block_q"), block_k=options.pop("block_k"),
+                  variant_options={**options, **array_options}, read_values=not traced)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attention(q, k, v, options):
-    out, _ = _forward(q, k, v, options)
+def _keywords(options, arrays):
+    """The keywords of cuflash.attention from the static options and the variant arrays."""
+    return {**{key: val for key, val in options if key != "deterministic"}, **dict(zip(_api.ARRAY_OPTIONS, arrays))}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, arrays, options):
+    out, _ = _forward(q, k, v, arrays, options)
     return out
 
 
-def _forward(q, k, v, options):
-    forward_options = {key: val for key, val in options if key != "deterministic"}
-    fn = lambda q, k, v: cuflash.attention(q, k, v, return_lse=True, **forward_options)  # noqa: E731
-    return _call(fn, (_shape_of(q), _lse_shape(q)), q, k, v)
+def _forward(q, k, v, arrays, options):
+    fn = lambda q, k, v, arrays: cuflash.attention(q, k, v, return_lse=True, **_keywords(options, arrays))  # noqa: E731
+    return _call(fn, (_shape_of(q), _lse_shape(q)), q, k, v, arrays)
 
 
-def _attention_fwd(q, k, v, options):
-    out, lse = _forward(q, k, v, options)
-    return out, (q, k, v, out, lse)
+def _attention_fwd(q, k, v, arrays, options):
+    out, lse = _forward(q, k, v, arrays, options)
+    return out, (q, k, v, arrays, out, lse)
 
 
 def _attention_bwd(options, saved, dout):
-    q, k, v, out, lse = saved
-    fn = lambda do, q, k, v, out, lse: cuflash.attention_backward(do, q, k, v, out, lse, **dict(options))  # noqa: E731
-    return _call(fn, (_shape_of(q), _shape_of(k), _shape_of(v)), dout, q, k, v, out, lse)
+    q, k, v, arrays, out, lse = saved
+    deterministic = dict(options)["deterministic"]
+
+    def fn(do, q, k, v, out, lse, arrays):
+        return cuflash.attention_backward(do, q, k, v, out, lse, deterministic=deterministic,
+                                          **_keywords(options, arrays))
+
+    dq, dk, dv = _call(fn, (_shape_of(q), _shape_of(k), _shape_of(v)), dout, q, k, v, out, lse, arrays)
+    return dq, dk, dv, None  # the variant arrays (slopes, sequence bounds) get no gradient
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -112,20 +144,37 @@ def attention(
     causal: bool = False,
     softmax_scale: float | None = None,
     causal_align: str = "bottom-right",
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    seqused_k=None,
     algorithm: str = "fa2",
     block_q: int | None = None,
     block_k: int | None = None,
     deterministic: bool = False,
 ):
-    """Differentiable :func:`cuflash.attention` on JAX arrays ``(batch, seqlen, heads, head_dim)``.
+    """Differentiable :func:`cuflash.attention` on JAX arrays ``(batch, seqlen, heads, head_dim)``, or
+    packed ``(total, heads, head_dim)`` with ``cu_seqlens_q`` and ``cu_seqlens_k``.
 
     Arguments as :func:`cuflash.attention`; ``deterministic`` selects the backward without atomics.
+    Gradients flow to ``q``, ``k`` and ``v``; ``alibi_slopes``, ``cu_seqlens_q``, ``cu_seqlens_k`` and
+    ``seqused_k`` (JAX or NumPy arrays) get none. Under ``jax.jit`` the values of ``cu_seqlens_q``,
+    ``cu_seqlens_k`` and ``seqused_k`` are checked when the compiled function runs.
     """
     options = (
         ("causal", causal), ("softmax_scale", softmax_scale), ("causal_align", causal_align),
-        ("algorithm", algorithm), ("block_q", block_q), ("block_k", block_k),
+        ("window_size", window_size), ("softcap", softcap), ("max_seqlen_q", max_seqlen_q),
+        ("max_seqlen_k", max_seqlen_k), ("algorithm", algorithm), ("block_q", block_q), ("block_k", block_k),
         ("deterministic", deterministic),
     )
     q, k, v = (jax.numpy.asarray(a) for a in (q, k, v))  # NumPy inputs too, as any JAX function
-    _check(q, k, v, options)
-    return _attention(q, k, v, options)
+    arrays = tuple(None if a is None else jax.numpy.asarray(a)
+                   for a in (alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k))
+    _check(q, k, v, arrays, options)
+    if isinstance(window_size, list):  # static under jit: hashable
+        options = tuple((key, tuple(val) if key == "window_size" else val) for key, val in options)
+    return _attention(q, k, v, arrays, options)

@@ -5,8 +5,10 @@ PyTorch's current stream), CPU tensors as NumPy views (the NumPy block algorithm
 logsumexp; the backward runs :func:`cuflash.attention_backward`. Importing :mod:`cuflash` never imports
 this module, so PyTorch stays an optional dependency (``pip install cuflash[torch]``).
 
-Layout is cuflash's ``(batch, seqlen, heads, head_dim)``; a ``(batch, heads, seqlen, head_dim)`` tensor
-goes in as ``t.transpose(1, 2)``, with no copy.
+Layout is cuflash's ``(batch, seqlen, heads, head_dim)``, or packed ``(total, heads, head_dim)`` with
+``cu_seqlens_q``/``cu_seqlens_k``; a ``(batch, heads, seqlen, head_dim)`` tensor goes in as
+``t.transpose(1, 2)``, with no copy. The variant tensors (``alibi_slopes``, ``cu_seqlens_q``,
+``cu_seqlens_k``, ``seqused_k``) cross the same way as q, k, v and get no gradient.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 import torch
 
 import cuflash
-from cuflash import _validate
+from cuflash import _api, _validate
 
 __all__ = ["attention"]
 
@@ -44,6 +46,11 @@ def _to_tensor(a) -> torch.Tensor:
     return torch.from_dlpack(a)
 
 
+def _with_arrays(options: dict) -> dict:
+    """The options with every tensor among them (the variant arrays) as an array, like q, k, v."""
+    return {key: _to_array(val) if isinstance(val, torch.Tensor) else val for key, val in options.items()}
+
+
 def _on_torch_stream(t: torch.Tensor):
     """Run CuPy work on PyTorch's current stream for the tensor's device."""
     if not t.is_cuda:
@@ -57,7 +64,8 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, options, deterministic):
         with _on_torch_stream(q):
-            out, lse = cuflash.attention(_to_array(q), _to_array(k), _to_array(v), return_lse=True, **options)
+            out, lse = cuflash.attention(_to_array(q), _to_array(k), _to_array(v), return_lse=True,
+                                         **_with_arrays(options))
         out, lse = _to_tensor(out), _to_tensor(lse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options, ctx.deterministic = options, deterministic
@@ -82,7 +90,7 @@ class _AttentionBackward(torch.autograd.Function):
         with _on_torch_stream(q):
             dq, dk, dv = cuflash.attention_backward(
                 _to_array(dout), _to_array(q), _to_array(k), _to_array(v), _to_array(out), _to_array(lse),
-                deterministic=deterministic, **options,
+                deterministic=deterministic, **_with_arrays(options),
             )
         return _to_tensor(dq), _to_tensor(dk), _to_tensor(dv)
 
@@ -99,6 +107,14 @@ def attention(
     causal: bool = False,
     softmax_scale: float | None = None,
     causal_align: str = "bottom-right",
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    seqused_k: torch.Tensor | None = None,
     algorithm: str = "fa2",
     block_q: int | None = None,
     block_k: int | None = None,
@@ -107,8 +123,10 @@ def attention(
 ):
     """Differentiable :func:`cuflash.attention` on PyTorch tensors.
 
-    Arguments as :func:`cuflash.attention`; ``deterministic`` selects the backward without atomics.
-    Gradients flow to ``q``, ``k`` and ``v``; the logsumexp (with ``return_lse=True``) is not
+    Arguments as :func:`cuflash.attention` (the variant arrays as tensors on q's device: int32
+    ``cu_seqlens_q``, ``cu_seqlens_k``, ``seqused_k``, float32 ``alibi_slopes``); ``deterministic``
+    selects the backward without atomics. Gradients flow to ``q``, ``k`` and ``v``; the variant tensors
+    and the logsumexp (with ``return_lse=True``, shape ``(heads_q, total_q)`` when packed) are not
     differentiable.
     """
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
@@ -116,8 +134,13 @@ def attention(
         raise TypeError(f"q, k and v must be torch.Tensor; got {kinds}")
     _validate.backward_order(None, deterministic)  # only the backward uses it: check it before the forward
     options = dict(
-        causal=causal, softmax_scale=softmax_scale, causal_align=causal_align,
+        causal=causal, softmax_scale=softmax_scale, causal_align=causal_align, window_size=window_size,
+        softcap=softcap, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k,
         algorithm=algorithm, block_q=block_q, block_k=block_k,
     )
+    for name in _api.ARRAY_OPTIONS:  # never differentiated: keep autograd from holding on to their graphs
+        if isinstance(options[name], torch.Tensor):
+            options[name] = options[name].detach()
     out, lse = _Attention.apply(q, k, v, options, deterministic)
     return (out, lse) if return_lse else out

@@ -98,3 +98,76 @@ def test_accepts_numpy_inputs_like_any_jax_function():
     np.testing.assert_array_equal(got[0], want[0])
     for a, b in zip(got[1], want[1]):
         np.testing.assert_array_equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Variants: a packed batch (causal, window, softcap, ALiBi, GQA, key padding), eager and under jit
+# ---------------------------------------------------------------------------------------------------
+
+
+def _plain_variant(q, k, v, cu_q, cu_k, seqused_k, slopes, *, scale, window, softcap):
+    """float64 causal attention of docs/variants.md in plain jnp, one packed sequence at a time (lengths
+    from NumPy cu_seqlens), for jax.grad. Rows that see no key output 0."""
+    outs = []
+    for b in range(len(cu_q) - 1):
+        qb = q[cu_q[b]:cu_q[b + 1]]
+        len_q, len_k = qb.shape[0], int(seqused_k[b])
+        group = q.shape[1] // k.shape[1]
+        kb, vb = (jnp.repeat(x[cu_k[b]:cu_k[b] + len_k], group, axis=1) for x in (k, v))
+        s = scale * jnp.einsum("qhd,khd->hqk", qb, kb)
+        s = softcap * jnp.tanh(s / softcap)
+        diagonal = np.arange(len_q)[:, None] + len_k - len_q
+        cols = np.arange(len_k)[None, :]
+        s = s - slopes[b][:, None, None] * np.abs(diagonal - cols)
+        visible = (cols <= diagonal) & (cols >= diagonal - window[0])
+        p = jax.nn.softmax(jnp.where(visible, s, -1e30), axis=-1) * visible
+        outs.append(jnp.einsum("hqk,khd->qhd", p, vb))
+    return jnp.concatenate(outs)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_variants_match_plain_jnp(jit):
+    rng = np.random.default_rng(21)
+    lens_q, lens_k = [7, 1, 12], [9, 6, 12]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
+    used = np.array([9, 0, 10], np.int32)
+    slopes = rng.uniform(0, 0.5, (3, 4)).astype(np.float32)
+    q = jnp.asarray(rng.standard_normal((cu_q[-1], 4, 8)))
+    k, v = (jnp.asarray(rng.standard_normal((cu_k[-1], 2, 8))) for _ in range(2))
+    dout = jnp.asarray(rng.standard_normal(q.shape))
+    variant = dict(causal=True, window_size=(5, -1), softcap=3.0)
+
+    def ours(q, k, v, cu_q, cu_k, used, slopes):
+        return cfj.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=12, max_seqlen_k=12,
+                             seqused_k=used, alibi_slopes=slopes, softmax_scale=0.3, block_q=4, block_k=5, **variant)
+
+    @jax.jit  # compiled once: op by op, the plain version takes seconds
+    def ref(q, k, v):
+        return _plain_variant(q, k, v, cu_q, cu_k, used, slopes.astype(np.float64), scale=0.3, window=(5, -1),
+                              softcap=3.0)
+
+    fn = jax.jit(ours) if jit else ours
+    value_and_grad = jax.value_and_grad(lambda q, k, v, *a: jnp.sum(fn(q, k, v, *a) * dout), argnums=(0, 1, 2))
+    (l_ours, g_ours) = value_and_grad(q, k, v, cu_q, cu_k, used, slopes)
+    (l_ref, g_ref) = jax.value_and_grad(lambda q, k, v: jnp.sum(ref(q, k, v) * dout), argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(fn(q, k, v, cu_q, cu_k, used, slopes), ref(q, k, v), rtol=0, atol=1e-10)
+    np.testing.assert_allclose(l_ours, l_ref, rtol=1e-12)
+    for name, a, b in zip(("dq", "dk", "dv"), g_ours, g_ref):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-10, err_msg=name)
+    assert not np.asarray(g_ours[1])[cu_k[1]:cu_k[2]].any()  # keys past seqused_k: no gradient
+
+
+def test_variant_values_are_checked_eagerly_or_when_the_jit_function_runs():
+    q = jnp.ones((8, 2, 4), jnp.float32)
+    bad = np.array([1, 3, 8], np.int32)
+    call = lambda q, cu: cfj.attention(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=5, max_seqlen_k=5)  # noqa: E731
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must start at 0; got cu_seqlens_q\[0\] = 1"):
+        call(q, bad)
+    # shapes and dtypes at trace time, with the message of the eager call
+    with pytest.raises(TypeError, match="cu_seqlens_q must have dtype int32; got int64"):
+        jax.jit(call)(q, bad.astype(np.int64))
+    with pytest.raises(ValueError, match=r"q must have 3 dimensions \(total, heads, head_dim\) with cu_seqlens_q"):
+        jax.jit(call)(q[None], bad)
+    # values only when the compiled function runs, from inside the callback
+    with pytest.raises(Exception, match="cu_seqlens_q must start at 0"):
+        jax.block_until_ready(jax.jit(call)(q, bad))

@@ -159,3 +159,91 @@ def _compare_with_budget(shape, causal, dtype, device):
         assert err_ours <= factor * err_theirs + floor, (
             f"{name}: max|cuflash - truth| = {err_ours:.3g} > {factor} x max|torch {dtype} - truth| "
             f"({err_theirs:.3g}) + {floor:.3g}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Variants: a packed batch (causal, window, softcap, ALiBi, GQA) and key padding, against plain torch
+# ---------------------------------------------------------------------------------------------------
+
+
+def _torch_variant_attention(q, k, v, cu_q, cu_k, *, scale, causal=False, window=(-1, -1), softcap=0.0, slopes=None,
+                             seqused_k=None):
+    """float64 attention of docs/variants.md in plain torch, one sequence of the packed arrays at a time;
+    torch's autograd gives its gradients. Rows that see no key output 0."""
+    outs = []
+    for b in range(len(cu_q) - 1):
+        qb = q[cu_q[b]:cu_q[b + 1]]
+        len_q, heads_q = qb.shape[0], qb.shape[1]
+        len_k = int(cu_k[b + 1] - cu_k[b]) if seqused_k is None else int(seqused_k[b])
+        kb, vb = (x[cu_k[b]:cu_k[b] + len_k].repeat_interleave(heads_q // x.shape[1], dim=1) for x in (k, v))
+        s = scale * torch.einsum("qhd,khd->hqk", qb, kb)
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        diagonal = torch.arange(len_q)[:, None] + (len_k - len_q)
+        cols = torch.arange(len_k)[None, :]
+        if slopes is not None:
+            s = s - slopes[b][:, None, None].double() * (diagonal - cols).abs()
+        left, right = window
+        right = 0 if causal and right == -1 else (min(right, 0) if causal else right)
+        visible = torch.ones(len_q, len_k, dtype=torch.bool)
+        if right != -1:
+            visible &= cols <= diagonal + right
+        if left != -1:
+            visible &= cols >= diagonal - left
+        p = torch.softmax(torch.where(visible, s, -1e30), dim=-1) * visible  # 0 for a row that sees nothing
+        outs.append(torch.einsum("hqk,khd->qhd", p, vb))
+    return torch.cat(outs)
+
+
+def _packed_lengths(lens):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("case", ["packed-causal-window-softcap-alibi", "padded-seqused-alibi"])
+def test_variants_match_plain_torch_cpu(case):
+    g = torch.Generator().manual_seed(13)
+    slopes = torch.rand(3, 4, generator=g, dtype=torch.float32) * 0.3
+    if case.startswith("packed"):
+        cu_q, cu_k = _packed_lengths([9, 1, 14]), _packed_lengths([12, 5, 14])
+        q = torch.randn(int(cu_q[-1]), 4, 8, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(int(cu_k[-1]), 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        ours_kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=14, max_seqlen_k=14, causal=True,
+                       window_size=(4, -1), softcap=2.0, alibi_slopes=slopes)
+        ref_kw = dict(causal=True, window=(4, -1), softcap=2.0, slopes=slopes)
+        to_packed = from_packed = lambda t: t  # noqa: E731
+    else:
+        q = torch.randn(3, 10, 4, 8, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(3, 16, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        used = torch.tensor([16, 3, 0], dtype=torch.int32)
+        ours_kw = dict(seqused_k=used, alibi_slopes=slopes[0], causal=True)
+        ref_kw = dict(seqused_k=used, slopes=slopes[:1].expand(3, 4), causal=True)
+        cu_q, cu_k = torch.arange(0, 31, 10), torch.arange(0, 49, 16)
+        to_packed = lambda t: t.flatten(0, 1)  # noqa: E731
+        from_packed = lambda t: t.unflatten(0, (3, -1))  # noqa: E731
+    do = torch.randn(q.shape, generator=g, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = cft.attention(*leaves, softmax_scale=0.4, block_q=4, block_k=3, **ours_kw)
+    out.backward(do)
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = from_packed(_torch_variant_attention(*(to_packed(t) for t in ref_leaves), cu_q, cu_k, scale=0.4, **ref_kw))
+    ref.backward(do)
+    assert out.shape == q.shape
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in leaves)), (ref, *(t.grad for t in ref_leaves))):
+        err = (a - b).abs().max().item()
+        assert err < 1e-10, f"{name}: max |cuflash - torch| = {err:.3g}"
+
+
+def test_variants_gradcheck_cpu_float64():
+    cu = _packed_lengths([4, 6])
+    g = torch.Generator().manual_seed(17)
+    q, k, v = (torch.randn(10, 2, 3, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    slopes = torch.tensor([0.3, 0.7])
+
+    def fn(q, k, v):
+        return cft.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=6, max_seqlen_k=6, causal=True,
+                             window_size=(2, -1), softcap=1.5, alibi_slopes=slopes.float(), block_q=2, block_k=3)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+    out, lse = cft.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=6, max_seqlen_k=6,
+                             return_lse=True)
+    assert lse.shape == (2, 10) and lse.dtype == torch.float64 and not lse.requires_grad
