@@ -4,8 +4,9 @@ The blocked functions follow the loop structure of the CUDA kernels so that the 
 tile for tile, and each algorithm step carries the tag that marks it in the kernels
 (``grep -rn "fa2-fwd 3"`` shows both sides; the tags are listed in ``docs/architecture.md``).
 
-Layout. Arrays are ``(batch, seqlen, heads, head_dim)`` with any strides and a contiguous last axis;
-nothing is copied whole. Inside, a block of rows is loaded ("from HBM into SRAM") as a contiguous
+Layout. Arrays are ``(batch, seqlen, heads, head_dim)``, or packed ``(total, heads, head_dim)`` with
+``cu_seqlens`` (lse ``(heads, total)``), with any strides and a contiguous last axis; nothing is copied
+whole. Inside, a block of rows is loaded ("from HBM into SRAM") as a contiguous
 ``(batch, heads_kv, group, rows, head_dim)`` array in the accumulation dtype, where
 ``group = heads_q // heads_kv``: query head ``h`` sits at ``(h // group, h % group)`` and every query head
 of a group reads the same key/value head. Keys and values are loaded as
@@ -41,9 +42,9 @@ already validated shapes, dtypes, strides and options.
 
 from __future__ import annotations
 
-import numpy as np
-
 from typing import NamedTuple
+
+import numpy as np
 
 from ._blocks import (
     Band,
