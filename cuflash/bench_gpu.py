@@ -31,14 +31,15 @@ def _backend_fns(torch, cp, cuda, q, k, v, do, causal):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from cuflash._variant import Variant
+
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d)
-    off = 0 if causal else None
     qc, kc, vc, doc = (cp.from_dlpack(x.transpose(1, 2)) for x in (q, k, v, do))
     stream = cp.cuda.Stream.from_external(torch.cuda.current_stream())
 
     def cuflash_pair(algorithm):
-        options = dict(scale=scale, causal_offset=off, algorithm=algorithm, block_q=None, block_k=None)
+        options = dict(scale=scale, variant=Variant(causal=causal), algorithm=algorithm, block_q=None, block_k=None)
 
         def fwd():
             with stream:

@@ -23,6 +23,8 @@
 // Shared memory of dkdv (16-bit elements): K, V kBlockN x d; kStages x (Q, dO) kBlockM x d; P^T, dS^T
 // kBlockN x kBlockM; float32 lse, D per stage. E.g. d = 128, kBlockN = 128, kBlockM = 64, 2 stages: 161 KiB.
 #include "cuflash_tiles.cuh"
+#include "variants.cuh"
+#include "f32_tiles.cuh"
 
 namespace cuflash {
 
@@ -152,7 +154,7 @@ __device__ __forceinline__ void warp_mma_ab_x2(float (&c)[2][kNT][4], const u16*
 // also makes dS^T available to the dQ product. Per query tile: two barriers (stage ready, P^T/dS^T
 // written); the next tile's cp.async is issued after the first barrier, into the buffer every warp has
 // finished with.
-template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool Is_causal, bool Has_dQ>
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V, bool Has_dQ>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                       const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -162,7 +164,7 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
                       i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                       i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
                       i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
-                      float scale, int causal_offset) {
+                      float scale, const VariantParams vp) {
     constexpr int kThreads = kNWarps * 32;
     constexpr int kWN = kBlockN / 32;        // key groups of 32 rows (2 mma row tiles)
     static_assert(kBlockN % 32 == 0 && kNWarps % kWN == 0, "warps come in whole key groups");
@@ -198,26 +200,31 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
     const int n0 = n_block * kBlockN;
     const int wn = warp % kWN, wm = warp / kWN;  // key group, column slice (queries in S^T, d in dK/dV)
 
-    const u16* qg = q + b * q_sb + h * q_sh;
-    const u16* dog = dout + b * do_sb + h * do_sh;
-    const float* lse_row = lse + ((i64)b * heads_q + h) * seqlen_q;
-    const float* delta_row = delta + ((i64)b * heads_q + h) * seqlen_q;
+    const BlockInfo<V> bi(vp, b, h, seqlen_q, seqlen_k);
+    if (bi.past_keys(n0)) return;  // keys of a shorter sequence (padding keys' dK, dV are zeroed by the launcher)
+    const int len_q = bi.len_q, len_k = bi.len_k;
 
-    // Query tiles [m_begin, m_end): causal key j is seen by queries i >= j - causal_offset.
-    const int m_end = (seqlen_q + kBlockM - 1) / kBlockM;
-    const int m_begin = Is_causal ? causal_query_block_start(n0, causal_offset) / kBlockM : 0;
+    const u16* qg = q + b * q_sb + h * q_sh + (i64)bi.q0 * q_ss;
+    const u16* dog = dout + b * do_sb + h * do_sh + (i64)bi.q0 * do_ss;
+    const float* lse_row = lse + bi.row_index(h, heads_q, seqlen_q, 0);
+    const float* delta_row = delta + bi.row_index(h, heads_q, seqlen_q, 0);
+
+    // Query tiles [m_begin, m_end) hold the queries that see this key tile (causal, window).
+    const int2 qr = bi.query_range(n0, min(n0 + kBlockN, len_k));
+    const int m_begin = qr.x / kBlockM;
+    const int m_end = qr.y > qr.x ? num_blocks<kBlockM>(qr.y) : m_begin;
 
     // One query tile: Q, dO, and its rows' lse and D (rows past seqlen_q read as zeros: with dO = 0 and
     // D = 0 they add nothing to dV, dK or dQ whatever P is).
     auto load_q_stage = [&](int stage, int mi) {
-        load_tile_async<kBlockM, kHeadDim, kThreads>(sQ + stage * kQTile, qg, q_ss, mi * kBlockM, seqlen_q, tid);
-        load_tile_async<kBlockM, kHeadDim, kThreads>(sdO + stage * kQTile, dog, do_ss, mi * kBlockM, seqlen_q, tid);
+        load_tile_async<kBlockM, kHeadDim, kThreads>(sQ + stage * kQTile, qg, q_ss, mi * kBlockM, len_q, tid);
+        load_tile_async<kBlockM, kHeadDim, kThreads>(sdO + stage * kQTile, dog, do_ss, mi * kBlockM, len_q, tid);
         load_row_stats_async<kBlockM, kThreads>(sLse + stage * kBlockM, sD + stage * kBlockM, lse_row, delta_row,
-                                                mi * kBlockM, seqlen_q, tid);
+                                                mi * kBlockM, len_q, tid);
     };
 
-    load_tile_async<kBlockN, kHeadDim, kThreads>(sK, k + b * k_sb + h_kv * k_sh, k_ss, n0, seqlen_k, tid);
-    load_tile_async<kBlockN, kHeadDim, kThreads>(sV, v + b * v_sb + h_kv * v_sh, v_ss, n0, seqlen_k, tid);
+    load_tile_async<kBlockN, kHeadDim, kThreads>(sK, k + b * k_sb + h_kv * k_sh + (i64)bi.k0 * k_ss, k_ss, n0, len_k, tid);
+    load_tile_async<kBlockN, kHeadDim, kThreads>(sV, v + b * v_sb + h_kv * v_sh + (i64)bi.k0 * v_ss, v_ss, n0, len_k, tid);
     cp_async_commit();
 #pragma unroll
     for (int st = 0; st < kStages - 1; ++st) {
@@ -253,11 +260,20 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
             cp_async_commit();
         }
 
-        // [bwd 1] P^T = exp(scale K Q^T - lse): this warp's 32 keys x kQW queries.
+        // [bwd 1] P^T = exp(scale mod(K Q^T) - lse): this warp's 32 keys x kQW queries.
         float st[2][kQN8][4];
         warp_mma_abt_x2<T, kHeadDim, kQN8>(st, sK, wn * 32, tQ, wm * kQW, lane);
+        u32 dmod[V::Has_softcap ? 2 : 1][V::Has_softcap ? kQN8 : 1][2];  // [variant grad] d mod / d s
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            if constexpr (V::Has_softcap) {
+                mod_scores_grad<true>(st[i], dmod[i], bi, key_base + 16 * i, m0 + wm * kQW, lane);
+            } else {
+                mod_scores<true>(st[i], bi, key_base + 16 * i, m0 + wm * kQW, lane);  // [variant mod]
+            }
+        }
         // A row that saw no key has lse = -inf: its P here is +inf, but all its keys are masked below
-        // (such a row sees no key, so every tile it meets crosses its diagonal and is masked).
+        // (such a row sees no key, so every tile it meets crosses an edge of its band and is masked).
 #pragma unroll
         for (int nt = 0; nt < kQN8; ++nt) {
             const float2 l2 = *reinterpret_cast<const float2*>(tLse + wm * kQW + nt * 8 + 2 * t);
@@ -269,11 +285,9 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
                 }
             }
         }
-        const bool need_mask = n0 + kBlockN > seqlen_k || (Is_causal && n0 + kBlockN - 1 > m0 + causal_offset);
-        if (need_mask) {
+        if (bi.needs_mask(m0, kBlockM, n0, kBlockN)) {
 #pragma unroll
-            for (int i = 0; i < 2; ++i)
-                mask_scores_t<kQN8, Is_causal>(st[i], key_base + 16 * i, m0 + wm * kQW, seqlen_k, causal_offset, lane, 0.f);
+            for (int i = 0; i < 2; ++i) mask_block<true>(st[i], bi, key_base + 16 * i, m0 + wm * kQW, lane, 0.f);
         }
         // P^T in the input dtype, as A fragments: to shared memory for dV, and kept (16 bits, half the
         // registers of float32) for dS^T.
@@ -305,6 +319,7 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
                         const u32 w = pt[i][kk][2 * hn + (e >> 1)];
                         const float p = Elem<T>::to_float(static_cast<u16>(e & 1 ? w >> 16 : w & 0xffffu));
                         dpt[i][nt][e] = p * (dpt[i][nt][e] - (e & 1 ? d2.y : d2.x));
+                        if constexpr (V::Has_softcap) dpt[i][nt][e] *= grad_at(dmod[i], nt, e);  // [variant grad]
                     }
                 }
             }
@@ -350,13 +365,13 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
                     }
                 }
             }
-            float* dqg = dq_accum + ((i64)b * heads_q + h) * seqlen_q * kHeadDim;
+            float* dqg = dq_accum + bi.row_index(h, heads_q, seqlen_q, 0) * kHeadDim;
 #pragma unroll
             for (int i = 0; i < kQMW / 16; ++i) {
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
                     const int row = m0 + qm * kQMW + 16 * i + g + 8 * hh;
-                    if (row < seqlen_q) {
+                    if (row < len_q) {
                         float* dst = dqg + (i64)row * kHeadDim + qd * kQDW + 2 * t;
 #pragma unroll
                         for (int dt = 0; dt < kQDW / 8; ++dt) red_add_f32x2(dst + dt * 8, dq[i][dt][2 * hh], dq[i][dt][2 * hh + 1]);
@@ -374,11 +389,11 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int row = key_base + 16 * i + g + 8 * hh;
-            if (row >= seqlen_k) continue;
+            if (row >= len_k) continue;
             const int col0 = wm * kDW + 2 * t;
             if (group == 1) {
-                u16* dkr = dk + b * dk_sb + h * dk_sh + (i64)row * dk_ss + col0;
-                u16* dvr = dv + b * dv_sb + h * dv_sh + (i64)row * dv_ss + col0;
+                u16* dkr = dk + b * dk_sb + h * dk_sh + (i64)(bi.k0 + row) * dk_ss + col0;
+                u16* dvr = dv + b * dv_sb + h * dv_sh + (i64)(bi.k0 + row) * dv_ss + col0;
 #pragma unroll
                 for (int dt = 0; dt < kDN8; ++dt) {
                     *reinterpret_cast<u32*>(dkr + dt * 8) =
@@ -386,8 +401,8 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
                     *reinterpret_cast<u32*>(dvr + dt * 8) = Elem<T>::pack(dv_acc[i][dt][2 * hh], dv_acc[i][dt][2 * hh + 1]);
                 }
             } else {
-                const i64 plane = (i64)gridDim.z * heads_q * seqlen_k * kHeadDim;
-                float* dkr = dkv_accum + (((i64)b * heads_q + h) * seqlen_k + row) * kHeadDim + col0;
+                const i64 plane = (i64)(V::Is_varlen ? 1 : gridDim.z) * heads_q * seqlen_k * kHeadDim;
+                float* dkr = dkv_accum + bi.key_row_index(h, heads_q, seqlen_k, row) * kHeadDim + col0;
 #pragma unroll
                 for (int dt = 0; dt < kDN8; ++dt) {
                     *reinterpret_cast<float2*>(dkr + dt * 8) =
@@ -400,7 +415,7 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
 }
 
 // Deterministic dQ (order "split"): query tile outer, key tiles streamed, dQ in registers.
-template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool Is_causal>
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V>
 __global__ void __launch_bounds__(kNWarps * 32)
 flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                     const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -408,7 +423,7 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
                     int seqlen_q, int seqlen_k, int heads_q, int group,
                     i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                     i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
-                    i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale, int causal_offset) {
+                    i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale, const VariantParams vp) {
     static_assert(kBlockM == 16 * kNWarps, "each warp owns 16 query rows");
     static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shape");
     constexpr int kThreads = kNWarps * 32;
@@ -428,34 +443,42 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
     const int m0 = m_block * kBlockM;
-    const u16* kg = k + b * k_sb + h_kv * k_sh;
-    const u16* vg = v + b * v_sb + h_kv * v_sh;
+    const BlockInfo<V> bi(vp, b, h, seqlen_q, seqlen_k);
+    if (bi.past_queries(m0)) return;  // a shorter sequence of a packed batch
+    const int len_q = bi.len_q;
 
-    // Key tiles [0, n_end): causal rows see keys j <= i + causal_offset.
-    const int q_stop = min(m0 + kBlockM, seqlen_q);
-    const int n_end = num_blocks<kBlockN>(Is_causal ? causal_key_block_end(q_stop, causal_offset, seqlen_k) : seqlen_k);
+    // Key tiles [n_begin, n_begin + n_end) hold the keys this query tile sees (causal, window); the K/V
+    // pointers start at tile n_begin, so the loop counts tiles from there (as flash_fwd_kernel).
+    const int2 kr = bi.key_range(m0, min(m0 + kBlockM, len_q));
+    const int n_begin = kr.x / kBlockN;
+    // (a tile of a row range that sees no key is wholly masked: harmless)
+    const int n_end = V::Has_left ? max(num_blocks<kBlockN>(kr.y) - n_begin, 0) : num_blocks<kBlockN>(kr.y);
+    const int n_shift = n_begin * kBlockN;
+    const int len_k = bi.len_k - n_shift;
+    const u16* kg = k + b * k_sb + h_kv * k_sh + (i64)(bi.k0 + n_shift) * k_ss;
+    const u16* vg = v + b * v_sb + h_kv * v_sh + (i64)(bi.k0 + n_shift) * v_ss;
 
-    load_tile_async<kBlockM, kHeadDim, kThreads>(sQ, q + b * q_sb + h * q_sh, q_ss, m0, seqlen_q, tid);
-    load_tile_async<kBlockM, kHeadDim, kThreads>(sdO, dout + b * do_sb + h * do_sh, do_ss, m0, seqlen_q, tid);
+    load_tile_async<kBlockM, kHeadDim, kThreads>(sQ, q + b * q_sb + h * q_sh + (i64)bi.q0 * q_ss, q_ss, m0, len_q, tid);
+    load_tile_async<kBlockM, kHeadDim, kThreads>(sdO, dout + b * do_sb + h * do_sh + (i64)bi.q0 * do_ss, do_ss, m0, len_q, tid);
     cp_async_commit();
 #pragma unroll
     for (int st = 0; st < kStages - 1; ++st) {
         if (st < n_end) {
-            load_tile_async<kBlockN, kHeadDim, kThreads>(sK + st * kTile, kg, k_ss, st * kBlockN, seqlen_k, tid);
-            load_tile_async<kBlockN, kHeadDim, kThreads>(sV + st * kTile, vg, v_ss, st * kBlockN, seqlen_k, tid);
+            load_tile_async<kBlockN, kHeadDim, kThreads>(sK + st * kTile, kg, k_ss, st * kBlockN, len_k, tid);
+            load_tile_async<kBlockN, kHeadDim, kThreads>(sV + st * kTile, vg, v_ss, st * kBlockN, len_k, tid);
         }
         cp_async_commit();
     }
 
-    const float* lse_row = lse + ((i64)b * heads_q + h) * seqlen_q;
-    const float* delta_row = delta + ((i64)b * heads_q + h) * seqlen_q;
+    const float* lse_row = lse + bi.row_index(h, heads_q, seqlen_q, 0);
+    const float* delta_row = delta + bi.row_index(h, heads_q, seqlen_q, 0);
     const int row_base = m0 + warp * 16;
     float lse_r[2], d_r[2];
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         const int i = row_base + g + 8 * hh;
-        lse_r[hh] = lse_log2(lse_row, i, seqlen_q);
-        d_r[hh] = i < seqlen_q ? delta_row[i] : 0.f;
+        lse_r[hh] = lse_log2(lse_row, i, len_q);
+        d_r[hh] = i < len_q ? delta_row[i] : 0.f;
     }
     const float scale_log2 = scale * kLog2e;
 
@@ -466,8 +489,8 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
     for (int j = 0; j < n_end; ++j) {
         const int jn = j + kStages - 1;
         if (jn < n_end) {
-            load_tile_async<kBlockN, kHeadDim, kThreads>(sK + (jn % kStages) * kTile, kg, k_ss, jn * kBlockN, seqlen_k, tid);
-            load_tile_async<kBlockN, kHeadDim, kThreads>(sV + (jn % kStages) * kTile, vg, v_ss, jn * kBlockN, seqlen_k, tid);
+            load_tile_async<kBlockN, kHeadDim, kThreads>(sK + (jn % kStages) * kTile, kg, k_ss, jn * kBlockN, len_k, tid);
+            load_tile_async<kBlockN, kHeadDim, kThreads>(sV + (jn % kStages) * kTile, vg, v_ss, jn * kBlockN, len_k, tid);
         }
         cp_async_commit();
         const u16* tK = sK + (j % kStages) * kTile;
@@ -499,19 +522,27 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
                 Elem<T>::mma(dp[2 * np + 1], ad, bf[2], bf[3]);
             }
         }
+        const int n0 = n_shift + j * kBlockN;  // the tile's first key in the sequence
+        u32 dmod[V::Has_softcap ? kNT : 1][2];  // [variant grad] d mod / d s
+        if constexpr (V::Has_softcap) {
+            mod_scores_grad<false>(s, dmod, bi, row_base, n0, lane);
+        } else {
+            mod_scores<false>(s, bi, row_base, n0, lane);  // [variant mod]
+        }
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2, -lse_r[e >> 1]));
         }
-        const int n0 = j * kBlockN;
-        const bool need_mask = n0 + kBlockN > seqlen_k || (Is_causal && n0 + kBlockN - 1 > m0 + causal_offset);
-        if (need_mask) mask_scores<kNT, Is_causal>(s, row_base, n0, seqlen_k, causal_offset, lane, 0.f);
-        // [bwd 4] dS = P (dP - D), in place of dP.
+        if (bi.needs_mask(m0, kBlockM, n0, kBlockN)) mask_block<false>(s, bi, row_base, n0, lane, 0.f);  // [variant mask]
+        // [bwd 4] dS = P (dP - D), in place of dP ([variant grad]: times d mod / d s).
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) dp[nt][e] = s[nt][e] * (dp[nt][e] - d_r[e >> 1]);
+            for (int e = 0; e < 4; ++e) {
+                dp[nt][e] = s[nt][e] * (dp[nt][e] - d_r[e >> 1]);
+                if constexpr (V::Has_softcap) dp[nt][e] *= grad_at(dmod, nt, e);
+            }
         }
         // [bwd 5] dQ += dS K (scale applied once at the end).
 #pragma unroll
@@ -533,8 +564,8 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         const int row = row_base + g + 8 * hh;
-        if (row >= seqlen_q) continue;
-        u16* dqr = dq + b * dq_sb + h * dq_sh + (i64)row * dq_ss;
+        if (row >= len_q) continue;
+        u16* dqr = dq + b * dq_sb + h * dq_sh + (i64)(bi.q0 + row) * dq_ss;
 #pragma unroll
         for (int dt = 0; dt < kDT; ++dt) {
             *reinterpret_cast<u32*>(dqr + dt * 8 + 2 * t) =
@@ -584,41 +615,43 @@ flash_bwd_reduce_dkv_kernel(const float* __restrict__ dkv_accum, u16* __restrict
 // ---------------------------------------------------------------------------------------------------
 // float32 path: SIMT. flash_bwd_dq_f32_kernel (order "split"): one warp per query row (lanes over keys for
 // the scores, over the head dimension for dQ), no atomics; flash_bwd_dkdv_f32_kernel below.
-template <int kHeadDim, bool Is_causal>
+template <int kHeadDim, class V>
 __global__ void __launch_bounds__(128, 1)
 flash_bwd_dq_f32_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                         const float* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
                         float* __restrict__ dq, int seqlen_q, int seqlen_k, int heads_q, int group,
                         i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                         i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
-                        i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale, int causal_offset) {
+                        i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale, const VariantParams vp) {
     constexpr int kPer = kHeadDim / 32;
     __shared__ float sq[4][kHeadDim], sdo[4][kHeadDim];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int row = blockIdx.x * 4 + warp;
     const int h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
-    if (row >= seqlen_q) return;
-    const float* qrow = q + b * q_sb + h * q_sh + (i64)row * q_ss;
-    const float* dorow = dout + b * do_sb + h * do_sh + (i64)row * do_ss;
+    const BlockInfo<V> bi(vp, b, h, seqlen_q, seqlen_k);
+    if (row >= bi.len_q) return;
+    const float* qrow = q + b * q_sb + h * q_sh + (i64)(bi.q0 + row) * q_ss;
+    const float* dorow = dout + b * do_sb + h * do_sh + (i64)(bi.q0 + row) * do_ss;
 #pragma unroll
     for (int c = 0; c < kPer; ++c) {
         sq[warp][lane + 32 * c] = qrow[lane + 32 * c];
         sdo[warp][lane + 32 * c] = dorow[lane + 32 * c];
     }
     __syncwarp();
-    const float* kg = k + b * k_sb + h_kv * k_sh;
-    const float* vg = v + b * v_sb + h_kv * v_sh;
-    const float l = lse[((i64)b * heads_q + h) * seqlen_q + row];
-    const float dd = delta[((i64)b * heads_q + h) * seqlen_q + row];
-    int n_keys = l == -CUFLASH_INF ? 0 : seqlen_k;
-    if (Is_causal) n_keys = causal_key_block_end(row + 1, causal_offset, n_keys);
+    const float* kg = k + b * k_sb + h_kv * k_sh + (i64)bi.k0 * k_ss;
+    const float* vg = v + b * v_sb + h_kv * v_sh + (i64)bi.k0 * v_ss;
+    const i64 stat = bi.row_index(h, heads_q, seqlen_q, row);
+    const float l = lse[stat];
+    const float dd = delta[stat];
+    // The keys [x, y) this row sees (none when its lse is -inf).
+    const int2 keys = l == -CUFLASH_INF ? make_int2(0, 0) : bi.key_range(row, row + 1);
     float acc[kPer];
 #pragma unroll
     for (int c = 0; c < kPer; ++c) acc[c] = 0.f;
-    for (int j0 = 0; j0 < n_keys; j0 += 32) {
+    for (int j0 = keys.x; j0 < keys.y; j0 += 32) {
         const int key = j0 + lane;
         float ds = 0.f;
-        if (key < n_keys) {
+        if (key < keys.y) {
             const float* krow = kg + (i64)key * k_ss;
             const float* vrow = vg + (i64)key * v_ss;
             float s = 0.f, dp = 0.f;
@@ -627,10 +660,12 @@ flash_bwd_dq_f32_kernel(const float* __restrict__ q, const float* __restrict__ k
                 s = fmaf(sq[warp][d], krow[d], s);
                 dp = fmaf(sdo[warp][d], vrow[d], dp);
             }
+            float grad = 1.f;
+            s = bi.mod(s, row, key, grad);        // [variant mod]
             const float p = expf(s * scale - l);  // [bwd 1]
-            ds = p * (dp - dd);                   // [bwd 3], [bwd 4]
+            ds = p * (dp - dd) * grad;            // [bwd 3], [bwd 4], [variant grad]
         }
-        const int nk = min(32, n_keys - j0);
+        const int nk = min(32, keys.y - j0);
         for (int jj = 0; jj < nk; ++jj) {  // [bwd 5]
             const float dsj = __shfl_sync(0xffffffffu, ds, jj);
             const float* krow = kg + (i64)(j0 + jj) * k_ss;
@@ -638,16 +673,16 @@ flash_bwd_dq_f32_kernel(const float* __restrict__ q, const float* __restrict__ k
             for (int c = 0; c < kPer; ++c) acc[c] = fmaf(dsj, krow[lane + 32 * c], acc[c]);
         }
     }
-    float* dqr = dq + b * dq_sb + h * dq_sh + (i64)row * dq_ss;
+    float* dqr = dq + b * dq_sb + h * dq_sh + (i64)(bi.q0 + row) * dq_ss;
 #pragma unroll
     for (int c = 0; c < kPer; ++c) dqr[lane + 32 * c] = acc[c] * scale;
 }
 
 // dK/dV (+ dQ) of one key/value tile per thread block, grid (ceil(seqlen_k / kBlockN), heads_q, batch):
-// bwd_f32_key_tile (cuflash_tiles.cuh, shared with fa1.cu's float32 backward). With Has_dQ (order
+// bwd_f32_key_tile (f32_tiles.cuh, shared with fa1.cu's float32 backward). With Has_dQ (order
 // "kv_outer") dQ_i += scale dS K_j goes to dq (float32, zeroed) by atomicAdd; without it (order "split")
 // flash_bwd_dq_f32_kernel computes dQ. dK, dV go per query head to dkv; the launcher sums each GQA group.
-template <int kHeadDim, int kBlockN, bool Is_causal, bool Has_dQ>
+template <int kHeadDim, int kBlockN, class V, bool Has_dQ>
 __global__ void __launch_bounds__(128, 1)
 flash_bwd_dkdv_f32_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                           const float* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -655,13 +690,16 @@ flash_bwd_dkdv_f32_kernel(const float* __restrict__ q, const float* __restrict__
                           int seqlen_q, int seqlen_k, int heads_q, int group,
                           i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                           i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
-                          i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale, int causal_offset) {
+                          i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale, const VariantParams vp) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    const F32BwdArgs args{q, k, v, dout, lse, delta, dq, dkv, seqlen_q, seqlen_k, heads_q, group, (int)gridDim.z,
+    const BlockInfo<V> bi(vp, blockIdx.z, blockIdx.y, seqlen_q, seqlen_k);
+    if (bi.past_keys(blockIdx.x * kBlockN)) return;  // keys of a shorter sequence
+    const F32BwdArgs args{q, k, v, dout, lse, delta, dq, dkv, seqlen_q, seqlen_k, heads_q, group,
+                          V::Is_varlen ? 1 : (int)gridDim.z,
                           q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, do_sb, do_ss, do_sh,
-                          dq_sb, dq_ss, dq_sh, scale, causal_offset};
-    bwd_f32_key_tile<kHeadDim, kBlockN, Is_causal, Has_dQ ? DqUpdate::kAtomic : DqUpdate::kNone>(
-        args, blockIdx.x, blockIdx.y, blockIdx.z, reinterpret_cast<float*>(smem_raw));
+                          dq_sb, dq_ss, dq_sh, scale};
+    bwd_f32_key_tile<kHeadDim, kBlockN, V, Has_dQ ? DqUpdate::kAtomic : DqUpdate::kNone>(
+        args, bi, blockIdx.x, blockIdx.y, blockIdx.z, reinterpret_cast<float*>(smem_raw));
 }
 
 }  // namespace cuflash

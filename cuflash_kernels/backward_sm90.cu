@@ -36,6 +36,7 @@
 // d = 128, kBlockN = 128: 146 KiB (one block per SM); d = 64, kBlockN = 128: 82 KiB.
 #include "cuflash_tiles.cuh"
 #include "hopper_tiles.cuh"
+#include "variants.cuh"
 
 namespace cuflash {
 
@@ -49,7 +50,7 @@ struct Sm90BwdConfig {
 
 // Template arguments as flash_bwd_dkdv_kernel's (the launcher's Tile): kBlockM streamed query rows (64),
 // kBlockN = 16 * kNWarps key rows (64 per warpgroup), kStages = 2 query buffers.
-template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool Is_causal, bool Has_dQ>
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V, bool Has_dQ>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                            const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -59,7 +60,7 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
                            i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                            i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
                            i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
-                           float scale, int causal_offset) {
+                           float scale, const VariantParams vp) {
     using Cfg = Sm90BwdConfig<kHeadDim, kBlockM, kBlockN, kNWarps>;
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim: whole 64-column swizzle blocks, n = d <= 128");
     static_assert(kNWarps == 4 || kNWarps == 8, "one or two computing warpgroups");
@@ -94,26 +95,30 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
     const int n0 = n_block * kBlockN;
     const int key_base = n0 + wg * 64 + warp_in_wg * 16;  // this warp's fragment rows: + g, + g + 8
 
-    const u16* qg = q + b * q_sb + h * q_sh;
-    const u16* dog = dout + b * do_sb + h * do_sh;
-    const float* lse_row = lse + ((i64)b * heads_q + h) * seqlen_q;
-    const float* delta_row = delta + ((i64)b * heads_q + h) * seqlen_q;
+    const BlockInfo<V> bi(vp, b, h, seqlen_q, seqlen_k);
+    if (bi.past_keys(n0)) return;  // keys of a shorter sequence (padding keys' dK, dV are zeroed by the launcher)
+    const int len_q = bi.len_q, len_k = bi.len_k;
 
-    // Query tiles [m_begin, m_end): causal key j is seen by queries i >= j - causal_offset.
-    const int m_end = (seqlen_q + kBlockM - 1) / kBlockM;
-    int m_begin = 0;
-    if (Is_causal) m_begin = max(0, n0 - causal_offset) / kBlockM;
+    const u16* qg = q + b * q_sb + h * q_sh + (i64)bi.q0 * q_ss;
+    const u16* dog = dout + b * do_sb + h * do_sh + (i64)bi.q0 * do_ss;
+    const float* lse_row = lse + bi.row_index(h, heads_q, seqlen_q, 0);
+    const float* delta_row = delta + bi.row_index(h, heads_q, seqlen_q, 0);
+
+    // Query tiles [m_begin, m_end) hold the queries that see this key tile (causal, window).
+    const int2 qr = bi.query_range(n0, min(n0 + kBlockN, len_k));
+    const int m_begin = qr.x / kBlockM;
+    const int m_end = qr.y > qr.x ? num_blocks<kBlockM>(qr.y) : m_begin;
 
     // One query tile: Q, dO, and its rows' lse and D (rows past seqlen_q read as zeros).
     auto load_q_stage = [&](int buf, int mi) {
-        load_tile_sw128<kBlockM, kHeadDim, kThreads>(sQ + buf * kQTile, qg, q_ss, mi * kBlockM, seqlen_q, tid);
-        load_tile_sw128<kBlockM, kHeadDim, kThreads>(sdO + buf * kQTile, dog, do_ss, mi * kBlockM, seqlen_q, tid);
+        load_tile_sw128<kBlockM, kHeadDim, kThreads>(sQ + buf * kQTile, qg, q_ss, mi * kBlockM, len_q, tid);
+        load_tile_sw128<kBlockM, kHeadDim, kThreads>(sdO + buf * kQTile, dog, do_ss, mi * kBlockM, len_q, tid);
         load_row_stats_async<kBlockM, kThreads>(sLse + buf * kBlockM, sD + buf * kBlockM, lse_row, delta_row,
-                                                mi * kBlockM, seqlen_q, tid);
+                                                mi * kBlockM, len_q, tid);
     };
 
-    load_tile_sw128<kBlockN, kHeadDim, kThreads>(sK, k + b * k_sb + h_kv * k_sh, k_ss, n0, seqlen_k, tid);
-    load_tile_sw128<kBlockN, kHeadDim, kThreads>(sV, v + b * v_sb + h_kv * v_sh, v_ss, n0, seqlen_k, tid);
+    load_tile_sw128<kBlockN, kHeadDim, kThreads>(sK, k + b * k_sb + h_kv * k_sh + (i64)bi.k0 * k_ss, k_ss, n0, len_k, tid);
+    load_tile_sw128<kBlockN, kHeadDim, kThreads>(sV, v + b * v_sb + h_kv * v_sh + (i64)bi.k0 * v_ss, v_ss, n0, len_k, tid);
     if (m_begin < m_end) load_q_stage(0, m_begin);
     cp_async_commit();
 
@@ -147,7 +152,7 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
         for (int e = 0; e < 4; ++e) dk_acc[dt][e] = dv_acc[dt][e] = 0.f;
     }
     const float scale_log2 = scale * kLog2e;
-    float* dqg = Has_dQ ? dq_accum + ((i64)b * heads_q + h) * seqlen_q * kHeadDim : nullptr;
+    float* dqg = Has_dQ ? dq_accum + bi.row_index(h, heads_q, seqlen_q, 0) * kHeadDim : nullptr;
 
     for (int mi = m_begin; mi < m_end; ++mi) {
         const int buf = (mi - m_begin) & 1;
@@ -174,10 +179,16 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
         for (int kk = 0; kk < kKT; ++kk) Wgmma<T>::ss(dpt, desc_kv(v_addr, kk), desc_qk(tdo, kk), kk > 0 ? 1 : 0, Int<kBlockM>());
         wgmma_commit();
 
-        // [bwd 1] P^T = exp(scale K Q^T - lse) while dP^T runs. A row that saw no key has lse = -inf:
-        // its P here is +inf, but every tile it meets crosses its diagonal and is masked to 0 below.
+        // [bwd 1] P^T = exp(scale mod(K Q^T) - lse) while dP^T runs. A row that saw no key has lse = -inf:
+        // its P here is +inf, but every tile it meets crosses an edge of its band and is masked to 0 below.
         wgmma_wait<1>();
         fence_regs(st);
+        u32 dmod[V::Has_softcap ? kNT : 1][2];  // [variant grad] d mod / d s
+        if constexpr (V::Has_softcap) {
+            mod_scores_grad<true>(st, dmod, bi, key_base, m0, lane);
+        } else {
+            mod_scores<true>(st, bi, key_base, m0, lane);  // [variant mod]
+        }
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
             const float2 l2 = *reinterpret_cast<const float2*>(tLse + nt * 8 + 2 * t);
@@ -185,8 +196,7 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
 #pragma unroll
             for (int e = 0; e < 4; ++e) st[nt][e] = fast_exp2(fmaf(st[nt][e], scale_log2, e & 1 ? nl1 : nl0));
         }
-        const bool need_mask = n0 + kBlockN > seqlen_k || (Is_causal && n0 + kBlockN - 1 > m0 + causal_offset);
-        if (need_mask) mask_scores_t<kNT, Is_causal>(st, key_base, m0, seqlen_k, causal_offset, lane, 0.f);
+        if (bi.needs_mask(m0, kBlockM, n0, kBlockN)) mask_block<true>(st, bi, key_base, m0, lane, 0.f);  // [variant mask]
         // P^T in the input dtype as A fragments (as it enters dV, and as dS^T uses it).
         u32 pt[kMT][4];
 #pragma unroll
@@ -206,6 +216,7 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
                     const u32 w = pt[kk][2 * hn + (e >> 1)];
                     const float p = Elem<T>::to_float(static_cast<u16>(e & 1 ? w >> 16 : w & 0xffffu));
                     dpt[nt][e] = p * (dpt[nt][e] - (e & 1 ? d2.y : d2.x));
+                    if constexpr (V::Has_softcap) dpt[nt][e] *= grad_at(dmod, nt, e);  // [variant grad]
                 }
             }
         }
@@ -261,7 +272,7 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
                     const int row = m0 + warp_in_wg * 16 + g + 8 * hh;
-                    if (row < seqlen_q) {
+                    if (row < len_q) {
                         float* dqr = dqg + (i64)row * kHeadDim + col0 + 2 * t;
 #pragma unroll
                         for (int dt = 0; dt < kDqChunk / 8; ++dt) red_add_v2_f32(dqr + dt * 8, dq[dt][2 * hh], dq[dt][2 * hh + 1]);
@@ -281,19 +292,19 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         const int row = key_base + g + 8 * hh;
-        if (row >= seqlen_k) continue;
+        if (row >= len_k) continue;
         const int col0 = 2 * t;
         if (group == 1) {
-            u16* dkr = dk + b * dk_sb + h * dk_sh + (i64)row * dk_ss + col0;
-            u16* dvr = dv + b * dv_sb + h * dv_sh + (i64)row * dv_ss + col0;
+            u16* dkr = dk + b * dk_sb + h * dk_sh + (i64)(bi.k0 + row) * dk_ss + col0;
+            u16* dvr = dv + b * dv_sb + h * dv_sh + (i64)(bi.k0 + row) * dv_ss + col0;
 #pragma unroll
             for (int dt = 0; dt < kDT; ++dt) {
                 *reinterpret_cast<u32*>(dkr + dt * 8) = Elem<T>::pack(dk_acc[dt][2 * hh] * scale, dk_acc[dt][2 * hh + 1] * scale);
                 *reinterpret_cast<u32*>(dvr + dt * 8) = Elem<T>::pack(dv_acc[dt][2 * hh], dv_acc[dt][2 * hh + 1]);
             }
         } else {
-            const i64 plane = (i64)gridDim.z * heads_q * seqlen_k * kHeadDim;
-            float* dkr = dkv_accum + (((i64)b * heads_q + h) * seqlen_k + row) * kHeadDim + col0;
+            const i64 plane = (i64)(V::Is_varlen ? 1 : gridDim.z) * heads_q * seqlen_k * kHeadDim;
+            float* dkr = dkv_accum + bi.key_row_index(h, heads_q, seqlen_k, row) * kHeadDim + col0;
 #pragma unroll
             for (int dt = 0; dt < kDT; ++dt) {
                 *reinterpret_cast<float2*>(dkr + dt * 8) = make_float2(dk_acc[dt][2 * hh] * scale, dk_acc[dt][2 * hh + 1] * scale);

@@ -242,12 +242,12 @@ __device__ __forceinline__ int causal_query_block_start(int k_start, int causal_
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Masking of a score block held as C fragments: element e of n8 tile nt sits at
-// row = row_base + g + 8 * (e / 2), col = col_base + nt * 8 + 2 t + e % 2.
-// A column is kept iff col < col_limit and (not causal, or col <= row + causal_offset); others := fill.
-template <int kNT, bool Is_causal>
-__device__ __forceinline__ void mask_scores(float (&s)[kNT][4], int row_base, int col_base, int col_limit,
-                                            int causal_offset, int lane, float fill) {
+// Visit every element of a score block held as mma C fragments (kNT n8 tiles of 16 rows): element e of
+// tile nt sits at row row_base + g + 8 (e / 2), column col_base + 8 nt + 2 t + e % 2 (g = lane / 4,
+// t = lane % 4). With kTransposed the block is S^T (rows = keys, columns = queries) and f is still
+// called as f(value, query, key, nt, e).
+template <bool kTransposed, int kNT, class F>
+__device__ __forceinline__ void for_each_score(float (&s)[kNT][4], int row_base, int col_base, int lane, F&& f) {
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
@@ -255,28 +255,31 @@ __device__ __forceinline__ void mask_scores(float (&s)[kNT][4], int row_base, in
         for (int e = 0; e < 4; ++e) {
             const int row = row_base + g + 8 * (e >> 1);
             const int col = col_base + nt * 8 + 2 * t + (e & 1);
-            const bool keep = col < col_limit && (!Is_causal || col <= row + causal_offset);
-            if (!keep) s[nt][e] = fill;
+            if constexpr (kTransposed) {
+                f(s[nt][e], col, row, nt, e);
+            } else {
+                f(s[nt][e], row, col, nt, e);
+            }
         }
     }
 }
 
-// Transposed masking for blocks stored as S^T (rows = keys, cols = queries): the key row j is kept
-// iff j < key_limit and (not causal, or j <= query + causal_offset).
+// Masking of a score block (the FA1 kernels; the FA2 kernels mask through variants.cuh): a column is kept
+// iff col < col_limit and (not causal, or col <= row + causal_offset); others := fill. mask_scores_t is the
+// same for blocks stored as S^T (rows = keys, columns = queries).
+template <int kNT, bool Is_causal>
+__device__ __forceinline__ void mask_scores(float (&s)[kNT][4], int row_base, int col_base, int col_limit,
+                                            int causal_offset, int lane, float fill) {
+    for_each_score<false>(s, row_base, col_base, lane, [&](float& x, int query, int key, int, int) {
+        if (!(key < col_limit && (!Is_causal || key <= query + causal_offset))) x = fill;
+    });
+}
 template <int kNT, bool Is_causal>
 __device__ __forceinline__ void mask_scores_t(float (&s)[kNT][4], int key_base, int query_base, int key_limit,
                                               int causal_offset, int lane, float fill) {
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int key = key_base + g + 8 * (e >> 1);
-            const int query = query_base + nt * 8 + 2 * t + (e & 1);
-            const bool keep = key < key_limit && (!Is_causal || key <= query + causal_offset);
-            if (!keep) s[nt][e] = fill;
-        }
-    }
+    for_each_score<true>(s, key_base, query_base, lane, [&](float& x, int query, int key, int, int) {
+        if (!(key < key_limit && (!Is_causal || key <= query + causal_offset))) x = fill;
+    });
 }
 
 // Pack C fragments of two neighbouring n8 tiles (2 kk, 2 kk + 1) into one A fragment.
@@ -338,177 +341,6 @@ __device__ __forceinline__ void scale_scores(float (&s)[kNT][4], float scale) {
     for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[nt][e] *= scale;
-    }
-}
-
-// ---------------------------------------------------------------------------------------------------
-// float32 inputs (plain SIMT arithmetic, no tensor cores): one warp per query row.
-
-// K_j, V_j (kBlockN rows from n0; rows past seqlen_k as zeros) to shared memory as float32, K's rows
-// kKStride floats apart (kHeadDim + 1 where lane j reads row j: bank (j + c) % 32, no conflict).
-template <int kBlockN, int kHeadDim, int kKStride, int kThreads>
-__device__ __forceinline__ void load_kv_f32(float* sK, float* sV, const float* kg, i64 k_ss, const float* vg, i64 v_ss,
-                                            int n0, int seqlen_k, int tid) {
-    for (int e = tid; e < kBlockN * kHeadDim; e += kThreads) {
-        const int r = e / kHeadDim, c = e % kHeadDim;
-        const bool ok = n0 + r < seqlen_k;
-        sK[r * kKStride + c] = ok ? kg[(i64)(n0 + r) * k_ss + c] : 0.f;
-        sV[r * kHeadDim + c] = ok ? vg[(i64)(n0 + r) * v_ss + c] : 0.f;
-    }
-}
-
-// One query row (sq, in shared memory) against the key tile [n0, n0 + kBlockN) held by load_kv_f32
-// (kKStride = kHeadDim + 1), for a row that sees keys [0, n_keys) with n0 < n_keys: lane j scores key
-// n0 + j [fa2-fwd 2], warp reductions give the new max and the rescale [fa2-fwd 3] and the sum of
-// P [fa2-fwd 4], and lane c adds P V_j into elements c, c + 32, ... of acc = l * O [fa2-fwd 5].
-// m (scale * log2(e) units) and l are the row's running max and sum; m stays finite (key n0 is seen).
-template <int kHeadDim, int kBlockN>
-__device__ __forceinline__ void f32_row_step(const float* sq, const float* sK, const float* sV, int n0, int n_keys,
-                                             float scale_log2, float (&acc)[kHeadDim / 32], float& m, float& l,
-                                             int lane) {
-    static_assert(kHeadDim % 32 == 0 && kBlockN >= 1 && kBlockN <= 32, "one lane per key of the tile");
-    constexpr int kPer = kHeadDim / 32, kKStride = kHeadDim + 1;
-    const bool valid = lane < kBlockN && n0 + lane < n_keys;
-    float s = -CUFLASH_INF;
-    if (valid) {
-        const float* krow = sK + lane * kKStride;
-        float dot = 0.f;
-#pragma unroll 8
-        for (int d = 0; d < kHeadDim; ++d) dot = fmaf(sq[d], krow[d], dot);
-        s = dot * scale_log2;
-    }
-    const float m_new = fmaxf(m, warp_max(s));
-    const float corr = exp2f(m - m_new);
-    const float p = valid ? exp2f(s - m_new) : 0.f;
-    l = l * corr + warp_sum(p);
-    m = m_new;
-#pragma unroll
-    for (int c = 0; c < kPer; ++c) acc[c] *= corr;
-    const int nk = min(kBlockN, n_keys - n0);
-    for (int jj = 0; jj < nk; ++jj) {
-        const float pj = __shfl_sync(0xffffffffu, p, jj);
-        const float* vrow = sV + jj * kHeadDim;
-#pragma unroll
-        for (int c = 0; c < kPer; ++c) acc[c] = fmaf(pj, vrow[lane + 32 * c], acc[c]);
-    }
-}
-
-// The arguments of the float32 backward kernels (fa1_bwd_f32_kernel, flash_bwd_dkdv_f32_kernel).
-struct F32BwdArgs {
-    const float* q;
-    const float* k;
-    const float* v;
-    const float* dout;
-    const float* lse;
-    const float* delta;
-    float* dq;   // float32 output, zeroed by the launcher (unused without a dQ update)
-    float* dkv;  // float32 workspace (2, batch, heads_q, seqlen_k, d): dK, dV per query head
-    int seqlen_q, seqlen_k, heads_q, group, batch;
-    i64 q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, do_sb, do_ss, do_sh, dq_sb, dq_ss, dq_sh;
-    float scale;
-    int causal_offset;
-};
-
-// How bwd_f32_key_tile adds dS K_j to dQ: not at all (the split order's dK/dV pass), read-modify-write
-// (FA1: one block owns the (batch, head)), or atomicAdd (FA2: key tiles spread over blocks).
-enum class DqUpdate { kNone, kReadModifyWrite, kAtomic };
-
-// One key/value tile j of kBlockN rows of (batch b, query head h), 4 warps: each warp owns kBlockN / 4
-// key rows (dK, dV in registers, lane c holding head-dim elements c, c + 32, ...); the query rows that see
-// the tile come one at a time for the whole block. Per row and key: [bwd 1] P = exp(scale q.k - lse) and
-// [bwd 3] dP = dO.v (two warp reductions), [bwd 4] dS = P (dP - D), [bwd 2] dV += P dO, [bwd 6]
-// dK += dS Q; [bwd 5] dQ_i += scale dS K_j, the four warps' partial rows summed in shared memory. At the
-// end dK = scale dK_acc and dV go to args.dkv. smem: K, V (kBlockN x d each), Q and dO rows, 4 dQ rows.
-template <int kHeadDim, int kBlockN, bool Is_causal, DqUpdate kDq>
-__device__ __forceinline__ void bwd_f32_key_tile(const F32BwdArgs& a, int j, int h, int b, float* smem) {
-    constexpr int kNWarps = 4, kThreads = 32 * kNWarps, kPer = kHeadDim / 32, kKW = kBlockN / kNWarps;
-    static_assert(kHeadDim % 32 == 0 && kBlockN % kNWarps == 0 && kKW * kPer <= 32, "tile shape");
-    float* sK = smem;                     // kBlockN x kHeadDim
-    float* sV = sK + kBlockN * kHeadDim;  // kBlockN x kHeadDim
-    float* sQ = sV + kBlockN * kHeadDim;  // one query row
-    float* sdO = sQ + kHeadDim;           // its dO row
-    float* sdQ = sdO + kHeadDim;          // kNWarps partial dQ rows
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, h_kv = h / a.group;
-    const float* qg = a.q + b * a.q_sb + h * a.q_sh;
-    const float* dog = a.dout + b * a.do_sb + h * a.do_sh;
-    float* dqg = a.dq + b * a.dq_sb + h * a.dq_sh;
-    const i64 row_stat = ((i64)b * a.heads_q + h) * a.seqlen_q;
-    const int n0 = j * kBlockN;
-    __syncthreads();  // every warp is done with the previous tile's shared memory
-    load_kv_f32<kBlockN, kHeadDim, kHeadDim, kThreads>(sK, sV, a.k + b * a.k_sb + h_kv * a.k_sh, a.k_ss,
-                                                       a.v + b * a.v_sb + h_kv * a.v_sh, a.v_ss, n0, a.seqlen_k, tid);
-    float dk_acc[kKW][kPer], dv_acc[kKW][kPer];
-#pragma unroll
-    for (int kk = 0; kk < kKW; ++kk) {
-#pragma unroll
-        for (int c = 0; c < kPer; ++c) dk_acc[kk][c] = dv_acc[kk][c] = 0.f;
-    }
-    // Query rows that see key tile j: i >= n0 - causal_offset.
-    for (int row = Is_causal ? causal_query_block_start(n0, a.causal_offset) : 0; row < a.seqlen_q; ++row) {
-        __syncthreads();  // K_j, V_j landed (first row); the previous row's sQ, sdO, sdQ are consumed
-        for (int c = tid; c < kHeadDim; c += kThreads) {
-            sQ[c] = qg[(i64)row * a.q_ss + c];
-            sdO[c] = dog[(i64)row * a.do_ss + c];
-        }
-        const float lse_i = a.lse[row_stat + row], d_i = a.delta[row_stat + row];
-        const int n_keys = lse_i == -CUFLASH_INF ? 0
-                           : Is_causal ? causal_key_block_end(row + 1, a.causal_offset, a.seqlen_k) : a.seqlen_k;
-        __syncthreads();
-        float dq_part[kPer];
-#pragma unroll
-        for (int c = 0; c < kPer; ++c) dq_part[c] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < kKW; ++kk) {
-            const int kr = warp * kKW + kk;  // row of the tile
-            if (n0 + kr < n_keys) {          // warp-uniform
-                const float* krow = sK + kr * kHeadDim;
-                const float* vrow = sV + kr * kHeadDim;
-                float s = 0.f, dp = 0.f;
-#pragma unroll
-                for (int c = 0; c < kPer; ++c) {
-                    s = fmaf(sQ[lane + 32 * c], krow[lane + 32 * c], s);
-                    dp = fmaf(sdO[lane + 32 * c], vrow[lane + 32 * c], dp);
-                }
-                const float p = expf(warp_sum(s) * a.scale - lse_i);  // [bwd 1]
-                const float ds = p * (warp_sum(dp) - d_i);            // [bwd 3], [bwd 4]
-#pragma unroll
-                for (int c = 0; c < kPer; ++c) {
-                    dv_acc[kk][c] = fmaf(p, sdO[lane + 32 * c], dv_acc[kk][c]);  // [bwd 2]
-                    dk_acc[kk][c] = fmaf(ds, sQ[lane + 32 * c], dk_acc[kk][c]);  // [bwd 6]
-                    dq_part[c] = fmaf(ds, krow[lane + 32 * c], dq_part[c]);      // [bwd 5]
-                }
-            }
-        }
-        if constexpr (kDq != DqUpdate::kNone) {
-#pragma unroll
-            for (int c = 0; c < kPer; ++c) sdQ[warp * kHeadDim + lane + 32 * c] = dq_part[c];
-            __syncthreads();
-            // [bwd 5] dQ_i += scale dS K_j in HBM.
-            for (int c = tid; c < kHeadDim; c += kThreads) {
-                float sum = 0.f;
-#pragma unroll
-                for (int w = 0; w < kNWarps; ++w) sum += sdQ[w * kHeadDim + c];
-                float* dst = dqg + (i64)row * a.dq_ss + c;
-                if constexpr (kDq == DqUpdate::kAtomic) {
-                    atomicAdd(dst, a.scale * sum);
-                } else {
-                    *dst += a.scale * sum;
-                }
-            }
-        }
-    }
-    // dK_j = scale dK_acc, dV_j to the per-query-head workspace.
-    const i64 plane = (i64)a.batch * a.heads_q * a.seqlen_k * kHeadDim;
-#pragma unroll
-    for (int kk = 0; kk < kKW; ++kk) {
-        const int key = n0 + warp * kKW + kk;
-        if (key >= a.seqlen_k) continue;
-        float* dkr = a.dkv + (((i64)b * a.heads_q + h) * a.seqlen_k + key) * kHeadDim;
-#pragma unroll
-        for (int c = 0; c < kPer; ++c) {
-            dkr[lane + 32 * c] = dk_acc[kk][c] * a.scale;
-            dkr[plane + lane + 32 * c] = dv_acc[kk][c];
-        }
     }
 }
 

@@ -29,6 +29,8 @@
 //
 // Running statistics are kept in log2 units (m' = scale log2(e) max S), as in the FA2 kernels.
 #include "cuflash_tiles.cuh"
+#include "variants.cuh"
+#include "f32_tiles.cuh"
 
 namespace cuflash {
 
@@ -469,7 +471,7 @@ fa1_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
 // Forward: key/value tiles of kBlockN <= 32 rows outer (K_j, V_j in shared memory, load_kv_f32); each warp
 // takes the query rows that see the tile in turn (first + warp, first + warp + 4, ...). Per row,
 // [fa1-fwd 1] reads O_i (float32, normalized), m_i, l_i back from global memory (not on the first key
-// tile), [fa1-fwd 2..5] is f32_row_step (cuflash_tiles.cuh, shared with FA2's float32 forward), and
+// tile), [fa1-fwd 2..5] is f32_row_step (f32_tiles.cuh, shared with FA2's float32 forward), and
 // [fa1-fwd 6] writes O_i, m_i, l_i back, or on the last key tile the row sees, O in the output and
 // lse = m + log l.
 template <int kHeadDim, int kBlockN, bool Is_causal>
@@ -535,7 +537,8 @@ fa1_fwd_f32_kernel(const float* __restrict__ q, const float* __restrict__ k, con
             }
             __syncwarp();
             // [fa1-fwd 2..5] scores, online-softmax update, l_new O_new = corr l_old O_old + P V_j.
-            f32_row_step<kHeadDim, kBlockN>(sq, sK, sV, n0, n_keys, scale_log2, acc, m, l, lane);
+            f32_row_step<kHeadDim, kBlockN>(sq, sK, sV, n0, 0, n_keys, scale_log2, acc, m, l, lane,
+                                            [](float s, int) { return s; });
             // [fa1-fwd 6] normalize; O_i, m_i, l_i back to HBM, or the output and lse on the last tile.
             const float inv = 1.f / l;
             if (last) {
@@ -557,7 +560,7 @@ fa1_fwd_f32_kernel(const float* __restrict__ q, const float* __restrict__ k, con
     }
 }
 
-// Backward: every key/value tile in turn (bwd_f32_key_tile, cuflash_tiles.cuh: query rows inner, one at a
+// Backward: every key/value tile in turn (bwd_f32_key_tile, f32_tiles.cuh: query rows inner, one at a
 // time for the whole block), dQ_i read-modify-written in dq (float32, zeroed by the launcher) at every
 // step: the block owns its (batch, head), so no atomics. dK = scale dK_acc and dV go per query head to the
 // float32 workspace dkv (2, B, heads_q, seqlen_k, d); the launcher sums each GQA group.
@@ -573,11 +576,12 @@ fa1_bwd_f32_kernel(const float* __restrict__ q, const float* __restrict__ k, con
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const F32BwdArgs args{q, k, v, dout, lse, delta, dq, dkv, seqlen_q, seqlen_k, heads_q, group, (int)gridDim.y,
                           q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, do_sb, do_ss, do_sh,
-                          dq_sb, dq_ss, dq_sh, scale, causal_offset};
+                          dq_sb, dq_ss, dq_sh, scale};
+    const BlockInfo<CausalVariant<Is_causal>> bi(blockIdx.y, seqlen_q, seqlen_k, causal_offset);
     // Every key tile, also those no query sees (their dK, dV are zeros).
     for (int j = 0; j < num_blocks<kBlockN>(seqlen_k); ++j) {
-        bwd_f32_key_tile<kHeadDim, kBlockN, Is_causal, DqUpdate::kReadModifyWrite>(
-            args, j, blockIdx.x, blockIdx.y, reinterpret_cast<float*>(smem_raw));
+        bwd_f32_key_tile<kHeadDim, kBlockN, CausalVariant<Is_causal>, DqUpdate::kReadModifyWrite>(
+            args, bi, j, blockIdx.x, blockIdx.y, reinterpret_cast<float*>(smem_raw));
     }
 }
 

@@ -21,17 +21,19 @@
 // 4 * kRows rows, key/value tiles through shared memory, one warp per query row at a time, lanes over keys
 // for the scores and over the head dimension for the output (f32_row_step, shared with fa1.cu).
 #include "cuflash_tiles.cuh"
+#include "variants.cuh"
+#include "f32_tiles.cuh"
 
 namespace cuflash {
 
-template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool Is_causal>
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V>
 __global__ void __launch_bounds__(kNWarps * 32)
 flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                  u16* __restrict__ o, float* __restrict__ lse,
                  int seqlen_q, int seqlen_k, int heads_q, int group,
                  i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                  i64 v_sb, i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh,
-                 float scale_log2, int causal_offset) {
+                 float scale_log2, const VariantParams vp) {
     static_assert(kBlockM % (16 * kNWarps) == 0, "each warp owns kMT x 16 query rows");
     static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shape");
     static_assert(kStages >= 1, "at least one key/value buffer");
@@ -51,23 +53,30 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     const int h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int m0 = m_block * kBlockM;
+    const BlockInfo<V> bi(vp, b, h, seqlen_q, seqlen_k);
+    if (bi.past_queries(m0)) return;  // a shorter sequence of a packed batch
 
-    const u16* qg = q + b * q_sb + h * q_sh;
-    const u16* kg = k + b * k_sb + h_kv * k_sh;
-    const u16* vg = v + b * v_sb + h_kv * v_sh;
+    // Key tiles [n_begin, n_end) hold the keys this query tile sees (causal, window). The K/V pointers
+    // start at tile n_begin, so the loop below counts tiles from there: key = n_begin * kBlockN + local.
+    const int2 kr = bi.key_range(m0, min(m0 + kBlockM, bi.len_q));
+    const int n_begin = kr.x / kBlockN;
+    // (a tile of a row range that sees no key is wholly masked: harmless)
+    const int n_end = V::Has_left ? max(num_blocks<kBlockN>(kr.y) - n_begin, 0) : num_blocks<kBlockN>(kr.y);
+    const int n_shift = n_begin * kBlockN;
+    const int len_k = bi.len_k - n_shift;  // keys left from the first tile on
 
-    // Key tiles [0, n_end): causal rows see keys j <= i + causal_offset.
-    const int q_stop = min(m0 + kBlockM, seqlen_q);
-    const int n_end = num_blocks<kBlockN>(Is_causal ? causal_key_block_end(q_stop, causal_offset, seqlen_k) : seqlen_k);
+    const u16* qg = q + b * q_sb + h * q_sh + (i64)bi.q0 * q_ss;
+    const u16* kg = k + b * k_sb + h_kv * k_sh + (i64)(bi.k0 + n_shift) * k_ss;
+    const u16* vg = v + b * v_sb + h_kv * v_sh + (i64)(bi.k0 + n_shift) * v_ss;
 
     // [fa2-fwd 1] load the query block (its own commit group), then the first kStages - 1 K/V tiles.
-    load_tile_async<kBlockM, kHeadDim, kThreads>(sQ, qg, q_ss, m0, seqlen_q, tid);
+    load_tile_async<kBlockM, kHeadDim, kThreads>(sQ, qg, q_ss, m0, bi.len_q, tid);
     cp_async_commit();
 #pragma unroll
     for (int st = 0; st < kStages - 1; ++st) {
-        if (st < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sK + st * kTile, kg, k_ss, st * kBlockN, seqlen_k, tid);
+        if (st < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sK + st * kTile, kg, k_ss, st * kBlockN, len_k, tid);
         cp_async_commit();
-        if (st < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sV + st * kTile, vg, v_ss, st * kBlockN, seqlen_k, tid);
+        if (st < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sV + st * kTile, vg, v_ss, st * kBlockN, len_k, tid);
         cp_async_commit();
     }
 
@@ -85,9 +94,9 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         // Refill the buffer freed at the end of iteration j - 1 with tile j + kStages - 1.
         const int jn = j + kStages - 1;
         const int buf_n = jn % kStages;
-        if (jn < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sK + buf_n * kTile, kg, k_ss, jn * kBlockN, seqlen_k, tid);
+        if (jn < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sK + buf_n * kTile, kg, k_ss, jn * kBlockN, len_k, tid);
         cp_async_commit();
-        if (jn < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sV + buf_n * kTile, vg, v_ss, jn * kBlockN, seqlen_k, tid);
+        if (jn < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sV + buf_n * kTile, vg, v_ss, jn * kBlockN, len_k, tid);
         cp_async_commit();
         const u16* tK = sK + (j % kStages) * kTile;
         const u16* tV = sV + (j % kStages) * kTile;
@@ -118,14 +127,13 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                 }
             }
         }
-        const int n0 = j * kBlockN;
-        const bool need_mask = n0 + kBlockN > seqlen_k || (Is_causal && n0 + kBlockN - 1 > m0 + causal_offset);
+        const int n0 = n_shift + j * kBlockN;  // the tile's first key in the sequence
+        const bool need_mask = bi.needs_mask(m0, kBlockM, n0, kBlockN);
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
+            mod_scores<false>(s[mt], bi, row_base + mt * 16, n0, lane);  // [variant mod]
             scale_scores<kNT>(s[mt], scale_log2);
-            if (need_mask) {
-                mask_scores<kNT, Is_causal>(s[mt], row_base + mt * 16, n0, seqlen_k, causal_offset, lane, -CUFLASH_INF);
-            }
+            if (need_mask) mask_block<false>(s[mt], bi, row_base + mt * 16, n0, lane, -CUFLASH_INF);  // [variant mask]
             // [fa2-fwd 3] and [fa2-fwd 4]
             sm[mt].update(s[mt], acc[mt]);
         }
@@ -156,7 +164,7 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
 
     // [fa2-fwd 6] O = acc / l, lse = m + log l; rows that saw no key: O = 0, lse = -inf.
     const int g = lane >> 2, t = lane & 3;
-    u16* og = o + b * o_sb + h * o_sh;
+    u16* og = o + b * o_sb + h * o_sh + (i64)bi.q0 * o_ss;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
@@ -164,7 +172,7 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
             const float l = quad_sum(sm[mt].l[hh]);
             const float inv = l > 0.f ? 1.f / l : 0.f;
             const int row = row_base + mt * 16 + g + 8 * hh;
-            if (row < seqlen_q) {
+            if (row < bi.len_q) {
                 u16* orow = og + (i64)row * o_ss;
 #pragma unroll
                 for (int dt = 0; dt < kDT; ++dt) {
@@ -172,8 +180,7 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                         Elem<T>::pack(acc[mt][dt][2 * hh] * inv, acc[mt][dt][2 * hh + 1] * inv);
                 }
                 if (t == 0) {
-                    lse[((i64)b * heads_q + h) * seqlen_q + row] =
-                        l > 0.f ? (sm[mt].m[hh] + __log2f(l)) * kLn2 : -CUFLASH_INF;
+                    lse[bi.row_index(h, heads_q, seqlen_q, row)] = l > 0.f ? (sm[mt].m[hh] + __log2f(l)) * kLn2 : -CUFLASH_INF;
                 }
             }
         }
@@ -185,14 +192,14 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
 // warp takes its rows one at a time against the tile (f32_row_step: lane j scores key n0 + j, lane c
 // accumulates head-dim elements c, c + 32, ... of l * O), keeping every row's l * O, m, l in registers
 // across the key loop; the output is normalized once and lse written per row.
-template <int kHeadDim, int kBlockM, int kBlockN, bool Is_causal>
+template <int kHeadDim, int kBlockM, int kBlockN, class V>
 __global__ void __launch_bounds__(128, 1)
 flash_fwd_f32_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                      float* __restrict__ o, float* __restrict__ lse,
                      int seqlen_q, int seqlen_k, int heads_q, int group,
                      i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                      i64 v_sb, i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh,
-                     float scale_log2, int causal_offset) {
+                     float scale_log2, const VariantParams vp) {
     constexpr int kNWarps = 4, kThreads = 32 * kNWarps, kRows = kBlockM / kNWarps, kPer = kHeadDim / 32;
     constexpr int kKStride = kHeadDim + 1;
     static_assert(kBlockM % kNWarps == 0 && kHeadDim % 32 == 0, "tile shape");
@@ -203,51 +210,55 @@ flash_fwd_f32_kernel(const float* __restrict__ q, const float* __restrict__ k, c
     float* sQ = sV + kBlockN * kHeadDim + warp * kRows * kHeadDim;  // this warp's kRows query rows
     const int h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
     const int m0 = blockIdx.x * kBlockM, row0 = m0 + warp * kRows;
-    const float* qg = q + b * q_sb + h * q_sh;
-    const float* kg = k + b * k_sb + h_kv * k_sh;
-    const float* vg = v + b * v_sb + h_kv * v_sh;
+    const BlockInfo<V> bi(vp, b, h, seqlen_q, seqlen_k);
+    if (bi.past_queries(m0)) return;  // a shorter sequence of a packed batch
+    const float* qg = q + b * q_sb + h * q_sh + (i64)bi.q0 * q_ss;
+    const float* kg = k + b * k_sb + h_kv * k_sh + (i64)bi.k0 * k_ss;
+    const float* vg = v + b * v_sb + h_kv * v_sh + (i64)bi.k0 * v_ss;
 
-    // [fa2-fwd 1] this warp's query rows (rows past seqlen_q as zeros, never used).
+    // [fa2-fwd 1] this warp's query rows (rows past the sequence as zeros, never used).
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
 #pragma unroll
         for (int c = 0; c < kPer; ++c) {
-            sQ[i * kHeadDim + lane + 32 * c] = row0 + i < seqlen_q ? qg[(i64)(row0 + i) * q_ss + lane + 32 * c] : 0.f;
+            sQ[i * kHeadDim + lane + 32 * c] = row0 + i < bi.len_q ? qg[(i64)(row0 + i) * q_ss + lane + 32 * c] : 0.f;
         }
     }
     float acc[kRows][kPer], m[kRows], l[kRows];
-    int n_keys[kRows];  // keys [0, n_keys) seen by each row
+    int2 keys[kRows];  // keys [x, y) seen by each row
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
         m[i] = -CUFLASH_INF;
         l[i] = 0.f;
-        n_keys[i] = row0 + i >= seqlen_q ? 0 : Is_causal ? causal_key_block_end(row0 + i + 1, causal_offset, seqlen_k) : seqlen_k;
+        keys[i] = row0 + i >= bi.len_q ? make_int2(0, 0) : bi.key_range(row0 + i, row0 + i + 1);
 #pragma unroll
         for (int c = 0; c < kPer; ++c) acc[i][c] = 0.f;
     }
-    const int n_end = Is_causal ? causal_key_block_end(min(m0 + kBlockM, seqlen_q), causal_offset, seqlen_k) : seqlen_k;
-    for (int n0 = 0; n0 < n_end; n0 += kBlockN) {
+    const int2 kr = bi.key_range(m0, min(m0 + kBlockM, bi.len_q));
+    const auto mod = [&](int i) { return [&bi, i](float s, int key) { return bi.mod(s, i, key); }; };
+    for (int n0 = kr.x - kr.x % kBlockN; n0 < kr.y; n0 += kBlockN) {
         __syncthreads();  // every warp is done with the previous K, V tile (and, the first time, sQ is written)
-        load_kv_f32<kBlockN, kHeadDim, kKStride, kThreads>(sK, sV, kg, k_ss, vg, v_ss, n0, seqlen_k, tid);
+        load_kv_f32<kBlockN, kHeadDim, kKStride, kThreads>(sK, sV, kg, k_ss, vg, v_ss, n0, bi.len_k, tid);
         __syncthreads();
-        // [fa2-fwd 2..5] for the rows that see key n0 (causal: skip the rows above the tile).
+        // [fa2-fwd 2..5] for the rows that see a key of the tile (causal, window: skip the others).
 #pragma unroll
         for (int i = 0; i < kRows; ++i) {
-            if (n0 < n_keys[i]) f32_row_step<kHeadDim, kBlockN>(sQ + i * kHeadDim, sK, sV, n0, n_keys[i], scale_log2, acc[i], m[i], l[i], lane);
+            if (n0 < keys[i].y && n0 + kBlockN > keys[i].x) {
+                f32_row_step<kHeadDim, kBlockN>(sQ + i * kHeadDim, sK, sV, n0, keys[i].x, keys[i].y, scale_log2, acc[i],
+                                                m[i], l[i], lane, mod(row0 + i));
+            }
         }
     }
     // [fa2-fwd 6] O = acc / l; lse = m + log l (rows that saw no key: O = 0, lse = -inf).
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
         const int row = row0 + i;
-        if (row >= seqlen_q) continue;
+        if (row >= bi.len_q) continue;
         const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-        float* orow = o + b * o_sb + h * o_sh + (i64)row * o_ss;
+        float* orow = o + b * o_sb + h * o_sh + (i64)(bi.q0 + row) * o_ss;
 #pragma unroll
         for (int c = 0; c < kPer; ++c) orow[lane + 32 * c] = acc[i][c] * inv;
-        if (lane == 0) {
-            lse[((i64)b * heads_q + h) * seqlen_q + row] = l[i] > 0.f ? m[i] * kLn2 + logf(l[i]) : -CUFLASH_INF;
-        }
+        if (lane == 0) lse[bi.row_index(h, heads_q, seqlen_q, row)] = l[i] > 0.f ? m[i] * kLn2 + logf(l[i]) : -CUFLASH_INF;
     }
 }
 

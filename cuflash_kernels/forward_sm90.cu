@@ -23,6 +23,7 @@
 // d = 128, 128 x 128: 161 KiB; d = 64, 128 x 64: 49 KiB (two blocks per SM).
 #include "cuflash_tiles.cuh"
 #include "hopper_tiles.cuh"
+#include "variants.cuh"
 
 namespace cuflash {
 
@@ -80,14 +81,14 @@ struct Sm90Config {
 
 // Template arguments as the launcher's tile table: kBlockM query rows (kBlockM / 64 computing
 // warpgroups), kBlockN key rows, kNWarps warps (see Sm90Config), kStages = 2 K/V buffers.
-template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool Is_causal>
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V>
 __global__ void __launch_bounds__(kNWarps * 32, (Sm90Config<kHeadDim, kBlockM, kBlockN, kNWarps>::kMinBlocks))
 flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                       u16* __restrict__ o, float* __restrict__ lse,
                       int seqlen_q, int seqlen_k, int heads_q, int group,
                       i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                       i64 v_sb, i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh,
-                      float scale_log2, int causal_offset) {
+                      float scale_log2, const VariantParams vp) {
     using Cfg = Sm90Config<kHeadDim, kBlockM, kBlockN, kNWarps>;
     constexpr bool kWS = Cfg::kWS;
     static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head dim: whole 64-column swizzle blocks, wgmma n <= 256");
@@ -117,26 +118,35 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
     const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, warp_in_wg = (tid >> 5) & 3;
     const int m0 = m_block * kBlockM;
 
-    const u16* qg = q + b * q_sb + h * q_sh;
-    const u16* kg = k + b * k_sb + h_kv * k_sh;
-    const u16* vg = v + b * v_sb + h_kv * v_sh;
+    const BlockInfo<V> bi(vp, b, h, seqlen_q, seqlen_k);
+    if (bi.past_queries(m0)) return;  // a shorter sequence of a packed batch (the whole block leaves together)
+    const int len_q = bi.len_q;
 
-    // Key tiles [0, n_end): causal rows see keys j <= i + causal_offset.
-    const int q_stop = min(m0 + kBlockM, seqlen_q);
-    const int n_end = num_blocks<kBlockN>(Is_causal ? causal_key_block_end(q_stop, causal_offset, seqlen_k) : seqlen_k);
+    // Key tiles [n_begin, n_begin + n_end) hold the keys this query tile sees (causal, window). K and V
+    // start at tile n_begin, so the loops count tiles (buffers, barrier phases) from there.
+    const int2 kr = bi.key_range(m0, min(m0 + kBlockM, len_q));
+    const int n_begin = kr.x / kBlockN;
+    // (a tile of a row range that sees no key is wholly masked: harmless)
+    const int n_end = V::Has_left ? max(num_blocks<kBlockN>(kr.y) - n_begin, 0) : num_blocks<kBlockN>(kr.y);
+    const int n_shift = n_begin * kBlockN;
+    const int len_k = bi.len_k - n_shift;
+
+    const u16* qg = q + b * q_sb + h * q_sh + (i64)bi.q0 * q_ss;
+    const u16* kg = k + b * k_sb + h_kv * k_sh + (i64)(bi.k0 + n_shift) * k_ss;
+    const u16* vg = v + b * v_sb + h_kv * v_sh + (i64)(bi.k0 + n_shift) * v_ss;
 
     auto load_k = [&](int j, int ltid) {
         if constexpr (kWS) {
-            load_tile_sw128_lean<kBlockN, kHeadDim, kLoaders>(sK + (j & 1) * kKVTile, kg, k_ss, j * kBlockN, seqlen_k, ltid);
+            load_tile_sw128_lean<kBlockN, kHeadDim, kLoaders>(sK + (j & 1) * kKVTile, kg, k_ss, j * kBlockN, len_k, ltid);
         } else {
-            load_tile_sw128<kBlockN, kHeadDim, kLoaders>(sK + (j & 1) * kKVTile, kg, k_ss, j * kBlockN, seqlen_k, ltid);
+            load_tile_sw128<kBlockN, kHeadDim, kLoaders>(sK + (j & 1) * kKVTile, kg, k_ss, j * kBlockN, len_k, ltid);
         }
     };
     auto load_v = [&](int j, int ltid) {
         if constexpr (kWS) {
-            load_tile_sw128_lean<kBlockN, kHeadDim, kLoaders>(sV + (j & 1) * kKVTile, vg, v_ss, j * kBlockN, seqlen_k, ltid);
+            load_tile_sw128_lean<kBlockN, kHeadDim, kLoaders>(sV + (j & 1) * kKVTile, vg, v_ss, j * kBlockN, len_k, ltid);
         } else {
-            load_tile_sw128<kBlockN, kHeadDim, kLoaders>(sV + (j & 1) * kKVTile, vg, v_ss, j * kBlockN, seqlen_k, ltid);
+            load_tile_sw128<kBlockN, kHeadDim, kLoaders>(sV + (j & 1) * kKVTile, vg, v_ss, j * kBlockN, len_k, ltid);
         }
     };
 
@@ -147,7 +157,7 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
     auto produce = [&]() {
         const int ptid = tid - Cfg::kNWG * 128;
         if (n_end == 0) return;
-        load_tile_sw128_lean<kBlockM, kHeadDim, kLoaders>(sQ, qg, q_ss, m0, seqlen_q, ptid);
+        load_tile_sw128_lean<kBlockM, kHeadDim, kLoaders>(sQ, qg, q_ss, m0, len_q, ptid);
         cp_async_commit();
         u32 landed = full_q;
         auto hand_over = [&](u32 next) {  // the group before the newest has landed
@@ -201,11 +211,11 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
             }
             wgmma_commit();
         };
+        // [variant mod] and [variant mask] of key tile j (counted from n_begin).
         auto mask = [&](int j) {
-            const int n0 = j * kBlockN;
-            if (n0 + kBlockN > seqlen_k || (Is_causal && n0 + kBlockN - 1 > m0 + causal_offset)) {
-                mask_scores<kNT, Is_causal>(s, row_base, n0, seqlen_k, causal_offset, lane, -CUFLASH_INF);
-            }
+            const int n0 = n_shift + j * kBlockN;
+            mod_scores<false>(s, bi, row_base, n0, lane);
+            if (bi.needs_mask(m0, kBlockM, n0, kBlockN)) mask_block<false>(s, bi, row_base, n0, lane, -CUFLASH_INF);
         };
         // [fa2-fwd 5] O += P V_buf, P (already 16-bit) straight from registers.
         auto pv = [&](int buf) {
@@ -239,7 +249,7 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
                 mbar_wait(full_q, 0);
                 mbar_wait(full_k, 0);
             } else {
-                load_tile_sw128<kBlockM, kHeadDim, kLoaders>(sQ, qg, q_ss, m0, seqlen_q, tid);
+                load_tile_sw128<kBlockM, kHeadDim, kLoaders>(sQ, qg, q_ss, m0, len_q, tid);
                 load_k(0, tid);
                 cp_async_commit();
                 landed_all();
@@ -314,20 +324,20 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
                     Elem<T>::pack(acc[dt][2 * hh] * inv, acc[dt][2 * hh + 1] * inv);
             }
             const int row = m0 + r;
-            if (t == 0 && row < seqlen_q) {
-                lse[((i64)b * heads_q + h) * seqlen_q + row] =
+            if (t == 0 && row < len_q) {
+                lse[bi.row_index(h, heads_q, seqlen_q, row)] =
                     lsum > 0.f ? (m[hh] * scale_log2 + __log2f(lsum)) * kLn2 : -CUFLASH_INF;
             }
         }
         warpgroup_sync(wg);
         constexpr int kChunks = kHeadDim / 8;
-        u16* og = o + b * o_sb + h * o_sh;
+        u16* og = o + b * o_sb + h * o_sh + (i64)bi.q0 * o_ss;
         const int wtid = tid & 127;
 #pragma unroll
         for (int i = wtid; i < 64 * kChunks; i += 128) {
             const int r = wg * 64 + i / kChunks, c = i % kChunks;
             const int row = m0 + r;
-            if (row < seqlen_q) {
+            if (row < len_q) {
                 *reinterpret_cast<uint4*>(og + (i64)row * o_ss + c * 8) =
                     *reinterpret_cast<const uint4*>(sQ + sw128_offset<kBlockM>(r, c));
             }

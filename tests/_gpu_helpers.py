@@ -32,10 +32,6 @@ def poison(cp):
     del x
 
 
-def causal_offset(causal, nq, nk):
-    return None if causal is None else (nk - nq if causal == "br" else 0)
-
-
 def variant_of(causal):
     """The reference's Variant for a causal test id (None, "br", "tl")."""
     is_causal, align = ALIGN[causal]

@@ -13,7 +13,7 @@ import pytest
 import cuflash
 from cuflash import reference
 
-from _gpu_helpers import DTYPES, causal_offset, check, run
+from _gpu_helpers import DTYPES, check, run, variant_of
 from _helpers import float64_truth, max_abs_error, random_inputs
 
 pytestmark = pytest.mark.gpu
@@ -72,8 +72,8 @@ def test_float32_simt_path(requires_gpu, algorithm, d, causal):
     cp = requires_gpu
     q, k, v, do = random_inputs(2, 113, 203, 4, 2, d, np.float32, seed=d)
     scale = 1.0 / np.sqrt(d)
-    off = causal_offset(causal, 113, 203)
-    out_t, _, grads_t = float64_truth(q, k, v, do, scale=scale, causal_offset=off)
+    variant = variant_of(causal)
+    out_t, _, grads_t = float64_truth(q, k, v, do, scale=scale, variant=variant)
     out, _, grads = run(cp, q, k, v, do, causal, algorithm=algorithm)
     assert max_abs_error(cp.asnumpy(out), out_t) < 2e-5
     for g, gt in zip(grads, grads_t):
@@ -92,10 +92,12 @@ def _shipped_tiles(d, dtname):
 
     if dtname == "float32":
         return _cuda.TILES[("fwd", "f32", d)], None
-    cc, _ = _cuda._device_info()
-    arch = _cuda._arch_class(cc)
-    fwd = _cuda.TILES.get(("fwd", "sm90a", d)) if cc == 90 and _cuda.SM90A_FORWARD else None
-    bwd = _cuda.TILES.get(("bwd", "sm90a", d)) if cc == 90 and _cuda.SM90A_BACKWARD else None
+    from cuflash._cuda import compile as cuda_compile
+
+    cc, _ = cuda_compile.device_info()
+    arch = cuda_compile.arch_class(cc)
+    fwd = _cuda.TILES.get(("fwd", "sm90a", d)) if cc == 90 and _cuda.attention.SM90A_FORWARD else None
+    bwd = _cuda.TILES.get(("bwd", "sm90a", d)) if cc == 90 and _cuda.attention.SM90A_BACKWARD else None
     return fwd or _cuda.TILES[("fwd", arch, d)], bwd or _cuda.TILES[("bwd", arch, d)]
 
 
@@ -113,12 +115,12 @@ def test_fa2_matches_numpy_fa2_at_equal_tiles(requires_gpu, dtname, d, causal):
     B, nq, nk, hq, hkv = 1, 300, 459, 4, 2
     q, k, v, do = random_inputs(B, nq, nk, hq, hkv, d, dtype, seed=d + 5)
     scale = 1.0 / np.sqrt(d)
-    off = causal_offset(causal, nq, nk)
+    variant = variant_of(causal)
     tf, tb = _shipped_tiles(d, dtname)
     tb = tb or tf
-    out_r, lse_r = reference.fa2_forward(q, k, v, scale=scale, causal_offset=off, block_q=tf.block_m,
+    out_r, lse_r = reference.fa2_forward(q, k, v, scale=scale, variant=variant, block_q=tf.block_m,
                                          block_k=tf.block_n)
-    grads_r = reference.blocked_backward(do, q, k, v, out_r, lse_r, scale=scale, causal_offset=off,
+    grads_r = reference.blocked_backward(do, q, k, v, out_r, lse_r, scale=scale, variant=variant,
                                          block_q=tb.block_m, block_k=tb.block_n, order="kv_outer")
     out, lse, grads = run(cp, q, k, v, do, causal)
     lse_h = cp.asnumpy(lse)

@@ -17,7 +17,7 @@ import pytest
 import cuflash
 from cuflash import reference
 
-from _gpu_helpers import ALIGN, DTYPES, as_float32, causal_offset, poison, run
+from _gpu_helpers import ALIGN, DTYPES, as_float32, poison, run, variant_of
 from _helpers import float64_truth, max_abs_error, random_inputs
 
 pytestmark = pytest.mark.gpu
@@ -33,8 +33,8 @@ def test_fa1_matches_numpy_fa1_at_equal_tiles(requires_gpu, dtname, d, block_k, 
     B, nq, nk, hq, hkv = 1, 150, 230, 4, 2
     q, k, v, do = random_inputs(B, nq, nk, hq, hkv, d, dtype, seed=7)
     scale = 1.0 / np.sqrt(d)
-    off = causal_offset(causal, nq, nk)
-    out_r, lse_r = reference.fa1_forward(q, k, v, scale=scale, causal_offset=off, block_q=16, block_k=block_k)
+    variant = variant_of(causal)
+    out_r, lse_r = reference.fa1_forward(q, k, v, scale=scale, variant=variant, block_q=16, block_k=block_k)
     is_causal, align = ALIGN[causal]
     poison(cp)
     out, lse = cuflash.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), causal=is_causal, causal_align=align,
@@ -49,7 +49,7 @@ def test_fa1_matches_numpy_fa1_at_equal_tiles(requires_gpu, dtname, d, block_k, 
     assert out_err <= ulp * max(1.0, float(np.abs(out_r.astype(np.float32)).max())), out_err
 
     # Backward at the kernel's tiles (block_q = 32 query rows, block_k = 16 * warps key rows).
-    grads_r = reference.blocked_backward(do, q, k, v, out_r, lse_r, scale=scale, causal_offset=off, block_q=32,
+    grads_r = reference.blocked_backward(do, q, k, v, out_r, lse_r, scale=scale, variant=variant, block_q=32,
                                          block_k=64, order="kv_outer")
     cq, ck, cv, cdo, co = (cp.asarray(x) for x in (q, k, v, do, out_r))
     poison(cp)
@@ -93,13 +93,13 @@ def test_fa1_float32_kernels_match_numpy_fa1(requires_gpu, d, block_k, causal, s
     B, nq, nk, hq, hkv = shape
     q, k, v, do = random_inputs(B, nq, nk, hq, hkv, d, np.float32, seed=d + nq)
     scale = 1.0 / np.sqrt(d)
-    off = causal_offset(causal, nq, nk)
+    variant = variant_of(causal)
     bk_fwd = block_k or 32
     bk_bwd = block_k or (32 if d <= 128 else 16)
-    out_r, lse_r = reference.fa1_forward(q, k, v, scale=scale, causal_offset=off, block_q=1, block_k=bk_fwd)
-    grads_r = reference.blocked_backward(do, q, k, v, out_r, lse_r, scale=scale, causal_offset=off, block_q=1,
+    out_r, lse_r = reference.fa1_forward(q, k, v, scale=scale, variant=variant, block_q=1, block_k=bk_fwd)
+    grads_r = reference.blocked_backward(do, q, k, v, out_r, lse_r, scale=scale, variant=variant, block_q=1,
                                          block_k=bk_bwd, order="kv_outer")
-    out_t, lse_t, grads_t = float64_truth(q, k, v, do, scale=scale, causal_offset=off)
+    out_t, lse_t, grads_t = float64_truth(q, k, v, do, scale=scale, variant=variant)
     layout = "bhnd" if hq > hkv else "bnhd"
     out, lse, grads = run(cp, q, k, v, do, causal, algorithm="fa1", layout=layout, block_k=block_k)
 

@@ -1,0 +1,356 @@
+"""FlashAttention-2 planning and launches: which kernel spec, which grid, which arguments.
+
+Arguments arrive validated and normalized from the front door (:mod:`cuflash._api`); only internal
+assertions live here. Every kernel is described by a :class:`~.spec.KernelSpec` and compiled on first use
+(:mod:`.compile`); every FA2 kernel takes the call's variant as its policy type and one ``VariantParams``
+argument (``cuflash_kernels/variants.cuh``).
+
+Layouts. Padded batches are ``(batch, seqlen, heads, d)`` with any strides; packed variable-length batches
+(``variant.is_varlen``) are ``(total, heads, d)``, passed to the kernels as batch stride 0 with the
+sequence's first row (``cu_seqlens``) added in the kernel; their lse is ``(heads, total)``, which the
+kernels index as one batch of ``total`` rows, as they do D and the float32 dQ and GQA workspaces.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from .._variant import Variant
+from . import fa1, naive
+from .compile import arch_class, check_smem, device_info, launch
+from .spec import BWD_HEAD_DIMS, CTYPES, HEAD_DIMS, TILES, Tile, variant_params, variant_type
+from .spec import spec as kernel_spec
+
+__all__ = ["forward", "backward", "check_supported"]
+
+# On sm_90 devices the forward runs flash_fwd_sm90_kernel where TILES has a ("fwd", "sm90a", d) row, and the
+# backward flash_bwd_dkdv_sm90_kernel where it has a ("bwd", "sm90a", d) row (switches for benchmarks).
+SM90A_FORWARD = True
+SM90A_BACKWARD = True
+_LOG2E = 1.4426950408889634
+
+
+class Shape(NamedTuple):
+    """Sizes of one call as the kernels see them."""
+
+    batch: int      # sequences
+    rows_q: int     # rows of the q arrays along the sequence axis (total rows when packed)
+    rows_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    max_q: int      # longest query sequence: sizes the grid
+    max_k: int
+    ws_batch: int   # batch axis of lse, D and the float32 workspaces (1 when packed)
+
+    @property
+    def group(self) -> int:
+        return self.heads_q // self.heads_kv
+
+
+def shape_of(q, k, variant: Variant) -> Shape:
+    if variant.is_varlen:
+        total_q, hq, d = q.shape
+        total_k, hkv = k.shape[0], k.shape[1]
+        return Shape(len(variant.cu_seqlens_q) - 1, total_q, total_k, hq, hkv, d, variant.max_seqlen_q,
+                     variant.max_seqlen_k, 1)
+    b, nq, hq, d = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    return Shape(b, nq, nk, hq, hkv, d, nq, nk, b)
+
+
+def _lse_empty(shape: Shape, variant: Variant):
+    import cupy
+
+    if variant.is_varlen:
+        return cupy.empty((shape.heads_q, shape.rows_q), dtype=cupy.float32)
+    return cupy.empty((shape.batch, shape.heads_q, shape.rows_q), dtype=cupy.float32)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checks and small helpers.
+
+
+def check_supported(problem, algorithm: str, variant: Variant = Variant()) -> None:
+    """Refuse, before any launch, what the CUDA backend cannot run."""
+    dtype = np.dtype(problem.dtype).name
+    causal_only = (variant.window_left is None and variant.window_right is None and not variant.softcap
+                   and variant.alibi_slopes is None and not variant.is_varlen and variant.seqused_k is None)
+    if algorithm in ("naive", "fa1") and not causal_only:
+        raise NotImplementedError(
+            f"algorithm='{algorithm}' on CuPy arrays runs dense or causal attention only; window_size, softcap, "
+            "alibi_slopes, cu_seqlens and seqused_k run with algorithm='fa2' (the default)"
+        )
+    if algorithm == "naive":
+        return
+    if dtype == "float64":
+        raise TypeError(
+            f"float64 is not supported by the CUDA kernels (algorithm='{algorithm}'); use float32, "
+            "algorithm='naive', or NumPy arrays"
+        )
+    if problem.head_dim not in HEAD_DIMS:
+        raise RuntimeError(
+            f"head_dim {problem.head_dim} is not supported by the CUDA kernels; "
+            f"supported: {', '.join(map(str, HEAD_DIMS))}"
+        )
+    if dtype in CTYPES:
+        cc, _ = device_info()
+        if cc < 80:
+            raise RuntimeError(
+                f"the float16/bfloat16 CUDA kernels need compute capability 8.0 or newer (mma.sync bf16, "
+                f"cp.async); this GPU is sm_{cc}"
+            )
+
+
+def causal_offset_of(variant: Variant, seqlen_q: int, seqlen_k: int) -> int | None:
+    """The FA1 and naive paths' diagonal: None when not causal."""
+    return variant.offset(seqlen_q, seqlen_k) if variant.causal else None
+
+
+def strides(a) -> tuple[np.int64, np.int64, np.int64]:
+    """(batch, seq, head) strides in elements; a packed (total, heads, d) array has batch stride 0."""
+    it = a.itemsize
+    s = a.strides[:-1]
+    if len(s) == 2:
+        s = (0, *s)
+    return tuple(np.int64(x // it) for x in s)
+
+
+def aligned(a):
+    """``a`` itself when its tiles can be copied with 16-byte cp.async (base and every stride a multiple
+    of 16 bytes); otherwise a contiguous copy (rare: views with odd offsets or strides)."""
+    import cupy
+
+    if a.data.ptr % 16 == 0 and all((s % 16 == 0) or n == 1 for s, n in zip(a.strides[:-1], a.shape[:-1])):
+        return a
+    return cupy.ascontiguousarray(a)
+
+
+def i32(x) -> np.int32:
+    return np.int32(x)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_tile(direction: str, d: int, t: Tile) -> None:
+    """The constraints each kernel static_asserts, checked before compiling a user-chosen tile."""
+    ok = t.block_m % 16 == 0 and t.block_n % 16 == 0 and t.stages >= 1 and 1 <= t.warps <= 16
+    if direction == "fwd":
+        ok = ok and t.block_m % (16 * t.warps) == 0 and t.block_m // (16 * t.warps) in (1, 2)
+    elif direction == "bwd_dq":
+        ok = ok and t.block_m == 16 * t.warps
+    else:
+        ok = ok and _dkdv_ok(d, t)
+    if not ok:
+        raise ValueError(
+            f"block sizes block_q={t.block_m}, block_k={t.block_n} are not a valid CUDA tile for the {direction} "
+            f"kernel at head_dim {d}: the CUDA kernels need multiples of 16 with 16 rows per warp (forward: "
+            "block_q = 16 * warps, up to 256; backward: block_k and block_q multiples of 32, head_dim / 2 a "
+            "multiple of 16 for two warps per 32 key rows)"
+        )
+
+
+def _dkdv_ok(d: int, t: Tile) -> bool:
+    """The shape constraints flash_bwd_dkdv_kernel static_asserts (warp grid of S^T, dK/dV and dQ)."""
+    if t.block_n % 32 or t.block_m % 32 or t.stages < 2 or t.warps % (t.block_n // 32 or 1):
+        return False
+    wm = t.warps // (t.block_n // 32)
+    if wm < 1 or (t.block_m // wm) % 16 or (d // wm) % 16 or t.block_m % wm or d % wm:
+        return False
+    wqm = t.block_m // 32
+    rows = 32 if t.warps % wqm == 0 and d % (16 * (t.warps // wqm)) == 0 else 16
+    wqm = t.block_m // rows
+    return t.warps % wqm == 0 and (d // (t.warps // wqm)) % 16 == 0 and d % (t.warps // wqm) == 0
+
+
+def plan_tile(direction: str, d: int, block_q, block_k) -> Tile:
+    """The table's tile for this device, or one with the user's block sizes."""
+    cc, _ = device_info()
+    t = TILES.get((direction, arch_class(cc), d))
+    assert t is not None, (direction, cc, d)
+    if block_q is not None or block_k is not None:
+        bm = block_q if block_q is not None else t.block_m
+        bn = block_k if block_k is not None else t.block_n
+        if direction == "bwd":
+            warps = 2 * max(bn // 32, 1)  # two warps per group of 32 key rows
+        elif direction == "fwd" and bm % (16 * t.warps) == 0 and bm // (16 * t.warps) in (1, 2):
+            warps = t.warps
+        else:
+            warps = bm // 16
+        t = Tile(bm, bn, max(warps, 1), t.stages)
+        check_tile(direction, d, t)
+    return t
+
+
+def _hopper_tile(direction: str, d: int, block_q, block_k, enabled: bool) -> Tile | None:
+    """The wgmma kernel's tile where it runs: sm_90, the table has a row, the caller chose no block sizes."""
+    t = TILES.get((direction, "sm90a", d))
+    if enabled and t is not None and block_q is None and block_k is None and device_info()[0] == 90:
+        return t
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Forward.
+
+
+def forward(q, k, v, *, scale, variant: Variant, algorithm, block_q, block_k):
+    """``(out, lse)`` of one call (FA2 kernels; FA1 and naive are dispatched from here)."""
+    import cupy
+
+    shp = shape_of(q, k, variant)
+    causal_offset = causal_offset_of(variant, shp.rows_q, shp.rows_k)
+    if algorithm == "fa1":
+        return fa1.forward(q, k, v, scale=scale, causal_offset=causal_offset, block_q=block_q, block_k=block_k)
+    if algorithm == "naive":
+        return naive.forward(q, k, v, scale=scale, causal_offset=causal_offset)
+    d = shp.head_dim
+    assert shp.heads_q % shp.heads_kv == 0 and d in HEAD_DIMS
+    dtype = np.dtype(q.dtype).name
+    vtype, vp = variant_type(variant), variant_params(variant, scale, shp.rows_q, shp.rows_k)
+    out = cupy.empty(q.shape, dtype=q.dtype)
+    lse = _lse_empty(shp, variant)
+    if dtype == "float32":
+        spec = kernel_spec("fwd_f32", dtype, d, TILES[("fwd", "f32", d)], vtype)
+    else:
+        assert dtype in CTYPES, dtype
+        q, k, v = aligned(q), aligned(k), aligned(v)
+        t = _hopper_tile("fwd", d, block_q, block_k, SM90A_FORWARD)
+        if t is not None:
+            spec = kernel_spec("fwd_sm90", dtype, d, t, vtype)
+        else:
+            spec = kernel_spec("fwd", dtype, d, plan_tile("fwd", d, block_q, block_k), vtype)
+    check_smem(spec)
+    launch(spec, (cdiv(shp.max_q, spec.tile.block_m), shp.heads_q, shp.batch), (
+        q, k, v, out, lse, i32(shp.rows_q), i32(shp.rows_k), i32(shp.heads_q), i32(shp.group),
+        *strides(q), *strides(k), *strides(v), *strides(out), np.float32(scale * _LOG2E), vp))
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------------
+# Backward.
+
+
+def _grad_buffers(q, k, v, variant: Variant, dtype=None):
+    """dq, dk, dv: keys past a sequence's used ones (seqused_k) get no kernel writes, so start at zero."""
+    import cupy
+
+    alloc = cupy.zeros if variant.seqused_k is not None else cupy.empty
+    return (cupy.empty(q.shape, dtype=dtype or q.dtype), alloc(k.shape, dtype=dtype or k.dtype),
+            alloc(v.shape, dtype=dtype or v.dtype))
+
+
+def _preprocess(spec_family, dtype, d, do, out, shp: Shape):
+    """[bwd 0] D = rowsum(dO * O), one float32 per (row, head), laid out like lse."""
+    import cupy
+
+    delta = cupy.empty((shp.ws_batch, shp.heads_q, shp.rows_q), dtype=cupy.float32)
+    spec = kernel_spec(spec_family, dtype, d)
+    launch(spec, (cdiv(shp.rows_q, 4), shp.heads_q, shp.ws_batch), (
+        do, out, delta, i32(shp.rows_q), i32(shp.heads_q), *strides(do), *strides(out)))
+    return delta
+
+
+def backward(do, q, k, v, out, lse, *, scale, variant: Variant, algorithm, block_q, block_k, order):
+    """``(dq, dk, dv)`` of one call."""
+    import cupy
+
+    shp = shape_of(q, k, variant)
+    d, dtype = shp.head_dim, np.dtype(q.dtype).name
+    if algorithm == "fa1" and (dtype == "float32" or d in BWD_HEAD_DIMS):
+        return fa1.backward(do, q, k, v, out, lse, scale=scale,
+                            causal_offset=causal_offset_of(variant, shp.rows_q, shp.rows_k),
+                            block_q=block_q, block_k=block_k)
+    if algorithm == "naive":
+        return naive.backward(do, q, k, v, scale=scale, causal_offset=causal_offset_of(variant, shp.rows_q, shp.rows_k))
+    if dtype in CTYPES and d not in BWD_HEAD_DIMS:
+        # No tensor-core backward at this head dim (dK and dV of 16 key rows would not fit in registers):
+        # run the float32 kernels on upcast inputs, cast the gradients back.
+        f32 = [a.astype(cupy.float32) for a in (do, q, k, v, out)]
+        grads = backward(*f32, lse, scale=scale, variant=variant, algorithm=algorithm, block_q=None, block_k=None,
+                         order=order)
+        return tuple(g.astype(q.dtype) for g in grads)
+
+    vtype, vp, fscale = variant_type(variant), variant_params(variant, scale, shp.rows_q, shp.rows_k), np.float32(scale)
+    split = order in ("split", "q_outer")
+    lse = cupy.ascontiguousarray(lse)
+    if dtype == "float32":
+        return _backward_f32(do, q, k, v, out, lse, shp, variant, vtype, vp, fscale, split)
+
+    q, k, v, do = aligned(q), aligned(k), aligned(v), aligned(do)
+    delta = _preprocess("bwd_pre", dtype, d, do, out, shp)
+    dq, dk, dv = _grad_buffers(q, k, v, variant)
+    t = _hopper_tile("bwd", d, block_q, block_k, SM90A_BACKWARD)
+    if t is not None:
+        spec = kernel_spec("bwd_dkdv_sm90", dtype, d, t, vtype, not split)
+    else:
+        spec = kernel_spec("bwd_dkdv", dtype, d, plan_tile("bwd", d, block_q, block_k), vtype, not split)
+    check_smem(spec)
+    dq_accum = None if split else cupy.zeros((shp.ws_batch, shp.heads_q, shp.rows_q, d), dtype=cupy.float32)
+    dkv_accum = None
+    if shp.group > 1:
+        alloc = cupy.zeros if variant.seqused_k is not None else cupy.empty
+        dkv_accum = alloc((2, shp.ws_batch, shp.heads_q, shp.rows_k, d), dtype=cupy.float32)
+    null = np.uintp(0)
+    grid_k = (cdiv(shp.max_k, spec.tile.block_n), shp.heads_q, shp.batch)
+    launch(spec, grid_k, (
+        q, k, v, do, lse, delta,
+        dq_accum if dq_accum is not None else null, dk, dv, dkv_accum if dkv_accum is not None else null,
+        i32(shp.rows_q), i32(shp.rows_k), i32(shp.heads_q), i32(shp.group),
+        *strides(q), *strides(k), *strides(v), *strides(do), *strides(dk), *strides(dv), fscale, vp))
+
+    if split:
+        spec_q = kernel_spec("bwd_dq", dtype, d, plan_tile("bwd_dq", d, None, None), vtype)
+        check_smem(spec_q)
+        launch(spec_q, (cdiv(shp.max_q, spec_q.tile.block_m), shp.heads_q, shp.batch), (
+            q, k, v, do, lse, delta, dq, i32(shp.rows_q), i32(shp.rows_k), i32(shp.heads_q), i32(shp.group),
+            *strides(q), *strides(k), *strides(v), *strides(do), *strides(dq), fscale, vp))
+    else:
+        convert_dq(dq_accum, dq, dtype, d, shp, fscale)
+    if shp.group > 1:
+        reduce_dkv(dkv_accum, dk, dv, dtype, d, shp)
+    return dq, dk, dv
+
+
+def convert_dq(dq_accum, dq, dtype: str, d: int, shp: Shape, fscale) -> None:
+    """dQ = scale * dq_accum, cast, written with dq's strides (one batch of all rows when packed)."""
+    launch(kernel_spec("bwd_convert_dq", dtype, d), (cdiv(shp.rows_q * d // 2, 256), shp.heads_q, shp.ws_batch),
+           (dq_accum, dq, i32(shp.rows_q), i32(shp.heads_q), *strides(dq), fscale))
+
+
+def reduce_dkv(dkv_accum, dk, dv, dtype: str, d: int, shp: Shape) -> None:
+    """GQA/MQA: dK, dV of each key/value head = the sum over its query heads, in a fixed order."""
+    launch(kernel_spec("bwd_reduce_dkv", dtype, d), (cdiv(shp.rows_k * d // 2, 256), shp.heads_kv, shp.ws_batch), (
+        dkv_accum, dk, dv, i32(shp.rows_k), i32(shp.group), np.int64(dkv_accum[0].size), *strides(dk), *strides(dv)))
+
+
+def _backward_f32(do, q, k, v, out, lse, shp: Shape, variant, vtype, vp, fscale, split):
+    """The float32 backward (SIMT): D; then dK, dV (+ dQ by atomicAdd) by key/value tiles through shared
+    memory (flash_bwd_dkdv_f32_kernel), or for the split order without dQ, then the row-wise
+    flash_bwd_dq_f32_kernel, no atomics. dQ accumulates in the zeroed float32 output itself; dK and dV per
+    query head into a float32 workspace, summed over each GQA group here (a fixed order)."""
+    import cupy
+
+    d = shp.head_dim
+    delta = _preprocess("bwd_pre_f32", "float32", d, do, out, shp)
+    dq = cupy.zeros(q.shape, dtype=cupy.float32)
+    alloc = cupy.zeros if variant.seqused_k is not None else cupy.empty
+    dkv = alloc((2, shp.ws_batch, shp.heads_q, shp.rows_k, d), dtype=cupy.float32)
+    spec = kernel_spec("bwd_dkdv_f32", "float32", d, TILES[("bwd", "f32", d)], vtype, not split)
+    check_smem(spec)
+    args = (q, k, v, do, lse, delta, dq, dkv, i32(shp.rows_q), i32(shp.rows_k), i32(shp.heads_q), i32(shp.group),
+            *strides(q), *strides(k), *strides(v), *strides(do), *strides(dq), fscale, vp)
+    launch(spec, (cdiv(shp.max_k, spec.tile.block_n), shp.heads_q, shp.batch), args)
+    if split:
+        args = (*args[:7], *args[8:])  # no workspace argument
+        launch(kernel_spec("bwd_dq_f32", "float32", d, variant=vtype), (cdiv(shp.max_q, 4), shp.heads_q, shp.batch),
+               args)
+    # (2, ws_batch, Hkv, group, rows_k, d) -> sum over the group -> (2, ws_batch, rows_k, Hkv, d)
+    dkv = dkv.reshape(2, shp.ws_batch, shp.heads_kv, shp.group, shp.rows_k, d).sum(axis=3).transpose(0, 1, 3, 2, 4)
+    if variant.is_varlen:
+        return dq, cupy.ascontiguousarray(dkv[0, 0]), cupy.ascontiguousarray(dkv[1, 0])
+    return dq, cupy.ascontiguousarray(dkv[0]), cupy.ascontiguousarray(dkv[1])

@@ -1,0 +1,400 @@
+"""Kernel specs: one value per kernel instantiation, from which everything about it derives.
+
+A :class:`KernelSpec` names a kernel family (its source file, C++ template and shared-memory formula: one
+:class:`Family` row each, in :data:`FAMILIES`), a dtype, a head dim, a tile (:data:`TILES`, the tuned table)
+and a variant (the C++ policy type of ``cuflash_kernels/variants.cuh``, spelled by :func:`variant_type`
+from a :class:`cuflash._variant.Variant`). Its NVRTC name expression, NVRTC options, dynamic shared memory
+and thread count are properties of the spec, and :func:`instantiations` lists the representative set that
+CI compiles from the same specs. The launcher (:mod:`.attention`, :mod:`.fa1`) only plans: which spec, which
+grid, which arguments.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+from .._variant import Variant
+
+__all__ = [
+    "Tile", "TILES", "HEAD_DIMS", "BWD_HEAD_DIMS", "Family", "FAMILIES", "KernelSpec", "NVRTC_OPTIONS",
+    "SM90A_OPTIONS", "VARIANT_PARAMS_DTYPE", "variant_type", "variant_params", "instantiations", "spec", "DENSE", "CTYPES",
+]
+
+# Options given to NVRTC (CuPy appends the -arch of the current device).
+NVRTC_OPTIONS = ("-std=c++17",)
+# The Hopper kernels (wgmma, sm_90a only) name their target; CuPy still appends the device's -arch=sm_90,
+# and NVRTC keeps the architecture-specific sm_90a (hopper_tiles.cuh #errors otherwise).
+SM90A_OPTIONS = NVRTC_OPTIONS + ("-arch=sm_90a",)
+
+HEAD_DIMS = (32, 64, 96, 128, 256)
+BWD_HEAD_DIMS = (32, 64, 96, 128)
+CTYPES = {"float16": "cuflash::fp16", "bfloat16": "cuflash::bf16"}
+
+
+class Tile(NamedTuple):
+    """Template arguments of one kernel: tile rows (block_m queries, block_n keys), warps, stages."""
+
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+
+
+# The tile table: (direction, arch class, head dim) -> Tile, shared by float16 and bfloat16.
+# direction "fwd": flash_fwd_kernel (block_m = 16 or 32 query rows per warp).
+# direction "bwd": flash_bwd_dkdv_kernel (block_n key rows in groups of 32, warps / (block_n / 32) warps per
+# group splitting the query columns and the head dim; block_m streamed query rows; stages >= 2).
+# direction "bwd_dq": flash_bwd_dq_kernel of the split order (block_m = 16 * warps query rows).
+# Arch classes: "sm90" (H100/H200: 227 KiB shared memory per block), "sm80" (A100: 163 KiB),
+# "sm86" (sm_86/87/89 consumer and workstation parts: 99 KiB).
+TILES: dict[tuple[str, str, int], Tile] = {
+    ("fwd", "sm90", 32): Tile(128, 128, 4, 2),
+    ("fwd", "sm90", 64): Tile(128, 64, 4, 2),
+    ("fwd", "sm90", 96): Tile(128, 64, 4, 2),
+    ("fwd", "sm90", 128): Tile(128, 128, 8, 2),
+    ("fwd", "sm90", 256): Tile(128, 64, 8, 2),
+    ("fwd", "sm80", 32): Tile(128, 128, 4, 2),
+    ("fwd", "sm80", 64): Tile(128, 64, 4, 2),
+    ("fwd", "sm80", 96): Tile(128, 64, 4, 2),
+    ("fwd", "sm80", 128): Tile(128, 32, 4, 2),
+    ("fwd", "sm80", 256): Tile(64, 32, 4, 2),
+    ("fwd", "sm86", 32): Tile(128, 128, 8, 2),
+    ("fwd", "sm86", 64): Tile(128, 128, 8, 2),
+    ("fwd", "sm86", 96): Tile(64, 64, 4, 2),
+    ("fwd", "sm86", 128): Tile(64, 64, 4, 2),
+    ("fwd", "sm86", 256): Tile(64, 32, 4, 1),
+    # ("fwd", "sm90a", d): flash_fwd_sm90_kernel (wgmma; block_m = 64 query rows per warpgroup of 4 warps).
+    ("fwd", "sm90a", 64): Tile(128, 64, 8, 2),
+    ("fwd", "sm90a", 128): Tile(128, 128, 8, 2),
+    # ("bwd", "sm90a", d): flash_bwd_dkdv_sm90_kernel (wgmma; block_n = 64 key rows per warpgroup of 4 warps,
+    # block_m = 64 streamed query rows, 2 query buffers).
+    ("bwd", "sm90a", 64): Tile(64, 128, 8, 2),
+    ("bwd", "sm90a", 128): Tile(64, 128, 8, 2),
+    ("bwd", "sm90", 32): Tile(64, 128, 8, 2),
+    ("bwd", "sm90", 64): Tile(64, 64, 4, 2),
+    ("bwd", "sm90", 96): Tile(64, 64, 4, 2),
+    ("bwd", "sm90", 128): Tile(64, 128, 8, 2),
+    ("bwd", "sm80", 32): Tile(64, 128, 8, 2),
+    ("bwd", "sm80", 64): Tile(64, 64, 4, 2),
+    ("bwd", "sm80", 96): Tile(64, 64, 4, 2),
+    ("bwd", "sm80", 128): Tile(64, 128, 8, 2),
+    ("bwd", "sm86", 32): Tile(64, 128, 8, 2),
+    ("bwd", "sm86", 64): Tile(64, 64, 4, 2),
+    ("bwd", "sm86", 96): Tile(64, 64, 4, 2),
+    ("bwd", "sm86", 128): Tile(32, 64, 4, 2),
+    ("bwd_dq", "sm90", 32): Tile(64, 128, 4, 2),
+    ("bwd_dq", "sm90", 64): Tile(64, 128, 4, 2),
+    ("bwd_dq", "sm90", 96): Tile(64, 64, 4, 2),
+    ("bwd_dq", "sm90", 128): Tile(64, 64, 4, 2),
+    ("bwd_dq", "sm80", 32): Tile(64, 128, 4, 2),
+    ("bwd_dq", "sm80", 64): Tile(64, 128, 4, 2),
+    ("bwd_dq", "sm80", 96): Tile(64, 64, 4, 2),
+    ("bwd_dq", "sm80", 128): Tile(64, 64, 4, 2),
+    ("bwd_dq", "sm86", 32): Tile(64, 128, 4, 2),
+    ("bwd_dq", "sm86", 64): Tile(64, 128, 4, 2),
+    ("bwd_dq", "sm86", 96): Tile(64, 64, 4, 1),
+    ("bwd_dq", "sm86", 128): Tile(64, 64, 4, 1),
+    # direction "fa1_fwd": fa1_fwd_kernel (block_m = 16 query rows per warp tile, block_n key rows held by
+    # the block, warps taking query tiles in turn, stages = query buffers per warp).
+    # direction "fa1_bwd": fa1_bwd_kernel (block_n = 16 * warps key rows outer, block_m query rows inner).
+    ("fa1_fwd", "sm90", 32): Tile(16, 128, 8, 2),
+    ("fa1_fwd", "sm90", 64): Tile(16, 128, 8, 2),
+    ("fa1_fwd", "sm90", 96): Tile(16, 64, 8, 2),
+    ("fa1_fwd", "sm90", 128): Tile(16, 64, 8, 2),
+    ("fa1_fwd", "sm90", 256): Tile(16, 32, 4, 2),
+    ("fa1_fwd", "sm80", 32): Tile(16, 128, 8, 2),
+    ("fa1_fwd", "sm80", 64): Tile(16, 128, 8, 2),
+    ("fa1_fwd", "sm80", 96): Tile(16, 64, 8, 2),
+    ("fa1_fwd", "sm80", 128): Tile(16, 64, 8, 2),
+    ("fa1_fwd", "sm80", 256): Tile(16, 32, 4, 2),
+    ("fa1_fwd", "sm86", 32): Tile(16, 128, 8, 2),
+    ("fa1_fwd", "sm86", 64): Tile(16, 128, 8, 2),
+    ("fa1_fwd", "sm86", 96): Tile(16, 64, 8, 1),
+    ("fa1_fwd", "sm86", 128): Tile(16, 64, 8, 1),
+    ("fa1_fwd", "sm86", 256): Tile(16, 32, 4, 1),
+    ("fa1_bwd", "sm90", 32): Tile(64, 128, 8, 2),
+    ("fa1_bwd", "sm90", 64): Tile(64, 128, 8, 2),
+    ("fa1_bwd", "sm90", 96): Tile(64, 64, 4, 2),
+    ("fa1_bwd", "sm90", 128): Tile(32, 128, 8, 2),
+    ("fa1_bwd", "sm80", 32): Tile(64, 128, 8, 2),
+    ("fa1_bwd", "sm80", 64): Tile(64, 128, 8, 2),
+    ("fa1_bwd", "sm80", 96): Tile(64, 64, 4, 2),
+    ("fa1_bwd", "sm80", 128): Tile(32, 128, 8, 2),
+    ("fa1_bwd", "sm86", 32): Tile(64, 64, 4, 2),
+    ("fa1_bwd", "sm86", 64): Tile(64, 64, 4, 2),
+    ("fa1_bwd", "sm86", 96): Tile(64, 64, 4, 1),
+    ("fa1_bwd", "sm86", 128): Tile(32, 64, 4, 2),
+    # Arch class "f32": the FA1 float32 kernels (fa1_fwd_f32_kernel, fa1_bwd_f32_kernel; any GPU), 4 warps,
+    # block_m = 1 query row per warp step; block_n key rows (forward: one lane per key, at most 32;
+    # backward: block_n / 4 key rows per warp, their dK and dV in registers).
+    **{("fa1_fwd", "f32", d): Tile(1, 32, 4, 1) for d in HEAD_DIMS},
+    # ("fwd", "f32", d): FA2's float32 forward (flash_fwd_f32_kernel): block_m query rows, 4 warps of
+    # block_m / 4 rows each, block_n <= 32 key rows (one lane per key).
+    **{("fwd", "f32", d): Tile(16, 32, 4, 1) for d in HEAD_DIMS},
+    # ("bwd", "f32", d): FA2's float32 dK/dV(+dQ) kernel (flash_bwd_dkdv_f32_kernel), one key tile of block_n
+    # rows per block, as the FA1 float32 backward's tiles.
+    **{("bwd", "f32", d): Tile(1, 32 if d <= 128 else 16, 4, 1) for d in HEAD_DIMS},
+    **{("fa1_bwd", "f32", d): Tile(1, 32 if d <= 128 else 16, 4, 1) for d in HEAD_DIMS},
+}
+
+
+def _b(x: bool) -> str:
+    return "true" if x else "false"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Variants: the C++ policy type and its runtime values (cuflash_kernels/variants.cuh).
+
+# Layout of `struct VariantParams` (variants.cuh): passed by value as a NumPy structured scalar.
+VARIANT_PARAMS_DTYPE = np.dtype(
+    [("cu_seqlens_q", np.uint64), ("cu_seqlens_k", np.uint64), ("seqused_k", np.uint64), ("alibi_slopes", np.uint64),
+     ("alibi_sb", np.int64), ("bottom_right", np.int32), ("window_left", np.int32), ("window_right", np.int32),
+     ("band_lo", np.int32), ("band_hi", np.int32), ("softcap_a", np.float32), ("softcap_b", np.float32), ("inv_scale", np.float32)],
+    align=True,
+)
+assert VARIANT_PARAMS_DTYPE.itemsize == 72
+
+
+def variant_type(variant: Variant) -> str:
+    """The C++ policy type ``cuflash::Variant<Has_left, Has_right, Is_varlen, Has_seqused, Has_softcap,
+    Has_alibi>`` of a variant: only what changes the compiled code (values travel in VariantParams)."""
+    flags = (variant.window_left is not None, variant.right is not None, variant.is_varlen,
+             variant.seqused_k is not None, bool(variant.softcap), variant.alibi_slopes is not None)
+    return f"cuflash::Variant<{', '.join(map(_b, flags))}>"
+
+
+DENSE = variant_type(Variant())
+
+
+def _ptr(a) -> int:
+    return 0 if a is None else int(a.data.ptr)
+
+
+def variant_params(variant: Variant, scale: float, seqlen_q: int, seqlen_k: int) -> np.void:
+    """The kernels' VariantParams for ``variant`` (device pointers of its arrays, edges, softcap constants);
+    ``seqlen_q``, ``seqlen_k``: a padded batch's lengths (they place the band of every sequence)."""
+    slopes = variant.alibi_slopes
+    left, right = variant.window_left or 0, variant.right or 0
+    offset = variant.offset(seqlen_q, seqlen_k)
+    cap = variant.softcap
+    return np.array((
+        _ptr(variant.cu_seqlens_q), _ptr(variant.cu_seqlens_k), _ptr(variant.seqused_k), _ptr(slopes),
+        0 if slopes is None else slopes.strides[0] // slopes.itemsize,
+        int(variant.bottom_right), left, right, offset - left, offset + right,
+        scale / cap if cap else 0.0, cap / scale if cap else 0.0, 1.0 / scale,
+    ), VARIANT_PARAMS_DTYPE)[()]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernel families and specs.
+
+
+@dataclass(frozen=True)
+class Family:
+    """One C++ kernel template: where it lives, how its template arguments are spelled, its shared memory."""
+
+    source: str
+    kernel: str
+    template: Callable[["KernelSpec"], str]
+    smem: Callable[[int, Tile], int]
+    options: tuple[str, ...] = NVRTC_OPTIONS
+    threads: int = 0  # a fixed block size (the small elementwise kernels); 0: 32 x the tile's warps
+
+
+def _t16(s: "KernelSpec") -> str:  # <T, d, block_m, block_n, warps, stages, V>
+    t = s.tile
+    return f"{CTYPES[s.dtype]}, {s.head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, {s.variant}"
+
+
+def _dkdv_smem(d: int, t: Tile) -> int:
+    tiles = 2 * t.block_n * d + 2 * t.stages * t.block_m * d + 2 * t.block_n * t.block_m  # K, V; Q, dO; P^T, dS^T
+    return 2 * tiles + 4 * 2 * t.stages * t.block_m  # 16-bit tiles + float32 lse and D per stage
+
+
+def _bwd_f32_smem(d: int, t: Tile) -> int:
+    # bwd_f32_key_tile (f32_tiles.cuh): K, V; one Q and dO row; a dQ row per warp
+    return 4 * d * (2 * t.block_n + 2 + t.warps)
+
+
+def _fa1_bwd_smem(d: int, t: Tile) -> int:
+    tiles = 2 * t.block_n * d + 2 * t.stages * t.block_m * d + t.block_n * t.block_m  # K, V; Q, dO; dS^T
+    return 2 * tiles + 4 * 2 * t.stages * t.block_m
+
+
+def _no_smem(d: int, t: Tile) -> int:
+    return 0
+
+
+FAMILIES: dict[str, Family] = {
+    # FlashAttention-2 order, every variant.
+    "fwd": Family("forward.cu", "flash_fwd_kernel", _t16, lambda d, t: 2 * d * (t.block_m + 2 * t.stages * t.block_n)),
+    "fwd_sm90": Family(
+        "forward_sm90.cu", "flash_fwd_sm90_kernel", _t16,
+        # + 1024: the kernel aligns its base to 1024 bytes; + 128: the mbarriers of the warp-specialized variant
+        lambda d, t: 2 * d * (t.block_m + 2 * t.stages * t.block_n) + 1024 + 128, SM90A_OPTIONS),
+    "fwd_f32": Family(
+        "forward.cu", "flash_fwd_f32_kernel", lambda s: f"{s.head_dim}, {s.tile.block_m}, {s.tile.block_n}, {s.variant}",
+        lambda d, t: 4 * (t.block_n * (2 * d + 1) + t.block_m * d)),  # K (rows padded by one float), V; queries
+    "bwd_dkdv": Family("backward.cu", "flash_bwd_dkdv_kernel", lambda s: f"{_t16(s)}, {_b(s.has_dq)}", _dkdv_smem),
+    "bwd_dkdv_sm90": Family(
+        "backward_sm90.cu", "flash_bwd_dkdv_sm90_kernel", lambda s: f"{_t16(s)}, {_b(s.has_dq)}",
+        # Sm90BwdConfig::kSmemBytes: K, V; 2 x (Q, dO); dS^T (16-bit); 2 x (lse, D) float32; + 1024 alignment
+        lambda d, t: 2 * (2 * t.block_n * d + 4 * t.block_m * d + t.block_n * t.block_m) + 16 * t.block_m + 1024,
+        SM90A_OPTIONS),
+    "bwd_dkdv_f32": Family(
+        "backward.cu", "flash_bwd_dkdv_f32_kernel",
+        lambda s: f"{s.head_dim}, {s.tile.block_n}, {s.variant}, {_b(s.has_dq)}", _bwd_f32_smem),
+    "bwd_dq": Family("backward.cu", "flash_bwd_dq_kernel", _t16, lambda d, t: 2 * d * (2 * t.block_m + 2 * t.stages * t.block_n)),
+    "bwd_dq_f32": Family(
+        "backward.cu", "flash_bwd_dq_f32_kernel", lambda s: f"{s.head_dim}, {s.variant}", _no_smem, threads=128),
+    # Small kernels of the backward (no variant: they see rows only).
+    "bwd_pre": Family(
+        "backward.cu", "flash_bwd_preprocess_kernel", lambda s: f"{CTYPES[s.dtype]}, {s.head_dim}", _no_smem, threads=128),
+    "bwd_pre_f32": Family(
+        "backward.cu", "flash_bwd_preprocess_f32_kernel", lambda s: f"{s.head_dim}", _no_smem, threads=128),
+    "bwd_convert_dq": Family(
+        "backward.cu", "flash_bwd_convert_dq_kernel", lambda s: f"{CTYPES[s.dtype]}, {s.head_dim}", _no_smem,
+        threads=256),
+    "bwd_reduce_dkv": Family(
+        "backward.cu", "flash_bwd_reduce_dkv_kernel", lambda s: f"{CTYPES[s.dtype]}, {s.head_dim}", _no_smem,
+        threads=256),
+    # FlashAttention-1 order: dense or causal only (the variant slot holds Is_causal).
+    "fa1_fwd": Family(
+        "fa1.cu", "fa1_fwd_kernel", _t16,
+        lambda d, t: 2 * d * (2 * t.block_n + t.block_m * t.warps * t.stages)),  # K, V + per warp stages x Q
+    "fa1_bwd": Family("fa1.cu", "fa1_bwd_kernel", _t16, _fa1_bwd_smem),
+    "fa1_fwd_f32": Family(
+        "fa1.cu", "fa1_fwd_f32_kernel", lambda s: f"{s.head_dim}, {s.tile.block_n}, {s.variant}",
+        lambda d, t: 4 * (t.block_n * (d + 1) + t.block_n * d + t.warps * d)),  # K (padded rows), V, a row per warp
+    "fa1_bwd_f32": Family(
+        "fa1.cu", "fa1_bwd_f32_kernel", lambda s: f"{s.head_dim}, {s.tile.block_n}, {s.variant}", _bwd_f32_smem),
+}
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One kernel instantiation. ``variant`` is the C++ policy type (FA1 families: "true"/"false", causal)."""
+
+    family: str
+    dtype: str
+    head_dim: int
+    tile: Tile = Tile(0, 0, 4, 1)
+    variant: str = DENSE
+    has_dq: bool = False
+    arch: str = ""  # the tile's arch class in TILES ("sm80", "sm90a", "f32", ...): which GPUs run it
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The NVRTC targets this instantiation runs on (what CI compiles it for)."""
+        if self.options != NVRTC_OPTIONS or self.arch in ("sm90", "sm90a"):
+            return ("sm_90a",)
+        if self.arch in ("sm80", "sm86"):
+            return ("sm_80",)
+        return ("sm_80", "sm_90a")
+
+    @property
+    def fam(self) -> Family:
+        return FAMILIES[self.family]
+
+    @property
+    def source(self) -> str:
+        return self.fam.source
+
+    @property
+    def name(self) -> str:
+        """The NVRTC name expression."""
+        return f"cuflash::{self.fam.kernel}<{self.fam.template(self)}>"
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        return self.fam.options
+
+    @property
+    def smem(self) -> int:
+        """Dynamic shared memory in bytes."""
+        return self.fam.smem(self.head_dim, self.tile)
+
+    @property
+    def threads(self) -> int:
+        return self.fam.threads or 32 * self.tile.warps
+
+
+@functools.lru_cache(maxsize=None)
+def spec(family: str, dtype: str, head_dim: int, tile: Tile = Tile(0, 0, 4, 1), variant: str = DENSE,
+         has_dq: bool = False) -> KernelSpec:
+    """The one (interned) KernelSpec of these arguments: the launcher's per-call lookups hash a few strings
+    and ints instead of building and hashing a new dataclass."""
+    return KernelSpec(family, dtype, head_dim, tile, variant, has_dq)
+
+
+# ---------------------------------------------------------------------------------------------------
+# What CI compiles: every tile-table row with the dense and causal variants (both dtypes), plus one
+# representative instantiation of every other policy flag in every FA2 family (not the cross product),
+# each for the targets whose GPUs run it (KernelSpec.targets).
+
+_SHOWCASE = (
+    Variant(window_left=64, window_right=0),                                 # Has_left + Has_right
+    Variant(cu_seqlens_q=0, cu_seqlens_k=0, causal=True),                   # Is_varlen
+    Variant(seqused_k=0),                                                    # Has_seqused
+    Variant(softcap=30.0, causal=True),                                      # Has_softcap
+    Variant(alibi_slopes=0, causal=True, window_left=256),                   # Has_alibi
+    Variant(cu_seqlens_q=0, cu_seqlens_k=0, seqused_k=0, softcap=30.0, alibi_slopes=0, window_left=8,
+            window_right=8),                                                 # everything at once
+)
+
+_FA2_FAMILIES = {  # tile direction, arch class -> families that take that row
+    ("fwd", "sm90a"): ("fwd_sm90",), ("fwd", "f32"): ("fwd_f32",), ("bwd", "sm90a"): ("bwd_dkdv_sm90",),
+    ("bwd", "f32"): ("bwd_dkdv_f32",), ("fwd", None): ("fwd",), ("bwd", None): ("bwd_dkdv",),
+    ("bwd_dq", None): ("bwd_dq",),
+}
+
+
+_SHOWCASE_ROWS = {  # FA2 family -> the tile-table row (direction, arch class) it is shown at
+    "fwd": ("fwd", "sm80"), "fwd_sm90": ("fwd", "sm90a"), "fwd_f32": ("fwd", "f32"), "bwd_dkdv": ("bwd", "sm80"),
+    "bwd_dkdv_sm90": ("bwd", "sm90a"), "bwd_dkdv_f32": ("bwd", "f32"), "bwd_dq": ("bwd_dq", "sm80"),
+}
+
+
+def _row_families(direction: str, arch: str) -> tuple[str, ...]:
+    if direction.startswith("fa1"):
+        return (direction + ("_f32" if arch == "f32" else ""),)
+    return _FA2_FAMILIES.get((direction, arch)) or _FA2_FAMILIES[(direction, None)]
+
+
+def instantiations() -> list[KernelSpec]:
+    """The instantiations CI compiles (and a GPU machine could precompile): every tile-table row with the
+    dense and causal variants, each variant flag once in every FA2 family, and the small backward kernels."""
+    out: dict[tuple[str, str], KernelSpec] = {}
+
+    def add(spec: KernelSpec) -> None:
+        out.setdefault((spec.source, spec.name), spec)
+
+    for (direction, arch, d), t in TILES.items():
+        for fam in _row_families(direction, arch):
+            dtypes = ("float32",) if arch == "f32" else tuple(CTYPES)
+            is_fa1 = fam.startswith("fa1")
+            variants = ("false", "true") if is_fa1 else (DENSE, variant_type(Variant(causal=True)))
+            for dtype in dtypes:
+                for var in variants:
+                    for has_dq in ((True, False) if fam.startswith("bwd_dkdv") else (False,)):
+                        add(KernelSpec(fam, dtype, d, t, var, has_dq, arch))
+    # Every variant flag in every FA2 family, once each, at the H100's head-dim-128 tile (bf16; float32 for
+    # the SIMT kernels), the register-heaviest common case.
+    for fam, row in _SHOWCASE_ROWS.items():
+        dtype = "float32" if row[1] == "f32" else "bfloat16"
+        for v in _SHOWCASE:
+            add(KernelSpec(fam, dtype, 128, TILES[(*row, 128)], variant_type(v), fam.startswith("bwd_dkdv"), row[1]))
+    for d in HEAD_DIMS:
+        add(KernelSpec("bwd_dq_f32", "float32", d, variant=DENSE))
+        add(KernelSpec("bwd_dq_f32", "float32", d, variant=variant_type(Variant(causal=True))))
+        add(KernelSpec("bwd_pre_f32", "float32", d))
+        for dtype in CTYPES:
+            for fam in ("bwd_pre", "bwd_convert_dq", "bwd_reduce_dkv"):
+                add(KernelSpec(fam, dtype, d))
+    for v in _SHOWCASE:
+        add(KernelSpec("bwd_dq_f32", "float32", 128, variant=variant_type(v)))
+    return list(out.values())

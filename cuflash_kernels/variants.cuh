@@ -1,0 +1,220 @@
+// cuflash attention variants: what changes which scores a kernel computes and how, kept apart from the
+// kernel bodies (the kernels' side of cuflash/_variant.py and cuflash/_blocks.py; math in docs/variants.md).
+//
+// A variant is a policy type, `Variant<...>`, passed to every FlashAttention-2 kernel as its `class V`
+// template argument, plus one by-value kernel argument, `VariantParams`, with its runtime values. At the
+// start of a block the kernel builds a `BlockInfo<V>` for its (batch, head); everything else is a handful of
+// inlined hooks on it:
+//   - sequences: len_q, len_k, the rows q0 / k0 where the block's sequence starts in packed (varlen)
+//     arrays, and wb, the batch index of per-row statistics and float32 workspaces;
+//   - loop bounds of both loop orders (key_range, query_range) and whether a tile needs an element mask
+//     (needs_mask), the same arithmetic as cuflash/_blocks.py;
+//   - [variant mod]  mod(s, i, j): the raw score q.k with softcap and ALiBi applied, still in raw-score
+//     units (so every kernel's scale * log2(e) and softmax stay as they are); with softcap it also gives
+//     the derivative d mod / d s for [variant grad] (dS is multiplied by it in the backward);
+//   - [variant mask] visible(i, j): the key lies inside the sequence's used keys and the band.
+// A dense call is `Variant<false, false, false, false, false, false>`: every hook folds to the dense code.
+// Header-only, free of CUDA toolkit headers; include after cuflash_tiles.cuh.
+#pragma once
+
+namespace cuflash {
+
+// The runtime values of a variant (one by-value kernel argument). The launcher builds it as a NumPy
+// structured scalar with the same layout (cuflash/_cuda/spec.py: VARIANT_PARAMS_DTYPE).
+struct VariantParams {
+    const int* cu_seqlens_q;    // (batch + 1,) first row of each packed sequence (Is_varlen)
+    const int* cu_seqlens_k;
+    const int* seqused_k;       // (batch,) keys used by each sequence (Has_seqused)
+    const float* alibi_slopes;  // (batch, heads_q), batch stride alibi_sb elements (Has_alibi)
+    i64 alibi_sb;
+    int bottom_right;           // the diagonal: query i faces key i + len_k - len_q (1) or key i (0)
+    int window_left;            // band edges (Has_left, Has_right): keys [i + off - left, i + off + right]
+    int window_right;
+    int band_lo, band_hi;       // off - left, off + right of every sequence (padded batches without seqused_k)
+    float softcap_a;            // softcap in raw-score units: s -> softcap_b * tanh(softcap_a * s),
+    float softcap_b;            //   softcap_a = scale / softcap, softcap_b = softcap / scale
+    float inv_scale;            // 1 / softmax_scale: ALiBi slopes in raw-score units
+};
+
+template <bool Has_left_, bool Has_right_, bool Is_varlen_, bool Has_seqused_, bool Has_softcap_, bool Has_alibi_>
+struct Variant {
+    static constexpr bool Has_left = Has_left_;        // a sliding window's left edge
+    static constexpr bool Has_right = Has_right_;      // causal, or a window's right edge
+    static constexpr bool Is_varlen = Is_varlen_;      // packed sequences (cu_seqlens)
+    static constexpr bool Has_seqused = Has_seqused_;  // per-sequence key counts (key padding)
+    static constexpr bool Has_softcap = Has_softcap_;
+    static constexpr bool Has_alibi = Has_alibi_;
+    static constexpr bool Has_band = Has_left || Has_right;
+    static constexpr bool Has_mod = Has_softcap || Has_alibi;
+};
+
+using DenseVariant = Variant<false, false, false, false, false, false>;
+template <bool Is_causal> using CausalVariant = Variant<false, Is_causal, false, false, false, false>;
+
+// tanh(x) = 1 - 2 / (1 + e^{2x}) with one MUFU instruction (the exp2) and the reciprocal by Newton's method
+// on the FMA pipe: the softmax already keeps the MUFU unit busy with one exp2 per score, so a second MUFU
+// op per score (rcp, or tanh.approx, whose 2^-11 relative error is also too coarse for softcap 30..50)
+// would nearly halve the throughput. x is clamped to +-9 (tanh(9) rounds to 1 in float32), so 1 + e^{2x}
+// lies in [1, 7e7], where the bit-trick start (|error| < 12%) and three Newton steps give ~1e-7.
+__device__ __forceinline__ float tanh_exp2(float x) {
+    x = fminf(fmaxf(x, -9.f), 9.f);
+    const float d = 1.f + fast_exp2(2.f * kLog2e * x);
+    float r = __int_as_float(0x7EF311C3 - __float_as_int(d));
+    r = r * fmaf(-d, r, 2.f);
+    r = r * fmaf(-d, r, 2.f);
+    r = r * fmaf(-d, r, 2.f);
+    return fmaf(-2.f, r, 1.f);
+}
+
+template <class V>
+struct BlockInfo {
+    int len_q, len_k;  // this sequence's query rows and used keys
+    int q0, k0;        // its first row in q / out / do and in k / v (0 unless Is_varlen)
+    int wb;            // batch index of lse, D and the float32 workspaces (0 when Is_varlen: rows are packed)
+    int offset;        // query i faces key i + offset
+    int hi, lo;        // the band: query i sees keys [i + lo, i + hi] (lo = offset - left, hi = offset + right)
+    float slope;       // ALiBi slope in raw-score units (slope / scale)
+    float cap_a, cap_b;
+
+    // Sequence b of a call over arrays of seqlen_q x seqlen_k rows (total rows when Is_varlen).
+    __device__ __forceinline__ BlockInfo(const VariantParams p, int b, int h, int seqlen_q, int seqlen_k) {
+        if constexpr (V::Is_varlen) {
+            q0 = p.cu_seqlens_q[b];
+            k0 = p.cu_seqlens_k[b];
+            len_q = p.cu_seqlens_q[b + 1] - q0;
+            len_k = p.cu_seqlens_k[b + 1] - k0;
+            wb = 0;
+        } else {
+            q0 = k0 = 0;
+            len_q = seqlen_q;
+            len_k = seqlen_k;
+            wb = b;
+        }
+        // The used keys of a sequence are all its keys as far as the diagonal goes (flash-attention's seqused_k).
+        if constexpr (V::Has_seqused) len_k = p.seqused_k[b];
+        offset = p.bottom_right ? len_k - len_q : 0;
+        if constexpr (V::Is_varlen || V::Has_seqused) {  // lengths differ between sequences
+            lo = offset - p.window_left;
+            hi = offset + p.window_right;
+        } else {  // the launcher's, straight from the parameter space (no register held across the loop)
+            lo = p.band_lo;
+            hi = p.band_hi;
+        }
+        slope = V::Has_alibi ? p.alibi_slopes[b * p.alibi_sb + h] * p.inv_scale : 0.f;
+        cap_a = p.softcap_a;
+        cap_b = p.softcap_b;
+    }
+
+    // The FA1 float32 kernels' causal-or-dense info (they take causal_offset as an argument).
+    __device__ __forceinline__ BlockInfo(int b, int seqlen_q, int seqlen_k, int causal_offset)
+        : len_q(seqlen_q), len_k(seqlen_k), q0(0), k0(0), wb(b), offset(causal_offset), hi(causal_offset), lo(0),
+          slope(0.f), cap_a(0.f), cap_b(0.f) {
+        static_assert(!V::Has_left && !V::Is_varlen && !V::Has_seqused && !V::Has_mod, "dense or causal only");
+    }
+
+    // A block of a shorter sequence than the grid covers: query tile m0 (packed batches), or key tile n0
+    // (packed batches, or keys past seqused_k). Compiled out for the other variants, where the grid is exact.
+    __device__ __forceinline__ bool past_queries(int m0) const { return V::Is_varlen && m0 >= len_q; }
+    __device__ __forceinline__ bool past_keys(int n0) const { return (V::Is_varlen || V::Has_seqused) && n0 >= len_k; }
+
+    // Row offset of a per-row statistic (lse, D) or float32 workspace row of head h: rows packed
+    // (heads, total) when Is_varlen, else (batch, heads, seqlen). seqlen = the arrays' row count.
+    __device__ __forceinline__ i64 row_index(int h, int heads, int seqlen, int row) const {
+        return ((i64)wb * heads + h) * seqlen + q0 + row;
+    }
+    __device__ __forceinline__ i64 key_row_index(int h, int heads, int seqlen, int row) const {
+        return ((i64)wb * heads + h) * seqlen + k0 + row;
+    }
+
+    // cuflash/_blocks.py:key_range: keys [x, y) that some query row of [q_start, q_stop) sees, within
+    // [0, len_k]; x >= y means none. q_stop is clipped to len_q by the caller.
+    __device__ __forceinline__ int2 key_range(int q_start, int q_stop) const {
+        int first = 0, end = len_k;
+        if constexpr (V::Has_left) first = min(max(q_start + lo, 0), len_k);
+        if constexpr (V::Has_right) end = min(max(q_stop + hi, 0), len_k);
+        return make_int2(first, end);
+    }
+    // cuflash/_blocks.py:query_range: query rows [x, y) that see some key of [k_start, k_stop), within [0, len_q].
+    __device__ __forceinline__ int2 query_range(int k_start, int k_stop) const {
+        int first = 0, end = len_q;
+        if constexpr (V::Has_right) first = min(max(k_start - hi, 0), len_q);
+        if constexpr (V::Has_left) end = min(max(k_stop - lo, 0), len_q);
+        return make_int2(first, end);
+    }
+    // Whether a tile [q_start, q_start + rows) x [k_start, k_start + cols) may hold a score outside the
+    // used keys or the band (cuflash/_blocks.py:tile_needs_mask, plus the end of the keys).
+    __device__ __forceinline__ bool needs_mask(int q_start, int rows, int k_start, int cols) const {
+        bool m = k_start + cols > len_k;
+        if constexpr (V::Has_right) m = m || k_start + cols - 1 > q_start + hi;
+        if constexpr (V::Has_left) m = m || k_start < q_start + rows - 1 + lo;
+        return m;
+    }
+
+    // [variant mask] query i sees key j.
+    __device__ __forceinline__ bool visible(int i, int j) const {
+        bool keep = j < len_k;
+        if constexpr (V::Has_right) keep = keep && j <= i + hi;
+        if constexpr (V::Has_left) keep = keep && j >= i + lo;
+        return keep;
+    }
+
+    // [variant mod] the raw score s = q_i . k_j after softcap and ALiBi, in raw-score units; `grad` gets
+    // d mod / d s (the tanh derivative; 1 without softcap) for [variant grad].
+    __device__ __forceinline__ float mod(float s, int i, int j, float& grad) const {
+        if constexpr (V::Has_softcap) {
+            const float th = tanh_exp2(cap_a * s);
+            s = cap_b * th;
+            grad = 1.f - th * th;
+        }
+        if constexpr (V::Has_alibi) s -= slope * fabsf((float)(i + offset - j));
+        return s;
+    }
+    __device__ __forceinline__ float mod(float s, int i, int j) const {
+        float unused;
+        return mod(s, i, j, unused);
+    }
+};
+
+// [variant mod] on raw scores, in place (a no-op for variants without score mods).
+template <bool kTransposed, class V, int kNT>
+__device__ __forceinline__ void mod_scores(float (&s)[kNT][4], const BlockInfo<V>& bi, int row_base, int col_base,
+                                           int lane) {
+    if constexpr (V::Has_mod) {
+        for_each_score<kTransposed>(s, row_base, col_base, lane,
+                                    [&](float& x, int i, int j, int, int) { x = bi.mod(x, i, j); });
+    }
+}
+
+// [variant mod] with [variant grad]: also keeps d mod / d s (softcap's 1 - tanh^2, in [0, 1]) per element for
+// dS, as float16 pairs (element e of n8 tile nt in half e % 2 of grad[nt][e / 2]): half the registers of
+// float32, and dS itself is rounded to 16 bits right after.
+template <bool kTransposed, class V, int kNT>
+__device__ __forceinline__ void mod_scores_grad(float (&s)[kNT][4], u32 (&grad)[kNT][2], const BlockInfo<V>& bi,
+                                                int row_base, int col_base, int lane) {
+    float g[kNT][4];
+    for_each_score<kTransposed>(s, row_base, col_base, lane,
+                                [&](float& x, int i, int j, int nt, int e) { x = bi.mod(x, i, j, g[nt][e]); });
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+        grad[nt][0] = Elem<fp16>::pack(g[nt][0], g[nt][1]);
+        grad[nt][1] = Elem<fp16>::pack(g[nt][2], g[nt][3]);
+    }
+}
+
+// Element e of the pairs mod_scores_grad kept for n8 tile nt.
+template <int kNT>
+__device__ __forceinline__ float grad_at(const u32 (&grad)[kNT][2], int nt, int e) {
+    const u32 w = grad[nt][e >> 1];
+    return Elem<fp16>::to_float(static_cast<u16>(e & 1 ? w >> 16 : w & 0xffffu));
+}
+
+// [variant mask] scores that query i may not see := fill.
+template <bool kTransposed, class V, int kNT>
+__device__ __forceinline__ void mask_block(float (&s)[kNT][4], const BlockInfo<V>& bi, int row_base, int col_base,
+                                           int lane, float fill) {
+    for_each_score<kTransposed>(s, row_base, col_base, lane, [&](float& x, int i, int j, int, int) {
+        if (!bi.visible(i, j)) x = fill;
+    });
+}
+
+}  // namespace cuflash
