@@ -1,4 +1,4 @@
-"""Helpers shared by the device scripts in tools/ (gpu_check.py, bwd_check.py, sm90_check.py): PyTorch
+"""Helpers shared by the device scripts in tools/ (gpu_check.py, fa1_check.py, variants_check.py): PyTorch
 inputs and the naive reference attention on the GPU, and the NaN-poisoned CuPy memory pool.
 Run the scripts as ``python3 tools/<script>.py``: this directory is then first on ``sys.path``."""
 
@@ -42,3 +42,12 @@ def poison_pool(cp, nbytes=1 << 30):
     """Fill what the memory pool will hand out next with NaN, so unwritten outputs show."""
     x = cp.full((nbytes // 4,), cp.nan, dtype=cp.float32)
     del x
+
+
+def variant_for(offset, seqlen_q, seqlen_k):
+    """The backends' Variant of the older scripts' causal offset (None, seqlen_k - seqlen_q or 0)."""
+    from cuflash._variant import Variant
+
+    if offset is None:
+        return Variant()
+    return Variant(causal=True, bottom_right=offset == seqlen_k - seqlen_q)

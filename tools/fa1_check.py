@@ -28,6 +28,8 @@ import subprocess
 import sys
 import time
 
+from _gpu_tools import variant_for
+
 
 def log(*a):
     print(*a, flush=True)
@@ -85,14 +87,14 @@ def bench(quick, f32=False):
                 scale = d ** -0.5
 
                 def fwd(alg):
-                    return lambda: cuda.forward(q, k, v, scale=scale, causal_offset=off, algorithm=alg,
+                    return lambda: cuda.forward(q, k, v, scale=scale, variant=variant_for(off, 0, 0), algorithm=alg,
                                                 block_q=None, block_k=None)
 
                 def fb(alg):
                     def run():
-                        o, lse = cuda.forward(q, k, v, scale=scale, causal_offset=off, algorithm=alg, block_q=None,
+                        o, lse = cuda.forward(q, k, v, scale=scale, variant=variant_for(off, 0, 0), algorithm=alg, block_q=None,
                                               block_k=None)
-                        return cuda.backward(do, q, k, v, o, lse, scale=scale, causal_offset=off, algorithm=alg,
+                        return cuda.backward(do, q, k, v, o, lse, scale=scale, variant=variant_for(off, 0, 0), algorithm=alg,
                                              block_q=None, block_k=None, order="kv_outer")
                     return run
 
@@ -143,9 +145,9 @@ def profile_config(shape=(4, 4096, 32, 64)):
                    for _ in range(4))
     for rep in range(2):  # rep 0: warm-up (compiles; skipped by ncu --launch-skip), rep 1: profiled
         for alg in ("fa1", "fa2"):
-            o, lse = cuda.forward(q, k, v, scale=d ** -0.5, causal_offset=None, algorithm=alg, block_q=None,
+            o, lse = cuda.forward(q, k, v, scale=d ** -0.5, variant=variant_for(None, 0, 0), algorithm=alg, block_q=None,
                                   block_k=None)
-            cuda.backward(do, q, k, v, o, lse, scale=d ** -0.5, causal_offset=None, algorithm=alg, block_q=None,
+            cuda.backward(do, q, k, v, o, lse, scale=d ** -0.5, variant=variant_for(None, 0, 0), algorithm=alg, block_q=None,
                           block_k=None, order="kv_outer")
         cp.cuda.runtime.deviceSynchronize()
         log(f"profile-config rep {rep} done")
@@ -158,6 +160,7 @@ def mma_sync_rows():
     import numpy as np
 
     from cuflash import _cuda as cuda
+    from cuflash._cuda import compile as cuda_compile
 
     rows = []
     for d, n in ((64, 4096), (64, 16384), (128, 2048), (128, 16384)):
@@ -165,12 +168,12 @@ def mma_sync_rows():
         rs = np.random.default_rng(n + d)
         q, k, v = (cp.asarray(rs.standard_normal((b, h, n, d), dtype=np.float32).astype(ml_dtypes.bfloat16))
                    .transpose(0, 2, 1, 3) for _ in range(3))
-        t = cuda.TILES[("fwd", cuda._arch_class(cuda._device_info()[0]), d)]
+        t = cuda.TILES[("fwd", cuda_compile.arch_class(cuda_compile.device_info()[0]), d)]
         flops = 4 * b * h * n * n * d
         row = {"d": d, "N": n, "blocks fa1": b * h}
         for label, alg, bq, bk in (("fa1", "fa1", None, None), ("fa2", "fa2", None, None),
                                    ("fa2 mma.sync", "fa2", t.block_m, t.block_n)):
-            fn = lambda: cuda.forward(q, k, v, scale=d ** -0.5, causal_offset=None, algorithm=alg, block_q=bq,
+            fn = lambda: cuda.forward(q, k, v, scale=d ** -0.5, variant=variant_for(None, 0, 0), algorithm=alg, block_q=bq,
                                       block_k=bk)
             row[label] = flops / _time_ms(cp, fn) / 1e9
         rows.append(row)

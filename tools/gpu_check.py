@@ -21,7 +21,7 @@ import time
 import zlib
 import traceback
 
-from _gpu_tools import log, make_inputs, poison_pool, ref_attention
+from _gpu_tools import log, make_inputs, poison_pool, ref_attention, variant_for
 
 
 
@@ -47,13 +47,13 @@ def check_case(torch, cp, cuda, case, results):
 
     cq, ck, cv, cdo = (cp.from_dlpack(x.detach()) for x in (q, k, v, do))
     poison_pool(cp)
-    out, lse = cuda.forward(cq, ck, cv, scale=scale, causal_offset=offset, algorithm="fa2", block_q=None, block_k=None)
+    out, lse = cuda.forward(cq, ck, cv, scale=scale, variant=variant_for(offset, Nq, Nk), algorithm="fa2", block_q=None, block_k=None)
     grads = {}
     for order in ("kv_outer", "split"):
         poison_pool(cp)
-        grads[order] = cuda.backward(cdo, cq, ck, cv, out, lse, scale=scale, causal_offset=offset, algorithm="fa2",
+        grads[order] = cuda.backward(cdo, cq, ck, cv, out, lse, scale=scale, variant=variant_for(offset, Nq, Nk), algorithm="fa2",
                                      block_q=None, block_k=None, order=order)
-    rep = cuda.backward(cdo, cq, ck, cv, out, lse, scale=scale, causal_offset=offset, algorithm="fa2",
+    rep = cuda.backward(cdo, cq, ck, cv, out, lse, scale=scale, variant=variant_for(offset, Nq, Nk), algorithm="fa2",
                         block_q=None, block_k=None, order="split")
     cp.cuda.runtime.deviceSynchronize()
     det = all(bool((a.view(cp.uint16 if a.itemsize == 2 else cp.uint32) ==
@@ -161,14 +161,14 @@ def bench(torch, cp, cuda, quick):
 
                     def cf_fwd():
                         with stream:
-                            return cuda.forward(qc, kc, vc, scale=scale, causal_offset=off, algorithm="fa2",
+                            return cuda.forward(qc, kc, vc, scale=scale, variant=variant_for(off, 0, 0), algorithm="fa2",
                                                 block_q=None, block_k=None)
 
                     def cf_fwdbwd():
                         with stream:
-                            o, l = cuda.forward(qc, kc, vc, scale=scale, causal_offset=off, algorithm="fa2",
+                            o, l = cuda.forward(qc, kc, vc, scale=scale, variant=variant_for(off, 0, 0), algorithm="fa2",
                                                 block_q=None, block_k=None)
-                            return cuda.backward(doc, qc, kc, vc, o, l, scale=scale, causal_offset=off,
+                            return cuda.backward(doc, qc, kc, vc, o, l, scale=scale, variant=variant_for(off, 0, 0),
                                                  algorithm="fa2", block_q=None, block_k=None, order="kv_outer")
 
                     qr, kr, vr = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
@@ -212,7 +212,7 @@ def sweep(torch, cp, cuda):
 
     rows = []
     cc = cp.cuda.Device().compute_capability
-    arch = cuda._arch_class(int(cc))
+    arch = cuda.attention.arch_class(int(cc))
     for d, cands in FWD_SWEEP.items():
         saved = cuda.TILES[("fwd", arch, d)]
         N = 4096
@@ -223,7 +223,7 @@ def sweep(torch, cp, cuda):
             cuda.TILES[("fwd", arch, d)] = cuda.Tile(*cand)
             for causal in (False, True):
                 off = 0 if causal else None
-                fn = lambda: cuda.forward(qc, kc, vc, scale=d ** -0.5, causal_offset=off, algorithm="fa2",
+                fn = lambda: cuda.forward(qc, kc, vc, scale=d ** -0.5, variant=variant_for(off, 0, 0), algorithm="fa2",
                                           block_q=None, block_k=None)
                 try:
                     o, _ = fn()
@@ -249,7 +249,7 @@ def sweep_bwd(torch, cp, cuda):
     import triton.testing as tt
 
     rows = []
-    arch = cuda._arch_class(int(cp.cuda.Device().compute_capability))
+    arch = cuda.attention.arch_class(int(cp.cuda.Device().compute_capability))
     for d, cands in BWD_SWEEP.items():
         saved = cuda.TILES[("bwd", arch, d)]
         N = 4096
@@ -257,8 +257,8 @@ def sweep_bwd(torch, cp, cuda):
         q, k, v, do = (cp.random.standard_normal((B, N, H, d), dtype=cp.float32).astype(cp.float16) for _ in range(4))
         for causal in (False, True):
             off = 0 if causal else None
-            o, lse = cuda.forward(q, k, v, scale=d ** -0.5, causal_offset=off, algorithm="fa2", block_q=None, block_k=None)
-            fn = lambda: cuda.backward(do, q, k, v, o, lse, scale=d ** -0.5, causal_offset=off, algorithm="fa2",
+            o, lse = cuda.forward(q, k, v, scale=d ** -0.5, variant=variant_for(off, 0, 0), algorithm="fa2", block_q=None, block_k=None)
+            fn = lambda: cuda.backward(do, q, k, v, o, lse, scale=d ** -0.5, variant=variant_for(off, 0, 0), algorithm="fa2",
                                        block_q=None, block_k=None, order="kv_outer")
             cuda.TILES[("bwd", arch, d)] = saved
             ref = fn()

@@ -1,0 +1,150 @@
+"""Attention variants on the GPU (windows, softcap, ALiBi, key padding, packed variable-length batches,
+and their combinations) against the float64 truth, through the public API.
+
+The truth is the NumPy naive oracle in float64 (``cuflash.attention(..., algorithm="naive")`` on float64
+NumPy arrays); the error budget (STYLE.md) compares the kernels with the same oracle run in the kernels'
+dtype: outputs within 2x its error, gradients within 3x, plus the floor of rounding the truth. Outputs and
+gradients come from a NaN-poisoned pool, so an element no kernel wrote fails. Skips without CuPy and a GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cuflash
+
+from _gpu_helpers import DTYPES, poison
+from _helpers import assert_within_budget, max_abs_error, rounding_floor
+
+pytestmark = pytest.mark.gpu
+
+
+def _inputs(rng, q_shape, kv_shape, dtype):
+    q, k, v, do = (rng.standard_normal(s).astype(dtype) for s in (q_shape, kv_shape, kv_shape, q_shape))
+    return q, k, v, do
+
+
+def check_variant(cp, q, k, v, do, *, deterministic=False, **opts):
+    """Forward and backward on the GPU against the float64 truth with the error budget."""
+    dtype = q.dtype
+    q64, k64, v64, do64 = (x.astype(np.float64) for x in (q, k, v, do))
+    out_t, lse_t = cuflash.attention(q64, k64, v64, algorithm="naive", return_lse=True, **opts)
+    grads_t = cuflash.attention_backward(do64, q64, k64, v64, out_t, lse_t, algorithm="naive", **opts)
+    out_n, lse_n = cuflash.attention(q, k, v, algorithm="naive", return_lse=True, **opts)
+    grads_n = cuflash.attention_backward(do, q, k, v, out_n, lse_n, algorithm="naive", **opts)
+
+    dev = {key: (cp.asarray(val) if isinstance(val, np.ndarray) else val) for key, val in opts.items()}
+    cq, ck, cv, cdo = (cp.asarray(x) for x in (q, k, v, do))
+    poison(cp)
+    out, lse = cuflash.attention(cq, ck, cv, return_lse=True, **dev)
+    poison(cp)
+    grads = cuflash.attention_backward(cdo, cq, ck, cv, out, lse, deterministic=deterministic, **dev)
+
+    out_h = cp.asnumpy(out)
+    assert not np.isnan(out_h.astype(np.float32)).any(), "forward left unwritten (NaN) elements"
+    assert_within_budget(out_h, out_t, out_n, 2, rounding_floor(out_t, dtype), "out")
+    lse_err = max_abs_error(cp.asnumpy(lse), lse_t)
+    assert lse_err < 2e-3, f"lse: max|err| = {lse_err:.3e}"
+    for name, g, gt, gn in zip(("dq", "dk", "dv"), grads, grads_t, grads_n):
+        gh = cp.asnumpy(g)
+        assert not np.isnan(gh.astype(np.float32)).any(), f"{name}: unwritten (NaN) elements"
+        assert_within_budget(gh, gt, gn, 3, rounding_floor(gt, dtype) + 1e-4, name)
+    return out, lse, grads
+
+
+# (label, options): each on a padded batch (B, Nq, Nk, Hq, Hkv) = (2, 300, 333, 4, 2) unless it says.
+PADDED_CASES = {
+    "window": dict(window_size=(40, 10)),
+    "window-left-only": dict(window_size=(100, -1)),
+    "window-right-only": dict(window_size=(-1, 7)),
+    "causal-window": dict(causal=True, window_size=(64, -1)),
+    "causal-top-left-window": dict(causal=True, causal_align="top-left", window_size=(30, 0)),
+    "softcap": dict(softcap=5.0),
+    "softcap-causal": dict(softcap=2.0, causal=True),
+    "alibi-causal": dict(alibi_slopes="heads", causal=True),
+    "alibi-batch": dict(alibi_slopes="batch"),
+    "seqused": dict(seqused_k=[333, 0]),
+    "seqused-causal-softcap-alibi": dict(seqused_k=[120, 333], causal=True, softcap=8.0, alibi_slopes="heads"),
+}
+
+
+def _resolve(opts, rng, batch, heads):
+    opts = dict(opts)
+    if opts.get("alibi_slopes") == "heads":
+        opts["alibi_slopes"] = rng.uniform(0.01, 0.3, heads).astype(np.float32)
+    elif opts.get("alibi_slopes") == "batch":
+        opts["alibi_slopes"] = rng.uniform(0.01, 0.3, (batch, heads)).astype(np.float32)
+    if "seqused_k" in opts:
+        opts["seqused_k"] = np.asarray(opts["seqused_k"], dtype=np.int32)
+    return opts
+
+
+@pytest.mark.parametrize("label", list(PADDED_CASES))
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtname", ["bfloat16", "float16"])
+def test_padded_batch_variants(requires_gpu, label, d, dtname):
+    rng = np.random.default_rng(abs(hash((label, d))) % 2**32)
+    q, k, v, do = _inputs(rng, (2, 300, 4, d), (2, 333, 2, d), DTYPES[dtname])
+    check_variant(requires_gpu, q, k, v, do, **_resolve(PADDED_CASES[label], rng, 2, 4))
+
+
+@pytest.mark.parametrize("d", [32, 96, 256])
+@pytest.mark.parametrize("label", ["causal-window", "softcap-causal", "alibi-batch", "seqused"])
+def test_other_head_dims(requires_gpu, d, label):
+    """The mma.sync kernels (no wgmma at these head dims) and, at 256, the float32 backward on upcast inputs."""
+    rng = np.random.default_rng(d)
+    q, k, v, do = _inputs(rng, (2, 150, 4, d), (2, 333, 2, d), DTYPES["bfloat16"])
+    check_variant(requires_gpu, q, k, v, do, **_resolve(PADDED_CASES[label], rng, 2, 4))
+
+
+@pytest.mark.parametrize("label", ["causal-window", "softcap-causal", "alibi-causal", "seqused-causal-softcap-alibi"])
+def test_deterministic_order_and_float32(requires_gpu, label):
+    rng = np.random.default_rng(7)
+    opts = _resolve(PADDED_CASES[label], rng, 2, 4)
+    q, k, v, do = _inputs(rng, (2, 300, 4, 64), (2, 333, 2, 64), DTYPES["bfloat16"])
+    check_variant(requires_gpu, q, k, v, do, deterministic=True, **opts)
+    q, k, v, do = _inputs(rng, (2, 100, 4, 64), (2, 333, 2, 64), np.float32)
+    check_variant(requires_gpu, q, k, v, do, **opts)
+    check_variant(requires_gpu, q, k, v, do, deterministic=True, **opts)
+
+
+VARLEN_CASES = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "causal-window-softcap": dict(causal=True, window_size=(50, 0), softcap=10.0),
+    "alibi": dict(alibi_slopes="heads"),
+    "seqused-causal": dict(seqused_k=[150, 0, 100, 1], causal=True),
+}
+
+
+@pytest.mark.parametrize("label", list(VARLEN_CASES))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_packed_variable_length(requires_gpu, label, dtype, d):
+    """Four sequences of uneven lengths (one with no key), GQA, one launch; dK/dV of padding keys are 0."""
+    rng = np.random.default_rng(len(label) + d)
+    lens_q, lens_k = [100, 257, 1, 130], [150, 300, 100, 129]
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q, k, v, do = _inputs(rng, (cu_q[-1], 4, d), (cu_k[-1], 2, d), DTYPES.get(dtype, np.dtype(dtype)))
+    opts = _resolve(VARLEN_CASES[label], rng, 4, 4)
+    check_variant(requires_gpu, q, k, v, do, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
+                  max_seqlen_k=max(lens_k), **opts)
+
+
+def test_varlen_equals_per_sequence_calls(requires_gpu):
+    """One packed call gives, sequence by sequence, what separate calls give (same kernels, same tiles)."""
+    cp = requires_gpu
+    rng = np.random.default_rng(11)
+    lens = [64, 200, 1, 333]
+    cu = cp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+    q, k, v = (cp.asarray(rng.standard_normal((sum(lens), 4, 128)).astype(DTYPES["bfloat16"])) for _ in range(3))
+    out = cuflash.attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=333,
+                            max_seqlen_k=333)
+    start = 0
+    for n in lens:
+        one = cuflash.attention(q[None, start:start + n], k[None, start:start + n], v[None, start:start + n],
+                                causal=True)
+        assert bool((one[0].view(cp.uint16) == out[start:start + n].view(cp.uint16)).all()), n
+        start += n
