@@ -281,7 +281,7 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
             for (int i = 0; i < 2; ++i) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    st[i][nt][e] = fast_exp2(fmaf(st[i][nt][e], scale_log2, -(e & 1 ? l2.y : l2.x) * kLog2e));
+                    st[i][nt][e] = fast_exp2(fmaf(st[i][nt][e], scale_log2, bi.neg_lse_log2(e & 1 ? l2.y : l2.x)));
                 }
             }
         }
@@ -322,6 +322,13 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
                         if constexpr (V::Has_softcap) dpt[i][nt][e] *= grad_at(dmod[i], nt, e);  // [variant grad]
                     }
                 }
+            }
+        }
+        if constexpr (V::Has_bias) {  // [variant grad] dbias = dS
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                for_each_score<true>(dpt[i], key_base + 16 * i, m0 + wm * kQW, lane,
+                                     [&](float& x, int qi, int kj, int, int) { bi.store_dbias(qi, kj, x); });
             }
         }
 #pragma unroll

@@ -192,7 +192,7 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
             const float2 l2 = *reinterpret_cast<const float2*>(tLse + nt * 8 + 2 * t);
-            const float nl0 = -l2.x * kLog2e, nl1 = -l2.y * kLog2e;
+            const float nl0 = bi.neg_lse_log2(l2.x), nl1 = bi.neg_lse_log2(l2.y);
 #pragma unroll
             for (int e = 0; e < 4; ++e) st[nt][e] = fast_exp2(fmaf(st[nt][e], scale_log2, e & 1 ? nl1 : nl0));
         }
@@ -219,6 +219,9 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
                     if constexpr (V::Has_softcap) dpt[nt][e] *= grad_at(dmod, nt, e);  // [variant grad]
                 }
             }
+        }
+        if constexpr (V::Has_bias) {  // [variant grad] dbias = dS
+            for_each_score<true>(dpt, key_base, m0, lane, [&](float& x, int qi, int kj, int, int) { bi.store_dbias(qi, kj, x); });
         }
         u32 dst[kMT][4];
 #pragma unroll

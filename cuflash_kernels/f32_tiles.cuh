@@ -26,7 +26,7 @@ __device__ __forceinline__ void load_kv_f32(float* sK, float* sV, const float* k
 // tile: lane j scores key n0 + j [fa2-fwd 2] (raw score through mod(s, key) first: a variant's
 // [variant mod]), warp reductions give the new max and the rescale [fa2-fwd 3] and the sum of P
 // [fa2-fwd 4], and lane c adds P V_j into elements c, c + 32, ... of acc = l * O [fa2-fwd 5].
-// m (scale * log2(e) units) and l are the row's running max and sum; m stays finite (a key of the tile is seen).
+// m (scale * log2(e) units) and l are the row's running max and sum.
 template <int kHeadDim, int kBlockN, class Mod>
 __device__ __forceinline__ void f32_row_step(const float* sq, const float* sK, const float* sV, int n0, int k_first,
                                              int k_end, float scale_log2, float (&acc)[kHeadDim / 32], float& m,
@@ -43,8 +43,10 @@ __device__ __forceinline__ void f32_row_step(const float* sq, const float* sK, c
         s = mod(dot, n0 + lane) * scale_log2;
     }
     const float m_new = fmaxf(m, warp_max(s));
-    const float corr = exp2f(m - m_new);
-    const float p = valid ? exp2f(s - m_new) : 0.f;
+    // A row whose keys so far are all masked (a bias of -inf) keeps m = -inf: subtract 0 instead (no NaN).
+    const float m_use = m_new == -CUFLASH_INF ? 0.f : m_new;
+    const float corr = exp2f(m - m_use);
+    const float p = valid ? exp2f(s - m_use) : 0.f;
     l = l * corr + warp_sum(p);
     m = m_new;
 #pragma unroll
@@ -141,6 +143,7 @@ __device__ __forceinline__ void bwd_f32_key_tile(const F32BwdArgs& a, const Bloc
                 const float sm = bi.mod(warp_sum(s), row, key, grad);  // [variant mod]
                 const float p = expf(sm * a.scale - lse_i);             // [bwd 1]
                 const float ds = p * (warp_sum(dp) - d_i) * grad;       // [bwd 3], [bwd 4], [variant grad]
+                if (lane == 0) bi.store_dbias(row, key, ds);           // [variant grad] dbias = dS
 #pragma unroll
                 for (int c = 0; c < kPer; ++c) {
                     dv_acc[kk][c] = fmaf(p, sdO[lane + 32 * c], dv_acc[kk][c]);  // [bwd 2]

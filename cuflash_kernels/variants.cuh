@@ -9,15 +9,26 @@
 //     arrays, and wb, the batch index of per-row statistics and float32 workspaces;
 //   - loop bounds of both loop orders (key_range, query_range) and whether a tile needs an element mask
 //     (needs_mask), the same arithmetic as cuflash/_blocks.py;
-//   - [variant mod]  mod(s, i, j): the raw score q.k with softcap and ALiBi applied, still in raw-score
+//   - [variant mod]  mod(s, i, j): the raw score q.k with softcap, ALiBi and the bias applied, in raw-score
 //     units (so every kernel's scale * log2(e) and softmax stay as they are); with softcap it also gives
-//     the derivative d mod / d s for [variant grad] (dS is multiplied by it in the backward);
+//     the derivative d mod / d s for [variant grad] (dS is multiplied by it in the backward; the
+//     bias's gradient is dS itself, store_dbias);
 //   - [variant mask] visible(i, j): the key lies inside the sequence's used keys and the band.
-// A dense call is `Variant<false, false, false, false, false, false>`: every hook folds to the dense code.
+// A dense call is `Variant<false, false, false, false, false, false, false>`: every hook folds to the dense code.
 // Header-only, free of CUDA toolkit headers; include after cuflash_tiles.cuh.
 #pragma once
 
 namespace cuflash {
+
+// Where the additive bias and its gradient live (Has_bias): a small device-side struct that VariantParams
+// points to (a bigger by-value argument moved ptxas's register allocation of the dense kernels).
+// Layout mirrored by cuflash/_cuda/spec.py: bias_params.
+struct BiasParams {
+    const float* bias;  // (batch, heads_q, seqlen_q, seqlen_k) float32, any strides (0 on broadcast axes)
+    i64 sb, sh, sm;
+    float* dbias;       // its gradient, float32, zeroed by the launcher; null when not wanted
+    i64 dsb, dsh, dsm;
+};
 
 // The runtime values of a variant (one by-value kernel argument). The launcher builds it as a NumPy
 // structured scalar with the same layout (cuflash/_cuda/spec.py: VARIANT_PARAMS_DTYPE).
@@ -33,10 +44,12 @@ struct VariantParams {
     int band_lo, band_hi;       // off - left, off + right of every sequence (padded batches without seqused_k)
     float softcap_a;            // softcap in raw-score units: s -> softcap_b * tanh(softcap_a * s),
     float softcap_b;            //   softcap_a = scale / softcap, softcap_b = softcap / scale
-    float inv_scale;            // 1 / softmax_scale: ALiBi slopes in raw-score units
+    float inv_scale;            // 1 / softmax_scale: ALiBi slopes and the bias in raw-score units
+    const BiasParams* bias;     // (Has_bias) in device memory
 };
 
-template <bool Has_left_, bool Has_right_, bool Is_varlen_, bool Has_seqused_, bool Has_softcap_, bool Has_alibi_>
+template <bool Has_left_, bool Has_right_, bool Is_varlen_, bool Has_seqused_, bool Has_softcap_, bool Has_alibi_,
+          bool Has_bias_>
 struct Variant {
     static constexpr bool Has_left = Has_left_;        // a sliding window's left edge
     static constexpr bool Has_right = Has_right_;      // causal, or a window's right edge
@@ -44,12 +57,13 @@ struct Variant {
     static constexpr bool Has_seqused = Has_seqused_;  // per-sequence key counts (key padding)
     static constexpr bool Has_softcap = Has_softcap_;
     static constexpr bool Has_alibi = Has_alibi_;
+    static constexpr bool Has_bias = Has_bias_;         // an additive bias (and boolean masks, as -inf)
     static constexpr bool Has_band = Has_left || Has_right;
-    static constexpr bool Has_mod = Has_softcap || Has_alibi;
+    static constexpr bool Has_mod = Has_softcap || Has_alibi || Has_bias;
 };
 
-using DenseVariant = Variant<false, false, false, false, false, false>;
-template <bool Is_causal> using CausalVariant = Variant<false, Is_causal, false, false, false, false>;
+using DenseVariant = Variant<false, false, false, false, false, false, false>;
+template <bool Is_causal> using CausalVariant = Variant<false, Is_causal, false, false, false, false, false>;
 
 // tanh(x) = 1 - 2 / (1 + e^{2x}) with one MUFU instruction (the exp2) and the reciprocal by Newton's method
 // on the FMA pipe: the softmax already keeps the MUFU unit busy with one exp2 per score, so a second MUFU
@@ -75,6 +89,11 @@ struct BlockInfo {
     int hi, lo;        // the band: query i sees keys [i + lo, i + hi] (lo = offset - left, hi = offset + right)
     float slope;       // ALiBi slope in raw-score units (slope / scale)
     float cap_a, cap_b;
+    float inv_scale;
+    const float* bias;  // this (batch, head)'s bias rows (Has_bias), rows bias_sm apart (a plane of < 2^31
+    int bias_sm;        // elements: the launcher checks)
+    float* dbias;       // and its gradient's (null when not wanted)
+    int dbias_sm;
 
     // Sequence b of a call over arrays of seqlen_q x seqlen_k rows (total rows when Is_varlen).
     __device__ __forceinline__ BlockInfo(const VariantParams p, int b, int h, int seqlen_q, int seqlen_k) {
@@ -103,12 +122,20 @@ struct BlockInfo {
         slope = V::Has_alibi ? p.alibi_slopes[b * p.alibi_sb + h] * p.inv_scale : 0.f;
         cap_a = p.softcap_a;
         cap_b = p.softcap_b;
+        inv_scale = p.inv_scale;
+        if constexpr (V::Has_bias) {
+            const BiasParams bp = *p.bias;
+            bias = bp.bias + b * bp.sb + h * bp.sh;
+            bias_sm = (int)bp.sm;
+            dbias = bp.dbias ? bp.dbias + b * bp.dsb + h * bp.dsh : nullptr;
+            dbias_sm = (int)bp.dsm;
+        }
     }
 
     // The FA1 float32 kernels' causal-or-dense info (they take causal_offset as an argument).
     __device__ __forceinline__ BlockInfo(int b, int seqlen_q, int seqlen_k, int causal_offset)
         : len_q(seqlen_q), len_k(seqlen_k), q0(0), k0(0), wb(b), offset(causal_offset), hi(causal_offset), lo(0),
-          slope(0.f), cap_a(0.f), cap_b(0.f) {
+          slope(0.f), cap_a(0.f), cap_b(0.f), inv_scale(0.f), bias(nullptr), bias_sm(0), dbias(nullptr), dbias_sm(0) {
         static_assert(!V::Has_left && !V::Is_varlen && !V::Has_seqused && !V::Has_mod, "dense or causal only");
     }
 
@@ -167,7 +194,23 @@ struct BlockInfo {
             grad = 1.f - th * th;
         }
         if constexpr (V::Has_alibi) s -= slope * fabsf((float)(i + offset - j));
+        // (rows and keys past the sequence have no bias; they are masked or never stored)
+        if constexpr (V::Has_bias) s += i < len_q && j < len_k ? bias[i * bias_sm + j] * inv_scale : 0.f;
         return s;
+    }
+
+    // [variant grad] of the bias: dbias[i, j] = dS (the gradient of the biased scaled score), where wanted.
+    __device__ __forceinline__ void store_dbias(int i, int j, float ds) const {
+        if constexpr (V::Has_bias) {
+            if (dbias != nullptr && i < len_q && j < len_k) dbias[i * dbias_sm + j] = ds;
+        }
+    }
+
+    // The backward's exp2 offset of a row, -lse * log2(e): with a bias, a row whose every key is masked by
+    // -inf has lse = -inf and scores of -inf, so its offset is -inf too (P = 0, never -inf + inf = NaN).
+    __device__ __forceinline__ float neg_lse_log2(float lse) const {
+        if constexpr (V::Has_bias) return lse == -CUFLASH_INF ? -CUFLASH_INF : -lse * kLog2e;
+        return -lse * kLog2e;
     }
     __device__ __forceinline__ float mod(float s, int i, int j) const {
         float unused;

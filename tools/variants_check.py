@@ -31,7 +31,7 @@ from _gpu_tools import log, poison_pool
 # The float64 oracle: one sequence at a time, every score materialized.
 
 def oracle(q, k, v, do, *, scale, causal=False, bottom_right=True, window=(-1, -1), softcap=0.0, slopes=None,
-           used_k=None, dtype=np.float64):
+           used_k=None, bias=None, dtype=np.float64):
     """out (Nq, H, d), lse (H, Nq), dq, dk, dv of one sequence, computed in ``dtype`` with float32/64
     accumulation (P and dS rounded to the dtype, as a framework computing in that dtype would)."""
     acc = np.float64 if dtype == np.float64 else np.float32
@@ -59,6 +59,8 @@ def oracle(q, k, v, do, *, scale, causal=False, bottom_right=True, window=(-1, -
     j = np.arange(nk)[None, :]
     if slopes is not None:
         t = t - slopes[:, None, None] * np.abs(i + off - j)[None]
+    if bias is not None:
+        t = t + bias  # (H or 1, Nq, Nk)
     vis = j < nk_used
     left, right = window
     if causal:
@@ -82,7 +84,8 @@ def oracle(q, k, v, do, *, scale, causal=False, bottom_right=True, window=(-1, -
     dv = rnd(p).transpose(0, 2, 1) @ doh
     dk = dk.reshape(hkv, g, nk, d).sum(1)
     dv = dv.reshape(hkv, g, nk, d).sum(1)
-    return (out.transpose(1, 0, 2), lse, dq.transpose(1, 0, 2), dk.transpose(1, 0, 2), dv.transpose(1, 0, 2))
+    return (out.transpose(1, 0, 2), lse, dq.transpose(1, 0, 2), dk.transpose(1, 0, 2), dv.transpose(1, 0, 2),
+            np.broadcast_to(ds, (hq, nq, nk)))
 
 
 def oracle_batch(q, k, v, do, opts, lens_q=None, lens_k=None, dtype=np.float64):
@@ -92,10 +95,11 @@ def oracle_batch(q, k, v, do, opts, lens_q=None, lens_k=None, dtype=np.float64):
     kw = dict(scale=opts["scale"], causal=opts.get("causal", False), bottom_right=opts.get("bottom_right", True),
               window=opts.get("window", (-1, -1)), softcap=opts.get("softcap", 0.0), dtype=dtype)
     if lens_q is None:
+        bias = opts.get("bias")
         parts = [oracle(q[b], k[b], v[b], do[b], slopes=None if slopes is None else slopes[b],
-                        used_k=None if used is None else int(used[b]), **kw) for b in range(q.shape[0])]
-        return (np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts]), np.stack([p[2] for p in parts]),
-                np.stack([p[3] for p in parts]), np.stack([p[4] for p in parts]))
+                        used_k=None if used is None else int(used[b]),
+                        bias=None if bias is None else bias[b % bias.shape[0]], **kw) for b in range(q.shape[0])]
+        return tuple(np.stack([p[i] for p in parts]) for i in range(6))
     cq, ck = np.concatenate([[0], np.cumsum(lens_q)]), np.concatenate([[0], np.cumsum(lens_k)])
     outs = []
     for b in range(len(lens_q)):
@@ -104,7 +108,7 @@ def oracle_batch(q, k, v, do, opts, lens_q=None, lens_k=None, dtype=np.float64):
                            used_k=None if used is None else int(used[b]), **kw))
     return (np.concatenate([o[0] for o in outs]), np.concatenate([o[1] for o in outs], axis=1),
             np.concatenate([o[2] for o in outs]), np.concatenate([o[3] for o in outs]),
-            np.concatenate([o[4] for o in outs]))
+            np.concatenate([o[4] for o in outs]), None)
 
 
 def err(a, b):
@@ -131,10 +135,14 @@ CASES = [  # (label, options)
     ("alibi", dict(alibi="batch")),
     ("seqused", dict(seqused_k=[333, 0])),
     ("seqused-all", dict(seqused_k=[120, 333], causal=True, softcap=8.0, alibi="heads", window=(50, -1))),
+    ("bias", dict(bias="full")),
+    ("bias-broadcast-causal", dict(bias="broadcast", causal=True)),
+    ("bias-mask", dict(bias="mask")),
+    ("bias-mask-softcap-window", dict(bias="mask", softcap=5.0, window=(60, 20), alibi="heads")),
 ]
 
 
-def make_variant(opts, cp, batch, heads, rng, cu=None, maxlen=None):
+def make_variant(opts, cp, batch, heads, rng, cu=None, maxlen=None, shape_qk=(0, 0)):
     from cuflash._variant import Variant
 
     slopes = None
@@ -149,13 +157,27 @@ def make_variant(opts, cp, batch, heads, rng, cu=None, maxlen=None):
         dslopes = cp.asarray(slopes[0]) if opts["alibi"] == "heads" else cp.asarray(slopes)
         if opts["alibi"] == "heads":
             dslopes = cp.broadcast_to(dslopes, (batch, heads))
-    v = Variant(causal=opts.get("causal", False), bottom_right=opts.get("bottom_right", True),
+    bias = dbias_view = None
+    nq, nk = shape_qk
+    if opts.get("bias") == "full":
+        bias = rng.standard_normal((batch, heads, nq, nk)).astype(np.float32)
+    elif opts.get("bias") == "broadcast":
+        bias = rng.standard_normal((1, 1, nq, nk)).astype(np.float32)
+    elif opts.get("bias") == "mask":  # -inf on a fifth of the scores and on every key of query row 3
+        bias = rng.standard_normal((batch, heads, nq, nk)).astype(np.float32)
+        bias[rng.random(bias.shape) < 0.2] = -np.inf
+        bias[:, :, 3, :] = -np.inf
+    extra = {}
+    if bias is not None:
+        dbias_view = cp.broadcast_to(cp.asarray(bias), (batch, heads, nq, nk))
+        extra["bias"] = dbias_view
+    v = Variant(**extra, causal=opts.get("causal", False), bottom_right=opts.get("bottom_right", True),
                 window_left=None if left < 0 else left, window_right=None if right < 0 else right,
                 softcap=opts.get("softcap", 0.0), alibi_slopes=dslopes,
                 cu_seqlens_q=None if cu is None else cp.asarray(cu[0]), cu_seqlens_k=None if cu is None else cp.asarray(cu[1]),
                 max_seqlen_q=None if cu is None else maxlen[0], max_seqlen_k=None if cu is None else maxlen[1],
                 seqused_k=None if used is None else cp.asarray(used))
-    return v, dict(opts, alibi=slopes, seqused_k=used)
+    return v, dict(opts, alibi=slopes, seqused_k=used, bias=bias)
 
 
 def check(args, results):
@@ -202,7 +224,7 @@ def check(args, results):
             q, k, v, do = (rng.standard_normal(s) for s in ((cu[0][-1], hq, d), (cu[1][-1], hkv, d),
                                                            (cu[1][-1], hkv, d), (cu[0][-1], hq, d)))
         q, k, v, do = (x.astype(dtype) for x in (q, k, v, do))
-        variant, oopts = make_variant(o, cp, B, hq, rng, cu, maxlen)
+        variant, oopts = make_variant(o, cp, B, hq, rng, cu, maxlen, (q.shape[1], k.shape[1]) if layout == "padded" else (0, 0))
         oopts["scale"] = scale = d ** -0.5
         truth = oracle_batch(*(x.astype(np.float64) for x in (q, k, v, do)), oopts, lens_q, lens_k)
         low = oracle_batch(q, k, v, do, oopts, lens_q, lens_k, dtype=dtype)
@@ -213,12 +235,13 @@ def check(args, results):
                 poison_pool(cp)
                 out, lse = cuda.forward(cq, ck, cv, scale=scale, variant=variant, algorithm="fa2", block_q=None, block_k=None)
                 poison_pool(cp)
+                has_bias = oopts.get("bias") is not None
                 grads = cuda.backward(cdo, cq, ck, cv, out, lse, scale=scale, variant=variant, algorithm="fa2",
-                                      block_q=None, block_k=None, order=order)
+                                      block_q=None, block_k=None, order=order, want_dbias=has_bias)
                 got = [cp.asnumpy(x) for x in (out, lse, *grads)]
                 if layout == "varlen":
                     got[1] = got[1].reshape(hq, -1)
-                names = ("out", "lse", "dq", "dk", "dv")
+                names = ("out", "lse", "dq", "dk", "dv", "dbias")[:len(got)]
                 worst = 0.0
                 for name, a, t, lw in zip(names, got, truth, low):
                     if np.isnan(a.astype(np.float32)).any():

@@ -20,7 +20,7 @@ import numpy as np
 from .._variant import Variant
 from . import fa1, naive
 from .compile import arch_class, check_smem, device_info, launch
-from .spec import BWD_HEAD_DIMS, CTYPES, HEAD_DIMS, TILES, Tile, variant_params, variant_type
+from .spec import BWD_HEAD_DIMS, CTYPES, HEAD_DIMS, TILES, Tile, bias_params, variant_params, variant_type
 from .spec import spec as kernel_spec
 
 __all__ = ["forward", "backward", "check_supported"]
@@ -77,11 +77,12 @@ def check_supported(problem, algorithm: str, variant: Variant = Variant()) -> No
     """Refuse, before any launch, what the CUDA backend cannot run."""
     dtype = np.dtype(problem.dtype).name
     causal_only = (variant.window_left is None and variant.window_right is None and not variant.softcap
-                   and variant.alibi_slopes is None and not variant.is_varlen and variant.seqused_k is None)
+                   and variant.alibi_slopes is None and not variant.is_varlen and variant.seqused_k is None
+                   and getattr(variant, "bias", None) is None)
     if algorithm in ("naive", "fa1") and not causal_only:
         raise NotImplementedError(
             f"algorithm='{algorithm}' on CuPy arrays runs dense or causal attention only; window_size, softcap, "
-            "alibi_slopes, cu_seqlens and seqused_k run with algorithm='fa2' (the default)"
+            "alibi_slopes, bias, attn_mask, cu_seqlens and seqused_k run with algorithm='fa2' (the default)"
         )
     if algorithm == "naive":
         return
@@ -211,7 +212,9 @@ def forward(q, k, v, *, scale, variant: Variant, algorithm, block_q, block_k):
     d = shp.head_dim
     assert shp.heads_q % shp.heads_kv == 0 and d in HEAD_DIMS
     dtype = np.dtype(q.dtype).name
-    vtype, vp = variant_type(variant), variant_params(variant, scale, shp.rows_q, shp.rows_k)
+    variant = _kernel_ready(variant)
+    bp = None if getattr(variant, "bias", None) is None else bias_params(variant.bias, None)
+    vtype, vp = variant_type(variant), variant_params(variant, scale, shp.rows_q, shp.rows_k, bp)
     out = cupy.empty(q.shape, dtype=q.dtype)
     lse = _lse_empty(shp, variant)
     if dtype == "float32":
@@ -255,8 +258,26 @@ def _preprocess(spec_family, dtype, d, do, out, shp: Shape):
     return delta
 
 
-def backward(do, q, k, v, out, lse, *, scale, variant: Variant, algorithm, block_q, block_k, order):
-    """``(dq, dk, dv)`` of one call."""
+def _kernel_ready(variant: Variant) -> Variant:
+    """The variant with a bias the kernels can index (float32 with a contiguous last axis; others copied)."""
+    import dataclasses
+
+    import cupy
+
+    bias = getattr(variant, "bias", None)
+    if bias is None:
+        return variant
+    if bias.shape[2] * max(bias.shape[3], bias.strides[2] // bias.itemsize) >= 2**31:
+        raise ValueError(f"bias of shape {tuple(bias.shape)}: the CUDA kernels index one (seqlen_q, seqlen_k) plane "
+                         "with 32-bit offsets, so seqlen_q * seqlen_k must stay below 2**31")
+    if bias.dtype == cupy.float32 and bias.strides[-1] == 4:
+        return variant
+    return dataclasses.replace(variant, bias=cupy.ascontiguousarray(bias, dtype=cupy.float32))
+
+
+def backward(do, q, k, v, out, lse, *, scale, variant: Variant, algorithm, block_q, block_k, order, want_dbias=False):
+    """``(dq, dk, dv)`` of one call, and ``dbias`` (float32, (batch, heads_q, seqlen_q, seqlen_k)) when
+    ``want_dbias`` and the variant has a bias."""
     import cupy
 
     shp = shape_of(q, k, variant)
@@ -272,10 +293,24 @@ def backward(do, q, k, v, out, lse, *, scale, variant: Variant, algorithm, block
         # run the float32 kernels on upcast inputs, cast the gradients back.
         f32 = [a.astype(cupy.float32) for a in (do, q, k, v, out)]
         grads = backward(*f32, lse, scale=scale, variant=variant, algorithm=algorithm, block_q=None, block_k=None,
-                         order=order)
-        return tuple(g.astype(q.dtype) for g in grads)
+                         order=order, want_dbias=want_dbias)
+        return (*(g.astype(q.dtype) for g in grads[:3]), *grads[3:])
 
-    vtype, vp, fscale = variant_type(variant), variant_params(variant, scale, shp.rows_q, shp.rows_k), np.float32(scale)
+    variant = _kernel_ready(variant)
+    dbias = None
+    if want_dbias and getattr(variant, "bias", None) is not None:  # [variant grad]: tiles no query visits stay 0
+        dbias = cupy.zeros((shp.batch, shp.heads_q, shp.rows_q, shp.rows_k), dtype=cupy.float32)
+    vtype, fscale = variant_type(variant), np.float32(scale)
+    bp = None if getattr(variant, "bias", None) is None else bias_params(variant.bias, dbias)
+    vp = variant_params(variant, scale, shp.rows_q, shp.rows_k, bp)
+    grads = _backward(do, q, k, v, out, lse, shp, variant, vtype, vp, fscale, order, block_q, block_k, dtype)
+    return grads if dbias is None else (*grads, dbias)
+
+
+def _backward(do, q, k, v, out, lse, shp: Shape, variant, vtype, vp, fscale, order, block_q, block_k, dtype):
+    import cupy
+
+    d = shp.head_dim
     split = order in ("split", "q_outer")
     lse = cupy.ascontiguousarray(lse)
     if dtype == "float32":

@@ -153,17 +153,23 @@ def _b(x: bool) -> str:
 VARIANT_PARAMS_DTYPE = np.dtype(
     [("cu_seqlens_q", np.uint64), ("cu_seqlens_k", np.uint64), ("seqused_k", np.uint64), ("alibi_slopes", np.uint64),
      ("alibi_sb", np.int64), ("bottom_right", np.int32), ("window_left", np.int32), ("window_right", np.int32),
-     ("band_lo", np.int32), ("band_hi", np.int32), ("softcap_a", np.float32), ("softcap_b", np.float32), ("inv_scale", np.float32)],
+     ("band_lo", np.int32), ("band_hi", np.int32), ("softcap_a", np.float32), ("softcap_b", np.float32),
+     ("inv_scale", np.float32), ("bias", np.uint64)],
     align=True,
 )
-assert VARIANT_PARAMS_DTYPE.itemsize == 72
+assert VARIANT_PARAMS_DTYPE.itemsize == 80
 
 
 def variant_type(variant: Variant) -> str:
     """The C++ policy type ``cuflash::Variant<Has_left, Has_right, Is_varlen, Has_seqused, Has_softcap,
-    Has_alibi>`` of a variant: only what changes the compiled code (values travel in VariantParams)."""
+    Has_alibi, Has_bias>`` of a variant: only what changes the compiled code (values travel in VariantParams)."""
     flags = (variant.window_left is not None, variant.right is not None, variant.is_varlen,
-             variant.seqused_k is not None, bool(variant.softcap), variant.alibi_slopes is not None)
+             variant.seqused_k is not None, bool(variant.softcap), variant.alibi_slopes is not None,
+             getattr(variant, "bias", None) is not None)
+    return _policy(flags)
+
+
+def _policy(flags) -> str:
     return f"cuflash::Variant<{', '.join(map(_b, flags))}>"
 
 
@@ -174,9 +180,23 @@ def _ptr(a) -> int:
     return 0 if a is None else int(a.data.ptr)
 
 
-def variant_params(variant: Variant, scale: float, seqlen_q: int, seqlen_k: int) -> np.void:
+def _strides_of(a, n: int) -> tuple[int, ...]:
+    return (0,) * n if a is None else tuple(s // a.itemsize for s in a.strides[:n])
+
+
+def bias_params(bias, dbias):
+    """``struct BiasParams`` (variants.cuh) in device memory: the bias and its gradient buffer (or None),
+    (batch, heads_q, seqlen_q, seqlen_k) float32 with a contiguous last axis."""
+    import cupy
+
+    return cupy.asarray(np.array([_ptr(bias), *_strides_of(bias, 3), _ptr(dbias), *_strides_of(dbias, 3)],
+                                 dtype=np.int64))
+
+
+def variant_params(variant: Variant, scale: float, seqlen_q: int, seqlen_k: int, bias_struct=None) -> np.void:
     """The kernels' VariantParams for ``variant`` (device pointers of its arrays, edges, softcap constants);
-    ``seqlen_q``, ``seqlen_k``: a padded batch's lengths (they place the band of every sequence)."""
+    ``seqlen_q``, ``seqlen_k``: a padded batch's lengths (they place the band of every sequence);
+    ``bias_struct``: :func:`bias_params` when the variant has a bias."""
     slopes = variant.alibi_slopes
     left, right = variant.window_left or 0, variant.right or 0
     offset = variant.offset(seqlen_q, seqlen_k)
@@ -186,6 +206,7 @@ def variant_params(variant: Variant, scale: float, seqlen_q: int, seqlen_k: int)
         0 if slopes is None else slopes.strides[0] // slopes.itemsize,
         int(variant.bottom_right), left, right, offset - left, offset + right,
         scale / cap if cap else 0.0, cap / scale if cap else 0.0, 1.0 / scale,
+        _ptr(bias_struct),
     ), VARIANT_PARAMS_DTYPE)[()]
 
 
@@ -336,14 +357,16 @@ def spec(family: str, dtype: str, head_dim: int, tile: Tile = Tile(0, 0, 4, 1), 
 # representative instantiation of every other policy flag in every FA2 family (not the cross product),
 # each for the targets whose GPUs run it (KernelSpec.targets).
 
+# Each row a policy's flags: (Has_left, Has_right, Is_varlen, Has_seqused, Has_softcap, Has_alibi, Has_bias).
 _SHOWCASE = (
-    Variant(window_left=64, window_right=0),                                 # Has_left + Has_right
-    Variant(cu_seqlens_q=0, cu_seqlens_k=0, causal=True),                   # Is_varlen
-    Variant(seqused_k=0),                                                    # Has_seqused
-    Variant(softcap=30.0, causal=True),                                      # Has_softcap
-    Variant(alibi_slopes=0, causal=True, window_left=256),                   # Has_alibi
-    Variant(cu_seqlens_q=0, cu_seqlens_k=0, seqused_k=0, softcap=30.0, alibi_slopes=0, window_left=8,
-            window_right=8),                                                 # everything at once
+    (True, True, False, False, False, False, False),   # a sliding window
+    (False, True, True, False, False, False, False),   # packed sequences, causal
+    (False, False, False, True, False, False, False),  # key padding
+    (False, True, False, False, True, False, False),   # softcap, causal
+    (True, True, False, False, False, True, False),    # ALiBi in a causal window
+    (False, True, False, False, False, False, True),   # a bias (and masks), causal
+    (True, True, False, True, True, True, True),       # every flag of padded batches
+    (True, True, True, True, True, True, False),       # every flag of packed batches
 )
 
 _FA2_FAMILIES = {  # tile direction, arch class -> families that take that row
@@ -387,7 +410,7 @@ def instantiations() -> list[KernelSpec]:
     for fam, row in _SHOWCASE_ROWS.items():
         dtype = "float32" if row[1] == "f32" else "bfloat16"
         for v in _SHOWCASE:
-            add(KernelSpec(fam, dtype, 128, TILES[(*row, 128)], variant_type(v), fam.startswith("bwd_dkdv"), row[1]))
+            add(KernelSpec(fam, dtype, 128, TILES[(*row, 128)], _policy(v), fam.startswith("bwd_dkdv"), row[1]))
     for d in HEAD_DIMS:
         add(KernelSpec("bwd_dq_f32", "float32", d, variant=DENSE))
         add(KernelSpec("bwd_dq_f32", "float32", d, variant=variant_type(Variant(causal=True))))
@@ -396,5 +419,5 @@ def instantiations() -> list[KernelSpec]:
             for fam in ("bwd_pre", "bwd_convert_dq", "bwd_reduce_dkv"):
                 add(KernelSpec(fam, dtype, d))
     for v in _SHOWCASE:
-        add(KernelSpec("bwd_dq_f32", "float32", 128, variant=variant_type(v)))
+        add(KernelSpec("bwd_dq_f32", "float32", 128, variant=_policy(v)))
     return list(out.values())
