@@ -28,8 +28,9 @@ def _check_supported(backend: ModuleType, problem: _validate.Problem, algorithm:
         check(problem, algorithm, variant)
 
 
-# Variant keywords that are arrays (of q's library), and those that describe a packed batch.
-ARRAY_OPTIONS = ("alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seqused_k")
+# Variant keywords that are arrays (of q's library) and get no gradient; "bias" is one too, the one with a
+# gradient (the framework front ends pass it apart from these). And those that describe a packed batch.
+ARRAY_OPTIONS = ("alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "attn_mask")
 _PACKED_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
 
 
@@ -41,7 +42,7 @@ def _prepare(q, k, v, *, softmax_scale, algorithm, block_q, block_k, variant_opt
     packed = [variant_options[name] for name in _PACKED_OPTIONS]
     varlen = _validate.varlen_mode(*packed)
     arrays = {"q": q, "k": k, "v": v, **(extra or {})}
-    arrays.update((name, variant_options[name]) for name in ARRAY_OPTIONS if variant_options[name] is not None)
+    arrays.update((name, variant_options[name]) for name in ("bias", *ARRAY_OPTIONS) if variant_options[name] is not None)
     library = _validate.check_same_library(**arrays)
     problem = _validate.check_qkv(q, k, v, varlen=varlen)
     if varlen:
@@ -72,6 +73,8 @@ def attention(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
     seqused_k=None,
+    bias=None,
+    attn_mask=None,
     algorithm: str = "fa2",
     block_q: int | None = None,
     block_k: int | None = None,
@@ -81,7 +84,8 @@ def attention(
 
     The variant keywords (``window_size``, ``softcap``, ``alibi_slopes``, ``cu_seqlens_q``/``cu_seqlens_k``,
     ``seqused_k``) have flash-attention's names and meaning (``flash_attn_func``,
-    ``flash_attn_varlen_func``); their math is in ``docs/variants.md``.
+    ``flash_attn_varlen_func``); ``bias`` and ``attn_mask`` those of PyTorch's
+    ``scaled_dot_product_attention``. Their math is in ``docs/variants.md``.
 
     Parameters
     ----------
@@ -117,6 +121,14 @@ def attention(
     seqused_k : array, optional
         int32, shape ``(batch,)``: sequence ``b`` uses only its first ``seqused_k[b]`` keys (key padding);
         its diagonal is placed with ``len_k = seqused_k[b]``. Padded or packed layout.
+    bias : array, optional
+        Floating, same library as q, broadcastable to ``(batch, heads_q, seqlen_q, seqlen_k)`` with batch and
+        heads full or 1 (or 2-D ``(seqlen_q, seqlen_k)``, 3-D ``(heads_q, seqlen_q, seqlen_k)``): added to
+        the scaled score of query ``i`` and key ``j`` after softcap and ALiBi, before the masks; ``-inf``
+        masks. Padded layout only. Differentiable: see :func:`attention_backward`.
+    attn_mask : array, optional
+        bool, same shapes as ``bias``: ``True`` where query ``i`` sees key ``j`` (PyTorch's convention),
+        ``False`` masks the score. May be given with ``bias``.
     algorithm : {"fa2", "fa1", "naive"}
         FlashAttention-2 order (query blocks outer), FlashAttention-1 order (key/value blocks outer,
         O, m, l written back each step), or the naive algorithm that materializes the scores.
@@ -134,7 +146,7 @@ def attention(
     variant_options = dict(
         causal=causal, causal_align=causal_align, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, bias=bias, attn_mask=attn_mask,
     )
     library, problem, options = _prepare(
         q, k, v, softmax_scale=softmax_scale, algorithm=algorithm, block_q=block_q, block_k=block_k,
@@ -168,13 +180,16 @@ def attention_backward(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
     seqused_k=None,
+    bias=None,
+    attn_mask=None,
     algorithm: str = "fa2",
     block_q: int | None = None,
     block_k: int | None = None,
     order: str | None = None,
     deterministic: bool = False,
+    return_dbias: bool | None = None,
 ):
-    """Gradients of :func:`attention` with respect to q, k and v.
+    """Gradients of :func:`attention` with respect to q, k and v (and ``bias``).
 
     Recomputes the probabilities tile by tile from ``lse`` (as returned by
     ``attention(..., return_lse=True)``); nothing of size ``seqlen_q x seqlen_k`` is stored.
@@ -185,7 +200,7 @@ def attention_backward(
         Gradient of the loss with respect to ``out``.
     q, k, v, out, lse :
         The forward's inputs, output and logsumexp.
-    causal, softmax_scale, causal_align, window_size, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, algorithm, block_q, block_k :
+    causal, softmax_scale, causal_align, window_size, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, bias, attn_mask, algorithm, block_q, block_k :
         As given to the forward.
     order : {"kv_outer", "q_outer", "split"}, optional
         Backward loop order: key/value blocks outer with dQ accumulated across the outer loop (the
@@ -193,16 +208,22 @@ def attention_backward(
         passes (dK/dV, then dQ) with no read-modify-write.
     deterministic : bool
         Run the ``"split"`` order: bitwise reproducible on the GPU (no atomics), at some cost in speed.
+    return_dbias : bool, optional
+        Whether to compute and return ``dbias``; default: when ``bias`` is given. ``False`` with a bias
+        that needs no gradient saves writing ``batch x heads_q x seqlen_q x seqlen_k`` floats.
 
     Returns
     -------
     dq, dk, dv : arrays like q, k, v
         Keys that no query sees (past ``seqused_k``, say) get zero ``dk`` and ``dv``.
+    dbias : array like bias, only with ``bias`` (and ``return_dbias`` not False)
+        The gradient of the scaled, modified score (after softcap and ALiBi) at each query and key, zero
+        where masked, summed over the axes ``bias`` broadcasts over. ``attn_mask`` gets no gradient.
     """
     variant_options = dict(
         causal=causal, causal_align=causal_align, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, bias=bias, attn_mask=attn_mask,
     )
     library, problem, options = _prepare(
         q, k, v, softmax_scale=softmax_scale, algorithm=algorithm, block_q=block_q, block_k=block_k,
@@ -210,11 +231,16 @@ def attention_backward(
     )
     _validate.check_backward_tensors(problem, do, out, lse)
     options["order"] = _validate.backward_order(order, deterministic)
+    want_dbias = _validate.return_dbias(return_dbias, bias)
     if problem.is_empty:
-        return _empty_backward(q, k, v)
+        grads = _empty_backward(q, k, v)
+        return (*grads, _namespace(q).zeros(bias.shape, bias.dtype)) if want_dbias else grads
     backend = _backend(library)
     _check_supported(backend, problem, options["algorithm"], options["variant"])
-    return backend.backward(do, q, k, v, out, lse, **options)
+    if not want_dbias:  # the keyword only when asked: the backend interface without a bias is unchanged
+        return backend.backward(do, q, k, v, out, lse, **options)
+    dq, dk, dv, dbias = backend.backward(do, q, k, v, out, lse, **options, want_dbias=True)
+    return dq, dk, dv, _reduce_dbias(dbias, bias)
 
 
 def _namespace(a) -> ModuleType:
@@ -227,6 +253,16 @@ def _empty_forward(q, problem: _validate.Problem):
     out = xp.zeros(q.shape, dtype=q.dtype)
     lse = xp.full(problem.lse_shape, -xp.inf, dtype=_validate.lse_dtype(problem.dtype))
     return out, lse
+
+
+def _reduce_dbias(dbias, bias):
+    """The gradient of the user's ``bias`` from the backend's ``(batch, heads_q, seqlen_q, seqlen_k)`` one:
+    summed over the axes ``bias`` broadcasts over, in its shape and dtype."""
+    shape = (1,) * (4 - bias.ndim) + tuple(bias.shape)
+    axes = tuple(axis for axis in range(2) if shape[axis] == 1 and dbias.shape[axis] != 1)
+    if axes:
+        dbias = dbias.sum(axis=axes, keepdims=True)
+    return dbias.reshape(bias.shape).astype(bias.dtype, copy=False)
 
 
 def _empty_backward(q, k, v):

@@ -3,7 +3,7 @@
 Each check raises before any computation starts, with a message that names the argument, what was
 expected and what was given. The front door (:mod:`cuflash._api`) calls these and hands the backends
 normalized values only: a Python float scale, a :class:`~cuflash._variant.Variant` (causal masking,
-window, softcap, ALiBi slopes, packed sequences, used keys), positive integer block sizes (or ``None``),
+window, softcap, ALiBi slopes, packed sequences, used keys, one additive bias), positive integer block sizes (or ``None``),
 a known algorithm and backward order.
 
 Reading the values of ``cu_seqlens_q``, ``cu_seqlens_k`` and ``seqused_k`` (first entry, order, ranges)
@@ -403,12 +403,77 @@ def alibi_slopes(value, problem: Problem, xp):
     return xp.broadcast_to(value, per_batch) if value.ndim == 1 else value
 
 
+def _bias_shape(name: str, value, problem: Problem) -> tuple[int, int, int, int]:
+    """The 4-D shape of a ``bias`` or ``attn_mask`` given with 2, 3 or 4 dimensions (leading axes of 1
+    prepended), checked against ``(batch, heads_q, seqlen_q, seqlen_k)``: batch and heads full or 1."""
+    full = (problem.batch, problem.heads_q, problem.seqlen_q, problem.seqlen_k)
+    expected = (f"{name} must be broadcastable to (batch, heads_q, seqlen_q, seqlen_k) = {full}, with batch and "
+                f"heads_q full or 1 and seqlen_q, seqlen_k full (2-D (seqlen_q, seqlen_k) and 3-D "
+                f"(heads_q, seqlen_q, seqlen_k) arrays get leading axes of 1)")
+    if value.ndim not in (2, 3, 4):
+        raise ValueError(f"{expected}; got {value.ndim} dimensions with shape {_shape(value)}")
+    shape = (1,) * (4 - value.ndim) + _shape(value)
+    if shape[2:] != full[2:] or any(n not in (1, m) for n, m in zip(shape[:2], full[:2])):
+        raise ValueError(f"{expected}; got {_shape(value)}")
+    return shape
+
+
+def _compact(a):
+    """``a`` without its broadcast axes (stride 0): a view holding each distinct value once, so that a
+    conversion touches no more than the caller's data."""
+    return a[tuple(slice(0, 1) if n > 1 and stride == 0 else slice(None) for n, stride in zip(a.shape, a.strides))]
+
+
+def attention_bias(bias, attn_mask, problem: Problem, xp):
+    """The additive ``bias`` (floating) and the boolean ``attn_mask`` (True: the key is seen) as one
+    ``(batch, heads_q, seqlen_q, seqlen_k)`` array for the backends, or None when neither is given.
+
+    Its dtype is the accumulation dtype of q (float32, float64 for float64 inputs); ``attn_mask`` becomes
+    0 / -inf and is added to ``bias``. Each array is converted once, over its own (compact) shape, and
+    broadcast as a view: a bias that already has that dtype reaches the backend without a copy (stride 0
+    on its broadcast axes). Not with cu_seqlens: a packed batch has no (seqlen_q, seqlen_k) grid of scores.
+    """
+    given = {name: a for name, a in (("bias", bias), ("attn_mask", attn_mask)) if a is not None}
+    if not given:
+        return None
+    if problem.is_varlen:
+        raise ValueError(
+            f"{' and '.join(given)} cannot be used with cu_seqlens_q and cu_seqlens_k: a packed batch has no "
+            f"(seqlen_q, seqlen_k) grid of scores; use padded (batch, seqlen, heads, head_dim) arrays "
+            f"(with seqused_k for key padding)"
+        )
+    acc = lse_dtype(problem.dtype)
+    total = None
+    for name, value in given.items():
+        dtype = np.dtype(value.dtype)
+        if name == "bias" and dtype.name not in _FLOAT_DTYPES:
+            hint = "; a boolean mask goes in attn_mask" if dtype == np.bool_ else ""
+            raise TypeError(
+                f"bias must have a floating dtype (one of {', '.join(_FLOAT_DTYPES)}); got {_dtype_name(dtype)}{hint}"
+            )
+        if name == "attn_mask" and dtype != np.bool_:
+            raise TypeError(
+                f"attn_mask must have dtype bool (True: the key is seen, as in torch's scaled_dot_product_attention); "
+                f"got {_dtype_name(dtype)}; an additive floating mask goes in bias"
+            )
+        _bias_shape(name, value, problem)
+        _check_contiguous_last_axis(name, value)
+        value = _compact(value[(None,) * (4 - value.ndim)])
+        if name == "bias":
+            term = value if np.dtype(value.dtype) == acc else value.astype(acc)
+        else:
+            term = xp.where(value, xp.zeros((), acc), xp.full((), -np.inf, acc))
+        total = term if total is None else total + term
+    return xp.broadcast_to(total, (problem.batch, problem.heads_q, problem.seqlen_q, problem.seqlen_k))
+
+
 def variant(problem: Problem, xp, options: dict, *, read_values: bool = True) -> Variant:
     """The variant options of a call, checked against its problem and normalized into a :class:`Variant`.
 
     ``options`` holds the user's keywords: ``causal``, ``causal_align``, ``window_size``, ``softcap``,
-    ``alibi_slopes``, ``cu_seqlens_q``, ``cu_seqlens_k``, ``seqused_k`` (the cu_seqlens already checked by
-    :func:`check_cu_seqlens`, whose problem this is). ``xp`` is the array module of q.
+    ``alibi_slopes``, ``cu_seqlens_q``, ``cu_seqlens_k``, ``seqused_k``, ``bias``, ``attn_mask`` (the
+    cu_seqlens already checked by :func:`check_cu_seqlens`, whose problem this is). ``xp`` is the array
+    module of q.
     """
     is_causal, bottom_right = causal_options(options["causal"], options["causal_align"])
     left, right = window_size(options["window_size"])
@@ -420,6 +485,7 @@ def variant(problem: Problem, xp, options: dict, *, read_values: bool = True) ->
         max_seqlen_q=problem.seqlen_q if problem.is_varlen else None,
         max_seqlen_k=problem.seqlen_k if problem.is_varlen else None,
         seqused_k=seqused_k(options["seqused_k"], problem, options["cu_seqlens_k"], read_values=read_values),
+        bias=attention_bias(options["bias"], options["attn_mask"], problem, xp),
     )
 
 
@@ -444,6 +510,17 @@ def backward_order(order, deterministic) -> str | None:
             )
         return "split"
     return order
+
+
+def return_dbias(value, bias) -> bool:
+    """Whether the backward returns ``dbias``: ``None`` means when ``bias`` is given."""
+    if value is None:
+        return bias is not None
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"return_dbias must be a bool or None; got {type(value).__name__} {value!r}")
+    if value and bias is None:
+        raise ValueError("return_dbias=True needs the bias whose gradient it returns; got bias=None")
+    return bool(value)
 
 
 def block_size(name: str, value) -> int | None:

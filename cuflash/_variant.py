@@ -1,7 +1,8 @@
 """What changes the scores of one attention call: the backends' normalized view of the variant options.
 
 The front door (:mod:`cuflash._api`) validates the user's options (``causal``, ``window_size``,
-``softcap``, ``alibi_slopes``, ``cu_seqlens_q``/``cu_seqlens_k``, ``seqused_k``) and hands every backend
+``softcap``, ``alibi_slopes``, ``cu_seqlens_q``/``cu_seqlens_k``, ``seqused_k``, ``bias``, ``attn_mask``) and
+hands every backend
 one :class:`Variant`. The math of each piece, in the forward and the backward, is in
 ``docs/variants.md``; both backends apply it through the same hooks:
 
@@ -9,8 +10,9 @@ one :class:`Variant`. The math of each piece, in the forward and the backward, i
   variable-length batches) and how many of its keys are used (``seqused_k``);
 - **the band** (:meth:`Variant.band`): which keys a query row sees by position (causal masking and
   sliding windows), from which the loop bounds of both backends follow (:mod:`cuflash._blocks`);
-- **score modifications**: softcap and ALiBi change the visible scores before the softmax, and their
-  derivative multiplies dS in the backward.
+- **score modifications**: softcap, ALiBi and an additive bias change the visible scores before the
+  softmax; softcap's derivative multiplies dS in the backward, and the bias's gradient is the gradient of
+  the final scores, ``dT``.
 
 A plain dense call is ``Variant()``.
 """
@@ -52,6 +54,12 @@ class Variant:
     seqused_k : array or None
         int32 ``(batch,)``: sequence ``b`` uses only its first ``seqused_k[b]`` keys (the rest are padding),
         in the padded ``(batch, seqlen, heads, d)`` layout or with cu_seqlens_k.
+    bias : array or None
+        Shape ``(batch, heads_q, seqlen_q, seqlen_k)``, float32 (float64 for float64 inputs), same array
+        library as q, padded layout only: added to the scaled score of query ``i`` and key ``j`` after
+        softcap and ALiBi, before the masks. It is the user's ``bias`` and ``attn_mask`` (``False`` as
+        ``-inf``) in one array; ``-inf`` entries mask. Any strides on the first three axes (0 on the axes
+        the user's array broadcasts over: no copy of a float32 bias), a contiguous last axis.
     """
 
     causal: bool = False
@@ -65,6 +73,7 @@ class Variant:
     max_seqlen_q: int | None = None
     max_seqlen_k: int | None = None
     seqused_k: Any = None
+    bias: Any = None
 
     @property
     def is_varlen(self) -> bool:
@@ -74,7 +83,7 @@ class Variant:
     def is_dense(self) -> bool:
         """Nothing but plain softmax attention over the whole (batch, seqlen) arrays."""
         return (not self.causal and self.window_left is None and self.window_right is None and not self.softcap
-                and self.alibi_slopes is None and not self.is_varlen and self.seqused_k is None)
+                and self.alibi_slopes is None and not self.is_varlen and self.seqused_k is None and self.bias is None)
 
     @property
     def right(self) -> int | None:

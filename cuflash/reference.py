@@ -29,8 +29,9 @@ Variants. A :class:`~cuflash._variant.Variant` changes three things, each in one
 - which keys a row sees by position (a :class:`~cuflash._blocks.Band`: causal masking, sliding windows):
   the block loops visit only tiles that some row can see (bounds from :mod:`cuflash._blocks`) and build
   a mask only for tiles crossing an edge of the band (``[variant mask]``);
-- the scores themselves: softcap and ALiBi modify every score of a tile in :func:`_scores`
-  (``[variant mod]``), and softcap's derivative multiplies dS in the backward (``[variant grad]``).
+- the scores themselves: softcap, ALiBi and an additive bias (``bias`` and ``attn_mask``, one array)
+  modify every score of a tile in :func:`_scores` (``[variant mod]``); in the backward softcap's
+  derivative multiplies dS and the bias's gradient is written tile by tile (``[variant grad]``).
 
 Rows that see no key. A row that sees no key has running max ``-inf``; every ``exp(x - m)`` below
 subtracts :func:`_shift` of the max (``0`` in place of ``-inf``) so that such a row gives ``P = 0``,
@@ -86,18 +87,20 @@ def forward(q, k, v, *, scale, variant, algorithm, block_q, block_k):
     return blocked[algorithm](q, k, v, scale=scale, variant=variant, block_q=block_q, block_k=block_k)
 
 
-def backward(do, q, k, v, out, lse, *, scale, variant, algorithm, block_q, block_k, order):
-    """Attention backward: ``(dq, dk, dv)``.
+def backward(do, q, k, v, out, lse, *, scale, variant, algorithm, block_q, block_k, order, want_dbias=False):
+    """Attention backward: ``(dq, dk, dv)``, and ``dbias`` with ``want_dbias`` (``variant.bias`` given):
+    ``(batch, heads_q, seqlen_q, seqlen_k)`` in the accumulation dtype, the gradient of the final scores.
 
     ``algorithm="naive"`` recomputes everything with full-size matrices; ``"fa2"`` and ``"fa1"`` share
     the blocked backward (the two papers differ only in the forward), run in loop order ``order``
     (``None`` means ``"kv_outer"``, the order of both papers).
     """
     if algorithm == "naive":
-        return naive_backward(do, q, k, v, scale=scale, variant=variant)
+        return naive_backward(do, q, k, v, scale=scale, variant=variant, want_dbias=want_dbias)
     assert algorithm in ("fa2", "fa1"), algorithm
     return blocked_backward(
         do, q, k, v, out, lse, scale=scale, variant=variant, block_q=block_q, block_k=block_k, order=order,
+        want_dbias=want_dbias,
     )
 
 
@@ -147,6 +150,15 @@ def _grouped_rows(x: np.ndarray, heads_kv: int) -> np.ndarray:
     return view
 
 
+def _grouped_scores(x: np.ndarray, heads_kv: int) -> np.ndarray:
+    """View a score-shaped ``(batch, heads, rows, cols)`` array (bias, dbias) as
+    ``(batch, heads_kv, group, rows, cols)``, no copy (a broadcast head axis splits into two of stride 0)."""
+    batch, heads, rows, cols = x.shape
+    view = x.reshape(batch, heads_kv, heads // heads_kv, rows, cols)
+    assert x.size == 0 or np.may_share_memory(view, x), "splitting the head axis must not copy"
+    return view
+
+
 def _load(x5: np.ndarray, start: int, stop: int, acc: np.dtype) -> np.ndarray:
     """Load rows ``[start, stop)`` of a grouped view as a contiguous block in the accumulation dtype."""
     return np.ascontiguousarray(x5[..., start:stop, :], dtype=acc)
@@ -169,6 +181,7 @@ class _ScoreMods(NamedTuple):
     slopes: np.ndarray | None    # ALiBi, (nb, heads_kv, group, 1, 1) in the accumulation dtype
     offset: int                  # the diagonal: query i faces key i + offset (ALiBi's distance)
     band: Band | None            # the keys each row sees by position (None: all)
+    bias: np.ndarray | None      # additive bias, (nb, heads_kv, group, len_q, len_k) view of Variant.bias
 
 
 class _Sequence(NamedTuple):
@@ -193,6 +206,11 @@ class _Sequence(NamedTuple):
 
     def rows(self, x: np.ndarray) -> np.ndarray:
         return x[None, :, self.rows_q] if self.packed else x[self.batch, :, self.rows_q]
+
+    def scores(self, x: np.ndarray) -> np.ndarray:
+        """``(nb, heads, rows_q, rows_k)`` of a score-shaped array (bias, dbias; padded batches only)."""
+        assert not self.packed
+        return x[self.batch, :, self.rows_q, self.rows_k]
 
 
 def _sequences(q, k, variant: Variant, scale: float):
@@ -222,12 +240,14 @@ def _sequences(q, k, variant: Variant, scale: float):
 
 
 def _score_mods(variant: Variant, scale: float, q, k, batch: slice, len_q: int, len_k: int) -> _ScoreMods:
-    slopes = None
+    heads_q, heads_kv = q.shape[-2], k.shape[-2]
+    slopes = bias = None
     if variant.alibi_slopes is not None:
-        heads_q, heads_kv = q.shape[-2], k.shape[-2]
         chosen = np.asarray(variant.alibi_slopes[batch], dtype=_acc_dtype(q.dtype))  # (nb, heads_q)
         slopes = chosen.reshape(chosen.shape[0], heads_kv, heads_q // heads_kv, 1, 1)
-    return _ScoreMods(scale, variant.softcap, slopes, variant.offset(len_q, len_k), variant.band(len_q, len_k))
+    if variant.bias is not None:  # padded batches only: the sequence's rows and used keys are the first ones
+        bias = _grouped_scores(variant.bias[batch, :, :len_q, :len_k], heads_kv)
+    return _ScoreMods(scale, variant.softcap, slopes, variant.offset(len_q, len_k), variant.band(len_q, len_k), bias)
 
 
 def _outside_band(q_start: int, q_stop: int, k_start: int, k_stop: int, band: Band) -> np.ndarray:
@@ -245,7 +265,7 @@ def _outside_band(q_start: int, q_stop: int, k_start: int, k_stop: int, band: Ba
 def _scores(q_i, k_j, mods: _ScoreMods, q_start, q_stop, k_start, k_stop):
     """``(S, dcap)``: the scores of one tile, and softcap's derivative for the backward (None without).
 
-    ``S = scale * Q_i K_j^T``, then softcap and ALiBi, then ``-inf`` outside the band. ``q_i`` is
+    ``S = scale * Q_i K_j^T``, then softcap, ALiBi and the bias, then ``-inf`` outside the band. ``q_i`` is
     ``(batch, heads_kv, group, rows, d)``, ``k_j`` ``(batch, heads_kv, 1, cols, d)``; the key block
     broadcasts over the group. Only a tile that crosses an edge of the band builds a mask.
     """
@@ -263,6 +283,9 @@ def _scores(q_i, k_j, mods: _ScoreMods, q_start, q_stop, k_start, k_stop):
         rows = np.arange(q_start, q_stop)[:, None] + mods.offset
         distance = np.abs(rows - np.arange(k_start, k_stop)[None, :]).astype(s.dtype)
         s -= mods.slopes * distance
+    if mods.bias is not None:
+        # [variant mod] bias: t += bias[b, h, i, j] (attn_mask's False is -inf there)
+        s += mods.bias[..., q_start:q_stop, k_start:k_stop]
     if tile_needs_mask(q_start, q_stop, k_start, k_stop, mods.band):
         # [variant mask] -inf outside the band (causal masking, sliding window)
         np.copyto(s, -np.inf, where=_outside_band(q_start, q_stop, k_start, k_stop, mods.band))
@@ -306,9 +329,15 @@ def _forward_outputs(q):
     return np.zeros(q.shape, q.dtype), np.full(lse_shape, -np.inf, _acc_dtype(q.dtype))
 
 
-def _zero_grads(q, k, v):
-    """Gradients start at zero: keys that no query sees (past ``seqused_k``, say) keep it."""
-    return np.zeros(q.shape, q.dtype), np.zeros(k.shape, k.dtype), np.zeros(v.shape, v.dtype)
+def _zero_grads(q, k, v, want_dbias=False):
+    """Gradients start at zero: keys that no query sees (past ``seqused_k``, say) keep it, and so does
+    the dbias of every masked score. ``dbias`` (only with ``want_dbias``, padded batches) is
+    ``(batch, heads_q, seqlen_q, seqlen_k)`` in the accumulation dtype."""
+    grads = np.zeros(q.shape, q.dtype), np.zeros(k.shape, k.dtype), np.zeros(v.shape, v.dtype)
+    if not want_dbias:
+        return grads
+    assert q.ndim == 4, "a bias needs padded (batch, seqlen, heads, head_dim) arrays"
+    return (*grads, np.zeros((q.shape[0], q.shape[2], q.shape[1], k.shape[1]), _acc_dtype(q.dtype)))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -348,15 +377,16 @@ def naive_forward(q, k, v, *, scale, variant=DENSE):
     return out, lse
 
 
-def naive_backward(do, q, k, v, *, scale, variant=DENSE):
+def naive_backward(do, q, k, v, *, scale, variant=DENSE, want_dbias=False):
     """Gradients of standard attention from full-size ``P``, ``dP`` and ``dS`` (000, section 3).
 
     Everything is recomputed from ``q, k, v, do``; ``gamma = rowsum(P * dP)`` is taken straight from its
     definition (000, eq. 23) rather than from ``O``, so the oracle does not share the blocked backward's
     shortcut. ``P`` and ``dS`` are rounded to the input dtype before their products. Returns
-    ``(dq, dk, dv)``, with dk and dv summed over each query-head group.
+    ``(dq, dk, dv)``, with dk and dv summed over each query-head group, and with ``want_dbias`` the
+    gradient of the final scores, ``(batch, heads_q, seqlen_q, seqlen_k)`` in the accumulation dtype.
     """
-    grads = _zero_grads(q, k, v)
+    grads = _zero_grads(q, k, v, want_dbias)
     if _is_empty(q, k):
         return grads
     dtype, acc = q.dtype, _acc_dtype(q.dtype)
@@ -369,13 +399,16 @@ def naive_backward(do, q, k, v, *, scale, variant=DENSE):
         dp = do5 @ v5.swapaxes(-1, -2)
         gamma = (p * dp).sum(axis=-1)
         ds = p * (dp - gamma[..., None])
+        if want_dbias:
+            # [variant grad] bias: dBias = dT = P (dP - D), the gradient of the final scores (before softcap's factor)
+            _grouped_scores(seq.scores(grads[3]), heads_kv)[...] = ds
         if dcap is not None:
             # [variant grad] softcap: dS *= 1 - (t_capped / softcap)^2
             ds *= dcap
         ds_in = _cast_like_kernel(ds, dtype)
         dq = scale * (ds_in @ k5)
         dk = scale * _group_transpose_matmul(ds_in, q5)
-        for grad, value, view in zip(grads, (dq, dk, dv), (seq.q, seq.k, seq.k)):
+        for grad, value, view in zip(grads[:3], (dq, dk, dv), (seq.q, seq.k, seq.k)):
             _grouped(view(grad), value.shape[1])[...] = value
     return grads
 
@@ -540,7 +573,7 @@ class _BackwardInputs:
     """One sequence's backward operands as grouped views, its gradients (views of the call's, written in
     place), and the sizes and options every loop order needs."""
 
-    def __init__(self, do, q, k, v, lse, delta, grads, mods: _ScoreMods, block_q, block_k):
+    def __init__(self, do, q, k, v, lse, delta, grads, dbias, mods: _ScoreMods, block_q, block_k):
         self.dtype, self.acc = q.dtype, _acc_dtype(q.dtype)
         self.batch, self.seqlen_q, self.heads_q, self.head_dim = q.shape
         self.seqlen_k, self.heads_kv = k.shape[1], k.shape[2]
@@ -551,6 +584,7 @@ class _BackwardInputs:
         self.lse4 = _grouped_rows(lse, self.heads_kv)
         self.delta4 = _grouped_rows(delta, self.heads_kv)
         self.dq5, self.dk5, self.dv5 = (_grouped(x, self.heads_kv) for x in grads)
+        self.dbias5 = None if dbias is None else _grouped_scores(dbias, self.heads_kv)
 
     def load_query_block(self, q_start, q_stop):
         """``Q_i``, ``dO_i`` and the row statistics ``lse_i`` (shifted, see :func:`_shift`) and ``D_i``."""
@@ -574,8 +608,11 @@ class _BackwardInputs:
         first, end = query_range(k_start, k_stop, self.mods.band, self.seqlen_q)
         return iter_blocks(first, end, self.block_q, self.seqlen_q)
 
-    def tile(self, q_block, k_block, q_start, q_stop, k_start, k_stop):
-        """Steps 1, 3 and 4 of one tile: ``(P, dS)``, both rounded to the input dtype for their products."""
+    def tile(self, q_block, k_block, q_start, q_stop, k_start, k_stop, write_dbias=True):
+        """Steps 1, 3 and 4 of one tile: ``(P, dS)``, both rounded to the input dtype for their products.
+
+        With a dbias to form, the tile's ``dT`` is written there too (``write_dbias``: once per tile, by the
+        pass that forms dK and dV when there are two)."""
         assert not tile_is_fully_masked(q_start, q_stop, k_start, k_stop, self.mods.band)
         q_i, do_i, lse_i, delta_i = q_block
         k_j, v_j = k_block
@@ -588,6 +625,9 @@ class _BackwardInputs:
         # [bwd 4] dS = P * (dP - D)
         dp -= delta_i[..., None]
         ds = np.multiply(p, dp, out=dp)
+        if self.dbias5 is not None and write_dbias:
+            # [variant grad] bias: dBias_ij = dT_ij = P (dP - D), before softcap's factor; one write per tile
+            self.dbias5[..., q_start:q_stop, k_start:k_stop] = ds
         if dcap is not None:
             # [variant grad] softcap: dS *= 1 - (t_capped / softcap)^2, the derivative of softcap * tanh(t / softcap)
             ds *= dcap
@@ -666,7 +706,7 @@ def _backward_split(a: _BackwardInputs):
         dq_i = np.zeros(q_i.shape, a.acc)
         for k_start, k_stop in a.key_blocks(q_start, q_stop):
             k_block = k_j, _ = a.load_key_block(k_start, k_stop)
-            _, ds = a.tile(q_block, k_block, q_start, q_stop, k_start, k_stop)
+            _, ds = a.tile(q_block, k_block, q_start, q_stop, k_start, k_stop, write_dbias=False)
             # [bwd 5] dQ_i += scale * dS K_j (scale applied when dQ_i is written)
             dq_i += ds @ k_j
         dq_i *= a.scale
@@ -676,16 +716,19 @@ def _backward_split(a: _BackwardInputs):
 _BACKWARD_ORDERS = {"kv_outer": _backward_kv_outer, "q_outer": _backward_q_outer, "split": _backward_split}
 
 
-def blocked_backward(do, q, k, v, out, lse, *, scale, variant=DENSE, block_q=None, block_k=None, order=None):
-    """FlashAttention backward: ``(dq, dk, dv)`` from the forward's ``out`` and ``lse``.
+def blocked_backward(do, q, k, v, out, lse, *, scale, variant=DENSE, block_q=None, block_k=None, order=None,
+                     want_dbias=False):
+    """FlashAttention backward: ``(dq, dk, dv)`` from the forward's ``out`` and ``lse``; with ``want_dbias``
+    also ``dbias``, ``(batch, heads_q, seqlen_q, seqlen_k)`` in the accumulation dtype, written tile by tile
+    (the gradient of the final scores, zero where masked).
 
     ``P`` is recomputed tile by tile from ``lse`` ([bwd 1]), so nothing of size ``seqlen_q x seqlen_k``
-    exists. ``order`` picks the loop order (``docs/architecture.md``): ``"kv_outer"`` (default),
+    exists but the dbias asked for. ``order`` picks the loop order (``docs/architecture.md``): ``"kv_outer"`` (default),
     ``"q_outer"`` or ``"split"``. All three compute the same tiles; they differ in which gradient is
     accumulated across the outer loop. Extra memory is O(seqlen x head_dim) for the accumulator plus
     O(block_q x block_k) per (batch, head). One sequence at a time (see :func:`_sequences`).
     """
-    grads = _zero_grads(q, k, v)
+    grads = _zero_grads(q, k, v, want_dbias)
     if _is_empty(q, k):
         return grads
     order = "kv_outer" if order is None else order
@@ -695,6 +738,7 @@ def blocked_backward(do, q, k, v, out, lse, *, scale, variant=DENSE, block_q=Non
     delta = preprocess_delta(do, out, block_q=block_q)
     for seq in _sequences(q, k, variant, scale):
         inputs = _BackwardInputs(seq.q(do), seq.q(q), seq.k(k), seq.k(v), seq.rows(lse), seq.rows(delta),
-                                 (seq.q(grads[0]), seq.k(grads[1]), seq.k(grads[2])), seq.mods, block_q, block_k)
+                                 (seq.q(grads[0]), seq.k(grads[1]), seq.k(grads[2])),
+                                 seq.scores(grads[3]) if want_dbias else None, seq.mods, block_q, block_k)
         _BACKWARD_ORDERS[order](inputs)
     return grads

@@ -401,3 +401,70 @@ def test_backends_receive_the_variant(monkeypatch):
     assert variant.cu_seqlens_q is packed["cu_seqlens_q"] and variant.seqused_k is None
     cuflash.attention(*_qkv(), window_size=(-1, 2))
     assert calls["forward"].window_left is None and calls["forward"].window_right == 2
+
+
+# ---------------------------------------------------------------------------------------------------
+# bias and attn_mask
+# ---------------------------------------------------------------------------------------------------
+
+_SCORES = "(batch, heads_q, seqlen_q, seqlen_k) = (2, 4, 5, 7)"
+
+
+@pytest.mark.parametrize("name, value, error, message", [
+    ("bias", np.ones((2, 4, 5, 7), np.int32), TypeError,
+     "bias must have a floating dtype (one of float16, bfloat16, float32, float64); got int32"),
+    ("bias", np.ones((5, 7), bool), TypeError,
+     "bias must have a floating dtype (one of float16, bfloat16, float32, float64); got bool; "
+     "a boolean mask goes in attn_mask"),
+    ("attn_mask", np.ones((5, 7), np.float32), TypeError,
+     "attn_mask must have dtype bool (True: the key is seen, as in torch's scaled_dot_product_attention); "
+     "got float32; an additive floating mask goes in bias"),
+    ("bias", np.ones(7, np.float32), ValueError,
+     f"bias must be broadcastable to {_SCORES}, with batch and heads_q full or 1 and seqlen_q, seqlen_k full "
+     "(2-D (seqlen_q, seqlen_k) and 3-D (heads_q, seqlen_q, seqlen_k) arrays get leading axes of 1); "
+     "got 1 dimensions with shape (7,)"),
+    ("attn_mask", np.ones((1, 2, 4, 5, 7), bool), ValueError,
+     f"attn_mask must be broadcastable to {_SCORES}, .*; got 5 dimensions with shape (1, 2, 4, 5, 7)"),
+    ("bias", np.ones((3, 4, 5, 7), np.float32), ValueError, f"bias must be broadcastable to {_SCORES}, .*; got (3, 4, 5, 7)"),
+    ("bias", np.ones((2, 5, 7), np.float32), ValueError, f"bias must be broadcastable to {_SCORES}, .*; got (2, 5, 7)"),
+    ("attn_mask", np.ones((5, 1), bool), ValueError, f"attn_mask must be broadcastable to {_SCORES}, .*; got (5, 1)"),
+    ("bias", np.ones((2, 4, 7, 5), np.float32), ValueError, f"bias must be broadcastable to {_SCORES}, .*; got (2, 4, 7, 5)"),
+    ("bias", np.ones((5, 14), np.float32)[:, ::2], ValueError,
+     r"bias must have a contiguous last axis (stride 4 bytes, one element); got strides (56, 8) for shape (5, 7)"),
+    ("attn_mask", [[True] * 7] * 5, TypeError,
+     "q and attn_mask must come from the same array library; got numpy.ndarray for q and builtins.list for attn_mask"),
+])
+def test_bad_bias_and_attn_mask(no_backend, name, value, error, message):
+    pattern = ".*".join(re.escape(part) for part in message.split(".*"))
+    with pytest.raises(error, match=pattern):
+        cuflash.attention(*_qkv(), **{name: value})
+
+
+def test_bias_and_attn_mask_need_padded_arrays(no_backend):
+    q, k, v, packed = _packed()
+    for given in (dict(bias=np.zeros((4, 6), np.float32)), dict(bias=np.zeros((4, 6), np.float32),
+                                                                 attn_mask=np.ones((4, 6), bool))):
+        names = " and ".join(given)
+        with pytest.raises(ValueError, match=re.escape(
+                f"{names} cannot be used with cu_seqlens_q and cu_seqlens_k: a packed batch has no (seqlen_q, seqlen_k) "
+                "grid of scores; use padded (batch, seqlen, heads, head_dim) arrays (with seqused_k for key padding)")):
+            cuflash.attention(q, k, v, **given, **packed)
+
+
+def test_bias_on_another_device(no_backend):
+    q, k, v = (_FakeDeviceArray(a, 0) for a in _qkv())
+    bias = _FakeDeviceArray(np.zeros((5, 7), np.float32), 1)
+    with pytest.raises(ValueError, match="q and bias must be on the same device; got q on cuda:0 and bias on cuda:1"):
+        cuflash.attention(q, k, v, bias=bias)
+
+
+def test_return_dbias_checks():
+    q, k, v = _qkv()
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match=re.escape(
+            "return_dbias=True needs the bias whose gradient it returns; got bias=None")):
+        cuflash.attention_backward(out, q, k, v, out, lse, return_dbias=True)
+    with pytest.raises(TypeError, match="return_dbias must be a bool or None; got int 1"):
+        cuflash.attention_backward(out, q, k, v, out, lse, bias=np.zeros((5, 7), np.float32), return_dbias=1)
+    with pytest.raises(TypeError, match="attn_mask must have dtype bool"):
+        cuflash.attention_backward(out, q, k, v, out, lse, attn_mask=np.zeros((5, 7), np.int8))
