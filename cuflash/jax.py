@@ -6,8 +6,9 @@ which no foreign library can read; there the call goes through ``jax.pure_callba
 implementation (correct everywhere, but on a GPU it copies through host memory: call the function
 outside ``jit`` for the kernels). The forward saves the logsumexp for the backward.
 
-The variant arrays (``alibi_slopes``, ``cu_seqlens_q``, ``cu_seqlens_k``, ``seqused_k``) travel with q, k,
-v (through DLPack, or into the callback under ``jit``) and get no gradient. Under ``jit`` their values are
+The variant arrays (``alibi_slopes``, ``cu_seqlens_q``, ``cu_seqlens_k``, ``seqused_k``, ``attn_mask``) travel
+with q, k, v (through DLPack, or into the callback under ``jit``) and get no gradient; ``bias`` travels the
+same way and is differentiated (the custom_vjp returns its gradient). Under ``jit`` their values are
 tracers too: their shapes and dtypes are checked when the function is traced, their values (cu_seqlens
 start at 0, grow, end at the row count; seqused_k in range) only when the compiled function runs, where a
 bad value raises from inside the callback. ``max_seqlen_q``, ``max_seqlen_k``, ``window_size`` and
@@ -82,19 +83,22 @@ def _stand_in(a):
     return np.broadcast_to(np.zeros(np.shape(a)[-1:], a.dtype), np.shape(a))
 
 
-def _check(q, k, v, arrays, options):
+def _check(q, k, v, bias, arrays, options):
     """cuflash's checks of shapes, dtypes and options, before anything is traced or called back.
 
     Under ``jit`` the work runs in a callback, where an error would surface only when the compiled
     function runs. Shapes and dtypes are known at trace time, so the checks run on NumPy stand-ins of
     that shape and dtype; the variant arrays are read when they are concrete (a device-to-host copy of
-    a few integers on a GPU), else only their shapes and dtypes are checked here.
+    a few integers on a GPU), else only their shapes and dtypes are checked here. ``bias`` and
+    ``attn_mask`` are never read: their checks need only their shapes and dtypes.
     """
     options = dict(options)
     _validate.backward_order(None, options.pop("deterministic"))
-    traced = _is_traced(*(a for a in arrays if a is not None))
-    array_options = {name: None if a is None else (_stand_in(a) if traced else np.asarray(a))
+    by_shape = ("attn_mask",)
+    traced = _is_traced(*(a for name, a in zip(_api.ARRAY_OPTIONS, arrays) if a is not None and name not in by_shape))
+    array_options = {name: None if a is None else (_stand_in(a) if traced or name in by_shape else np.asarray(a))
                      for name, a in zip(_api.ARRAY_OPTIONS, arrays)}
+    array_options["bias"] = None if bias is None else _stand_in(bias)
     _api._prepare(*(_stand_in(a) for a in (q, k, v)), softmax_scale=options.pop("softmax_scale"),
                   algorithm=options.pop("algorithm"), block_q=options.pop("block_q"), block_k=options.pop("block_k"),
                   variant_options={**options, **array_options}, read_values=not traced)
@@ -105,32 +109,36 @@ def _keywords(options, arrays):
     return {**{key: val for key, val in options if key != "deterministic"}, **dict(zip(_api.ARRAY_OPTIONS, arrays))}
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(q, k, v, arrays, options):
-    out, _ = _forward(q, k, v, arrays, options)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(q, k, v, bias, arrays, options):
+    out, _ = _forward(q, k, v, bias, arrays, options)
     return out
 
 
-def _forward(q, k, v, arrays, options):
-    fn = lambda q, k, v, arrays: cuflash.attention(q, k, v, return_lse=True, **_keywords(options, arrays))  # noqa: E731
-    return _call(fn, (_shape_of(q), _lse_shape(q)), q, k, v, arrays)
+def _forward(q, k, v, bias, arrays, options):
+    def fn(q, k, v, bias, arrays):
+        return cuflash.attention(q, k, v, return_lse=True, bias=bias, **_keywords(options, arrays))
+
+    return _call(fn, (_shape_of(q), _lse_shape(q)), q, k, v, bias, arrays)
 
 
-def _attention_fwd(q, k, v, arrays, options):
-    out, lse = _forward(q, k, v, arrays, options)
-    return out, (q, k, v, arrays, out, lse)
+def _attention_fwd(q, k, v, bias, arrays, options):
+    out, lse = _forward(q, k, v, bias, arrays, options)
+    return out, (q, k, v, bias, arrays, out, lse)
 
 
 def _attention_bwd(options, saved, dout):
-    q, k, v, arrays, out, lse = saved
+    q, k, v, bias, arrays, out, lse = saved
     deterministic = dict(options)["deterministic"]
 
-    def fn(do, q, k, v, out, lse, arrays):
-        return cuflash.attention_backward(do, q, k, v, out, lse, deterministic=deterministic,
+    def fn(do, q, k, v, out, lse, bias, arrays):
+        return cuflash.attention_backward(do, q, k, v, out, lse, deterministic=deterministic, bias=bias,
                                           **_keywords(options, arrays))
 
-    dq, dk, dv = _call(fn, (_shape_of(q), _shape_of(k), _shape_of(v)), dout, q, k, v, out, lse, arrays)
-    return dq, dk, dv, None  # the variant arrays (slopes, sequence bounds) get no gradient
+    shapes = tuple(_shape_of(a) for a in (q, k, v) + (() if bias is None else (bias,)))
+    grads = _call(fn, shapes, dout, q, k, v, out, lse, bias, arrays)
+    dbias = None if bias is None else grads[3]
+    return grads[0], grads[1], grads[2], dbias, None  # the other variant arrays (slopes, bounds, mask): none
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -152,6 +160,8 @@ def attention(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
     seqused_k=None,
+    bias=None,
+    attn_mask=None,
     algorithm: str = "fa2",
     block_q: int | None = None,
     block_k: int | None = None,
@@ -161,8 +171,9 @@ def attention(
     packed ``(total, heads, head_dim)`` with ``cu_seqlens_q`` and ``cu_seqlens_k``.
 
     Arguments as :func:`cuflash.attention`; ``deterministic`` selects the backward without atomics.
-    Gradients flow to ``q``, ``k`` and ``v``; ``alibi_slopes``, ``cu_seqlens_q``, ``cu_seqlens_k`` and
-    ``seqused_k`` (JAX or NumPy arrays) get none. Under ``jax.jit`` the values of ``cu_seqlens_q``,
+    Gradients flow to ``q``, ``k``, ``v`` and ``bias`` (summed over the axes it broadcasts over);
+    ``alibi_slopes``, ``cu_seqlens_q``, ``cu_seqlens_k``, ``seqused_k`` and ``attn_mask`` (JAX or NumPy
+    arrays) get none. Under ``jax.jit`` the values of ``cu_seqlens_q``,
     ``cu_seqlens_k`` and ``seqused_k`` are checked when the compiled function runs.
     """
     options = (
@@ -172,9 +183,11 @@ def attention(
         ("deterministic", deterministic),
     )
     q, k, v = (jax.numpy.asarray(a) for a in (q, k, v))  # NumPy inputs too, as any JAX function
-    arrays = tuple(None if a is None else jax.numpy.asarray(a)
-                   for a in (alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k))
-    _check(q, k, v, arrays, options)
+    given = dict(alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                 seqused_k=seqused_k, attn_mask=attn_mask)
+    arrays = tuple(None if given[name] is None else jax.numpy.asarray(given[name]) for name in _api.ARRAY_OPTIONS)
+    bias = None if bias is None else jax.numpy.asarray(bias)
+    _check(q, k, v, bias, arrays, options)
     if isinstance(window_size, list):  # static under jit: hashable
         options = tuple((key, tuple(val) if key == "window_size" else val) for key, val in options)
-    return _attention(q, k, v, arrays, options)
+    return _attention(q, k, v, bias, arrays, options)

@@ -8,7 +8,8 @@ this module, so PyTorch stays an optional dependency (``pip install cuflash[torc
 Layout is cuflash's ``(batch, seqlen, heads, head_dim)``, or packed ``(total, heads, head_dim)`` with
 ``cu_seqlens_q``/``cu_seqlens_k``; a ``(batch, heads, seqlen, head_dim)`` tensor goes in as
 ``t.transpose(1, 2)``, with no copy. The variant tensors (``alibi_slopes``, ``cu_seqlens_q``,
-``cu_seqlens_k``, ``seqused_k``) cross the same way as q, k, v and get no gradient.
+``cu_seqlens_k``, ``seqused_k``, ``attn_mask``) cross the same way as q, k, v and get no gradient; ``bias``
+crosses the same way and gets one when it requires grad (computed only then).
 """
 
 from __future__ import annotations
@@ -62,23 +63,25 @@ def _on_torch_stream(t: torch.Tensor):
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, options, deterministic):
+    def forward(ctx, q, k, v, bias, options, deterministic):
         with _on_torch_stream(q):
             out, lse = cuflash.attention(_to_array(q), _to_array(k), _to_array(v), return_lse=True,
-                                         **_with_arrays(options))
+                                         **_with_arrays({**options, "bias": bias}))
         out, lse = _to_tensor(out), _to_tensor(lse)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, bias)
         ctx.options, ctx.deterministic = options, deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, bias = ctx.saved_tensors
         if dout.stride(-1) != 1:  # autograd may hand over an expanded or strided gradient
             dout = dout.contiguous()
-        dq, dk, dv = _AttentionBackward.apply(dout, q, k, v, out, lse, ctx.options, ctx.deterministic)
-        return dq, dk, dv, None, None
+        want_dbias = bias is not None and ctx.needs_input_grad[3]
+        grads = _AttentionBackward.apply(dout, q, k, v, out, lse, bias, ctx.options, ctx.deterministic, want_dbias)
+        dbias = grads[3] if want_dbias else None
+        return grads[0], grads[1], grads[2], dbias, None, None
 
 
 class _AttentionBackward(torch.autograd.Function):
@@ -86,13 +89,13 @@ class _AttentionBackward(torch.autograd.Function):
     q, k, v and dout, so that differentiating them again raises instead of treating them as constants."""
 
     @staticmethod
-    def forward(ctx, dout, q, k, v, out, lse, options, deterministic):
+    def forward(ctx, dout, q, k, v, out, lse, bias, options, deterministic, want_dbias):
         with _on_torch_stream(q):
-            dq, dk, dv = cuflash.attention_backward(
+            grads = cuflash.attention_backward(
                 _to_array(dout), _to_array(q), _to_array(k), _to_array(v), _to_array(out), _to_array(lse),
-                deterministic=deterministic, **_with_arrays(options),
+                deterministic=deterministic, return_dbias=want_dbias, **_with_arrays({**options, "bias": bias}),
             )
-        return _to_tensor(dq), _to_tensor(dk), _to_tensor(dv)
+        return tuple(_to_tensor(g) for g in grads)
 
     @staticmethod
     def backward(ctx, *_):
@@ -115,6 +118,8 @@ def attention(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
     seqused_k: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
     algorithm: str = "fa2",
     block_q: int | None = None,
     block_k: int | None = None,
@@ -124,23 +129,26 @@ def attention(
     """Differentiable :func:`cuflash.attention` on PyTorch tensors.
 
     Arguments as :func:`cuflash.attention` (the variant arrays as tensors on q's device: int32
-    ``cu_seqlens_q``, ``cu_seqlens_k``, ``seqused_k``, float32 ``alibi_slopes``); ``deterministic``
-    selects the backward without atomics. Gradients flow to ``q``, ``k`` and ``v``; the variant tensors
-    and the logsumexp (with ``return_lse=True``, shape ``(heads_q, total_q)`` when packed) are not
-    differentiable.
+    ``cu_seqlens_q``, ``cu_seqlens_k``, ``seqused_k``, float32 ``alibi_slopes``, floating ``bias``, bool
+    ``attn_mask``); ``deterministic`` selects the backward without atomics. Gradients flow to ``q``, ``k``,
+    ``v`` and ``bias`` (summed over the axes it broadcasts over; computed only when it requires grad); the
+    other variant tensors and the logsumexp (with ``return_lse=True``, shape ``(heads_q, total_q)`` when
+    packed) are not differentiable.
     """
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         kinds = ", ".join(type(t).__name__ for t in (q, k, v))
         raise TypeError(f"q, k and v must be torch.Tensor; got {kinds}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be a torch.Tensor (on the device of q) or None; got {type(bias).__name__}")
     _validate.backward_order(None, deterministic)  # only the backward uses it: check it before the forward
     options = dict(
         causal=causal, softmax_scale=softmax_scale, causal_align=causal_align, window_size=window_size,
         softcap=softcap, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, attn_mask=attn_mask,
         algorithm=algorithm, block_q=block_q, block_k=block_k,
     )
     for name in _api.ARRAY_OPTIONS:  # never differentiated: keep autograd from holding on to their graphs
         if isinstance(options[name], torch.Tensor):
             options[name] = options[name].detach()
-    out, lse = _Attention.apply(q, k, v, options, deterministic)
+    out, lse = _Attention.apply(q, k, v, bias, options, deterministic)
     return (out, lse) if return_lse else out

@@ -171,3 +171,57 @@ def test_variant_values_are_checked_eagerly_or_when_the_jit_function_runs():
     # values only when the compiled function runs, from inside the callback
     with pytest.raises(Exception, match="cu_seqlens_q must start at 0"):
         jax.block_until_ready(jax.jit(call)(q, bad))
+
+
+# ---------------------------------------------------------------------------------------------------
+# bias (differentiable) and attn_mask, eager and under jit
+# ---------------------------------------------------------------------------------------------------
+
+
+def _plain_biased(q, k, v, bias, mask, *, scale, softcap):
+    """float64 causal (bottom-right) attention with softcap, an additive bias and a boolean mask, in plain jnp."""
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    s = softcap * jnp.tanh(scale * jnp.einsum("bqhd,bkhd->bhqk", q, k) / softcap) + bias
+    len_q, len_k = s.shape[-2:]
+    visible = mask & (np.arange(len_k)[None, :] <= np.arange(len_q)[:, None] + len_k - len_q)
+    p = jax.nn.softmax(jnp.where(visible, s, -1e30), axis=-1) * visible
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_bias_and_mask_match_plain_jnp(jit):
+    rng = np.random.default_rng(31)
+    q = jnp.asarray(rng.standard_normal((2, 9, 4, 8)))
+    k, v = (jnp.asarray(rng.standard_normal((2, 13, 2, 8))) for _ in range(2))
+    bias = jnp.asarray(rng.standard_normal((2, 1, 9, 13)))
+    mask = rng.random((9, 13)) < 0.75
+    mask[2] = False  # a row that sees no key
+    mask = jnp.asarray(mask)
+    dout = jnp.asarray(rng.standard_normal(q.shape))
+
+    def ours(q, k, v, bias, mask):
+        return cfj.attention(q, k, v, bias=bias, attn_mask=mask, causal=True, softcap=2.5, softmax_scale=0.4,
+                             block_q=4, block_k=5)
+
+    fn = jax.jit(ours) if jit else ours
+    ref = jax.jit(lambda q, k, v, bias: _plain_biased(q, k, v, bias, mask, scale=0.4, softcap=2.5))
+    value_and_grad = jax.value_and_grad(lambda *a: jnp.sum(fn(*a, mask) * dout), argnums=(0, 1, 2, 3))
+    l_ours, g_ours = value_and_grad(q, k, v, bias)
+    l_ref, g_ref = jax.value_and_grad(lambda *a: jnp.sum(ref(*a) * dout), argnums=(0, 1, 2, 3))(q, k, v, bias)
+    np.testing.assert_allclose(fn(q, k, v, bias, mask), ref(q, k, v, bias), rtol=0, atol=1e-10)
+    np.testing.assert_allclose(l_ours, l_ref, rtol=1e-12)
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), g_ours, g_ref):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-10, err_msg=name)
+    assert not np.asarray(g_ours[3])[:, :, 2].any()
+
+
+def test_bias_checks_run_at_trace_time():
+    q = jnp.ones((1, 5, 2, 4), jnp.float32)
+    call = jax.jit(lambda q, bias: cfj.attention(q, q, q, bias=bias))
+    with pytest.raises(ValueError, match=r"bias must be broadcastable to \(batch, heads_q, seqlen_q, seqlen_k\) = "
+                                         r"\(1, 2, 5, 5\), .*; got \(3, 5, 5\)"):
+        call(q, jnp.zeros((3, 5, 5)))
+    with pytest.raises(TypeError, match="attn_mask must have dtype bool"):
+        jax.jit(lambda q, m: cfj.attention(q, q, q, attn_mask=m))(q, jnp.zeros((5, 5), jnp.int32))

@@ -247,3 +247,81 @@ def test_variants_gradcheck_cpu_float64():
     out, lse = cft.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=6, max_seqlen_k=6,
                              return_lse=True)
     assert lse.shape == (2, 10) and lse.dtype == torch.float64 and not lse.requires_grad
+
+
+# ---------------------------------------------------------------------------------------------------
+# bias (with its gradient) and attn_mask, against plain torch autograd in float64
+# ---------------------------------------------------------------------------------------------------
+
+
+def _torch_biased_attention(q, k, v, bias, attn_mask, *, scale, causal, softcap):
+    """float64 attention of docs/variants.md in plain torch on (B, H, N, d) tensors: softcap, then the bias,
+    then the causal (bottom-right) and boolean masks. Rows that see no key output 0."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = scale * q @ k.transpose(-1, -2)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s + bias
+    len_q, len_k = s.shape[-2:]
+    visible = attn_mask & (torch.arange(len_k)[None, :] <= torch.arange(len_q)[:, None] + len_k - len_q
+                           if causal else True)
+    p = torch.softmax(torch.where(visible, s, -1e30), dim=-1) * visible
+    return p @ v
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("causal, softcap", [(False, 0.0), (True, 3.0)])
+def test_bias_and_mask_match_plain_torch_cpu(dtype, tol, causal, softcap):
+    g = torch.Generator().manual_seed(23)
+    batch, heads_q, heads_kv, len_q, len_k, d = 2, 4, 2, 11, 14, 8
+    q = torch.randn(batch, heads_q, len_q, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(batch, heads_kv, len_k, d, generator=g, dtype=torch.float64) for _ in range(2))
+    bias = torch.randn(1, heads_q, len_q, len_k, generator=g, dtype=torch.float64)
+    mask = torch.rand(batch, 1, len_q, len_k, generator=g) < 0.7
+    mask[1, 0, 4] = False  # a row that sees no key
+    do = torch.randn(batch, heads_q, len_q, d, generator=g, dtype=torch.float64)
+    ours = [t.to(dtype).clone().requires_grad_() for t in (q, k, v, bias)]
+    out = cft.attention(*(t.transpose(1, 2) for t in ours[:3]), bias=ours[3], attn_mask=mask, causal=causal,
+                        softcap=softcap, softmax_scale=0.3, block_q=4, block_k=5).transpose(1, 2)
+    out.backward(do.to(dtype))
+    ref = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    expected = _torch_biased_attention(*ref, mask, scale=0.3, causal=causal, softcap=softcap)
+    expected.backward(do)
+    assert not out[1, :, 4].any() and not ours[3].grad[0, :, 4][mask[1, 0, 4].expand(4, -1)].any()
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dbias"), (out, *(t.grad for t in ours)),
+                          (expected, *(t.grad for t in ref))):
+        assert a.dtype == dtype and a.shape == b.shape
+        err = (a.double() - b).abs().max().item()
+        assert err < tol, f"{name}: max |cuflash - torch| = {err:.3g}"
+
+
+def test_bias_gradcheck_cpu_float64():
+    g = torch.Generator().manual_seed(29)
+    q = torch.randn(1, 5, 2, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, 6, 1, 3, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    bias = torch.randn(2, 5, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(5, 6, generator=g) < 0.8
+
+    def fn(q, k, v, bias):
+        return cft.attention(q, k, v, bias=bias, attn_mask=mask, softcap=2.0, window_size=(3, 1), block_q=2, block_k=4)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, bias))
+
+
+def test_dbias_only_when_bias_requires_grad(monkeypatch):
+    asked = []
+    real = cft.cuflash.attention_backward
+
+    def spy(*args, return_dbias=None, **kwargs):
+        asked.append(return_dbias)
+        return real(*args, return_dbias=return_dbias, **kwargs)
+
+    monkeypatch.setattr(cft.cuflash, "attention_backward", spy)
+    q, k, v = (t.transpose(1, 2) for t in _inputs(1, 6, 6, 2, 2, 4, torch.float32))
+    bias = torch.randn(2, 6, 6)
+    cft.attention(q, k, v, bias=bias).sum().backward()
+    cft.attention(q, k, v, bias=bias.requires_grad_()).sum().backward()
+    assert asked == [False, True] and bias.grad.shape == bias.shape
+    with pytest.raises(TypeError, match="bias must be a torch.Tensor \\(on the device of q\\) or None; got ndarray"):
+        cft.attention(q, k, v, bias=bias.detach().numpy())
