@@ -319,16 +319,19 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
                         const u32 w = pt[i][kk][2 * hn + (e >> 1)];
                         const float p = Elem<T>::to_float(static_cast<u16>(e & 1 ? w >> 16 : w & 0xffffu));
                         dpt[i][nt][e] = p * (dpt[i][nt][e] - (e & 1 ? d2.y : d2.x));
-                        if constexpr (V::Has_softcap) dpt[i][nt][e] *= grad_at(dmod[i], nt, e);  // [variant grad]
                     }
                 }
             }
         }
-        if constexpr (V::Has_bias) {  // [variant grad] dbias = dS
+        // [variant grad] dbias = dS (the bias is added after softcap), then dS times softcap's derivative.
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
+        for (int i = 0; i < 2; ++i) {
+            if constexpr (V::Has_bias) {
                 for_each_score<true>(dpt[i], key_base + 16 * i, m0 + wm * kQW, lane,
                                      [&](float& x, int qi, int kj, int, int) { bi.store_dbias(qi, kj, x); });
+            }
+            if constexpr (V::Has_softcap) {
+                for_each_score<true>(dpt[i], 0, 0, lane, [&](float& x, int, int, int nt, int e) { x *= grad_at(dmod[i], nt, e); });
             }
         }
 #pragma unroll
@@ -668,7 +671,7 @@ flash_bwd_dq_f32_kernel(const float* __restrict__ q, const float* __restrict__ k
                 dp = fmaf(sdo[warp][d], vrow[d], dp);
             }
             float grad = 1.f;
-            s = bi.mod(s, row, key, grad);        // [variant mod]
+            s = bi.template mod<true>(s, row, key, grad);  // [variant mod]
             const float p = expf(s * scale - l);  // [bwd 1]
             ds = p * (dp - dd) * grad;            // [bwd 3], [bwd 4], [variant grad]
         }

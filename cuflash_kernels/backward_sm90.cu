@@ -216,12 +216,15 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
                     const u32 w = pt[kk][2 * hn + (e >> 1)];
                     const float p = Elem<T>::to_float(static_cast<u16>(e & 1 ? w >> 16 : w & 0xffffu));
                     dpt[nt][e] = p * (dpt[nt][e] - (e & 1 ? d2.y : d2.x));
-                    if constexpr (V::Has_softcap) dpt[nt][e] *= grad_at(dmod, nt, e);  // [variant grad]
                 }
             }
         }
-        if constexpr (V::Has_bias) {  // [variant grad] dbias = dS
+        // [variant grad] dbias = dS (the bias is added after softcap), then dS times softcap's derivative.
+        if constexpr (V::Has_bias) {
             for_each_score<true>(dpt, key_base, m0, lane, [&](float& x, int qi, int kj, int, int) { bi.store_dbias(qi, kj, x); });
+        }
+        if constexpr (V::Has_softcap) {
+            for_each_score<true>(dpt, 0, 0, lane, [&](float& x, int, int, int nt, int e) { x *= grad_at(dmod, nt, e); });
         }
         u32 dst[kMT][4];
 #pragma unroll

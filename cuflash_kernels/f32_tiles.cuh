@@ -140,10 +140,11 @@ __device__ __forceinline__ void bwd_f32_key_tile(const F32BwdArgs& a, const Bloc
                     dp = fmaf(sdO[lane + 32 * c], vrow[lane + 32 * c], dp);
                 }
                 float grad = 1.f;
-                const float sm = bi.mod(warp_sum(s), row, key, grad);  // [variant mod]
+                const float sm = bi.template mod<true>(warp_sum(s), row, key, grad);  // [variant mod]
                 const float p = expf(sm * a.scale - lse_i);             // [bwd 1]
-                const float ds = p * (warp_sum(dp) - d_i) * grad;       // [bwd 3], [bwd 4], [variant grad]
-                if (lane == 0) bi.store_dbias(row, key, ds);           // [variant grad] dbias = dS
+                const float dt = p * (warp_sum(dp) - d_i);              // [bwd 3], [bwd 4]
+                if (lane == 0) bi.store_dbias(row, key, dt);           // [variant grad] dbias (added after softcap)
+                const float ds = dt * grad;                             // [variant grad] softcap
 #pragma unroll
                 for (int c = 0; c < kPer; ++c) {
                     dv_acc[kk][c] = fmaf(p, sdO[lane + 32 * c], dv_acc[kk][c]);  // [bwd 2]

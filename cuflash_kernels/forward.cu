@@ -235,7 +235,7 @@ flash_fwd_f32_kernel(const float* __restrict__ q, const float* __restrict__ k, c
         for (int c = 0; c < kPer; ++c) acc[i][c] = 0.f;
     }
     const int2 kr = bi.key_range(m0, min(m0 + kBlockM, bi.len_q));
-    const auto mod = [&](int i) { return [&bi, i](float s, int key) { return bi.mod(s, i, key); }; };
+    const auto mod = [&](int i) { return [&bi, i](float s, int key) { return bi.template mod<true>(s, i, key); }; };
     for (int n0 = kr.x - kr.x % kBlockN; n0 < kr.y; n0 += kBlockN) {
         __syncthreads();  // every warp is done with the previous K, V tile (and, the first time, sQ is written)
         load_kv_f32<kBlockN, kHeadDim, kKStride, kThreads>(sK, sV, kg, k_ss, vg, v_ss, n0, bi.len_k, tid);

@@ -185,11 +185,13 @@ struct BlockInfo {
         return keep;
     }
 
-    // [variant mod] the raw score s = q_i . k_j after softcap and ALiBi, in raw-score units; `grad` gets
-    // d mod / d s (the tanh derivative; 1 without softcap) for [variant grad].
+    // [variant mod] the raw score s = q_i . k_j after softcap, ALiBi and the bias, in raw-score units; `grad`
+    // gets d mod / d s (the tanh derivative; 1 without softcap) for [variant grad]. kExactTanh: tanhf (the
+    // float32 kernels, whose budget is float32's), else tanh_exp2 (~3e-7 absolute, the 16-bit kernels).
+    template <bool kExactTanh = false>
     __device__ __forceinline__ float mod(float s, int i, int j, float& grad) const {
         if constexpr (V::Has_softcap) {
-            const float th = tanh_exp2(cap_a * s);
+            const float th = kExactTanh ? tanhf(cap_a * s) : tanh_exp2(cap_a * s);
             s = cap_b * th;
             grad = 1.f - th * th;
         }
@@ -197,6 +199,11 @@ struct BlockInfo {
         // (rows and keys past the sequence have no bias; they are masked or never stored)
         if constexpr (V::Has_bias) s += i < len_q && j < len_k ? bias[i * bias_sm + j] * inv_scale : 0.f;
         return s;
+    }
+    template <bool kExactTanh = false>
+    __device__ __forceinline__ float mod(float s, int i, int j) const {
+        float unused;
+        return mod<kExactTanh>(s, i, j, unused);
     }
 
     // [variant grad] of the bias: dbias[i, j] = dS (the gradient of the biased scaled score), where wanted.

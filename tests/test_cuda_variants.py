@@ -9,6 +9,7 @@ gradients come from a NaN-poisoned pool, so an element no kernel wrote fails. Sk
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -29,8 +30,9 @@ def check_variant(cp, q, k, v, do, *, deterministic=False, **opts):
     """Forward and backward on the GPU against the float64 truth with the error budget."""
     dtype = q.dtype
     q64, k64, v64, do64 = (x.astype(np.float64) for x in (q, k, v, do))
-    out_t, lse_t = cuflash.attention(q64, k64, v64, algorithm="naive", return_lse=True, **opts)
-    grads_t = cuflash.attention_backward(do64, q64, k64, v64, out_t, lse_t, algorithm="naive", **opts)
+    opts64 = dict(opts, **({"bias": opts["bias"].astype(np.float64)} if "bias" in opts else {}))
+    out_t, lse_t = cuflash.attention(q64, k64, v64, algorithm="naive", return_lse=True, **opts64)
+    grads_t = cuflash.attention_backward(do64, q64, k64, v64, out_t, lse_t, algorithm="naive", **opts64)
     out_n, lse_n = cuflash.attention(q, k, v, algorithm="naive", return_lse=True, **opts)
     grads_n = cuflash.attention_backward(do, q, k, v, out_n, lse_n, algorithm="naive", **opts)
 
@@ -46,10 +48,16 @@ def check_variant(cp, q, k, v, do, *, deterministic=False, **opts):
     assert_within_budget(out_h, out_t, out_n, 2, rounding_floor(out_t, dtype), "out")
     lse_err = max_abs_error(cp.asnumpy(lse), lse_t)
     assert lse_err < 2e-3, f"lse: max|err| = {lse_err:.3e}"
-    for name, g, gt, gn in zip(("dq", "dk", "dv"), grads, grads_t, grads_n):
+    assert len(grads) == len(grads_t) == (4 if "bias" in opts else 3)
+    # dbias = dS element by element, with D = rowsum(dO * O) from the output as stored (FlashAttention's
+    # D): each element carries D's rounding, |dO| . |O| times the dtype's unit roundoff, which the oracle
+    # (D = rowsum(P * dP) in float32) does not have. Added to that gradient's floor.
+    d_rounding = float(ml_dtypes.finfo(dtype).eps) / 2 * float(np.abs(do64 * out_t).sum(-1).max())
+    for name, g, gt, gn in zip(("dq", "dk", "dv", "dbias"), grads, grads_t, grads_n):
         gh = cp.asnumpy(g)
         assert not np.isnan(gh.astype(np.float32)).any(), f"{name}: unwritten (NaN) elements"
-        assert_within_budget(gh, gt, gn, 3, rounding_floor(gt, dtype) + 1e-4, name)
+        floor = rounding_floor(gt, dtype) + 1e-4 + (d_rounding if name == "dbias" else 0.0)
+        assert_within_budget(gh, gt, gn, 3, floor, name)
     return out, lse, grads
 
 
@@ -66,11 +74,24 @@ PADDED_CASES = {
     "alibi-batch": dict(alibi_slopes="batch"),
     "seqused": dict(seqused_k=[333, 0]),
     "seqused-causal-softcap-alibi": dict(seqused_k=[120, 333], causal=True, softcap=8.0, alibi_slopes="heads"),
+    "bias": dict(bias="full"),
+    "bias-broadcast-causal": dict(bias="broadcast", causal=True),
+    "attn-mask": dict(attn_mask="random"),
+    "bias-mask-softcap-window-alibi": dict(bias="full", attn_mask="random", softcap=5.0, window_size=(60, 20),
+                                           alibi_slopes="heads"),
 }
 
 
-def _resolve(opts, rng, batch, heads):
+def _resolve(opts, rng, batch, heads, nq=300, nk=333):
     opts = dict(opts)
+    if opts.get("bias") == "full":
+        opts["bias"] = rng.standard_normal((batch, heads, nq, nk)).astype(np.float32)
+    elif opts.get("bias") == "broadcast":
+        opts["bias"] = rng.standard_normal((1, 1, nq, nk)).astype(np.float32)
+    if opts.get("attn_mask") == "random":  # a fifth of the scores masked, and every key of query row 3
+        mask = rng.random((batch, heads, nq, nk)) >= 0.2
+        mask[:, :, 3] = False
+        opts["attn_mask"] = mask
     if opts.get("alibi_slopes") == "heads":
         opts["alibi_slopes"] = rng.uniform(0.01, 0.3, heads).astype(np.float32)
     elif opts.get("alibi_slopes") == "batch":
@@ -90,20 +111,22 @@ def test_padded_batch_variants(requires_gpu, label, d, dtname):
 
 
 @pytest.mark.parametrize("d", [32, 96, 256])
-@pytest.mark.parametrize("label", ["causal-window", "softcap-causal", "alibi-batch", "seqused"])
+@pytest.mark.parametrize("label", ["causal-window", "softcap-causal", "alibi-batch", "seqused", "bias-broadcast-causal"])
 def test_other_head_dims(requires_gpu, d, label):
     """The mma.sync kernels (no wgmma at these head dims) and, at 256, the float32 backward on upcast inputs."""
     rng = np.random.default_rng(d)
     q, k, v, do = _inputs(rng, (2, 150, 4, d), (2, 333, 2, d), DTYPES["bfloat16"])
-    check_variant(requires_gpu, q, k, v, do, **_resolve(PADDED_CASES[label], rng, 2, 4))
+    check_variant(requires_gpu, q, k, v, do, **_resolve(PADDED_CASES[label], rng, 2, 4, 150))
 
 
-@pytest.mark.parametrize("label", ["causal-window", "softcap-causal", "alibi-causal", "seqused-causal-softcap-alibi"])
+@pytest.mark.parametrize("label", ["causal-window", "softcap-causal", "alibi-causal", "seqused-causal-softcap-alibi",
+                                   "bias-mask-softcap-window-alibi"])
 def test_deterministic_order_and_float32(requires_gpu, label):
     rng = np.random.default_rng(7)
     opts = _resolve(PADDED_CASES[label], rng, 2, 4)
     q, k, v, do = _inputs(rng, (2, 300, 4, 64), (2, 333, 2, 64), DTYPES["bfloat16"])
     check_variant(requires_gpu, q, k, v, do, deterministic=True, **opts)
+    opts = _resolve(PADDED_CASES[label], rng, 2, 4, 100)
     q, k, v, do = _inputs(rng, (2, 100, 4, 64), (2, 333, 2, 64), np.float32)
     check_variant(requires_gpu, q, k, v, do, **opts)
     check_variant(requires_gpu, q, k, v, do, deterministic=True, **opts)

@@ -78,14 +78,16 @@ def oracle(q, k, v, do, *, scale, causal=False, bottom_right=True, window=(-1, -
     lse = np.where(l[..., 0] > 0, m[..., 0] + np.log(np.where(l[..., 0] > 0, l[..., 0], 1)), -np.inf)
     out = rnd(p) @ vh
     dp = doh @ vh.transpose(0, 2, 1)
-    ds = p * (dp - (p * dp).sum(-1, keepdims=True)) * dcap
+    pr = rnd(p)  # a framework computing in the dtype keeps P in the dtype for the softmax's backward too
+    dt = pr * (dp - (pr * dp).sum(-1, keepdims=True))  # the gradient of the biased score (bias after softcap)
+    ds = dt * dcap
     dq = scale * (rnd(ds) @ kh)
     dk = scale * (rnd(ds).transpose(0, 2, 1) @ qh)
     dv = rnd(p).transpose(0, 2, 1) @ doh
     dk = dk.reshape(hkv, g, nk, d).sum(1)
     dv = dv.reshape(hkv, g, nk, d).sum(1)
     return (out.transpose(1, 0, 2), lse, dq.transpose(1, 0, 2), dk.transpose(1, 0, 2), dv.transpose(1, 0, 2),
-            np.broadcast_to(ds, (hq, nq, nk)))
+            np.broadcast_to(dt, (hq, nq, nk)))
 
 
 def oracle_batch(q, k, v, do, opts, lens_q=None, lens_k=None, dtype=np.float64):
@@ -208,6 +210,8 @@ def check(args, results):
                 configs.append(("varlen", dt, d, label, o))
     if args.quick:
         configs = configs[::5]
+    if args.cases:
+        configs = [c for c in configs if any(word in c[3] for word in args.cases.split(","))]
     for layout, dt, d, label, o in configs:
         dtype = np.dtype(dtypes[dt])
         t0 = time.time()
@@ -406,6 +410,7 @@ def main():
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--flex", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--cases", default="", help="comma-separated words: check only the cases whose label has one")
     ap.add_argument("--rep-ms", type=int, default=100)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args()
