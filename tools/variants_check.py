@@ -361,6 +361,57 @@ def bench(args, rows):
     log(f"dense causal {b} x {n}: fwd {rows[-1]['fwd_tflops']:.1f} TFLOP/s, fwd+bwd {rows[-1]['fb_tflops']:.1f}")
 
 
+def bias_bench(args, rows):
+    """cuflash with a float32 bias against PyTorch SDPA with the same bias in bf16 (its attn_mask must have
+    the query's dtype), batch 4, 16 heads, N 8192, d 128, not causal; fwd+bwd includes dbias on both sides."""
+    import cupy as cp
+    import torch
+    import torch.nn.functional as F
+    import triton.testing as tt
+
+    from cuflash import _cuda as cuda
+    from cuflash._variant import Variant
+
+    b, h, n, d = (2, 16, 4096, 128) if args.quick else (4, 16, 8192, 128)
+    q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    bias32 = torch.randn(b, h, n, n, device="cuda", dtype=torch.float32)
+    stream = cp.cuda.Stream.from_external(torch.cuda.current_stream())
+    cq, ck, cv, cdo = (cp.from_dlpack(x) for x in (q, k, v, do))
+    var = Variant(bias=cp.from_dlpack(bias32))
+    opts = dict(scale=d ** -0.5, variant=var, algorithm="fa2", block_q=None, block_k=None)
+
+    def ours_fwd():
+        with stream:
+            cuda.forward(cq, ck, cv, **opts)
+
+    def ours_fb():
+        with stream:
+            o, lse = cuda.forward(cq, ck, cv, **opts)
+            cuda.backward(cdo, cq, ck, cv, o, lse, order="kv_outer", want_dbias=True, **opts)
+
+    tq, tk, tv = (x.transpose(1, 2).detach().requires_grad_(True) for x in (q, k, v))
+    tb = bias32.to(torch.bfloat16).requires_grad_(True)
+    tdo = do.transpose(1, 2)
+
+    def sdpa_fwd():
+        with torch.no_grad():
+            F.scaled_dot_product_attention(tq, tk, tv, attn_mask=tb)
+
+    def sdpa_fb():
+        F.scaled_dot_product_attention(tq, tk, tv, attn_mask=tb).backward(tdo)
+
+    res = {}
+    for name, fn in (("cuflash fwd", ours_fwd), ("sdpa fwd", sdpa_fwd), ("cuflash fwd+bwd", ours_fb),
+                     ("sdpa fwd+bwd", sdpa_fb)):
+        fn()
+        torch.cuda.synchronize()
+        res[name] = tt.do_bench(fn, rep=args.rep_ms, warmup=10, grad_to_none=[tq, tk, tv, tb])
+    rows.append(dict(case=f"bias {b}x{h}x{n}x{d}", **res))
+    log(f"bias (B {b}, H {h}, N {n}, d {d}, not causal): cuflash fwd {res['cuflash fwd']:.3f} ms, SDPA fwd "
+        f"{res['sdpa fwd']:.3f} ms ({res['sdpa fwd'] / res['cuflash fwd']:.2f}x); fwd+bwd {res['cuflash fwd+bwd']:.3f} "
+        f"vs {res['sdpa fwd+bwd']:.3f} ms ({res['sdpa fwd+bwd'] / res['cuflash fwd+bwd']:.2f}x)")
+
+
 def flex(args, rows):
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -409,6 +460,7 @@ def main():
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--flex", action="store_true")
+    ap.add_argument("--bias", action="store_true", help="bias against PyTorch SDPA with an additive mask")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--cases", default="", help="comma-separated words: check only the cases whose label has one")
     ap.add_argument("--rep-ms", type=int, default=100)
@@ -420,13 +472,15 @@ def main():
         ok = check(args, results)
     if args.bench:
         bench(args, rows)
+    if args.bias:
+        bias_bench(args, rows)
     if args.flex:
         try:
             flex(args, flex_rows)
         except Exception as exc:
             log(f"flex failed: {type(exc).__name__}: {exc}")
     if rows and flex_rows:  # side by side, same process: time ratio FlexAttention / cuflash (> 1: cuflash faster)
-        ours = {(r["n"], r["case"]): r for r in rows}
+        ours = {(r.get("n"), r["case"]): r for r in rows}
         log("| N | case | cuflash fwd ms | Flex fwd ms | Flex/cuflash | cuflash fwd+bwd ms | Flex fwd+bwd ms | Flex/cuflash |")
         log("|---|---|---|---|---|---|---|---|")
         for fr in flex_rows:
