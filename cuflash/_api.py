@@ -32,6 +32,17 @@ def _check_supported(backend: ModuleType, problem: _validate.Problem, algorithm:
 # gradient (the framework front ends pass it apart from these). And those that describe a packed batch.
 ARRAY_OPTIONS = ("alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "attn_mask")
 _PACKED_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+# All the variant keywords of attention and attention_backward: what _prepare and _validate.variant read.
+_VARIANT_OPTIONS = (
+    "causal", "causal_align", "window_size", "softcap", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k",
+    "max_seqlen_q", "max_seqlen_k", "seqused_k", "bias", "attn_mask",
+)
+
+
+def _variant_options(arguments: dict) -> dict:
+    """The variant keywords of a call of :func:`attention` or :func:`attention_backward`, from its ``locals()``
+    (their parameters have the keywords' names)."""
+    return {name: arguments[name] for name in _VARIANT_OPTIONS}
 
 
 def _prepare(q, k, v, *, softmax_scale, algorithm, block_q, block_k, variant_options, extra=None, read_values=True):
@@ -143,11 +154,7 @@ def attention(
     lse : array, shape (batch, heads_q, seqlen_q), or (heads_q, total_q) packed; only with ``return_lse=True``
         Natural-log logsumexp, float32 (float64 for float64 inputs); ``-inf`` for a row that sees no key.
     """
-    variant_options = dict(
-        causal=causal, causal_align=causal_align, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, bias=bias, attn_mask=attn_mask,
-    )
+    variant_options = _variant_options(locals())
     library, problem, options = _prepare(
         q, k, v, softmax_scale=softmax_scale, algorithm=algorithm, block_q=block_q, block_k=block_k,
         variant_options=variant_options,
@@ -220,11 +227,7 @@ def attention_backward(
         The gradient of the scaled, modified score (after softcap and ALiBi) at each query and key, zero
         where masked, summed over the axes ``bias`` broadcasts over. ``attn_mask`` gets no gradient.
     """
-    variant_options = dict(
-        causal=causal, causal_align=causal_align, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, bias=bias, attn_mask=attn_mask,
-    )
+    variant_options = _variant_options(locals())
     library, problem, options = _prepare(
         q, k, v, softmax_scale=softmax_scale, algorithm=algorithm, block_q=block_q, block_k=block_k,
         variant_options=variant_options, extra={"do": do, "out": out, "lse": lse},
