@@ -204,15 +204,13 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
     if (bi.past_keys(n0)) return;  // keys of a shorter sequence (padding keys' dK, dV are zeroed by the launcher)
     const int len_q = bi.len_q, len_k = bi.len_k;
 
-    const u16* qg = q + b * q_sb + h * q_sh + (i64)bi.q0 * q_ss;
-    const u16* dog = dout + b * do_sb + h * do_sh + (i64)bi.q0 * do_ss;
+    const u16* qg = bi.q_rows(q, b, h, q_sb, q_sh, q_ss);
+    const u16* dog = bi.q_rows(dout, b, h, do_sb, do_sh, do_ss);
     const float* lse_row = lse + bi.row_index(h, heads_q, seqlen_q, 0);
     const float* delta_row = delta + bi.row_index(h, heads_q, seqlen_q, 0);
-
     // Query tiles [m_begin, m_end) hold the queries that see this key tile (causal, window).
-    const int2 qr = bi.query_range(n0, min(n0 + kBlockN, len_k));
-    const int m_begin = qr.x / kBlockM;
-    const int m_end = qr.y > qr.x ? num_blocks<kBlockM>(qr.y) : m_begin;
+    const int2 qtiles = bi.template query_tiles<kBlockM, kBlockN>(n0);
+    const int m_begin = qtiles.x, m_end = qtiles.y;
 
     // One query tile: Q, dO, and its rows' lse and D (rows past seqlen_q read as zeros: with dO = 0 and
     // D = 0 they add nothing to dV, dK or dQ whatever P is).
@@ -459,14 +457,12 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
 
     // Key tiles [n_begin, n_begin + n_end) hold the keys this query tile sees (causal, window); the K/V
     // pointers start at tile n_begin, so the loop counts tiles from there (as flash_fwd_kernel).
-    const int2 kr = bi.key_range(m0, min(m0 + kBlockM, len_q));
-    const int n_begin = kr.x / kBlockN;
-    // (a tile of a row range that sees no key is wholly masked: harmless)
-    const int n_end = V::Has_left ? max(num_blocks<kBlockN>(kr.y) - n_begin, 0) : num_blocks<kBlockN>(kr.y);
+    const int2 ktiles = bi.template key_tiles<kBlockN, kBlockM>(m0);
+    const int n_begin = ktiles.x, n_end = ktiles.y;
     const int n_shift = n_begin * kBlockN;
     const int len_k = bi.len_k - n_shift;
-    const u16* kg = k + b * k_sb + h_kv * k_sh + (i64)(bi.k0 + n_shift) * k_ss;
-    const u16* vg = v + b * v_sb + h_kv * v_sh + (i64)(bi.k0 + n_shift) * v_ss;
+    const u16* kg = bi.k_rows(k, b, h_kv, k_sb, k_sh, k_ss) + (i64)n_shift * k_ss;
+    const u16* vg = bi.k_rows(v, b, h_kv, v_sb, v_sh, v_ss) + (i64)n_shift * v_ss;
 
     load_tile_async<kBlockM, kHeadDim, kThreads>(sQ, q + b * q_sb + h * q_sh + (i64)bi.q0 * q_ss, q_ss, m0, len_q, tid);
     load_tile_async<kBlockM, kHeadDim, kThreads>(sdO, dout + b * do_sb + h * do_sh + (i64)bi.q0 * do_ss, do_ss, m0, len_q, tid);

@@ -99,15 +99,13 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
     if (bi.past_keys(n0)) return;  // keys of a shorter sequence (padding keys' dK, dV are zeroed by the launcher)
     const int len_q = bi.len_q, len_k = bi.len_k;
 
-    const u16* qg = q + b * q_sb + h * q_sh + (i64)bi.q0 * q_ss;
-    const u16* dog = dout + b * do_sb + h * do_sh + (i64)bi.q0 * do_ss;
+    const u16* qg = bi.q_rows(q, b, h, q_sb, q_sh, q_ss);
+    const u16* dog = bi.q_rows(dout, b, h, do_sb, do_sh, do_ss);
     const float* lse_row = lse + bi.row_index(h, heads_q, seqlen_q, 0);
     const float* delta_row = delta + bi.row_index(h, heads_q, seqlen_q, 0);
-
     // Query tiles [m_begin, m_end) hold the queries that see this key tile (causal, window).
-    const int2 qr = bi.query_range(n0, min(n0 + kBlockN, len_k));
-    const int m_begin = qr.x / kBlockM;
-    const int m_end = qr.y > qr.x ? num_blocks<kBlockM>(qr.y) : m_begin;
+    const int2 qtiles = bi.template query_tiles<kBlockM, kBlockN>(n0);
+    const int m_begin = qtiles.x, m_end = qtiles.y;
 
     // One query tile: Q, dO, and its rows' lse and D (rows past seqlen_q read as zeros).
     auto load_q_stage = [&](int buf, int mi) {

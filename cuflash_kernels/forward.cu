@@ -56,18 +56,16 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     const BlockInfo<V> bi(vp, b, h, seqlen_q, seqlen_k);
     if (bi.past_queries(m0)) return;  // a shorter sequence of a packed batch
 
-    // Key tiles [n_begin, n_end) hold the keys this query tile sees (causal, window). The K/V pointers
-    // start at tile n_begin, so the loop below counts tiles from there: key = n_begin * kBlockN + local.
-    const int2 kr = bi.key_range(m0, min(m0 + kBlockM, bi.len_q));
-    const int n_begin = kr.x / kBlockN;
-    // (a tile of a row range that sees no key is wholly masked: harmless)
-    const int n_end = V::Has_left ? max(num_blocks<kBlockN>(kr.y) - n_begin, 0) : num_blocks<kBlockN>(kr.y);
+    // The n_end key tiles from tile n_begin hold the keys this query tile sees (causal, window). The K/V
+    // pointers start at tile n_begin, so the loop below counts tiles from there: key = n_shift + local.
+    const int2 ktiles = bi.template key_tiles<kBlockN, kBlockM>(m0);
+    const int n_begin = ktiles.x, n_end = ktiles.y;
     const int n_shift = n_begin * kBlockN;
     const int len_k = bi.len_k - n_shift;  // keys left from the first tile on
 
-    const u16* qg = q + b * q_sb + h * q_sh + (i64)bi.q0 * q_ss;
-    const u16* kg = k + b * k_sb + h_kv * k_sh + (i64)(bi.k0 + n_shift) * k_ss;
-    const u16* vg = v + b * v_sb + h_kv * v_sh + (i64)(bi.k0 + n_shift) * v_ss;
+    const u16* qg = bi.q_rows(q, b, h, q_sb, q_sh, q_ss);
+    const u16* kg = bi.k_rows(k, b, h_kv, k_sb, k_sh, k_ss) + (i64)n_shift * k_ss;
+    const u16* vg = bi.k_rows(v, b, h_kv, v_sb, v_sh, v_ss) + (i64)n_shift * v_ss;
 
     // [fa2-fwd 1] load the query block (its own commit group), then the first kStages - 1 K/V tiles.
     load_tile_async<kBlockM, kHeadDim, kThreads>(sQ, qg, q_ss, m0, bi.len_q, tid);

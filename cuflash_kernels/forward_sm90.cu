@@ -124,16 +124,14 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
 
     // Key tiles [n_begin, n_begin + n_end) hold the keys this query tile sees (causal, window). K and V
     // start at tile n_begin, so the loops count tiles (buffers, barrier phases) from there.
-    const int2 kr = bi.key_range(m0, min(m0 + kBlockM, len_q));
-    const int n_begin = kr.x / kBlockN;
-    // (a tile of a row range that sees no key is wholly masked: harmless)
-    const int n_end = V::Has_left ? max(num_blocks<kBlockN>(kr.y) - n_begin, 0) : num_blocks<kBlockN>(kr.y);
+    const int2 ktiles = bi.template key_tiles<kBlockN, kBlockM>(m0);
+    const int n_begin = ktiles.x, n_end = ktiles.y;
     const int n_shift = n_begin * kBlockN;
     const int len_k = bi.len_k - n_shift;
 
-    const u16* qg = q + b * q_sb + h * q_sh + (i64)bi.q0 * q_ss;
-    const u16* kg = k + b * k_sb + h_kv * k_sh + (i64)(bi.k0 + n_shift) * k_ss;
-    const u16* vg = v + b * v_sb + h_kv * v_sh + (i64)(bi.k0 + n_shift) * v_ss;
+    const u16* qg = bi.q_rows(q, b, h, q_sb, q_sh, q_ss);
+    const u16* kg = bi.k_rows(k, b, h_kv, k_sb, k_sh, k_ss) + (i64)n_shift * k_ss;
+    const u16* vg = bi.k_rows(v, b, h_kv, v_sb, v_sh, v_ss) + (i64)n_shift * v_ss;
 
     auto load_k = [&](int j, int ltid) {
         if constexpr (kWS) {

@@ -168,6 +168,33 @@ struct BlockInfo {
         if constexpr (V::Has_left) end = min(max(k_stop - lo, 0), len_q);
         return make_int2(first, end);
     }
+    // The key tiles of kBlockN keys a query tile [m0, m0 + kBlockM) visits: tiles [x, x + y). (With a left
+    // edge, a query tile that sees no key visits none, or one wholly masked tile: harmless.)
+    template <int kBlockN, int kBlockM>
+    __device__ __forceinline__ int2 key_tiles(int m0) const {
+        const int2 kr = key_range(m0, min(m0 + kBlockM, len_q));
+        const int first = kr.x / kBlockN;
+        return make_int2(first, V::Has_left ? max(num_blocks<kBlockN>(kr.y) - first, 0) : num_blocks<kBlockN>(kr.y));
+    }
+    // The query tiles of kBlockM rows that see a key tile [n0, n0 + kBlockN): tiles [x, y).
+    template <int kBlockM, int kBlockN>
+    __device__ __forceinline__ int2 query_tiles(int n0) const {
+        const int2 qr = query_range(n0, min(n0 + kBlockN, len_k));
+        const int first = qr.x / kBlockM;
+        return make_int2(first, qr.y > qr.x ? num_blocks<kBlockM>(qr.y) : first);
+    }
+
+    // Where head h's rows of this sequence start in a (batch, seqlen, heads, d) array with those strides
+    // (a packed array's batch stride is 0 and its rows start at q0 / k0).
+    template <class T>
+    __device__ __forceinline__ T* q_rows(T* base, int b, int h, i64 sb, i64 sh, i64 ss) const {
+        return base + b * sb + h * sh + (i64)q0 * ss;
+    }
+    template <class T>
+    __device__ __forceinline__ T* k_rows(T* base, int b, int h, i64 sb, i64 sh, i64 ss) const {
+        return base + b * sb + h * sh + (i64)k0 * ss;
+    }
+
     // Whether a tile [q_start, q_start + rows) x [k_start, k_start + cols) may hold a score outside the
     // used keys or the band (cuflash/_blocks.py:tile_needs_mask, plus the end of the keys).
     __device__ __forceinline__ bool needs_mask(int q_start, int rows, int k_start, int cols) const {
