@@ -414,6 +414,23 @@ def naive_backward(do, q, k, v, *, scale, variant=DENSE, want_dbias=False):
 
 
 # ---------------------------------------------------------------------------------------------------
+# Blocked forwards: what both loop orders share
+# ---------------------------------------------------------------------------------------------------
+
+
+def _blocked_forward(forward_sequence, q, k, v, scale, variant, block_q, block_k):
+    """What both blocked forwards do around their loops: allocate ``(out, lse)``, settle the tile sizes and
+    run ``forward_sequence`` (the loops of one order) on each sequence's views."""
+    out, lse = _forward_outputs(q)
+    if _is_empty(q, k):
+        return out, lse
+    block_q, block_k = _resolve_block_sizes(q.shape[-1], block_q, block_k, "forward")
+    for seq in _sequences(q, k, variant, scale):
+        forward_sequence(seq.q(q), seq.k(k), seq.k(v), seq.q(out), seq.rows(lse), seq.mods, block_q, block_k)
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------------
 # FlashAttention-2 forward: query blocks outer (000 Algorithm 3, 001 FlashForward2)
 # ---------------------------------------------------------------------------------------------------
 
@@ -426,13 +443,7 @@ def fa2_forward(q, k, v, *, scale, variant=DENSE, block_q=None, block_k=None):
     key/value blocks it can see; ``acc`` is normalized once at the end. Extra memory is
     O(block_q x block_k) per (batch, head). One sequence at a time (see :func:`_sequences`).
     """
-    out, lse = _forward_outputs(q)
-    if _is_empty(q, k):
-        return out, lse
-    block_q, block_k = _resolve_block_sizes(q.shape[-1], block_q, block_k, "forward")
-    for seq in _sequences(q, k, variant, scale):
-        _fa2_forward_sequence(seq.q(q), seq.k(k), seq.k(v), seq.q(out), seq.rows(lse), seq.mods, block_q, block_k)
-    return out, lse
+    return _blocked_forward(_fa2_forward_sequence, q, k, v, scale, variant, block_q, block_k)
 
 
 def _fa2_forward_sequence(q, k, v, out, lse, mods: _ScoreMods, block_q, block_k):
@@ -488,13 +499,7 @@ def fa1_forward(q, k, v, *, scale, variant=DENSE, block_q=None, block_k=None):
     dtype between steps, so the repeated write-backs add no rounding; it is cast to the input dtype once
     at the end, when ``lse = m + log l`` is formed too. One sequence at a time (see :func:`_sequences`).
     """
-    out, lse = _forward_outputs(q)
-    if _is_empty(q, k):
-        return out, lse
-    block_q, block_k = _resolve_block_sizes(q.shape[-1], block_q, block_k, "forward")
-    for seq in _sequences(q, k, variant, scale):
-        _fa1_forward_sequence(seq.q(q), seq.k(k), seq.k(v), seq.q(out), seq.rows(lse), seq.mods, block_q, block_k)
-    return out, lse
+    return _blocked_forward(_fa1_forward_sequence, q, k, v, scale, variant, block_q, block_k)
 
 
 def _fa1_forward_sequence(q, k, v, out, lse, mods: _ScoreMods, block_q, block_k):
