@@ -7,10 +7,14 @@ dtype is off by, plus a small ``floor``. ``factor`` is 2 for outputs and 3 for g
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from cuflash import reference
 from cuflash._variant import Variant
+
+# The dtypes the low-precision tests run, by name (the test ids)
+LOW_PRECISION = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 
 
 def random_inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype=np.float64, *, seed=0,
@@ -81,3 +85,27 @@ def assert_within_budget(result, truth, naive_same_dtype, factor, floor, name="r
         f"{name}: max|result - truth| = {error:.3e} exceeds {factor} * max|naive - truth| + floor = "
         f"{factor} * {naive_error:.3e} + {floor:.3e} = {budget:.3e}"
     )
+
+
+def assert_blocked_within_budget(dtype, truth, naive, forward, backward, orders):
+    """The low-precision check of the blocked algorithms against the float64 truth.
+
+    ``forward(algorithm)`` returns ``(out, lse)`` of ``"fa2"`` and of ``"fa1"``: out in ``dtype``, lse in
+    float32, each within 2x the naive error plus the rounding floor. Then ``backward(out, lse, order)``, on the
+    fa2 forward's out and lse, returns the gradients (``dq, dk, dv`` and, where asked, ``dbias``) in each of
+    ``orders``: each in ``dtype``, within 3x the naive error plus the rounding floor. ``truth`` (float64) and
+    ``naive`` (computed in ``dtype``) are ``(out, lse, grads)``.
+    """
+    out_truth, lse_truth, grads_truth = truth
+    out_naive, lse_naive, grads_naive = naive
+    for algorithm in ("fa2", "fa1"):
+        out, lse = forward(algorithm)
+        assert out.dtype == dtype and lse.dtype == np.float32
+        assert_within_budget(out, out_truth, out_naive, 2, rounding_floor(out_truth, dtype), f"{algorithm} out")
+        assert_within_budget(lse, lse_truth, lse_naive, 2, rounding_floor(lse_truth, np.float32), f"{algorithm} lse")
+    out, lse = forward("fa2")
+    for order in orders:
+        grads = backward(out, lse, order)
+        for name, grad, grad_truth, grad_naive in zip(("dq", "dk", "dv", "dbias"), grads, grads_truth, grads_naive):
+            assert grad.dtype == dtype
+            assert_within_budget(grad, grad_truth, grad_naive, 3, rounding_floor(grad_truth, dtype), f"{order} {name}")

@@ -18,7 +18,7 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-from _helpers import assert_within_budget, max_abs_error, rounding_floor
+from _helpers import LOW_PRECISION, assert_blocked_within_budget, max_abs_error
 
 import cuflash
 from cuflash import _api
@@ -408,8 +408,6 @@ def test_empty_problems_with_a_bias():
 # Low precision against the float64 truth
 # ---------------------------------------------------------------------------------------------------
 
-LOW_PRECISION = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
-
 
 @pytest.mark.parametrize("label", ["bias-batch-window-softcap", "bias-mask-everything"])
 @pytest.mark.parametrize("dtype_name", list(LOW_PRECISION))
@@ -426,14 +424,9 @@ def test_low_precision_within_error_budget(dtype_name, label):
     out_naive, lse_naive = cuflash.attention(q, k, v, algorithm="naive", return_lse=True, **options)
     grads_naive = cuflash.attention_backward(do, q, k, v, out_naive, lse_naive, algorithm="naive", **options)
     sizes = dict(block_q=64, block_k=48)
-    for algorithm in ("fa2", "fa1"):
-        out, lse = cuflash.attention(q, k, v, algorithm=algorithm, return_lse=True, **sizes, **options)
-        assert out.dtype == dtype and lse.dtype == np.float32
-        assert_within_budget(out, out_truth, out_naive, 2, rounding_floor(out_truth, dtype), f"{algorithm} out")
-        assert_within_budget(lse, lse_truth, lse_naive, 2, rounding_floor(lse_truth, np.float32), "lse")
-    out, lse = cuflash.attention(q, k, v, return_lse=True, **sizes, **options)
-    for order in ORDERS:
-        grads = cuflash.attention_backward(do, q, k, v, out, lse, order=order, **sizes, **options)
-        for name, grad, grad_truth, grad_naive in zip(("dq", "dk", "dv", "dbias"), grads, grads_truth, grads_naive):
-            assert grad.dtype == dtype
-            assert_within_budget(grad, grad_truth, grad_naive, 3, rounding_floor(grad_truth, dtype), f"{order} {name}")
+    assert_blocked_within_budget(
+        dtype, (out_truth, lse_truth, grads_truth), (out_naive, lse_naive, grads_naive),
+        lambda algorithm: cuflash.attention(q, k, v, algorithm=algorithm, return_lse=True, **sizes, **options),
+        lambda out, lse, order: cuflash.attention_backward(do, q, k, v, out, lse, order=order, **sizes, **options),
+        ORDERS,
+    )

@@ -15,10 +15,9 @@ Every test turns floating-point warnings into errors.
 
 import math
 
-import ml_dtypes
 import numpy as np
 import pytest
-from _helpers import assert_within_budget, float64_truth, max_abs_error, rounding_floor
+from _helpers import LOW_PRECISION, assert_blocked_within_budget, float64_truth, max_abs_error
 
 import cuflash
 from cuflash import reference
@@ -285,8 +284,6 @@ def test_rows_that_see_no_key_and_unused_keys():
 # Low precision against the float64 truth
 # ---------------------------------------------------------------------------------------------------
 
-LOW_PRECISION = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
-
 
 @pytest.mark.parametrize("label", ["packed-causal-window-softcap", "packed-seqused-alibi-causal"])
 @pytest.mark.parametrize("dtype_name", list(LOW_PRECISION))
@@ -294,21 +291,15 @@ def test_low_precision_within_error_budget(dtype_name, label):
     dtype = LOW_PRECISION[dtype_name]
     q, k, v, do, variant = _combination(label, dtype, seed=4)
     options = dict(scale=24**-0.5, variant=variant)
-    out_truth, lse_truth, grads_truth = float64_truth(q, k, v, do, **options)
-    out_naive, lse_naive = reference.naive_forward(q, k, v, **options)
-    grads_naive = reference.naive_backward(do, q, k, v, **options)
+    truth = float64_truth(q, k, v, do, **options)
+    naive = (*reference.naive_forward(q, k, v, **options), reference.naive_backward(do, q, k, v, **options))
     sizes = dict(block_q=64, block_k=48)
-    for forward in (reference.fa2_forward, reference.fa1_forward):
-        out, lse = forward(q, k, v, **options, **sizes)
-        assert out.dtype == dtype and lse.dtype == np.float32
-        assert_within_budget(out, out_truth, out_naive, 2, rounding_floor(out_truth, dtype), f"{forward.__name__} out")
-        assert_within_budget(lse, lse_truth, lse_naive, 2, rounding_floor(lse_truth, np.float32), "lse")
-    out, lse = reference.fa2_forward(q, k, v, **options, **sizes)
-    for order in ORDERS:
-        grads = reference.blocked_backward(do, q, k, v, out, lse, **options, **sizes, order=order)
-        for name, grad, grad_truth, grad_naive in zip(("dq", "dk", "dv"), grads, grads_truth, grads_naive):
-            assert grad.dtype == dtype
-            assert_within_budget(grad, grad_truth, grad_naive, 3, rounding_floor(grad_truth, dtype), f"{order} {name}")
+    assert_blocked_within_budget(
+        dtype, truth, naive,
+        lambda algorithm: reference.forward(q, k, v, algorithm=algorithm, **options, **sizes),
+        lambda out, lse, order: reference.blocked_backward(do, q, k, v, out, lse, **options, **sizes, order=order),
+        ORDERS,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
