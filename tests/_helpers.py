@@ -47,6 +47,20 @@ def float64_truth(q, k, v, do=None, *, scale, variant=Variant()):
     return out, lse, grads
 
 
+
+def numeric_gradient(loss, inputs, index, *, step):
+    """Central differences of ``loss(*inputs)`` with respect to ``inputs[index]``, entry by entry: each
+    entry moved by ``+step`` and ``-step`` on fresh copies of ``inputs``."""
+    numeric = np.empty_like(inputs[index])
+    for position in np.ndindex(numeric.shape):
+        shifted = [x.copy() for x in inputs]
+        shifted[index][position] += step
+        plus = loss(*shifted)
+        shifted[index][position] -= 2 * step
+        numeric[position] = (plus - loss(*shifted)) / (2 * step)
+    return numeric
+
+
 def max_abs_error(result, truth) -> float:
     """``max |result - truth|`` in float64. Entries where both are the same infinity count as exact
     (an ``lse`` of ``-inf`` for a row that sees no key); any other non-finite difference is ``inf``."""

@@ -20,6 +20,7 @@ from _helpers import (
     assert_within_budget,
     float64_truth,
     max_abs_error,
+    numeric_gradient,
     random_inputs,
     rounding_floor,
 )
@@ -172,15 +173,8 @@ def test_naive_backward_matches_finite_differences():
         return float((reference.naive_forward(q, k, v, **options)[0] * do).sum())
 
     grads = reference.naive_backward(do, q, k, v, **options)
-    step = 1e-6
-    for index, (x, grad) in enumerate(zip((q, k, v), grads)):
-        numeric = np.empty_like(x)
-        for position in np.ndindex(x.shape):
-            inputs = [q.copy(), k.copy(), v.copy()]
-            inputs[index][position] += step
-            plus = loss(*inputs)
-            inputs[index][position] -= 2 * step
-            numeric[position] = (plus - loss(*inputs)) / (2 * step)
+    for index, grad in enumerate(grads):
+        numeric = numeric_gradient(loss, (q, k, v), index, step=1e-6)
         np.testing.assert_allclose(grad, numeric, rtol=0, atol=1e-8)
 
 

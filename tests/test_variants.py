@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 import pytest
-from _helpers import LOW_PRECISION, assert_blocked_within_budget, float64_truth, max_abs_error
+from _helpers import LOW_PRECISION, assert_blocked_within_budget, float64_truth, max_abs_error, numeric_gradient
 
 import cuflash
 from cuflash import reference
@@ -188,16 +188,8 @@ def test_gradients_match_finite_differences(name):
     for order in ORDERS:
         results[order] = reference.blocked_backward(do, q, k, v, out, lse, **options, block_q=2, block_k=3,
                                                     order=order)
-    step = 1e-6
     for index, name_x in enumerate(("dq", "dk", "dv")):
-        x = (q, k, v)[index]
-        numeric = np.empty_like(x)
-        for position in np.ndindex(x.shape):
-            inputs = [q.copy(), k.copy(), v.copy()]
-            inputs[index][position] += step
-            plus = loss(*inputs)
-            inputs[index][position] -= 2 * step
-            numeric[position] = (plus - loss(*inputs)) / (2 * step)
+        numeric = numeric_gradient(loss, (q, k, v), index, step=1e-6)
         for label, grads in results.items():
             np.testing.assert_allclose(grads[index], numeric, rtol=0, atol=2e-8, err_msg=f"{label} {name_x}")
 
