@@ -1,4 +1,5 @@
-"""Shared test helpers: random inputs, the float64 truth, and the error-budget assertion.
+"""Shared test helpers: random inputs, the float64 truth, the error-budget assertions, central differences and a
+spy on the backends.
 
 The error budget is the one flash-attention's tests use (see /work/shared/STYLE.md): a low-precision
 result may be off the float64 truth by at most ``factor`` times what naive attention computed in the same
@@ -10,7 +11,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from cuflash import reference
+from cuflash import _api, reference
 from cuflash._variant import Variant
 
 # The dtypes the low-precision tests run, by name (the test ids)
@@ -123,3 +124,31 @@ def assert_blocked_within_budget(dtype, truth, naive, forward, backward, orders)
         for name, grad, grad_truth, grad_naive in zip(("dq", "dk", "dv", "dbias"), grads, grads_truth, grads_naive):
             assert grad.dtype == dtype
             assert_within_budget(grad, grad_truth, grad_naive, 3, rounding_floor(grad_truth, dtype), f"{order} {name}")
+
+
+def spy_on_backend(monkeypatch):
+    """Let the front door's backends run as they are but note what they get: returns a list that gains, per
+    ``forward`` call, its :class:`Variant`, and per ``backward`` call ``(variant, want_dbias, grads)``, with
+    ``want_dbias`` None where the keyword was not passed and ``grads`` what the backend returned."""
+    calls = []
+    real = _api._backend
+
+    def spy(library):
+        backend = real(library)
+
+        class Spy:
+            @staticmethod
+            def forward(*args, variant, **kwargs):
+                calls.append(variant)
+                return backend.forward(*args, variant=variant, **kwargs)
+
+            @staticmethod
+            def backward(*args, variant, **kwargs):
+                grads = backend.backward(*args, variant=variant, **kwargs)
+                calls.append((variant, kwargs.get("want_dbias"), grads))
+                return grads
+
+        return Spy
+
+    monkeypatch.setattr(_api, "_backend", spy)
+    return calls

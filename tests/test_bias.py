@@ -18,10 +18,9 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-from _helpers import LOW_PRECISION, assert_blocked_within_budget, max_abs_error
+from _helpers import LOW_PRECISION, assert_blocked_within_budget, max_abs_error, spy_on_backend
 
 import cuflash
-from cuflash import _api
 from cuflash._variant import Variant
 
 pytestmark = pytest.mark.filterwarnings("error")
@@ -349,29 +348,7 @@ def test_backend_receives_one_bias(monkeypatch):
     """The backend gets one (B, H, Nq, Nk) bias in the accumulation dtype: a float32 bias of float32 inputs as
     a broadcast view of the caller's array (stride 0 on its broadcast axes, no copy), a mask as 0 / -inf
     added to it; the backward is asked for the full dbias only when the caller wants it."""
-    seen = []
-    real = _api._backend
-
-    def spy(library):
-        backend = real(library)
-
-        class Spy:
-            @staticmethod
-            def forward(*args, variant, **kwargs):
-                seen.append(variant)
-                return backend.forward(*args, variant=variant, **kwargs)
-
-            @staticmethod
-            def backward(*args, variant, **kwargs):
-                seen.append((variant, kwargs.get("want_dbias")))
-                grads = backend.backward(*args, variant=variant, **kwargs)
-                if kwargs.get("want_dbias"):
-                    assert grads[3].shape == (3, 4, 6, 9) and grads[3].dtype == np.float32
-                return grads
-
-        return Spy
-
-    monkeypatch.setattr(_api, "_backend", spy)
+    seen = spy_on_backend(monkeypatch)
     rng = np.random.default_rng(11)
     q, do = (rng.standard_normal((3, 6, 4, 8)).astype(np.float32) for _ in range(2))
     k, v = (rng.standard_normal((3, 9, 2, 8)).astype(np.float32) for _ in range(2))
@@ -382,6 +359,8 @@ def test_backend_receives_one_bias(monkeypatch):
     assert np.shares_memory(variant.bias, bias) and not variant.is_dense
     cuflash.attention_backward(do, q, k, v, out, lse, bias=bias)
     assert seen[-1][1] is True
+    full_dbias = seen[-1][2][3]
+    assert full_dbias.shape == (3, 4, 6, 9) and full_dbias.dtype == np.float32
     cuflash.attention_backward(do, q, k, v, out, lse, bias=bias, return_dbias=False)
     assert seen[-1][1] is None  # not even the keyword: a backend without bias support keeps its interface
     mask = rng.random((3, 1, 6, 9)) < 0.5

@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 import pytest
-from _helpers import LOW_PRECISION, assert_blocked_within_budget, float64_truth, max_abs_error, numeric_gradient
+from _helpers import LOW_PRECISION, assert_blocked_within_budget, float64_truth, max_abs_error, numeric_gradient, spy_on_backend
 
 import cuflash
 from cuflash import reference
@@ -344,29 +344,14 @@ def test_seqused_k_equals_cutting_the_keys():
 def test_alibi_slopes_per_head_are_a_broadcast_view(monkeypatch):
     """(heads_q,) slopes reach the backend as a (batch, heads_q) view with batch stride 0, no copy, and
     give what the same slopes repeated per batch entry give."""
-    from cuflash import _api
-
-    seen = {}
-    real = _api._backend
-
-    def spy(library):
-        backend = real(library)
-
-        class Spy:
-            @staticmethod
-            def forward(*args, variant, **kwargs):
-                seen["slopes"] = variant.alibi_slopes
-                return backend.forward(*args, variant=variant, **kwargs)
-
-        return Spy
-
-    monkeypatch.setattr(_api, "_backend", spy)
+    seen = spy_on_backend(monkeypatch)
     rng = np.random.default_rng(7)
     q, k, v = (rng.standard_normal((3, 10, 4, 8)).astype(np.float32) for _ in range(3))
     slopes = np.array([0.1, 0.2, 0.4, 0.8], np.float32)
     out = cuflash.attention(q, k, v, alibi_slopes=slopes)
-    assert seen["slopes"].shape == (3, 4) and seen["slopes"].strides == (0, 4)
-    assert np.shares_memory(seen["slopes"], slopes)
+    passed = seen[-1].alibi_slopes
+    assert passed.shape == (3, 4) and passed.strides == (0, 4)
+    assert np.shares_memory(passed, slopes)
     np.testing.assert_array_equal(out, cuflash.attention(q, k, v, alibi_slopes=np.tile(slopes, (3, 1))))
 
 
