@@ -51,9 +51,12 @@ def float64_truth(q, k, v, do=None, *, scale, variant=Variant()):
 
 def numeric_gradient(loss, inputs, index, *, step):
     """Central differences of ``loss(*inputs)`` with respect to ``inputs[index]``, entry by entry: each
-    entry moved by ``+step`` and ``-step`` on fresh copies of ``inputs``."""
-    numeric = np.empty_like(inputs[index])
+    entry moved by ``+step`` and ``-step`` on fresh copies of ``inputs``. An entry that is not finite (a
+    ``-inf`` bias entry: the score is masked) gets 0."""
+    numeric = np.zeros_like(inputs[index])
     for position in np.ndindex(numeric.shape):
+        if not np.isfinite(inputs[index][position]):
+            continue
         shifted = [x.copy() for x in inputs]
         shifted[index][position] += step
         plus = loss(*shifted)

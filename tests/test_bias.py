@@ -18,7 +18,7 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-from _helpers import LOW_PRECISION, assert_blocked_within_budget, max_abs_error, spy_on_backend
+from _helpers import LOW_PRECISION, assert_blocked_within_budget, max_abs_error, numeric_gradient, spy_on_backend
 
 import cuflash
 from cuflash._variant import Variant
@@ -196,18 +196,9 @@ def test_gradients_match_finite_differences(name):
     for order in ORDERS:
         results[order] = cuflash.attention_backward(do, q, k, v, out, lse, softmax_scale=0.6, bias=bias, block_q=2,
                                                     block_k=3, order=order, **options)
-    step = 1e-6
     inputs = (q, k, v, bias)
     for index, grad_name in enumerate(("dq", "dk", "dv", "dbias")):
-        numeric = np.zeros(inputs[index].shape)
-        for position in np.ndindex(numeric.shape):
-            if not np.isfinite(inputs[index][position]):
-                continue  # a -inf bias entry: the score is masked, its gradient 0
-            shifted = [x.copy() for x in inputs]
-            shifted[index][position] += step
-            plus = loss(*shifted)
-            shifted[index][position] -= 2 * step
-            numeric[position] = (plus - loss(*shifted)) / (2 * step)
+        numeric = numeric_gradient(loss, inputs, index, step=1e-6)  # 0 at a -inf bias entry (a masked score)
         for label, grads in results.items():
             assert grads[index].shape == inputs[index].shape and grads[index].dtype == np.float64
             np.testing.assert_allclose(grads[index], numeric, rtol=0, atol=2e-8, err_msg=f"{label} {grad_name}")
