@@ -9,7 +9,10 @@ backends never see unchecked user input.
 from __future__ import annotations
 
 import importlib
+import numbers
 from types import ModuleType
+
+import numpy as np
 
 from . import _validate
 from ._variant import Variant
@@ -35,7 +38,7 @@ _PACKED_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k
 # All the variant keywords of attention and attention_backward: what _prepare and _validate.variant read.
 _VARIANT_OPTIONS = (
     "causal", "causal_align", "window_size", "softcap", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k",
-    "max_seqlen_q", "max_seqlen_k", "seqused_k", "bias", "attn_mask",
+    "max_seqlen_q", "max_seqlen_k", "seqused_k", "bias", "attn_mask", "dropout_p", "dropout_seed", "dropout_offset",
 )
 
 
@@ -55,6 +58,7 @@ def _prepare(q, k, v, *, softmax_scale, algorithm, block_q, block_k, variant_opt
     arrays = {"q": q, "k": k, "v": v, **(extra or {})}
     arrays.update((name, variant_options[name]) for name in ("bias", *ARRAY_OPTIONS) if variant_options[name] is not None)
     library = _validate.check_same_library(**arrays)
+    _validate.dropout_library(variant_options.get("dropout_p", 0.0), library)
     problem = _validate.check_qkv(q, k, v, varlen=varlen)
     if varlen:
         problem = _validate.check_cu_seqlens(problem, *packed, read_values=read_values)
@@ -86,6 +90,9 @@ def attention(
     seqused_k=None,
     bias=None,
     attn_mask=None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+    dropout_offset: int = 0,
     algorithm: str = "fa2",
     block_q: int | None = None,
     block_k: int | None = None,
@@ -140,6 +147,16 @@ def attention(
     attn_mask : array, optional
         bool, same shapes as ``bias``: ``True`` where query ``i`` sees key ``j`` (PyTorch's convention),
         ``False`` masks the score. May be given with ``bias``.
+    dropout_p : float
+        In ``[0, 1)``: each probability (after the softmax, whose ``lse`` it leaves unchanged) is zeroed with
+        this probability and the kept ones are scaled by ``1 / (1 - dropout_p)``, as flash-attention. The
+        keep decision of each score is a pure function of ``(dropout_seed, dropout_offset, b, h, i, j)``
+        (``docs/variants.md``, "Dropout"; :func:`dropout_mask` returns it). NumPy arrays only for now.
+    dropout_seed : int, optional
+        In ``[0, 2**64)``; required when ``dropout_p > 0``. The same seed and offset give the same mask.
+    dropout_offset : int
+        In ``[0, 2**64)``, default 0: added to the Philox counter's (head, batch) word, so that calls sharing a
+        seed draw different masks (advance it by ``batch * 2**32`` per call for disjoint counters).
     algorithm : {"fa2", "fa1", "naive"}
         FlashAttention-2 order (query blocks outer), FlashAttention-1 order (key/value blocks outer,
         O, m, l written back each step), or the naive algorithm that materializes the scores.
@@ -189,6 +206,9 @@ def attention_backward(
     seqused_k=None,
     bias=None,
     attn_mask=None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+    dropout_offset: int = 0,
     algorithm: str = "fa2",
     block_q: int | None = None,
     block_k: int | None = None,
@@ -207,8 +227,8 @@ def attention_backward(
         Gradient of the loss with respect to ``out``.
     q, k, v, out, lse :
         The forward's inputs, output and logsumexp.
-    causal, softmax_scale, causal_align, window_size, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, bias, attn_mask, algorithm, block_q, block_k :
-        As given to the forward.
+    causal, softmax_scale, causal_align, window_size, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, bias, attn_mask, dropout_p, dropout_seed, dropout_offset, algorithm, block_q, block_k :
+        As given to the forward (the same dropout seed and offset regenerate the forward's mask).
     order : {"kv_outer", "q_outer", "split"}, optional
         Backward loop order: key/value blocks outer with dQ accumulated across the outer loop (the
         default, as both FlashAttention papers), query blocks outer with dK and dV accumulated, or two
@@ -244,6 +264,24 @@ def attention_backward(
         return backend.backward(do, q, k, v, out, lse, **options)
     dq, dk, dv, dbias = backend.backward(do, q, k, v, out, lse, **options, want_dbias=True)
     return dq, dk, dv, _reduce_dbias(dbias, bias)
+
+
+def dropout_mask(shape, dropout_p: float, seed: int, offset: int = 0):
+    """The boolean keep mask that :func:`attention` applies with these dropout options: a NumPy array of
+    ``shape = (batch, heads_q, seqlen_q, seqlen_k)``, True where the probability of query ``i`` and key ``j``
+    of head ``h`` in sequence ``b`` is kept (all True for ``dropout_p = 0``).
+
+    For a packed batch, ``b`` is the sequence's index and ``i``, ``j`` positions within it: the mask of
+    sequence ``b`` is ``dropout_mask((nseq, heads_q, max_seqlen_q, max_seqlen_k), ...)[b, :, :len_q, :len_k]``.
+    """
+    shape = tuple(shape)
+    if len(shape) != 4 or any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0 for n in shape):
+        raise ValueError(f"shape must be 4 non-negative integers (batch, heads_q, seqlen_q, seqlen_k); got {shape!r}")
+    p, seed, offset = _validate.dropout(dropout_p, seed, offset)
+    if not p:
+        return np.ones(shape, bool)
+    b, h, i, j = np.ix_(*(np.arange(n) for n in shape))
+    return Variant(dropout_p=p, dropout_seed=seed, dropout_offset=offset).keep(b, h, i, j)
 
 
 def _namespace(a) -> ModuleType:

@@ -467,16 +467,58 @@ def attention_bias(bias, attn_mask, problem: Problem, xp):
     return xp.broadcast_to(total, (problem.batch, problem.heads_q, problem.seqlen_q, problem.seqlen_k))
 
 
+def _uint64(name: str, value) -> int:
+    """An integer in ``[0, 2**64)`` (a Philox key or counter offset)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer in [0, 2**64); got {type(value).__name__} {value!r}")
+    if not 0 <= int(value) < 2**64:
+        raise ValueError(f"{name} must be an integer in [0, 2**64); got {int(value)}")
+    return int(value)
+
+
+def dropout_library(dropout_p, library: str) -> None:
+    """Dropout runs on NumPy arrays only for now: refuse a positive ``dropout_p`` for another ``library``
+    (checked before anything of that library is used; :func:`dropout` checks the values)."""
+    positive = (not isinstance(dropout_p, (bool, np.bool_)) and isinstance(dropout_p, numbers.Real)
+                and float(dropout_p) > 0)
+    if positive and library != "numpy":
+        raise NotImplementedError(
+            f"dropout runs on NumPy arrays for now; the CUDA kernels get it next "
+            f"(got dropout_p={float(dropout_p)} with {library} arrays)"
+        )
+
+
+def dropout(dropout_p, dropout_seed, dropout_offset) -> tuple[float, int | None, int]:
+    """``(dropout_p, dropout_seed, dropout_offset)`` normalized: a probability in ``[0, 1)``, the seed
+    (required, explicit, when ``dropout_p > 0``: no hidden global generator) and the offset."""
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a real number in [0, 1); got {type(dropout_p).__name__} {dropout_p!r}")
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must lie in [0, 1) (the probability of zeroing a score); got {p}")
+    offset = _uint64("dropout_offset", dropout_offset)
+    if dropout_seed is None:
+        if p > 0:
+            raise ValueError(
+                f"dropout_p={p} needs an explicit dropout_seed (an integer in [0, 2**64)), and the backward the "
+                f"same dropout_seed and dropout_offset, so that it regenerates the forward's mask; got dropout_seed=None"
+            )
+        return p, None, offset
+    return p, _uint64("dropout_seed", dropout_seed), offset
+
+
 def variant(problem: Problem, xp, options: dict, *, read_values: bool = True) -> Variant:
     """The variant options of a call, checked against its problem and normalized into a :class:`Variant`.
 
     ``options`` holds the user's keywords: ``causal``, ``causal_align``, ``window_size``, ``softcap``,
     ``alibi_slopes``, ``cu_seqlens_q``, ``cu_seqlens_k``, ``seqused_k``, ``bias``, ``attn_mask`` (the
-    cu_seqlens already checked by :func:`check_cu_seqlens`, whose problem this is). ``xp`` is the array
-    module of q.
+    cu_seqlens already checked by :func:`check_cu_seqlens`, whose problem this is), and ``dropout_p``,
+    ``dropout_seed``, ``dropout_offset`` (absent: no dropout). ``xp`` is the array module of q.
     """
     is_causal, bottom_right = causal_options(options["causal"], options["causal_align"])
     left, right = window_size(options["window_size"])
+    dropout_p, dropout_seed, dropout_offset = dropout(
+        options.get("dropout_p", 0.0), options.get("dropout_seed"), options.get("dropout_offset", 0))
     return Variant(
         causal=is_causal, bottom_right=bottom_right, window_left=left, window_right=right,
         softcap=softcap(options["softcap"]),
@@ -486,6 +528,7 @@ def variant(problem: Problem, xp, options: dict, *, read_values: bool = True) ->
         max_seqlen_k=problem.seqlen_k if problem.is_varlen else None,
         seqused_k=seqused_k(options["seqused_k"], problem, options["cu_seqlens_k"], read_values=read_values),
         bias=attention_bias(options["bias"], options["attn_mask"], problem, xp),
+        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
     )
 
 

@@ -12,7 +12,10 @@ one :class:`Variant`. The math of each piece, in the forward and the backward, i
   sliding windows), from which the loop bounds of both backends follow (:mod:`cuflash._blocks`);
 - **score modifications**: softcap, ALiBi and an additive bias change the visible scores before the
   softmax; softcap's derivative multiplies dS in the backward, and the bias's gradient is the gradient of
-  the final scores, ``dT``.
+  the final scores, ``dT``;
+- **dropout** (:meth:`Variant.keep`): after the softmax, each probability is kept with probability
+  ``1 - dropout_p`` (and scaled by ``1 / (1 - dropout_p)``) or zeroed, by a counter-based generator
+  (:mod:`cuflash._philox`) that the backward evaluates again; the lse is that of the undropped scores.
 
 A plain dense call is ``Variant()``.
 """
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._blocks import Band
+from ._philox import dropout_keep
 
 __all__ = ["Variant"]
 
@@ -60,6 +64,12 @@ class Variant:
         softcap and ALiBi, before the masks. It is the user's ``bias`` and ``attn_mask`` (``False`` as
         ``-inf``) in one array; ``-inf`` entries mask. Any strides on the first three axes (0 on the axes
         the user's array broadcasts over: no copy of a float32 bias), a contiguous last axis.
+    dropout_p : float
+        In ``[0, 1)``; 0 for no dropout. Probabilities are zeroed with this probability after the softmax.
+    dropout_seed : int or None
+        In ``[0, 2**64)``, the Philox key; given whenever ``dropout_p > 0``.
+    dropout_offset : int
+        In ``[0, 2**64)``, folded into the Philox counter (flash-attention's philox offset).
     """
 
     causal: bool = False
@@ -74,6 +84,9 @@ class Variant:
     max_seqlen_k: int | None = None
     seqused_k: Any = None
     bias: Any = None
+    dropout_p: float = 0.0
+    dropout_seed: int | None = None
+    dropout_offset: int = 0
 
     @property
     def is_varlen(self) -> bool:
@@ -83,7 +96,8 @@ class Variant:
     def is_dense(self) -> bool:
         """Nothing but plain softmax attention over the whole (batch, seqlen) arrays."""
         return (not self.causal and self.window_left is None and self.window_right is None and not self.softcap
-                and self.alibi_slopes is None and not self.is_varlen and self.seqused_k is None and self.bias is None)
+                and self.alibi_slopes is None and not self.is_varlen and self.seqused_k is None and self.bias is None
+                and not self.dropout_p)
 
     @property
     def right(self) -> int | None:
@@ -95,6 +109,13 @@ class Variant:
     def offset(self, len_q: int, len_k: int) -> int:
         """The diagonal of a sequence: query ``i`` faces key ``i + offset``."""
         return len_k - len_q if self.bottom_right else 0
+
+    def keep(self, b, h, i, j):
+        """The dropout keep mask of scores ``(b, h, i, j)`` (broadcast index arrays; positions within the
+        sequence, ``b`` its index), or None without dropout. See :func:`cuflash._philox.dropout_keep`."""
+        if not self.dropout_p:
+            return None
+        return dropout_keep(self.dropout_seed, self.dropout_offset, self.dropout_p, b, h, i, j)
 
     def band(self, len_q: int, len_k: int) -> Band | None:
         """The positional mask of a sequence of ``len_q`` queries and ``len_k`` keys (None: every key)."""

@@ -18,7 +18,7 @@ probabilities ``P`` are rounded to the input dtype before ``P @ V`` and ``P^T @ 
 ``dS @ K`` and ``dS^T @ Q``. Outputs and gradients come back in the input dtype, ``lse`` in the
 accumulation dtype.
 
-Variants. A :class:`~cuflash._variant.Variant` changes three things, each in one place
+Variants. A :class:`~cuflash._variant.Variant` changes four things, each in one place
 (``docs/variants.md`` has the math):
 
 - which rows form a sequence: every function runs its block loops once per sequence
@@ -31,7 +31,11 @@ Variants. A :class:`~cuflash._variant.Variant` changes three things, each in one
   a mask only for tiles crossing an edge of the band (``[variant mask]``);
 - the scores themselves: softcap, ALiBi and an additive bias (``bias`` and ``attn_mask``, one array)
   modify every score of a tile in :func:`_scores` (``[variant mod]``); in the backward softcap's
-  derivative multiplies dS and the bias's gradient is written tile by tile (``[variant grad]``).
+  derivative multiplies dS and the bias's gradient is written tile by tile (``[variant grad]``);
+- dropout, after the softmax: the probabilities that enter ``P V`` (and ``P^T dO``) are multiplied by
+  ``keep / (1 - p)``, the keep mask evaluated tile by tile from its counter-based definition
+  (:func:`_dropout_tile`), never stored; the row sums and ``lse`` are those of the undropped ``P``, and the
+  backward's ``dP`` is multiplied by the same factor before ``D`` is subtracted (``[variant dropout]``).
 
 Rows that see no key. A row that sees no key has running max ``-inf``; every ``exp(x - m)`` below
 subtracts :func:`_shift` of the max (``0`` in place of ``-inf``) so that such a row gives ``P = 0``,
@@ -182,6 +186,16 @@ class _ScoreMods(NamedTuple):
     offset: int                  # the diagonal: query i faces key i + offset (ALiBi's distance)
     band: Band | None            # the keys each row sees by position (None: all)
     bias: np.ndarray | None      # additive bias, (nb, heads_kv, group, len_q, len_k) view of Variant.bias
+    dropout: _Dropout | None     # dropout after the softmax (None: none)
+
+
+class _Dropout(NamedTuple):
+    """What one sequence needs to evaluate its dropout keep mask on any tile (``docs/variants.md``)."""
+
+    variant: Variant             # holds dropout_p, dropout_seed, dropout_offset (Variant.keep)
+    b: np.ndarray                # (nb, 1, 1, 1, 1): the batch entries' (or the packed sequence's) indices
+    h: np.ndarray                # (1, heads_kv, group, 1, 1): the query head of each grouped position
+    rescale: float               # 1 / (1 - dropout_p)
 
 
 class _Sequence(NamedTuple):
@@ -235,19 +249,36 @@ def _sequences(q, k, variant: Variant, scale: float):
         if len_q == 0 or len_k == 0:
             continue
         batch = slice(None) if b is None else slice(b, b + 1)
+        indices = np.arange(q.shape[0]) if b is None else np.array([b])
         yield _Sequence(batch, slice(first_q, first_q + len_q), slice(first_k, first_k + len_k), variant.is_varlen,
-                        _score_mods(variant, scale, q, k, batch, len_q, len_k))
+                        _score_mods(variant, scale, q, k, batch, indices, len_q, len_k))
 
 
-def _score_mods(variant: Variant, scale: float, q, k, batch: slice, len_q: int, len_k: int) -> _ScoreMods:
+def _score_mods(variant: Variant, scale: float, q, k, batch: slice, indices, len_q: int, len_k: int) -> _ScoreMods:
+    """The score modifications of the sequence made of batch entries ``batch`` (the packed sequences'
+    ``indices`` name them for dropout: the batch entries, or the one packed sequence)."""
     heads_q, heads_kv = q.shape[-2], k.shape[-2]
-    slopes = bias = None
+    slopes = bias = dropout = None
     if variant.alibi_slopes is not None:
         chosen = np.asarray(variant.alibi_slopes[batch], dtype=_acc_dtype(q.dtype))  # (nb, heads_q)
         slopes = chosen.reshape(chosen.shape[0], heads_kv, heads_q // heads_kv, 1, 1)
     if variant.bias is not None:  # padded batches only: the sequence's rows and used keys are the first ones
         bias = _grouped_scores(variant.bias[batch, :, :len_q, :len_k], heads_kv)
-    return _ScoreMods(scale, variant.softcap, slopes, variant.offset(len_q, len_k), variant.band(len_q, len_k), bias)
+    if variant.dropout_p:
+        dropout = _Dropout(variant, indices.reshape(-1, 1, 1, 1, 1),
+                           np.arange(heads_q).reshape(1, heads_kv, heads_q // heads_kv, 1, 1),
+                           1.0 / (1.0 - variant.dropout_p))
+    return _ScoreMods(scale, variant.softcap, slopes, variant.offset(len_q, len_k), variant.band(len_q, len_k), bias,
+                      dropout)
+
+
+def _dropout_tile(dropout: _Dropout, q_start, q_stop, k_start, k_stop, dtype) -> np.ndarray:
+    """``keep / (1 - p)`` for the tile's scores, ``(nb, heads_kv, group, rows, cols)`` in ``dtype``: the keep
+    mask evaluated from its definition at the tile's positions, so any tiling gives the same mask."""
+    rows = np.arange(q_start, q_stop).reshape(1, 1, 1, -1, 1)
+    cols = np.arange(k_start, k_stop).reshape(1, 1, 1, 1, -1)
+    keep = dropout.variant.keep(dropout.b, dropout.h, rows, cols)
+    return np.where(keep, dtype.type(dropout.rescale), dtype.type(0))
 
 
 def _outside_band(q_start: int, q_stop: int, k_start: int, k_stop: int, band: Band) -> np.ndarray:
@@ -372,6 +403,9 @@ def naive_forward(q, k, v, *, scale, variant=DENSE):
     for seq in _sequences(q, k, variant, scale):
         q5, k5, v5 = (np.asarray(_grouped(x, heads_kv), dtype=acc) for x in (seq.q(q), seq.k(k), seq.k(v)))
         p, lse_seq, _ = _naive_probabilities(q5, k5, seq.mods)
+        if seq.mods.dropout is not None:
+            # [variant dropout] P_dropped = P * keep / (1 - p); lse stays that of P
+            p *= _dropout_tile(seq.mods.dropout, 0, q5.shape[-2], 0, k5.shape[-2], p.dtype)
         _grouped(seq.q(out), heads_kv)[...] = _cast_like_kernel(p, dtype) @ v5
         _grouped_rows(seq.rows(lse), heads_kv)[...] = lse_seq
     return out, lse
@@ -395,8 +429,14 @@ def naive_backward(do, q, k, v, *, scale, variant=DENSE, want_dbias=False):
         q5, do5 = (np.ascontiguousarray(_grouped(seq.q(x), heads_kv), dtype=acc) for x in (q, do))
         k5, v5 = (np.ascontiguousarray(_grouped(seq.k(x), heads_kv), dtype=acc) for x in (k, v))
         p, _, dcap = _naive_probabilities(q5, k5, seq.mods)
-        dv = _group_transpose_matmul(_cast_like_kernel(p, dtype), do5)
         dp = do5 @ v5.swapaxes(-1, -2)
+        if seq.mods.dropout is None:
+            dv = _group_transpose_matmul(_cast_like_kernel(p, dtype), do5)
+        else:
+            # [variant dropout] dV = P_dropped^T dO; the gradient of P is dP_dropped * keep / (1 - p)
+            z = _dropout_tile(seq.mods.dropout, 0, q5.shape[-2], 0, k5.shape[-2], p.dtype)
+            dv = _group_transpose_matmul(_cast_like_kernel(p * z, dtype), do5)
+            dp *= z
         gamma = (p * dp).sum(axis=-1)
         ds = p * (dp - gamma[..., None])
         if want_dbias:
@@ -475,6 +515,9 @@ def _fa2_forward_sequence(q, k, v, out, lse, mods: _ScoreMods, block_q, block_k)
             s -= m_shift[..., None]
             p = np.exp(s, out=s)
             l_i += p.sum(axis=-1)
+            if mods.dropout is not None:
+                # [variant dropout] P *= keep / (1 - p) after the row sum: l_i and lse are those of P undropped
+                p *= _dropout_tile(mods.dropout, q_start, q_stop, k_start, k_stop, p.dtype)
             # [fa2-fwd 5] acc += P V, P rounded to the input dtype first
             acc += _cast_like_kernel(p, dtype) @ v_j
             m_i = m_new
@@ -533,6 +576,9 @@ def _fa1_forward_sequence(q, k, v, out, lse, mods: _ScoreMods, block_q, block_k)
             s -= m_shift[..., None]
             p = np.exp(s, out=s)
             l_new = alpha * l_old + p.sum(axis=-1)
+            if mods.dropout is not None:
+                # [variant dropout] P *= keep / (1 - p) after the row sum: l and lse are those of P undropped
+                p *= _dropout_tile(mods.dropout, q_start, q_stop, k_start, k_stop, p.dtype)
             # [fa1-fwd 5] unnormalized output: alpha * l_old * O_old + P V, P rounded to the input dtype
             o_new = o_old * (alpha * l_old)[..., None]
             o_new += _cast_like_kernel(p, dtype) @ v_j
@@ -614,7 +660,8 @@ class _BackwardInputs:
         return iter_blocks(first, end, self.block_q, self.seqlen_q)
 
     def tile(self, q_block, k_block, q_start, q_stop, k_start, k_stop, write_dbias=True):
-        """Steps 1, 3 and 4 of one tile: ``(P, dS)``, both rounded to the input dtype for their products.
+        """Steps 1, 3 and 4 of one tile: ``(P, dS)``, both rounded to the input dtype for their products
+        (``P`` after dropout, ``P * keep / (1 - p)``, the probabilities that entered ``P V``).
 
         With a dbias to form, the tile's ``dT`` is written there too (``write_dbias``: once per tile, by the
         pass that forms dK and dV when there are two)."""
@@ -627,6 +674,12 @@ class _BackwardInputs:
         p = np.exp(s, out=s)
         # [bwd 3] dP = dO V^T
         dp = do_i @ v_j.swapaxes(-1, -2)
+        p_v = p
+        if self.mods.dropout is not None:
+            # [variant dropout] dV uses P_dropped = P * z, z = keep / (1 - p); the gradient of P is z * dP
+            z = _dropout_tile(self.mods.dropout, q_start, q_stop, k_start, k_stop, p.dtype)
+            p_v = p * z
+            dp *= z
         # [bwd 4] dS = P * (dP - D)
         dp -= delta_i[..., None]
         ds = np.multiply(p, dp, out=dp)
@@ -636,7 +689,7 @@ class _BackwardInputs:
         if dcap is not None:
             # [variant grad] softcap: dS *= 1 - (t_capped / softcap)^2, the derivative of softcap * tanh(t / softcap)
             ds *= dcap
-        return _cast_like_kernel(p, self.dtype), _cast_like_kernel(ds, self.dtype)
+        return _cast_like_kernel(p_v, self.dtype), _cast_like_kernel(ds, self.dtype)
 
     def hbm(self, rows, group):
         """A zeroed full-size accumulator ``(batch, heads_kv, group, rows, head_dim)`` ("HBM")."""

@@ -468,3 +468,50 @@ def test_return_dbias_checks():
         cuflash.attention_backward(out, q, k, v, out, lse, bias=np.zeros((5, 7), np.float32), return_dbias=1)
     with pytest.raises(TypeError, match="attn_mask must have dtype bool"):
         cuflash.attention_backward(out, q, k, v, out, lse, attn_mask=np.zeros((5, 7), np.int8))
+
+
+@pytest.mark.parametrize("keywords, error, message", [
+    (dict(dropout_p=1.0, dropout_seed=0), ValueError,
+     "dropout_p must lie in [0, 1) (the probability of zeroing a score); got 1.0"),
+    (dict(dropout_p=-0.1, dropout_seed=0), ValueError,
+     "dropout_p must lie in [0, 1) (the probability of zeroing a score); got -0.1"),
+    (dict(dropout_p=True, dropout_seed=0), TypeError, "dropout_p must be a real number in [0, 1); got bool True"),
+    (dict(dropout_p="0.1", dropout_seed=0), TypeError, "dropout_p must be a real number in [0, 1); got str '0.1'"),
+    (dict(dropout_p=0.1), ValueError,
+     "dropout_p=0.1 needs an explicit dropout_seed (an integer in [0, 2**64)), and the backward the same "
+     "dropout_seed and dropout_offset, so that it regenerates the forward's mask; got dropout_seed=None"),
+    (dict(dropout_p=0.1, dropout_seed=-1), ValueError, "dropout_seed must be an integer in [0, 2**64); got -1"),
+    (dict(dropout_p=0.1, dropout_seed=2**64), ValueError,
+     f"dropout_seed must be an integer in [0, 2**64); got {2**64}"),
+    (dict(dropout_p=0.1, dropout_seed=1.5), TypeError, "dropout_seed must be an integer in [0, 2**64); got float 1.5"),
+    (dict(dropout_p=0.1, dropout_seed=1, dropout_offset=-3), ValueError,
+     "dropout_offset must be an integer in [0, 2**64); got -3"),
+    (dict(dropout_offset=None), TypeError, "dropout_offset must be an integer in [0, 2**64); got NoneType None"),
+])
+def test_dropout_options(no_backend, keywords, error, message):
+    q, k, v = _qkv()
+    with pytest.raises(error, match=re.escape(message)):
+        cuflash.attention(q, k, v, **keywords)
+    out, lse = np.zeros_like(q), np.zeros((2, 4, 5), np.float32)
+    with pytest.raises(error, match=re.escape(message)):
+        cuflash.attention_backward(out, q, k, v, out, lse, **keywords)
+
+
+def test_dropout_on_cupy_arrays_is_not_implemented(no_backend):
+    q, k, v = (_FakeDeviceArray(a, 0) for a in _qkv())
+    with pytest.raises(NotImplementedError, match=re.escape(
+            "dropout runs on NumPy arrays for now; the CUDA kernels get it next (got dropout_p=0.1 with cupy arrays)")):
+        cuflash.attention(q, k, v, dropout_p=0.1, dropout_seed=0)
+    with pytest.raises(NotImplementedError, match="dropout runs on NumPy arrays for now"):
+        cuflash.attention_backward(q, q, k, v, q, _FakeDeviceArray(np.zeros((2, 4, 5), np.float32), 0),
+                                   dropout_p=0.5, dropout_seed=0)
+
+
+def test_dropout_mask_checks():
+    with pytest.raises(ValueError, match=re.escape(
+            "shape must be 4 non-negative integers (batch, heads_q, seqlen_q, seqlen_k); got (2, 3)")):
+        cuflash.dropout_mask((2, 3), 0.5, seed=1)
+    with pytest.raises(ValueError, match=re.escape("dropout_p=0.5 needs an explicit dropout_seed")):
+        cuflash.dropout_mask((1, 1, 2, 2), 0.5, seed=None)
+    with pytest.raises(ValueError, match=re.escape("dropout_p must lie in [0, 1)")):
+        cuflash.dropout_mask((1, 1, 2, 2), 1.5, seed=1)
