@@ -13,6 +13,7 @@ kernels index as one batch of ``total`` rows, as they do D and the float32 dQ an
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import numpy as np
@@ -76,9 +77,7 @@ def _lse_empty(shape: Shape, variant: Variant):
 def check_supported(problem, algorithm: str, variant: Variant = Variant()) -> None:
     """Refuse, before any launch, what the CUDA backend cannot run."""
     dtype = np.dtype(problem.dtype).name
-    causal_only = (variant.window_left is None and variant.window_right is None and not variant.softcap
-                   and variant.alibi_slopes is None and not variant.is_varlen and variant.seqused_k is None
-                   and getattr(variant, "bias", None) is None)
+    causal_only = dataclasses.replace(variant, causal=False).is_dense
     if algorithm in ("naive", "fa1") and not causal_only:
         raise NotImplementedError(
             f"algorithm='{algorithm}' on CuPy arrays runs dense or causal attention only; window_size, softcap, "
@@ -213,7 +212,7 @@ def forward(q, k, v, *, scale, variant: Variant, algorithm, block_q, block_k):
     assert shp.heads_q % shp.heads_kv == 0 and d in HEAD_DIMS
     dtype = np.dtype(q.dtype).name
     variant = _kernel_ready(variant)
-    bp = None if getattr(variant, "bias", None) is None else bias_params(variant.bias, None)
+    bp = None if variant.bias is None else bias_params(variant.bias, None)
     vtype, vp = variant_type(variant), variant_params(variant, scale, shp.rows_q, shp.rows_k, bp)
     out = cupy.empty(q.shape, dtype=q.dtype)
     lse = _lse_empty(shp, variant)
@@ -260,11 +259,9 @@ def _preprocess(spec_family, dtype, d, do, out, shp: Shape):
 
 def _kernel_ready(variant: Variant) -> Variant:
     """The variant with a bias the kernels can index (float32 with a contiguous last axis; others copied)."""
-    import dataclasses
-
     import cupy
 
-    bias = getattr(variant, "bias", None)
+    bias = variant.bias
     if bias is None:
         return variant
     if bias.shape[2] * max(bias.shape[3], bias.strides[2] // bias.itemsize) >= 2**31:
@@ -298,10 +295,10 @@ def backward(do, q, k, v, out, lse, *, scale, variant: Variant, algorithm, block
 
     variant = _kernel_ready(variant)
     dbias = None
-    if want_dbias and getattr(variant, "bias", None) is not None:  # [variant grad]: tiles no query visits stay 0
+    if want_dbias and variant.bias is not None:  # [variant grad]: tiles no query visits stay 0
         dbias = cupy.zeros((shp.batch, shp.heads_q, shp.rows_q, shp.rows_k), dtype=cupy.float32)
     vtype, fscale = variant_type(variant), np.float32(scale)
-    bp = None if getattr(variant, "bias", None) is None else bias_params(variant.bias, dbias)
+    bp = None if variant.bias is None else bias_params(variant.bias, dbias)
     vp = variant_params(variant, scale, shp.rows_q, shp.rows_k, bp)
     grads = _backward(do, q, k, v, out, lse, shp, variant, vtype, vp, fscale, order, block_q, block_k, dtype)
     return grads if dbias is None else (*grads, dbias)

@@ -9,21 +9,11 @@ from __future__ import annotations
 import numpy as np
 
 from .compile import arch_class, check_smem, device_info, launch
-from .spec import TILES, Tile
+from .spec import TILES, Tile, _b
 from .spec import spec as kernel_spec
 
 __all__ = ["forward", "backward"]
 
-_LOG2E = 1.4426950408889634
-
-
-def _b(x: bool) -> str:
-    return "true" if x else "false"
-
-
-def _strides(a):
-    it = a.itemsize
-    return tuple(np.int64(s // it) for s in a.strides[:3])
 
 
 def _fa1_tile(direction: str, d: int, block_q, block_k, f32: bool = False) -> Tile:
@@ -72,7 +62,7 @@ def forward(q, k, v, *, scale, causal_offset, block_q, block_k):
     need no zeroing."""
     import cupy
 
-    from .attention import aligned
+    from .attention import _LOG2E, aligned, strides
 
     B, Nq, Hq, d = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
@@ -90,7 +80,7 @@ def forward(q, k, v, *, scale, causal_offset, block_q, block_k):
     check_smem(spec)
     launch(spec, (Hq, B), (
         q, k, v, out, lse, o_run, ml_run[0], ml_run[1], np.int32(Nq), np.int32(Nk), np.int32(Hq), np.int32(Hq // Hkv),
-        *_strides(q), *_strides(k), *_strides(v), *_strides(out), np.float32(scale * _LOG2E),
+        *strides(q), *strides(k), *strides(v), *strides(out), np.float32(scale * _LOG2E),
         np.int32(causal_offset if causal else 0)))
     return out, lse
 
@@ -101,7 +91,7 @@ def backward(do, q, k, v, out, lse, *, scale, causal_offset, block_q, block_k):
     the dQ scale/cast and the GQA dK/dV group sum are backward.cu's small kernels, shared with FA2."""
     import cupy
 
-    from .attention import Shape, aligned, convert_dq, reduce_dkv
+    from .attention import Shape, aligned, cdiv, convert_dq, reduce_dkv, strides
 
     B, Nq, Hq, d = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
@@ -116,8 +106,8 @@ def backward(do, q, k, v, out, lse, *, scale, causal_offset, block_q, block_k):
     if not f32:
         q, k, v, do = aligned(q), aligned(k), aligned(v), aligned(do)
     # [bwd 0] D = rowsum(dO * O)
-    launch(kernel_spec("bwd_pre_f32" if f32 else "bwd_pre", dtype, d), (-(-Nq // 4), Hq, B), (
-        do, out, delta, np.int32(Nq), np.int32(Hq), *_strides(do), *_strides(out)))
+    launch(kernel_spec("bwd_pre_f32" if f32 else "bwd_pre", dtype, d), (cdiv(Nq, 4), Hq, B), (
+        do, out, delta, np.int32(Nq), np.int32(Hq), *strides(do), *strides(out)))
     if f32:
         spec = kernel_spec("fa1_bwd_f32", dtype, d, _fa1_tile("fa1_bwd", d, None, block_k, f32=True), _b(causal))
         check_smem(spec)
@@ -125,7 +115,7 @@ def backward(do, q, k, v, out, lse, *, scale, causal_offset, block_q, block_k):
         dkv = cupy.empty((2, B, Hq, Nk, d), dtype=cupy.float32)
         launch(spec, (Hq, B), (
             q, k, v, do, lse, delta, dq, dkv, np.int32(Nq), np.int32(Nk), np.int32(Hq), np.int32(group),
-            *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), fscale, off))
+            *strides(q), *strides(k), *strides(v), *strides(do), *strides(dq), fscale, off))
         dkv = dkv.reshape(2, B, Hkv, group, Nk, d).sum(axis=3).transpose(0, 1, 3, 2, 4)  # (2, B, Nk, Hkv, d)
         return dq, cupy.ascontiguousarray(dkv[0]), cupy.ascontiguousarray(dkv[1])
 
@@ -139,7 +129,7 @@ def backward(do, q, k, v, out, lse, *, scale, causal_offset, block_q, block_k):
     launch(spec, (Hq, B), (
         q, k, v, do, lse, delta, dq_accum, dk, dv, dkv_accum if dkv_accum is not None else np.uintp(0),
         np.int32(Nq), np.int32(Nk), np.int32(Hq), np.int32(group),
-        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv), fscale, off))
+        *strides(q), *strides(k), *strides(v), *strides(do), *strides(dk), *strides(dv), fscale, off))
     convert_dq(dq_accum, dq, dtype, d, shp, fscale)
     if group > 1:
         reduce_dkv(dkv_accum, dk, dv, dtype, d, shp)

@@ -165,7 +165,7 @@ def variant_type(variant: Variant) -> str:
     Has_alibi, Has_bias>`` of a variant: only what changes the compiled code (values travel in VariantParams)."""
     flags = (variant.window_left is not None, variant.right is not None, variant.is_varlen,
              variant.seqused_k is not None, bool(variant.softcap), variant.alibi_slopes is not None,
-             getattr(variant, "bias", None) is not None)
+             variant.bias is not None)
     return _policy(flags)
 
 
