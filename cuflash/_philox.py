@@ -20,6 +20,7 @@ _M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)   # round multipliers
 _W0, _W1 = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)   # Weyl key increments (golden ratio, sqrt(3) - 1)
 _MASK32 = np.uint64(0xFFFFFFFF)
 _SHIFT32 = np.uint64(32)
+_U1, _U3, _U4, _U7 = np.uint64(1), np.uint64(3), np.uint64(4), np.uint64(7)
 ROUNDS = 10
 
 
@@ -52,15 +53,23 @@ def keep_threshold(dropout_p: float) -> int:
 def dropout_keep(seed: int, offset: int, dropout_p: float, b, h, i, j) -> np.ndarray:
     """The keep decision of score ``(b, h, i, j)``: a boolean array, the broadcast of the index arrays.
 
-    key = ``(seed mod 2**32, seed >> 32)``; counter = ``(j // 4, i, lo32(W), hi32(W))`` with the 64-bit
-    ``W = (b * 2**32 + h + offset) mod 2**64``; the Philox word ``j mod 4`` of that call is ``r``, and the
-    score is kept iff ``r < keep_threshold(p)``. A pure function of ``(seed, offset, b, h, i, j)``.
+    key = ``(seed mod 2**32, seed >> 32)``; counter = ``(c0, c1, lo32(W), hi32(W))`` with
+    ``c0 = (j >> 4) * 8 + (j & 7)``, ``c1 = (i >> 4) * 8 + (i & 7)`` and the 64-bit
+    ``W = (b * 2**32 + h + offset) mod 2**64``; the Philox word ``2 * ((i >> 3) & 1) + ((j >> 3) & 1)`` of
+    that call is ``r``, and the score is kept iff ``r < keep_threshold(p)``. A pure function of
+    ``(seed, offset, b, h, i, j)``.
+
+    One call thus serves the four scores ``(i, i + 8) x (j, j + 8)`` (``i & 8 == 0``, ``j & 8 == 0``) of a
+    16 x 16 block: the four accumulator entries that one lane of an mma holds, in both the normal and the
+    transposed (backward) layout (``docs/variants.md``, "Dropout").
     """
     b, h, i, j = (np.asarray(x, dtype=np.uint64) for x in (b, h, i, j))
     with np.errstate(over="ignore"):  # the 64-bit word wraps mod 2**64 by definition
         w = (b << _SHIFT32) + h + np.uint64(offset)
-    words = philox4x32((j >> np.uint64(2), i, w & _MASK32, w >> _SHIFT32), (seed & 0xFFFFFFFF, seed >> 32))
-    lane = (j & np.uint64(3)).astype(np.intp)
+    c0 = ((j >> _U4) << _U3) + (j & _U7)
+    c1 = ((i >> _U4) << _U3) + (i & _U7)
+    words = philox4x32((c0, c1, w & _MASK32, w >> _SHIFT32), (seed & 0xFFFFFFFF, seed >> 32))
+    lane = ((((i >> _U3) & _U1) << _U1) + ((j >> _U3) & _U1)).astype(np.intp)
     shape = np.broadcast_shapes(*(x.shape for x in words), lane.shape)
     r = np.choose(np.broadcast_to(lane, shape), [np.broadcast_to(x, shape) for x in words])
     threshold = keep_threshold(dropout_p)

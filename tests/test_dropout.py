@@ -32,11 +32,18 @@ def _philox_scalar(counter, key, rounds=10):
     return tuple(c)
 
 
+def _layout(i, j):
+    """The documented counter words c0, c1 and the word index of score (i, j): 16 x 16 blocks, one call per
+    (i, i + 8) x (j, j + 8) quadruple."""
+    return (j >> 4) * 8 + (j & 7), (i >> 4) * 8 + (i & 7), 2 * ((i >> 3) & 1) + ((j >> 3) & 1)
+
+
 def _keep_scalar(seed, offset, p, b, h, i, j):
     """The documented keep decision, on Python integers."""
     w = ((b << 32) + h + offset) % 2**64
-    words = _philox_scalar((j // 4, i, w & 0xFFFFFFFF, w >> 32), (seed & 0xFFFFFFFF, seed >> 32))
-    return words[j % 4] < int(np.floor((1.0 - p) * 2.0**32))
+    c0, c1, word = _layout(i, j)
+    words = _philox_scalar((c0, c1, w & 0xFFFFFFFF, w >> 32), (seed & 0xFFFFFFFF, seed >> 32))
+    return words[word] < int(np.floor((1.0 - p) * 2.0**32))
 
 
 @pytest.mark.parametrize("counter, key, expected", PHILOX4X32_10_KAT)
@@ -59,7 +66,7 @@ def test_philox_vectorized_matches_scalar():
 def test_keep_decision_matches_its_definition():
     """cuflash.dropout_mask entry by entry against the scalar definition, with a seed and an offset that
     use both 32-bit halves and an offset that carries from the head word into the batch word."""
-    shape = (2, 3, 5, 9)
+    shape = (2, 3, 18, 20)  # past 8 and 16 on both axes: every word and counter step of the layout
     for seed, offset in ((0x0123456789ABCDEF, 0), (7, 2**32 - 2), (2**64 - 1, 2**64 - 1)):
         mask = cuflash.dropout_mask(shape, 0.4, seed, offset)
         assert mask.shape == shape and mask.dtype == bool
@@ -67,6 +74,46 @@ def test_keep_decision_matches_its_definition():
             assert mask[b, h, i, j] == _keep_scalar(seed, offset, 0.4, b, h, i, j), (seed, offset, b, h, i, j)
         # scalar indices too (the 64-bit word wraps without a warning)
         assert bool(_philox.dropout_keep(seed, offset, 0.4, 1, 2, 3, 4)) == _keep_scalar(seed, offset, 0.4, 1, 2, 3, 4)
+
+
+def test_counter_layout_against_scalar_philox():
+    """dropout_keep at chosen (i, j) equals the threshold test of word 2 * ((i >> 3) & 1) + ((j >> 3) & 1) of
+    one scalar Philox call at counter ((j >> 4) * 8 + (j & 7), (i >> 4) * 8 + (i & 7), lo32(W), hi32(W)),
+    written out by hand here; p = 0.5 makes the word's top bit the decision."""
+    seed, offset, b, h = 0x0123456789ABCDEF, 5, 1, 2
+    w = (b << 32) + h + offset
+    key = (seed & 0xFFFFFFFF, seed >> 32)
+    cases = {  # (i, j): (c0, c1, word)
+        (0, 0): (0, 0, 0), (0, 8): (0, 0, 1), (8, 0): (0, 0, 2), (8, 8): (0, 0, 3),
+        (5, 13): (5, 5, 1), (13, 5): (5, 5, 2), (16, 16): (8, 8, 0), (23, 31): (15, 15, 1),
+        (100, 37): (21, 52, 0), (1000, 2047): (1023, 496, 3),
+    }
+    for (i, j), (c0, c1, word) in cases.items():
+        assert _layout(i, j) == (c0, c1, word), (i, j)
+        r = _philox_scalar((c0, c1, w & 0xFFFFFFFF, w >> 32), key)[word]
+        assert bool(_philox.dropout_keep(seed, offset, 0.5, b, h, i, j)) == (r < 2**31), (i, j)
+    # the four scores (i, i + 8) x (j, j + 8) of a 16 x 16 block read the four words of one call, in order
+    i0, j0 = 16 * 3 + 5, 16 * 7 + 2
+    words = _philox_scalar(((j0 >> 4) * 8 + (j0 & 7), (i0 >> 4) * 8 + (i0 & 7), w & 0xFFFFFFFF, w >> 32), key)
+    quad = [(i0 + 8 * a, j0 + 8 * c) for a in (0, 1) for c in (0, 1)]
+    threshold = _philox.keep_threshold(0.3)
+    for n, (i, j) in enumerate(quad):
+        assert bool(_philox.dropout_keep(seed, offset, 0.3, b, h, i, j)) == (words[n] < threshold), (i, j)
+    # distinct scores of a sequence never share (counter, word): the layout is a bijection
+    seen = {(*_layout(i, j)[:2], _layout(i, j)[2]) for i in range(64) for j in range(48)}
+    assert len(seen) == 64 * 48
+
+
+# The keep mask of one 16 x 16 block, (b, h) = (1, 3), seed 2024, offset 7, p = 0.5: bit j of row i is
+# keep(i, j), computed once from the scalar definition above (a pin for the CUDA kernels' tests)
+KNOWN_BLOCK = (0x65A9, 0x41B8, 0xC0DD, 0xCD1E, 0xB984, 0xC4DF, 0xE8FB, 0xBF98,
+               0x9C6D, 0x5302, 0x391A, 0x7651, 0x5631, 0xFBF8, 0xEFCC, 0x2F11)
+
+
+def test_known_block_mask():
+    mask = cuflash.dropout_mask((2, 4, 16, 16), 0.5, seed=2024, offset=7)[1, 3]
+    rows = tuple(int((mask[i].astype(np.int64) << np.arange(16)).sum()) for i in range(16))
+    assert rows == KNOWN_BLOCK, [hex(r) for r in rows]
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
