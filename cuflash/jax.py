@@ -12,7 +12,10 @@ same way and is differentiated (the custom_vjp returns its gradient). Under ``ji
 tracers too: their shapes and dtypes are checked when the function is traced, their values (cu_seqlens
 start at 0, grow, end at the row count; seqused_k in range) only when the compiled function runs, where a
 bad value raises from inside the callback. ``max_seqlen_q``, ``max_seqlen_k``, ``window_size`` and
-``softcap`` are Python values, static under ``jit``.
+``softcap`` are Python values, static under ``jit``; so are ``dropout_p``, ``dropout_seed`` and
+``dropout_offset``. JAX has no global random generator: dropout needs an explicit integer ``dropout_seed``
+(draw one from a ``jax.random`` key outside the function, or pass a counter), and the backward reuses the
+forward's seed and offset.
 
 Importing :mod:`cuflash` never imports this module, so JAX stays optional (``pip install cuflash[jax]``).
 """
@@ -104,6 +107,22 @@ def _check(q, k, v, bias, arrays, options):
                   variant_options={**options, **array_options}, read_values=not traced)
 
 
+def _check_dropout_seed(dropout_p, dropout_seed) -> None:
+    """A positive ``dropout_p`` without a seed: say where a JAX user gets one (cuflash's check says the rest)."""
+    if dropout_seed is None and isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool) \
+            and 0 < dropout_p < 1:
+        raise ValueError(
+            f"cuflash.jax.attention: dropout_p={float(dropout_p)} needs an explicit integer dropout_seed in "
+            f"[0, 2**64) (JAX has no global random generator; draw one from a key outside the function, e.g. "
+            f"int(jax.random.randint(key, (), 0, 2**31 - 1))); got dropout_seed=None"
+        )
+    if isinstance(dropout_seed, jax.Array):
+        raise TypeError(
+            "cuflash.jax.attention: dropout_seed must be a Python integer (a static value: the mask is drawn "
+            "on the host from it); got a JAX array, convert a concrete one with int(...)"
+        )
+
+
 def _keywords(options, arrays):
     """The keywords of cuflash.attention from the static options and the variant arrays."""
     return {**{key: val for key, val in options if key != "deterministic"}, **dict(zip(_api.ARRAY_OPTIONS, arrays))}
@@ -162,6 +181,9 @@ def attention(
     seqused_k=None,
     bias=None,
     attn_mask=None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+    dropout_offset: int = 0,
     algorithm: str = "fa2",
     block_q: int | None = None,
     block_k: int | None = None,
@@ -175,13 +197,19 @@ def attention(
     ``alibi_slopes``, ``cu_seqlens_q``, ``cu_seqlens_k``, ``seqused_k`` and ``attn_mask`` (JAX or NumPy
     arrays) get none. Under ``jax.jit`` the values of ``cu_seqlens_q``,
     ``cu_seqlens_k`` and ``seqused_k`` are checked when the compiled function runs.
+
+    ``dropout_p > 0`` needs an explicit Python integer ``dropout_seed`` in ``[0, 2**64)`` (static under
+    ``jit``: a new seed retraces; JAX has no global generator to draw it from); the mask is
+    ``cuflash.dropout_mask(..., dropout_p, dropout_seed, dropout_offset)``, the same as NumPy's.
     """
     options = (
         ("causal", causal), ("softmax_scale", softmax_scale), ("causal_align", causal_align),
         ("window_size", window_size), ("softcap", softcap), ("max_seqlen_q", max_seqlen_q),
         ("max_seqlen_k", max_seqlen_k), ("algorithm", algorithm), ("block_q", block_q), ("block_k", block_k),
+        ("dropout_p", dropout_p), ("dropout_seed", dropout_seed), ("dropout_offset", dropout_offset),
         ("deterministic", deterministic),
     )
+    _check_dropout_seed(dropout_p, dropout_seed)
     q, k, v = (jax.numpy.asarray(a) for a in (q, k, v))  # NumPy inputs too, as any JAX function
     given = dict(alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                  seqused_k=seqused_k, attn_mask=attn_mask)

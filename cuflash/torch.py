@@ -10,6 +10,10 @@ Layout is cuflash's ``(batch, seqlen, heads, head_dim)``, or packed ``(total, he
 ``t.transpose(1, 2)``, with no copy. The variant tensors (``alibi_slopes``, ``cu_seqlens_q``,
 ``cu_seqlens_k``, ``seqused_k``, ``attn_mask``) cross the same way as q, k, v and get no gradient; ``bias``
 crosses the same way and gets one when it requires grad (computed only then).
+
+Dropout (``dropout_p > 0``) draws its Philox seed from PyTorch's default CPU generator when no
+``dropout_seed`` is given (:func:`draw_dropout_seed`), as flash-attention draws from PyTorch's generator:
+``torch.manual_seed(s)`` reproduces a run, and the backward reuses the forward's seed and offset.
 """
 
 from __future__ import annotations
@@ -23,7 +27,19 @@ import torch
 import cuflash
 from cuflash import _api, _validate
 
-__all__ = ["attention"]
+__all__ = ["attention", "draw_dropout_seed"]
+
+
+def draw_dropout_seed(generator: torch.Generator | None = None) -> int:
+    """One dropout seed, an integer in ``[0, 2**63 - 1)``, drawn with ``torch.randint`` from ``generator``
+    (a CPU generator; default: PyTorch's default CPU generator, which ``torch.manual_seed`` seeds).
+
+    :func:`attention` calls this for a ``dropout_p > 0`` call without ``dropout_seed``, so that after
+    ``torch.manual_seed(s)`` the same draw gives the seed it used, and
+    ``cuflash.dropout_mask((batch, heads_q, seqlen_q, seqlen_k), dropout_p, seed, dropout_offset)`` the mask
+    it applied. The draw runs on the CPU: no device synchronization.
+    """
+    return int(torch.randint(0, 2**63 - 1, (), generator=generator, dtype=torch.int64).item())
 
 
 def _to_array(t: torch.Tensor):
@@ -120,6 +136,9 @@ def attention(
     seqused_k: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+    dropout_offset: int = 0,
     algorithm: str = "fa2",
     block_q: int | None = None,
     block_k: int | None = None,
@@ -134,6 +153,11 @@ def attention(
     ``v`` and ``bias`` (summed over the axes it broadcasts over; computed only when it requires grad); the
     other variant tensors and the logsumexp (with ``return_lse=True``, shape ``(heads_q, total_q)`` when
     packed) are not differentiable.
+
+    ``dropout_p > 0`` zeroes probabilities as :func:`cuflash.attention` does. Without ``dropout_seed`` the seed
+    is drawn by :func:`draw_dropout_seed` from PyTorch's default CPU generator (one draw per call with
+    ``dropout_p > 0``, none otherwise), so ``torch.manual_seed`` makes a run reproducible; the backward
+    reuses the forward's seed and ``dropout_offset``. Call with ``dropout_p=0`` to evaluate without dropout.
     """
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         kinds = ", ".join(type(t).__name__ for t in (q, k, v))
@@ -141,10 +165,16 @@ def attention(
     if bias is not None and not isinstance(bias, torch.Tensor):
         raise TypeError(f"bias must be a torch.Tensor (on the device of q) or None; got {type(bias).__name__}")
     _validate.backward_order(None, deterministic)  # only the backward uses it: check it before the forward
+    # checked before the draw, so that a bad value consumes nothing of the generator
+    dropout_p, _, dropout_offset = _validate.dropout(dropout_p, 0 if dropout_seed is None else dropout_seed,
+                                                     dropout_offset)
+    if dropout_p > 0 and dropout_seed is None:
+        dropout_seed = draw_dropout_seed()
     options = dict(
         causal=causal, softmax_scale=softmax_scale, causal_align=causal_align, window_size=window_size,
         softcap=softcap, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, attn_mask=attn_mask,
+        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
         algorithm=algorithm, block_q=block_q, block_k=block_k,
     )
     for name in _api.ARRAY_OPTIONS:  # never differentiated: keep autograd from holding on to their graphs
