@@ -58,7 +58,6 @@ def _prepare(q, k, v, *, softmax_scale, algorithm, block_q, block_k, variant_opt
     arrays = {"q": q, "k": k, "v": v, **(extra or {})}
     arrays.update((name, variant_options[name]) for name in ("bias", *ARRAY_OPTIONS) if variant_options[name] is not None)
     library = _validate.check_same_library(**arrays)
-    _validate.dropout_library(variant_options.get("dropout_p", 0.0), library)
     problem = _validate.check_qkv(q, k, v, varlen=varlen)
     if varlen:
         problem = _validate.check_cu_seqlens(problem, *packed, read_values=read_values)
@@ -151,7 +150,7 @@ def attention(
         In ``[0, 1)``: each probability (after the softmax, whose ``lse`` it leaves unchanged) is zeroed with
         this probability and the kept ones are scaled by ``1 / (1 - dropout_p)``, as flash-attention. The
         keep decision of each score is a pure function of ``(dropout_seed, dropout_offset, b, h, i, j)``
-        (``docs/variants.md``, "Dropout"; :func:`dropout_mask` returns it). NumPy arrays only for now.
+        (``docs/variants.md``, "Dropout"; :func:`dropout_mask` returns it). NumPy and CuPy (fa2) arrays.
     dropout_seed : int, optional
         In ``[0, 2**64)``; required when ``dropout_p > 0``. The same seed and offset give the same mask.
     dropout_offset : int

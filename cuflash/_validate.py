@@ -476,18 +476,6 @@ def _uint64(name: str, value) -> int:
     return int(value)
 
 
-def dropout_library(dropout_p, library: str) -> None:
-    """Dropout runs on NumPy arrays only for now: refuse a positive ``dropout_p`` for another ``library``
-    (checked before anything of that library is used; :func:`dropout` checks the values)."""
-    positive = (not isinstance(dropout_p, (bool, np.bool_)) and isinstance(dropout_p, numbers.Real)
-                and float(dropout_p) > 0)
-    if positive and library != "numpy":
-        raise NotImplementedError(
-            f"dropout runs on NumPy arrays for now; the CUDA kernels get it next "
-            f"(got dropout_p={float(dropout_p)} with {library} arrays)"
-        )
-
-
 def dropout(dropout_p, dropout_seed, dropout_offset) -> tuple[float, int | None, int]:
     """``(dropout_p, dropout_seed, dropout_offset)`` normalized: a probability in ``[0, 1)``, the seed
     (required, explicit, when ``dropout_p > 0``: no hidden global generator) and the offset."""

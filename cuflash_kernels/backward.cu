@@ -288,14 +288,30 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
             for (int i = 0; i < 2; ++i) mask_block<true>(st[i], bi, key_base + 16 * i, m0 + wm * kQW, lane, 0.f);
         }
         // P^T in the input dtype, as A fragments: to shared memory for dV, and kept (16 bits, half the
-        // registers of float32) for dS^T.
+        // registers of float32) for dS^T. [variant dropout] dV takes P^T dropped and times 1 / (1 - p).
         u32 pt[2][kQN8 / 2][4];
+        u32 keep_bits[V::Has_dropout ? 2 : 1][(4 * kQN8 + 31) / 32];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
+            if constexpr (V::Has_dropout) dropout_bits<true, kQN8>(keep_bits[i], bi, key_base + 16 * i, m0 + wm * kQW, lane);
 #pragma unroll
             for (int kk = 0; kk < kQN8 / 2; ++kk) {
                 c_to_a<T, kQN8>(pt[i][kk], st[i], kk);
-                store_a_frag<kBlockM>(sPt, pt[i][kk], wn * 32 + 16 * i + g, wm * (kQW / 8) + 2 * kk, t);
+                if constexpr (V::Has_dropout) {
+                    float sd[2][4];
+#pragma unroll
+                    for (int hn = 0; hn < 2; ++hn) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            sd[hn][e] = kept<kQN8>(keep_bits[i], 2 * kk + hn, e) ? st[i][2 * kk + hn][e] * bi.keep_scale : 0.f;
+                        }
+                    }
+                    u32 pd[4];
+                    c_to_a<T, 2>(pd, sd, 0);
+                    store_a_frag<kBlockM>(sPt, pd, wn * 32 + 16 * i + g, wm * (kQW / 8) + 2 * kk, t);
+                } else {
+                    store_a_frag<kBlockM>(sPt, pt[i][kk], wn * 32 + 16 * i + g, wm * (kQW / 8) + 2 * kk, t);
+                }
             }
         }
 
@@ -316,7 +332,9 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
                     for (int e = 0; e < 4; ++e) {
                         const u32 w = pt[i][kk][2 * hn + (e >> 1)];
                         const float p = Elem<T>::to_float(static_cast<u16>(e & 1 ? w >> 16 : w & 0xffffu));
-                        dpt[i][nt][e] = p * (dpt[i][nt][e] - (e & 1 ? d2.y : d2.x));
+                        float dp = dpt[i][nt][e];
+                        if constexpr (V::Has_dropout) dp = kept<kQN8>(keep_bits[i], nt, e) ? dp * bi.keep_scale : 0.f;
+                        dpt[i][nt][e] = p * (dp - (e & 1 ? d2.y : d2.x));
                     }
                 }
             }
@@ -541,6 +559,7 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
             for (int e = 0; e < 4; ++e) s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2, -lse_r[e >> 1]));
         }
         if (bi.needs_mask(m0, kBlockM, n0, kBlockN)) mask_block<false>(s, bi, row_base, n0, lane, 0.f);  // [variant mask]
+        dropout_scores<false>(dp, bi, row_base, n0, lane, V::Has_dropout ? bi.keep_scale : 1.f);  // [variant dropout] on dP
         // [bwd 4] dS = P (dP - D), in place of dP ([variant grad]: times d mod / d s).
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
@@ -669,6 +688,7 @@ flash_bwd_dq_f32_kernel(const float* __restrict__ q, const float* __restrict__ k
             float grad = 1.f;
             s = bi.template mod<true>(s, row, key, grad);  // [variant mod]
             const float p = expf(s * scale - l);  // [bwd 1]
+            if constexpr (V::Has_dropout) dp = bi.keep(row, key) ? dp * bi.keep_scale : 0.f;  // [variant dropout]
             ds = p * (dp - dd) * grad;            // [bwd 3], [bwd 4], [variant grad]
         }
         const int nk = min(32, keys.y - j0);

@@ -195,10 +195,23 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
             for (int e = 0; e < 4; ++e) st[nt][e] = fast_exp2(fmaf(st[nt][e], scale_log2, e & 1 ? nl1 : nl0));
         }
         if (bi.needs_mask(m0, kBlockM, n0, kBlockN)) mask_block<true>(st, bi, key_base, m0, lane, 0.f);  // [variant mask]
-        // P^T in the input dtype as A fragments (as it enters dV, and as dS^T uses it).
+        // P^T in the input dtype as A fragments (as it enters dV, and as dS^T uses it). [variant dropout]
+        // dV takes P^T dropped and times 1 / (1 - p), dS^T the dropped dP^T.
         u32 pt[kMT][4];
 #pragma unroll
         for (int kk = 0; kk < kMT; ++kk) c_to_a<T, kNT>(pt[kk], st, kk);
+        u32 keep_bits[V::Has_dropout ? (4 * kNT + 31) / 32 : 1];
+        u32 ptd[V::Has_dropout ? kMT : 1][4];
+        if constexpr (V::Has_dropout) {
+            dropout_bits<true, kNT>(keep_bits, bi, key_base, m0, lane);
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) st[nt][e] = kept<kNT>(keep_bits, nt, e) ? st[nt][e] * bi.keep_scale : 0.f;
+            }
+#pragma unroll
+            for (int kk = 0; kk < kMT; ++kk) c_to_a<T, kNT>(ptd[kk], st, kk);
+        }
 
         // [bwd 4] dS^T = P^T (dP^T - D), in place of dP^T, then packed to the input dtype.
         wgmma_wait<0>();
@@ -213,7 +226,9 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
                 for (int e = 0; e < 4; ++e) {
                     const u32 w = pt[kk][2 * hn + (e >> 1)];
                     const float p = Elem<T>::to_float(static_cast<u16>(e & 1 ? w >> 16 : w & 0xffffu));
-                    dpt[nt][e] = p * (dpt[nt][e] - (e & 1 ? d2.y : d2.x));
+                    float dp = dpt[nt][e];
+                    if constexpr (V::Has_dropout) dp = kept<kNT>(keep_bits, nt, e) ? dp * bi.keep_scale : 0.f;
+                    dpt[nt][e] = p * (dp - (e & 1 ? d2.y : d2.x));
                 }
             }
         }
@@ -249,7 +264,13 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
         // [bwd 2] dV += P^T dO and [bwd 6] dK += dS^T Q (scale applied once at the end), A from registers.
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kMT; ++kk) Wgmma<T>::rs_tb(dv_acc, pt[kk], desc_qmn(tdo, kk), 1, Int<kHeadDim>());
+        for (int kk = 0; kk < kMT; ++kk) {
+            if constexpr (V::Has_dropout) {
+                Wgmma<T>::rs_tb(dv_acc, ptd[kk], desc_qmn(tdo, kk), 1, Int<kHeadDim>());
+            } else {
+                Wgmma<T>::rs_tb(dv_acc, pt[kk], desc_qmn(tdo, kk), 1, Int<kHeadDim>());
+            }
+        }
         wgmma_commit();
 #pragma unroll
         for (int kk = 0; kk < kMT; ++kk) Wgmma<T>::rs_tb(dk_acc, dst[kk], desc_qmn(tq, kk), 1, Int<kHeadDim>());

@@ -22,6 +22,7 @@
 namespace cuflash {
 
 typedef unsigned int u32;
+typedef unsigned long long u64;
 typedef unsigned short u16;
 typedef long long i64;
 

@@ -27,10 +27,14 @@ __device__ __forceinline__ void load_kv_f32(float* sK, float* sV, const float* k
 // [variant mod]), warp reductions give the new max and the rescale [fa2-fwd 3] and the sum of P
 // [fa2-fwd 4], and lane c adds P V_j into elements c, c + 32, ... of acc = l * O [fa2-fwd 5].
 // m (scale * log2(e) units) and l are the row's running max and sum.
-template <int kHeadDim, int kBlockN, class Mod>
+// drop(p, key): P as it enters P V ([variant dropout]: 0 for a dropped score; the row sum keeps every P).
+struct NoDrop {
+    __device__ __forceinline__ float operator()(float p, int) const { return p; }
+};
+template <int kHeadDim, int kBlockN, class Mod, class Drop = NoDrop>
 __device__ __forceinline__ void f32_row_step(const float* sq, const float* sK, const float* sV, int n0, int k_first,
                                              int k_end, float scale_log2, float (&acc)[kHeadDim / 32], float& m,
-                                             float& l, int lane, Mod&& mod) {
+                                             float& l, int lane, Mod&& mod, Drop&& drop = Drop{}) {
     static_assert(kHeadDim % 32 == 0 && kBlockN >= 1 && kBlockN <= 32, "one lane per key of the tile");
     constexpr int kPer = kHeadDim / 32, kKStride = kHeadDim + 1;
     const bool valid = lane < kBlockN && n0 + lane < k_end && n0 + lane >= k_first;
@@ -49,11 +53,12 @@ __device__ __forceinline__ void f32_row_step(const float* sq, const float* sK, c
     const float p = valid ? exp2f(s - m_use) : 0.f;
     l = l * corr + warp_sum(p);
     m = m_new;
+    const float pv = valid ? drop(p, n0 + lane) : 0.f;
 #pragma unroll
     for (int c = 0; c < kPer; ++c) acc[c] *= corr;
     const int nk = min(kBlockN, k_end - n0);
     for (int jj = 0; jj < nk; ++jj) {
-        const float pj = __shfl_sync(0xffffffffu, p, jj);
+        const float pj = __shfl_sync(0xffffffffu, pv, jj);
         const float* vrow = sV + jj * kHeadDim;
 #pragma unroll
         for (int c = 0; c < kPer; ++c) acc[c] = fmaf(pj, vrow[lane + 32 * c], acc[c]);
@@ -142,12 +147,15 @@ __device__ __forceinline__ void bwd_f32_key_tile(const F32BwdArgs& a, const Bloc
                 float grad = 1.f;
                 const float sm = bi.template mod<true>(warp_sum(s), row, key, grad);  // [variant mod]
                 const float p = expf(sm * a.scale - lse_i);             // [bwd 1]
-                const float dt = p * (warp_sum(dp) - d_i);              // [bwd 3], [bwd 4]
+                // [variant dropout] P dropped (times 1 / (1 - p)) enters dV, and dP the same way enters dS.
+                const float kp = V::Has_dropout ? (bi.keep(row, key) ? bi.keep_scale : 0.f) : 1.f;
+                const float pd = p * kp;
+                const float dt = p * (warp_sum(dp) * kp - d_i);         // [bwd 3], [bwd 4]
                 if (lane == 0) bi.store_dbias(row, key, dt);           // [variant grad] dbias (added after softcap)
                 const float ds = dt * grad;                             // [variant grad] softcap
 #pragma unroll
                 for (int c = 0; c < kPer; ++c) {
-                    dv_acc[kk][c] = fmaf(p, sdO[lane + 32 * c], dv_acc[kk][c]);  // [bwd 2]
+                    dv_acc[kk][c] = fmaf(pd, sdO[lane + 32 * c], dv_acc[kk][c]);  // [bwd 2]
                     dk_acc[kk][c] = fmaf(ds, sQ[lane + 32 * c], dk_acc[kk][c]);  // [bwd 6]
                     dq_part[c] = fmaf(ds, krow[lane + 32 * c], dq_part[c]);      // [bwd 5]
                 }

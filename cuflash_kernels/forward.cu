@@ -134,6 +134,7 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
             if (need_mask) mask_block<false>(s[mt], bi, row_base + mt * 16, n0, lane, -CUFLASH_INF);  // [variant mask]
             // [fa2-fwd 3] and [fa2-fwd 4]
             sm[mt].update(s[mt], acc[mt]);
+            dropout_scores<false>(s[mt], bi, row_base + mt * 16, n0, lane, 1.f);  // [variant dropout] after the row sum
         }
 
         cp_async_wait<2 * kStages - 2>();  // V_j has landed
@@ -168,7 +169,7 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const float l = quad_sum(sm[mt].l[hh]);
-            const float inv = l > 0.f ? 1.f / l : 0.f;
+            const float inv = l > 0.f ? (V::Has_dropout ? bi.keep_scale : 1.f) / l : 0.f;  // [variant dropout] 1 / (1 - p)
             const int row = row_base + mt * 16 + g + 8 * hh;
             if (row < bi.len_q) {
                 u16* orow = og + (i64)row * o_ss;
@@ -234,6 +235,7 @@ flash_fwd_f32_kernel(const float* __restrict__ q, const float* __restrict__ k, c
     }
     const int2 kr = bi.key_range(m0, min(m0 + kBlockM, bi.len_q));
     const auto mod = [&](int i) { return [&bi, i](float s, int key) { return bi.template mod<true>(s, i, key); }; };
+    const auto drop = [&](int i) { return [&bi, i](float p, int key) { return !V::Has_dropout || bi.keep(i, key) ? p : 0.f; }; };
     for (int n0 = kr.x - kr.x % kBlockN; n0 < kr.y; n0 += kBlockN) {
         __syncthreads();  // every warp is done with the previous K, V tile (and, the first time, sQ is written)
         load_kv_f32<kBlockN, kHeadDim, kKStride, kThreads>(sK, sV, kg, k_ss, vg, v_ss, n0, bi.len_k, tid);
@@ -243,7 +245,7 @@ flash_fwd_f32_kernel(const float* __restrict__ q, const float* __restrict__ k, c
         for (int i = 0; i < kRows; ++i) {
             if (n0 < keys[i].y && n0 + kBlockN > keys[i].x) {
                 f32_row_step<kHeadDim, kBlockN>(sQ + i * kHeadDim, sK, sV, n0, keys[i].x, keys[i].y, scale_log2, acc[i],
-                                                m[i], l[i], lane, mod(row0 + i));
+                                                m[i], l[i], lane, mod(row0 + i), drop(row0 + i));
             }
         }
     }
@@ -252,7 +254,7 @@ flash_fwd_f32_kernel(const float* __restrict__ q, const float* __restrict__ k, c
     for (int i = 0; i < kRows; ++i) {
         const int row = row0 + i;
         if (row >= bi.len_q) continue;
-        const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+        const float inv = l[i] > 0.f ? (V::Has_dropout ? bi.keep_scale : 1.f) / l[i] : 0.f;
         float* orow = o + b * o_sb + h * o_sh + (i64)(bi.q0 + row) * o_ss;
 #pragma unroll
         for (int c = 0; c < kPer; ++c) orow[lane + 32 * c] = acc[i][c] * inv;

@@ -221,7 +221,9 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
             for (int kk = 0; kk < kPT; ++kk) Wgmma<T>::rs_tb(acc, p[kk], desc_v(buf, kk), 1, Int<kHeadDim>());
             wgmma_commit();
         };
-        auto pack_p = [&]() {
+        // [variant dropout] (after the row sum) and P to 16 bits for the A operand of P V.
+        auto pack_p = [&](int j) {
+            dropout_scores<false>(s, bi, row_base, n_shift + j * kBlockN, lane, 1.f);
 #pragma unroll
             for (int kk = 0; kk < kPT; ++kk) c_to_a<T, kNT>(p[kk], s, kk);
         };
@@ -264,7 +266,7 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
             if constexpr (kWS) mbar_arrive(free_k);
             mask(0);
             softmax_step<kNT>(s, m, l, corr, scale_log2);
-            pack_p();
+            pack_p(0);
 
             for (int j = 1; j < n_end; ++j) {
                 // K_j and V_{j-1} have landed (and, without a producer, every warpgroup's wgmma reads of
@@ -293,7 +295,7 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
                 if constexpr (kWS) mbar_arrive(free_v + 8 * ((j - 1) & 1));
                 // [fa2-fwd 3] rescale O by exp(m_old - m_new), now that P_{j-1} V_{j-1} is in it.
                 rescale_o();
-                pack_p();
+                pack_p(j);
             }
             // The last P V.
             if constexpr (kWS) {
@@ -314,7 +316,7 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const float lsum = quad_sum(l[hh]);
-            const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+            const float inv = lsum > 0.f ? (V::Has_dropout ? bi.keep_scale : 1.f) / lsum : 0.f;  // [variant dropout]
             const int r = wg * 64 + warp_in_wg * 16 + g + 8 * hh;  // row inside the block
 #pragma unroll
             for (int dt = 0; dt < kDT; ++dt) {

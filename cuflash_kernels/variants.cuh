@@ -13,22 +13,46 @@
 //     units (so every kernel's scale * log2(e) and softmax stay as they are); with softcap it also gives
 //     the derivative d mod / d s for [variant grad] (dS is multiplied by it in the backward; the
 //     bias's gradient is dS itself, store_dbias);
-//   - [variant mask] visible(i, j): the key lies inside the sequence's used keys and the band.
-// A dense call is `Variant<false, false, false, false, false, false, false>`: every hook folds to the dense code.
+//   - [variant mask] visible(i, j): the key lies inside the sequence's used keys and the band;
+//   - [variant dropout] keep(i, j) / dropout_bits: the Philox keep decision of cuflash/_philox.py, one call
+//     per 4 scores (i, i + 8) x (j, j + 8) that one lane holds in both the normal and the transposed
+//     mma accumulator layout.
+// A dense call is `Variant<false, ..., false>`: every hook folds to the dense code.
 // Header-only, free of CUDA toolkit headers; include after cuflash_tiles.cuh.
 #pragma once
 
 namespace cuflash {
 
-// Where the additive bias and its gradient live (Has_bias): a small device-side struct that VariantParams
-// points to (a bigger by-value argument moved ptxas's register allocation of the dense kernels).
-// Layout mirrored by cuflash/_cuda/spec.py: bias_params.
-struct BiasParams {
+// The variants' values that are read once per block (Has_bias, Has_dropout): a small device-side struct
+// that VariantParams points to (a bigger by-value argument moved ptxas's register allocation of the dense
+// kernels). Layout mirrored by cuflash/_cuda/spec.py: EXTRA_PARAMS_DTYPE.
+struct ExtraParams {
     const float* bias;  // (batch, heads_q, seqlen_q, seqlen_k) float32, any strides (0 on broadcast axes)
     i64 sb, sh, sm;
     float* dbias;       // its gradient, float32, zeroed by the launcher; null when not wanted
     i64 dsb, dsh, dsm;
+    u64 dropout_seed;   // Philox key (seed mod 2^32, seed >> 32)
+    u64 dropout_offset; // W = b * 2^32 + h + offset
+    u32 keep_threshold; // a score is kept iff its Philox word < keep_threshold = floor((1 - p) 2^32)
+    float keep_scale;   // 1 / (1 - p)
+    const void* mod_arrays[4];  // user mods' arrays (user_mods.cuh)
 };
+
+// Philox-4x32-10 (cuflash/_philox.py:philox4x32; Salmon et al., SC'11): four uint32 words of a 128-bit
+// counter under a 64-bit key.
+__device__ __forceinline__ uint4 philox4x32_10(uint4 c, u32 k0, u32 k1) {
+#pragma unroll
+    for (int r = 0; r < 10; ++r) {
+        if (r) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        const u32 hi0 = __umulhi(0xD2511F53u, c.x), lo0 = 0xD2511F53u * c.x;
+        const u32 hi1 = __umulhi(0xCD9E8D57u, c.z), lo1 = 0xCD9E8D57u * c.z;
+        c = make_uint4(hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0);
+    }
+    return c;
+}
 
 // The runtime values of a variant (one by-value kernel argument). The launcher builds it as a NumPy
 // structured scalar with the same layout (cuflash/_cuda/spec.py: VARIANT_PARAMS_DTYPE).
@@ -45,11 +69,11 @@ struct VariantParams {
     float softcap_a;            // softcap in raw-score units: s -> softcap_b * tanh(softcap_a * s),
     float softcap_b;            //   softcap_a = scale / softcap, softcap_b = softcap / scale
     float inv_scale;            // 1 / softmax_scale: ALiBi slopes and the bias in raw-score units
-    const BiasParams* bias;     // (Has_bias) in device memory
+    const ExtraParams* extra;   // (Has_bias, Has_dropout) in device memory
 };
 
 template <bool Has_left_, bool Has_right_, bool Is_varlen_, bool Has_seqused_, bool Has_softcap_, bool Has_alibi_,
-          bool Has_bias_>
+          bool Has_bias_, bool Has_dropout_ = false>
 struct Variant {
     static constexpr bool Has_left = Has_left_;        // a sliding window's left edge
     static constexpr bool Has_right = Has_right_;      // causal, or a window's right edge
@@ -58,6 +82,7 @@ struct Variant {
     static constexpr bool Has_softcap = Has_softcap_;
     static constexpr bool Has_alibi = Has_alibi_;
     static constexpr bool Has_bias = Has_bias_;         // an additive bias (and boolean masks, as -inf)
+    static constexpr bool Has_dropout = Has_dropout_;
     static constexpr bool Has_band = Has_left || Has_right;
     static constexpr bool Has_mod = Has_softcap || Has_alibi || Has_bias;
 };
@@ -94,6 +119,9 @@ struct BlockInfo {
     int bias_sm;        // elements: the launcher checks)
     float* dbias;       // and its gradient's (null when not wanted)
     int dbias_sm;
+    u32 drop_k0, drop_k1, drop_w0, drop_w1;  // [variant dropout] Philox key and counter words 2, 3
+    u32 keep_threshold;
+    float keep_scale;
 
     // Sequence b of a call over arrays of seqlen_q x seqlen_k rows (total rows when Is_varlen).
     __device__ __forceinline__ BlockInfo(const VariantParams p, int b, int h, int seqlen_q, int seqlen_k) {
@@ -124,11 +152,21 @@ struct BlockInfo {
         cap_b = p.softcap_b;
         inv_scale = p.inv_scale;
         if constexpr (V::Has_bias) {
-            const BiasParams bp = *p.bias;
+            const ExtraParams& bp = *p.extra;
             bias = bp.bias + b * bp.sb + h * bp.sh;
             bias_sm = (int)bp.sm;
             dbias = bp.dbias ? bp.dbias + b * bp.dsb + h * bp.dsh : nullptr;
             dbias_sm = (int)bp.dsm;
+        }
+        if constexpr (V::Has_dropout) {
+            const ExtraParams& ep = *p.extra;
+            drop_k0 = (u32)ep.dropout_seed;
+            drop_k1 = (u32)(ep.dropout_seed >> 32);
+            const u64 w = ((u64)b << 32) + (u64)h + ep.dropout_offset;
+            drop_w0 = (u32)w;
+            drop_w1 = (u32)(w >> 32);
+            keep_threshold = ep.keep_threshold;
+            keep_scale = ep.keep_scale;
         }
     }
 
@@ -136,7 +174,8 @@ struct BlockInfo {
     __device__ __forceinline__ BlockInfo(int b, int seqlen_q, int seqlen_k, int causal_offset)
         : len_q(seqlen_q), len_k(seqlen_k), q0(0), k0(0), wb(b), offset(causal_offset), hi(causal_offset), lo(0),
           slope(0.f), cap_a(0.f), cap_b(0.f), inv_scale(0.f), bias(nullptr), bias_sm(0), dbias(nullptr), dbias_sm(0) {
-        static_assert(!V::Has_left && !V::Is_varlen && !V::Has_seqused && !V::Has_mod, "dense or causal only");
+        static_assert(!V::Has_left && !V::Is_varlen && !V::Has_seqused && !V::Has_mod && !V::Has_dropout,
+                      "dense or causal only");
     }
 
     // A block of a shorter sequence than the grid covers: query tile m0 (packed batches), or key tile n0
@@ -246,11 +285,75 @@ struct BlockInfo {
         if constexpr (V::Has_bias) return lse == -CUFLASH_INF ? -CUFLASH_INF : -lse * kLog2e;
         return -lse * kLog2e;
     }
-    __device__ __forceinline__ float mod(float s, int i, int j) const {
-        float unused;
-        return mod(s, i, j, unused);
+
+    // [variant dropout] The 4 Philox words of the scores (i0 + 8a, j0 + 8c), a, c in {0, 1}, word 2a + c
+    // (i0 % 16 < 8, j0 % 16 < 8): counter ((j0 >> 4) * 8 + j0 % 8, (i0 >> 4) * 8 + i0 % 8, W lo, W hi).
+    __device__ __forceinline__ uint4 dropout_words(int i0, int j0) const {
+        return philox4x32_10(make_uint4(((u32)j0 >> 4) * 8 + (j0 & 7), ((u32)i0 >> 4) * 8 + (i0 & 7), drop_w0, drop_w1),
+                             drop_k0, drop_k1);
+    }
+    // Whether score (i, j) is kept (one Philox call for one score: the float32 kernels).
+    __device__ __forceinline__ bool keep(int i, int j) const {
+        const uint4 w = dropout_words(i & ~8, j & ~8);
+        const int word = ((i >> 2) & 2) | ((j >> 3) & 1);
+        const u32 r = word == 0 ? w.x : word == 1 ? w.y : word == 2 ? w.z : w.w;
+        return r < keep_threshold;
     }
 };
+
+// [variant dropout] The keep bits of one lane's scores of a block of 16-row mma tiles, bit 4 nt + e for
+// element e of n8 tile nt (the for_each_score layout; kTransposed: rows are keys). row_base and col_base
+// are multiples of 16, so the lane's scores (g, g + 8) x (2t + c, 2t + c + 8) of each 16 x 16 block are
+// one Philox call's four words.
+template <bool kTransposed, int kNT, class V>
+__device__ __forceinline__ void dropout_bits(u32 (&bits)[(4 * kNT + 31) / 32], const BlockInfo<V>& bi, int row_base,
+                                             int col_base, int lane) {
+    static_assert(kNT % 2 == 0, "whole 16-column blocks");
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int w = 0; w < (4 * kNT + 31) / 32; ++w) bits[w] = 0u;
+#pragma unroll
+    for (int np = 0; np < kNT / 2; ++np) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const int r = row_base + g, col = col_base + 16 * np + 2 * t + c;
+            const uint4 w = kTransposed ? bi.dropout_words(col, r) : bi.dropout_words(r, col);
+            // word 2a + c' of (query i0 + 8a, key j0 + 8c'): element e = 2 ra + c of n8 tile 2 np + rc.
+            const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int ra = 0; ra < 2; ++ra) {      // row + 8 ra
+#pragma unroll
+                for (int rc = 0; rc < 2; ++rc) {  // column + 8 rc
+                    const u32 word = kTransposed ? words[2 * rc + ra] : words[2 * ra + rc];
+                    const int bit = 4 * (2 * np + rc) + 2 * ra + c;
+                    bits[bit >> 5] |= (u32)(word < bi.keep_threshold) << (bit & 31);
+                }
+            }
+        }
+    }
+}
+
+// Whether element e of n8 tile nt is kept.
+template <int kNT>
+__device__ __forceinline__ bool kept(const u32 (&bits)[(4 * kNT + 31) / 32], int nt, int e) {
+    const int bit = 4 * nt + e;
+    return (bits[bit >> 5] >> (bit & 31)) & 1u;
+}
+
+// [variant dropout] P := P * keep * scale (scale 1 in the forward, which folds 1 / (1 - p) into the output).
+template <bool kTransposed, class V, int kNT>
+__device__ __forceinline__ void dropout_scores(float (&s)[kNT][4], const BlockInfo<V>& bi, int row_base, int col_base,
+                                               int lane, float scale) {
+    if constexpr (V::Has_dropout) {
+        u32 bits[(4 * kNT + 31) / 32];
+        dropout_bits<kTransposed, kNT>(bits, bi, row_base, col_base, lane);
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[nt][e] = kept<kNT>(bits, nt, e) ? s[nt][e] * scale : 0.f;
+        }
+    }
+}
 
 // [variant mod] on raw scores, in place (a no-op for variants without score mods).
 template <bool kTransposed, class V, int kNT>

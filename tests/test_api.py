@@ -59,14 +59,22 @@ def test_wrong_rank(no_backend):
 
 def test_head_dims_differ(no_backend):
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match=r"same head_dim \(last axis\); got q 4, k and v 8"):
+    with pytest.raises(ValueError, match=re.escape(
+            "q and k must have the same head_dim (last axis; v's may differ); got q 4, k 8")):
         cuflash.attention(q[..., :4], k, v)
+    with pytest.raises(ValueError, match=re.escape(
+            "q and k must have the same head_dim (last axis; v's may differ); got q 8, k 4")):
+        cuflash.attention(q, k[..., :4], v)
+    with pytest.raises(ValueError, match=re.escape("v's head_dim (last axis) must be positive; got 0")):
+        cuflash.attention(q, k, v[..., :0])
 
 
 def test_k_v_shapes_differ(no_backend):
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match=re.escape("k and v must have the same shape; got k (2, 7, 2, 8) and v (2, 6, 2, 8)")):
-        cuflash.attention(q, k, v[:, :6])
+    with pytest.raises(ValueError, match=re.escape(
+            "k and v must have the same shape but for the last axis (v's head_dim may differ); "
+            "got k (2, 7, 2, 8) and v (2, 6, 2, 4)")):
+        cuflash.attention(q, k, v[:, :6, :, :4])
 
 
 def test_batch_differs(no_backend):
@@ -495,16 +503,6 @@ def test_dropout_options(no_backend, keywords, error, message):
     out, lse = np.zeros_like(q), np.zeros((2, 4, 5), np.float32)
     with pytest.raises(error, match=re.escape(message)):
         cuflash.attention_backward(out, q, k, v, out, lse, **keywords)
-
-
-def test_dropout_on_cupy_arrays_is_not_implemented(no_backend):
-    q, k, v = (_FakeDeviceArray(a, 0) for a in _qkv())
-    with pytest.raises(NotImplementedError, match=re.escape(
-            "dropout runs on NumPy arrays for now; the CUDA kernels get it next (got dropout_p=0.1 with cupy arrays)")):
-        cuflash.attention(q, k, v, dropout_p=0.1, dropout_seed=0)
-    with pytest.raises(NotImplementedError, match="dropout runs on NumPy arrays for now"):
-        cuflash.attention_backward(q, q, k, v, q, _FakeDeviceArray(np.zeros((2, 4, 5), np.float32), 0),
-                                   dropout_p=0.5, dropout_seed=0)
 
 
 def test_dropout_mask_checks():

@@ -1,5 +1,5 @@
 """Attention variants on the GPU (windows, softcap, ALiBi, key padding, packed variable-length batches,
-and their combinations) against the float64 truth, through the public API.
+bias, dropout and their combinations) against the float64 truth, through the public API.
 
 The truth is the NumPy naive oracle in float64 (``cuflash.attention(..., algorithm="naive")`` on float64
 NumPy arrays); the error budget (STYLE.md) compares the kernels with the same oracle run in the kernels'
@@ -79,6 +79,9 @@ PADDED_CASES = {
     "attn-mask": dict(attn_mask="random"),
     "bias-mask-softcap-window-alibi": dict(bias="full", attn_mask="random", softcap=5.0, window_size=(60, 20),
                                            alibi_slopes="heads"),
+    # dropout: the kernels' keep decision is the reference's bit for bit (a seed and an offset past 2**32)
+    "dropout": dict(dropout_p=0.17, dropout_seed=2**40 + 12345, dropout_offset=2**33 + 5),
+    "dropout-causal-bias-softcap": dict(dropout_p=0.3, dropout_seed=99, causal=True, bias="full", softcap=6.0),
 }
 
 
@@ -111,7 +114,8 @@ def test_padded_batch_variants(requires_gpu, label, d, dtname):
 
 
 @pytest.mark.parametrize("d", [32, 96, 256])
-@pytest.mark.parametrize("label", ["causal-window", "softcap-causal", "alibi-batch", "seqused", "bias-broadcast-causal"])
+@pytest.mark.parametrize("label", ["causal-window", "softcap-causal", "alibi-batch", "seqused", "bias-broadcast-causal",
+                                   "dropout"])
 def test_other_head_dims(requires_gpu, d, label):
     """The mma.sync kernels (no wgmma at these head dims) and, at 256, the float32 backward on upcast inputs."""
     rng = np.random.default_rng(d)
@@ -120,7 +124,7 @@ def test_other_head_dims(requires_gpu, d, label):
 
 
 @pytest.mark.parametrize("label", ["causal-window", "softcap-causal", "alibi-causal", "seqused-causal-softcap-alibi",
-                                   "bias-mask-softcap-window-alibi"])
+                                   "bias-mask-softcap-window-alibi", "dropout", "dropout-causal-bias-softcap"])
 def test_deterministic_order_and_float32(requires_gpu, label):
     rng = np.random.default_rng(7)
     opts = _resolve(PADDED_CASES[label], rng, 2, 4)
@@ -138,6 +142,7 @@ VARLEN_CASES = {
     "causal-window-softcap": dict(causal=True, window_size=(50, 0), softcap=10.0),
     "alibi": dict(alibi_slopes="heads"),
     "seqused-causal": dict(seqused_k=[150, 0, 100, 1], causal=True),
+    "dropout-causal-window": dict(dropout_p=0.25, dropout_seed=3, causal=True, window_size=(70, 0)),
 }
 
 

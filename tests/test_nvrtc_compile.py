@@ -75,12 +75,17 @@ def parse_resources(log: str) -> list[dict]:
 # until it goes through shared memory with the K/V tiles.
 KNOWN_SPILLS = {("flash_bwd_dkdv_sm90_kernel", "softcap"): 64, ("flash_fwd_sm90_kernel", "softcap"): 32,
                 **{(kernel, "bias"): 256 for kernel in ("flash_fwd_kernel", "flash_fwd_sm90_kernel", "flash_bwd_dq_kernel",
-                                                        "flash_bwd_dkdv_kernel", "flash_bwd_dkdv_sm90_kernel")}}
-_VARIANT_FLAGS = ("left", "right", "varlen", "seqused", "softcap", "alibi", "bias")
+                                                        "flash_bwd_dkdv_kernel", "flash_bwd_dkdv_sm90_kernel")},
+                # dropout's keep bits and dropped P beside dK, dV; the larger bounds are for its
+                # every-flag combinations (dropout with bias, softcap, ALiBi and a window at once)
+                ("flash_bwd_dkdv_kernel", "dropout"): 128, ("flash_bwd_dkdv_sm90_kernel", "dropout"): 384,
+                ("flash_fwd_kernel", "dropout"): 64, ("flash_fwd_sm90_kernel", "dropout"): 192,
+                ("flash_bwd_dq_kernel", "dropout"): 32}
+_VARIANT_FLAGS = ("left", "right", "varlen", "seqused", "softcap", "alibi", "bias", "dropout")
 
 
 def _known_spill(row) -> bool:
-    m = re.search(r"cuflash\d+(\w+?_kernel)I.*?7VariantI((?:Lb[01]E){7})", row["fn"])
+    m = re.search(r"cuflash\d+(\w+?_kernel)I.*?7VariantI((?:Lb[01]E){8})", row["fn"])
     if not m:
         return False
     flags = {f for f, bit in zip(_VARIANT_FLAGS, re.findall(r"Lb([01])E", m.group(2))) if bit == "1"}

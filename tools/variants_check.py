@@ -332,6 +332,7 @@ def bench(args, rows):
             "softcap-causal": (Variant(causal=True, softcap=30.0), flops_full / 2),
             "alibi-causal": (Variant(causal=True, alibi_slopes=slopes), flops_full / 2),
             "seqused-causal (all keys)": (Variant(causal=True, seqused_k=cp.full((b,), n, cp.int32)), flops_full / 2),
+            "dropout-0.1-causal": (Variant(causal=True, dropout_p=0.1, dropout_seed=1, dropout_offset=0), flops_full / 2),
         }
         for name, (variant, flops) in cases.items():
             tf, tb = pair(q, k, v, do, variant)

@@ -21,7 +21,7 @@ import numpy as np
 from .._variant import Variant
 from . import fa1, naive
 from .compile import arch_class, check_smem, device_info, launch
-from .spec import BWD_HEAD_DIMS, CTYPES, HEAD_DIMS, TILES, Tile, bias_params, variant_params, variant_type
+from .spec import BWD_HEAD_DIMS, CTYPES, HEAD_DIMS, TILES, Tile, extra_params, variant_params, variant_type
 from .spec import spec as kernel_spec
 
 __all__ = ["forward", "backward", "check_supported"]
@@ -81,7 +81,7 @@ def check_supported(problem, algorithm: str, variant: Variant = Variant()) -> No
     if algorithm in ("naive", "fa1") and not causal_only:
         raise NotImplementedError(
             f"algorithm='{algorithm}' on CuPy arrays runs dense or causal attention only; window_size, softcap, "
-            "alibi_slopes, bias, attn_mask, cu_seqlens and seqused_k run with algorithm='fa2' (the default)"
+            "alibi_slopes, bias, attn_mask, cu_seqlens, seqused_k and dropout run with algorithm='fa2' (the default)"
         )
     if algorithm == "naive":
         return
@@ -212,8 +212,8 @@ def forward(q, k, v, *, scale, variant: Variant, algorithm, block_q, block_k):
     assert shp.heads_q % shp.heads_kv == 0 and d in HEAD_DIMS
     dtype = np.dtype(q.dtype).name
     variant = _kernel_ready(variant)
-    bp = None if variant.bias is None else bias_params(variant.bias, None)
-    vtype, vp = variant_type(variant), variant_params(variant, scale, shp.rows_q, shp.rows_k, bp)
+    extra = extra_params(variant)
+    vtype, vp = variant_type(variant), variant_params(variant, scale, shp.rows_q, shp.rows_k, extra)
     out = cupy.empty(q.shape, dtype=q.dtype)
     lse = _lse_empty(shp, variant)
     if dtype == "float32":
@@ -298,8 +298,8 @@ def backward(do, q, k, v, out, lse, *, scale, variant: Variant, algorithm, block
     if want_dbias and variant.bias is not None:  # [variant grad]: tiles no query visits stay 0
         dbias = cupy.zeros((shp.batch, shp.heads_q, shp.rows_q, shp.rows_k), dtype=cupy.float32)
     vtype, fscale = variant_type(variant), np.float32(scale)
-    bp = None if variant.bias is None else bias_params(variant.bias, dbias)
-    vp = variant_params(variant, scale, shp.rows_q, shp.rows_k, bp)
+    extra = extra_params(variant, dbias)
+    vp = variant_params(variant, scale, shp.rows_q, shp.rows_k, extra)
     grads = _backward(do, q, k, v, out, lse, shp, variant, vtype, vp, fscale, order, block_q, block_k, dtype)
     return grads if dbias is None else (*grads, dbias)
 

@@ -17,11 +17,12 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from .._philox import keep_threshold
 from .._variant import Variant
 
 __all__ = [
     "Tile", "TILES", "HEAD_DIMS", "BWD_HEAD_DIMS", "Family", "FAMILIES", "KernelSpec", "NVRTC_OPTIONS",
-    "SM90A_OPTIONS", "VARIANT_PARAMS_DTYPE", "variant_type", "variant_params", "instantiations", "spec", "DENSE", "CTYPES",
+    "SM90A_OPTIONS", "VARIANT_PARAMS_DTYPE", "EXTRA_PARAMS_DTYPE", "variant_type", "has_dropout", "extra_params", "variant_params", "instantiations", "spec", "DENSE", "CTYPES",
 ]
 
 # Options given to NVRTC (CuPy appends the -arch of the current device).
@@ -154,18 +155,35 @@ VARIANT_PARAMS_DTYPE = np.dtype(
     [("cu_seqlens_q", np.uint64), ("cu_seqlens_k", np.uint64), ("seqused_k", np.uint64), ("alibi_slopes", np.uint64),
      ("alibi_sb", np.int64), ("bottom_right", np.int32), ("window_left", np.int32), ("window_right", np.int32),
      ("band_lo", np.int32), ("band_hi", np.int32), ("softcap_a", np.float32), ("softcap_b", np.float32),
-     ("inv_scale", np.float32), ("bias", np.uint64)],
+     ("inv_scale", np.float32), ("extra", np.uint64)],
     align=True,
 )
 assert VARIANT_PARAMS_DTYPE.itemsize == 80
 
+# Layout of `struct ExtraParams` (variants.cuh): the values a block reads once, in device memory.
+EXTRA_PARAMS_DTYPE = np.dtype(
+    [("bias", np.uint64), ("sb", np.int64), ("sh", np.int64), ("sm", np.int64),
+     ("dbias", np.uint64), ("dsb", np.int64), ("dsh", np.int64), ("dsm", np.int64),
+     ("dropout_seed", np.uint64), ("dropout_offset", np.uint64), ("keep_threshold", np.uint32),
+     ("keep_scale", np.float32), ("mod_arrays", np.uint64, (4,))],
+    align=True,
+)
+assert EXTRA_PARAMS_DTYPE.itemsize == 120
+
+
+def has_dropout(variant: Variant) -> bool:
+    """Whether the kernels apply dropout: p > 0 with a keep threshold below 2**32 (for p < ~1e-16, 1 - p
+    rounds to 1: every score is kept and scaled by 1, which is no dropout)."""
+    return bool(variant.dropout_p) and keep_threshold(variant.dropout_p) < 2**32
+
 
 def variant_type(variant: Variant) -> str:
     """The C++ policy type ``cuflash::Variant<Has_left, Has_right, Is_varlen, Has_seqused, Has_softcap,
-    Has_alibi, Has_bias>`` of a variant: only what changes the compiled code (values travel in VariantParams)."""
+    Has_alibi, Has_bias, Has_dropout>`` of a variant: only what changes the compiled code (values travel
+    in VariantParams and ExtraParams)."""
     flags = (variant.window_left is not None, variant.right is not None, variant.is_varlen,
              variant.seqused_k is not None, bool(variant.softcap), variant.alibi_slopes is not None,
-             variant.bias is not None)
+             variant.bias is not None, has_dropout(variant))
     return _policy(flags)
 
 
@@ -184,19 +202,30 @@ def _strides_of(a, n: int) -> tuple[int, ...]:
     return (0,) * n if a is None else tuple(s // a.itemsize for s in a.strides[:n])
 
 
-def bias_params(bias, dbias):
-    """``struct BiasParams`` (variants.cuh) in device memory: the bias and its gradient buffer (or None),
-    (batch, heads_q, seqlen_q, seqlen_k) float32 with a contiguous last axis."""
+def extra_params(variant: Variant, dbias=None):
+    """``struct ExtraParams`` (variants.cuh) in device memory, or None when the variant needs none: the bias
+    ((batch, heads_q, seqlen_q, seqlen_k) float32 with a contiguous last axis) and its gradient buffer
+    ``dbias`` (or None), the dropout seed, offset, keep threshold and 1 / (1 - p)."""
     import cupy
 
-    return cupy.asarray(np.array([_ptr(bias), *_strides_of(bias, 3), _ptr(dbias), *_strides_of(dbias, 3)],
-                                 dtype=np.int64))
+    drop = has_dropout(variant)
+    if variant.bias is None and not drop:
+        return None
+    e = np.zeros((), EXTRA_PARAMS_DTYPE)
+    bias = variant.bias
+    e["bias"], (e["sb"], e["sh"], e["sm"]) = _ptr(bias), _strides_of(bias, 3)
+    e["dbias"], (e["dsb"], e["dsh"], e["dsm"]) = _ptr(dbias), _strides_of(dbias, 3)
+    if drop:
+        e["dropout_seed"], e["dropout_offset"] = variant.dropout_seed, variant.dropout_offset
+        e["keep_threshold"] = keep_threshold(variant.dropout_p)
+        e["keep_scale"] = 1.0 / (1.0 - variant.dropout_p)
+    return cupy.asarray(e.reshape(1).view(np.uint8))
 
 
-def variant_params(variant: Variant, scale: float, seqlen_q: int, seqlen_k: int, bias_struct=None) -> np.void:
+def variant_params(variant: Variant, scale: float, seqlen_q: int, seqlen_k: int, extra=None) -> np.void:
     """The kernels' VariantParams for ``variant`` (device pointers of its arrays, edges, softcap constants);
     ``seqlen_q``, ``seqlen_k``: a padded batch's lengths (they place the band of every sequence);
-    ``bias_struct``: :func:`bias_params` when the variant has a bias."""
+    ``extra``: :func:`extra_params` of the variant."""
     slopes = variant.alibi_slopes
     left, right = variant.window_left or 0, variant.right or 0
     offset = variant.offset(seqlen_q, seqlen_k)
@@ -206,7 +235,7 @@ def variant_params(variant: Variant, scale: float, seqlen_q: int, seqlen_k: int,
         0 if slopes is None else slopes.strides[0] // slopes.itemsize,
         int(variant.bottom_right), left, right, offset - left, offset + right,
         scale / cap if cap else 0.0, cap / scale if cap else 0.0, 1.0 / scale,
-        _ptr(bias_struct),
+        _ptr(extra),
     ), VARIANT_PARAMS_DTYPE)[()]
 
 
@@ -357,16 +386,18 @@ def spec(family: str, dtype: str, head_dim: int, tile: Tile = Tile(0, 0, 4, 1), 
 # representative instantiation of every other policy flag in every FA2 family (not the cross product),
 # each for the targets whose GPUs run it (KernelSpec.targets).
 
-# Each row a policy's flags: (Has_left, Has_right, Is_varlen, Has_seqused, Has_softcap, Has_alibi, Has_bias).
+# Each row a policy's flags: (Has_left, Has_right, Is_varlen, Has_seqused, Has_softcap, Has_alibi, Has_bias,
+# Has_dropout).
 _SHOWCASE = (
-    (True, True, False, False, False, False, False),   # a sliding window
-    (False, True, True, False, False, False, False),   # packed sequences, causal
-    (False, False, False, True, False, False, False),  # key padding
-    (False, True, False, False, True, False, False),   # softcap, causal
-    (True, True, False, False, False, True, False),    # ALiBi in a causal window
-    (False, True, False, False, False, False, True),   # a bias (and masks), causal
-    (True, True, False, True, True, True, True),       # every flag of padded batches
-    (True, True, True, True, True, True, False),       # every flag of packed batches
+    (True, True, False, False, False, False, False, False),   # a sliding window
+    (False, True, True, False, False, False, False, False),   # packed sequences, causal
+    (False, False, False, True, False, False, False, False),  # key padding
+    (False, True, False, False, True, False, False, False),   # softcap, causal
+    (True, True, False, False, False, True, False, False),    # ALiBi in a causal window
+    (False, True, False, False, False, False, True, False),   # a bias (and masks), causal
+    (False, False, False, False, False, False, False, True),  # dropout
+    (True, True, False, True, True, True, True, True),        # every flag of padded batches
+    (True, True, True, True, True, True, False, True),        # every flag of packed batches
 )
 
 _FA2_FAMILIES = {  # tile direction, arch class -> families that take that row
