@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import numbers
+from collections.abc import Mapping
 from types import ModuleType
 
 import numpy as np
@@ -26,6 +27,11 @@ def _backend(library: str) -> ModuleType:
 
 def _check_supported(backend: ModuleType, problem: _validate.Problem, algorithm: str, variant: Variant) -> None:
     """Let the backend refuse what it cannot run (a head dim, a dtype, a GPU, a variant), before any launch."""
+    if variant.mods is not None and not getattr(backend, "SUPPORTS_USER_MODS", False):
+        raise NotImplementedError(
+            f"score_mod and mask_mod run on NumPy arrays for now; the CUDA kernels get them next "
+            f"(got {variant.mods.type_name} for {backend.__name__})"
+        )
     check = getattr(backend, "check_supported", None)
     if check is not None:
         check(problem, algorithm, variant)
@@ -39,6 +45,7 @@ _PACKED_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k
 _VARIANT_OPTIONS = (
     "causal", "causal_align", "window_size", "softcap", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k",
     "max_seqlen_q", "max_seqlen_k", "seqused_k", "bias", "attn_mask", "dropout_p", "dropout_seed", "dropout_offset",
+    "score_mod", "mask_mod", "mod_arrays",
 )
 
 
@@ -57,6 +64,8 @@ def _prepare(q, k, v, *, softmax_scale, algorithm, block_q, block_k, variant_opt
     varlen = _validate.varlen_mode(*packed)
     arrays = {"q": q, "k": k, "v": v, **(extra or {})}
     arrays.update((name, variant_options[name]) for name in ("bias", *ARRAY_OPTIONS) if variant_options[name] is not None)
+    if isinstance(variant_options.get("mod_arrays"), Mapping):
+        arrays.update((f"mod_arrays[{name!r}]", a) for name, a in variant_options["mod_arrays"].items())
     library = _validate.check_same_library(**arrays)
     problem = _validate.check_qkv(q, k, v, varlen=varlen)
     if varlen:
@@ -92,6 +101,9 @@ def attention(
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
     dropout_offset: int = 0,
+    score_mod: str | None = None,
+    mask_mod: str | None = None,
+    mod_arrays: dict | None = None,
     algorithm: str = "fa2",
     block_q: int | None = None,
     block_k: int | None = None,
@@ -108,14 +120,15 @@ def attention(
     ----------
     q : array, shape (batch, seqlen_q, heads_q, head_dim), or (total_q, heads_q, head_dim) packed
     k, v : arrays, shape (batch, seqlen_k, heads_kv, head_dim), or (total_k, heads_kv, head_dim) packed
-        NumPy arrays run the NumPy block algorithm, CuPy arrays the CUDA kernels. float16, bfloat16,
+        v's last axis, ``head_dim_v``, may differ from q's and k's (DeepSeek's 192 for q, k and 128 for v);
+        the output has it. NumPy arrays run the NumPy block algorithm, CuPy arrays the CUDA kernels. float16, bfloat16,
         float32 and float64 are accepted; any strides with a contiguous last axis, without a copy.
         ``heads_kv`` must divide ``heads_q`` (grouped-query attention: query head ``h`` reads key/value
         head ``h // (heads_q // heads_kv)``). The packed layout needs ``cu_seqlens_q`` and ``cu_seqlens_k``.
     causal : bool
         Mask out keys after the query's position on the diagonal chosen by ``causal_align``.
     softmax_scale : float, optional
-        Multiplies the scores before the softmax; default ``1 / sqrt(head_dim)``.
+        Multiplies the scores before the softmax; default ``1 / sqrt(head_dim)`` (q's and k's head dim).
     causal_align : {"bottom-right", "top-left"}
         The diagonal of a sequence of ``len_q`` queries and ``len_k`` keys: query ``i`` faces key
         ``i + len_k - len_q`` (bottom-right, as flash-attention >= 2.1) or key ``i`` (top-left). Causal
@@ -156,6 +169,18 @@ def attention(
     dropout_offset : int
         In ``[0, 2**64)``, default 0: added to the Philox counter's (head, batch) word, so that calls sharing a
         seed draw different masks (advance it by ``batch * 2**32`` per call for disjoint counters).
+    score_mod : str, optional
+        A CUDA C expression over ``score``, ``b``, ``h``, ``q_idx``, ``kv_idx`` (FlexAttention's ``score_mod``):
+        its value replaces the score. ``score`` is the scaled score ``softmax_scale * q . k`` after softcap,
+        ALiBi and the bias (score_mod comes last); ``b`` the batch entry (packed: the sequence), ``h`` the query
+        head, ``q_idx`` / ``kv_idx`` positions within the sequence. Differentiated (dual numbers). Grammar and
+        examples: ``docs/variants.md``, "User score and mask modifications". NumPy arrays only for now.
+    mask_mod : str, optional
+        A CUDA C expression over ``b``, ``h``, ``q_idx``, ``kv_idx``: query ``q_idx`` sees key ``kv_idx`` where it
+        is non-zero (AND-ed with the other masks); tiles it masks entirely are skipped.
+    mod_arrays : dict, optional
+        Up to four named 1-D int32 or float32 arrays (same library as q) the expressions index, ``name[expr]``
+        (a document id per position, a per-head table).
     algorithm : {"fa2", "fa1", "naive"}
         FlashAttention-2 order (query blocks outer), FlashAttention-1 order (key/value blocks outer,
         O, m, l written back each step), or the naive algorithm that materializes the scores.
@@ -166,7 +191,7 @@ def attention(
 
     Returns
     -------
-    out : array like q
+    out : array like q, with v's head dim
     lse : array, shape (batch, heads_q, seqlen_q), or (heads_q, total_q) packed; only with ``return_lse=True``
         Natural-log logsumexp, float32 (float64 for float64 inputs); ``-inf`` for a row that sees no key.
     """
@@ -208,6 +233,9 @@ def attention_backward(
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
     dropout_offset: int = 0,
+    score_mod: str | None = None,
+    mask_mod: str | None = None,
+    mod_arrays: dict | None = None,
     algorithm: str = "fa2",
     block_q: int | None = None,
     block_k: int | None = None,
@@ -222,11 +250,11 @@ def attention_backward(
 
     Parameters
     ----------
-    do : array like q
-        Gradient of the loss with respect to ``out``.
+    do : array like out
+        Gradient of the loss with respect to ``out`` (q's shape with v's head dim).
     q, k, v, out, lse :
         The forward's inputs, output and logsumexp.
-    causal, softmax_scale, causal_align, window_size, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, bias, attn_mask, dropout_p, dropout_seed, dropout_offset, algorithm, block_q, block_k :
+    causal, softmax_scale, causal_align, window_size, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, bias, attn_mask, dropout_p, dropout_seed, dropout_offset, score_mod, mask_mod, mod_arrays, algorithm, block_q, block_k :
         As given to the forward (the same dropout seed and offset regenerate the forward's mask).
     order : {"kv_outer", "q_outer", "split"}, optional
         Backward loop order: key/value blocks outer with dQ accumulated across the outer loop (the
@@ -290,7 +318,7 @@ def _namespace(a) -> ModuleType:
 def _empty_forward(q, problem: _validate.Problem):
     """No key (seqlen_k = 0): every row outputs zeros with lse = -inf. Other empty axes: empty arrays."""
     xp = _namespace(q)
-    out = xp.zeros(q.shape, dtype=q.dtype)
+    out = xp.zeros(problem.out_shape, dtype=q.dtype)
     lse = xp.full(problem.lse_shape, -xp.inf, dtype=_validate.lse_dtype(problem.dtype))
     return out, lse
 

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
+from . import _mods
 from ._variant import Variant
 
 ALGORITHMS = ("fa2", "fa1", "naive")
@@ -36,6 +39,10 @@ class Problem:
     (``cu_seqlens_q``/``cu_seqlens_k``) has ``(total, heads, head_dim)`` arrays: then ``batch`` is the
     number of sequences, ``seqlen_q``/``seqlen_k`` are ``max_seqlen_q``/``max_seqlen_k`` and
     ``total_q``/``total_k`` the row counts (None for a padded batch).
+
+    ``head_dim`` is the last axis of q and k, ``head_dim_v`` that of v (and of out, do, dv); it may differ
+    (DeepSeek's 192 and 128). Constructed without it (positionally, as before it existed), it is
+    ``head_dim``.
     """
 
     batch: int
@@ -47,6 +54,11 @@ class Problem:
     dtype: np.dtype
     total_q: int | None = None
     total_k: int | None = None
+    head_dim_v: int | None = None  # last, with a default: positional constructions keep working
+
+    def __post_init__(self):
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
 
     @property
     def is_varlen(self) -> bool:
@@ -54,10 +66,15 @@ class Problem:
 
     @property
     def q_shape(self) -> tuple[int, ...]:
-        """The shape of q (and of out, do, dq)."""
+        """The shape of q (and of dq)."""
         if self.is_varlen:
             return (self.total_q, self.heads_q, self.head_dim)
         return (self.batch, self.seqlen_q, self.heads_q, self.head_dim)
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        """The shape of out (and of do): q's with v's head dim."""
+        return self.q_shape[:-1] + (self.head_dim_v,)
 
     @property
     def lse_shape(self) -> tuple[int, ...]:
@@ -171,8 +188,12 @@ def check_qkv(q, k, v, *, varlen: bool = False) -> Problem:
             "q, k and v must have the same dtype; "
             f"got q {_dtype_name(dtype)}, k {_dtype_name(k.dtype)}, v {_dtype_name(v.dtype)}"
         )
-    if _shape(k) != _shape(v):
-        raise ValueError(f"k and v must have the same shape; got k {_shape(k)} and v {_shape(v)}")
+    if _shape(k)[:-1] != _shape(v)[:-1]:
+        raise ValueError(
+            f"k and v must have the same shape but for the last axis (v's head_dim may differ); "
+            f"got k {_shape(k)} and v {_shape(v)}"
+        )
+    head_dim_v = _shape(v)[-1]
     if varlen:
         (total_q, heads_q, head_dim), (total_k, heads_kv, head_dim_k) = _shape(q), _shape(k)
         batch, seqlen_q, seqlen_k, heads_axis = 1, total_q, total_k, 1
@@ -181,10 +202,12 @@ def check_qkv(q, k, v, *, varlen: bool = False) -> Problem:
         heads_axis = 2
     if head_dim_k != head_dim:
         raise ValueError(
-            f"q, k and v must have the same head_dim (last axis); got q {head_dim}, k and v {head_dim_k}"
+            f"q and k must have the same head_dim (last axis; v's may differ); got q {head_dim}, k {head_dim_k}"
         )
     if head_dim < 1:
         raise ValueError(f"head_dim must be positive; got {head_dim}")
+    if head_dim_v < 1:
+        raise ValueError(f"v's head_dim (last axis) must be positive; got {head_dim_v}")
     if not varlen and batch_k != batch:
         raise ValueError(f"q and k must have the same batch size (axis 0); got q {batch}, k {batch_k}")
     if heads_kv < 1 or heads_q % heads_kv != 0:
@@ -195,15 +218,18 @@ def check_qkv(q, k, v, *, varlen: bool = False) -> Problem:
     for name, a in (("q", q), ("k", k), ("v", v)):
         _check_contiguous_last_axis(name, a)
     if varlen:
-        return Problem(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, total_q, total_k)
-    return Problem(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype)
+        return Problem(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, total_q, total_k,
+                       head_dim_v=head_dim_v)
+    return Problem(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, head_dim_v=head_dim_v)
 
 
 def check_backward_tensors(problem: Problem, do, out, lse) -> None:
-    """do and out are shaped and typed like q; lse like the forward's logsumexp."""
+    """do and out are shaped like the forward's output (q's shape with v's head dim) and typed like q; lse
+    like the forward's logsumexp."""
     for name, a in (("do", do), ("out", out)):
-        if _shape(a) != problem.q_shape:
-            raise ValueError(f"{name} must have the shape of q, {problem.q_shape}; got {_shape(a)}")
+        if _shape(a) != problem.out_shape:
+            what = "q" if problem.head_dim_v == problem.head_dim else "the output (q's, with v's head_dim)"
+            raise ValueError(f"{name} must have the shape of {what}, {problem.out_shape}; got {_shape(a)}")
         if np.dtype(a.dtype) != problem.dtype:
             raise TypeError(
                 f"{name} must have the dtype of q, {_dtype_name(problem.dtype)}; got {_dtype_name(a.dtype)}"
@@ -221,7 +247,8 @@ def check_backward_tensors(problem: Problem, do, out, lse) -> None:
 
 
 def softmax_scale(value, head_dim: int) -> float:
-    """The scale applied to q k^T: ``1/sqrt(head_dim)`` by default, else a finite positive real."""
+    """The scale applied to q k^T: ``1/sqrt(head_dim)`` (q's and k's head dim, not v's) by default, else a
+    finite positive real."""
     if value is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -355,7 +382,7 @@ def check_cu_seqlens(problem: Problem, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q, int(lengths["cu_seqlens_q"].max(initial=0)), "query")
     seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k, int(lengths["cu_seqlens_k"].max(initial=0)), "key")
     return Problem(int(cu_seqlens_q.size) - 1, seqlen_q, seqlen_k, problem.heads_q, problem.heads_kv,
-                   problem.head_dim, problem.dtype, problem.total_q, problem.total_k)
+                   problem.head_dim, problem.dtype, problem.total_q, problem.total_k, problem.head_dim_v)
 
 
 def seqused_k(value, problem: Problem, cu_seqlens_k=None, *, read_values: bool = True):
@@ -495,18 +522,66 @@ def dropout(dropout_p, dropout_seed, dropout_offset) -> tuple[float, int | None,
     return p, _uint64("dropout_seed", dropout_seed), offset
 
 
+def user_mods(score_mod, mask_mod, mod_arrays) -> tuple:
+    """``(mods, arrays)``: the user's ``score_mod`` and ``mask_mod`` parsed (a :class:`cuflash._mods.UserMods`,
+    or None when neither is given) and the arrays of ``mod_arrays`` they read, in its slot order.
+
+    ``mod_arrays``: a dict of at most four names (C identifiers, none of the variables, functions or keywords)
+    to 1-D, non-empty, contiguous int32 or float32 arrays. Arrays the expressions do not read are ignored.
+    """
+    for name, text in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if text is not None and not isinstance(text, str):
+            raise TypeError(
+                f"{name} must be a string (a CUDA C expression, see docs/variants.md) or None; got {type(text).__name__}"
+            )
+    arrays = {}
+    if mod_arrays is not None:
+        if not isinstance(mod_arrays, Mapping):
+            raise TypeError(f"mod_arrays must be a dict of names to 1-D int32 or float32 arrays; got "
+                            f"{type(mod_arrays).__name__}")
+        if score_mod is None and mask_mod is None:
+            raise ValueError("mod_arrays is read by score_mod and mask_mod only; got mod_arrays without either")
+        if len(mod_arrays) > _mods.MAX_ARRAYS:
+            raise ValueError(f"mod_arrays may hold at most {_mods.MAX_ARRAYS} arrays; got {len(mod_arrays)}: "
+                             f"{', '.join(map(str, mod_arrays))}")
+        for name, a in mod_arrays.items():
+            label = f"mod_arrays[{name!r}]"
+            if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise ValueError(f"mod_arrays names must be C identifiers (letters, digits, _); got {name!r}")
+            if name in _mods.RESERVED or name.startswith("__") or re.match(r"_[A-Z]", name):
+                raise ValueError(f"mod_arrays name {name!r} is reserved (a variable, function or keyword of the "
+                                 f"expressions, or a C++ reserved name); pick another")
+            if not hasattr(a, "dtype") or not hasattr(a, "shape"):
+                raise TypeError(f"{label} must be an array (of the library of q); got {type(a).__name__}")
+            if a.ndim != 1:
+                raise ValueError(f"{label} must be 1-D; got shape {_shape(a)}")
+            if np.dtype(a.dtype).name not in _mods.ARRAY_DTYPES:
+                raise TypeError(f"{label} must have dtype int32 or float32; got {_dtype_name(a.dtype)}")
+            if not 1 <= a.shape[0] < 2**31:
+                raise ValueError(f"{label} must have between 1 and 2**31 - 1 entries; got {a.shape[0]}")
+            if a.shape[0] > 1 and a.strides[0] != a.itemsize:
+                raise ValueError(f"{label} must be contiguous (stride {a.itemsize} bytes); got strides {tuple(a.strides)}")
+            arrays[name] = a
+    mods = _mods.user_mods(score_mod, mask_mod, arrays)
+    if mods is None:
+        return None, None
+    return mods, tuple(arrays[name] for name in mods.array_names)
+
+
 def variant(problem: Problem, xp, options: dict, *, read_values: bool = True) -> Variant:
     """The variant options of a call, checked against its problem and normalized into a :class:`Variant`.
 
     ``options`` holds the user's keywords: ``causal``, ``causal_align``, ``window_size``, ``softcap``,
     ``alibi_slopes``, ``cu_seqlens_q``, ``cu_seqlens_k``, ``seqused_k``, ``bias``, ``attn_mask`` (the
-    cu_seqlens already checked by :func:`check_cu_seqlens`, whose problem this is), and ``dropout_p``,
-    ``dropout_seed``, ``dropout_offset`` (absent: no dropout). ``xp`` is the array module of q.
+    cu_seqlens already checked by :func:`check_cu_seqlens`, whose problem this is), ``dropout_p``,
+    ``dropout_seed``, ``dropout_offset`` (absent: no dropout), and ``score_mod``, ``mask_mod``, ``mod_arrays``
+    (absent: none). ``xp`` is the array module of q.
     """
     is_causal, bottom_right = causal_options(options["causal"], options["causal_align"])
     left, right = window_size(options["window_size"])
     dropout_p, dropout_seed, dropout_offset = dropout(
         options.get("dropout_p", 0.0), options.get("dropout_seed"), options.get("dropout_offset", 0))
+    mods, mod_arrays = user_mods(options.get("score_mod"), options.get("mask_mod"), options.get("mod_arrays"))
     return Variant(
         causal=is_causal, bottom_right=bottom_right, window_left=left, window_right=right,
         softcap=softcap(options["softcap"]),
@@ -517,6 +592,7 @@ def variant(problem: Problem, xp, options: dict, *, read_values: bool = True) ->
         seqused_k=seqused_k(options["seqused_k"], problem, options["cu_seqlens_k"], read_values=read_values),
         bias=attention_bias(options["bias"], options["attn_mask"], problem, xp),
         dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
+        mods=mods, mod_arrays=mod_arrays,
     )
 
 

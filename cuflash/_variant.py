@@ -13,6 +13,9 @@ one :class:`Variant`. The math of each piece, in the forward and the backward, i
 - **score modifications**: softcap, ALiBi and an additive bias change the visible scores before the
   softmax; softcap's derivative multiplies dS in the backward, and the bias's gradient is the gradient of
   the final scores, ``dT``;
+- **user modifications** (``mods``, ``mod_arrays``): the user's ``score_mod`` (a CUDA C expression applied
+  to the scaled score last, with its derivative in the backward) and ``mask_mod`` (AND-ed with the other
+  masks; whole tiles it masks are skipped), parsed by :mod:`cuflash._mods`;
 - **dropout** (:meth:`Variant.keep`): after the softmax, each probability is kept with probability
   ``1 - dropout_p`` (and scaled by ``1 / (1 - dropout_p)``) or zeroed, by a counter-based generator
   (:mod:`cuflash._philox`) that the backward evaluates again; the lse is that of the undropped scores.
@@ -70,6 +73,12 @@ class Variant:
         In ``[0, 2**64)``, the Philox key; given whenever ``dropout_p > 0``.
     dropout_offset : int
         In ``[0, 2**64)``, folded into the Philox counter (flash-attention's philox offset).
+    mods : cuflash._mods.UserMods or None
+        The user's ``score_mod`` and ``mask_mod``, parsed and typed (hashable: equal mods generate the same C++
+        struct, ``mods.type_name`` / ``mods.source``), and the names and dtypes of the arrays they read.
+    mod_arrays : tuple or None
+        Those arrays (1-D int32 / float32, same array library as q), in the order of ``mods.array_names``
+        (``ModArrays::ptr[k]``); ``()`` when the expressions read none.
     """
 
     causal: bool = False
@@ -87,6 +96,8 @@ class Variant:
     dropout_p: float = 0.0
     dropout_seed: int | None = None
     dropout_offset: int = 0
+    mods: Any = None
+    mod_arrays: tuple | None = None
 
     @property
     def is_varlen(self) -> bool:
@@ -97,7 +108,7 @@ class Variant:
         """Nothing but plain softmax attention over the whole (batch, seqlen) arrays."""
         return (not self.causal and self.window_left is None and self.window_right is None and not self.softcap
                 and self.alibi_slopes is None and not self.is_varlen and self.seqused_k is None and self.bias is None
-                and not self.dropout_p)
+                and not self.dropout_p and self.mods is None)
 
     @property
     def right(self) -> int | None:

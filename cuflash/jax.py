@@ -138,7 +138,8 @@ def _forward(q, k, v, bias, arrays, options):
     def fn(q, k, v, bias, arrays):
         return cuflash.attention(q, k, v, return_lse=True, bias=bias, **_keywords(options, arrays))
 
-    return _call(fn, (_shape_of(q), _lse_shape(q)), q, k, v, bias, arrays)
+    out_shape = jax.ShapeDtypeStruct(q.shape[:-1] + v.shape[-1:], q.dtype)  # v's head dim may differ from q's
+    return _call(fn, (out_shape, _lse_shape(q)), q, k, v, bias, arrays)
 
 
 def _attention_fwd(q, k, v, bias, arrays, options):

@@ -11,7 +11,8 @@ whole. Inside, a block of rows is loaded ("from HBM into SRAM") as a contiguous
 ``group = heads_q // heads_kv``: query head ``h`` sits at ``(h // group, h % group)`` and every query head
 of a group reads the same key/value head. Keys and values are loaded as
 ``(batch, heads_kv, 1, rows, head_dim)`` and broadcast over the group, so K and V are never repeated.
-One block loop thus serves every (batch, head) pair at once through batched matrix products.
+One block loop thus serves every (batch, head) pair at once through batched matrix products. ``v``
+may have a head dim of its own (``head_dim_v``); ``out``, ``do`` and ``dv`` have it, q, k, dq, dk ``head_dim``.
 
 Precision. Products accumulate in float32 (float64 for float64 inputs). As in the kernels, the
 probabilities ``P`` are rounded to the input dtype before ``P @ V`` and ``P^T @ dO``, and ``dS`` before
@@ -51,6 +52,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import _mods
 from ._blocks import (
     Band,
     default_block_sizes,
@@ -74,6 +76,7 @@ __all__ = [
 ]
 
 _ORDERS = ("kv_outer", "q_outer", "split")
+SUPPORTS_USER_MODS = True  # score_mod and mask_mod (the front door refuses them for a backend without this)
 DENSE = Variant()
 
 
@@ -187,6 +190,31 @@ class _ScoreMods(NamedTuple):
     band: Band | None            # the keys each row sees by position (None: all)
     bias: np.ndarray | None      # additive bias, (nb, heads_kv, group, len_q, len_k) view of Variant.bias
     dropout: _Dropout | None     # dropout after the softmax (None: none)
+    user: _UserMods | None = None  # the user's score_mod / mask_mod (None: none)
+
+
+class _UserMods(NamedTuple):
+    """What one sequence needs to apply the user's ``score_mod`` and ``mask_mod`` to any tile
+    (``docs/variants.md``, "User score and mask modifications")."""
+
+    mods: _mods.UserMods
+    arrays: dict                 # name -> the NumPy array of mod_arrays
+    b: np.ndarray                # (nb, 1, 1, 1, 1): the batch entries' (or the packed sequence's) indices
+    h: np.ndarray                # (1, heads_kv, group, 1, 1): the query head of each grouped position
+    # The block map of mask_mod for this run's tiles (cuflash._mods.block_map), reduced over its batch entries
+    # and heads, as the reference runs them all at once: a tile whose max is 0 is skipped (no visible score),
+    # one whose min is 2 needs no mask_mod. None: no mask_mod, or no tiles (naive attention evaluates it all).
+    tile_max: np.ndarray | None
+    tile_min: np.ndarray | None
+    block_q: int | None
+    block_k: int | None
+
+
+class _ScoreGrad(NamedTuple):
+    """The derivatives [variant grad] multiplies dS by, each None when absent."""
+
+    softcap: np.ndarray | None   # 1 - tanh^2 of softcap, d t / d (scale * s) before ALiBi and the bias
+    user: np.ndarray | None      # d score_mod / d score, 0 where the score is masked
 
 
 class _Dropout(NamedTuple):
@@ -227,12 +255,13 @@ class _Sequence(NamedTuple):
         return x[self.batch, :, self.rows_q, self.rows_k]
 
 
-def _sequences(q, k, variant: Variant, scale: float):
+def _sequences(q, k, variant: Variant, scale: float, blocks=None):
     """The sequences of a call that have a score to compute (a query and a used key), as :class:`_Sequence`.
 
     Packed batches (``cu_seqlens``) and key padding (``seqused_k``) give one sequence per batch entry, as
     the kernels' per-sequence block info; otherwise the whole batch is one run. A sequence left out
     (no query or no used key) keeps what the outputs start as: ``out = 0``, ``lse = -inf``, zero gradients.
+    ``blocks``: the ``(block_q, block_k)`` tiles of the blocked loops (for mask_mod's block map), None for naive.
     """
     if variant.is_varlen:
         cu_q, cu_k = (np.asarray(cu, np.int64) for cu in (variant.cu_seqlens_q, variant.cu_seqlens_k))
@@ -251,10 +280,11 @@ def _sequences(q, k, variant: Variant, scale: float):
         batch = slice(None) if b is None else slice(b, b + 1)
         indices = np.arange(q.shape[0]) if b is None else np.array([b])
         yield _Sequence(batch, slice(first_q, first_q + len_q), slice(first_k, first_k + len_k), variant.is_varlen,
-                        _score_mods(variant, scale, q, k, batch, indices, len_q, len_k))
+                        _score_mods(variant, scale, q, k, batch, indices, len_q, len_k, blocks))
 
 
-def _score_mods(variant: Variant, scale: float, q, k, batch: slice, indices, len_q: int, len_k: int) -> _ScoreMods:
+def _score_mods(variant: Variant, scale: float, q, k, batch: slice, indices, len_q: int, len_k: int,
+                blocks=None) -> _ScoreMods:
     """The score modifications of the sequence made of batch entries ``batch`` (the packed sequences'
     ``indices`` name them for dropout: the batch entries, or the one packed sequence)."""
     heads_q, heads_kv = q.shape[-2], k.shape[-2]
@@ -268,8 +298,44 @@ def _score_mods(variant: Variant, scale: float, q, k, batch: slice, indices, len
         dropout = _Dropout(variant, indices.reshape(-1, 1, 1, 1, 1),
                            np.arange(heads_q).reshape(1, heads_kv, heads_q // heads_kv, 1, 1),
                            1.0 / (1.0 - variant.dropout_p))
+    user = None if variant.mods is None else _user_mods(variant, indices, heads_q, heads_kv, len_q, len_k, blocks)
     return _ScoreMods(scale, variant.softcap, slopes, variant.offset(len_q, len_k), variant.band(len_q, len_k), bias,
-                      dropout)
+                      dropout, user)
+
+
+def _user_mods(variant: Variant, indices, heads_q: int, heads_kv: int, len_q: int, len_k: int, blocks) -> _UserMods:
+    """The user's mods for the run of batch entries ``indices`` (their ``b``), with its block map when the
+    blocked loops give their tiles (``blocks``)."""
+    mods = variant.mods
+    arrays = {name: np.asarray(a) for name, a in zip(mods.array_names, variant.mod_arrays)}
+    tile_max = tile_min = None
+    block_q, block_k = blocks if blocks is not None else (None, None)
+    if blocks is not None and mods.has_mask_mod:
+        tiles = _mods.block_map(mods, len(indices), heads_q, len_q, len_k, block_q, block_k, arrays=arrays,
+                                batch_index=indices).tiles
+        tile_max, tile_min = tiles.max(axis=(0, 1)), tiles.min(axis=(0, 1))
+    return _UserMods(mods, arrays, np.asarray(indices).reshape(-1, 1, 1, 1, 1),
+                     np.arange(heads_q).reshape(1, heads_kv, heads_q // heads_kv, 1, 1), tile_max, tile_min,
+                     block_q, block_k)
+
+
+def _skips(mods: _ScoreMods, q_start: int, k_start: int) -> bool:
+    """[variant mask] mask_mod: whether the tile at ``(q_start, k_start)`` holds no visible score (block map 0
+    for every batch entry and head of the run), so that the loops skip it as the kernels will."""
+    user = mods.user
+    if user is None or user.tile_max is None:
+        return False
+    return bool(user.tile_max[q_start // user.block_q, k_start // user.block_k] == _mods.SKIP)
+
+
+def _mask_mod_needed(user: _UserMods, q_start: int, k_start: int) -> bool:
+    """Whether a tile must evaluate mask_mod score by score: not when the block map says every score of it
+    is visible (2) for every batch entry and head."""
+    if not user.mods.has_mask_mod:
+        return False
+    if user.tile_min is None:
+        return True
+    return bool(user.tile_min[q_start // user.block_q, k_start // user.block_k] != _mods.FULL)
 
 
 def _dropout_tile(dropout: _Dropout, q_start, q_stop, k_start, k_stop, dtype) -> np.ndarray:
@@ -294,9 +360,11 @@ def _outside_band(q_start: int, q_stop: int, k_start: int, k_stop: int, band: Ba
 
 
 def _scores(q_i, k_j, mods: _ScoreMods, q_start, q_stop, k_start, k_stop):
-    """``(S, dcap)``: the scores of one tile, and softcap's derivative for the backward (None without).
+    """``(S, grad)``: the scores of one tile, and the derivatives the backward multiplies dS by (a
+    :class:`_ScoreGrad`: softcap's, the user's score_mod's; None without either).
 
-    ``S = scale * Q_i K_j^T``, then softcap, ALiBi and the bias, then ``-inf`` outside the band. ``q_i`` is
+    ``S = scale * Q_i K_j^T``, then softcap, ALiBi, the bias and the user's score_mod, then ``-inf`` outside the
+    band and where mask_mod is false (a tile of the block map's 2 skips mask_mod). ``q_i`` is
     ``(batch, heads_kv, group, rows, d)``, ``k_j`` ``(batch, heads_kv, 1, cols, d)``; the key block
     broadcasts over the group. Only a tile that crosses an edge of the band builds a mask.
     """
@@ -317,10 +385,29 @@ def _scores(q_i, k_j, mods: _ScoreMods, q_start, q_stop, k_start, k_stop):
     if mods.bias is not None:
         # [variant mod] bias: t += bias[b, h, i, j] (attn_mask's False is -inf there)
         s += mods.bias[..., q_start:q_stop, k_start:k_stop]
+    user, dmod = mods.user, None
+    if user is not None:
+        rows = np.arange(q_start, q_stop).reshape(1, 1, 1, -1, 1)
+        cols = np.arange(k_start, k_stop).reshape(1, 1, 1, 1, -1)
+    if user is not None and user.mods.has_score_mod:
+        # [variant mod] score_mod: t = score_mod(t, b, h, i, j), last (FlexAttention's scaled score); keep its
+        # derivative for [variant grad]. A score already -inf (a -inf bias, attn_mask) stays -inf: no unmasking
+        value, deriv = user.mods.score(s, user.b, user.h, rows, cols, user.arrays)
+        masked = np.isneginf(s)
+        s = np.where(masked, s, value).astype(s.dtype, copy=False)
+        dmod = np.where(masked, 0, deriv).astype(s.dtype, copy=False)
     if tile_needs_mask(q_start, q_stop, k_start, k_stop, mods.band):
         # [variant mask] -inf outside the band (causal masking, sliding window)
         np.copyto(s, -np.inf, where=_outside_band(q_start, q_stop, k_start, k_stop, mods.band))
-    return s, dcap
+    if user is not None and _mask_mod_needed(user, q_start, k_start):
+        # [variant mask] mask_mod: -inf where it is false (only tiles the block map marks partial)
+        np.copyto(s, -np.inf, where=~user.mods.mask(user.b, user.h, rows, cols, user.arrays))
+    if dmod is not None:
+        # [variant grad] score_mod: no derivative where the score is masked (P = 0 there; keeps 0 * inf away)
+        dmod[np.isneginf(s)] = 0
+    if dcap is None and dmod is None:
+        return s, None
+    return s, _ScoreGrad(dcap, dmod)
 
 
 def _group_transpose_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -351,13 +438,13 @@ def _is_empty(q, k) -> bool:
     return 0 in q.shape[:-1] + k.shape[:-1]
 
 
-def _forward_outputs(q):
-    """``out`` (zeros, like q) and ``lse`` (``-inf``): what a row that sees no key keeps.
+def _forward_outputs(q, v):
+    """``out`` (zeros, like q with v's head dim) and ``lse`` (``-inf``): what a row that sees no key keeps.
 
     ``lse`` is ``(batch, heads, seqlen_q)``, or ``(heads, total_q)`` for packed ``(total_q, heads, d)`` q.
     """
     lse_shape = (q.shape[1], q.shape[0]) if q.ndim == 3 else (q.shape[0], q.shape[2], q.shape[1])
-    return np.zeros(q.shape, q.dtype), np.full(lse_shape, -np.inf, _acc_dtype(q.dtype))
+    return np.zeros(q.shape[:-1] + v.shape[-1:], q.dtype), np.full(lse_shape, -np.inf, _acc_dtype(q.dtype))
 
 
 def _zero_grads(q, k, v, want_dbias=False):
@@ -377,15 +464,16 @@ def _zero_grads(q, k, v, want_dbias=False):
 
 
 def _naive_probabilities(q5, k5, mods: _ScoreMods):
-    """Full ``P = softmax(S)``, ``lse`` per row and softcap's derivative, from grouped full-length Q and K."""
+    """Full ``P = softmax(S)``, ``lse`` per row and the derivatives of the score mods (:func:`_scores`), from
+    grouped full-length Q and K."""
     seqlen_q, seqlen_k = q5.shape[-2], k5.shape[-2]
-    s, dcap = _scores(q5, k5, mods, 0, seqlen_q, 0, seqlen_k)
+    s, grad = _scores(q5, k5, mods, 0, seqlen_q, 0, seqlen_k)
     m = s.max(axis=-1)
     s -= _shift(m)[..., None]
     p = np.exp(s, out=s)
     l_safe, lse = _finish_lse(m, p.sum(axis=-1))
     p /= l_safe[..., None]
-    return p, lse, dcap
+    return p, lse, grad
 
 
 def naive_forward(q, k, v, *, scale, variant=DENSE):
@@ -395,7 +483,7 @@ def naive_forward(q, k, v, *, scale, variant=DENSE):
     (000, eqs. 7-9), with ``P`` rounded to the input dtype before the product, as a framework computing
     in that dtype would. One sequence at a time. Returns ``(out, lse)``.
     """
-    out, lse = _forward_outputs(q)
+    out, lse = _forward_outputs(q, v)
     if _is_empty(q, k):
         return out, lse
     dtype, acc = q.dtype, _acc_dtype(q.dtype)
@@ -428,7 +516,7 @@ def naive_backward(do, q, k, v, *, scale, variant=DENSE, want_dbias=False):
     for seq in _sequences(q, k, variant, scale):
         q5, do5 = (np.ascontiguousarray(_grouped(seq.q(x), heads_kv), dtype=acc) for x in (q, do))
         k5, v5 = (np.ascontiguousarray(_grouped(seq.k(x), heads_kv), dtype=acc) for x in (k, v))
-        p, _, dcap = _naive_probabilities(q5, k5, seq.mods)
+        p, _, grad = _naive_probabilities(q5, k5, seq.mods)
         dp = do5 @ v5.swapaxes(-1, -2)
         if seq.mods.dropout is None:
             dv = _group_transpose_matmul(_cast_like_kernel(p, dtype), do5)
@@ -439,12 +527,15 @@ def naive_backward(do, q, k, v, *, scale, variant=DENSE, want_dbias=False):
             dp *= z
         gamma = (p * dp).sum(axis=-1)
         ds = p * (dp - gamma[..., None])
+        if grad is not None and grad.user is not None:
+            # [variant grad] score_mod: dS *= d score_mod / d score (the bias is added before score_mod)
+            ds *= grad.user
         if want_dbias:
             # [variant grad] bias: dBias = dT = P (dP - D), the gradient of the final scores (before softcap's factor)
             _grouped_scores(seq.scores(grads[3]), heads_kv)[...] = ds
-        if dcap is not None:
+        if grad is not None and grad.softcap is not None:
             # [variant grad] softcap: dS *= 1 - (t_capped / softcap)^2
-            ds *= dcap
+            ds *= grad.softcap
         ds_in = _cast_like_kernel(ds, dtype)
         dq = scale * (ds_in @ k5)
         dk = scale * _group_transpose_matmul(ds_in, q5)
@@ -461,11 +552,11 @@ def naive_backward(do, q, k, v, *, scale, variant=DENSE, want_dbias=False):
 def _blocked_forward(forward_sequence, q, k, v, scale, variant, block_q, block_k):
     """What both blocked forwards do around their loops: allocate ``(out, lse)``, settle the tile sizes and
     run ``forward_sequence`` (the loops of one order) on each sequence's views."""
-    out, lse = _forward_outputs(q)
+    out, lse = _forward_outputs(q, v)
     if _is_empty(q, k):
         return out, lse
-    block_q, block_k = _resolve_block_sizes(q.shape[-1], block_q, block_k, "forward")
-    for seq in _sequences(q, k, variant, scale):
+    block_q, block_k = _resolve_block_sizes(max(q.shape[-1], v.shape[-1]), block_q, block_k, "forward")
+    for seq in _sequences(q, k, variant, scale, (block_q, block_k)):
         forward_sequence(seq.q(q), seq.k(k), seq.k(v), seq.q(out), seq.rows(lse), seq.mods, block_q, block_k)
     return out, lse
 
@@ -497,10 +588,12 @@ def _fa2_forward_sequence(q, k, v, out, lse, mods: _ScoreMods, block_q, block_k)
         q_i = _load(q5, q_start, q_stop, acc_dtype)
         m_i = np.full(q_i.shape[:-1], -np.inf, acc_dtype)
         l_i = np.zeros(q_i.shape[:-1], acc_dtype)
-        acc = np.zeros(q_i.shape, acc_dtype)
+        acc = np.zeros(q_i.shape[:-1] + v.shape[-1:], acc_dtype)  # v's head dim (may differ from q's)
         k_first, k_end = key_range(q_start, q_stop, mods.band, seqlen_k)
         for k_start, k_stop in iter_blocks(k_first, k_end, block_k, seqlen_k):
             assert not tile_is_fully_masked(q_start, q_stop, k_start, k_stop, mods.band)
+            if _skips(mods, q_start, k_start):
+                continue  # [variant mask] mask_mod: no visible score in the tile
             k_j = _load(k5, k_start, k_stop, acc_dtype)
             v_j = _load(v5, k_start, k_stop, acc_dtype)
             # [fa2-fwd 2] S = scale * Q K^T (modified and masked)
@@ -547,11 +640,11 @@ def fa1_forward(q, k, v, *, scale, variant=DENSE, block_q=None, block_k=None):
 
 def _fa1_forward_sequence(q, k, v, out, lse, mods: _ScoreMods, block_q, block_k):
     dtype, acc_dtype = q.dtype, _acc_dtype(q.dtype)
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    batch, seqlen_q, heads_q, _ = q.shape
+    seqlen_k, heads_kv, head_dim_v = k.shape[1], k.shape[2], v.shape[-1]
     q5, k5, v5 = (_grouped(x, heads_kv) for x in (q, k, v))
     group = heads_q // heads_kv
-    o_hbm = np.zeros((batch, heads_kv, group, seqlen_q, head_dim), acc_dtype)
+    o_hbm = np.zeros((batch, heads_kv, group, seqlen_q, head_dim_v), acc_dtype)
     m_hbm = np.full((batch, heads_kv, group, seqlen_q), -np.inf, acc_dtype)
     l_hbm = np.zeros((batch, heads_kv, group, seqlen_q), acc_dtype)
 
@@ -561,6 +654,8 @@ def _fa1_forward_sequence(q, k, v, out, lse, mods: _ScoreMods, block_q, block_k)
         q_first, q_end = query_range(k_start, k_stop, mods.band, seqlen_q)
         for q_start, q_stop in iter_blocks(q_first, q_end, block_q, seqlen_q):
             assert not tile_is_fully_masked(q_start, q_stop, k_start, k_stop, mods.band)
+            if _skips(mods, q_start, k_start):
+                continue  # [variant mask] mask_mod: no visible score in the tile
             # [fa1-fwd 1] load a query block and its O, m, l from HBM
             q_i = _load(q5, q_start, q_stop, acc_dtype)
             o_old = o_hbm[..., q_start:q_stop, :]
@@ -627,7 +722,7 @@ class _BackwardInputs:
     def __init__(self, do, q, k, v, lse, delta, grads, dbias, mods: _ScoreMods, block_q, block_k):
         self.dtype, self.acc = q.dtype, _acc_dtype(q.dtype)
         self.batch, self.seqlen_q, self.heads_q, self.head_dim = q.shape
-        self.seqlen_k, self.heads_kv = k.shape[1], k.shape[2]
+        self.seqlen_k, self.heads_kv, self.head_dim_v = k.shape[1], k.shape[2], v.shape[-1]
         self.group = self.heads_q // self.heads_kv
         self.mods, self.scale = mods, mods.scale
         self.block_q, self.block_k = block_q, block_k
@@ -652,12 +747,14 @@ class _BackwardInputs:
     def key_blocks(self, q_start, q_stop):
         """The key blocks that some row of the query block sees."""
         first, end = key_range(q_start, q_stop, self.mods.band, self.seqlen_k)
-        return iter_blocks(first, end, self.block_k, self.seqlen_k)
+        # [variant mask] mask_mod: tiles of no visible score are skipped
+        return [(a, b) for a, b in iter_blocks(first, end, self.block_k, self.seqlen_k) if not _skips(self.mods, q_start, a)]
 
     def query_blocks(self, k_start, k_stop):
         """The query blocks that some row of which sees a key of the key block."""
         first, end = query_range(k_start, k_stop, self.mods.band, self.seqlen_q)
-        return iter_blocks(first, end, self.block_q, self.seqlen_q)
+        # [variant mask] mask_mod: tiles of no visible score are skipped
+        return [(a, b) for a, b in iter_blocks(first, end, self.block_q, self.seqlen_q) if not _skips(self.mods, a, k_start)]
 
     def tile(self, q_block, k_block, q_start, q_stop, k_start, k_stop, write_dbias=True):
         """Steps 1, 3 and 4 of one tile: ``(P, dS)``, both rounded to the input dtype for their products
@@ -669,7 +766,7 @@ class _BackwardInputs:
         q_i, do_i, lse_i, delta_i = q_block
         k_j, v_j = k_block
         # [bwd 1] P = exp(S - lse), S = scale * Q K^T (modified and masked) recomputed, lse saved
-        s, dcap = _scores(q_i, k_j, self.mods, q_start, q_stop, k_start, k_stop)
+        s, grad = _scores(q_i, k_j, self.mods, q_start, q_stop, k_start, k_stop)
         s -= lse_i[..., None]
         p = np.exp(s, out=s)
         # [bwd 3] dP = dO V^T
@@ -683,17 +780,21 @@ class _BackwardInputs:
         # [bwd 4] dS = P * (dP - D)
         dp -= delta_i[..., None]
         ds = np.multiply(p, dp, out=dp)
+        if grad is not None and grad.user is not None:
+            # [variant grad] score_mod: dS *= d score_mod / d score (the bias is added before score_mod)
+            ds *= grad.user
         if self.dbias5 is not None and write_dbias:
             # [variant grad] bias: dBias_ij = dT_ij = P (dP - D), before softcap's factor; one write per tile
             self.dbias5[..., q_start:q_stop, k_start:k_stop] = ds
-        if dcap is not None:
+        if grad is not None and grad.softcap is not None:
             # [variant grad] softcap: dS *= 1 - (t_capped / softcap)^2, the derivative of softcap * tanh(t / softcap)
-            ds *= dcap
+            ds *= grad.softcap
         return _cast_like_kernel(p_v, self.dtype), _cast_like_kernel(ds, self.dtype)
 
-    def hbm(self, rows, group):
-        """A zeroed full-size accumulator ``(batch, heads_kv, group, rows, head_dim)`` ("HBM")."""
-        return np.zeros((self.batch, self.heads_kv, group, rows, self.head_dim), self.acc)
+    def hbm(self, rows, group, head_dim=None):
+        """A zeroed full-size accumulator ``(batch, heads_kv, group, rows, head_dim)`` ("HBM"); ``head_dim``
+        defaults to q's (and k's), dV's is ``head_dim_v``."""
+        return np.zeros((self.batch, self.heads_kv, group, rows, head_dim or self.head_dim), self.acc)
 
 
 def _dkdv_pass(a: _BackwardInputs, dq_hbm=None):
@@ -703,9 +804,9 @@ def _dkdv_pass(a: _BackwardInputs, dq_hbm=None):
     as the kernel's ``Has_dQ`` variant does with atomics; without it, only dK and dV are formed.
     """
     for k_start, k_stop in iter_blocks(0, a.seqlen_k, a.block_k, a.seqlen_k):
-        k_block = k_j, _ = a.load_key_block(k_start, k_stop)
+        k_block = k_j, v_j = a.load_key_block(k_start, k_stop)
         dk_j = np.zeros(k_j.shape, a.acc)
-        dv_j = np.zeros(k_j.shape, a.acc)
+        dv_j = np.zeros(v_j.shape, a.acc)
         for q_start, q_stop in a.query_blocks(k_start, k_stop):
             q_block = q_i, do_i, _, _ = a.load_query_block(q_start, q_stop)
             p, ds = a.tile(q_block, k_block, q_start, q_stop, k_start, k_stop)
@@ -734,7 +835,7 @@ def _backward_q_outer(a: _BackwardInputs):
     """Query blocks outer (000 Algorithm 6): dQ_i stays local to the outer step; dK and dV are read,
     updated and written back in full-size arrays at every tile."""
     dk_hbm = a.hbm(a.seqlen_k, 1)
-    dv_hbm = a.hbm(a.seqlen_k, 1)
+    dv_hbm = a.hbm(a.seqlen_k, 1, a.head_dim_v)
     for q_start, q_stop in iter_blocks(0, a.seqlen_q, a.block_q, a.seqlen_q):
         q_block = q_i, do_i, _, _ = a.load_query_block(q_start, q_stop)
         dq_i = np.zeros(q_i.shape, a.acc)
@@ -791,7 +892,7 @@ def blocked_backward(do, q, k, v, out, lse, *, scale, variant=DENSE, block_q=Non
         return grads
     order = "kv_outer" if order is None else order
     assert order in _BACKWARD_ORDERS, order
-    block_q, block_k = _resolve_block_sizes(q.shape[-1], block_q, block_k, "backward")
+    block_q, block_k = _resolve_block_sizes(max(q.shape[-1], v.shape[-1]), block_q, block_k, "backward")
     # [bwd 0] D = rowsum(dO * O), once, before the main loops
     delta = preprocess_delta(do, out, block_q=block_q)
     for seq in _sequences(q, k, variant, scale):
