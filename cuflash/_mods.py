@@ -42,6 +42,7 @@ __all__ = [
     "ModExpr",
     "UserMods",
     "parse",
+    "evaluate",
     "user_mods",
     "cpp_struct",
     "BlockMap",
@@ -704,6 +705,22 @@ def _index_env(xp, b, h, q_idx, kv_idx) -> dict:
 
 def _arrays(xp, arrays) -> dict:
     return {name: xp.asarray(a) for name, a in (arrays or {}).items()}
+
+
+def evaluate(text: str, arg: str = "score_mod", *, score=0.0, b=0, h=0, q_idx=0, kv_idx=0, arrays: dict | None = None,
+             fdtype=np.float64):
+    """``(value, derivative, type)`` of one expression at broadcast inputs, as C computes it: ``type`` is
+    ``"int"`` (an int64 value), ``"float"`` or ``"score"`` (a ``fdtype`` value; ``"score"``: it depends on the
+    score), the derivative with respect to ``score`` (0 where it does not depend on it). For tests and
+    exploration; the backends use :class:`UserMods`."""
+    dtypes = {name: np.dtype(a.dtype).name for name, a in (arrays or {}).items()}
+    expr = parse(text, arg, dtypes)
+    xp = _module(score, b, h, q_idx, kv_idx)
+    env = {SCORE_NAME: xp.asarray(score, dtype=fdtype), **_index_env(xp, b, h, q_idx, kv_idx)}
+    ev = _Evaluator(expr, xp, fdtype, env, _arrays(xp, arrays))
+    with np.errstate(all="ignore"):
+        value, deriv = ev.run(expr.node)
+    return value, (np.zeros((), fdtype) if deriv is None else deriv), expr.node.type
 
 
 def user_mods(score_mod=None, mask_mod=None, arrays: dict | None = None) -> UserMods | None:

@@ -895,7 +895,7 @@ def blocked_backward(do, q, k, v, out, lse, *, scale, variant=DENSE, block_q=Non
     block_q, block_k = _resolve_block_sizes(max(q.shape[-1], v.shape[-1]), block_q, block_k, "backward")
     # [bwd 0] D = rowsum(dO * O), once, before the main loops
     delta = preprocess_delta(do, out, block_q=block_q)
-    for seq in _sequences(q, k, variant, scale):
+    for seq in _sequences(q, k, variant, scale, (block_q, block_k)):
         inputs = _BackwardInputs(seq.q(do), seq.q(q), seq.k(k), seq.k(v), seq.rows(lse), seq.rows(delta),
                                  (seq.q(grads[0]), seq.k(grads[1]), seq.k(grads[2])),
                                  seq.scores(grads[3]) if want_dbias else None, seq.mods, block_q, block_k)
