@@ -27,11 +27,6 @@ def _backend(library: str) -> ModuleType:
 
 def _check_supported(backend: ModuleType, problem: _validate.Problem, algorithm: str, variant: Variant) -> None:
     """Let the backend refuse what it cannot run (a head dim, a dtype, a GPU, a variant), before any launch."""
-    if variant.mods is not None and not getattr(backend, "SUPPORTS_USER_MODS", False):
-        raise NotImplementedError(
-            f"score_mod and mask_mod run on NumPy arrays for now; the CUDA kernels get them next "
-            f"(got {variant.mods.type_name} for {backend.__name__})"
-        )
     check = getattr(backend, "check_supported", None)
     if check is not None:
         check(problem, algorithm, variant)

@@ -76,7 +76,6 @@ __all__ = [
 ]
 
 _ORDERS = ("kv_outer", "q_outer", "split")
-SUPPORTS_USER_MODS = True  # score_mod and mask_mod (the front door refuses them for a backend without this)
 DENSE = Variant()
 
 

@@ -23,6 +23,7 @@
 // Shared memory of dkdv (16-bit elements): K, V kBlockN x d; kStages x (Q, dO) kBlockM x d; P^T, dS^T
 // kBlockN x kBlockM; float32 lse, D per stage. E.g. d = 128, kBlockN = 128, kBlockM = 64, 2 stages: 161 KiB.
 #include "cuflash_tiles.cuh"
+#include "user_mods.cuh"
 #include "variants.cuh"
 #include "f32_tiles.cuh"
 
@@ -261,10 +262,10 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
         // [bwd 1] P^T = exp(scale mod(K Q^T) - lse): this warp's 32 keys x kQW queries.
         float st[2][kQN8][4];
         warp_mma_abt_x2<T, kHeadDim, kQN8>(st, sK, wn * 32, tQ, wm * kQW, lane);
-        u32 dmod[V::Has_softcap ? 2 : 1][V::Has_softcap ? kQN8 : 1][2];  // [variant grad] d mod / d s
+        u32 dmod[V::Has_grad ? 2 : 1][V::Has_grad ? kQN8 : 1][2];  // [variant grad] d mod / d s
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            if constexpr (V::Has_softcap) {
+            if constexpr (V::Has_grad) {
                 mod_scores_grad<true>(st[i], dmod[i], bi, key_base + 16 * i, m0 + wm * kQW, lane);
             } else {
                 mod_scores<true>(st[i], bi, key_base + 16 * i, m0 + wm * kQW, lane);  // [variant mod]
@@ -344,9 +345,16 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
         for (int i = 0; i < 2; ++i) {
             if constexpr (V::Has_bias) {
                 for_each_score<true>(dpt[i], key_base + 16 * i, m0 + wm * kQW, lane,
-                                     [&](float& x, int qi, int kj, int, int) { bi.store_dbias(qi, kj, x); });
+                                     [&](float& x, int qi, int kj, int nt, int e) {
+                                         // (a score_mod comes after the bias: its derivative is in dbias)
+                                         if constexpr (V::Mod::Has_score_mod) {
+                                             bi.store_dbias(qi, kj, x * grad_at(dmod[i], nt, e));
+                                         } else {
+                                             bi.store_dbias(qi, kj, x);
+                                         }
+                                     });
             }
-            if constexpr (V::Has_softcap) {
+            if constexpr (V::Has_grad) {
                 for_each_score<true>(dpt[i], 0, 0, lane, [&](float& x, int, int, int nt, int e) { x *= grad_at(dmod[i], nt, e); });
             }
         }
@@ -547,8 +555,8 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
             }
         }
         const int n0 = n_shift + j * kBlockN;  // the tile's first key in the sequence
-        u32 dmod[V::Has_softcap ? kNT : 1][2];  // [variant grad] d mod / d s
-        if constexpr (V::Has_softcap) {
+        u32 dmod[V::Has_grad ? kNT : 1][2];  // [variant grad] d mod / d s
+        if constexpr (V::Has_grad) {
             mod_scores_grad<false>(s, dmod, bi, row_base, n0, lane);
         } else {
             mod_scores<false>(s, bi, row_base, n0, lane);  // [variant mod]
@@ -566,7 +574,7 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 dp[nt][e] = s[nt][e] * (dp[nt][e] - d_r[e >> 1]);
-                if constexpr (V::Has_softcap) dp[nt][e] *= grad_at(dmod, nt, e);
+                if constexpr (V::Has_grad) dp[nt][e] *= grad_at(dmod, nt, e);
             }
         }
         // [bwd 5] dQ += dS K (scale applied once at the end).

@@ -36,6 +36,7 @@
 // d = 128, kBlockN = 128: 146 KiB (one block per SM); d = 64, kBlockN = 128: 82 KiB.
 #include "cuflash_tiles.cuh"
 #include "hopper_tiles.cuh"
+#include "user_mods.cuh"
 #include "variants.cuh"
 
 namespace cuflash {
@@ -181,8 +182,8 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
         // its P here is +inf, but every tile it meets crosses an edge of its band and is masked to 0 below.
         wgmma_wait<1>();
         fence_regs(st);
-        u32 dmod[V::Has_softcap ? kNT : 1][2];  // [variant grad] d mod / d s
-        if constexpr (V::Has_softcap) {
+        u32 dmod[V::Has_grad ? kNT : 1][2];  // [variant grad] d mod / d s
+        if constexpr (V::Has_grad) {
             mod_scores_grad<true>(st, dmod, bi, key_base, m0, lane);
         } else {
             mod_scores<true>(st, bi, key_base, m0, lane);  // [variant mod]
@@ -234,9 +235,16 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
         }
         // [variant grad] dbias = dS (the bias is added after softcap), then dS times softcap's derivative.
         if constexpr (V::Has_bias) {
-            for_each_score<true>(dpt, key_base, m0, lane, [&](float& x, int qi, int kj, int, int) { bi.store_dbias(qi, kj, x); });
+            for_each_score<true>(dpt, key_base, m0, lane, [&](float& x, int qi, int kj, int nt, int e) {
+                // (a score_mod comes after the bias: its derivative is in dbias)
+                if constexpr (V::Mod::Has_score_mod) {
+                    bi.store_dbias(qi, kj, x * grad_at(dmod, nt, e));
+                } else {
+                    bi.store_dbias(qi, kj, x);
+                }
+            });
         }
-        if constexpr (V::Has_softcap) {
+        if constexpr (V::Has_grad) {
             for_each_score<true>(dpt, 0, 0, lane, [&](float& x, int, int, int nt, int e) { x *= grad_at(dmod, nt, e); });
         }
         u32 dst[kMT][4];

@@ -151,7 +151,8 @@ __device__ __forceinline__ void bwd_f32_key_tile(const F32BwdArgs& a, const Bloc
                 const float kp = V::Has_dropout ? (bi.keep(row, key) ? bi.keep_scale : 0.f) : 1.f;
                 const float pd = p * kp;
                 const float dt = p * (warp_sum(dp) * kp - d_i);         // [bwd 3], [bwd 4]
-                if (lane == 0) bi.store_dbias(row, key, dt);           // [variant grad] dbias (added after softcap)
+                // [variant grad] dbias (added after softcap, before a score_mod)
+                if (lane == 0) bi.store_dbias(row, key, V::Mod::Has_score_mod ? dt * grad : dt);
                 const float ds = dt * grad;                             // [variant grad] softcap
 #pragma unroll
                 for (int c = 0; c < kPer; ++c) {

@@ -29,6 +29,7 @@
 //
 // Running statistics are kept in log2 units (m' = scale log2(e) max S), as in the FA2 kernels.
 #include "cuflash_tiles.cuh"
+#include "user_mods.cuh"
 #include "variants.cuh"
 #include "f32_tiles.cuh"
 

@@ -21,6 +21,7 @@
 // 4 * kRows rows, key/value tiles through shared memory, one warp per query row at a time, lanes over keys
 // for the scores and over the head dimension for the output (f32_row_step, shared with fa1.cu).
 #include "cuflash_tiles.cuh"
+#include "user_mods.cuh"
 #include "variants.cuh"
 #include "f32_tiles.cuh"
 

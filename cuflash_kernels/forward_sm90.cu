@@ -23,6 +23,7 @@
 // d = 128, 128 x 128: 161 KiB; d = 64, 128 x 64: 49 KiB (two blocks per SM).
 #include "cuflash_tiles.cuh"
 #include "hopper_tiles.cuh"
+#include "user_mods.cuh"
 #include "variants.cuh"
 
 namespace cuflash {

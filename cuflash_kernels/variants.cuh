@@ -35,7 +35,7 @@ struct ExtraParams {
     u64 dropout_offset; // W = b * 2^32 + h + offset
     u32 keep_threshold; // a score is kept iff its Philox word < keep_threshold = floor((1 - p) 2^32)
     float keep_scale;   // 1 / (1 - p)
-    const void* mod_arrays[4];  // user mods' arrays (user_mods.cuh)
+    ModArrays mods;     // the arrays user mods read (user_mods.cuh)
 };
 
 // Philox-4x32-10 (cuflash/_philox.py:philox4x32; Salmon et al., SC'11): four uint32 words of a 128-bit
@@ -73,7 +73,7 @@ struct VariantParams {
 };
 
 template <bool Has_left_, bool Has_right_, bool Is_varlen_, bool Has_seqused_, bool Has_softcap_, bool Has_alibi_,
-          bool Has_bias_, bool Has_dropout_ = false>
+          bool Has_bias_, bool Has_dropout_ = false, class Mod_ = NoMod>
 struct Variant {
     static constexpr bool Has_left = Has_left_;        // a sliding window's left edge
     static constexpr bool Has_right = Has_right_;      // causal, or a window's right edge
@@ -84,7 +84,11 @@ struct Variant {
     static constexpr bool Has_bias = Has_bias_;         // an additive bias (and boolean masks, as -inf)
     static constexpr bool Has_dropout = Has_dropout_;
     static constexpr bool Has_band = Has_left || Has_right;
-    static constexpr bool Has_mod = Has_softcap || Has_alibi || Has_bias;
+    using Mod = Mod_;                                  // user score_mod / mask_mod (user_mods.cuh)
+    static constexpr bool Has_user_mod = Mod::Has_score_mod || Mod::Has_mask_mod;
+    static constexpr bool Has_mod = Has_softcap || Has_alibi || Has_bias || Has_user_mod;
+    static constexpr bool Has_grad = Has_softcap || Mod::Has_score_mod;  // d mod / d s is not 1 everywhere
+    static constexpr bool Has_masked_scores = Has_bias || Mod::Has_mask_mod;  // a mod may give -inf
 };
 
 using DenseVariant = Variant<false, false, false, false, false, false, false>;
@@ -122,6 +126,8 @@ struct BlockInfo {
     u32 drop_k0, drop_k1, drop_w0, drop_w1;  // [variant dropout] Philox key and counter words 2, 3
     u32 keep_threshold;
     float keep_scale;
+    int b, h;                   // (Has_user_mod) the sequence and query head, as the user's mods see them
+    const ModArrays* mods;
 
     // Sequence b of a call over arrays of seqlen_q x seqlen_k rows (total rows when Is_varlen).
     __device__ __forceinline__ BlockInfo(const VariantParams p, int b, int h, int seqlen_q, int seqlen_k) {
@@ -157,6 +163,11 @@ struct BlockInfo {
             bias_sm = (int)bp.sm;
             dbias = bp.dbias ? bp.dbias + b * bp.dsb + h * bp.dsh : nullptr;
             dbias_sm = (int)bp.dsm;
+        }
+        if constexpr (V::Has_user_mod) {
+            this->b = b;
+            this->h = h;
+            mods = &p.extra->mods;
         }
         if constexpr (V::Has_dropout) {
             const ExtraParams& ep = *p.extra;
@@ -256,6 +267,7 @@ struct BlockInfo {
     // float32 kernels, whose budget is float32's), else tanh_exp2 (~3e-7 absolute, the 16-bit kernels).
     template <bool kExactTanh = false>
     __device__ __forceinline__ float mod(float s, int i, int j, float& grad) const {
+        if constexpr (!V::Has_softcap) grad = 1.f;
         if constexpr (V::Has_softcap) {
             const float th = kExactTanh ? tanhf(cap_a * s) : tanh_exp2(cap_a * s);
             s = cap_b * th;
@@ -264,6 +276,23 @@ struct BlockInfo {
         if constexpr (V::Has_alibi) s -= slope * fabsf((float)(i + offset - j));
         // (rows and keys past the sequence have no bias; they are masked or never stored)
         if constexpr (V::Has_bias) s += i < len_q && j < len_k ? bias[i * bias_sm + j] * inv_scale : 0.f;
+        // user mods: score_mod last (on the scaled score, FlexAttention's convention), mask_mod as -inf; only
+        // inside the sequence (rows and keys past it are masked or never stored)
+        if constexpr (V::Has_user_mod) {
+            if (i < len_q && j < len_k) {
+                if constexpr (V::Mod::Has_score_mod) {
+                    float g;
+                    s = apply_score_mod<typename V::Mod, V::Has_bias>(s, 1.f / inv_scale, inv_scale, b, h, i, j, *mods, g);
+                    grad *= g;
+                }
+                if constexpr (V::Mod::Has_mask_mod) {
+                    if (!V::Mod::mask(b, h, i, j, *mods)) {
+                        s = -CUFLASH_INF;
+                        grad = 0.f;
+                    }
+                }
+            }
+        }
         return s;
     }
     template <bool kExactTanh = false>
@@ -282,7 +311,7 @@ struct BlockInfo {
     // The backward's exp2 offset of a row, -lse * log2(e): with a bias, a row whose every key is masked by
     // -inf has lse = -inf and scores of -inf, so its offset is -inf too (P = 0, never -inf + inf = NaN).
     __device__ __forceinline__ float neg_lse_log2(float lse) const {
-        if constexpr (V::Has_bias) return lse == -CUFLASH_INF ? -CUFLASH_INF : -lse * kLog2e;
+        if constexpr (V::Has_masked_scores) return lse == -CUFLASH_INF ? -CUFLASH_INF : -lse * kLog2e;
         return -lse * kLog2e;
     }
 

@@ -36,7 +36,12 @@ def check_variant(cp, q, k, v, do, *, deterministic=False, **opts):
     out_n, lse_n = cuflash.attention(q, k, v, algorithm="naive", return_lse=True, **opts)
     grads_n = cuflash.attention_backward(do, q, k, v, out_n, lse_n, algorithm="naive", **opts)
 
-    dev = {key: (cp.asarray(val) if isinstance(val, np.ndarray) else val) for key, val in opts.items()}
+    def to_dev(val):
+        if isinstance(val, dict):  # mod_arrays
+            return {name: cp.asarray(a) for name, a in val.items()}
+        return cp.asarray(val) if isinstance(val, np.ndarray) else val
+
+    dev = {key: to_dev(val) for key, val in opts.items()}
     cq, ck, cv, cdo = (cp.asarray(x) for x in (q, k, v, do))
     poison(cp)
     out, lse = cuflash.attention(cq, ck, cv, return_lse=True, **dev)
@@ -82,6 +87,13 @@ PADDED_CASES = {
     # dropout: the kernels' keep decision is the reference's bit for bit (a seed and an offset past 2**32)
     "dropout": dict(dropout_p=0.17, dropout_seed=2**40 + 12345, dropout_offset=2**33 + 5),
     "dropout-causal-bias-softcap": dict(dropout_p=0.3, dropout_seed=99, causal=True, bias="full", softcap=6.0),
+    # user mods (CUDA C expressions compiled into the kernels)
+    "score-mod-relative": dict(score_mod="score + 0.05f * (q_idx - kv_idx) / 8"),
+    "score-mod-tanh-causal": dict(score_mod="6.0f * tanhf(score / 6.0f)", causal=True),
+    "mask-mod-prefix-lm": dict(mask_mod="kv_idx <= q_idx || kv_idx < 40"),
+    "mask-mod-document": dict(mask_mod="doc[q_idx] == doc[kv_idx]", mod_arrays="doc"),
+    "mods-bias-dropout-window": dict(score_mod="score * (h + 1) * 0.5f", mask_mod="(q_idx + kv_idx) % 7 != 0",
+                                     bias="full", dropout_p=0.2, dropout_seed=5, window_size=(80, 30)),
 }
 
 
@@ -99,6 +111,8 @@ def _resolve(opts, rng, batch, heads, nq=300, nk=333):
         opts["alibi_slopes"] = rng.uniform(0.01, 0.3, heads).astype(np.float32)
     elif opts.get("alibi_slopes") == "batch":
         opts["alibi_slopes"] = rng.uniform(0.01, 0.3, (batch, heads)).astype(np.float32)
+    if opts.get("mod_arrays") == "doc":  # document ids: sorted, a few documents over the longer axis
+        opts["mod_arrays"] = {"doc": np.sort(rng.integers(0, 5, max(nq, nk))).astype(np.int32)}
     if "seqused_k" in opts:
         opts["seqused_k"] = np.asarray(opts["seqused_k"], dtype=np.int32)
     return opts
@@ -123,8 +137,25 @@ def test_other_head_dims(requires_gpu, d, label):
     check_variant(requires_gpu, q, k, v, do, **_resolve(PADDED_CASES[label], rng, 2, 4, 150))
 
 
+@pytest.mark.parametrize(("d", "dv"), [(1, 1), (16, 16), (40, 40), (59, 59), (80, 80), (111, 111), (160, 160),
+                                       (192, 128), (224, 224), (3, 17), (64, 256)])
+@pytest.mark.parametrize("dtname", ["bfloat16", "float32"])
+def test_any_head_dim(requires_gpu, d, dv, dtname):
+    """Head dims between the instantiated ones, and v's head dim apart from q's and k's (DeepSeek's 192 / 128),
+    with GQA, causal and a window, forward and backward (both backward orders)."""
+    rng = np.random.default_rng(d * 1000 + dv)
+    dtype = DTYPES.get(dtname, np.dtype(dtname))
+    q, k, _, _ = _inputs(rng, (2, 130, 4, d), (2, 150, 2, d), dtype)
+    v = rng.standard_normal((2, 150, 2, dv)).astype(dtype)
+    do = rng.standard_normal((2, 130, 4, dv)).astype(dtype)
+    out, _, grads = check_variant(requires_gpu, q, k, v, do, causal=True, window_size=(90, -1))
+    assert out.shape == (2, 130, 4, dv) and [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    check_variant(requires_gpu, q, k, v, do, deterministic=True)
+
+
 @pytest.mark.parametrize("label", ["causal-window", "softcap-causal", "alibi-causal", "seqused-causal-softcap-alibi",
-                                   "bias-mask-softcap-window-alibi", "dropout", "dropout-causal-bias-softcap"])
+                                   "bias-mask-softcap-window-alibi", "dropout", "dropout-causal-bias-softcap",
+                                   "score-mod-tanh-causal", "mask-mod-document", "mods-bias-dropout-window"])
 def test_deterministic_order_and_float32(requires_gpu, label):
     rng = np.random.default_rng(7)
     opts = _resolve(PADDED_CASES[label], rng, 2, 4)

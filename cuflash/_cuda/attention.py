@@ -81,7 +81,8 @@ def check_supported(problem, algorithm: str, variant: Variant = Variant()) -> No
     if algorithm in ("naive", "fa1") and not causal_only:
         raise NotImplementedError(
             f"algorithm='{algorithm}' on CuPy arrays runs dense or causal attention only; window_size, softcap, "
-            "alibi_slopes, bias, attn_mask, cu_seqlens, seqused_k and dropout run with algorithm='fa2' (the default)"
+            "alibi_slopes, bias, attn_mask, cu_seqlens, seqused_k, dropout, score_mod and mask_mod run with "
+            "algorithm='fa2' (the default)"
         )
     if algorithm == "naive":
         return
@@ -90,11 +91,13 @@ def check_supported(problem, algorithm: str, variant: Variant = Variant()) -> No
             f"float64 is not supported by the CUDA kernels (algorithm='{algorithm}'); use float32, "
             "algorithm='naive', or NumPy arrays"
         )
-    if problem.head_dim not in HEAD_DIMS:
-        raise RuntimeError(
-            f"head_dim {problem.head_dim} is not supported by the CUDA kernels; "
-            f"supported: {', '.join(map(str, HEAD_DIMS))}"
-        )
+    dims = {"head_dim": problem.head_dim, "head_dim_v": getattr(problem, "head_dim_v", problem.head_dim)}
+    for name, dim in dims.items():
+        if dim > MAX_HEAD_DIM:
+            raise ValueError(
+                f"{name} {dim} is not supported by the CUDA kernels (algorithm='{algorithm}'): at most "
+                f"{MAX_HEAD_DIM}; use algorithm='naive' or NumPy arrays"
+            )
     if dtype in CTYPES:
         cc, _ = device_info()
         if cc < 80:
@@ -198,10 +201,46 @@ def _hopper_tile(direction: str, d: int, block_q, block_k, enabled: bool) -> Til
 # Forward.
 
 
+# ---------------------------------------------------------------------------------------------------
+# Head dims. The kernels are instantiated at HEAD_DIMS; any other head dim (1..256), and a v head dim that
+# differs from q's and k's, runs the kernel of the next instantiated dim with the last axes zero-padded to
+# it: zero columns add nothing to q.k, and v's zero columns give output (and dV) columns that are cut off.
+# (One padded copy of the inputs; predicated loads that read the unpadded arrays in place are future work.)
+
+MAX_HEAD_DIM = HEAD_DIMS[-1]
+
+
+def kernel_head_dim(d: int, dv: int) -> int:
+    """The instantiated head dim that runs q, k of head dim ``d`` and v of ``dv``."""
+    return next(x for x in HEAD_DIMS if x >= max(d, dv))
+
+
+def _needs_padding(q, v, algorithm) -> int:
+    """The padded head dim when this call runs on padded copies, else 0 (naive handles any dims)."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if algorithm == "naive":
+        return 0
+    kd = kernel_head_dim(d, dv)
+    return kd if (kd != d or dv != d) else 0
+
+
+def _pad(a, width: int):
+    import cupy
+
+    out = cupy.zeros((*a.shape[:-1], width), dtype=a.dtype)
+    out[..., :a.shape[-1]] = a
+    return out
+
+
 def forward(q, k, v, *, scale, variant: Variant, algorithm, block_q, block_k):
     """``(out, lse)`` of one call (FA2 kernels; FA1 and naive are dispatched from here)."""
     import cupy
 
+    kd = _needs_padding(q, v, algorithm)
+    if kd:
+        out, lse = forward(_pad(q, kd), _pad(k, kd), _pad(v, kd), scale=scale, variant=variant, algorithm=algorithm,
+                           block_q=block_q, block_k=block_k)
+        return cupy.ascontiguousarray(out[..., :v.shape[-1]]), lse
     shp = shape_of(q, k, variant)
     causal_offset = causal_offset_of(variant, shp.rows_q, shp.rows_k)
     if algorithm == "fa1":
@@ -277,6 +316,20 @@ def backward(do, q, k, v, out, lse, *, scale, variant: Variant, algorithm, block
     ``want_dbias`` and the variant has a bias."""
     import cupy
 
+    if want_dbias and variant.softcap and variant.bias is not None and variant.mods is not None \
+            and variant.mods.has_score_mod:
+        raise NotImplementedError(
+            "the bias gradient with softcap, a bias and a score_mod together does not run on the GPU yet (the "
+            "kernels keep one derivative per score); apply the softcap inside score_mod instead, e.g. "
+            "score_mod='30.0f * tanhf(score / 30.0f) + ...'")
+    kd = _needs_padding(q, v, algorithm)
+    if kd:
+        d, dv = q.shape[-1], v.shape[-1]
+        grads = backward(_pad(do, kd), _pad(q, kd), _pad(k, kd), _pad(v, kd), _pad(out, kd), lse, scale=scale,
+                         variant=variant, algorithm=algorithm, block_q=block_q, block_k=block_k, order=order,
+                         want_dbias=want_dbias)
+        cut = [cupy.ascontiguousarray(g[..., :w]) for g, w in zip(grads[:3], (d, d, dv))]
+        return (*cut, *grads[3:])
     shp = shape_of(q, k, variant)
     d, dtype = shp.head_dim, np.dtype(q.dtype).name
     if algorithm == "fa1" and (dtype == "float32" or d in BWD_HEAD_DIMS):

@@ -11,7 +11,7 @@ import importlib.resources
 import re
 import threading
 
-from .spec import KernelSpec
+from .spec import KernelSpec, prelude_of
 
 __all__ = ["compile_source_for_nvrtc", "kernel", "device_info", "arch_class", "check_smem"]
 
@@ -84,6 +84,7 @@ def kernel(spec: KernelSpec):
             text = _sources.get(spec.source)
             if text is None:
                 text = _sources[spec.source] = compile_source_for_nvrtc(spec.source)
+            text += prelude_of(spec.name)  # a user mod's generated policy type, if the variant has one
             module = cupy.RawModule(code=text, options=spec.options, name_expressions=[spec.name])
             entry = _modules[key] = [module.get_function(spec.name), 0]
         if smem > 48 * 1024 and entry[1] < smem:

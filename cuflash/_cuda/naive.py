@@ -75,7 +75,7 @@ def backward(do, q, k, v, *, scale, causal_offset):
     dk = scale * (ds.transpose(0, 1, 3, 2) @ qh)
 
     def to_kv(g):
-        return g.reshape(B, Hkv, group, Nk, d).sum(axis=2).transpose(0, 2, 1, 3)
+        return g.reshape(B, Hkv, group, Nk, g.shape[-1]).sum(axis=2).transpose(0, 2, 1, 3)
 
     return (
         cupy.ascontiguousarray(dq.transpose(0, 2, 1, 3).astype(q.dtype)),

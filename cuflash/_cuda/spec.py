@@ -22,7 +22,7 @@ from .._variant import Variant
 
 __all__ = [
     "Tile", "TILES", "HEAD_DIMS", "BWD_HEAD_DIMS", "Family", "FAMILIES", "KernelSpec", "NVRTC_OPTIONS",
-    "SM90A_OPTIONS", "VARIANT_PARAMS_DTYPE", "EXTRA_PARAMS_DTYPE", "variant_type", "has_dropout", "extra_params", "variant_params", "instantiations", "spec", "DENSE", "CTYPES",
+    "SM90A_OPTIONS", "VARIANT_PARAMS_DTYPE", "EXTRA_PARAMS_DTYPE", "variant_type", "has_dropout", "extra_params", "prelude_of", "variant_params", "instantiations", "spec", "DENSE", "CTYPES",
 ]
 
 # Options given to NVRTC (CuPy appends the -arch of the current device).
@@ -165,10 +165,15 @@ EXTRA_PARAMS_DTYPE = np.dtype(
     [("bias", np.uint64), ("sb", np.int64), ("sh", np.int64), ("sm", np.int64),
      ("dbias", np.uint64), ("dsb", np.int64), ("dsh", np.int64), ("dsm", np.int64),
      ("dropout_seed", np.uint64), ("dropout_offset", np.uint64), ("keep_threshold", np.uint32),
-     ("keep_scale", np.float32), ("mod_arrays", np.uint64, (4,))],
+     ("keep_scale", np.float32), ("mod_ptr", np.uint64, (4,)), ("mod_len", np.int32, (4,))],
     align=True,
 )
-assert EXTRA_PARAMS_DTYPE.itemsize == 120
+assert EXTRA_PARAMS_DTYPE.itemsize == 136
+
+# The C++ source of each user-mod policy type in use (name -> source), appended to the kernel source of
+# any instantiation whose name expression names it (cuflash/_mods.py generates them; the name is a hash of
+# the expressions, so one name is one source).
+PRELUDES: dict[str, str] = {}
 
 
 def has_dropout(variant: Variant) -> bool:
@@ -184,11 +189,19 @@ def variant_type(variant: Variant) -> str:
     flags = (variant.window_left is not None, variant.right is not None, variant.is_varlen,
              variant.seqused_k is not None, bool(variant.softcap), variant.alibi_slopes is not None,
              variant.bias is not None, has_dropout(variant))
-    return _policy(flags)
+    return _policy(flags, variant.mods)
 
 
-def _policy(flags) -> str:
-    return f"cuflash::Variant<{', '.join(map(_b, flags))}>"
+def _policy(flags, mods=None) -> str:
+    if mods is None:
+        return f"cuflash::Variant<{', '.join(map(_b, flags))}>"
+    PRELUDES.setdefault(mods.type_name, mods.source)
+    return f"cuflash::Variant<{', '.join(map(_b, flags))}, cuflash::{mods.type_name}>"
+
+
+def prelude_of(name: str) -> str:
+    """The generated user-mod sources that the name expression ``name`` refers to."""
+    return "".join(f"\n{src}" for type_name, src in PRELUDES.items() if type_name in name)
 
 
 DENSE = variant_type(Variant())
@@ -209,7 +222,7 @@ def extra_params(variant: Variant, dbias=None):
     import cupy
 
     drop = has_dropout(variant)
-    if variant.bias is None and not drop:
+    if variant.bias is None and not drop and variant.mods is None:
         return None
     e = np.zeros((), EXTRA_PARAMS_DTYPE)
     bias = variant.bias
@@ -219,6 +232,8 @@ def extra_params(variant: Variant, dbias=None):
         e["dropout_seed"], e["dropout_offset"] = variant.dropout_seed, variant.dropout_offset
         e["keep_threshold"] = keep_threshold(variant.dropout_p)
         e["keep_scale"] = 1.0 / (1.0 - variant.dropout_p)
+    for slot, a in enumerate(variant.mod_arrays or ()):
+        e["mod_ptr"][slot], e["mod_len"][slot] = _ptr(a), a.size
     return cupy.asarray(e.reshape(1).view(np.uint8))
 
 
