@@ -169,18 +169,6 @@ def attention(
         its value replaces the score. ``score`` is the scaled score ``softmax_scale * q . k`` after softcap,
         ALiBi and the bias (score_mod comes last); ``b`` the batch entry (packed: the sequence), ``h`` the query
         head, ``q_idx`` / ``kv_idx`` positions within the sequence. Differentiated (dual numbers). Grammar and
-        examples: ``docs/variants.md``, "User score and mask modifications". NumPy arrays only for now.
-    mask_mod : str, optional
-        A CUDA C expression over ``b``, ``h``, ``q_idx``, ``kv_idx``: query ``q_idx`` sees key ``kv_idx`` where it
-        is non-zero (AND-ed with the other masks); tiles it masks entirely are skipped.
-    mod_arrays : dict, optional
-        Up to four named 1-D int32 or float32 arrays (same library as q) the expressions index, ``name[expr]``
-        (a document id per position, a per-head table).
-    score_mod : str, optional
-        A CUDA C expression over ``score``, ``b``, ``h``, ``q_idx``, ``kv_idx`` (FlexAttention's ``score_mod``):
-        its value replaces the score. ``score`` is the scaled score ``softmax_scale * q . k`` after softcap,
-        ALiBi and the bias (score_mod comes last); ``b`` the batch entry (packed: the sequence), ``h`` the query
-        head, ``q_idx`` / ``kv_idx`` positions within the sequence. Differentiated (dual numbers). Grammar and
         examples: ``docs/variants.md``, "User score and mask modifications".
     mask_mod : str, optional
         A CUDA C expression over ``b``, ``h``, ``q_idx``, ``kv_idx``: query ``q_idx`` sees key ``kv_idx`` where it

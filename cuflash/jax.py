@@ -102,6 +102,9 @@ def _check(q, k, v, bias, arrays, options):
     array_options = {name: None if a is None else (_stand_in(a) if traced or name in by_shape else np.asarray(a))
                      for name, a in zip(_api.ARRAY_OPTIONS, arrays)}
     array_options["bias"] = None if bias is None else _stand_in(bias)
+    mod_arrays = arrays[len(_api.ARRAY_OPTIONS)]  # read by the expressions when the call runs: checked by shape
+    array_options["mod_arrays"] = ({name: _stand_in(a) if hasattr(a, "dtype") else a for name, a in mod_arrays.items()}
+                                   if isinstance(mod_arrays, dict) else mod_arrays)
     _api._prepare(*(_stand_in(a) for a in (q, k, v)), softmax_scale=options.pop("softmax_scale"),
                   algorithm=options.pop("algorithm"), block_q=options.pop("block_q"), block_k=options.pop("block_k"),
                   variant_options={**options, **array_options}, read_values=not traced)
@@ -124,8 +127,9 @@ def _check_dropout_seed(dropout_p, dropout_seed) -> None:
 
 
 def _keywords(options, arrays):
-    """The keywords of cuflash.attention from the static options and the variant arrays."""
-    return {**{key: val for key, val in options if key != "deterministic"}, **dict(zip(_api.ARRAY_OPTIONS, arrays))}
+    """The keywords of cuflash.attention from the static options and the variant arrays (``mod_arrays`` last)."""
+    return {**{key: val for key, val in options if key != "deterministic"}, **dict(zip(_api.ARRAY_OPTIONS, arrays)),
+            "mod_arrays": arrays[len(_api.ARRAY_OPTIONS)]}
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -185,6 +189,9 @@ def attention(
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
     dropout_offset: int = 0,
+    score_mod: str | None = None,
+    mask_mod: str | None = None,
+    mod_arrays: dict | None = None,
     algorithm: str = "fa2",
     block_q: int | None = None,
     block_k: int | None = None,
@@ -202,19 +209,25 @@ def attention(
     ``dropout_p > 0`` needs an explicit Python integer ``dropout_seed`` in ``[0, 2**64)`` (static under
     ``jit``: a new seed retraces; JAX has no global generator to draw it from); the mask is
     ``cuflash.dropout_mask(..., dropout_p, dropout_seed, dropout_offset)``, the same as NumPy's.
+
+    ``score_mod`` and ``mask_mod`` (CUDA C expressions, static under ``jit``) and ``mod_arrays`` (a dict of
+    names to 1-D int32 / float32 arrays, no gradient, read when the call runs) as in :func:`cuflash.attention`.
     """
     options = (
         ("causal", causal), ("softmax_scale", softmax_scale), ("causal_align", causal_align),
         ("window_size", window_size), ("softcap", softcap), ("max_seqlen_q", max_seqlen_q),
         ("max_seqlen_k", max_seqlen_k), ("algorithm", algorithm), ("block_q", block_q), ("block_k", block_k),
         ("dropout_p", dropout_p), ("dropout_seed", dropout_seed), ("dropout_offset", dropout_offset),
-        ("deterministic", deterministic),
+        ("score_mod", score_mod), ("mask_mod", mask_mod), ("deterministic", deterministic),
     )
     _check_dropout_seed(dropout_p, dropout_seed)
     q, k, v = (jax.numpy.asarray(a) for a in (q, k, v))  # NumPy inputs too, as any JAX function
     given = dict(alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                  seqused_k=seqused_k, attn_mask=attn_mask)
     arrays = tuple(None if given[name] is None else jax.numpy.asarray(given[name]) for name in _api.ARRAY_OPTIONS)
+    if isinstance(mod_arrays, dict):  # anything else reaches cuflash's check as it is
+        mod_arrays = {name: jax.numpy.asarray(a) if hasattr(a, "dtype") else a for name, a in mod_arrays.items()}
+    arrays += (mod_arrays,)
     bias = None if bias is None else jax.numpy.asarray(bias)
     _check(q, k, v, bias, arrays, options)
     if isinstance(window_size, list):  # static under jit: hashable

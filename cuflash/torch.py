@@ -64,8 +64,14 @@ def _to_tensor(a) -> torch.Tensor:
 
 
 def _with_arrays(options: dict) -> dict:
-    """The options with every tensor among them (the variant arrays) as an array, like q, k, v."""
-    return {key: _to_array(val) if isinstance(val, torch.Tensor) else val for key, val in options.items()}
+    """The options with every tensor among them (the variant arrays, and those of ``mod_arrays``) as an
+    array, like q, k, v."""
+    def convert(val):
+        if isinstance(val, dict):
+            return {name: convert(a) for name, a in val.items()}
+        return _to_array(val) if isinstance(val, torch.Tensor) else val
+
+    return {key: convert(val) for key, val in options.items()}
 
 
 def _on_torch_stream(t: torch.Tensor):
@@ -139,6 +145,9 @@ def attention(
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
     dropout_offset: int = 0,
+    score_mod: str | None = None,
+    mask_mod: str | None = None,
+    mod_arrays: dict | None = None,
     algorithm: str = "fa2",
     block_q: int | None = None,
     block_k: int | None = None,
@@ -146,6 +155,10 @@ def attention(
     return_lse: bool = False,
 ):
     """Differentiable :func:`cuflash.attention` on PyTorch tensors.
+
+    ``score_mod`` and ``mask_mod`` are CUDA C expressions (strings) as in :func:`cuflash.attention`, with
+    ``mod_arrays`` a dict of names to 1-D int32 / float32 tensors on q's device (no gradient).
+
 
     Arguments as :func:`cuflash.attention` (the variant arrays as tensors on q's device: int32
     ``cu_seqlens_q``, ``cu_seqlens_k``, ``seqused_k``, float32 ``alibi_slopes``, floating ``bias``, bool
@@ -175,10 +188,13 @@ def attention(
         softcap=softcap, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, attn_mask=attn_mask,
         dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
+        score_mod=score_mod, mask_mod=mask_mod, mod_arrays=mod_arrays,
         algorithm=algorithm, block_q=block_q, block_k=block_k,
     )
     for name in _api.ARRAY_OPTIONS:  # never differentiated: keep autograd from holding on to their graphs
         if isinstance(options[name], torch.Tensor):
             options[name] = options[name].detach()
+    if isinstance(mod_arrays, dict):
+        options["mod_arrays"] = {name: a.detach() if isinstance(a, torch.Tensor) else a for name, a in mod_arrays.items()}
     out, lse = _Attention.apply(q, k, v, bias, options, deterministic)
     return (out, lse) if return_lse else out

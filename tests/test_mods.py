@@ -18,14 +18,13 @@ NumPy reference's hooks.
 from __future__ import annotations
 
 import pathlib
-import types
 
 import numpy as np
 import pytest
 from _helpers import numeric_gradient
 
 import cuflash
-from cuflash import _api, _mods, _validate, reference
+from cuflash import _mods, reference
 from cuflash._variant import Variant
 
 pytestmark = pytest.mark.filterwarnings("error")
@@ -640,16 +639,6 @@ def test_front_door_checks(kwargs, error, fragment):
         cuflash.attention(q, k, v, **kwargs)
 
 
-def test_backend_without_user_mods_refuses_them():
-    q, k, v, _ = inputs(batch=1, len_q=8, len_k=8)
-    problem = _validate.check_qkv(q, k, v)
-    mods, arrays = _validate.user_mods("score", None, None)
-    backend = types.ModuleType("cuflash._cuda_stand_in")
-    with pytest.raises(NotImplementedError, match="score_mod and mask_mod run on NumPy arrays for now"):
-        _api._check_supported(backend, problem, "fa2", Variant(mods=mods, mod_arrays=arrays))
-    _api._check_supported(backend, problem, "fa2", Variant())
-
-
 # ---------------------------------------------------------------------------------------------------
 # The generated C++
 # ---------------------------------------------------------------------------------------------------
@@ -745,3 +734,59 @@ def test_user_mods_header_compiles_with_nvrtc_between_the_kernel_headers():
     nvrtc, text, names = _nvrtc_program((kernels / "cuflash_tiles.cuh").read_text(), suffix)
     ok, log = compile_with_nvrtc(nvrtc, text, names, ("-std=c++17",), "sm_80")
     assert ok, log[-6000:]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The PyTorch and JAX front ends (CPU: the NumPy reference)
+# ---------------------------------------------------------------------------------------------------
+
+FRONT_END = dict(score_mod="10.0f * tanhf(score / 10.0f) + w[h]", mask_mod="doc[q_idx] == doc[kv_idx] || kv_idx == 0")
+
+
+def front_end_arrays():
+    return {"doc": np.repeat(np.arange(4), 6).astype(np.int32), "w": np.array([0.5, -0.25, 0, 1], np.float32)}
+
+
+def test_torch_front_end_passes_the_mods_through():
+    torch = pytest.importorskip("torch")
+    import cuflash.torch as cuflash_torch
+
+    q, k, v, do = inputs(batch=2, len_q=20, len_k=24, heads=4, heads_kv=2, d=8)
+    arrays = front_end_arrays()
+    out_np, lse_np = cuflash.attention(q, k, v, return_lse=True, mod_arrays=arrays, **FRONT_END)
+    grads_np = cuflash.attention_backward(do, q, k, v, out_np, lse_np, mod_arrays=arrays, **FRONT_END)
+    tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
+    t_arrays = {name: torch.tensor(a) for name, a in arrays.items()}
+    out = cuflash_torch.attention(tq, tk, tv, mod_arrays=t_arrays, **FRONT_END)
+    out.backward(torch.tensor(do))
+    assert np.allclose(out.detach().numpy(), out_np, atol=1e-14)
+    for t, g in zip((tq, tk, tv), grads_np):
+        assert np.allclose(t.grad.numpy(), g, atol=1e-13)
+    small = [torch.tensor(x[:1, :8], requires_grad=True) for x in (q, k, v)]
+    assert torch.autograd.gradcheck(lambda q, k, v: cuflash_torch.attention(q, k, v, mod_arrays=t_arrays, **FRONT_END),
+                                    small)
+    with pytest.raises(TypeError, match=r"mod_arrays\['doc'\] must have dtype int32 or float32; got int64"):
+        cuflash_torch.attention(tq, tk, tv, mod_arrays={**t_arrays, "doc": t_arrays["doc"].long()}, **FRONT_END)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_jax_front_end_passes_the_mods_through(jit):
+    jax = pytest.importorskip("jax")
+    import cuflash.jax as cuflash_jax
+
+    jax.config.update("jax_enable_x64", True)
+    q, k, v, do = inputs(batch=2, len_q=20, len_k=24, heads=4, heads_kv=2, d=8)
+    arrays = front_end_arrays()
+    out_np, lse_np = cuflash.attention(q, k, v, return_lse=True, mod_arrays=arrays, **FRONT_END)
+    grads_np = cuflash.attention_backward(do, q, k, v, out_np, lse_np, mod_arrays=arrays, **FRONT_END)
+
+    def loss(q, k, v, arrays):
+        return (cuflash_jax.attention(q, k, v, mod_arrays=arrays, **FRONT_END) * do).sum()
+
+    fn = jax.value_and_grad(loss, argnums=(0, 1, 2))
+    value, grads = (jax.jit(fn) if jit else fn)(q, k, v, arrays)
+    assert abs(float(value) - float((out_np * do).sum())) < 1e-12
+    for g, g_np in zip(grads, grads_np):
+        assert np.allclose(np.asarray(g), g_np, atol=1e-13)
+    with pytest.raises(ValueError, match="mask_mod: 'docs' is not an array of mod_arrays"):
+        cuflash_jax.attention(q, k, v, mod_arrays=arrays, score_mod=FRONT_END["score_mod"], mask_mod="docs[q_idx] > 0")
