@@ -784,9 +784,63 @@ def test_jax_front_end_passes_the_mods_through(jit):
         return (cuflash_jax.attention(q, k, v, mod_arrays=arrays, **FRONT_END) * do).sum()
 
     fn = jax.value_and_grad(loss, argnums=(0, 1, 2))
-    value, grads = (jax.jit(fn) if jit else fn)(q, k, v, arrays)
+    with jax.default_device(jax.devices("cpu")[0]):  # float64 on the CPU (the NumPy reference), also beside a GPU
+        value, grads = (jax.jit(fn) if jit else fn)(q, k, v, arrays)
+        with pytest.raises(ValueError, match="mask_mod: 'docs' is not an array of mod_arrays"):
+            cuflash_jax.attention(q, k, v, mod_arrays=arrays, score_mod=FRONT_END["score_mod"], mask_mod="docs[q_idx] > 0")
     assert abs(float(value) - float((out_np * do).sum())) < 1e-12
     for g, g_np in zip(grads, grads_np):
         assert np.allclose(np.asarray(g), g_np, atol=1e-13)
-    with pytest.raises(ValueError, match="mask_mod: 'docs' is not an array of mod_arrays"):
-        cuflash_jax.attention(q, k, v, mod_arrays=arrays, score_mod=FRONT_END["score_mod"], mask_mod="docs[q_idx] > 0")
+
+
+@pytest.mark.gpu
+def test_generated_code_on_gpu_matches_the_evaluator(requires_gpu):
+    """The generated structs compiled with user_mods.cuh (CuPy's NVRTC) give the evaluator's values, dual-number
+    derivatives and masks at 1024 positions (float32: the kernels' arithmetic), and apply_score_mod its raw-unit
+    conversion; the array reads go through modmath::load."""
+    cp = requires_gpu
+    header = (ROOT / "cuflash_kernels" / "user_mods.cuh").read_text()
+    rng = np.random.default_rng(0)
+    arrays = {"doc": rng.integers(0, 4, 64).astype(np.int32), "w": np.array([0.5, -0.25, 2.0, 1.0], np.float32)}
+    cases = [(s, m, {n: arrays[n] for n in a}) for s, m, a in NVRTC_CASES]
+    sources, names = [], []
+    for score_mod, mask_mod, used in cases:
+        mods = _mods.user_mods(score_mod, mask_mod, used)
+        sources.append(mods.source)
+        names.append(f"cuflash::probe<cuflash::{mods.type_name}>")
+    module = cp.RawModule(code=header + "\n".join(sources) + _PROBE, options=("-std=c++17",), name_expressions=names)
+    n = 64 * 16
+    s = rng.uniform(-3, 3, n).astype(np.float32)
+    q_idx, kv_idx = np.arange(n) // 16, np.arange(n) % 16
+    for (score_mod, mask_mod, used), name in zip(cases, names):
+        mods = _mods.user_mods(score_mod, mask_mod, used)
+        device_arrays = [cp.asarray(used[a]) for a in mods.array_names]
+        table = np.zeros((), np.dtype([("ptr", np.uint64, (4,)), ("len", np.int32, (4,))]))
+        for slot, a in enumerate(device_arrays):
+            table["ptr"][slot], table["len"][slot] = a.data.ptr, a.size
+        table_gpu = cp.asarray(table.reshape(1).view(np.uint8))
+        out = cp.zeros((n, 5), cp.float32)
+        module.get_function(name)((n // 128,), (128,), (cp.asarray(s), out, table_gpu, np.int32(n)))
+        got = out.get()
+        value, deriv = mods.score(s, 1, 2, q_idx, kv_idx, used)
+        np.testing.assert_allclose(got[:, 0], value, rtol=3e-6, atol=3e-6, err_msg=name)
+        np.testing.assert_allclose(got[:, 1], value, rtol=3e-6, atol=3e-6, err_msg=name)
+        np.testing.assert_allclose(got[:, 2], deriv, rtol=3e-5, atol=3e-5, err_msg=name)
+        assert np.array_equal(got[:, 3] != 0, mods.mask(1, 2, q_idx, kv_idx, used)), name
+        raw_value, raw_deriv = mods.score(s * np.float32(0.5), 1, 2, q_idx, kv_idx, used)
+        np.testing.assert_allclose(got[:, 4], raw_value * 2 + raw_deriv, rtol=3e-5, atol=3e-5, err_msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask, arrays", MASKS)
+def test_block_map_on_gpu_equals_numpy(requires_gpu, mask, arrays):
+    """block_map evaluated with CuPy (as the CUDA backend does) gives NumPy's tiles and lists, with lengths."""
+    cp = requires_gpu
+    mods = _mods.user_mods(None, mask, arrays)
+    lengths_q, lengths_k = np.array([61, 17, 0], np.int32), np.array([64, 40, 5], np.int32)
+    for lengths in ({}, {"lengths_q": lengths_q, "lengths_k": lengths_k}):
+        want = _mods.block_map(mods, 3, 2, 61, 64, 16, 8, arrays=arrays, **lengths)
+        got = _mods.block_map(mods, 3, 2, 61, 64, 16, 8, arrays={n: cp.asarray(a) for n, a in arrays.items()},
+                              xp=cp, **{n: cp.asarray(a) for n, a in lengths.items()})
+        for name, w, g in zip(want._fields, want, got):
+            assert np.array_equal(cp.asnumpy(g) if isinstance(g, cp.ndarray) else g, w), name
