@@ -209,9 +209,14 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
     const u16* dog = bi.q_rows(dout, b, h, do_sb, do_sh, do_ss);
     const float* lse_row = lse + bi.row_index(h, heads_q, seqlen_q, 0);
     const float* delta_row = delta + bi.row_index(h, heads_q, seqlen_q, 0);
-    // Query tiles [m_begin, m_end) hold the queries that see this key tile (causal, window).
+    // Query tiles [m_begin, m_begin + m_count) hold the queries that see this key tile (causal, window).
     const int2 qtiles = bi.template query_tiles<kBlockM, kBlockN>(n0);
-    const int m_begin = qtiles.x, m_end = qtiles.y;
+    const int m_begin = qtiles.x;
+    int m_count = qtiles.y - qtiles.x;
+    // [variant mask] with a block map the loop visits its listed query tiles instead: tile it is list[it]
+    const int* tile_list = nullptr;
+    if constexpr (V::Has_block_map) tile_list = bi.tile_list(n_block, m_count);
+    const auto q_tile = [&](int it) { return V::Has_block_map ? tile_list[it] : m_begin + it; };
 
     // One query tile: Q, dO, and its rows' lse and D (rows past seqlen_q read as zeros: with dO = 0 and
     // D = 0 they add nothing to dV, dK or dQ whatever P is).
@@ -227,7 +232,7 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
     cp_async_commit();
 #pragma unroll
     for (int st = 0; st < kStages - 1; ++st) {
-        if (m_begin + st < m_end) load_q_stage(st, m_begin + st);
+        if (st < m_count) load_q_stage(st, q_tile(st));
         cp_async_commit();
     }
 
@@ -243,8 +248,8 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
     const float scale_log2 = scale * kLog2e;
     const int key_base = n0 + wn * 32;
 
-    for (int mi = m_begin; mi < m_end; ++mi) {
-        const int it = mi - m_begin;
+    for (int it = 0; it < m_count; ++it) {
+        const int mi = q_tile(it);
         const u16* tQ = sQ + (it % kStages) * kQTile;
         const u16* tdO = sdO + (it % kStages) * kQTile;
         const float* tLse = sLse + (it % kStages) * kBlockM;
@@ -255,7 +260,7 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
         __syncthreads();  // this tile's stage landed; every warp is done with the previous tile
         {
             const int itn = it + kStages - 1;
-            if (m_begin + itn < m_end) load_q_stage(itn % kStages, m_begin + itn);
+            if (itn < m_count) load_q_stage(itn % kStages, q_tile(itn));
             cp_async_commit();
         }
 
@@ -484,7 +489,14 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
     // Key tiles [n_begin, n_begin + n_end) hold the keys this query tile sees (causal, window); the K/V
     // pointers start at tile n_begin, so the loop counts tiles from there (as flash_fwd_kernel).
     const int2 ktiles = bi.template key_tiles<kBlockN, kBlockM>(m0);
-    const int n_begin = ktiles.x, n_end = ktiles.y;
+    int n_begin = ktiles.x, n_end = ktiles.y;
+    // [variant mask] with a block map the loop visits its listed tiles instead: tile j is list[j]
+    const int* tile_list = nullptr;
+    if constexpr (V::Has_block_map) {
+        tile_list = bi.tile_list(m_block, n_end);
+        n_begin = 0;
+    }
+    const auto tile_row = [&](int j) { return (V::Has_block_map ? tile_list[j] : j) * kBlockN; };
     const int n_shift = n_begin * kBlockN;
     const int len_k = bi.len_k - n_shift;
     const u16* kg = bi.k_rows(k, b, h_kv, k_sb, k_sh, k_ss) + (i64)n_shift * k_ss;
@@ -496,8 +508,8 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
 #pragma unroll
     for (int st = 0; st < kStages - 1; ++st) {
         if (st < n_end) {
-            load_tile_async<kBlockN, kHeadDim, kThreads>(sK + st * kTile, kg, k_ss, st * kBlockN, len_k, tid);
-            load_tile_async<kBlockN, kHeadDim, kThreads>(sV + st * kTile, vg, v_ss, st * kBlockN, len_k, tid);
+            load_tile_async<kBlockN, kHeadDim, kThreads>(sK + st * kTile, kg, k_ss, tile_row(st), len_k, tid);
+            load_tile_async<kBlockN, kHeadDim, kThreads>(sV + st * kTile, vg, v_ss, tile_row(st), len_k, tid);
         }
         cp_async_commit();
     }
@@ -521,8 +533,8 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
     for (int j = 0; j < n_end; ++j) {
         const int jn = j + kStages - 1;
         if (jn < n_end) {
-            load_tile_async<kBlockN, kHeadDim, kThreads>(sK + (jn % kStages) * kTile, kg, k_ss, jn * kBlockN, len_k, tid);
-            load_tile_async<kBlockN, kHeadDim, kThreads>(sV + (jn % kStages) * kTile, vg, v_ss, jn * kBlockN, len_k, tid);
+            load_tile_async<kBlockN, kHeadDim, kThreads>(sK + (jn % kStages) * kTile, kg, k_ss, tile_row(jn), len_k, tid);
+            load_tile_async<kBlockN, kHeadDim, kThreads>(sV + (jn % kStages) * kTile, vg, v_ss, tile_row(jn), len_k, tid);
         }
         cp_async_commit();
         const u16* tK = sK + (j % kStages) * kTile;
@@ -554,7 +566,7 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
                 Elem<T>::mma(dp[2 * np + 1], ad, bf[2], bf[3]);
             }
         }
-        const int n0 = n_shift + j * kBlockN;  // the tile's first key in the sequence
+        const int n0 = n_shift + tile_row(j);  // the tile's first key in the sequence
         u32 dmod[V::Has_grad ? kNT : 1][2];  // [variant grad] d mod / d s
         if constexpr (V::Has_grad) {
             mod_scores_grad<false>(s, dmod, bi, row_base, n0, lane);

@@ -104,9 +104,14 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
     const u16* dog = bi.q_rows(dout, b, h, do_sb, do_sh, do_ss);
     const float* lse_row = lse + bi.row_index(h, heads_q, seqlen_q, 0);
     const float* delta_row = delta + bi.row_index(h, heads_q, seqlen_q, 0);
-    // Query tiles [m_begin, m_end) hold the queries that see this key tile (causal, window).
+    // Query tiles [m_begin, m_begin + m_count) hold the queries that see this key tile (causal, window).
     const int2 qtiles = bi.template query_tiles<kBlockM, kBlockN>(n0);
-    const int m_begin = qtiles.x, m_end = qtiles.y;
+    const int m_begin = qtiles.x;
+    int m_count = qtiles.y - qtiles.x;
+    // [variant mask] with a block map the loop visits its listed query tiles instead: tile it is list[it]
+    const int* tile_list = nullptr;
+    if constexpr (V::Has_block_map) tile_list = bi.tile_list(n_block, m_count);
+    const auto q_tile = [&](int it) { return V::Has_block_map ? tile_list[it] : m_begin + it; };
 
     // One query tile: Q, dO, and its rows' lse and D (rows past seqlen_q read as zeros).
     auto load_q_stage = [&](int buf, int mi) {
@@ -118,7 +123,7 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
 
     load_tile_sw128<kBlockN, kHeadDim, kThreads>(sK, k + b * k_sb + h_kv * k_sh + (i64)bi.k0 * k_ss, k_ss, n0, len_k, tid);
     load_tile_sw128<kBlockN, kHeadDim, kThreads>(sV, v + b * v_sb + h_kv * v_sh + (i64)bi.k0 * v_ss, v_ss, n0, len_k, tid);
-    if (m_begin < m_end) load_q_stage(0, m_begin);
+    if (0 < m_count) load_q_stage(0, q_tile(0));
     cp_async_commit();
 
     // Descriptors (layouts in hopper_tiles.cuh). K-major operands advance 32 bytes per k16 step inside a
@@ -153,8 +158,9 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
     const float scale_log2 = scale * kLog2e;
     float* dqg = Has_dQ ? dq_accum + bi.row_index(h, heads_q, seqlen_q, 0) * kHeadDim : nullptr;
 
-    for (int mi = m_begin; mi < m_end; ++mi) {
-        const int buf = (mi - m_begin) & 1;
+    for (int it = 0; it < m_count; ++it) {
+        const int mi = q_tile(it);
+        const int buf = it & 1;
         const int m0 = mi * kBlockM;
         const u32 tq = q_addr + buf * kQTile * 2, tdo = do_addr + buf * kQTile * 2;
         const float* tLse = sLse + buf * kBlockM;
@@ -165,7 +171,7 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
         cp_async_wait<0>();
         fence_proxy_async();
         __syncthreads();
-        if (mi + 1 < m_end) load_q_stage(buf ^ 1, mi + 1);
+        if (it + 1 < m_count) load_q_stage(buf ^ 1, q_tile(it + 1));
         cp_async_commit();
 
         // [bwd 1] S^T = K Q^T and [bwd 3] dP^T = V dO^T, both in flight at once.

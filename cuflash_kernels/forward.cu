@@ -60,7 +60,14 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     // The n_end key tiles from tile n_begin hold the keys this query tile sees (causal, window). The K/V
     // pointers start at tile n_begin, so the loop below counts tiles from there: key = n_shift + local.
     const int2 ktiles = bi.template key_tiles<kBlockN, kBlockM>(m0);
-    const int n_begin = ktiles.x, n_end = ktiles.y;
+    int n_begin = ktiles.x, n_end = ktiles.y;
+    // [variant mask] with a block map the loop visits its listed tiles instead: tile j of the loop is list[j]
+    const int* tile_list = nullptr;
+    if constexpr (V::Has_block_map) {
+        tile_list = bi.tile_list(m_block, n_end);
+        n_begin = 0;
+    }
+    const auto tile_row = [&](int j) { return (V::Has_block_map ? tile_list[j] : j) * kBlockN; };
     const int n_shift = n_begin * kBlockN;
     const int len_k = bi.len_k - n_shift;  // keys left from the first tile on
 
@@ -73,9 +80,9 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     cp_async_commit();
 #pragma unroll
     for (int st = 0; st < kStages - 1; ++st) {
-        if (st < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sK + st * kTile, kg, k_ss, st * kBlockN, len_k, tid);
+        if (st < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sK + st * kTile, kg, k_ss, tile_row(st), len_k, tid);
         cp_async_commit();
-        if (st < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sV + st * kTile, vg, v_ss, st * kBlockN, len_k, tid);
+        if (st < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sV + st * kTile, vg, v_ss, tile_row(st), len_k, tid);
         cp_async_commit();
     }
 
@@ -93,9 +100,9 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         // Refill the buffer freed at the end of iteration j - 1 with tile j + kStages - 1.
         const int jn = j + kStages - 1;
         const int buf_n = jn % kStages;
-        if (jn < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sK + buf_n * kTile, kg, k_ss, jn * kBlockN, len_k, tid);
+        if (jn < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sK + buf_n * kTile, kg, k_ss, tile_row(jn), len_k, tid);
         cp_async_commit();
-        if (jn < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sV + buf_n * kTile, vg, v_ss, jn * kBlockN, len_k, tid);
+        if (jn < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sV + buf_n * kTile, vg, v_ss, tile_row(jn), len_k, tid);
         cp_async_commit();
         const u16* tK = sK + (j % kStages) * kTile;
         const u16* tV = sV + (j % kStages) * kTile;
@@ -126,7 +133,7 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                 }
             }
         }
-        const int n0 = n_shift + j * kBlockN;  // the tile's first key in the sequence
+        const int n0 = n_shift + tile_row(j);  // the tile's first key in the sequence
         const bool need_mask = bi.needs_mask(m0, kBlockM, n0, kBlockN);
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {

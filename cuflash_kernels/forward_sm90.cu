@@ -126,7 +126,14 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
     // Key tiles [n_begin, n_begin + n_end) hold the keys this query tile sees (causal, window). K and V
     // start at tile n_begin, so the loops count tiles (buffers, barrier phases) from there.
     const int2 ktiles = bi.template key_tiles<kBlockN, kBlockM>(m0);
-    const int n_begin = ktiles.x, n_end = ktiles.y;
+    int n_begin = ktiles.x, n_end = ktiles.y;
+    // [variant mask] with a block map the loops visit its listed tiles instead: tile j is list[j]
+    const int* tile_list = nullptr;
+    if constexpr (V::Has_block_map) {
+        tile_list = bi.tile_list(m_block, n_end);
+        n_begin = 0;
+    }
+    const auto tile_row = [&](int j) { return (V::Has_block_map ? tile_list[j] : j) * kBlockN; };
     const int n_shift = n_begin * kBlockN;
     const int len_k = bi.len_k - n_shift;
 
@@ -136,16 +143,16 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
 
     auto load_k = [&](int j, int ltid) {
         if constexpr (kWS) {
-            load_tile_sw128_lean<kBlockN, kHeadDim, kLoaders>(sK + (j & 1) * kKVTile, kg, k_ss, j * kBlockN, len_k, ltid);
+            load_tile_sw128_lean<kBlockN, kHeadDim, kLoaders>(sK + (j & 1) * kKVTile, kg, k_ss, tile_row(j), len_k, ltid);
         } else {
-            load_tile_sw128<kBlockN, kHeadDim, kLoaders>(sK + (j & 1) * kKVTile, kg, k_ss, j * kBlockN, len_k, ltid);
+            load_tile_sw128<kBlockN, kHeadDim, kLoaders>(sK + (j & 1) * kKVTile, kg, k_ss, tile_row(j), len_k, ltid);
         }
     };
     auto load_v = [&](int j, int ltid) {
         if constexpr (kWS) {
-            load_tile_sw128_lean<kBlockN, kHeadDim, kLoaders>(sV + (j & 1) * kKVTile, vg, v_ss, j * kBlockN, len_k, ltid);
+            load_tile_sw128_lean<kBlockN, kHeadDim, kLoaders>(sV + (j & 1) * kKVTile, vg, v_ss, tile_row(j), len_k, ltid);
         } else {
-            load_tile_sw128<kBlockN, kHeadDim, kLoaders>(sV + (j & 1) * kKVTile, vg, v_ss, j * kBlockN, len_k, ltid);
+            load_tile_sw128<kBlockN, kHeadDim, kLoaders>(sV + (j & 1) * kKVTile, vg, v_ss, tile_row(j), len_k, ltid);
         }
     };
 
@@ -212,7 +219,7 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
         };
         // [variant mod] and [variant mask] of key tile j (counted from n_begin).
         auto mask = [&](int j) {
-            const int n0 = n_shift + j * kBlockN;
+            const int n0 = n_shift + tile_row(j);
             mod_scores<false>(s, bi, row_base, n0, lane);
             if (bi.needs_mask(m0, kBlockM, n0, kBlockN)) mask_block<false>(s, bi, row_base, n0, lane, -CUFLASH_INF);
         };
@@ -224,7 +231,7 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
         };
         // [variant dropout] (after the row sum) and P to 16 bits for the A operand of P V.
         auto pack_p = [&](int j) {
-            dropout_scores<false>(s, bi, row_base, n_shift + j * kBlockN, lane, 1.f);
+            dropout_scores<false>(s, bi, row_base, n_shift + tile_row(j), lane, 1.f);
 #pragma unroll
             for (int kk = 0; kk < kPT; ++kk) c_to_a<T, kNT>(p[kk], s, kk);
         };

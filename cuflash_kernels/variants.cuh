@@ -36,6 +36,14 @@ struct ExtraParams {
     u32 keep_threshold; // a score is kept iff its Philox word < keep_threshold = floor((1 - p) 2^32)
     float keep_scale;   // 1 / (1 - p)
     ModArrays mods;     // the arrays user mods read (user_mods.cuh)
+    // mask_mod's block sparsity for this launch's tiles (cuflash/_mods.py:BlockMap, compacted): for each row
+    // tile (a query tile in the forward and dQ passes, a key tile in the dK/dV pass), how many column tiles
+    // hold a visible score and which, ascending: count (Bm, Hm, rows), list (Bm, Hm, rows, cols), int32,
+    // batch / head strides in rows (0 where the map broadcasts).
+    const int* tile_count;
+    const int* tile_list;
+    i64 tiles_sb, tiles_sh;
+    int tile_cols, pad_;
 };
 
 // Philox-4x32-10 (cuflash/_philox.py:philox4x32; Salmon et al., SC'11): four uint32 words of a 128-bit
@@ -89,6 +97,7 @@ struct Variant {
     static constexpr bool Has_mod = Has_softcap || Has_alibi || Has_bias || Has_user_mod;
     static constexpr bool Has_grad = Has_softcap || Mod::Has_score_mod;  // d mod / d s is not 1 everywhere
     static constexpr bool Has_masked_scores = Has_bias || Mod::Has_mask_mod;  // a mod may give -inf
+    static constexpr bool Has_block_map = Mod::Has_mask_mod;  // loops visit the tiles the map lists
 };
 
 using DenseVariant = Variant<false, false, false, false, false, false, false>;
@@ -128,6 +137,7 @@ struct BlockInfo {
     float keep_scale;
     int b, h;                   // (Has_user_mod) the sequence and query head, as the user's mods see them
     const ModArrays* mods;
+    const ExtraParams* extra;
 
     // Sequence b of a call over arrays of seqlen_q x seqlen_k rows (total rows when Is_varlen).
     __device__ __forceinline__ BlockInfo(const VariantParams p, int b, int h, int seqlen_q, int seqlen_k) {
@@ -168,6 +178,7 @@ struct BlockInfo {
             this->b = b;
             this->h = h;
             mods = &p.extra->mods;
+            extra = p.extra;
         }
         if constexpr (V::Has_dropout) {
             const ExtraParams& ep = *p.extra;
@@ -313,6 +324,15 @@ struct BlockInfo {
     __device__ __forceinline__ float neg_lse_log2(float lse) const {
         if constexpr (V::Has_masked_scores) return lse == -CUFLASH_INF ? -CUFLASH_INF : -lse * kLog2e;
         return -lse * kLog2e;
+    }
+
+    // [variant mask] block sparsity (Has_block_map): the column tiles of row tile `row` that hold a visible
+    // score, ascending, and their number in `count` (the launcher removed the tiles outside the band too).
+    __device__ __forceinline__ const int* tile_list(int row, int& count) const {
+        const ExtraParams& ep = *extra;
+        const i64 r = b * ep.tiles_sb + h * ep.tiles_sh + row;
+        count = ep.tile_count[r];
+        return ep.tile_list + r * ep.tile_cols;
     }
 
     // [variant dropout] The 4 Philox words of the scores (i0 + 8a, j0 + 8c), a, c in {0, 1}, word 2a + c

@@ -207,3 +207,60 @@ def test_varlen_equals_per_sequence_calls(requires_gpu):
                                 causal=True)
         assert bool((one[0].view(cp.uint16) == out[start:start + n].view(cp.uint16)).all()), n
         start += n
+
+
+@pytest.mark.parametrize(("mask", "causal", "window"), [
+    ("doc[q_idx] == doc[kv_idx]", True, None),
+    ("kv_idx <= q_idx || kv_idx < 70", False, None),
+    ("(q_idx / 64 + kv_idx / 64 + h) % 3 == 0", False, (100, 20)),
+])
+def test_block_lists_are_the_visible_tiles(requires_gpu, mask, causal, window):
+    """The launcher's block lists (mask_mod on the GPU, then the band) list, ascending and for both loop
+    orders, every tile that holds a visible score of a dense evaluation, and only tiles that hold a score
+    visible by mask_mod and one visible by the band (exactly the visible tiles without a band)."""
+    cp = requires_gpu
+    from cuflash._cuda.attention import Shape, block_lists
+    from cuflash._mods import user_mods
+    from cuflash._variant import Variant
+
+    rng = np.random.default_rng(len(mask))
+    nq, nk, heads = 300, 333, 3
+    doc = np.sort(rng.integers(0, 6, nk)).astype(np.int32)
+    arrays = {"doc": doc} if "doc[" in mask else {}
+    mods = user_mods(None, mask, arrays)
+    variant = Variant(causal=causal, window_left=None if window is None else window[0],
+                      window_right=None if window is None else window[1], mods=mods,
+                      mod_arrays=tuple(cp.asarray(a) for a in arrays.values()) or None)
+    shp = Shape(2, nq, nk, heads, heads, 64, nq, nk, 2)
+    i, j = np.arange(nq).reshape(-1, 1), np.arange(nk).reshape(1, -1)
+    h = np.arange(heads).reshape(-1, 1, 1)
+    by_mask = np.broadcast_to(mods.mask(0, h, i, j, arrays), (heads, nq, nk))
+    offset = nk - nq
+    by_band = np.ones((nq, nk), bool)
+    if causal:
+        by_band &= j <= i + offset
+    if window is not None:
+        by_band &= (j >= i + offset - window[0]) & (j <= i + offset + window[1])
+
+    def tiles_of(visible, bm_, bn_):
+        nqt, nkt = -(-nq // bm_), -(-nk // bn_)
+        pad = np.zeros((heads, nqt * bm_, nkt * bn_), bool)
+        pad[:, :nq, :nk] = visible
+        return pad.reshape(heads, nqt, bm_, nkt, bn_).any(axis=(2, 4))
+
+    for bm_, bn_ in ((128, 64), (64, 128)):
+        need = tiles_of(by_mask & by_band, bm_, bn_)
+        allowed = tiles_of(by_mask, bm_, bn_) & tiles_of(np.broadcast_to(by_band, by_mask.shape), bm_, bn_)
+        for transposed in (False, True):
+            count, lists = (cp.asnumpy(x) for x in block_lists(variant, shp, bm_, bn_, transposed))
+            t_need, t_allowed = ((x.swapaxes(-1, -2) if transposed else x) for x in (need, allowed))
+            for b in range(count.shape[0]):
+                for hh in range(heads):
+                    hm = hh if count.shape[1] > 1 else 0
+                    for r in range(t_need.shape[1]):
+                        got = lists[b, hm, r, :count[b, hm, r]]
+                        where = (bm_, bn_, transposed, b, hh, r, list(got))
+                        assert list(got) == sorted(set(got)), where
+                        assert set(np.flatnonzero(t_need[hh, r])) <= set(got) <= set(np.flatnonzero(t_allowed[hh, r])), where
+                        if not causal and window is None:
+                            assert set(got) == set(np.flatnonzero(t_need[hh, r])), where

@@ -16,6 +16,7 @@ from collections import defaultdict
 import pytest
 
 from cuflash import _cuda
+from cuflash._cuda.spec import prelude_of
 
 TARGETS = ("sm_80", "sm_90a")
 SOURCES = ("forward.cu", "backward.cu", "forward_sm90.cu", "backward_sm90.cu", "fa1.cu")
@@ -80,7 +81,10 @@ KNOWN_SPILLS = {("flash_bwd_dkdv_sm90_kernel", "softcap"): 64, ("flash_fwd_sm90_
                 # every-flag combinations (dropout with bias, softcap, ALiBi and a window at once)
                 ("flash_bwd_dkdv_kernel", "dropout"): 128, ("flash_bwd_dkdv_sm90_kernel", "dropout"): 384,
                 ("flash_fwd_kernel", "dropout"): 64, ("flash_fwd_sm90_kernel", "dropout"): 192,
-                ("flash_bwd_dq_kernel", "dropout"): 32}
+                ("flash_bwd_dq_kernel", "dropout"): 32,
+                # a user score_mod / mask_mod: user code in the score loop
+                **{(kernel, "user_mod"): 64 for kernel in ("flash_fwd_kernel", "flash_fwd_sm90_kernel", "flash_bwd_dq_kernel",
+                                                           "flash_bwd_dkdv_kernel", "flash_bwd_dkdv_sm90_kernel")}}
 _VARIANT_FLAGS = ("left", "right", "varlen", "seqused", "softcap", "alibi", "bias", "dropout")
 
 
@@ -89,6 +93,8 @@ def _known_spill(row) -> bool:
     if not m:
         return False
     flags = {f for f, bit in zip(_VARIANT_FLAGS, re.findall(r"Lb([01])E", m.group(2))) if bit == "1"}
+    if "UserMod_" in row["fn"]:
+        flags.add("user_mod")
     return any(kernel == m.group(1) and flag in flags and row["stores"] <= limit
                for (kernel, flag), limit in KNOWN_SPILLS.items())
 
@@ -125,7 +131,8 @@ def test_every_instantiation_compiles_without_spills(arch, source):
     if not groups:
         pytest.skip(f"no {source} instantiation targets {arch}")
     for options, names in groups:
-        assert_compiles_without_spills(nvrtc, text, names, options, arch, f"{source} ({arch})")
+        full = text + prelude_of(*names)  # the generated user-mod types these name
+        assert_compiles_without_spills(nvrtc, full, names, options, arch, f"{source} ({arch})")
 
 
 def test_instantiation_list_covers_the_tile_table_and_every_policy():

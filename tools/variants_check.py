@@ -280,12 +280,28 @@ def check(args, results):
 # ---------------------------------------------------------------------------------------------------
 # Timing.
 
+PREFIX = 1024
+
+
+def documents(n: int) -> np.ndarray:
+    """Document ids of n positions: 8 documents of random lengths (the same for cuflash and Flex)."""
+    cuts = np.sort(np.random.default_rng(n).choice(np.arange(1, n), 7, replace=False))
+    return np.searchsorted(cuts, np.arange(n), side="right").astype(np.int32)
+
+
+def prefix_pairs(n: int) -> int:
+    """Visible pairs of prefix-LM: query i sees keys j <= i and every key of the first PREFIX."""
+    i = np.arange(n)
+    return int(np.maximum(i + 1, min(PREFIX, n)).sum())
+
+
 def bench(args, rows):
     import cupy as cp
     import torch
     import triton.testing as tt
 
     from cuflash import _cuda as cuda
+    from cuflash._mods import user_mods
     from cuflash._variant import Variant
 
     d, hq = 128, 16
@@ -323,6 +339,8 @@ def bench(args, rows):
                        for _ in range(4))
         slopes = cp.broadcast_to(cp.asarray(2.0 ** (-8.0 * (np.arange(hq) + 1) / hq), dtype=cp.float32), (b, hq))
         flops_full = 4 * b * hq * n * n * d
+        doc = documents(n)
+        doc_pairs = sum(c * (c + 1) // 2 for c in np.bincount(doc))  # causal pairs inside each document
         w = 1024
         window_pairs = sum(min(i + 1, w + 1) for i in range(n))  # visible (i, j) pairs of a causal window of w
         cases = {
@@ -333,12 +351,23 @@ def bench(args, rows):
             "alibi-causal": (Variant(causal=True, alibi_slopes=slopes), flops_full / 2),
             "seqused-causal (all keys)": (Variant(causal=True, seqused_k=cp.full((b,), n, cp.int32)), flops_full / 2),
             "dropout-0.1-causal": (Variant(causal=True, dropout_p=0.1, dropout_seed=1, dropout_offset=0), flops_full / 2),
+            # user mask_mods: block-sparse (the tiles the map lists), FLOPs of the visible pairs
+            "document-causal": (Variant(causal=True, mods=user_mods(None, "doc[q_idx] == doc[kv_idx]", {"doc": doc}),
+                                        mod_arrays=(cp.asarray(doc),)), 4 * b * hq * doc_pairs * d),
+            "prefix-lm-1024": (Variant(mods=user_mods(None, f"kv_idx <= q_idx || kv_idx < {PREFIX}")),
+                               4 * b * hq * prefix_pairs(n) * d),
+            "score-mod-softcap-causal": (Variant(causal=True, mods=user_mods("30.0f * tanhf(score / 30.0f)", None)),
+                                         flops_full / 2),
         }
         for name, (variant, flops) in cases.items():
+            if args.cases and not any(word in name for word in args.cases.split(",")):
+                continue
             tf, tb = pair(q, k, v, do, variant)
             r = dict(n=n, case=name, fwd_ms=tf, fb_ms=tb, fwd_tflops=flops / tf * 1e-9, fb_tflops=3.5 * flops / tb * 1e-9)
             rows.append(r)
             log(f"N {n:6d} {name:28s} fwd {r['fwd_tflops']:6.1f} TFLOP/s  fwd+bwd {r['fb_tflops']:6.1f}")
+    if args.cases and "varlen" not in args.cases:
+        return
     # Varlen: 64 documents of 256..8192 tokens (one packed batch) vs dense batches of the same total tokens.
     rs = np.random.default_rng(0)
     lens = rs.integers(256, 8193, 64)
@@ -438,9 +467,20 @@ def flex(args, rows):
         def alibi(score, b_, h, qi, ki):
             return score - slopes[h] * (qi - ki).abs()
 
+        doc = torch.from_numpy(documents(n)).cuda()
+
+        def document(b_, h, qi, ki):
+            return (qi >= ki) & (doc[qi] == doc[ki])
+
+        def prefix_lm(b_, h, qi, ki):
+            return (ki <= qi) | (ki < PREFIX)
+
         cases = {"causal": (None, causal), "causal-window-1024": (None, window), "softcap-causal": (softcap, causal),
-                 "alibi-causal": (alibi, causal)}
+                 "alibi-causal": (alibi, causal), "document-causal": (None, document), "prefix-lm-1024": (None, prefix_lm),
+                 "score-mod-softcap-causal": (softcap, causal)}
         for name, (mod, mask) in cases.items():
+            if args.cases and not any(word in name for word in args.cases.split(",")):
+                continue
             bm = create_block_mask(mask, b, None, n, n, device="cuda")
 
             def fwd():

@@ -251,8 +251,7 @@ def forward(q, k, v, *, scale, variant: Variant, algorithm, block_q, block_k):
     assert shp.heads_q % shp.heads_kv == 0 and d in HEAD_DIMS
     dtype = np.dtype(q.dtype).name
     variant = _kernel_ready(variant)
-    extra = extra_params(variant)
-    vtype, vp = variant_type(variant), variant_params(variant, scale, shp.rows_q, shp.rows_k, extra)
+    vtype = variant_type(variant)
     out = cupy.empty(q.shape, dtype=q.dtype)
     lse = _lse_empty(shp, variant)
     if dtype == "float32":
@@ -266,10 +265,63 @@ def forward(q, k, v, *, scale, variant: Variant, algorithm, block_q, block_k):
         else:
             spec = kernel_spec("fwd", dtype, d, plan_tile("fwd", d, block_q, block_k), vtype)
     check_smem(spec)
+    vp, _keep = launch_params(variant, scale, shp, spec)
     launch(spec, (cdiv(shp.max_q, spec.tile.block_m), shp.heads_q, shp.batch), (
         q, k, v, out, lse, i32(shp.rows_q), i32(shp.rows_k), i32(shp.heads_q), i32(shp.group),
         *strides(q), *strides(k), *strides(v), *strides(out), np.float32(scale * _LOG2E), vp))
     return out, lse
+
+
+def launch_params(variant: Variant, scale: float, shp: Shape, spec=None, dbias=None, transposed=False):
+    """The ``VariantParams`` of one launch of ``spec``, and the device buffers they point to (keep them
+    referenced until the launch is queued). With a mask_mod, the block lists of the spec's tiles: per query
+    tile the key tiles to visit, or (``transposed``, the dK/dV pass) per key tile the query tiles."""
+    tiles = None
+    if spec is not None and variant.mods is not None and variant.mods.has_mask_mod and spec.tile.block_n:
+        tiles = block_lists(variant, shp, spec.tile.block_m, spec.tile.block_n, transposed)
+    extra = extra_params(variant, dbias, tiles)
+    return variant_params(variant, scale, shp.rows_q, shp.rows_k, extra), (extra, tiles)
+
+
+def block_lists(variant: Variant, shp: Shape, block_m: int, block_n: int, transposed: bool):
+    """mask_mod's block map (:func:`cuflash._mods.block_map`, evaluated on the GPU) for tiles of ``block_m``
+    queries x ``block_n`` keys, with the tiles outside the band (causal, window) removed too, compacted:
+    ``(count, list)`` per query tile, or per key tile when ``transposed``."""
+    import cupy
+
+    from .. import _mods
+
+    lengths_q = lengths_k = None
+    if variant.is_varlen:
+        cq, ck = variant.cu_seqlens_q, variant.cu_seqlens_k
+        lengths_q, lengths_k = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
+    if variant.seqused_k is not None:
+        lengths_k = variant.seqused_k
+        if lengths_q is None:
+            lengths_q = cupy.full(shp.batch, shp.max_q, dtype=cupy.int32)
+    arrays = dict(zip(variant.mods.array_names, variant.mod_arrays or ()))
+    bmap = _mods.block_map(variant.mods, shp.batch, shp.heads_q, shp.max_q, shp.max_k, block_m, block_n,
+                           arrays=arrays, lengths_q=lengths_q, lengths_k=lengths_k, xp=cupy)
+    tiles = bmap.tiles
+    left, right = variant.window_left, variant.right
+    if left is not None or right is not None:  # [variant mask] the band, tile by tile (_blocks.key_range)
+        nb = tiles.shape[0]
+        len_q = shp.max_q if lengths_q is None else lengths_q[:nb].reshape(-1, 1, 1, 1).astype(cupy.int64)
+        len_k = shp.max_k if lengths_k is None else lengths_k[:nb].reshape(-1, 1, 1, 1).astype(cupy.int64)
+        m = cupy.arange(tiles.shape[2], dtype=cupy.int64).reshape(1, 1, -1, 1)
+        n = cupy.arange(tiles.shape[3], dtype=cupy.int64).reshape(1, 1, 1, -1)
+        offset = (len_k - len_q) if variant.bottom_right else 0
+        first_row, last_row = m * block_m, cupy.minimum((m + 1) * block_m, len_q) - 1
+        ok = last_row >= first_row
+        if left is not None:
+            ok = ok & (first_row + offset - left <= (n + 1) * block_n - 1)
+        if right is not None:
+            ok = ok & (last_row + offset + right >= n * block_n)
+        tiles = cupy.where(ok, tiles, 0).astype(cupy.int8)
+        bmap = _mods.compact_block_map(tiles, block_m, block_n)
+    if transposed:
+        return bmap.q_num_blocks, bmap.q_indices
+    return bmap.kv_num_blocks, bmap.kv_indices
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -351,19 +403,21 @@ def backward(do, q, k, v, out, lse, *, scale, variant: Variant, algorithm, block
     if want_dbias and variant.bias is not None:  # [variant grad]: tiles no query visits stay 0
         dbias = cupy.zeros((shp.batch, shp.heads_q, shp.rows_q, shp.rows_k), dtype=cupy.float32)
     vtype, fscale = variant_type(variant), np.float32(scale)
-    extra = extra_params(variant, dbias)
-    vp = variant_params(variant, scale, shp.rows_q, shp.rows_k, extra)
-    grads = _backward(do, q, k, v, out, lse, shp, variant, vtype, vp, fscale, order, block_q, block_k, dtype)
+    def params(spec=None, transposed=False):  # one launch's VariantParams (and what it points to)
+        return launch_params(variant, scale, shp, spec, dbias, transposed)
+
+    grads = _backward(do, q, k, v, out, lse, shp, variant, vtype, params, fscale, order, block_q, block_k, dtype)
     return grads if dbias is None else (*grads, dbias)
 
 
-def _backward(do, q, k, v, out, lse, shp: Shape, variant, vtype, vp, fscale, order, block_q, block_k, dtype):
+def _backward(do, q, k, v, out, lse, shp: Shape, variant, vtype, params, fscale, order, block_q, block_k, dtype):
     import cupy
 
     d = shp.head_dim
     split = order in ("split", "q_outer")
     lse = cupy.ascontiguousarray(lse)
     if dtype == "float32":
+        vp, _keep = params()  # (_keep: the device buffers vp points to, alive until the launches are queued)
         return _backward_f32(do, q, k, v, out, lse, shp, variant, vtype, vp, fscale, split)
 
     q, k, v, do = aligned(q), aligned(k), aligned(v), aligned(do)
@@ -382,6 +436,7 @@ def _backward(do, q, k, v, out, lse, shp: Shape, variant, vtype, vp, fscale, ord
         dkv_accum = alloc((2, shp.ws_batch, shp.heads_q, shp.rows_k, d), dtype=cupy.float32)
     null = np.uintp(0)
     grid_k = (cdiv(shp.max_k, spec.tile.block_n), shp.heads_q, shp.batch)
+    vp, _keep = params(spec, transposed=True)
     launch(spec, grid_k, (
         q, k, v, do, lse, delta,
         dq_accum if dq_accum is not None else null, dk, dv, dkv_accum if dkv_accum is not None else null,
@@ -391,6 +446,7 @@ def _backward(do, q, k, v, out, lse, shp: Shape, variant, vtype, vp, fscale, ord
     if split:
         spec_q = kernel_spec("bwd_dq", dtype, d, plan_tile("bwd_dq", d, None, None), vtype)
         check_smem(spec_q)
+        vp, _keep_q = params(spec_q)
         launch(spec_q, (cdiv(shp.max_q, spec_q.tile.block_m), shp.heads_q, shp.batch), (
             q, k, v, do, lse, delta, dq, i32(shp.rows_q), i32(shp.rows_k), i32(shp.heads_q), i32(shp.group),
             *strides(q), *strides(k), *strides(v), *strides(do), *strides(dq), fscale, vp))

@@ -165,10 +165,12 @@ EXTRA_PARAMS_DTYPE = np.dtype(
     [("bias", np.uint64), ("sb", np.int64), ("sh", np.int64), ("sm", np.int64),
      ("dbias", np.uint64), ("dsb", np.int64), ("dsh", np.int64), ("dsm", np.int64),
      ("dropout_seed", np.uint64), ("dropout_offset", np.uint64), ("keep_threshold", np.uint32),
-     ("keep_scale", np.float32), ("mod_ptr", np.uint64, (4,)), ("mod_len", np.int32, (4,))],
+     ("keep_scale", np.float32), ("mod_ptr", np.uint64, (4,)), ("mod_len", np.int32, (4,)),
+     ("tile_count", np.uint64), ("tile_list", np.uint64), ("tiles_sb", np.int64), ("tiles_sh", np.int64),
+     ("tile_cols", np.int32), ("pad_", np.int32)],
     align=True,
 )
-assert EXTRA_PARAMS_DTYPE.itemsize == 136
+assert EXTRA_PARAMS_DTYPE.itemsize == 176
 
 # The C++ source of each user-mod policy type in use (name -> source), appended to the kernel source of
 # any instantiation whose name expression names it (cuflash/_mods.py generates them; the name is a hash of
@@ -199,9 +201,9 @@ def _policy(flags, mods=None) -> str:
     return f"cuflash::Variant<{', '.join(map(_b, flags))}, cuflash::{mods.type_name}>"
 
 
-def prelude_of(name: str) -> str:
-    """The generated user-mod sources that the name expression ``name`` refers to."""
-    return "".join(f"\n{src}" for type_name, src in PRELUDES.items() if type_name in name)
+def prelude_of(*names: str) -> str:
+    """The generated user-mod sources (each once) that the name expressions ``names`` refer to."""
+    return "".join(f"\n{src}" for type_name, src in PRELUDES.items() if any(type_name in n for n in names))
 
 
 DENSE = variant_type(Variant())
@@ -215,10 +217,12 @@ def _strides_of(a, n: int) -> tuple[int, ...]:
     return (0,) * n if a is None else tuple(s // a.itemsize for s in a.strides[:n])
 
 
-def extra_params(variant: Variant, dbias=None):
+def extra_params(variant: Variant, dbias=None, tiles=None):
     """``struct ExtraParams`` (variants.cuh) in device memory, or None when the variant needs none: the bias
     ((batch, heads_q, seqlen_q, seqlen_k) float32 with a contiguous last axis) and its gradient buffer
-    ``dbias`` (or None), the dropout seed, offset, keep threshold and 1 / (1 - p)."""
+    ``dbias`` (or None), the dropout seed, offset, keep threshold and 1 / (1 - p), the user mods' arrays,
+    and ``tiles``, mask_mod's compacted block lists for one launch: ``(count, list)``, int32 arrays
+    ``(Bm, Hm, rows)`` and ``(Bm, Hm, rows, cols)`` (Bm, Hm: 1 where the map broadcasts)."""
     import cupy
 
     drop = has_dropout(variant)
@@ -234,6 +238,11 @@ def extra_params(variant: Variant, dbias=None):
         e["keep_scale"] = 1.0 / (1.0 - variant.dropout_p)
     for slot, a in enumerate(variant.mod_arrays or ()):
         e["mod_ptr"][slot], e["mod_len"][slot] = _ptr(a), a.size
+    if tiles is not None:
+        count, lists = tiles
+        bm, hm, rows, cols = lists.shape
+        e["tile_count"], e["tile_list"], e["tile_cols"] = _ptr(count), _ptr(lists), cols
+        e["tiles_sb"], e["tiles_sh"] = (hm * rows if bm > 1 else 0), (rows if hm > 1 else 0)
     return cupy.asarray(e.reshape(1).view(np.uint8))
 
 
@@ -466,4 +475,14 @@ def instantiations() -> list[KernelSpec]:
                 add(KernelSpec(fam, dtype, d))
     for v in _SHOWCASE:
         add(KernelSpec("bwd_dq_f32", "float32", 128, variant=_policy(v)))
+    # A user score_mod and mask_mod reading an array (the generated policy type), causal, in every FA2 family.
+    from .._mods import user_mods
+
+    mods = user_mods("score * 0.5f + (q_idx - kv_idx) * 0.01f", "kv_idx < prefix[b] || doc[q_idx] == doc[kv_idx]",
+                     {"prefix": np.zeros(1, np.int32), "doc": np.zeros(1, np.int32)})
+    causal_mod = _policy((False, True, False, False, False, False, False, False), mods)
+    for fam, row in _SHOWCASE_ROWS.items():
+        dtype = "float32" if row[1] == "f32" else "bfloat16"
+        add(KernelSpec(fam, dtype, 128, TILES[(*row, 128)], causal_mod, fam.startswith("bwd_dkdv"), row[1]))
+    add(KernelSpec("bwd_dq_f32", "float32", 128, variant=causal_mod))
     return list(out.values())
