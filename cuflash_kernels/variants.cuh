@@ -276,7 +276,8 @@ struct BlockInfo {
     // [variant mod] the raw score s = q_i . k_j after softcap, ALiBi and the bias, in raw-score units; `grad`
     // gets d mod / d s (the tanh derivative; 1 without softcap) for [variant grad]. kExactTanh: tanhf (the
     // float32 kernels, whose budget is float32's), else tanh_exp2 (~3e-7 absolute, the 16-bit kernels).
-    template <bool kExactTanh = false>
+    // kWantGrad = false (the forward): a score_mod is evaluated on floats, without its dual-number derivative.
+    template <bool kExactTanh = false, bool kWantGrad = true>
     __device__ __forceinline__ float mod(float s, int i, int j, float& grad) const {
         if constexpr (!V::Has_softcap) grad = 1.f;
         if constexpr (V::Has_softcap) {
@@ -292,9 +293,13 @@ struct BlockInfo {
         if constexpr (V::Has_user_mod) {
             if (i < len_q && j < len_k) {
                 if constexpr (V::Mod::Has_score_mod) {
-                    float g;
-                    s = apply_score_mod<typename V::Mod, V::Has_bias>(s, 1.f / inv_scale, inv_scale, b, h, i, j, *mods, g);
-                    grad *= g;
+                    if constexpr (kWantGrad) {
+                        float g;
+                        s = apply_score_mod<typename V::Mod, V::Has_bias>(s, 1.f / inv_scale, inv_scale, b, h, i, j, *mods, g);
+                        grad *= g;
+                    } else {
+                        s = apply_score_mod<typename V::Mod, V::Has_bias>(s, 1.f / inv_scale, inv_scale, b, h, i, j, *mods);
+                    }
                 }
                 if constexpr (V::Mod::Has_mask_mod) {
                     if (!V::Mod::mask(b, h, i, j, *mods)) {
@@ -309,7 +314,7 @@ struct BlockInfo {
     template <bool kExactTanh = false>
     __device__ __forceinline__ float mod(float s, int i, int j) const {
         float unused;
-        return mod<kExactTanh>(s, i, j, unused);
+        return mod<kExactTanh, false>(s, i, j, unused);
     }
 
     // [variant grad] of the bias: dbias[i, j] = dS (the gradient of the biased scaled score), where wanted.

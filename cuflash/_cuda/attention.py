@@ -21,7 +21,7 @@ import numpy as np
 from .._variant import Variant
 from . import fa1, naive
 from .compile import arch_class, check_smem, device_info, launch
-from .spec import BWD_HEAD_DIMS, CTYPES, HEAD_DIMS, TILES, Tile, extra_params, variant_params, variant_type
+from .spec import BWD_HEAD_DIMS, CTYPES, HEAD_DIMS, TILES, Tile, extra_params, mask_policy, variant_params, variant_type
 from .spec import spec as kernel_spec
 
 __all__ = ["forward", "backward", "check_supported"]
@@ -283,45 +283,48 @@ def launch_params(variant: Variant, scale: float, shp: Shape, spec=None, dbias=N
     return variant_params(variant, scale, shp.rows_q, shp.rows_k, extra), (extra, tiles)
 
 
+# Block lists of masks that read no array and no per-sequence length are a function of the call's shape
+# alone: kept per (policy, shape, tiling), at most this many.
+_LISTS_CACHE: dict = {}
+_LISTS_CACHE_SIZE = 64
+
+
 def block_lists(variant: Variant, shp: Shape, block_m: int, block_n: int, transposed: bool):
-    """mask_mod's block map (:func:`cuflash._mods.block_map`, evaluated on the GPU) for tiles of ``block_m``
-    queries x ``block_n`` keys, with the tiles outside the band (causal, window) removed too, compacted:
-    ``(count, list)`` per query tile, or per key tile when ``transposed``."""
+    """mask_mod's block lists for tiles of ``block_m`` queries x ``block_n`` keys (``block_map.cu``, on the
+    GPU): ``(count, list)`` per query tile, or per key tile when ``transposed``, every tile listed holding a
+    score visible by the sequence's lengths, the band (causal, window) and mask_mod. Reused from a cache when
+    the mask reads no array and the sequences have no lengths of their own (then nothing but the shape and
+    the tiling decides them); otherwise computed on every call, since arrays may change in place."""
     import cupy
 
-    from .. import _mods
-
-    lengths_q = lengths_k = None
-    if variant.is_varlen:
-        cq, ck = variant.cu_seqlens_q, variant.cu_seqlens_k
-        lengths_q, lengths_k = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
-    if variant.seqused_k is not None:
-        lengths_k = variant.seqused_k
-        if lengths_q is None:
-            lengths_q = cupy.full(shp.batch, shp.max_q, dtype=cupy.int32)
-    arrays = dict(zip(variant.mods.array_names, variant.mod_arrays or ()))
-    bmap = _mods.block_map(variant.mods, shp.batch, shp.heads_q, shp.max_q, shp.max_k, block_m, block_n,
-                           arrays=arrays, lengths_q=lengths_q, lengths_k=lengths_k, xp=cupy)
-    tiles = bmap.tiles
-    left, right = variant.window_left, variant.right
-    if left is not None or right is not None:  # [variant mask] the band, tile by tile (_blocks.key_range)
-        nb = tiles.shape[0]
-        len_q = shp.max_q if lengths_q is None else lengths_q[:nb].reshape(-1, 1, 1, 1).astype(cupy.int64)
-        len_k = shp.max_k if lengths_k is None else lengths_k[:nb].reshape(-1, 1, 1, 1).astype(cupy.int64)
-        m = cupy.arange(tiles.shape[2], dtype=cupy.int64).reshape(1, 1, -1, 1)
-        n = cupy.arange(tiles.shape[3], dtype=cupy.int64).reshape(1, 1, 1, -1)
-        offset = (len_k - len_q) if variant.bottom_right else 0
-        first_row, last_row = m * block_m, cupy.minimum((m + 1) * block_m, len_q) - 1
-        ok = last_row >= first_row
-        if left is not None:
-            ok = ok & (first_row + offset - left <= (n + 1) * block_n - 1)
-        if right is not None:
-            ok = ok & (last_row + offset + right >= n * block_n)
-        tiles = cupy.where(ok, tiles, 0).astype(cupy.int8)
-        bmap = _mods.compact_block_map(tiles, block_m, block_n)
-    if transposed:
-        return bmap.q_num_blocks, bmap.q_indices
-    return bmap.kv_num_blocks, bmap.kv_indices
+    mods = variant.mods
+    has_lengths = variant.is_varlen or variant.seqused_k is not None
+    nb = shp.batch if (mods.mask_uses_b or has_lengths) else 1
+    nh = shp.heads_q if mods.mask_uses_h else 1
+    rows = cdiv(shp.max_k, block_n) if transposed else cdiv(shp.max_q, block_m)
+    cols = cdiv(shp.max_q, block_m) if transposed else cdiv(shp.max_k, block_n)
+    policy = mask_policy(variant)
+    key = None
+    if not has_lengths and not any(mods.uses(name, "mask_mod") for name in mods.array_names):
+        # (per stream too: a later call on another stream must not read lists still being written)
+        key = (cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr, policy, variant.window_left, variant.right, variant.bottom_right,
+               shp.rows_q, shp.rows_k, nb, nh, block_m, block_n, transposed)
+        hit = _LISTS_CACHE.get(key)
+        if hit is not None:
+            return hit
+    count = cupy.empty((nb, nh, rows), dtype=cupy.int32)
+    lists = cupy.empty((nb, nh, rows, cols), dtype=cupy.int32)
+    spec = kernel_spec("block_lists_t" if transposed else "block_lists", "float32", 0, Tile(block_m, block_n, 4, 1),
+                       policy)
+    extra = extra_params(variant)
+    vp = variant_params(variant, 1.0, shp.rows_q, shp.rows_k, extra)
+    if rows and nb and nh:
+        launch(spec, (rows, nh, nb), (count, lists, i32(rows), i32(cols), i32(shp.rows_q), i32(shp.rows_k), vp))
+    if key is not None:
+        if len(_LISTS_CACHE) >= _LISTS_CACHE_SIZE:
+            _LISTS_CACHE.pop(next(iter(_LISTS_CACHE)))
+        _LISTS_CACHE[key] = (count, lists)
+    return count, lists
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from .._variant import Variant
 
 __all__ = [
     "Tile", "TILES", "HEAD_DIMS", "BWD_HEAD_DIMS", "Family", "FAMILIES", "KernelSpec", "NVRTC_OPTIONS",
-    "SM90A_OPTIONS", "VARIANT_PARAMS_DTYPE", "EXTRA_PARAMS_DTYPE", "variant_type", "has_dropout", "extra_params", "prelude_of", "variant_params", "instantiations", "spec", "DENSE", "CTYPES",
+    "SM90A_OPTIONS", "VARIANT_PARAMS_DTYPE", "EXTRA_PARAMS_DTYPE", "variant_type", "has_dropout", "extra_params", "prelude_of", "mask_policy", "variant_params", "instantiations", "spec", "DENSE", "CTYPES",
 ]
 
 # Options given to NVRTC (CuPy appends the -arch of the current device).
@@ -201,6 +201,13 @@ def _policy(flags, mods=None) -> str:
     return f"cuflash::Variant<{', '.join(map(_b, flags))}, cuflash::{mods.type_name}>"
 
 
+def mask_policy(variant: Variant) -> str:
+    """The policy type of ``variant``'s block lists: only what decides visibility (band, lengths, mask_mod)."""
+    flags = (variant.window_left is not None, variant.right is not None, variant.is_varlen,
+             variant.seqused_k is not None, False, False, False, False)
+    return _policy(flags, variant.mods)
+
+
 def prelude_of(*names: str) -> str:
     """The generated user-mod sources (each once) that the name expressions ``names`` refer to."""
     return "".join(f"\n{src}" for type_name, src in PRELUDES.items() if any(type_name in n for n in names))
@@ -336,6 +343,13 @@ FAMILIES: dict[str, Family] = {
     "bwd_reduce_dkv": Family(
         "backward.cu", "flash_bwd_reduce_dkv_kernel", lambda s: f"{CTYPES[s.dtype]}, {s.head_dim}", _no_smem,
         threads=256),
+    # mask_mod's block lists for one launch's tiling (block_map.cu): tile = (block_m, block_n) of that launch.
+    "block_lists": Family(
+        "block_map.cu", "block_lists_kernel", lambda s: f"{s.variant}, {s.tile.block_m}, {s.tile.block_n}, false",
+        _no_smem, threads=128),
+    "block_lists_t": Family(
+        "block_map.cu", "block_lists_kernel", lambda s: f"{s.variant}, {s.tile.block_m}, {s.tile.block_n}, true",
+        _no_smem, threads=128),
     # FlashAttention-1 order: dense or causal only (the variant slot holds Is_causal).
     "fa1_fwd": Family(
         "fa1.cu", "fa1_fwd_kernel", _t16,
@@ -485,4 +499,6 @@ def instantiations() -> list[KernelSpec]:
         dtype = "float32" if row[1] == "f32" else "bfloat16"
         add(KernelSpec(fam, dtype, 128, TILES[(*row, 128)], causal_mod, fam.startswith("bwd_dkdv"), row[1]))
     add(KernelSpec("bwd_dq_f32", "float32", 128, variant=causal_mod))
+    for fam, t in (("block_lists", TILES[("fwd", "sm90a", 128)]), ("block_lists_t", TILES[("bwd", "sm90a", 128)])):
+        add(KernelSpec(fam, "float32", 0, t, causal_mod, arch="f32"))
     return list(out.values())
