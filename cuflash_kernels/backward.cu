@@ -209,14 +209,10 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
     const u16* dog = bi.q_rows(dout, b, h, do_sb, do_sh, do_ss);
     const float* lse_row = lse + bi.row_index(h, heads_q, seqlen_q, 0);
     const float* delta_row = delta + bi.row_index(h, heads_q, seqlen_q, 0);
-    // Query tiles [m_begin, m_begin + m_count) hold the queries that see this key tile (causal, window).
-    const int2 qtiles = bi.template query_tiles<kBlockM, kBlockN>(n0);
-    const int m_begin = qtiles.x;
-    int m_count = qtiles.y - qtiles.x;
-    // [variant mask] with a block map the loop visits its listed query tiles instead: tile it is list[it]
-    const int* tile_list = nullptr;
-    if constexpr (V::Has_block_map) tile_list = bi.tile_list(n_block, m_count);
-    const auto q_tile = [&](int it) { return V::Has_block_map ? tile_list[it] : m_begin + it; };
+    // The m_count query tiles q_tile(0), q_tile(1), ... hold the queries that see this key tile (causal, window).
+    const TileLoop<V> queries = bi.template query_loop<kBlockM, kBlockN>(n_block);  // [variant mask] a block map's list
+    const int m_count = queries.count;
+    const auto q_tile = [&](int it) { return queries.tile(it); };
 
     // One query tile: Q, dO, and its rows' lse and D (rows past seqlen_q read as zeros: with dO = 0 and
     // D = 0 they add nothing to dV, dK or dQ whatever P is).
@@ -488,15 +484,9 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
 
     // Key tiles [n_begin, n_begin + n_end) hold the keys this query tile sees (causal, window); the K/V
     // pointers start at tile n_begin, so the loop counts tiles from there (as flash_fwd_kernel).
-    const int2 ktiles = bi.template key_tiles<kBlockN, kBlockM>(m0);
-    int n_begin = ktiles.x, n_end = ktiles.y;
-    // [variant mask] with a block map the loop visits its listed tiles instead: tile j is list[j]
-    const int* tile_list = nullptr;
-    if constexpr (V::Has_block_map) {
-        tile_list = bi.tile_list(m_block, n_end);
-        n_begin = 0;
-    }
-    const auto tile_row = [&](int j) { return (V::Has_block_map ? tile_list[j] : j) * kBlockN; };
+    const TileLoop<V> keys = bi.template key_loop<kBlockN, kBlockM>(m_block);  // [variant mask] a block map's list
+    const int n_begin = keys.first, n_end = keys.count;
+    const auto tile_row = [&](int j) { return (keys.tile(j) - n_begin) * kBlockN; };  // from tile n_begin on
     const int n_shift = n_begin * kBlockN;
     const int len_k = bi.len_k - n_shift;
     const u16* kg = bi.k_rows(k, b, h_kv, k_sb, k_sh, k_ss) + (i64)n_shift * k_ss;

@@ -104,14 +104,10 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
     const u16* dog = bi.q_rows(dout, b, h, do_sb, do_sh, do_ss);
     const float* lse_row = lse + bi.row_index(h, heads_q, seqlen_q, 0);
     const float* delta_row = delta + bi.row_index(h, heads_q, seqlen_q, 0);
-    // Query tiles [m_begin, m_begin + m_count) hold the queries that see this key tile (causal, window).
-    const int2 qtiles = bi.template query_tiles<kBlockM, kBlockN>(n0);
-    const int m_begin = qtiles.x;
-    int m_count = qtiles.y - qtiles.x;
-    // [variant mask] with a block map the loop visits its listed query tiles instead: tile it is list[it]
-    const int* tile_list = nullptr;
-    if constexpr (V::Has_block_map) tile_list = bi.tile_list(n_block, m_count);
-    const auto q_tile = [&](int it) { return V::Has_block_map ? tile_list[it] : m_begin + it; };
+    // The m_count query tiles q_tile(0), q_tile(1), ... hold the queries that see this key tile (causal, window).
+    const TileLoop<V> queries = bi.template query_loop<kBlockM, kBlockN>(n_block);  // [variant mask] a block map's list
+    const int m_count = queries.count;
+    const auto q_tile = [&](int it) { return queries.tile(it); };
 
     // One query tile: Q, dO, and its rows' lse and D (rows past seqlen_q read as zeros).
     auto load_q_stage = [&](int buf, int mi) {

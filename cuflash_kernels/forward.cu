@@ -59,15 +59,9 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
 
     // The n_end key tiles from tile n_begin hold the keys this query tile sees (causal, window). The K/V
     // pointers start at tile n_begin, so the loop below counts tiles from there: key = n_shift + local.
-    const int2 ktiles = bi.template key_tiles<kBlockN, kBlockM>(m0);
-    int n_begin = ktiles.x, n_end = ktiles.y;
-    // [variant mask] with a block map the loop visits its listed tiles instead: tile j of the loop is list[j]
-    const int* tile_list = nullptr;
-    if constexpr (V::Has_block_map) {
-        tile_list = bi.tile_list(m_block, n_end);
-        n_begin = 0;
-    }
-    const auto tile_row = [&](int j) { return (V::Has_block_map ? tile_list[j] : j) * kBlockN; };
+    const TileLoop<V> keys = bi.template key_loop<kBlockN, kBlockM>(m_block);  // [variant mask] a block map's list
+    const int n_begin = keys.first, n_end = keys.count;
+    const auto tile_row = [&](int j) { return (keys.tile(j) - n_begin) * kBlockN; };  // from tile n_begin on
     const int n_shift = n_begin * kBlockN;
     const int len_k = bi.len_k - n_shift;  // keys left from the first tile on
 

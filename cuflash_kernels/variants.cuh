@@ -118,6 +118,21 @@ __device__ __forceinline__ float tanh_exp2(float x) {
     return fmaf(-2.f, r, 1.f);
 }
 
+// [variant mask] The tiles one loop visits, in loop order: tiles first, first + 1, ..., first + count - 1 of the
+// band range, or with a block map (a mask_mod) the listed ones (first = 0, tile j = list[j]).
+template <class V>
+struct TileLoop {
+    int first, count;
+    const int* list;
+    __device__ __forceinline__ int tile(int j) const {
+        if constexpr (V::Has_block_map) {
+            return list[j];
+        } else {
+            return first + j;
+        }
+    }
+};
+
 template <class V>
 struct BlockInfo {
     int len_q, len_k;  // this sequence's query rows and used keys
@@ -243,6 +258,29 @@ struct BlockInfo {
         const int2 qr = query_range(n0, min(n0 + kBlockN, len_k));
         const int first = qr.x / kBlockM;
         return make_int2(first, qr.y > qr.x ? num_blocks<kBlockM>(qr.y) : first);
+    }
+
+    // The key tiles of kBlockN keys that query tile m_block (of kBlockM rows) visits (forward, dQ).
+    template <int kBlockN, int kBlockM>
+    __device__ __forceinline__ TileLoop<V> key_loop(int m_block) const {
+        const int2 kt = key_tiles<kBlockN, kBlockM>(m_block * kBlockM);
+        TileLoop<V> loop{kt.x, kt.y, nullptr};
+        if constexpr (V::Has_block_map) {
+            loop.list = tile_list(m_block, loop.count);
+            loop.first = 0;
+        }
+        return loop;
+    }
+    // The query tiles of kBlockM rows that visit key tile n_block (of kBlockN keys) (dK/dV).
+    template <int kBlockM, int kBlockN>
+    __device__ __forceinline__ TileLoop<V> query_loop(int n_block) const {
+        const int2 qt = query_tiles<kBlockM, kBlockN>(n_block * kBlockN);
+        TileLoop<V> loop{qt.x, qt.y - qt.x, nullptr};
+        if constexpr (V::Has_block_map) {
+            loop.list = tile_list(n_block, loop.count);
+            loop.first = 0;
+        }
+        return loop;
     }
 
     // Where head h's rows of this sequence start in a (batch, seqlen, heads, d) array with those strides
