@@ -5,7 +5,7 @@ implementation of the same block algorithm, which is also the reference the kern
 PyTorch and JAX users go through :mod:`cuflash.torch` and :mod:`cuflash.jax` (imported on demand only).
 """
 
-from ._api import attention, attention_backward, dropout_mask
+from ._api import attention, attention_backward, attention_with_kvcache, dropout_mask, merge_states
 from .mha import MHACache, MHAGrads, MHAParams, init_mha_params, mha_backward, mha_forward
 
 __version__ = "0.1.0"
@@ -14,6 +14,8 @@ __all__ = [
     "attention",
     "attention_backward",
     "dropout_mask",
+    "attention_with_kvcache",
+    "merge_states",
     "MHAParams",
     "MHAGrads",
     "MHACache",

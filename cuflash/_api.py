@@ -8,6 +8,7 @@ backends never see unchecked user input.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import numbers
 from collections.abc import Mapping
@@ -15,7 +16,7 @@ from types import ModuleType
 
 import numpy as np
 
-from . import _validate
+from . import _blocks, _merge, _validate
 from ._variant import Variant
 
 _BACKEND_MODULES = {"numpy": "cuflash.reference", "cupy": "cuflash._cuda"}
@@ -331,3 +332,189 @@ def _reduce_dbias(dbias, bias):
 def _empty_backward(q, k, v):
     xp = _namespace(q)
     return (xp.zeros(q.shape, dtype=q.dtype), xp.zeros(k.shape, dtype=k.dtype), xp.zeros(v.shape, dtype=v.dtype))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Decoding with a KV cache, and merging partial attentions
+# ---------------------------------------------------------------------------------------------------
+
+# The backends of attention_with_kvcache: a module with forward_kvcache (docs/architecture.md). The CUDA backend
+# gains it with the decode kernels; until then CuPy calls are refused after validation.
+_DECODE_BACKEND_MODULES = {"numpy": "cuflash.reference_decode", "cupy": "cuflash._cuda"}
+
+
+def attention_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    *,
+    cache_seqlens,
+    rotary_cos=None,
+    rotary_sin=None,
+    rotary_interleaved: bool = True,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes=None,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    num_splits: int = 0,
+    out=None,
+):
+    """Attention of new queries over a KV cache, appending new keys and values to it in place first (decoding).
+
+    flash-attention's ``flash_attn_with_kvcache``, with the same arguments and meaning, and any page size. For
+    batch entry ``b``, the cache holds the sequence's keys in slots ``cache_leftpad[b] .. cache_seqlens[b] - 1``.
+    When ``k`` and ``v`` are given, their ``seqlen_new`` tokens are rotated (``rotary_cos``, ``rotary_sin``) and
+    written **in place** into ``k_cache`` and ``v_cache`` at slots ``cache_seqlens[b] .. cache_seqlens[b] +
+    seqlen_new - 1``; nothing else of the caches changes. Then q attends over slots ``cache_leftpad[b] ..
+    cache_seqlens[b] + seqlen_new - 1``, ``len_k = cache_seqlens[b] + seqlen_new - cache_leftpad[b]`` keys, with
+    causal masking, windows and ALiBi measured from the bottom-right diagonal (query token ``i`` of ``seqlen_q``
+    faces key ``i + len_k - seqlen_q``). ``cache_seqlens`` is not updated: the caller adds ``seqlen_new``.
+    The math and the split-KV algorithm: ``docs/decoding.md``.
+
+    Parameters
+    ----------
+    q : array, shape (batch, seqlen_q, heads_q, head_dim)
+        NumPy (the NumPy reference runs it) or CuPy (the CUDA decode kernels, not yet: ``NotImplementedError``
+        after validation). float16, bfloat16, float32 or float64. ``seqlen_q`` from 1 (a decode step) to many
+        (speculative decoding, chunked prefill).
+    k_cache, v_cache : arrays
+        ``(batch_cache, seqlen_cache, heads_kv, head_dim)`` (contiguous cache: row ``cache_batch_idx[b]``, or
+        ``b``), or with ``block_table`` ``(num_blocks, page_size, heads_kv, head_dim)`` (paged cache, any
+        ``page_size >= 1``). q's dtype; ``heads_kv`` divides ``heads_q`` (GQA, MQA). v_cache's head dim may
+        differ from q's: for MLA pass ``v_cache = k_cache[..., :head_dim_v]`` (a view: one cache).
+        Any strides with a contiguous last axis; they are written through in place.
+    k, v : arrays, optional
+        ``(batch, seqlen_new, heads_kv, head_dim)`` and ``(..., head_dim_v)``: new tokens to append (both or
+        neither). Where v_cache is a view into k_cache, v is written first and k last.
+    cache_seqlens : int or array
+        int32 ``(batch,)`` (or one int for all): the end of each sequence's cached keys, before the append.
+    rotary_cos, rotary_sin : arrays, optional
+        ``(seqlen_ro, rotary_dim / 2)``, floating: rotate the first ``rotary_dim`` dims of every head of q and of
+        the new k (requires k), new key ``i`` at position ``cache_seqlens[b] + i``, query token ``i`` at
+        ``cache_seqlens[b] + i`` when ``causal`` or a window is set, else every query token at
+        ``cache_seqlens[b]`` (as flash-attention). The cache stores the rotated keys.
+    rotary_interleaved : bool
+        True (flash-attention's default): rotate pairs ``(x[2i], x[2i+1])`` (GPT-J); False: pairs
+        ``(x[i], x[i + rotary_dim/2])`` (GPT-NeoX).
+    cache_batch_idx : array, optional
+        int32 ``(batch,)``: the cache row of each batch entry (contiguous caches). Rows must be distinct when k
+        and v are appended.
+    cache_leftpad : array, optional
+        int32 ``(batch,)``: the first used slot of each sequence (left padding), default 0.
+    block_table : array, optional
+        int32 ``(batch, max_pages)``: page ``block_table[b, p // page_size]`` holds slot ``p`` of sequence ``b``.
+        Pages may be shared between sequences (a common prefix) where they are read; entries past a sequence's
+        last used page are never read (any value).
+    causal, window_size, softcap, alibi_slopes, softmax_scale :
+        As in :func:`attention`, with bottom-right alignment (``causal=False`` by default, as flash-attention).
+    return_lse : bool
+        Also return ``lse`` ``(batch, heads_q, seqlen_q)`` (float32; float64 for float64), ``-inf`` for rows that
+        see no key: partial results merge with :func:`merge_states`.
+    num_splits : int
+        Split each sequence's keys into this many parts, computed independently and merged (flash-decoding); 0
+        chooses from the shapes (``cuflash._blocks.decode_num_splits``: more parts when ``batch x heads_kv``
+        cannot fill the GPU). The result does not depend on it beyond rounding.
+    out : array, optional
+        ``(batch, seqlen_q, heads_q, head_dim_v)`` in q's dtype: written in place and returned.
+
+    Returns
+    -------
+    out : array (batch, seqlen_q, heads_q, head_dim_v), like q
+    lse : only with ``return_lse=True``
+
+    Index values (``cache_seqlens``, ``cache_leftpad``, ``cache_batch_idx``, ``block_table``) are checked before
+    anything is written: always for NumPy arrays; for CuPy arrays only in the debug mode
+    ``CUFLASH_CHECK_DEVICE_VALUES=1`` (reading device values costs a synchronization per step).
+    """
+    given = {name: a for name, a in (
+        ("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("rotary_cos", rotary_cos),
+        ("rotary_sin", rotary_sin), ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
+        ("block_table", block_table), ("alibi_slopes", alibi_slopes), ("out", out),
+    ) if a is not None}
+    if hasattr(cache_seqlens, "dtype") and hasattr(cache_seqlens, "shape"):
+        given["cache_seqlens"] = cache_seqlens
+    library = _validate.check_same_library(**given)
+    xp = _namespace(q)
+    variant_options = dict(
+        causal=causal, causal_align="bottom-right", window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, bias=None, attn_mask=None,
+    )
+    is_causal, _ = _validate.causal_options(causal, "bottom-right")
+    local = _validate.window_size(window_size) != (None, None)
+    problem, cache = _validate.kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        rotary_interleaved=rotary_interleaved, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+        block_table=block_table, num_splits=num_splits, rotary_consecutive_q=is_causal or local, xp=xp,
+        read_values=library == "numpy" or _validate.device_value_checks(),
+    )
+    scale = _validate.softmax_scale(softmax_scale, problem.head_dim)
+    variant = _validate.variant(problem, xp, variant_options)
+    _validate.kvcache_out(out, problem)
+    cache = _plan_kvcache(problem, cache)
+    backend = importlib.import_module(_DECODE_BACKEND_MODULES[library])
+    forward_kvcache = getattr(backend, "forward_kvcache", None)
+    if forward_kvcache is None:
+        raise NotImplementedError(
+            "attention_with_kvcache runs on NumPy arrays for now (the NumPy reference); the CUDA decode kernels come "
+            "next. Pass NumPy arrays, or cuflash.attention on gathered keys meanwhile"
+        )
+    result, lse = forward_kvcache(q, k_cache, v_cache, k, v, cache=cache, scale=scale, variant=variant, out=out)
+    return (result, lse) if return_lse else result
+
+
+def _plan_kvcache(problem: _validate.Problem, cache):
+    """The tiles and the split count of a decode call, from its shapes alone (never from device values), so that
+    every backend, and a graph captured for a batch shape, makes the same choice (``docs/decoding.md``)."""
+    block_m, block_n = _blocks.decode_block_sizes(problem.head_dim, problem.head_dim_v)
+    splits = cache.num_splits
+    if splits == 0:
+        group = problem.heads_q // problem.heads_kv
+        m_tiles = _blocks.num_blocks(max(problem.seqlen_q, 1) * group, block_m)
+        work_units = problem.batch * problem.heads_kv * m_tiles
+        splits = _blocks.decode_num_splits(work_units, _blocks.num_blocks(problem.seqlen_k, block_n))
+    return dataclasses.replace(cache, num_splits=splits, block_m=block_m, block_n=block_n)
+
+
+def merge_states(o_a, lse_a, o_b, lse_b):
+    """Merge two partial attentions of the same queries over disjoint key sets into the attention over their union.
+
+    With ``(o_a, lse_a)`` the attention over keys ``K_a`` and ``(o_b, lse_b)`` over ``K_b`` (as
+    :func:`attention` and :func:`attention_with_kvcache` return them with ``return_lse=True``):
+
+    ``lse = logaddexp(lse_a, lse_b)``, ``o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b``
+
+    exactly (up to rounding), row by row and head by head. A row empty in one part (``lse = -inf``) takes the
+    other; empty in both, it gets ``o = 0`` and ``lse = -inf`` (no NaN). Used by split-KV decoding, shared-prefix
+    (cascade) attention and context parallelism (``docs/decoding.md``). Written with the array module of the inputs:
+    NumPy and CuPy arrays.
+
+    Parameters
+    ----------
+    o_a, o_b : arrays (batch, seqlen_q, heads, head_dim), or packed (total, heads, head_dim)
+        Same shape and floating dtype.
+    lse_a, lse_b : arrays (batch, heads, seqlen_q), or (heads, total) packed
+        float32 or float64, natural-log logsumexp of each part's scores.
+
+    Returns
+    -------
+    o : array like o_a (its dtype), computed in float32 (float64 when o or lse is float64)
+    lse : array like lse_a
+    """
+    _validate.merge_states(o_a, lse_a, o_b, lse_b)
+    xp = _namespace(o_a)
+    acc = np.float64 if np.float64 in (np.dtype(o_a.dtype), np.dtype(lse_a.dtype)) else np.float32
+
+    def rows(lse):  # lse in o's row order: (batch, seqlen_q, heads) or (total, heads)
+        return lse.transpose(0, 2, 1) if lse.ndim == 3 else lse.T
+
+    o_parts = xp.stack([o_a.astype(acc), o_b.astype(acc)])
+    lse_parts = xp.stack([rows(lse_a).astype(acc), rows(lse_b).astype(acc)])
+    o, lse = _merge.merge_stacked(o_parts, lse_parts, xp)
+    return o.astype(o_a.dtype), xp.ascontiguousarray(rows(lse)).astype(lse_a.dtype, copy=False)

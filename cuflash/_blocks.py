@@ -10,6 +10,9 @@ GPU grid agree on exactly which tiles exist, which are skipped and which are mas
   entirely outside the band are never visited.
 - :func:`tile_needs_mask` says whether a visited tile crosses an edge of the band; the others are
   computed without building a mask at all.
+- :func:`decode_block_sizes`, :func:`decode_num_splits` and :func:`split_range`: the tiles of decoding with a
+  KV cache, how many parts each sequence's keys are split into (split-KV, chosen from the shapes alone) and
+  which key tiles each part gets (``docs/decoding.md``).
 
 The kernels hold the same arithmetic (``cuflash_kernels/variants.cuh``); the band's meaning is in
 ``docs/variants.md``.
@@ -17,6 +20,7 @@ The kernels hold the same arithmetic (``cuflash_kernels/variants.cuh``); the ban
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -31,6 +35,10 @@ __all__ = [
     "query_range",
     "tile_needs_mask",
     "tile_is_fully_masked",
+    "NOMINAL_SM_COUNT",
+    "decode_block_sizes",
+    "decode_num_splits",
+    "split_range",
 ]
 
 # The "SRAM" of the CPU reference: 2**14 elements, 64 KiB of float32. At head_dim 64 the rule gives
@@ -153,3 +161,59 @@ def tile_is_fully_masked(q_start: int, q_stop: int, k_start: int, k_stop: int, b
     beyond = band.right is not None and k_start > q_stop - 1 + band.offset + band.right
     before = band.left is not None and k_stop - 1 < q_start + band.offset - band.left
     return beyond or before
+
+
+# ---------------------------------------------------------------------------------------------------
+# Decoding with a KV cache: tiles, and how many splits of the cache (flash-decoding)
+# ---------------------------------------------------------------------------------------------------
+
+# The SM count the automatic split rule assumes (an H100 SXM has 132). The rule depends on the shapes only,
+# never on the device or on the cache's device-resident lengths, so the NumPy reference and the GPU launcher
+# choose the same count for the same call and a captured CUDA graph stays valid for a batch shape.
+NOMINAL_SM_COUNT = 132
+MAX_DECODE_SPLITS = 128
+# A decode tile holds this many packed query rows: (query token, query head of the group) pairs.
+DECODE_BLOCK_M = 64
+
+
+def decode_block_sizes(head_dim: int, head_dim_v: int) -> tuple[int, int]:
+    """``(block_m, block_n)`` of the decode kernels and of their reference: ``block_m`` packed query rows
+    (each a query token and one query head of a key/value head's group: GQA packing), ``block_n`` keys per
+    tile, 128 up to head dim 128 and 64 above (the K and V tiles of one step stay within the on-chip budget)."""
+    return DECODE_BLOCK_M, (128 if max(head_dim, head_dim_v) <= 128 else 64)
+
+
+def decode_num_splits(work_units: int, n_key_tiles: int, *, num_sms: int = NOMINAL_SM_COUNT,
+                      max_splits: int = MAX_DECODE_SPLITS) -> int:
+    """How many parts to split each sequence's keys into (split-KV), when the caller leaves it to us.
+
+    ``work_units`` is the number of thread blocks of one split, ``batch * heads_kv * m_tiles`` (``m_tiles``:
+    tiles of ``DECODE_BLOCK_M`` packed query rows), and ``n_key_tiles`` the key tiles of the longest possible
+    sequence (the cache's capacity, known from the shapes). The rule:
+
+    1. ``work_units >= 0.8 * num_sms``: the grid nearly fills the GPU already; 1 split (no merge).
+    2. Otherwise, for each candidate ``s`` in ``1 .. min(max_splits, num_sms, n_key_tiles)`` (only counts that
+       change the tiles per split, ``ceil(n / s) != ceil(n / (s - 1))``: the others do the same work in more
+       blocks), the wave efficiency ``w / ceil(w)`` with ``w = work_units * s / num_sms`` (the fraction of the
+       last wave of blocks that has work); the smallest ``s`` within 85 % of the best efficiency wins: as few
+       splits (and as little merging) as give nearly the best occupancy.
+    """
+    if work_units <= 0 or n_key_tiles <= 1 or work_units >= 0.8 * num_sms:
+        return 1
+    limit = min(max_splits, num_sms, n_key_tiles)
+    candidates = [s for s in range(1, limit + 1) if s == 1 or num_blocks(n_key_tiles, s) != num_blocks(n_key_tiles, s - 1)]
+
+    def efficiency(splits: int) -> float:
+        waves = work_units * splits / num_sms
+        return waves / math.ceil(waves)
+
+    best = max(efficiency(s) for s in candidates)
+    return next(s for s in candidates if efficiency(s) >= 0.85 * best)
+
+
+def split_range(first: int, end: int, num_splits: int, split: int) -> tuple[int, int]:
+    """The part ``split`` of ``num_splits`` of the tiles ``[first, end)``: ``[first + split * n // num_splits,
+    first + (split + 1) * n // num_splits)`` with ``n = end - first``, so that the parts differ by at most one
+    tile and are empty only when there are fewer tiles than splits."""
+    n = max(end - first, 0)
+    return first + split * n // num_splits, first + (split + 1) * n // num_splits

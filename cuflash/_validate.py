@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -639,3 +640,303 @@ def block_size(name: str, value) -> int | None:
     if int(value) < 1:
         raise ValueError(f"{name} must be a positive integer or None; got {int(value)}")
     return int(value)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Decoding with a KV cache (attention_with_kvcache) and merge_states
+# ---------------------------------------------------------------------------------------------------
+
+DEVICE_CHECKS_ENV = "CUFLASH_CHECK_DEVICE_VALUES"
+
+
+def device_value_checks() -> bool:
+    """Whether the values of device-resident (CuPy) index arrays of a decode call are checked: only in the debug
+    mode ``CUFLASH_CHECK_DEVICE_VALUES=1``, since reading them is a device-to-host copy and a synchronization
+    that a decode step must not pay. NumPy arrays are always checked."""
+    return os.environ.get(DEVICE_CHECKS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _check_4d(name: str, a, layout: str) -> None:
+    if a.ndim != 4:
+        raise ValueError(f"{name} must have 4 dimensions {layout}; got {a.ndim} dimensions with shape {_shape(a)}")
+
+
+def _check_float_like_q(name: str, a, dtype: np.dtype) -> None:
+    if np.dtype(a.dtype) != dtype:
+        raise TypeError(f"{name} must have the dtype of q, {_dtype_name(dtype)}; got {_dtype_name(a.dtype)}")
+
+
+def _int32_array(name: str, a, shape: tuple[int, ...], what: str) -> None:
+    """An int32 array of ``shape`` (``what`` spells it) with a contiguous last axis."""
+    if not hasattr(a, "dtype") or not hasattr(a, "shape"):
+        raise TypeError(f"{name} must be an int32 array of shape {what}; got {type(a).__name__}")
+    if _shape(a) != shape:
+        raise ValueError(f"{name} must have shape {what} = {shape}; got {_shape(a)}")
+    if np.dtype(a.dtype) != np.int32:
+        raise TypeError(f"{name} must have dtype int32; got {_dtype_name(a.dtype)}")
+    _check_contiguous_last_axis(name, a)
+
+
+def kvcache(q, k_cache, v_cache, k, v, *, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved,
+            cache_batch_idx, cache_leftpad, block_table, num_splits, rotary_consecutive_q: bool, xp,
+            read_values: bool = True):
+    """Every check of :func:`cuflash.attention_with_kvcache` but the variant's: ``(problem, cache)``.
+
+    ``problem`` is the call as an attention :class:`Problem` (``seqlen_k`` the cache's capacity per sequence,
+    ``head_dim_v`` v_cache's head dim); ``cache`` a :class:`cuflash._kvcache.KVCache` with ``num_splits`` as
+    given (0: automatic, resolved by the front door). ``read_values=False`` (CuPy outside the debug mode) checks
+    the index arrays by shape and dtype only; a Python int ``cache_seqlens`` is always checked.
+    """
+    from ._kvcache import KVCache, Rotary
+
+    paged = block_table is not None
+    _check_4d("q", q, "(batch, seqlen_q, heads_q, head_dim)")
+    cache_layout = ("(num_blocks, page_size, heads_kv, head_dim) with block_table" if paged
+                    else "(batch_cache, seqlen_cache, heads_kv, head_dim)")
+    for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_4d(name, a, cache_layout)
+    dtype = np.dtype(q.dtype)
+    if dtype.name not in _FLOAT_DTYPES:
+        raise TypeError(f"q must have a floating dtype (one of {', '.join(_FLOAT_DTYPES)}); got {_dtype_name(dtype)}")
+    for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_float_like_q(name, a, dtype)
+    batch, seqlen_q, heads_q, head_dim = _shape(q)
+    rows, slots, heads_kv, head_dim_k = _shape(k_cache)
+    head_dim_v = _shape(v_cache)[3]
+    if _shape(v_cache)[:3] != _shape(k_cache)[:3]:
+        raise ValueError(f"k_cache and v_cache must have the same shape but for the last axis (v's head_dim may "
+                         f"differ); got k_cache {_shape(k_cache)} and v_cache {_shape(v_cache)}")
+    if head_dim_k != head_dim:
+        raise ValueError(f"k_cache must have q's head_dim (last axis), {head_dim}; got {head_dim_k}")
+    if head_dim < 1 or head_dim_v < 1:
+        raise ValueError(f"head dims must be positive; got q {head_dim}, v_cache {head_dim_v}")
+    if heads_kv < 1 or heads_q % heads_kv != 0:
+        raise ValueError(f"the number of key/value heads (k_cache axis 2) must divide the number of query heads (q axis "
+                         f"2); got {heads_q} query heads and {heads_kv} key/value heads")
+    for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_contiguous_last_axis(name, a)
+
+    # The new keys and values
+    if (k is None) != (v is None):
+        raise ValueError(f"k and v (the new tokens to append) must be given together; got {'k' if v is None else 'v'} "
+                         f"without {'v' if v is None else 'k'}")
+    seqlen_new = 0
+    if k is not None:
+        for name, a in (("k", k), ("v", v)):
+            _check_4d(name, a, "(batch, seqlen_new, heads_kv, head_dim)")
+            _check_float_like_q(name, a, dtype)
+        seqlen_new = _shape(k)[1]
+        for name, a, dim, label in (("k", k, head_dim, "head_dim"), ("v", v, head_dim_v, "head_dim_v")):
+            want = (batch, seqlen_new, heads_kv, dim)
+            if _shape(a) != want:
+                raise ValueError(f"{name} must have shape (batch, seqlen_new, heads_kv, {label}) = {want} (q's batch, "
+                                 f"the caches' heads and head dims, k's seqlen_new); got {_shape(a)}")
+            _check_contiguous_last_axis(name, a)
+
+    # Where the keys live
+    if paged:
+        if not hasattr(block_table, "ndim") or block_table.ndim != 2:
+            raise ValueError(f"block_table must be a 2-D int32 array (batch, max_pages); got "
+                             f"{getattr(block_table, 'shape', type(block_table).__name__)}")
+        _int32_array("block_table", block_table, (batch, _shape(block_table)[1]), "(batch, max_pages)")
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be used with block_table: the block table already names each "
+                             "sequence's pages; got both")
+        if slots < 1:
+            raise ValueError(f"a paged k_cache must have pages of at least one slot (axis 1); got page_size {slots}")
+        page_size, capacity = slots, _shape(block_table)[1] * slots
+    else:
+        page_size, capacity = None, slots
+        if cache_batch_idx is not None:
+            _int32_array("cache_batch_idx", cache_batch_idx, (batch,), "(batch,)")
+        elif rows < batch:
+            raise ValueError(f"k_cache must have a row per batch entry without cache_batch_idx (axis 0 >= batch = "
+                             f"{batch}); got {rows} rows")
+
+    seqlens_int = None
+    if _is_int(cache_seqlens):
+        seqlens_int = int(cache_seqlens)
+        lengths, host_lengths = np.full(batch, seqlens_int, np.int64), True
+    elif hasattr(cache_seqlens, "dtype"):
+        _int32_array("cache_seqlens", cache_seqlens, (batch,), "(batch,)")
+        lengths = _to_host(cache_seqlens).astype(np.int64) if read_values else None
+        host_lengths = read_values
+    else:
+        raise TypeError(f"cache_seqlens must be an int or an int32 array of shape (batch,); got "
+                        f"{type(cache_seqlens).__name__} {cache_seqlens!r}")
+    if cache_leftpad is not None:
+        _int32_array("cache_leftpad", cache_leftpad, (batch,), "(batch,)")
+
+    # Rotary
+    rotary = None
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError(f"rotary_cos and rotary_sin must be given together; got "
+                         f"{'rotary_cos' if rotary_sin is None else 'rotary_sin'} alone")
+    if not isinstance(rotary_interleaved, (bool, np.bool_)):
+        raise TypeError(f"rotary_interleaved must be a bool; got {type(rotary_interleaved).__name__} {rotary_interleaved!r}")
+    if rotary_cos is not None:
+        if k is None:
+            raise ValueError("rotary_cos and rotary_sin rotate q and the new keys k: they need k and v (as "
+                             "flash-attention); got them without k")
+        for name, a in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if a.ndim != 2:
+                raise ValueError(f"{name} must have shape (seqlen_ro, rotary_dim / 2); got {_shape(a)}")
+            if np.dtype(a.dtype).name not in _FLOAT_DTYPES:
+                raise TypeError(f"{name} must have a floating dtype; got {_dtype_name(a.dtype)}")
+            _check_contiguous_last_axis(name, a)
+        if _shape(rotary_sin) != _shape(rotary_cos):
+            raise ValueError(f"rotary_cos and rotary_sin must have the same shape; got {_shape(rotary_cos)} and "
+                             f"{_shape(rotary_sin)}")
+        half = _shape(rotary_cos)[1]
+        if half < 1 or 2 * half > head_dim:
+            raise ValueError(f"rotary_dim = 2 * rotary_cos.shape[1] must lie in [2, head_dim = {head_dim}] (the leading "
+                             f"dims of each head that are rotated); got rotary_cos of shape {_shape(rotary_cos)}, "
+                             f"rotary_dim {2 * half}")
+        rotary = Rotary(rotary_cos, rotary_sin, bool(rotary_interleaved), bool(rotary_consecutive_q))
+
+    if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, numbers.Integral):
+        raise TypeError(f"num_splits must be an integer >= 0 (0: automatic); got {type(num_splits).__name__} {num_splits!r}")
+    if int(num_splits) < 0:
+        raise ValueError(f"num_splits must be an integer >= 0 (0: automatic); got {int(num_splits)}")
+
+    # Values, where readable (before anything is written into the cache)
+    leftpad = None
+    if cache_leftpad is not None and read_values:
+        leftpad = _to_host(cache_leftpad).astype(np.int64)
+    starts = np.zeros(batch, np.int64) if leftpad is None else leftpad
+    if leftpad is not None:
+        bad = np.flatnonzero(leftpad < 0)
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(f"cache_leftpad must be >= 0 (the first used slot); got cache_leftpad[{b}] = {leftpad[b]}")
+    if host_lengths:
+        bad = np.flatnonzero(lengths < 0)
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(f"cache_seqlens must be >= 0 (the keys already in the cache); got cache_seqlens[{b}] = "
+                             f"{lengths[b]}")
+        bad = np.flatnonzero(starts > lengths)
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(f"cache_leftpad[b] must be at most cache_seqlens[b] (slots cache_leftpad[b] .. "
+                             f"cache_seqlens[b] - 1 hold the keys); got cache_leftpad[{b}] = {starts[b]} > "
+                             f"cache_seqlens[{b}] = {lengths[b]}")
+        bad = np.flatnonzero(lengths + seqlen_new > capacity)
+        if bad.size:
+            b = int(bad[0])
+            room = (f"max_pages * page_size = {_shape(block_table)[1]} * {page_size}" if paged else "seqlen_cache")
+            raise ValueError(f"cache_seqlens[b] + seqlen_new must fit the cache, at most {room} = {capacity} slots; got "
+                             f"cache_seqlens[{b}] = {lengths[b]} + seqlen_new {seqlen_new} = {lengths[b] + seqlen_new}")
+    if read_values and cache_batch_idx is not None:
+        rows_used = _to_host(cache_batch_idx).astype(np.int64)
+        bad = np.flatnonzero((rows_used < 0) | (rows_used >= rows))
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(f"cache_batch_idx entries must lie in [0, batch_cache = {rows}) (rows of k_cache); got "
+                             f"cache_batch_idx[{b}] = {rows_used[b]}")
+        if seqlen_new and len(set(rows_used.tolist())) < batch:
+            values, counts = np.unique(rows_used, return_counts=True)
+            row = int(values[counts > 1][0])
+            who = np.flatnonzero(rows_used == row)[:2].tolist()
+            raise ValueError(f"cache_batch_idx must not repeat a row when k and v are appended (two sequences would write "
+                             f"the same slots); got row {row} for batch entries {who[0]} and {who[1]}")
+    if paged and read_values and host_lengths:
+        _check_block_table(_to_host(block_table).astype(np.int64), starts, lengths, seqlen_new, page_size, rows)
+    if rotary is not None and host_lengths:
+        seqlen_ro = _shape(rotary_cos)[0]
+        last_k = lengths + seqlen_new - 1
+        last_q = lengths + (seqlen_q - 1 if rotary.consecutive_q else 0)
+        needed = np.maximum(last_k, np.where(seqlen_q > 0, last_q, -1)) if batch else np.zeros(0, np.int64)
+        bad = np.flatnonzero(needed >= seqlen_ro)
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(f"rotary_cos and rotary_sin must have a row for every rotated position: seqlen_ro must be "
+                             f"> {needed[b]} (sequence {b}: cache_seqlens {lengths[b]}, seqlen_new {seqlen_new}, seqlen_q "
+                             f"{seqlen_q}); got seqlen_ro {seqlen_ro}")
+
+    if seqlens_int is not None:  # checked above: it fits int32
+        cache_seqlens = xp.full((batch,), seqlens_int, dtype=np.int32)
+    problem = Problem(batch, seqlen_q, capacity, heads_q, heads_kv, head_dim, dtype, head_dim_v=head_dim_v)
+    cache = KVCache(cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, cache_batch_idx=cache_batch_idx,
+                    block_table=block_table, page_size=page_size, capacity=capacity, seqlen_new=seqlen_new,
+                    rotary=rotary, num_splits=int(num_splits))
+    return problem, cache
+
+
+def _check_block_table(table: np.ndarray, starts: np.ndarray, lengths: np.ndarray, seqlen_new: int, page_size: int,
+                       num_pages: int) -> None:
+    """The entries of ``block_table`` that the call reads or writes (the pages holding slots ``starts[b] ..
+    lengths[b] + seqlen_new - 1`` of each sequence) name pages of the cache, and no slot is appended to by two
+    sequences (pages may be shared where they are only read). Other entries are never read: any value."""
+    batch, max_pages = table.shape
+    ends = lengths + seqlen_new
+    columns = np.arange(max_pages)
+    used = (columns >= (starts // page_size)[:, None]) & (columns < (-(-ends // page_size))[:, None])
+    used &= (ends > starts)[:, None]
+    bad = np.argwhere(used & ((table < 0) | (table >= num_pages)))
+    if bad.size:
+        b, c = (int(x) for x in bad[0])
+        raise ValueError(f"block_table entries that a sequence uses must lie in [0, num_blocks = {num_pages}); got "
+                         f"block_table[{b}, {c}] = {table[b, c]} (sequence {b} uses slots {starts[b]} .. {ends[b] - 1}, "
+                         f"its pages {starts[b] // page_size} .. {-(-ends[b] // page_size) - 1})")
+    if not seqlen_new or not batch:
+        return
+    positions = lengths[:, None] + np.arange(seqlen_new)[None, :]               # (batch, seqlen_new) slots written
+    pages = np.take_along_axis(table, positions // page_size, axis=1)
+    flat = (pages * page_size + positions % page_size).ravel()
+    owners = np.repeat(np.arange(batch), seqlen_new)
+    order = np.argsort(flat, kind="stable")
+    same = np.flatnonzero(flat[order][1:] == flat[order][:-1])
+    if same.size:
+        first, second = int(owners[order][same[0]]), int(owners[order][same[0] + 1])
+        slot = int(flat[order][same[0]])
+        where = (f"page {slot // page_size} slot {slot % page_size}" if first != second
+                 else f"page {slot // page_size} slot {slot % page_size} (twice)")
+        raise ValueError(f"block_table makes two appended tokens share a slot: {where} is written by batch entries "
+                         f"{first} and {second} (pages may be shared between sequences only where they are read, not "
+                         f"where new keys are appended)")
+
+
+def kvcache_out(out, problem: Problem) -> None:
+    """``out=`` of a decode call: q's shape with v's head dim, q's dtype, a contiguous last axis."""
+    if out is None:
+        return
+    if _shape(out) != problem.out_shape:
+        raise ValueError(f"out must have shape (batch, seqlen_q, heads_q, head_dim_v) = {problem.out_shape}; got "
+                         f"{_shape(out)}")
+    if np.dtype(out.dtype) != problem.dtype:
+        raise TypeError(f"out must have the dtype of q, {_dtype_name(problem.dtype)}; got {_dtype_name(out.dtype)}")
+    _check_contiguous_last_axis("out", out)
+
+
+def merge_states(o_a, lse_a, o_b, lse_b) -> None:
+    """Two partial attentions to merge: ``o`` ``(batch, seqlen_q, heads, d)`` with ``lse`` ``(batch, heads,
+    seqlen_q)``, or packed ``o`` ``(total, heads, d)`` with ``lse`` ``(heads, total)``; equal shapes and dtypes."""
+    check_same_library(o_a=o_a, lse_a=lse_a, o_b=o_b, lse_b=lse_b)
+    if o_a.ndim not in (3, 4):
+        raise ValueError(f"o_a must have shape (batch, seqlen_q, heads, head_dim) or packed (total, heads, head_dim); "
+                         f"got {_shape(o_a)}")
+    if _shape(o_b) != _shape(o_a):
+        raise ValueError(f"o_a and o_b must have the same shape; got {_shape(o_a)} and {_shape(o_b)}")
+    if o_a.ndim == 4:
+        batch, seqlen_q, heads, _ = _shape(o_a)
+        want, layout = (batch, heads, seqlen_q), "(batch, heads, seqlen_q)"
+    else:
+        total, heads, _ = _shape(o_a)
+        want, layout = (heads, total), "(heads, total)"
+    for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if _shape(lse) != want:
+            raise ValueError(f"{name} must have shape {layout} = {want} for o of shape {_shape(o_a)} (as "
+                             f"attention(..., return_lse=True) returns them); got {_shape(lse)}")
+    for name, a in (("o_a", o_a), ("o_b", o_b)):
+        if np.dtype(a.dtype).name not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} must have a floating dtype (one of {', '.join(_FLOAT_DTYPES)}); got "
+                            f"{_dtype_name(a.dtype)}")
+    if np.dtype(o_b.dtype) != np.dtype(o_a.dtype):
+        raise TypeError(f"o_a and o_b must have the same dtype; got {_dtype_name(o_a.dtype)} and {_dtype_name(o_b.dtype)}")
+    for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if np.dtype(lse.dtype) not in (np.float32, np.float64):
+            raise TypeError(f"{name} must have dtype float32 or float64; got {_dtype_name(lse.dtype)}")
+    if np.dtype(lse_b.dtype) != np.dtype(lse_a.dtype):
+        raise TypeError(f"lse_a and lse_b must have the same dtype; got {_dtype_name(lse_a.dtype)} and "
+                        f"{_dtype_name(lse_b.dtype)}")
