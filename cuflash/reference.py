@@ -170,6 +170,23 @@ def _load(x5: np.ndarray, start: int, stop: int, acc: np.dtype) -> np.ndarray:
     return np.ascontiguousarray(x5[..., start:stop, :], dtype=acc)
 
 
+def _online_softmax_step(s: np.ndarray, m_i: np.ndarray, l_i: np.ndarray, acc: np.ndarray):
+    """One key tile of the online softmax, in place on ``s``, ``l_i`` and ``acc``; returns ``(P, m_new)``.
+
+    [fa2-fwd 3] new row max; rescale acc and l_i by exp(m_old - m_new);
+    [fa2-fwd 4] P = exp(S - m_new) (in place of S), l_i += rowsum(P).
+    """
+    m_new = np.maximum(m_i, s.max(axis=-1))
+    m_shift = _shift(m_new)
+    alpha = np.exp(m_i - m_shift)
+    acc *= alpha[..., None]
+    l_i *= alpha
+    s -= m_shift[..., None]
+    p = np.exp(s, out=s)
+    l_i += p.sum(axis=-1)
+    return p, m_new
+
+
 def _shift(m: np.ndarray) -> np.ndarray:
     """The row max to subtract before ``exp``: ``m`` itself, or 0 for a row that has seen no key yet.
 
@@ -597,16 +614,7 @@ def _fa2_forward_sequence(q, k, v, out, lse, mods: _ScoreMods, block_q, block_k)
             v_j = _load(v5, k_start, k_stop, acc_dtype)
             # [fa2-fwd 2] S = scale * Q K^T (modified and masked)
             s, _ = _scores(q_i, k_j, mods, q_start, q_stop, k_start, k_stop)
-            # [fa2-fwd 3] new row max; rescale acc and l_i by exp(m_old - m_new)
-            m_new = np.maximum(m_i, s.max(axis=-1))
-            m_shift = _shift(m_new)
-            alpha = np.exp(m_i - m_shift)
-            acc *= alpha[..., None]
-            l_i *= alpha
-            # [fa2-fwd 4] P = exp(S - m_new), l_i += rowsum(P)
-            s -= m_shift[..., None]
-            p = np.exp(s, out=s)
-            l_i += p.sum(axis=-1)
+            p, m_new = _online_softmax_step(s, m_i, l_i, acc)  # [fa2-fwd 3], [fa2-fwd 4]
             if mods.dropout is not None:
                 # [variant dropout] P *= keep / (1 - p) after the row sum: l_i and lse are those of P undropped
                 p *= _dropout_tile(mods.dropout, q_start, q_stop, k_start, k_stop, p.dtype)

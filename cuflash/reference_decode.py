@@ -45,9 +45,9 @@ from .reference import (
     _grouped,
     _grouped_rows,
     _load,
+    _online_softmax_step,
     _score_mods,
     _scores,
-    _shift,
 )
 
 __all__ = ["forward_kvcache", "apply_rotary", "rotary_positions"]
@@ -213,16 +213,7 @@ def _split_partial(q_i, k_cache, v_cache, slots: _Slots, tiles, mods, q_start, q
         v_j = slots.load(v_cache, k_start, k_stop, acc_dtype)
         # [fa2-fwd 2] S = scale * Q K^T (modified and masked)
         s, _ = _scores(q_i, k_j, mods, q_start, q_stop, k_start, k_stop)
-        # [fa2-fwd 3] new row max; rescale acc and l by exp(m_old - m_new)
-        m_new = np.maximum(m_i, s.max(axis=-1))
-        m_shift = _shift(m_new)
-        alpha = np.exp(m_i - m_shift)
-        acc *= alpha[..., None]
-        l_i *= alpha
-        # [fa2-fwd 4] P = exp(S - m_new), l += rowsum(P)
-        s -= m_shift[..., None]
-        p = np.exp(s, out=s)
-        l_i += p.sum(axis=-1)
+        p, m_new = _online_softmax_step(s, m_i, l_i, acc)  # [fa2-fwd 3], [fa2-fwd 4]
         # [fa2-fwd 5] acc += P V, P rounded to the input dtype first
         acc += _cast_like_kernel(p, dtype) @ v_j
         m_i = m_new
