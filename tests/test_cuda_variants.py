@@ -259,3 +259,20 @@ def test_block_lists_are_the_visible_tiles(requires_gpu, mask, causal, window):
                         got = lists[b, hm, r, :count[b, hm, r]]
                         where = (bm_, bn_, transposed, b, hh, r, list(got))
                         assert list(got) == list(np.flatnonzero(t_need[hh, r])), where
+
+
+def test_a_mod_that_nvrtc_refuses_names_the_expression(requires_gpu, monkeypatch):
+    """Should NVRTC refuse a generated user mod (the parser lets through only its grammar, so this stands in
+    for a compiler limit), the error quotes the user's expression and NVRTC's message."""
+    cp = requires_gpu
+    from cuflash._cuda import spec as spec_module
+    from cuflash._mods import user_mods
+
+    expr = "score + 0.123456789f * q_idx"
+    mods = user_mods(expr, None)
+    broken = mods.source.replace("return ", "return undeclared_name + ", 1)
+    monkeypatch.setitem(spec_module.PRELUDES, mods.type_name, broken)
+    q = cp.ones((1, 32, 2, 64), dtype=cp.float16)
+    with pytest.raises(ValueError, match="score_mod / mask_mod did not compile with NVRTC") as info:
+        cuflash.attention(q, q, q, score_mod=expr)
+    assert expr in str(info.value) and "undeclared_name" in str(info.value)

@@ -84,9 +84,15 @@ def kernel(spec: KernelSpec):
             text = _sources.get(spec.source)
             if text is None:
                 text = _sources[spec.source] = compile_source_for_nvrtc(spec.source)
-            text += prelude_of(spec.name)  # a user mod's generated policy type, if the variant has one
-            module = cupy.RawModule(code=text, options=spec.options, name_expressions=[spec.name])
-            entry = _modules[key] = [module.get_function(spec.name), 0]
+            prelude = prelude_of(spec.name)  # a user mod's generated policy type, if the variant has one
+            try:
+                module = cupy.RawModule(code=text + prelude, options=spec.options, name_expressions=[spec.name])
+                entry = _modules[key] = [module.get_function(spec.name), 0]
+            except cupy.cuda.compiler.CompileException as exc:
+                if not prelude:
+                    raise
+                said = "\n".join(line for line in prelude.splitlines() if line.startswith(("// score_mod", "// mask_mod")))
+                raise ValueError(f"score_mod / mask_mod did not compile with NVRTC:\n{said}\nNVRTC said:\n{exc}") from exc
         if smem > 48 * 1024 and entry[1] < smem:
             entry[0].max_dynamic_shared_size_bytes = smem
             entry[1] = smem
