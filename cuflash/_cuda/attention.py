@@ -276,8 +276,8 @@ def launch_params(variant: Variant, scale: float, shp: Shape, spec=None, dbias=N
     """The ``VariantParams`` of one launch of ``spec``, and the device buffers they point to (keep them
     referenced until the launch is queued). With a mask_mod, the block lists of the spec's tiles: per query
     tile the key tiles to visit, or (``transposed``, the dK/dV pass) per key tile the query tiles."""
-    tiles = None
-    if spec is not None and variant.mods is not None and variant.mods.has_mask_mod and spec.tile.block_n:
+    tiles = None  # (the float32 kernels evaluate a mask_mod score by score and read no lists)
+    if spec is not None and variant.mods is not None and variant.mods.has_mask_mod and spec.dtype != "float32":
         tiles = block_lists(variant, shp, spec.tile.block_m, spec.tile.block_n, transposed)
     extra = extra_params(variant, dbias, tiles)
     return variant_params(variant, scale, shp.rows_q, shp.rows_k, extra), (extra, tiles)
