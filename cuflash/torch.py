@@ -1,9 +1,19 @@
-"""PyTorch front end: :func:`attention` as a ``torch.autograd.Function``.
+"""PyTorch front end: :func:`attention`, over the custom operators ``cuflash::attention_fwd`` and
+``cuflash::attention_bwd`` (``torch.library``).
 
 Tensors cross into cuflash without copies: CUDA tensors through DLPack into CuPy (the kernels run on
 PyTorch's current stream), CPU tensors as NumPy views (the NumPy block algorithm). The forward saves the
 logsumexp; the backward runs :func:`cuflash.attention_backward`. Importing :mod:`cuflash` never imports
 this module, so PyTorch stays an optional dependency (``pip install cuflash[torch]``).
+
+The two operators have fake (meta) implementations, which give the outputs' shapes and dtypes, and the
+forward's gradient is registered with ``torch.library.register_autograd``: ``torch.compile(fn,
+fullgraph=True)`` traces a function that calls :func:`attention` with no graph break, and
+``torch.library.opcheck`` passes on them (``docs/integrations.md``). They can be called directly as
+``torch.ops.cuflash.attention_fwd`` and ``torch.ops.cuflash.attention_bwd``; their schemas are the
+keywords of :func:`cuflash.attention` in an operator's types (``window_size`` as ``window_left`` and
+``window_right``, ``mod_arrays`` as a list of tensors and ``mod_array_names`` joined by commas, the dropout
+seed as a 0-d int64 CPU tensor, the seed and ``dropout_offset`` as the int64 with the same bits).
 
 Layout is cuflash's ``(batch, seqlen, heads, head_dim)``, or packed ``(total, heads, head_dim)`` with
 ``cu_seqlens_q``/``cu_seqlens_k``; a ``(batch, heads, seqlen, head_dim)`` tensor goes in as
@@ -12,13 +22,16 @@ Layout is cuflash's ``(batch, seqlen, heads, head_dim)``, or packed ``(total, he
 crosses the same way and gets one when it requires grad (computed only then).
 
 Dropout (``dropout_p > 0``) draws its Philox seed from PyTorch's default CPU generator when no
-``dropout_seed`` is given (:func:`draw_dropout_seed`), as flash-attention draws from PyTorch's generator:
-``torch.manual_seed(s)`` reproduces a run, and the backward reuses the forward's seed and offset.
+``dropout_seed`` is given (the draw of :func:`draw_dropout_seed`, kept a tensor so that ``torch.compile``
+traces it), as flash-attention draws from PyTorch's generator: ``torch.manual_seed(s)`` reproduces a run,
+and the backward reuses the forward's seed and offset.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
+from typing import Optional
 
 import ml_dtypes
 import numpy as np
@@ -83,45 +96,188 @@ def _on_torch_stream(t: torch.Tensor):
     return cupy.cuda.Stream.from_external(torch.cuda.current_stream(t.device))
 
 
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, bias, options, deterministic):
-        with _on_torch_stream(q):
-            out, lse = cuflash.attention(_to_array(q), _to_array(k), _to_array(v), return_lse=True,
-                                         **_with_arrays({**options, "bias": bias}))
-        out, lse = _to_tensor(out), _to_tensor(lse)
-        ctx.save_for_backward(q, k, v, out, lse, bias)
-        ctx.options, ctx.deterministic = options, deterministic
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, bias = ctx.saved_tensors
-        if dout.stride(-1) != 1:  # autograd may hand over an expanded or strided gradient
-            dout = dout.contiguous()
-        want_dbias = bias is not None and ctx.needs_input_grad[3]
-        grads = _AttentionBackward.apply(dout, q, k, v, out, lse, bias, ctx.options, ctx.deterministic, want_dbias)
-        dbias = grads[3] if want_dbias else None
-        return grads[0], grads[1], grads[2], dbias, None, None
+def _output(a) -> torch.Tensor:
+    """A backend's result as a tensor, contiguous as the fake implementations promise (the backends allocate
+    contiguous results: this copies nothing)."""
+    t = _to_tensor(a)
+    return t if t.is_contiguous() else t.contiguous()
 
 
-class _AttentionBackward(torch.autograd.Function):
-    """The backward as a node of its own: under ``create_graph=True`` the gradients stay connected to
-    q, k, v and dout, so that differentiating them again raises instead of treating them as constants."""
+# ---------------------------------------------------------------------------------------------------
+# The custom operators: cuflash::attention_fwd and cuflash::attention_bwd
+# ---------------------------------------------------------------------------------------------------
+#
+# torch.compile traces through them with their fake implementations (shapes and dtypes only) and
+# AOTAutograd differentiates attention_fwd with the formula of register_autograd, which calls
+# attention_bwd: no graph break. Their arguments are the keywords of cuflash.attention in the types an
+# operator schema has: window_size as two ints, mod_arrays as a list of tensors and their names joined by
+# commas, the dropout seed as a 0-d int64 CPU tensor (so that a seed drawn from torch's generator inside a
+# compiled function stays a tensor: no .item(), no graph break) and the seed and offset, integers in
+# [0, 2**64), as int64 bit patterns (_signed64).
 
-    @staticmethod
-    def forward(ctx, dout, q, k, v, out, lse, bias, options, deterministic, want_dbias):
-        with _on_torch_stream(q):
-            grads = cuflash.attention_backward(
-                _to_array(dout), _to_array(q), _to_array(k), _to_array(v), _to_array(out), _to_array(lse),
-                deterministic=deterministic, return_dbias=want_dbias, **_with_arrays({**options, "bias": bias}),
+_SCALAR_OPTIONS = (
+    "causal", "softmax_scale", "causal_align", "window_left", "window_right", "softcap", "max_seqlen_q",
+    "max_seqlen_k", "dropout_p", "dropout_offset", "score_mod", "mask_mod", "mod_array_names", "algorithm",
+    "block_q", "block_k",
+)
+
+
+def _signed64(value: int) -> int:
+    """An integer in [0, 2**64) as the int64 with the same bits (an operator's int is an int64)."""
+    return value - 2**64 if value >= 2**63 else value
+
+
+def _unsigned64(value: int) -> int:
+    return value + 2**64 if value < 0 else value
+
+
+def _front_door_options(args: dict) -> dict:
+    """The variant keywords of cuflash.attention / attention_backward from an operator's arguments (its
+    ``locals()``), the tensors as NumPy or CuPy views (no copies)."""
+    names = args["mod_array_names"].split(",") if args["mod_array_names"] else []
+    seed = args["dropout_seed"]
+    return dict(
+        _with_arrays({name: args[name] for name in _api.ARRAY_OPTIONS}),
+        **{name: args[name] for name in _SCALAR_OPTIONS if name not in ("window_left", "window_right",
+                                                                         "dropout_offset", "mod_array_names")},
+        window_size=(args["window_left"], args["window_right"]),
+        mod_arrays={name: _to_array(a) for name, a in zip(names, args["mod_arrays"])} if names else None,
+        dropout_seed=None if seed is None else _unsigned64(int(seed.item())),
+        dropout_offset=_unsigned64(args["dropout_offset"]),
+    )
+
+
+@torch.library.custom_op("cuflash::attention_fwd", mutates_args=())
+def _attention_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
+    alibi_slopes: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+    seqused_k: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor], mod_arrays: list[torch.Tensor],
+    dropout_seed: Optional[torch.Tensor],
+    causal: bool, softmax_scale: Optional[float], causal_align: str, window_left: int, window_right: int,
+    softcap: float, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], dropout_p: float, dropout_offset: int,
+    score_mod: Optional[str], mask_mod: Optional[str], mod_array_names: str, algorithm: str,
+    block_q: Optional[int], block_k: Optional[int], deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of :func:`cuflash.attention` (``deterministic`` is the backward's, kept for autograd)."""
+    options = _front_door_options(locals())
+    # TODO(GPU path): out and lse come from CuPy's memory pool here and cross back through DLPack; the issue
+    # wants them (and the backend's workspaces) from torch's caching allocator on the current stream.
+    with _on_torch_stream(q):
+        out, lse = cuflash.attention(_to_array(q), _to_array(k), _to_array(v), return_lse=True,
+                                     bias=None if bias is None else _to_array(bias), **options)
+    return _output(out), _output(lse)
+
+
+@_attention_fwd.register_fake
+def _attention_fwd_fake(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, attn_mask, mod_arrays,
+                        dropout_seed, *scalars):
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    # (batch, heads_q, seqlen_q); packed (total_q, heads_q, d) q: (heads_q, total_q)
+    lse_shape = (q.shape[1], q.shape[0]) if q.dim() == 3 else (q.shape[0], q.shape[2], q.shape[1])
+    return out, q.new_empty(lse_shape, dtype=lse_dtype)
+
+
+@torch.library.custom_op("cuflash::attention_bwd", mutates_args=())
+def _attention_bwd(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    bias: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
+    mod_arrays: list[torch.Tensor], dropout_seed: Optional[torch.Tensor],
+    causal: bool, softmax_scale: Optional[float], causal_align: str, window_left: int, window_right: int,
+    softcap: float, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], dropout_p: float, dropout_offset: int,
+    score_mod: Optional[str], mask_mod: Optional[str], mod_array_names: str, algorithm: str,
+    block_q: Optional[int], block_k: Optional[int], deterministic: bool, want_dbias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, dbias)`` of :func:`cuflash.attention_backward`; ``dbias`` is an empty ``(0,)`` tensor
+    unless ``want_dbias`` (an operator returns tensors, never None)."""
+    options = _front_door_options(locals())
+    # TODO(GPU path): dq, dk, dv, dbias and the workspaces (dq_accum, delta) from torch's allocator, as above.
+    with _on_torch_stream(q):
+        grads = cuflash.attention_backward(
+            _to_array(dout), _to_array(q), _to_array(k), _to_array(v), _to_array(out), _to_array(lse),
+            deterministic=deterministic, return_dbias=want_dbias, bias=None if bias is None else _to_array(bias),
+            **options,
+        )
+    dq, dk, dv = (_output(g) for g in grads[:3])
+    dbias = _output(grads[3]) if want_dbias else q.new_empty((0,))
+    return dq, dk, dv, dbias
+
+
+@_attention_bwd.register_fake
+def _attention_bwd_fake(dout, q, k, v, out, lse, bias, *rest):
+    want_dbias = rest[-1]
+    dbias = bias.new_empty(bias.shape) if want_dbias else q.new_empty((0,))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, bias, alibi_slopes, cu_q, cu_k, used, mask, mod_arrays, seed, *scalars = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, bias, alibi_slopes, cu_q, cu_k, used, mask, seed, *mod_arrays)
+    ctx.scalars = scalars  # _SCALAR_OPTIONS, then deterministic
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, bias, alibi_slopes, cu_q, cu_k, used, mask, seed, *mod_arrays = ctx.saved_tensors
+    if dout is None:  # only lse was used (it has no gradient): nothing flows back
+        dout = torch.zeros_like(out)
+    elif dout.stride(-1) != 1:  # autograd may hand over an expanded or strided gradient
+        dout = dout.contiguous()
+    want_dbias = bias is not None and ctx.needs_input_grad[3]
+    dq, dk, dv, dbias = _attention_bwd(dout, q, k, v, out, lse, bias, alibi_slopes, cu_q, cu_k, used, mask, mod_arrays,
+                                       seed, *ctx.scalars, want_dbias)
+    # one gradient per input: q, k, v, bias; none for the variant tensors, the list mod_arrays, the seed and
+    # the scalars
+    return (dq, dk, dv, dbias if want_dbias else None, None, None, None, None, None, [None] * len(mod_arrays),
+            None, *(None for _ in ctx.scalars))
+
+
+def _no_double_backward(ctx, *grads):
+    raise NotImplementedError("cuflash.torch.attention has no second derivative (double backward)")
+
+
+_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+# Under create_graph=True the gradients stay connected to q, k, v and dout through attention_bwd, so that
+# differentiating them again raises instead of treating them as constants.
+_attention_bwd.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+def _optional_int(name: str, value):
+    if value is None:
+        return None
+    if not _validate._is_int(value):
+        raise TypeError(f"{name} must be a positive integer; got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _mod_arrays(score_mod, mask_mod, mod_arrays) -> tuple[str, list]:
+    """``mod_arrays`` as the operator takes it: the names joined by commas, and the tensors (detached)."""
+    for name, text in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if text is not None and not isinstance(text, str):
+            raise TypeError(
+                f"{name} must be a string (a CUDA C expression, see docs/variants.md) or None; got {type(text).__name__}"
             )
-        return tuple(_to_tensor(g) for g in grads)
+    if mod_arrays is None:
+        return "", []
+    if not isinstance(mod_arrays, Mapping):
+        raise TypeError(f"mod_arrays must be a dict of names to 1-D int32 or float32 tensors; got "
+                        f"{type(mod_arrays).__name__}")
+    if score_mod is None and mask_mod is None:
+        raise ValueError("mod_arrays is read by score_mod and mask_mod only; got mod_arrays without either")
+    for name, a in mod_arrays.items():
+        if not isinstance(name, str) or not (name.isascii() and name.isidentifier()):
+            raise ValueError(f"mod_arrays names must be C identifiers (letters, digits, _); got {name!r}")
+        if not isinstance(a, torch.Tensor):
+            raise TypeError(f"mod_arrays[{name!r}] must be a torch.Tensor (on the device of q); got {type(a).__name__}")
+    return ",".join(mod_arrays), [a.detach() for a in mod_arrays.values()]
 
-    @staticmethod
-    def backward(ctx, *_):
-        raise NotImplementedError("cuflash.torch.attention has no second derivative (double backward)")
+
+def _optional_tensor(name: str, value):
+    if value is not None and not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (on the device of q) or None; got {type(value).__name__}")
+    return value
 
 
 def attention(
@@ -175,26 +331,44 @@ def attention(
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         kinds = ", ".join(type(t).__name__ for t in (q, k, v))
         raise TypeError(f"q, k and v must be torch.Tensor; got {kinds}")
-    if bias is not None and not isinstance(bias, torch.Tensor):
-        raise TypeError(f"bias must be a torch.Tensor (on the device of q) or None; got {type(bias).__name__}")
+    _optional_tensor("bias", bias)
     _validate.backward_order(None, deterministic)  # only the backward uses it: check it before the forward
     # checked before the draw, so that a bad value consumes nothing of the generator
-    dropout_p, _, dropout_offset = _validate.dropout(dropout_p, 0 if dropout_seed is None else dropout_seed,
-                                                     dropout_offset)
-    if dropout_p > 0 and dropout_seed is None:
-        dropout_seed = draw_dropout_seed()
-    options = dict(
-        causal=causal, softmax_scale=softmax_scale, causal_align=causal_align, window_size=window_size,
-        softcap=softcap, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, attn_mask=attn_mask,
-        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
-        score_mod=score_mod, mask_mod=mask_mod, mod_arrays=mod_arrays,
-        algorithm=algorithm, block_q=block_q, block_k=block_k,
+    explicit_seed = dropout_seed is not None
+    dropout_p, dropout_seed, dropout_offset = _validate.dropout(
+        dropout_p, dropout_seed if explicit_seed else 0, dropout_offset)
+    if torch.compiler.is_compiling():
+        # Traced by torch.compile: the scalars may be symbolic (dynamic=True makes floats and ints inputs of the
+        # graph), which the checks below cannot read; the front door checks them all when the operator runs.
+        left, right = window_size
+    else:
+        # Checked here, in the front door's words, what the operator's schema would refuse in its own: the
+        # scalars' types (their values, and the tensors, are checked by the front door when the operator runs).
+        causal, _ = _validate.causal_options(causal, causal_align)
+        left, right = (-1 if x is None else x for x in _validate.window_size(window_size))
+        softcap = _validate.softcap(softcap)
+        if softmax_scale is not None:
+            _validate.softmax_scale(softmax_scale, 1)
+            softmax_scale = float(softmax_scale)
+        algorithm = _validate.algorithm(algorithm)
+        block_q, block_k = _validate.block_size("block_q", block_q), _validate.block_size("block_k", block_k)
+        max_seqlen_q = _optional_int("max_seqlen_q", max_seqlen_q)
+        max_seqlen_k = _optional_int("max_seqlen_k", max_seqlen_k)
+    arrays = {name: _optional_tensor(name, value) for name, value in (
+        ("alibi_slopes", alibi_slopes), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+        ("seqused_k", seqused_k), ("attn_mask", attn_mask))}
+    # never differentiated: keep autograd from holding on to their graphs
+    arrays = {name: None if value is None else value.detach() for name, value in arrays.items()}
+    names, mods = _mod_arrays(score_mod, mask_mod, mod_arrays)
+    if not dropout_p:
+        seed = None
+    elif explicit_seed:
+        seed = torch.tensor(_signed64(dropout_seed), dtype=torch.int64)
+    else:  # draw_dropout_seed's draw, kept a tensor: traceable by torch.compile (no .item())
+        seed = torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
+    out, lse = _attention_fwd(
+        q, k, v, bias, *arrays.values(), mods, seed, causal, softmax_scale, causal_align, left, right, softcap,
+        max_seqlen_q, max_seqlen_k, dropout_p, _signed64(dropout_offset), score_mod, mask_mod, names, algorithm,
+        block_q, block_k, bool(deterministic),
     )
-    for name in _api.ARRAY_OPTIONS:  # never differentiated: keep autograd from holding on to their graphs
-        if isinstance(options[name], torch.Tensor):
-            options[name] = options[name].detach()
-    if isinstance(mod_arrays, dict):
-        options["mod_arrays"] = {name: a.detach() if isinstance(a, torch.Tensor) else a for name, a in mod_arrays.items()}
-    out, lse = _Attention.apply(q, k, v, bias, options, deterministic)
-    return (out, lse) if return_lse else out
+    return (out, lse.detach()) if return_lse else out

@@ -1,0 +1,297 @@
+"""cuflash.flash_attn: flash-attention 2.x's functions (signatures, layouts, return conventions) against a
+float64 truth in plain torch, with gradients; on CPU tensors (the NumPy reference)."""
+
+import inspect
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import cuflash  # noqa: E402
+import cuflash.torch as cft  # noqa: E402
+from cuflash import flash_attn as fa  # noqa: E402
+
+# flash-attention 2.x's public signatures (flash_attn/flash_attn_interface.py, 2.8): names, order, defaults.
+_COMMON = [("dropout_p", 0.0), ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)),
+           ("softcap", 0.0), ("alibi_slopes", None), ("deterministic", False), ("return_attn_probs", False)]
+_EMPTY = inspect.Parameter.empty
+SIGNATURES = {
+    "flash_attn_qkvpacked_func": [("qkv", _EMPTY), *_COMMON],
+    "flash_attn_kvpacked_func": [("q", _EMPTY), ("kv", _EMPTY), *_COMMON],
+    "flash_attn_func": [("q", _EMPTY), ("k", _EMPTY), ("v", _EMPTY), *_COMMON],
+    "flash_attn_varlen_qkvpacked_func": [("qkv", _EMPTY), ("cu_seqlens", _EMPTY), ("max_seqlen", _EMPTY), *_COMMON],
+    "flash_attn_varlen_kvpacked_func": [
+        ("q", _EMPTY), ("kv", _EMPTY), ("cu_seqlens_q", _EMPTY), ("cu_seqlens_k", _EMPTY), ("max_seqlen_q", _EMPTY),
+        ("max_seqlen_k", _EMPTY), *_COMMON],
+    "flash_attn_varlen_func": [
+        ("q", _EMPTY), ("k", _EMPTY), ("v", _EMPTY), ("cu_seqlens_q", _EMPTY), ("cu_seqlens_k", _EMPTY),
+        ("max_seqlen_q", _EMPTY), ("max_seqlen_k", _EMPTY), *_COMMON, ("block_table", None)],
+    "flash_attn_with_kvcache": [
+        ("q", _EMPTY), ("k_cache", _EMPTY), ("v_cache", _EMPTY), ("k", None), ("v", None), ("rotary_cos", None),
+        ("rotary_sin", None), ("cache_seqlens", None), ("cache_batch_idx", None), ("cache_leftpad", None),
+        ("block_table", None), ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)), ("softcap", 0.0),
+        ("rotary_interleaved", True), ("alibi_slopes", None), ("num_splits", 0), ("return_softmax_lse", False)],
+}
+
+
+def test_signatures_are_flash_attention_2s():
+    assert sorted(fa.__all__) == sorted(SIGNATURES)
+    for name, expected in SIGNATURES.items():
+        params = inspect.signature(getattr(fa, name)).parameters.values()
+        assert [(p.name, p.default) for p in params] == expected, name
+        assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params), name
+
+
+# ---------------------------------------------------------------------------------------------------
+# The float64 truth: one sequence at a time, plain torch, bottom-right diagonal (flash-attention >= 2.1)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _truth(q, k, v, cu_q, cu_k, *, scale, causal=False, window=(-1, -1), softcap=0.0, slopes=None):
+    """``(out, lse)`` of packed ``(total, heads, d)`` tensors: out ``(total_q, heads_q, d_v)``, lse
+    ``(heads_q, total_q)``; rows that see no key output 0 with lse -inf. Differentiable (torch autograd)."""
+    outs, lses = [], []
+    for b in range(len(cu_q) - 1):
+        qb, kb, vb = q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]]
+        len_q, len_k, heads_q = qb.shape[0], kb.shape[0], qb.shape[1]
+        kb, vb = (x.repeat_interleave(heads_q // x.shape[1], dim=1) for x in (kb, vb))
+        s = scale * torch.einsum("qhd,khd->hqk", qb, kb)
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        diagonal = torch.arange(len_q)[:, None] + (len_k - len_q)
+        cols = torch.arange(len_k)[None, :]
+        if slopes is not None:
+            s = s - slopes[b if slopes.dim() == 2 else slice(None)][:, None, None].double() * (diagonal - cols).abs()
+        left, right = window
+        right = 0 if causal and right == -1 else (min(right, 0) if causal else right)
+        visible = torch.ones(len_q, len_k, dtype=torch.bool)
+        if right != -1:
+            visible &= cols <= diagonal + right
+        if left != -1:
+            visible &= cols >= diagonal - left
+        s = torch.where(visible, s, -torch.inf)
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - torch.where(lse.isinf(), 0.0, lse)[..., None])
+        outs.append(torch.einsum("hqk,khd->qhd", p, vb))
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def _cu(lens):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _padded_truth(q, k, v, **kw):
+    """The truth of padded ``(batch, seqlen, heads, d)`` tensors: out like q, lse ``(batch, heads, seqlen_q)``."""
+    batch, len_q, len_k = q.shape[0], q.shape[1], k.shape[1]
+    out, lse = _truth(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), _cu([len_q] * batch), _cu([len_k] * batch), **kw)
+    return out.unflatten(0, (batch, len_q)), lse.unflatten(1, (batch, len_q)).transpose(0, 1)
+
+
+def _randn(g, *shape):
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+def _check(ours, truth, leaves, truth_leaves, grad_out):
+    """Values of (out, lse) and the gradients of ``leaves`` (from out only) against the truth's."""
+    (out, lse), (out_t, lse_t) = ours, truth
+    assert out.shape == out_t.shape and lse.shape == lse_t.shape and not lse.requires_grad
+    torch.testing.assert_close(out, out_t, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, lse_t, rtol=1e-10, atol=1e-10)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    grads_t = torch.autograd.grad(out_t, truth_leaves, grad_out)
+    for a, b in zip(grads, grads_t):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+VARIANTS = {
+    "dense": {},
+    "causal": dict(causal=True),
+    "causal-window-softcap": dict(causal=True, window_size=(3, 2), softcap=2.5),
+    "window-alibi": dict(window_size=(4, 1), alibi_slopes="per-head"),
+    "alibi-per-batch-scale": dict(alibi_slopes="per-batch", softmax_scale=0.3),
+}
+
+
+def _variant(name, g, batch, heads):
+    """flash-attention's keywords for a VARIANTS entry, and the truth's."""
+    kw = dict(VARIANTS[name])
+    slopes = None
+    if kw.get("alibi_slopes") == "per-head":
+        slopes = torch.rand(heads, generator=g, dtype=torch.float32) * 0.5
+    elif kw.get("alibi_slopes") == "per-batch":
+        slopes = torch.rand(batch, heads, generator=g, dtype=torch.float32) * 0.5
+    if slopes is not None:
+        kw["alibi_slopes"] = slopes
+    truth = dict(causal=kw.get("causal", False), window=kw.get("window_size", (-1, -1)), softcap=kw.get("softcap", 0.0),
+                 slopes=slopes)
+    return kw, truth
+
+
+def _leaves(*tensors):
+    return [t.clone().requires_grad_() for t in tensors]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_flash_attn_func(variant):
+    g = torch.Generator().manual_seed(1)
+    q, k, v = _randn(g, 2, 9, 4, 8), _randn(g, 2, 13, 2, 8), _randn(g, 2, 13, 2, 8)
+    kw, truth_kw = _variant(variant, g, 2, 4)
+    scale = kw.get("softmax_scale", 8**-0.5)
+    ours_leaves, truth_leaves = _leaves(q, k, v), _leaves(q, k, v)
+    out, lse, s_dmask = fa.flash_attn_func(*ours_leaves, return_attn_probs=True, **kw)
+    assert s_dmask is None
+    assert lse.shape == (2, 4, 9) and lse.dtype == torch.float64
+    _check((out, lse), _padded_truth(*truth_leaves, scale=scale, **truth_kw), ours_leaves, truth_leaves,
+           _randn(g, *out.shape))
+    plain = fa.flash_attn_func(q, k, v, **kw)  # return_attn_probs=False: out alone
+    assert isinstance(plain, torch.Tensor) and torch.equal(plain, out.detach())
+
+
+@pytest.mark.parametrize("variant", ["causal", "window-alibi"])
+def test_flash_attn_qkvpacked_func(variant):
+    g = torch.Generator().manual_seed(2)
+    qkv = _randn(g, 2, 10, 3, 4, 8)
+    kw, truth_kw = _variant(variant, g, 2, 4)
+    (leaf,), (truth_leaf,) = _leaves(qkv), _leaves(qkv)
+    out, lse, _ = fa.flash_attn_qkvpacked_func(leaf, return_attn_probs=True, **kw)
+    assert out.shape == (2, 10, 4, 8) and lse.shape == (2, 4, 10)
+    truth = _padded_truth(*truth_leaf.unbind(2), scale=8**-0.5, **truth_kw)
+    _check((out, lse), truth, [leaf], [truth_leaf], _randn(g, *out.shape))
+
+
+@pytest.mark.parametrize("variant", ["causal-window-softcap", "alibi-per-batch-scale"])
+def test_flash_attn_kvpacked_func(variant):
+    g = torch.Generator().manual_seed(3)
+    q, kv = _randn(g, 2, 7, 4, 8), _randn(g, 2, 11, 2, 2, 8)  # GQA: 2 key/value heads
+    kw, truth_kw = _variant(variant, g, 2, 4)
+    ours_leaves, truth_leaves = _leaves(q, kv), _leaves(q, kv)
+    out, lse, _ = fa.flash_attn_kvpacked_func(*ours_leaves, return_attn_probs=True, **kw)
+    assert out.shape == (2, 7, 4, 8) and lse.shape == (2, 4, 7)
+    truth = _padded_truth(truth_leaves[0], *truth_leaves[1].unbind(2), scale=kw.get("softmax_scale", 8**-0.5),
+                          **truth_kw)
+    _check((out, lse), truth, ours_leaves, truth_leaves, _randn(g, *out.shape))
+
+
+@pytest.mark.parametrize("variant", ["dense", "causal-window-softcap", "alibi-per-batch-scale"])
+def test_flash_attn_varlen_func(variant):
+    g = torch.Generator().manual_seed(4)
+    cu_q, cu_k = _cu([5, 1, 9]), _cu([8, 6, 9])
+    q, k, v = _randn(g, 15, 4, 8), _randn(g, 23, 2, 8), _randn(g, 23, 2, 8)
+    kw, truth_kw = _variant(variant, g, 3, 4)
+    ours_leaves, truth_leaves = _leaves(q, k, v), _leaves(q, k, v)
+    out, lse, _ = fa.flash_attn_varlen_func(*ours_leaves, cu_q, cu_k, 9, 9, return_attn_probs=True, **kw)
+    assert out.shape == (15, 4, 8) and lse.shape == (4, 15)
+    truth = _truth(*truth_leaves, cu_q, cu_k, scale=kw.get("softmax_scale", 8**-0.5), **truth_kw)
+    _check((out, lse), truth, ours_leaves, truth_leaves, _randn(g, *out.shape))
+
+
+def test_flash_attn_varlen_qkvpacked_func():
+    g = torch.Generator().manual_seed(5)
+    cu = _cu([6, 3, 7])
+    qkv = _randn(g, 16, 3, 2, 8)
+    (leaf,), (truth_leaf,) = _leaves(qkv), _leaves(qkv)
+    out, lse, _ = fa.flash_attn_varlen_qkvpacked_func(leaf, cu, 7, causal=True, window_size=(2, -1),
+                                                      return_attn_probs=True)
+    assert out.shape == (16, 2, 8) and lse.shape == (2, 16)
+    truth = _truth(*truth_leaf.unbind(1), cu, cu, scale=8**-0.5, causal=True, window=(2, -1))
+    _check((out, lse), truth, [leaf], [truth_leaf], _randn(g, *out.shape))
+
+
+def test_flash_attn_varlen_kvpacked_func():
+    g = torch.Generator().manual_seed(6)
+    cu_q, cu_k = _cu([3, 4]), _cu([9, 4])
+    q, kv = _randn(g, 7, 4, 8), _randn(g, 13, 2, 1, 8)  # MQA
+    ours_leaves, truth_leaves = _leaves(q, kv), _leaves(q, kv)
+    out, lse, _ = fa.flash_attn_varlen_kvpacked_func(*ours_leaves, cu_q, cu_k, 4, 9, causal=True, softcap=1.5,
+                                                     return_attn_probs=True)
+    assert out.shape == (7, 4, 8) and lse.shape == (4, 7)
+    truth = _truth(truth_leaves[0], *truth_leaves[1].unbind(1), cu_q, cu_k, scale=8**-0.5, causal=True, softcap=1.5)
+    _check((out, lse), truth, ours_leaves, truth_leaves, _randn(g, *out.shape))
+
+
+def test_matches_cuflash_torch_in_float32_with_head_dim_v_and_strided_inputs():
+    """The drop-in is cuflash.torch.attention underneath; a strided last axis is copied, as flash-attention does."""
+    g = torch.Generator().manual_seed(7)
+    q, k = _randn(g, 1, 6, 2, 16).float(), _randn(g, 1, 8, 2, 16).float()
+    v = _randn(g, 1, 8, 2, 8).float()
+    q_strided = torch.stack([q, q], dim=-1).flatten(-2)[..., ::2]  # q's values, last-axis stride 2
+    assert q_strided.stride(-1) == 2 and torch.equal(q_strided, q)
+    out = fa.flash_attn_func(q_strided, k, v, causal=True, deterministic=True)
+    assert torch.equal(out, cft.attention(q, k, v, causal=True))
+
+
+def test_softcap_at_or_below_zero_is_off_as_in_flash_attention():
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (_randn(g, 1, 5, 2, 8) for _ in range(3))
+    assert torch.equal(fa.flash_attn_func(q, k, v, softcap=-1.0), fa.flash_attn_func(q, k, v))
+
+
+def test_dropout_draws_from_torch_generator():
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (_randn(g, 1, 6, 2, 8) for _ in range(3))
+    torch.manual_seed(11)
+    out, lse, s_dmask = fa.flash_attn_func(q, k, v, dropout_p=0.4, return_attn_probs=True)
+    assert s_dmask is None
+    torch.manual_seed(11)
+    seed = cft.draw_dropout_seed()
+    assert torch.equal(out, cft.attention(q, k, v, dropout_p=0.4, dropout_seed=seed))
+    assert not torch.equal(out, fa.flash_attn_func(q, k, v, dropout_p=0.4))  # the next draw: another mask
+
+
+def test_varlen_block_table_is_not_supported():
+    q, k, v = torch.zeros(4, 1, 8), torch.zeros(4, 1, 8), torch.zeros(4, 1, 8)
+    cu = _cu([4])
+    with pytest.raises(NotImplementedError, match="flash_attn_varlen_func with block_table"):
+        fa.flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, block_table=torch.zeros(1, 1, dtype=torch.int32))
+
+
+def test_compiles_with_no_graph_break():
+    g = torch.Generator().manual_seed(10)
+    qkv = _randn(g, 2, 8, 3, 2, 8).float().requires_grad_()
+    cu = _cu([5, 3])
+
+    def fn(qkv):
+        a = fa.flash_attn_qkvpacked_func(qkv, causal=True)
+        b = fa.flash_attn_varlen_qkvpacked_func(qkv.flatten(0, 1)[:8], cu, 5, window_size=(2, 2))
+        return a.sum() + b.square().sum()
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    loss, (grad,) = compiled(qkv), torch.autograd.grad(compiled(qkv), qkv)
+    loss_e, (grad_e,) = fn(qkv), torch.autograd.grad(fn(qkv), qkv)
+    assert torch.equal(loss, loss_e) and torch.equal(grad, grad_e)
+
+
+# ---------------------------------------------------------------------------------------------------
+# flash_attn_with_kvcache: cuflash.attention_with_kvcache underneath
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_with_kvcache_names_the_missing_feature(monkeypatch):
+    monkeypatch.delattr(cuflash, "attention_with_kvcache", raising=False)
+    with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache needs cuflash.attention_with_kvcache"):
+        fa.flash_attn_with_kvcache(torch.zeros(1, 1, 1, 8), torch.zeros(1, 4, 1, 8), torch.zeros(1, 4, 1, 8))
+
+
+@pytest.mark.skipif(not hasattr(cuflash, "attention_with_kvcache"), reason="cuflash.attention_with_kvcache is absent")
+def test_with_kvcache_appends_in_place_and_matches_attention():
+    g = torch.Generator().manual_seed(12)
+    k_cache, v_cache = _randn(g, 2, 10, 2, 8), _randn(g, 2, 10, 2, 8)
+    q, k_new, v_new = _randn(g, 2, 1, 4, 8), _randn(g, 2, 1, 2, 8), _randn(g, 2, 1, 2, 8)
+    lengths = [4, 7]
+    before = k_cache.clone()
+    out, lse = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                          cache_seqlens=torch.tensor(lengths, dtype=torch.int32), causal=True,
+                                          return_softmax_lse=True)
+    assert out.shape == (2, 1, 4, 8) and lse.shape == (2, 4, 1)
+    for b, n in enumerate(lengths):
+        assert torch.equal(k_cache[b, n], k_new[b, 0]) and torch.equal(v_cache[b, n], v_new[b, 0])
+        assert torch.equal(k_cache[b, :n], before[b, :n]) and torch.equal(k_cache[b, n + 1:], before[b, n + 1:])
+        ref, ref_lse = cft.attention(q[b:b + 1], k_cache[b:b + 1, :n + 1], v_cache[b:b + 1, :n + 1], causal=True,
+                                     return_lse=True)
+        torch.testing.assert_close(out[b:b + 1], ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse[b:b + 1], ref_lse, rtol=1e-12, atol=1e-12)
+    # cache_seqlens None: the whole cache, as flash-attention
+    full = fa.flash_attn_with_kvcache(q, k_cache, v_cache)
+    torch.testing.assert_close(full, cft.attention(q, k_cache, v_cache), rtol=1e-12, atol=1e-12)
