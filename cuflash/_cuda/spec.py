@@ -33,6 +33,7 @@ SM90A_OPTIONS = NVRTC_OPTIONS + ("-arch=sm_90a",)
 
 HEAD_DIMS = (32, 64, 96, 128, 256)
 BWD_HEAD_DIMS = (32, 64, 96, 128)
+DECODE_HEAD_DIMS = (32, 64, 96, 128)  # (256: the O accumulator of 16 rows x 256 spills in this first version)
 CTYPES = {"float16": "cuflash::fp16", "bfloat16": "cuflash::bf16"}
 
 
@@ -129,6 +130,9 @@ TILES: dict[tuple[str, str, int], Tile] = {
     ("fa1_bwd", "sm86", 64): Tile(64, 64, 4, 2),
     ("fa1_bwd", "sm86", 96): Tile(64, 64, 4, 1),
     ("fa1_bwd", "sm86", 128): Tile(32, 64, 4, 2),
+    # direction "decode": flash_decode_kernel (any arch): 16 packed query rows, block_n keys per tile in a
+    # two-stage ring, the warps taking block_n / warps keys each (first version; not yet tuned on a GPU).
+    **{("decode", "any", d): Tile(16, 64, 4, 2) for d in DECODE_HEAD_DIMS},
     # Arch class "f32": the FA1 float32 kernels (fa1_fwd_f32_kernel, fa1_bwd_f32_kernel; any GPU), 4 warps,
     # block_m = 1 query row per warp step; block_n key rows (forward: one lane per key, at most 32;
     # backward: block_n / 4 key rows per warp, their dK and dV in registers).
@@ -350,6 +354,12 @@ FAMILIES: dict[str, Family] = {
     "block_lists_t": Family(
         "block_map.cu", "block_lists_kernel", lambda s: f"{s.variant}, {s.tile.block_m}, {s.tile.block_n}, true",
         _no_smem, threads=128),
+    # KV-cache decoding, split-KV (decode.cu): the variant slot holds kPaged ("true" / "false"); tile block_m =
+    # 16 packed query rows, block_n keys per tile, warps splitting each tile's keys.
+    "decode": Family(
+        "decode.cu", "flash_decode_kernel",
+        lambda s: f"{CTYPES[s.dtype]}, {s.head_dim}, {s.tile.block_n}, {s.tile.warps}, {s.variant}",
+        lambda d, t: 2 * (t.block_m * d + 4 * t.block_n * d)),  # Q + 2 stages x (K + V), 16-bit
     # FlashAttention-1 order: dense or causal only (the variant slot holds Is_causal).
     "fa1_fwd": Family(
         "fa1.cu", "fa1_fwd_kernel", _t16,
@@ -466,6 +476,8 @@ def instantiations() -> list[KernelSpec]:
         out.setdefault((spec.source, spec.name), spec)
 
     for (direction, arch, d), t in TILES.items():
+        if direction == "decode":  # below, with its paged / contiguous variants
+            continue
         for fam in _row_families(direction, arch):
             dtypes = ("float32",) if arch == "f32" else tuple(CTYPES)
             is_fa1 = fam.startswith("fa1")
@@ -499,6 +511,10 @@ def instantiations() -> list[KernelSpec]:
         dtype = "float32" if row[1] == "f32" else "bfloat16"
         add(KernelSpec(fam, dtype, 128, TILES[(*row, 128)], causal_mod, fam.startswith("bwd_dkdv"), row[1]))
     add(KernelSpec("bwd_dq_f32", "float32", 128, variant=causal_mod))
+    for d in DECODE_HEAD_DIMS:
+        for dtype in CTYPES:
+            for paged in ("false", "true"):
+                add(KernelSpec("decode", dtype, d, TILES[("decode", "any", d)], paged, arch="any"))
     for fam, t in (("block_lists", TILES[("fwd", "sm90a", 128)]), ("block_lists_t", TILES[("bwd", "sm90a", 128)])):
         add(KernelSpec(fam, "float32", 0, t, causal_mod, arch="f32"))
     return list(out.values())

@@ -1,0 +1,277 @@
+// cuflash decode kernels (KV-cache attention, split-KV), mirroring cuflash/reference_decode.py:forward_kvcache.
+//
+// flash_decode_kernel: one thread block per (split, key/value head x packed-row tile, sequence). GQA packing
+// [decode pack]: the rows of a block are packed rows r = t * group + g (query token t, query head
+// h_kv * group + g), 16 of them (one mma row tile), so every query head that reads a key/value head is
+// computed from one load of each K/V tile. [decode split]: the block walks its part of the sequence's key
+// tiles (cuflash/_blocks.py:split_range over the tiles the rows see), loading K and V tiles of kBlockN keys
+// through a two-stage cp.async ring; [decode page]: key j of the sequence is cache slot leftpad + j, found
+// through the block table (kPaged) or in cache row cache_batch_idx[b]. Each of the kNWarps warps takes
+// kBlockN / kNWarps keys of every tile and keeps its own online softmax (m, l, O) of the 16 rows; at the
+// end the warps' states are combined through shared memory (the same exact merge as [decode merge]) and the
+// block writes its normalized partial O (float32) and lse per row, which the launcher merges over the splits
+// (or, with one split, the output in the input dtype and lse directly).
+//
+// Masks and mods of a packed row (query token t of a sequence of len_q tokens, len_k keys): key j is seen iff
+// j < len_k, j <= t + len_k - len_q + right (causal: right = 0) and j >= t + len_k - len_q - left; softcap and
+// ALiBi (slope of the row's query head) on the raw score as in variants.cuh.
+//
+// Shared memory (16-bit): Q 16 x d + 2 stages x (K + V) kBlockN x d; the float32 warp states reuse the K/V
+// ring at the end (kNWarps x 16 x (d + 2) floats).
+//
+// Not yet run on a GPU (written without device time); cuflash._cuda does not export forward_kvcache until
+// tests/test_cuda_decode.py passes on one.
+#include "cuflash_tiles.cuh"
+
+namespace cuflash {
+
+// Runtime values of one decode call (by value; strides in elements).
+struct DecodeParams {
+    const int* cache_seqlens;    // (batch,) slots used before this call's append
+    const int* cache_leftpad;    // (batch,) first used slot, or null (0)
+    const int* cache_batch_idx;  // (batch,) cache row of each sequence, or null (b); contiguous caches only
+    const int* block_table;      // (batch, max_pages) pages of each sequence (paged)
+    const float* alibi_slopes;   // (batch, heads_q), batch stride alibi_sb, or null
+    i64 alibi_sb;
+    i64 q_sb, q_ss, q_sh;        // q (batch, seqlen_q, heads_q, d)
+    i64 k_sb, k_ss, k_sh;        // k_cache: (rows, capacity, heads_kv, d), or paged (pages, page_size, heads_kv, d)
+    i64 v_sb, v_ss, v_sh;
+    i64 o_sb, o_ss, o_sh;        // out (batch, seqlen_q, heads_q, d) in the input dtype (one split)
+    i64 bt_sb;                   // block_table's batch stride
+    int seqlen_q, seqlen_new, heads_q, group, page_size, num_splits;
+    int has_left, window_left, has_right, window_right;  // the band (causal: has_right, window_right = 0)
+    float scale_log2;            // softmax_scale * log2(e)
+    float softcap_a, softcap_b;  // softcap in raw-score units (0: none): s -> b tanh(a s)
+    float inv_scale;             // 1 / softmax_scale (ALiBi slopes in raw-score units)
+};
+
+template <int kHeadDim, int kBlockN, int kNWarps>
+struct DecodeConfig {
+    static constexpr int kRows = 16;
+    static constexpr int kTile = kBlockN * kHeadDim;
+    static constexpr int kSmemBytes = 2 * (kRows * kHeadDim + 2 * 2 * kTile);
+    static_assert(kNWarps * kRows * (kHeadDim + 2) * 4 <= kSmemBytes, "the warp states fit in the K/V ring");
+};
+
+// K or V rows [n0, n0 + kBlockN) of the sequence (cache slots leftpad + n0, ...) into a swizzled tile; keys past
+// len_k as zeros. base: the cache with the key/value head's offset applied.
+template <int kBlockN, int kHeadDim, int kThreads, bool kPaged>
+__device__ __forceinline__ void load_cache_tile(u16* tile, const u16* base, i64 sb, i64 ss, const DecodeParams& p,
+                                                const int* pages, int cache_row, int slot0, int n0, int len_k, int tid) {
+    constexpr int kChunks = kHeadDim / 8;
+    constexpr int kTotal = kBlockN * kChunks;
+#pragma unroll
+    for (int it = 0; it < (kTotal + kThreads - 1) / kThreads; ++it) {
+        const int i = tid + it * kThreads;
+        if (kTotal % kThreads != 0 && i >= kTotal) break;
+        const int r = i / kChunks, c = i % kChunks;
+        const bool valid = n0 + r < len_k;
+        const u16* src = base;
+        if (valid) {
+            const int slot = slot0 + n0 + r;
+            if constexpr (kPaged) {
+                src = base + (i64)pages[slot / p.page_size] * sb + (i64)(slot % p.page_size) * ss + c * 8;
+            } else {
+                src = base + (i64)cache_row * sb + (i64)slot * ss + c * 8;
+            }
+        }
+        cp_async_16(smem_u32(tile + Swizzle<kHeadDim>::offset(r, c)), src, valid);
+    }
+}
+
+template <class T, int kHeadDim, int kBlockN, int kNWarps, bool kPaged>
+__global__ void __launch_bounds__(kNWarps * 32)
+flash_decode_kernel(const u16* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
+                    float* __restrict__ o_part, float* __restrict__ lse_part, u16* __restrict__ out,
+                    float* __restrict__ lse_out, int row_tiles, const DecodeParams p) {
+    using Cfg = DecodeConfig<kHeadDim, kBlockN, kNWarps>;
+    constexpr int kRows = Cfg::kRows, kTile = Cfg::kTile, kThreads = kNWarps * 32;
+    constexpr int kWN = kBlockN / kNWarps;  // keys of a tile per warp
+    static_assert(kWN % 16 == 0 && kHeadDim % 32 == 0, "tile shape");
+    constexpr int kNT = kWN / 8, kDT = kHeadDim / 8, kKT = kHeadDim / 16;
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    u16* sQ = reinterpret_cast<u16*>(smem_raw);
+    u16* sK = sQ + kRows * kHeadDim;
+    u16* sV = sK + 2 * kTile;
+
+    const int split = blockIdx.x, b = blockIdx.z;
+    const int h_kv = blockIdx.y / row_tiles, rt = blockIdx.y % row_tiles;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int group = p.group, seqlen_q = p.seqlen_q;
+    const int packed = seqlen_q * group;  // packed rows of this key/value head
+    const int r0 = rt * kRows;            // first packed row of the block
+
+    const int leftpad = p.cache_leftpad ? p.cache_leftpad[b] : 0;
+    const int len_k = p.cache_seqlens[b] + p.seqlen_new - leftpad;
+    const int offset = len_k - seqlen_q;  // query token t faces key t + offset (bottom-right)
+    const int* pages = kPaged ? p.block_table + b * p.bt_sb : nullptr;
+    const int cache_row = kPaged ? 0 : (p.cache_batch_idx ? p.cache_batch_idx[b] : b);
+
+    // The key tiles the block's rows see, and this split's part of them (cuflash/_blocks.py:split_range).
+    const int t_first = r0 / group, t_last = (min(r0 + kRows, packed) - 1) / group;  // the block's query tokens
+    int k_first = 0, k_end = len_k;
+    if (p.has_left) k_first = min(max(t_first + offset - p.window_left, 0), len_k);
+    if (p.has_right) k_end = min(max(t_last + offset + p.window_right + 1, 0), len_k);
+    const int tile_first = k_first / kBlockN, tile_end = k_end > k_first ? num_blocks<kBlockN>(k_end) : tile_first;
+    const int n_tiles = tile_end - tile_first;
+    const int part_first = tile_first + split * n_tiles / p.num_splits;
+    const int part_end = tile_first + (split + 1) * n_tiles / p.num_splits;
+
+    const u16* kbase = k_cache + (i64)h_kv * p.k_sh;
+    const u16* vbase = v_cache + (i64)h_kv * p.v_sh;
+
+    // [decode pack] the block's 16 packed rows of q (rows past the packed ones as zeros).
+    for (int i = tid; i < kRows * (kHeadDim / 8); i += kThreads) {
+        const int r = i / (kHeadDim / 8), c = i % (kHeadDim / 8);
+        const int pr = r0 + r;
+        const bool valid = pr < packed;
+        const u16* src = valid ? q + b * p.q_sb + (i64)(pr / group) * p.q_ss + (i64)(h_kv * group + pr % group) * p.q_sh + c * 8
+                               : q;
+        cp_async_16(smem_u32(sQ + Swizzle<kHeadDim>::offset(r, c)), src, valid);
+    }
+    if (part_first < part_end) {
+        load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged>(sK, kbase, p.k_sb, p.k_ss, p, pages, cache_row, leftpad,
+                                                             part_first * kBlockN, len_k, tid);
+        load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged>(sV, vbase, p.v_sb, p.v_ss, p, pages, cache_row, leftpad,
+                                                             part_first * kBlockN, len_k, tid);
+    }
+    cp_async_commit();
+
+    // Per lane: rows g and g + 8 of the block; their query token and ALiBi slope.
+    int row_t[2];
+    float slope[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int pr = r0 + g + 8 * hh;
+        row_t[hh] = pr / group;
+        slope[hh] = p.alibi_slopes && pr < packed
+                        ? p.alibi_slopes[b * p.alibi_sb + h_kv * group + pr % group] * p.inv_scale : 0.f;
+    }
+
+    float acc[kDT][4];
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.f;
+    OnlineSoftmax sm;
+    sm.init();
+
+    for (int j = part_first; j < part_end; ++j) {
+        const int buf = (j - part_first) & 1;
+        if (j + 1 < part_end) {  // the next tile into the other buffer (freed at the end of the last iteration)
+            load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged>(sK + (buf ^ 1) * kTile, kbase, p.k_sb, p.k_ss, p, pages,
+                                                                 cache_row, leftpad, (j + 1) * kBlockN, len_k, tid);
+            load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged>(sV + (buf ^ 1) * kTile, vbase, p.v_sb, p.v_ss, p, pages,
+                                                                 cache_row, leftpad, (j + 1) * kBlockN, len_k, tid);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();  // Q and tile j have landed
+        __syncthreads();
+        const u16* tK = sK + buf * kTile;
+        const u16* tV = sV + buf * kTile;
+
+        // [fa2-fwd 2] S = Q K_w^T over this warp's kWN keys of the tile.
+        float s[kNT][4];
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < kKT; ++kk) {
+            u32 a[4];
+            load_a<kHeadDim>(a, sQ, 0, kk, lane);
+#pragma unroll
+            for (int np = 0; np < kNT / 2; ++np) {
+                u32 bf[4];
+                load_b_nk<kHeadDim>(bf, tK, warp * kWN + np * 16, kk, lane);
+                Elem<T>::mma(s[2 * np], a, bf[0], bf[1]);
+                Elem<T>::mma(s[2 * np + 1], a, bf[2], bf[3]);
+            }
+        }
+        // [variant mod], [variant mask] of the packed rows, then the scale for exp2.
+        const int key0 = j * kBlockN + warp * kWN;
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int hh = e >> 1, key = key0 + nt * 8 + 2 * t4 + (e & 1);
+                const int tq = row_t[hh];
+                float x = s[nt][e];
+                if (p.softcap_a != 0.f) x = p.softcap_b * tanhf(p.softcap_a * x);
+                x -= slope[hh] * fabsf((float)(tq + offset - key));
+                bool seen = key < len_k;
+                if (p.has_right) seen = seen && key <= tq + offset + p.window_right;
+                if (p.has_left) seen = seen && key >= tq + offset - p.window_left;
+                s[nt][e] = seen ? x * p.scale_log2 : -CUFLASH_INF;
+            }
+        }
+        // [fa2-fwd 3], [fa2-fwd 4]
+        sm.update(s, acc);
+        // [fa2-fwd 5] acc += P V_w
+#pragma unroll
+        for (int kk = 0; kk < kWN / 16; ++kk) {
+            u32 a[4];
+            c_to_a<T, kNT>(a, s, kk);
+#pragma unroll
+            for (int np = 0; np < kDT / 2; ++np) {
+                u32 bf[4];
+                load_b_kn<kHeadDim>(bf, tV, warp * kWN + kk * 16, np, lane);
+                Elem<T>::mma(acc[2 * np], a, bf[0], bf[1]);
+                Elem<T>::mma(acc[2 * np + 1], a, bf[2], bf[3]);
+            }
+        }
+        __syncthreads();  // every warp is done with buffer buf before it is refilled
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // [decode merge] within the block: each warp's (m, l, O) of the 16 rows to shared memory (over the K/V
+    // ring), then every thread combines the warps for some (row, column) elements.
+    float* sState = reinterpret_cast<float*>(sK);           // kNWarps x 16 x kHeadDim partial O (unnormalized)
+    float* sM = sState + kNWarps * kRows * kHeadDim;        // kNWarps x 16 row max (scale * log2(e) units)
+    float* sL = sM + kNWarps * kRows;                       // kNWarps x 16 row sum
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int r = g + 8 * hh;
+        const float l = quad_sum(sm.l[hh]);
+        if (t4 == 0) {
+            sM[warp * kRows + r] = sm.m[hh];
+            sL[warp * kRows + r] = l;
+        }
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt) {
+            float* dst = sState + (warp * kRows + r) * kHeadDim + dt * 8 + 2 * t4;
+            dst[0] = acc[dt][2 * hh];
+            dst[1] = acc[dt][2 * hh + 1];
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < kRows * kHeadDim; i += kThreads) {
+        const int r = i / kHeadDim, c = i % kHeadDim;
+        const int pr = r0 + r;
+        if (pr >= packed) continue;
+        float mx = -CUFLASH_INF;
+#pragma unroll
+        for (int w = 0; w < kNWarps; ++w) mx = fmaxf(mx, sM[w * kRows + r]);
+        const float m_use = mx == -CUFLASH_INF ? 0.f : mx;
+        float l = 0.f, o = 0.f;
+#pragma unroll
+        for (int w = 0; w < kNWarps; ++w) {
+            const float f = exp2f(sM[w * kRows + r] - m_use);
+            l += sL[w * kRows + r] * f;
+            o += sState[(w * kRows + r) * kHeadDim + c] * f;
+        }
+        const float val = l > 0.f ? o / l : 0.f;
+        const float lse = l > 0.f ? (m_use + log2f(l)) * kLn2 : -CUFLASH_INF;
+        const int tq = pr / group, hq = h_kv * group + pr % group;
+        if (p.num_splits == 1) {
+            out[b * p.o_sb + (i64)tq * p.o_ss + (i64)hq * p.o_sh + c] = static_cast<u16>(Elem<T>::pack(val, 0.f) & 0xffffu);
+            if (c == 0) lse_out[((i64)b * p.heads_q + hq) * seqlen_q + tq] = lse;
+        } else {
+            // partials (splits, batch, heads_q, seqlen_q, d) and (splits, batch, heads_q, seqlen_q)
+            const i64 rowi = (((i64)split * gridDim.z + b) * p.heads_q + hq) * seqlen_q + tq;
+            o_part[rowi * kHeadDim + c] = val;
+            if (c == 0) lse_part[rowi] = lse;
+        }
+    }
+}
+
+}  // namespace cuflash
