@@ -423,7 +423,7 @@ def bench(argv, which="auto") -> int:
     return int(code or 0)
 
 
-USAGE = """usage: python -m cuflash {demo,bench,bench-cpu,bench-gpu} [options]
+USAGE = """usage: python -m cuflash {demo,bench,bench-cpu,bench-gpu,bench-decode} [options]
 
   demo       run attention forward and backward on the best backend, check against float64,
              print error, time and peak memory (python -m cuflash demo --help for options)
@@ -431,6 +431,8 @@ USAGE = """usage: python -m cuflash {demo,bench,bench-cpu,bench-gpu} [options]
              options are passed through (python -m cuflash bench --help)
   bench-cpu  the CPU benchmark (NumPy reference), whatever is installed
   bench-gpu  the GPU side-by-side benchmark
+  bench-decode  one decode step against a KV cache: bandwidth beside PyTorch SDPA and a device copy
+             (NumPy reference at small sizes without a GPU; python -m cuflash bench-decode --help)
 """
 
 
@@ -447,6 +449,10 @@ def main(argv=None) -> int:
             return bench(rest)
         if command in ("bench-cpu", "bench-gpu"):
             return bench(rest, which=command[len("bench-"):])
+        if command == "bench-decode":
+            from .bench_decode import main as bench_decode
+
+            return bench_decode(rest)
     except SystemExit as exc:  # argparse: --help or a bad option
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     print(f"cuflash: error: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")

@@ -141,3 +141,21 @@ def test_bench_passes_its_arguments_through(monkeypatch):
     assert cli.main(["bench", "--seqlen", "512", "--causal"]) == 0
     assert cli.main(["bench-cpu", "--quick"]) == 0
     assert calls == [(expected, ["--seqlen", "512", "--causal"]), ("cpu", ["--quick"])]
+
+
+def test_bench_decode_on_the_cpu_writes_its_table_and_plot(capsys, tmp_path, monkeypatch):
+    """Without a GPU, bench-decode times the NumPy reference at small sizes and still writes JSON and a plot."""
+    import json
+
+    from cuflash import __main__ as cli
+
+    monkeypatch.setattr(cli, "gpu_available", lambda: False)
+    out_json, out_png = tmp_path / "decode.json", tmp_path / "decode.png"
+    code = cli.main(["bench-decode", "--batch", "1", "--cache", "64", "128", "--json", str(out_json),
+                     "--plot", str(out_png)])
+    assert code == 0
+    rows = json.loads(out_json.read_text())
+    assert [(r["batch"], r["cache"]) for r in rows] == [(1, 64), (1, 128)]
+    assert all(r["numpy_us"] > 0 and r["kv_bytes"] == 2 * r["cache"] * 2 * 32 * 4 for r in rows)
+    assert out_png.stat().st_size > 1000
+    assert "NumPy reference" in capsys.readouterr().out
