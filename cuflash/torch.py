@@ -142,6 +142,7 @@ def _front_door_options(args: dict) -> dict:
                                                                          "dropout_offset", "mod_array_names")},
         window_size=(args["window_left"], args["window_right"]),
         mod_arrays={name: _to_array(a) for name, a in zip(names, args["mod_arrays"])} if names else None,
+        # TODO(GPU path, CUDA graphs): read on the host, so a captured graph replays with the captured seed
         dropout_seed=None if seed is None else _unsigned64(int(seed.item())),
         dropout_offset=_unsigned64(args["dropout_offset"]),
     )
@@ -161,7 +162,8 @@ def _attention_fwd(
     """``(out, lse)`` of :func:`cuflash.attention` (``deterministic`` is the backward's, kept for autograd)."""
     options = _front_door_options(locals())
     # TODO(GPU path): out and lse come from CuPy's memory pool here and cross back through DLPack; the issue
-    # wants them (and the backend's workspaces) from torch's caching allocator on the current stream.
+    # wants them (and the backend's workspaces) from torch's caching allocator on the current stream, which a
+    # CUDA graph capture also needs (docs/integrations.md, "What the GPU path still lacks").
     with _on_torch_stream(q):
         out, lse = cuflash.attention(_to_array(q), _to_array(k), _to_array(v), return_lse=True,
                                      bias=None if bias is None else _to_array(bias), **options)
