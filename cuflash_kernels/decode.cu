@@ -1,6 +1,6 @@
 // cuflash decode kernels (KV-cache attention, split-KV), mirroring cuflash/reference_decode.py:forward_kvcache.
 //
-// flash_decode_kernel: one thread block per (split, key/value head x packed-row tile, sequence). GQA packing
+// flash_decode_kernel: one thread block per (key/value head x packed-row tile, split, sequence). GQA packing
 // [decode pack]: the rows of a block are packed rows r = t * group + g (query token t, query head
 // h_kv * group + g), 16 of them (one mma row tile), so every query head that reads a key/value head is
 // computed from one load of each K/V tile. [decode split]: the block walks its part of the sequence's key
@@ -50,7 +50,7 @@ struct DecodeConfig {
     static constexpr int kRows = 16;
     static constexpr int kTile = kBlockN * kHeadDim;
     static constexpr int kSmemBytes = 2 * (kRows * kHeadDim + 2 * 2 * kTile);
-    static_assert(kNWarps * kRows * (kHeadDim + 2) * 4 <= kSmemBytes, "the warp states fit in the K/V ring");
+    static_assert(kNWarps * kRows * (kHeadDim + 2) * 4 <= 2 * 2 * 2 * kTile, "the warp states fit in the K/V ring");
 };
 
 // K or V rows [n0, n0 + kBlockN) of the sequence (cache slots leftpad + n0, ...) into a swizzled tile; keys past
@@ -95,8 +95,9 @@ flash_decode_kernel(const u16* __restrict__ q, const u16* __restrict__ k_cache, 
     u16* sK = sQ + kRows * kHeadDim;
     u16* sV = sK + 2 * kTile;
 
-    const int split = blockIdx.x, b = blockIdx.z;
-    const int h_kv = blockIdx.y / row_tiles, rt = blockIdx.y % row_tiles;
+    // grid (heads_kv * row_tiles, splits, batch): x has no 65535 limit (a long chunked prefill has many row tiles)
+    const int split = blockIdx.y, b = blockIdx.z;
+    const int h_kv = blockIdx.x / row_tiles, rt = blockIdx.x % row_tiles;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
     const int group = p.group, seqlen_q = p.seqlen_q;

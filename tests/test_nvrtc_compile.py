@@ -153,3 +153,30 @@ def test_source_text_is_self_contained():
         text = _cuda.compile_source_for_nvrtc(source)
         assert '#include "' not in text
         assert "namespace cuflash" in text
+
+
+def _layout_asserts(struct: str, dtype, rename=None) -> str:
+    """static_asserts that C++'s ``struct`` has the size and field offsets of the NumPy ``dtype`` the launcher
+    packs it with (``rename``: dtype field -> C++ member path where they differ)."""
+    rename = rename or {}
+    lines = [f'static_assert(sizeof(cuflash::{struct}) == {dtype.itemsize}, "{struct}: size");']
+    for name, (_, offset) in dtype.fields.items():
+        member = rename.get(name, name)
+        lines.append(f'static_assert(__builtin_offsetof(cuflash::{struct}, {member}) == {offset}, "{struct}.{member}");')
+    return "\n".join(lines) + "\n"
+
+
+def test_parameter_structs_match_the_launchers_layouts():
+    """VariantParams, ExtraParams and DecodeParams are packed by NumPy structured dtypes: C++ must agree on
+    every offset, or a kernel would read one field as another."""
+    from cuflash._cuda.decode import DECODE_PARAMS_DTYPE
+    from cuflash._cuda.spec import EXTRA_PARAMS_DTYPE, VARIANT_PARAMS_DTYPE
+
+    nvrtc = _nvrtc()
+    text = _cuda.compile_source_for_nvrtc("forward.cu") + _layout_asserts("VariantParams", VARIANT_PARAMS_DTYPE)
+    text += _layout_asserts("ExtraParams", EXTRA_PARAMS_DTYPE, {"mod_ptr": "mods.ptr", "mod_len": "mods.len"})
+    ok, log = compile_with_nvrtc(nvrtc, text, [], _cuda.NVRTC_OPTIONS, "sm_80")
+    assert ok, log[-3000:]
+    text = _cuda.compile_source_for_nvrtc("decode.cu") + _layout_asserts("DecodeParams", DECODE_PARAMS_DTYPE)
+    ok, log = compile_with_nvrtc(nvrtc, text, [], _cuda.NVRTC_OPTIONS, "sm_80")
+    assert ok, log[-3000:]

@@ -16,7 +16,7 @@ import numpy as np
 from .._kvcache import KVCache
 from .._merge import merge_stacked
 from .._variant import Variant
-from .compile import check_smem, launch
+from .compile import check_smem, kernel, launch
 from .spec import CTYPES, DECODE_HEAD_DIMS, TILES
 from .spec import spec as kernel_spec
 
@@ -47,7 +47,12 @@ def _el(a, axis: int) -> int:
 
 
 def check_decode_supported(q, k_cache, v_cache) -> None:
-    """What this first version runs; anything else raises NotImplementedError naming it."""
+    """What this first version runs; anything else raises NotImplementedError naming it (before the caches
+    are touched)."""
+    from .compile import device_info
+
+    if device_info()[0] < 80:
+        raise NotImplementedError("decoding on the GPU needs compute capability 8.0 or newer (cp.async, mma.sync)")
     d, dv = q.shape[-1], v_cache.shape[-1]
     if dv != d:
         raise NotImplementedError(f"decoding on the GPU with head_dim_v != head_dim (got {d} and {dv}, MLA) comes next")
@@ -67,8 +72,8 @@ def _rotate(x, rotary, positions):
     import cupy
 
     half = rotary.cos.shape[1]
-    c = rotary.cos.astype(cupy.float32)[positions][:, :, None, :]
-    s = rotary.sin.astype(cupy.float32)[positions][:, :, None, :]
+    c = rotary.cos[positions].astype(cupy.float32)[:, :, None, :]  # gather, then convert only those rows
+    s = rotary.sin[positions].astype(cupy.float32)[:, :, None, :]
     out = x.astype(cupy.float32)
     if rotary.interleaved:
         x1, x2 = out[..., 0:2 * half:2].copy(), out[..., 1:2 * half:2].copy()
@@ -106,6 +111,13 @@ def forward_kvcache(q, k_cache, v_cache, k, v, *, cache: KVCache, scale: float, 
     batch, seqlen_q, heads_q, d = q.shape
     heads_kv = k_cache.shape[2]
     group = heads_q // heads_kv
+    # The kernel first (shared memory, NVRTC): nothing that can fail may come after the append.
+    dtype = np.dtype(q.dtype).name
+    paged = cache.block_table is not None
+    spec = kernel_spec("decode", dtype, d, TILES[("decode", "any", d)], "true" if paged else "false")
+    assert spec.tile.block_m == 16 and spec.tile.stages == 2, "decode.cu's packed-row tile and ring"
+    check_smem(spec)
+    kernel(spec)
     if cache.rotary is not None:
         rot = cache.rotary
         base = cache.cache_seqlens.astype(cupy.int64)[:, None]
@@ -113,17 +125,17 @@ def forward_kvcache(q, k_cache, v_cache, k, v, *, cache: KVCache, scale: float, 
         q = _rotate(q, rot, base + steps[None, :])
         if k is not None:
             k = _rotate(k, rot, base + cupy.arange(k.shape[1])[None, :])
-    if k is not None:
+    if k is not None and k.shape[1]:
         _append(k_cache, v_cache, k, v, cache)
-
-    dtype = np.dtype(q.dtype).name
-    paged = cache.block_table is not None
-    spec = kernel_spec("decode", dtype, d, TILES[("decode", "any", d)], "true" if paged else "false")
-    check_smem(spec)
-    splits = max(1, int(cache.num_splits))
-    row_tiles = -(-(seqlen_q * group) // spec.tile.block_m)
     if out is None:
         out = cupy.empty((batch, seqlen_q, heads_q, d), dtype=q.dtype)
+    if 0 in (batch, seqlen_q, heads_q):  # no block to launch: what a row that sees no key keeps
+        out[...] = 0
+        return out, cupy.full((batch, heads_q, seqlen_q), -cupy.inf, dtype=cupy.float32)
+
+    # Splits past the number of key tiles would be empty: at most one per tile (and grid y's 65535).
+    splits = max(1, min(int(cache.num_splits), -(-cache.capacity // spec.tile.block_n), 65535))
+    row_tiles = -(-(seqlen_q * group) // spec.tile.block_m)
     lse = cupy.empty((batch, heads_q, seqlen_q), dtype=cupy.float32)
     o_part = lse_part = None
     if splits > 1:
@@ -139,14 +151,17 @@ def forward_kvcache(q, k_cache, v_cache, k, v, *, cache: KVCache, scale: float, 
     p["bt_sb"] = 0 if cache.block_table is None else _el(cache.block_table, 0)
     p["seqlen_q"], p["seqlen_new"], p["heads_q"], p["group"] = seqlen_q, cache.seqlen_new, heads_q, group
     p["page_size"], p["num_splits"] = cache.page_size or 1, splits
-    left, right = variant.window_left, variant.right
+    # A band edge past every key is no edge: clamped so that t + offset +- window stays inside int32.
+    reach = cache.capacity + seqlen_q
+    left = None if variant.window_left is None else min(variant.window_left, reach)
+    right = None if variant.right is None else min(variant.right, reach)
     p["has_left"], p["window_left"] = left is not None, left or 0
     p["has_right"], p["window_right"] = right is not None, right or 0
     p["scale_log2"], p["inv_scale"] = scale * _LOG2E, 1.0 / scale
     if variant.softcap:
         p["softcap_a"], p["softcap_b"] = scale / variant.softcap, variant.softcap / scale
     null = np.uintp(0)
-    launch(spec, (splits, heads_kv * row_tiles, batch), (
+    launch(spec, (heads_kv * row_tiles, splits, batch), (
         q, k_cache, v_cache, o_part if o_part is not None else null, lse_part if lse_part is not None else null,
         out, lse, np.int32(row_tiles), p[()]))
     if splits > 1:  # [decode merge]
