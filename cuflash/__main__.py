@@ -402,7 +402,11 @@ def demo(argv=None, out=None) -> int:
 # ---------------------------------------------------------------------------------------------------
 
 def bench(argv, which="auto") -> int:
-    """Run the GPU side-by-side benchmark when CuPy and a GPU are present, else the CPU benchmark."""
+    """Run the GPU side-by-side benchmark when CuPy and a GPU are present, else the CPU benchmark.
+
+    The chosen module's ``main`` gets ``argv`` unchanged and ``prog``, the command as typed (``python -m
+    cuflash bench``, ``bench-cpu`` or ``bench-gpu``), for its usage and ``--help`` lines."""
+    prog = "python -m cuflash bench" + ("" if which == "auto" else f"-{which}")
     if which == "auto":
         which = "gpu" if gpu_available() else "cpu"
     module_name = f"cuflash.bench_{which}"
@@ -415,11 +419,12 @@ def bench(argv, which="auto") -> int:
             raise
         print(f"cuflash bench: error: {module_name} is not available in this version", file=sys.stderr)
         return EXIT_USAGE
-    if which == "gpu" and not gpu_available():
+    wants_help = any(arg in ("-h", "--help") for arg in argv)  # --help works without a GPU
+    if which == "gpu" and not wants_help and not gpu_available():
         print(f"cuflash bench: error: bench-gpu needs CuPy and a CUDA GPU: {_cupy_status()[1]}",
               file=sys.stderr)
         return EXIT_USAGE
-    code = module.main(list(argv))
+    code = module.main(list(argv), prog=prog)
     return int(code or 0)
 
 

@@ -29,9 +29,9 @@ MEMORY_TARGET = 0.1  # blocked peak / naive peak
 CHECK_TOLERANCE = 1e-5  # max|blocked - naive| / max|naive| for float32
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(prog: str = "python -m cuflash bench-cpu") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m cuflash bench-cpu",
+        prog=prog,
         description="Time and peak memory of the NumPy reference forward: blocked FA2 and FA1 vs naive.",
     )
     parser.add_argument("--batch", type=int, default=2, help="batch for the timing (default 2)")
@@ -148,10 +148,11 @@ def _plot(args, options, out) -> None:
     print(f"  wrote {directory / 'cpu-throughput.png'} and {directory / 'cpu-memory.png'}", file=out)
 
 
-def main(argv=None, out=None) -> int:
-    """Run both measurements and print the table; exit status 1 if a check or a target fails."""
+def main(argv=None, out=None, prog: str = "python -m cuflash bench-cpu") -> int:
+    """Run both measurements and print the table; exit status 1 if a check or a target fails. ``prog``
+    names the command in the usage line (``python -m cuflash bench`` hands its own name)."""
     out = sys.stdout if out is None else out
-    args = _parser().parse_args(argv)
+    args = _parser(prog).parse_args(argv)
     block_q, block_k = _blocks.default_block_sizes(args.head_dim, sram_elems=args.sram_elems)
     blocked = dict(block_q=block_q, block_k=block_k)
     scale = args.head_dim**-0.5

@@ -1,7 +1,7 @@
 """Side-by-side GPU benchmark: cuflash vs PyTorch SDPA (FLASH_ATTENTION, CUDNN_ATTENTION), same process,
 same inputs, the FlashAttention FLOP convention of ANCHORS.md.
 
-    python -m cuflash.bench_gpu [--quick] [--dtypes bfloat16,float16] [--dims 64,128] [--seqlens ...]
+    python -m cuflash bench-gpu [--quick] [--dtypes bfloat16,float16] [--dims 64,128] [--seqlens ...]
                                 [--no-extras] [--json FILE]
 
 Grid: batch * seqlen = 16384, heads * head_dim = 2048. FLOPs: forward 4 B H N^2 d (halved when causal),
@@ -217,8 +217,8 @@ def _memory_point(cp, cuflash, n, heads, head_dim):
     return {"N": n, "cuflash forward": fwd, "cuflash backward": bwd, "naive CuPy forward": naive}
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="cuflash.bench_gpu", description=__doc__.split("\n")[0])
+def main(argv=None, prog: str = "python -m cuflash bench-gpu"):
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="bfloat16, seqlens 512, 2048, 8192, short timing")
     ap.add_argument("--dtypes", default="bfloat16,float16")
     ap.add_argument("--dims", default="64,128")

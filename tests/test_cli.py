@@ -135,12 +135,31 @@ def test_bench_passes_its_arguments_through(monkeypatch):
     calls = []
     for which in ("cpu", "gpu"):
         fake = types.ModuleType(f"cuflash.bench_{which}")
-        fake.main = lambda argv, which=which: calls.append((which, argv)) or 0
+        fake.main = lambda argv, prog, which=which: calls.append((which, argv, prog)) or 0
         monkeypatch.setitem(sys.modules, f"cuflash.bench_{which}", fake)
     expected = "gpu" if cli.gpu_available() else "cpu"
     assert cli.main(["bench", "--seqlen", "512", "--causal"]) == 0
     assert cli.main(["bench-cpu", "--quick"]) == 0
-    assert calls == [(expected, ["--seqlen", "512", "--causal"]), ("cpu", ["--quick"])]
+    assert calls == [(expected, ["--seqlen", "512", "--causal"], "python -m cuflash bench"),
+                     ("cpu", ["--quick"], "python -m cuflash bench-cpu")]
+
+
+@pytest.mark.parametrize("command", ["bench", "bench-cpu", "bench-gpu", "bench-decode"])
+def test_bench_help_names_the_command(command, capsys):
+    """Each bench command's --help shows the command as typed (bench-gpu's too, without a GPU)."""
+    assert cli.main([command, "--help"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith(f"usage: python -m cuflash {command} ["), captured.out[:200] + captured.err
+    assert "cuflash.bench_" not in captured.out, captured.out
+
+
+def test_bench_help_as_a_subprocess():
+    """The same through the interpreter, as a user types it."""
+    for command in ("bench-cpu", "bench-gpu", "bench-decode"):
+        result = subprocess.run([sys.executable, "-m", "cuflash", command, "--help"],
+                                capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith(f"usage: python -m cuflash {command} ["), result.stdout[:200]
 
 
 def test_bench_decode_on_the_cpu_writes_its_table_and_plot(capsys, tmp_path, monkeypatch):
