@@ -56,13 +56,13 @@ def _prepare(q, k, v, *, softmax_scale, algorithm, block_q, block_k, variant_opt
 
     ``read_values=False`` checks cu_seqlens and seqused_k by shape and dtype only (see :mod:`cuflash._validate`).
     """
-    packed = [variant_options[name] for name in _PACKED_OPTIONS]
-    varlen = _validate.varlen_mode(*packed)
     arrays = {"q": q, "k": k, "v": v, **(extra or {})}
     arrays.update((name, variant_options[name]) for name in ("bias", *ARRAY_OPTIONS) if variant_options[name] is not None)
     if isinstance(variant_options.get("mod_arrays"), Mapping):
         arrays.update((f"mod_arrays[{name!r}]", a) for name, a in variant_options["mod_arrays"].items())
-    library = _validate.check_same_library(**arrays)
+    library = _validate.check_same_library(**arrays)  # first: None or a list for an array is named here
+    packed = [variant_options[name] for name in _PACKED_OPTIONS]
+    varlen = _validate.varlen_mode(*packed)
     problem = _validate.check_qkv(q, k, v, varlen=varlen)
     if varlen:
         problem = _validate.check_cu_seqlens(problem, *packed, read_values=read_values)
@@ -74,6 +74,41 @@ def _prepare(q, k, v, *, softmax_scale, algorithm, block_q, block_k, variant_opt
         block_k=_validate.block_size("block_k", block_k),
     )
     return library, problem, options
+
+
+# Libraries whose backend takes positive scales only. The CUDA kernels keep raw scores q . k, take their row
+# maximum and convert softcap, ALiBi and the bias into raw-score units with 1 / scale
+# (cuflash/_cuda/spec.py:variant_params): a negative scale would make the raw maximum the scaled minimum and a
+# masked -inf score +inf, and 0 divides by zero. The front door hands them an equivalent positive scale
+# instead (_kernel_scale); the NumPy reference multiplies by the scale first and takes any finite one.
+_POSITIVE_SCALE_ONLY = ("cupy",)
+
+
+def _times(a, factor: int):
+    """``factor * a`` for ``factor`` -1 or 0, through the bits (exact, and for bfloat16 CuPy arrays too): the
+    sign bit flipped, or a signed zero (NaN where ``a`` is NaN or infinite, as ``0 * a``)."""
+    bits, exponent, sign = _validate.float_bits(a)
+    exponent, sign = bits.dtype.type(exponent), bits.dtype.type(sign)
+    if factor == -1:
+        return (bits ^ sign).view(a.dtype)
+    xp = _namespace(a)
+    nan = bits.dtype.type(int(exponent) | (int(exponent) & -int(exponent)) >> 1)  # exponent all ones, top mantissa bit
+    return xp.where((bits & exponent) == exponent, nan, bits & sign).view(a.dtype)
+
+
+def _kernel_scale(library: str, q, scale: float):
+    """``(q, scale, dq_factor)`` for the backend: unchanged for a positive scale or a backend that takes any
+    (NumPy); else an equivalent call with a positive scale and the factor that turns its dq into the caller's.
+
+    ``scale * q . k`` is ``(-scale) * (-q) . k``: a negative scale runs with ``-q`` (a copy) and ``-scale``, and
+    dq changes sign (dk, dv, dbias, out and lse are those of the caller's call). Scale 0 runs with ``0 * q`` (zeros,
+    NaN where q is not finite) and scale 1: every score is 0 as with scale 0; dq is ``0 * dq`` and dk is 0 already.
+    """
+    if scale > 0 or library not in _POSITIVE_SCALE_ONLY:
+        return q, scale, 1
+    if scale < 0:
+        return _times(q, -1), -scale, -1
+    return _times(q, 0), 1.0, 0
 
 
 def attention(
@@ -104,6 +139,7 @@ def attention(
     block_q: int | None = None,
     block_k: int | None = None,
     return_lse: bool = False,
+    check_finite: bool = False,
 ):
     """Exact softmax attention, ``softmax(scale * q k^T) v``, computed block by block.
 
@@ -124,7 +160,10 @@ def attention(
     causal : bool
         Mask out keys after the query's position on the diagonal chosen by ``causal_align``.
     softmax_scale : float, optional
-        Multiplies the scores before the softmax; default ``1 / sqrt(head_dim)`` (q's and k's head dim).
+        Multiplies the scores before the softmax; default ``1 / sqrt(head_dim)`` (q's and k's head dim). Any
+        finite real, as PyTorch and flash-attention: 0 gives uniform attention over the keys a row sees, a
+        negative scale is allowed (softcap, ALiBi and the bias apply to ``softmax_scale * q . k``). On CuPy
+        arrays a scale <= 0 runs as an equivalent positive one (``-q``, or zeros, in a copy of q).
     causal_align : {"bottom-right", "top-left"}
         The diagonal of a sequence of ``len_q`` queries and ``len_k`` keys: query ``i`` faces key
         ``i + len_k - len_q`` (bottom-right, as flash-attention >= 2.1) or key ``i`` (top-left). Causal
@@ -184,6 +223,13 @@ def attention(
         Tile sizes. Default: from the on-chip memory budget (NumPy) or the tuned tile table (CUDA).
     return_lse : bool
         Also return the logsumexp of the scaled (and modified) scores, needed by :func:`attention_backward`.
+    check_finite : bool
+        Scan q, k, v, ``alibi_slopes`` and ``bias`` for NaN and infinities (``-inf`` allowed in ``bias``: it
+        masks) after the other checks and before any computation, and raise ``ValueError`` naming the array and
+        its first bad index. Off by default: inputs are not scanned and a NaN propagates as IEEE arithmetic does
+        (``docs/conventions.md``, "NaN and infinities"). Also on when the environment variable
+        ``CUFLASH_CHECK_FINITE=1`` is set (at call time: the torch and JAX front ends too). On CuPy arrays it
+        costs one device reduction and one host synchronization per array.
 
     Returns
     -------
@@ -196,11 +242,15 @@ def attention(
         q, k, v, softmax_scale=softmax_scale, algorithm=algorithm, block_q=block_q, block_k=block_k,
         variant_options=variant_options,
     )
+    if _validate.finite_checks(check_finite):
+        _validate.check_finite({"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes, "bias": bias},
+                               allow_neginf=("bias",))
     if problem.is_empty:
         out, lse = _empty_forward(q, problem)
     else:
         backend = _backend(library)
         _check_supported(backend, problem, options["algorithm"], options["variant"])
+        q, options["scale"], _ = _kernel_scale(library, q, options["scale"])
         out, lse = backend.forward(q, k, v, **options)
     return (out, lse) if return_lse else out
 
@@ -238,6 +288,7 @@ def attention_backward(
     order: str | None = None,
     deterministic: bool = False,
     return_dbias: bool | None = None,
+    check_finite: bool = False,
 ):
     """Gradients of :func:`attention` with respect to q, k and v (and ``bias``).
 
@@ -261,6 +312,9 @@ def attention_backward(
     return_dbias : bool, optional
         Whether to compute and return ``dbias``; default: when ``bias`` is given. ``False`` with a bias
         that needs no gradient saves writing ``batch x heads_q x seqlen_q x seqlen_k`` floats.
+    check_finite : bool
+        As in :func:`attention`, over do, q, k, v, out, lse (``-inf`` allowed: a row that sees no key),
+        ``alibi_slopes`` and ``bias``; also on with ``CUFLASH_CHECK_FINITE=1``.
 
     Returns
     -------
@@ -278,15 +332,20 @@ def attention_backward(
     _validate.check_backward_tensors(problem, do, out, lse)
     options["order"] = _validate.backward_order(order, deterministic)
     want_dbias = _validate.return_dbias(return_dbias, bias)
+    if _validate.finite_checks(check_finite):
+        _validate.check_finite({"do": do, "q": q, "k": k, "v": v, "out": out, "lse": lse,
+                                "alibi_slopes": alibi_slopes, "bias": bias}, allow_neginf=("lse", "bias"))
     if problem.is_empty:
         grads = _empty_backward(q, k, v)
         return (*grads, _namespace(q).zeros(bias.shape, bias.dtype)) if want_dbias else grads
     backend = _backend(library)
     _check_supported(backend, problem, options["algorithm"], options["variant"])
+    q, options["scale"], dq_factor = _kernel_scale(library, q, options["scale"])
     if not want_dbias:  # the keyword only when asked: the backend interface without a bias is unchanged
-        return backend.backward(do, q, k, v, out, lse, **options)
+        dq, dk, dv = backend.backward(do, q, k, v, out, lse, **options)
+        return (dq if dq_factor == 1 else _times(dq, dq_factor)), dk, dv
     dq, dk, dv, dbias = backend.backward(do, q, k, v, out, lse, **options, want_dbias=True)
-    return dq, dk, dv, _reduce_dbias(dbias, bias)
+    return (dq if dq_factor == 1 else _times(dq, dq_factor)), dk, dv, _reduce_dbias(dbias, bias)
 
 
 def dropout_mask(shape, dropout_p: float, seed: int, offset: int = 0):
@@ -433,11 +492,12 @@ def attention_with_kvcache(
     anything is written: always for NumPy arrays; for CuPy arrays only in the debug mode
     ``CUFLASH_CHECK_DEVICE_VALUES=1`` (reading device values costs a synchronization per step).
     """
-    given = {name: a for name, a in (
-        ("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("rotary_cos", rotary_cos),
+    given = {"q": q, "k_cache": k_cache, "v_cache": v_cache}  # required: None is named by check_same_library
+    given.update((name, a) for name, a in (
+        ("k", k), ("v", v), ("rotary_cos", rotary_cos),
         ("rotary_sin", rotary_sin), ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
         ("block_table", block_table), ("alibi_slopes", alibi_slopes), ("out", out),
-    ) if a is not None}
+    ) if a is not None)
     if hasattr(cache_seqlens, "dtype") and hasattr(cache_seqlens, "shape"):
         given["cache_seqlens"] = cache_seqlens
     library = _validate.check_same_library(**given)
@@ -465,6 +525,7 @@ def attention_with_kvcache(
             "attention_with_kvcache runs on NumPy arrays for now (the NumPy reference); the CUDA decode kernels come "
             "next. Pass NumPy arrays, or cuflash.attention on gathered keys meanwhile"
         )
+    q, scale, _ = _kernel_scale(library, q, scale)
     result, lse = forward_kvcache(q, k_cache, v_cache, k, v, cache=cache, scale=scale, variant=variant, out=out)
     return (result, lse) if return_lse else result
 

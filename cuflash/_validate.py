@@ -112,11 +112,34 @@ def lse_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
+_ARRAY_KINDS = "a numpy.ndarray, or a cupy.ndarray for the CUDA kernels"
+
+
+def _is_array(a) -> bool:
+    return all(hasattr(a, attr) for attr in ("shape", "dtype", "ndim"))
+
+
+def check_arrays(**arrays) -> None:
+    """Each argument is an array (anything with ``shape``, ``dtype`` and ``ndim``; which library it may come
+    from is :func:`check_same_library`'s check): ``None`` or a list for an array is named here, before any other
+    check reads it."""
+    for name, a in arrays.items():
+        if _is_array(a) or _library(a) in ("torch", "jax", "jaxlib"):  # the latter: check_same_library's hint
+            continue
+        if a is None:
+            raise TypeError(f"{name} must be an array ({_ARRAY_KINDS}); got None")
+        hint = "; convert it with numpy.asarray" if isinstance(a, (list, tuple)) else ""
+        raise TypeError(f"{name} must be an array ({_ARRAY_KINDS}); got {type(a).__module__}.{type(a).__name__}"
+                        f"{hint}")
+
+
 def check_same_library(**arrays) -> str:
-    """All arrays come from one array library and, for device arrays, one device.
+    """Every argument is an array (:func:`check_arrays`), all from one array library and, for device arrays,
+    one device.
 
     Returns the library name (``"numpy"`` or ``"cupy"``).
     """
+    check_arrays(**arrays)
     names = list(arrays)
     libs = {name: _library(a) for name, a in arrays.items()}
     first = names[0]
@@ -248,15 +271,17 @@ def check_backward_tensors(problem: Problem, do, out, lse) -> None:
 
 
 def softmax_scale(value, head_dim: int) -> float:
-    """The scale applied to q k^T: ``1/sqrt(head_dim)`` (q's and k's head dim, not v's) by default, else a
-    finite positive real."""
+    """The scale applied to q k^T: ``1/sqrt(head_dim)`` (q's and k's head dim, not v's) by default, else any
+    finite real, as PyTorch's ``scaled_dot_product_attention`` and flash-attention take it: 0 gives every key
+    the same score (uniform attention over the keys a row sees), a negative scale favours the least similar
+    keys. softcap, ALiBi and the bias apply to ``scale * q . k`` whatever its sign."""
     if value is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"softmax_scale must be a real number or None; got {type(value).__name__}")
     scale = float(value)
-    if not math.isfinite(scale) or scale <= 0.0:
-        raise ValueError(f"softmax_scale must be finite and positive; got {value!r}")
+    if not math.isfinite(scale):
+        raise ValueError(f"softmax_scale must be finite (any sign; 0 gives uniform attention); got {value!r}")
     return scale
 
 
@@ -654,6 +679,66 @@ def device_value_checks() -> bool:
     mode ``CUFLASH_CHECK_DEVICE_VALUES=1``, since reading them is a device-to-host copy and a synchronization
     that a decode step must not pay. NumPy arrays are always checked."""
     return os.environ.get(DEVICE_CHECKS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The opt-in finite check (check_finite=True, CUFLASH_CHECK_FINITE=1)
+# ---------------------------------------------------------------------------------------------------
+
+FINITE_CHECK_ENV = "CUFLASH_CHECK_FINITE"
+
+# dtype name -> (unsigned integer of its width, exponent bits, sign bit): NaN and +-inf have every exponent bit set.
+# Read through the bits, so that bfloat16 CuPy arrays (ml_dtypes' dtype, with no CuPy arithmetic) are read too.
+_FLOAT_BITS = {
+    "float16": (np.uint16, 0x7C00, 0x8000),
+    "bfloat16": (np.uint16, 0x7F80, 0x8000),
+    "float32": (np.uint32, 0x7F80_0000, 0x8000_0000),
+    "float64": (np.uint64, 0x7FF0_0000_0000_0000, 0x8000_0000_0000_0000),
+}
+
+
+def finite_checks(check_finite) -> bool:
+    """Whether the inputs of an attention call are scanned for NaN and infinities: ``check_finite=True``, or
+    the environment variable ``CUFLASH_CHECK_FINITE=1`` (read at each call, so that a whole program, or a
+    framework front end that has no such keyword, can turn it on)."""
+    if not isinstance(check_finite, (bool, np.bool_)):
+        raise TypeError(f"check_finite must be a bool; got {type(check_finite).__name__} {check_finite!r}")
+    return bool(check_finite) or os.environ.get(FINITE_CHECK_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def float_bits(a):
+    """``(bits, exponent, sign)``: a floating array viewed (no copy) as unsigned integers of its width, and the
+    masks of its exponent and sign bits, as Python ints."""
+    uint, exponent, sign = _FLOAT_BITS[np.dtype(a.dtype).name]
+    return a.view(uint), exponent, sign
+
+
+def check_finite(arrays: dict, *, allow_neginf: tuple[str, ...] = ()) -> None:
+    """Raise ValueError naming the first array of ``arrays`` (name -> array or None) that holds a NaN or an
+    infinity, and the first such index in C order. The arrays named in ``allow_neginf`` may hold ``-inf``
+    (a bias's mask, the lse of a row that sees no key). A CuPy array costs a device reduction and a
+    synchronization (``bool(...any())``) per array; its bad index is read only when there is one."""
+    for name, a in arrays.items():
+        if a is None or a.size == 0:
+            continue
+        a = _compact(a)  # a broadcast axis once: its index 0 is an index of the caller's array too
+        bits, exponent, sign = float_bits(a)
+        exponent, sign = bits.dtype.type(exponent), bits.dtype.type(sign)
+        bad = (bits & exponent) == exponent
+        if name in allow_neginf:
+            bad &= bits != (exponent | sign)
+        if not bool(bad.any()):
+            continue
+        flat = int(bad.ravel().argmax())
+        index = tuple(int(i) for i in np.unravel_index(flat, bad.shape))
+        word = int(bits[index])
+        kind = "nan" if word & ~(int(exponent) | int(sign)) else ("-inf" if word & int(sign) else "inf")
+        expected = ("finite or -inf (which masks a score)" if name == "bias" else
+                    "finite or -inf (a row that sees no key)" if name == "lse" else
+                    "finite or -inf" if name in allow_neginf else "finite")
+        where = f"{name}[{', '.join(map(str, index))}]" if index else name
+        raise ValueError(f"{name} must be {expected}; got {kind} at {where} (check_finite=True or "
+                         f"{FINITE_CHECK_ENV}=1 scans the inputs before any computation)")
 
 
 def _check_4d(name: str, a, layout: str) -> None:

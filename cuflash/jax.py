@@ -212,6 +212,10 @@ def attention(
 
     ``score_mod`` and ``mask_mod`` (CUDA C expressions, static under ``jit``) and ``mod_arrays`` (a dict of
     names to 1-D int32 / float32 arrays, no gradient, read when the call runs) as in :func:`cuflash.attention`.
+
+    ``softmax_scale`` may be any finite real (0: uniform attention; negative allowed), as in
+    :func:`cuflash.attention`. Inputs are not scanned for NaN or infinities; ``CUFLASH_CHECK_FINITE=1`` in the
+    environment scans them when the call runs (under ``jit``: inside the callback, where the error surfaces).
     """
     options = (
         ("causal", causal), ("softmax_scale", softmax_scale), ("causal_align", causal_align),
@@ -221,6 +225,11 @@ def attention(
         ("score_mod", score_mod), ("mask_mod", mask_mod), ("deterministic", deterministic),
     )
     _check_dropout_seed(dropout_p, dropout_seed)
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if a is None or not hasattr(a, "shape"):
+            got = "None" if a is None else f"{type(a).__module__}.{type(a).__name__}"
+            raise TypeError(f"cuflash.jax.attention: {name} must be an array (a jax.Array, or a numpy.ndarray); "
+                            f"got {got}")
     q, k, v = (jax.numpy.asarray(a) for a in (q, k, v))  # NumPy inputs too, as any JAX function
     given = dict(alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                  seqused_k=seqused_k, attn_mask=attn_mask)

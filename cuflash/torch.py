@@ -96,6 +96,20 @@ def _on_torch_stream(t: torch.Tensor):
     return cupy.cuda.Stream.from_external(torch.cuda.current_stream(t.device))
 
 
+def _check_devices(**tensors) -> None:
+    """The tensors given (None: not given) are on one device, q's (the first): cuflash runs the NumPy reference
+    on CPU tensors and the CUDA kernels on CUDA tensors of one GPU, and copies nothing between devices."""
+    given = [(name, t) for name, t in tensors.items() if t is not None]
+    first, device = given[0][0], given[0][1].device
+    for name, t in given[1:]:
+        if t.device != device:
+            raise ValueError(
+                f"{first} and {name} must be on the same device (cuflash copies nothing between devices: CPU "
+                f"tensors run the NumPy reference, CUDA tensors the kernels); got {first} on {device} and {name} on "
+                f"{t.device}"
+            )
+
+
 def _output(a) -> torch.Tensor:
     """A backend's result as a tensor, contiguous as the fake implementations promise (the backends allocate
     contiguous results: this copies nothing)."""
@@ -160,6 +174,9 @@ def _attention_fwd(
     block_q: Optional[int], block_k: Optional[int], deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of :func:`cuflash.attention` (``deterministic`` is the backward's, kept for autograd)."""
+    _check_devices(q=q, k=k, v=v, bias=bias, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
+                   cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, attn_mask=attn_mask,
+                   **{f"mod_arrays[{i}]": a for i, a in enumerate(mod_arrays)})
     options = _front_door_options(locals())
     # TODO(GPU path): out and lse come from CuPy's memory pool here and cross back through DLPack; the issue
     # wants them (and the backend's workspaces) from torch's caching allocator on the current stream, which a
@@ -173,6 +190,9 @@ def _attention_fwd(
 @_attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, attn_mask, mod_arrays,
                         dropout_seed, *scalars):
+    _check_devices(q=q, k=k, v=v, bias=bias, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
+                   cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, attn_mask=attn_mask,
+                   **{f"mod_arrays[{i}]": a for i, a in enumerate(mod_arrays)})
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     # (batch, heads_q, seqlen_q); packed (total_q, heads_q, d) q: (heads_q, total_q)
@@ -193,6 +213,9 @@ def _attention_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dbias)`` of :func:`cuflash.attention_backward`; ``dbias`` is an empty ``(0,)`` tensor
     unless ``want_dbias`` (an operator returns tensors, never None)."""
+    _check_devices(q=q, dout=dout, k=k, v=v, out=out, lse=lse, bias=bias, alibi_slopes=alibi_slopes,
+                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, attn_mask=attn_mask,
+                   **{f"mod_arrays[{i}]": a for i, a in enumerate(mod_arrays)})
     options = _front_door_options(locals())
     # TODO(GPU path): dq, dk, dv, dbias and the workspaces (dq_accum, delta) from torch's allocator, as above.
     with _on_torch_stream(q):
@@ -329,10 +352,16 @@ def attention(
     is drawn by :func:`draw_dropout_seed` from PyTorch's default CPU generator (one draw per call with
     ``dropout_p > 0``, none otherwise), so ``torch.manual_seed`` makes a run reproducible; the backward
     reuses the forward's seed and ``dropout_offset``. Call with ``dropout_p=0`` to evaluate without dropout.
+
+    ``softmax_scale`` may be any finite real (0: uniform attention; negative allowed), as in PyTorch's
+    ``scaled_dot_product_attention``. All tensors must be on q's device. Inputs are not scanned for NaN or
+    infinities; ``CUFLASH_CHECK_FINITE=1`` in the environment scans them when the operator runs (eager or
+    compiled), raising ``ValueError`` with the tensor's name and the first bad index.
     """
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
-        kinds = ", ".join(type(t).__name__ for t in (q, k, v))
-        raise TypeError(f"q, k and v must be torch.Tensor; got {kinds}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            got = "None" if t is None else f"{type(t).__module__}.{type(t).__name__}"
+            raise TypeError(f"{name} must be a torch.Tensor (CPU: the NumPy reference, CUDA: the kernels); got {got}")
     _optional_tensor("bias", bias)
     _validate.backward_order(None, deterministic)  # only the backward uses it: check it before the forward
     # checked before the draw, so that a bad value consumes nothing of the generator
@@ -362,6 +391,8 @@ def attention(
     # never differentiated: keep autograd from holding on to their graphs
     arrays = {name: None if value is None else value.detach() for name, value in arrays.items()}
     names, mods = _mod_arrays(score_mod, mask_mod, mod_arrays)
+    _check_devices(q=q, k=k, v=v, bias=bias, **arrays, **{f"mod_arrays[{name!r}]": a for name, a in
+                                                          zip(names.split(",") if names else [], mods)})
     if not dropout_p:
         seed = None
     elif explicit_seed:

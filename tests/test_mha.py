@@ -360,8 +360,8 @@ def test_forward_checks_attention_options_before_any_product(monkeypatch):
         mha_forward(z, params, num_heads=2, causal="yes")
     with pytest.raises(ValueError, match="causal_align must be one of"):
         mha_forward(z, params, num_heads=2, causal_align="top_left")
-    with pytest.raises(ValueError, match="softmax_scale must be finite and positive; got -1.0"):
-        mha_forward(z, params, num_heads=2, softmax_scale=-1.0)
+    with pytest.raises(ValueError, match=r"softmax_scale must be finite \(any sign; 0 gives uniform attention\); got inf"):
+        mha_forward(z, params, num_heads=2, softmax_scale=float("inf"))
     with pytest.raises(ValueError, match="block_k must be a positive integer or None; got 0"):
         mha_forward(z, params, num_heads=2, block_k=0)
 
