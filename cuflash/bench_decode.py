@@ -163,7 +163,8 @@ def _plot(rows: list[dict], path: str) -> None:
     ax.set_title("one decode step")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
 
 
 def main(argv=None) -> int:

@@ -74,14 +74,20 @@ class MHACache(NamedTuple):
 
     Attributes
     ----------
-    z : the layer input Z̃, ``(batch, seqlen, d_model)``; gives dW_Q, dW_K, dW_V.
-    q : ``(batch, seqlen, H, d)``, the query heads (a view of Q = Z̃ W_Q + b_Q).
-    k, v : ``(batch, seqlen, H', d)``, the key and value heads.
-    out : ``(batch, seqlen, H, d)``, the attention output O before W_O; gives dW_O and D = rowsum(dO * O).
-    lse : ``(batch, H, seqlen)``, logsumexp of the scaled scores; the backward recomputes P from it.
-    options : dict of the keyword arguments given to :func:`cuflash.attention` (``causal``,
-        ``softmax_scale``, ``causal_align``, ``algorithm``, ``block_q``, ``block_k``), passed unchanged
-        to :func:`cuflash.attention_backward`.
+    z : array
+        The layer input Z̃, ``(batch, seqlen, d_model)``; gives dW_Q, dW_K, dW_V.
+    q : array
+        ``(batch, seqlen, H, d)``, the query heads (a view of Q = Z̃ W_Q + b_Q).
+    k, v : array
+        ``(batch, seqlen, H', d)``, the key and value heads.
+    out : array
+        ``(batch, seqlen, H, d)``, the attention output O before W_O; gives dW_O and D = rowsum(dO * O).
+    lse : array
+        ``(batch, H, seqlen)``, logsumexp of the scaled scores; the backward recomputes P from it.
+    options : dict
+        The keyword arguments given to :func:`cuflash.attention` (``causal``, ``softmax_scale``,
+        ``causal_align``, ``algorithm``, ``block_q``, ``block_k``), passed unchanged to
+        :func:`cuflash.attention_backward`.
 
     Nothing of size ``seqlen x seqlen`` is kept: memory is O(batch * seqlen * (d_model + H * d)).
     """

@@ -1,7 +1,8 @@
 """Plots of benchmark results (matplotlib, imported on demand: ``pip install cuflash[bench]``).
 
 Both functions take plain rows of numbers, as the benchmarks print and save them as JSON, so a plot can
-be redrawn from a saved run without a GPU.
+be redrawn from a saved run without a GPU. Figures are saved with ``bbox_inches="tight"``: a title or legend
+wider than the axes enlarges the image instead of being cut at its edge.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ def plot_throughput(rows: Sequence[dict], path, *, title: str = "", unit: str = 
     systems = _systems(rows)
     passes = [p for p in _PASSES if any(f"{s} {p}" in r for r in rows for s in systems)]
     panels = [(dt, p) for dt in dtypes for p in passes]
+    # At least 5.5 inches wide: a one-panel figure (the CPU sweep) still has room for its title.
     fig, axes = plt.subplots(len(panels), len(columns), squeeze=False,
-                             figsize=(3.6 * len(columns), 2.8 * len(panels)), sharex=True)
+                             figsize=(max(3.6 * len(columns), 5.5), 2.8 * len(panels)), sharex=True)
     for i, (dtype, pass_) in enumerate(panels):
         for j, (d, causal) in enumerate(columns):
             ax = axes[i][j]
@@ -68,7 +70,7 @@ def plot_throughput(rows: Sequence[dict], path, *, title: str = "", unit: str = 
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # nothing clipped: titles wider than the axes grow the image
     plt.close(fig)
 
 
@@ -97,5 +99,5 @@ def plot_memory(points: Sequence[dict], path, *, title: str = "", unit: str = "M
     if title:
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # nothing clipped: titles wider than the axes grow the image
     plt.close(fig)

@@ -2,6 +2,7 @@
 GPU benchmarks must skip themselves cleanly there)."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+SPHINX_ROLE = re.compile(r":(?:py:)?(?:func|class|mod|meth|attr|exc|data|obj|const|type|ref|doc):(?:<code>|`)")
 
 
 def test_docs_build_strict(tmp_path):
@@ -21,6 +23,17 @@ def test_docs_build_strict(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "site" / "reference" / "index.html").exists()
+    # Sphinx roles in docstrings (":func:`attention`") render as plain code, not as ":func:" text.
+    for page in (tmp_path / "site").rglob("*.html"):
+        raw = SPHINX_ROLE.findall(page.read_text(encoding="utf-8"))
+        assert not raw, f"{page.relative_to(tmp_path)} shows Sphinx roles: {raw[:5]}"
+
+
+def test_markdown_pages_use_no_sphinx_roles():
+    """The pages are read as Markdown on the code host too, where a role would show as raw text."""
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        raw = SPHINX_ROLE.findall(page.read_text(encoding="utf-8"))
+        assert not raw, f"{page.name} uses Sphinx roles: {raw[:5]}"
 
 
 def test_asv_suite_check(tmp_path):

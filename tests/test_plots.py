@@ -26,3 +26,32 @@ def test_memory_plot_skips_out_of_memory_points(tmp_path):
     path = tmp_path / "memory.png"
     plot_memory(points, path)
     assert path.read_bytes()[:8] == PNG_MAGIC
+
+
+def _ink_at_edges(path) -> bool:
+    """True when any pixel of the image's outermost rows or columns is not the white background: something
+    drawn was cut at the edge (a title wider than the figure, as the one-panel CPU plot had)."""
+    import matplotlib.image
+
+    image = matplotlib.image.imread(path)[..., :3]
+    edges = (image[0], image[-1], image[:, 0], image[:, -1])
+    return any(bool((edge < 0.99).any()) for edge in edges)
+
+
+LONG_TITLE = "cuflash NumPy reference, forward, float32, batch 1, heads 2, a title wider than one panel"
+
+
+def test_one_panel_throughput_plot_is_not_clipped(tmp_path):
+    """The CPU sweep's figure (one panel, GFLOP/s) keeps its whole title inside the image."""
+    rows = [{"dtype": "float32", "d": 64, "causal": False, "N": n, "naive fwd": 10.0 + n / 1000,
+             "fa2 fwd": 5.0 + n / 900, "fa1 fwd": 4.0 + n / 800} for n in (256, 512, 1024, 2048, 4096)]
+    path = tmp_path / "cpu-throughput.png"
+    plot_throughput(rows, path, title=LONG_TITLE, unit="GFLOP/s")
+    assert not _ink_at_edges(path)
+
+
+def test_memory_plot_is_not_clipped(tmp_path):
+    points = [{"N": n, "naive": 8 * n * n, "fa2": 1000 * n} for n in (256, 1024, 4096)]
+    path = tmp_path / "cpu-memory.png"
+    plot_memory(points, path, title=LONG_TITLE)
+    assert not _ink_at_edges(path)
