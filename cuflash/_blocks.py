@@ -21,12 +21,17 @@ The kernels hold the same arithmetic (``cuflash_kernels/variants.cuh``); the ban
 from __future__ import annotations
 
 import math
+import os
+import re
 from collections.abc import Iterator
 from typing import NamedTuple
 
 __all__ = [
     "DEFAULT_SRAM_ELEMS",
     "default_block_sizes",
+    "DEFAULT_CACHE_BYTES",
+    "cache_bytes",
+    "cpu_block_sizes",
     "num_blocks",
     "iter_blocks",
     "align_down",
@@ -74,6 +79,88 @@ def default_block_sizes(
     d = max(int(head_dim), 1)
     rows = max(int(sram_elems) // (_BLOCKS_ON_CHIP[pass_] * d), 1)
     return rows, max(min(rows, d), 1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The NumPy reference's forward tiles on the CPU: from the size of one core's cache (docs/performance.md)
+# ---------------------------------------------------------------------------------------------------
+
+# What cache_bytes() assumes when the machine does not say: the L2 of one core on most x86 server parts
+# of the last years lies between 512 KiB and 2 MiB.
+DEFAULT_CACHE_BYTES = 512 * 1024
+# The CPU tiles are multiples of this (the kernels' tile granule) and lie in [_CPU_TILE_MIN, _CPU_TILE_MAX].
+_CPU_TILE_STEP, _CPU_TILE_MIN, _CPU_TILE_MAX = 64, 64, 1024
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMG]?)B?\s*$", re.IGNORECASE)
+
+
+def _parse_size(text: str) -> int | None:
+    """``"512K"`` -> 524288 (the format of ``/sys/devices/system/cpu/cpu0/cache/index*/size``); None if unreadable."""
+    match = _SIZE.match(text)
+    if not match:
+        return None
+    return int(match.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[match.group(2).upper()]
+
+
+def cache_bytes(level: int = 2, *, sysfs: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """Size in bytes of one core's data (or unified) cache of ``level``, read portably, or
+    :data:`DEFAULT_CACHE_BYTES` when the machine does not say.
+
+    Tried in turn: ``os.sysconf("SC_LEVEL2_CACHE_SIZE")`` (glibc, where Python knows the name), Linux's sysfs
+    (``index*/level``, ``type``, ``size`` under ``sysfs``), macOS's ``sysctl hw.l2cachesize``. The first positive
+    answer wins; a failure of any kind moves on to the next.
+    """
+    name = f"SC_LEVEL{level}_{'D' if level == 1 else ''}CACHE_SIZE"
+    try:
+        if name in os.sysconf_names and os.sysconf(name) > 0:
+            return int(os.sysconf(name))
+    except (AttributeError, OSError, ValueError):
+        pass
+    try:
+        for entry in sorted(os.listdir(sysfs)):
+            path = os.path.join(sysfs, entry)
+            if not entry.startswith("index"):
+                continue
+            with open(os.path.join(path, "level")) as f_level, open(os.path.join(path, "type")) as f_type:
+                if int(f_level.read()) != level or f_type.read().strip() not in ("Data", "Unified"):
+                    continue
+            with open(os.path.join(path, "size")) as f_size:
+                size = _parse_size(f_size.read())
+            if size:
+                return size
+    except (OSError, ValueError):
+        pass
+    if level == 2 and hasattr(os, "uname") and os.uname().sysname == "Darwin":
+        import subprocess
+
+        try:
+            size = int(subprocess.run(["sysctl", "-n", "hw.l2cachesize"], capture_output=True, text=True,
+                                      timeout=2).stdout.strip() or 0)
+            if size > 0:
+                return size
+        except (OSError, ValueError, subprocess.SubprocessError):
+            pass
+    return DEFAULT_CACHE_BYTES
+
+
+def cpu_block_sizes(head_dim: int, *, cache: int | None = None, itemsize: int = 4) -> tuple[int, int]:
+    """The NumPy reference's default forward tiles ``(block_q, block_k)`` on the CPU: square tiles of ``B``
+    rows, the largest multiple of 64 (at least 64, at most 1024) whose working set of one (batch, head) fits
+    one core's L2 cache of ``cache`` bytes (:func:`cache_bytes` when None) in ``itemsize``-byte elements:
+
+        B * B + 3 * B * d <= cache / itemsize      (S; Q_i, O_i, K_j or V_j)
+
+    The four blocks are the seed rule's (000, eq. 43), but the score tile is square instead of capped at ``d``:
+    on the CPU each tile costs a fixed Python and NumPy overhead of about a dozen array operations, so the
+    tile must be large enough for its products to dominate it (64 x 64 tiles spend more time in overhead than
+    in arithmetic), and the L2 bound keeps one head's S in cache between the softmax's passes over it.
+    ``head_dim`` is the larger of q's and v's. The kernels choose their own tiles (docs/kernel-notes.md).
+    """
+    d = max(int(head_dim), 1)
+    elems = (cache_bytes() if cache is None else int(cache)) // max(int(itemsize), 1)
+    # the positive root of B^2 + 3dB - elems = 0
+    rows = (math.isqrt(9 * d * d + 4 * elems) - 3 * d) // 2
+    rows = min(max(rows - rows % _CPU_TILE_STEP, _CPU_TILE_MIN), _CPU_TILE_MAX)
+    return rows, rows
 
 
 def num_blocks(seqlen: int, block: int) -> int:

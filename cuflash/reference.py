@@ -48,6 +48,11 @@ already validated shapes, dtypes, strides and options.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
@@ -55,6 +60,8 @@ import numpy as np
 from . import _mods
 from ._blocks import (
     Band,
+    cache_bytes,
+    cpu_block_sizes,
     default_block_sizes,
     iter_blocks,
     key_range,
@@ -132,8 +139,100 @@ def _cast_like_kernel(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 def _resolve_block_sizes(head_dim, block_q, block_k, pass_):
-    default_q, default_k = default_block_sizes(head_dim, pass_=pass_)
+    """The tiles of a call: those given, the others by default; forward from the CPU cache
+    (:func:`~cuflash._blocks.cpu_block_sizes`), backward by the seed rule (:func:`~cuflash._blocks.default_block_sizes`)."""
+    if pass_ == "forward":
+        default_q, default_k = cpu_block_sizes(head_dim, cache=_l2_bytes())
+    else:
+        default_q, default_k = default_block_sizes(head_dim, pass_=pass_)
     return (default_q if block_q is None else block_q), (default_k if block_k is None else block_k)
+
+
+@functools.lru_cache(maxsize=1)
+def _l2_bytes() -> int:
+    """One core's L2 cache in bytes, read once per process (:func:`~cuflash._blocks.cache_bytes`)."""
+    return cache_bytes(2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Threads on the CPU (docs/performance.md): query blocks in parallel, one BLAS thread each
+# ---------------------------------------------------------------------------------------------------
+
+THREADS_ENV = "CUFLASH_CPU_THREADS"
+
+
+def cpu_threads() -> int:
+    """How many threads the FA2 forward runs query blocks on: ``$CUFLASH_CPU_THREADS`` when set to a positive
+    integer, otherwise the CPUs this process may run on."""
+    value = os.environ.get(THREADS_ENV, "").strip()
+    if value:
+        try:
+            if int(value) > 0:
+                return int(value)
+        except ValueError:
+            pass
+    if hasattr(os, "sched_getaffinity"):
+        return max(len(os.sched_getaffinity(0)), 1)
+    return max(os.cpu_count() or 1, 1)
+
+
+_BLAS_LOCK = threading.Lock()
+_BLAS_STATE = {"depth": 0, "limiter": None}
+
+
+@functools.lru_cache(maxsize=1)
+def _blas_controller():
+    """threadpoolctl's controller of the BLAS libraries loaded (NumPy's), or None without threadpoolctl."""
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:  # pragma: no cover - a dependency; the reference still runs without it
+        return None
+    return ThreadpoolController()
+
+
+@contextlib.contextmanager
+def _one_blas_thread():
+    """BLAS limited to one thread while the block loops run (the first of nested or concurrent callers sets
+    the limit, the last one out restores it): the loops' threads do the parallel work, and a BLAS that splits
+    each small tile product across threads spins and stalls whenever a core is busy elsewhere."""
+    controller = _blas_controller()
+    if controller is None:
+        yield
+        return
+    with _BLAS_LOCK:
+        if _BLAS_STATE["depth"] == 0:
+            _BLAS_STATE["limiter"] = controller.limit(limits=1, user_api="blas")
+        _BLAS_STATE["depth"] += 1
+    try:
+        yield
+    finally:
+        with _BLAS_LOCK:
+            _BLAS_STATE["depth"] -= 1
+            if _BLAS_STATE["depth"] == 0:
+                _BLAS_STATE["limiter"].restore_original_limits()
+                _BLAS_STATE["limiter"] = None
+
+
+def _in_order(step, blocks):
+    """Call ``step(start, stop)`` for each block in turn."""
+    return [step(*block) for block in blocks]
+
+
+@contextlib.contextmanager
+def _block_runner(threads: int):
+    """``run(step, blocks)``: call ``step(start, stop)`` for each block, on ``threads`` threads (each block
+    writes only its own rows of the outputs, as each thread block of the kernels' grid does)."""
+    if threads <= 1:
+        yield _in_order
+        return
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cuflash-cpu") as pool:
+        def run(step, blocks):
+            blocks = list(blocks)
+            if len(blocks) <= 1:
+                return _in_order(step, blocks)
+            return list(pool.map(lambda block: step(*block), blocks))
+
+        yield run
 
 
 def _grouped(x: np.ndarray, heads_kv: int) -> np.ndarray:
@@ -567,13 +666,14 @@ def naive_backward(do, q, k, v, *, scale, variant=DENSE, want_dbias=False):
 
 def _blocked_forward(forward_sequence, q, k, v, scale, variant, block_q, block_k):
     """What both blocked forwards do around their loops: allocate ``(out, lse)``, settle the tile sizes and
-    run ``forward_sequence`` (the loops of one order) on each sequence's views."""
+    run ``forward_sequence`` (the loops of one order) on each sequence's views, with BLAS on one thread."""
     out, lse = _forward_outputs(q, v)
     if _is_empty(q, k):
         return out, lse
     block_q, block_k = _resolve_block_sizes(max(q.shape[-1], v.shape[-1]), block_q, block_k, "forward")
-    for seq in _sequences(q, k, variant, scale, (block_q, block_k)):
-        forward_sequence(seq.q(q), seq.k(k), seq.k(v), seq.q(out), seq.rows(lse), seq.mods, block_q, block_k)
+    with _one_blas_thread():
+        for seq in _sequences(q, k, variant, scale, (block_q, block_k)):
+            forward_sequence(seq.q(q), seq.k(k), seq.k(v), seq.q(out), seq.rows(lse), seq.mods, block_q, block_k)
     return out, lse
 
 
@@ -588,18 +688,24 @@ def fa2_forward(q, k, v, *, scale, variant=DENSE, block_q=None, block_k=None):
     The outer loop takes one query block at a time and keeps its running row max ``m_i``, running sum
     ``l_i`` and unnormalized output ``acc`` in local ("SRAM") arrays while the inner loop streams the
     key/value blocks it can see; ``acc`` is normalized once at the end. Extra memory is
-    O(block_q x block_k) per (batch, head). One sequence at a time (see :func:`_sequences`).
+    O(block_q x block_k) per (batch, head) and thread. One sequence at a time (see :func:`_sequences`).
+
+    Query blocks are independent, as the thread blocks of the kernels' grid are: they run on
+    :func:`cpu_threads` threads, with BLAS on one thread (docs/performance.md); the results do not depend on
+    the number of threads.
     """
-    return _blocked_forward(_fa2_forward_sequence, q, k, v, scale, variant, block_q, block_k)
+    with _block_runner(cpu_threads()) as run:
+        return _blocked_forward(functools.partial(_fa2_forward_sequence, run=run), q, k, v, scale, variant,
+                                block_q, block_k)
 
 
-def _fa2_forward_sequence(q, k, v, out, lse, mods: _ScoreMods, block_q, block_k):
+def _fa2_forward_sequence(q, k, v, out, lse, mods: _ScoreMods, block_q, block_k, run=None):
     dtype, acc_dtype = q.dtype, _acc_dtype(q.dtype)
     seqlen_q, seqlen_k, heads_kv = q.shape[1], k.shape[1], k.shape[2]
     q5, k5, v5 = (_grouped(x, heads_kv) for x in (q, k, v))
     out5, lse4 = _grouped(out, heads_kv), _grouped_rows(lse, heads_kv)
 
-    for q_start, q_stop in iter_blocks(0, seqlen_q, block_q, seqlen_q):
+    def query_block(q_start, q_stop):
         # [fa2-fwd 1] load a query block; start its running statistics
         q_i = _load(q5, q_start, q_stop, acc_dtype)
         m_i = np.full(q_i.shape[:-1], -np.inf, acc_dtype)
@@ -626,6 +732,8 @@ def _fa2_forward_sequence(q, k, v, out, lse, mods: _ScoreMods, block_q, block_k)
         acc /= l_safe[..., None]
         out5[..., q_start:q_stop, :] = acc
         lse4[..., q_start:q_stop] = lse_i
+
+    (run or _in_order)(query_block, iter_blocks(0, seqlen_q, block_q, seqlen_q))
 
 
 # ---------------------------------------------------------------------------------------------------
