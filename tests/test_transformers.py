@@ -1,0 +1,498 @@
+"""cuflash.integrations.transformers: attn_implementation="cufa" in Hugging Face transformers models.
+
+Small random-weight Llama (GQA 4/2), Qwen2 (GQA, q/k/v biases, one sliding-window layer) and Gemma 2 (GQA,
+softcap, alternating sliding-window and full layers) models built here (no download), float32 on the CPU (the
+NumPy reference runs the attention). Each is compared with transformers' own "sdpa" and "eager"
+implementations on the same weights: logits, padded batches (left and right padding) against unpadded single
+sequences, a training step's loss and gradients, greedy generation with the model's DynamicCache.
+"""
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers", minversion="5.0")
+
+import cuflash.integrations.transformers as cti  # noqa: E402
+import cuflash.torch  # noqa: E402
+from transformers import AttentionInterface  # noqa: E402
+from transformers.masking_utils import (  # noqa: E402
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    AttentionMaskInterface,
+    and_masks,
+    causal_mask_function,
+    chunked_causal_mask_function,
+    sdpa_mask,
+    sliding_window_causal_mask_function,
+)
+
+NAME = cti.NAME
+VOCAB = 128
+# float32 on the CPU: the implementations differ only in summation order. Logits are O(1)-O(10) here.
+ATOL = 2e-4
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, attention_dropout=0.0)
+
+
+def _config(family: str, **overrides):
+    if family == "llama":
+        return transformers.LlamaConfig(**{**_COMMON, **overrides})
+    if family == "qwen2":  # layer 0 full attention, layer 1 a sliding window of 4 tokens
+        return transformers.Qwen2Config(**{**_COMMON, "use_sliding_window": True, "sliding_window": 4,
+                                           "max_window_layers": 1, **overrides})
+    if family == "gemma2":  # layer 0 a sliding window of 4 tokens, layer 1 full; softcap small enough to matter
+        return transformers.Gemma2Config(**{**_COMMON, "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 4,
+                                            "attn_logit_softcapping": 2.0, "final_logit_softcapping": None,
+                                            **overrides})
+    raise ValueError(family)
+
+
+_MODEL = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+_cache: dict = {}
+
+
+def _models(family: str, impls, **overrides) -> dict:
+    """One random-weight model per implementation, all with the same weights (copies of one model)."""
+    key = (family, tuple(sorted(overrides.items())))
+    if key not in _cache:
+        torch.manual_seed(0)
+        cls = getattr(transformers, _MODEL[family])
+        _cache[key] = cls._from_config(_config(family, **overrides), attn_implementation="eager",
+                                       dtype=torch.float32).eval()
+    out = {}
+    for impl in impls:
+        model = copy.deepcopy(_cache[key])
+        model.set_attn_implementation(impl)
+        assert model.config._attn_implementation == impl
+        out[impl] = model
+    return out
+
+
+def _references(family: str) -> tuple[str, ...]:
+    # transformers has no "sdpa" for Gemma 2 (_supports_sdpa is False; its sdpa function also refuses softcap)
+    return ("eager",) if family == "gemma2" else ("sdpa", "eager")
+
+
+def _ids(batch, seqlen, seed=1):
+    return torch.randint(0, VOCAB, (batch, seqlen), generator=torch.Generator().manual_seed(seed))
+
+
+def _max_diff(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+FAMILIES = ["llama", "qwen2", "gemma2"]
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The keyword arguments and shapes of every cuflash.torch.attention call the integration makes."""
+    seen = []
+    real = cuflash.torch.attention
+
+    def spy(q, k, v, **kw):
+        seen.append(dict(q=tuple(q.shape), k=tuple(k.shape), **kw))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(cti.cuflash_torch, "attention", spy)
+    return seen
+
+
+# ---------------------------------------------------------------------------------------------------
+# Registration and the mask function
+# ---------------------------------------------------------------------------------------------------
+
+def test_registered_and_idempotent():
+    assert "flash" not in NAME
+    assert AttentionInterface._global_mapping[NAME] is cti.attention_forward
+    assert AttentionMaskInterface._global_mapping[NAME] is cti.attention_mask
+    assert cti.register() == NAME and cti.register() == NAME
+    assert AttentionInterface._global_mapping[NAME] is cti.attention_forward
+    assert ALL_MASK_ATTENTION_FUNCTIONS[NAME] is cti.attention_mask
+
+
+def test_register_refuses_flash_names():
+    with pytest.raises(ValueError, match="flash"):
+        cti.register("cuflash")
+    assert "cuflash" not in AttentionInterface._global_mapping
+
+
+def test_mask_function_returns_padding_not_dense():
+    kw = dict(batch_size=2, q_length=5, kv_length=5)
+    assert cti.attention_mask(**kw) is None
+    assert cti.attention_mask(**kw, attention_mask=torch.ones(2, 5, dtype=torch.bool)) is None
+    pad = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]], dtype=torch.bool)
+    got = cti.attention_mask(**kw, attention_mask=pad)
+    assert got.shape == (2, 5) and torch.equal(got, pad)
+    # a decode step with a DynamicCache: one query, the last of 9 keys
+    pad9 = torch.cat([pad, torch.ones(2, 4, dtype=torch.bool)], 1)
+    got = cti.attention_mask(batch_size=2, q_length=1, kv_length=10, q_offset=9, attention_mask=torch.cat(
+        [pad9, torch.ones(2, 1, dtype=torch.bool)], 1))
+    assert got.shape == (2, 10)
+    # a sliding-window cache layer: the keys are the last 4 of 10 positions (offset 6), the mask is sliced to them
+    sliding = sliding_window_causal_mask_function(4)
+    full = torch.ones(2, 10, dtype=torch.bool)
+    full[0, 7] = False
+    got = cti.attention_mask(batch_size=2, q_length=1, kv_length=4, q_offset=9, kv_offset=6, mask_function=sliding,
+                             attention_mask=full)
+    assert torch.equal(got, full[:, 6:])
+
+
+@pytest.mark.parametrize("case", ["chunked", "custom-and", "static-cache", "caller-wants-mask"])
+def test_mask_function_falls_back_to_dense(case):
+    pad = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    kw = dict(batch_size=2, q_length=6, kv_length=6, attention_mask=pad)
+    if case == "chunked":
+        kw["mask_function"] = chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long))
+    elif case == "custom-and":
+        kw.update(mask_function=and_masks(causal_mask_function, lambda b, h, q, k: k != 2), use_vmap=True)
+    elif case == "static-cache":  # keys past the queries (unused slots); the offset is a tensor
+        kw.update(kv_length=8, q_offset=torch.tensor(0), attention_mask=torch.nn.functional.pad(pad, (0, 2)))
+    else:
+        kw["allow_is_causal_skip"] = False
+    got = cti.attention_mask(**kw)
+    assert got.dim() == 4 and got.dtype == torch.bool
+    assert torch.equal(got, sdpa_mask(**{**kw, "allow_is_causal_skip": False}))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The attention function on its own: conventions against explicit dense masks
+# ---------------------------------------------------------------------------------------------------
+
+class _Module(torch.nn.Module):
+    is_causal = True
+
+
+def _qkv(batch, nq, nk, heads_q=4, heads_kv=2, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, heads_q, nq, d, generator=g), torch.randn(batch, heads_kv, nk, d, generator=g),
+            torch.randn(batch, heads_kv, nk, d, generator=g))
+
+
+def _sdpa_reference(q, k, v, mask):
+    groups = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(groups, 1) for t in (k, v))
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+
+
+@pytest.mark.parametrize("window", [1, 3, 6])
+@pytest.mark.parametrize("nq", [7, 1])
+def test_sliding_window_convention(window, nq):
+    """transformers' window of N tokens (the current one included) is cuflash's window_size=(N - 1, 0)."""
+    q, k, v = _qkv(2, nq, 7)
+    mask = sdpa_mask(batch_size=2, q_length=nq, kv_length=7, q_offset=7 - nq,
+                     mask_function=sliding_window_causal_mask_function(window), allow_is_causal_skip=False)
+    out, weights = cti.attention_forward(_Module(), q, k, v, None, sliding_window=window)
+    assert weights is None and out.shape == (2, nq, 4, 16)
+    assert _max_diff(out, _sdpa_reference(q, k, v, mask)) < 1e-5
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padding_mask_unpads(side, calls):
+    q, k, v = _qkv(3, 6, 6)
+    pad = torch.ones(3, 6, dtype=torch.bool)
+    if side == "left":
+        pad[0, :2] = pad[2, :5] = False
+    else:
+        pad[0, 4:] = pad[2, 1:] = False
+    out, _ = cti.attention_forward(_Module(), q, k, v, pad, sliding_window=3)
+    assert "cu_seqlens_q" in calls[-1] and "attn_mask" not in calls[-1]
+    assert calls[-1]["k"] == (int(pad.sum()), 2, 16)  # packed, the key/value heads not expanded
+    dense = sdpa_mask(batch_size=3, q_length=6, kv_length=6, mask_function=sliding_window_causal_mask_function(3),
+                      attention_mask=pad, allow_is_causal_skip=False)
+    ref = _sdpa_reference(q, k, v, dense)
+    assert _max_diff(out[pad], ref[pad]) < 1e-5
+    assert not out[~pad].any()  # padding queries get zeros
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padding_mask_with_cached_keys(side, calls):
+    """3 queries, the last of 8 keys (a chunk after a cached prefix), padded: unpadded, each query at its
+    position. Left: the chunk's first query is padding too. Right: a prompt of 3, two padding tokens, then
+    generated ones (without a window: across the hole, a window counts tokens, not positions, as transformers'
+    flash-attention path does)."""
+    q, k, v = _qkv(2, 3, 8)
+    pad = torch.ones(2, 8, dtype=torch.bool)
+    if side == "left":
+        pad[0, :6] = False
+        window, pattern = 4, sliding_window_causal_mask_function(4)
+    else:
+        pad[0, 3:5] = False
+        window, pattern = None, causal_mask_function
+    out, _ = cti.attention_forward(_Module(), q, k, v, pad, sliding_window=window)
+    assert calls[-1]["q"][0] == int(pad[:, 5:].sum()) and calls[-1]["k"][0] == int(pad.sum())
+    dense = sdpa_mask(batch_size=2, q_length=3, kv_length=8, q_offset=5, attention_mask=pad,
+                      mask_function=pattern, allow_is_causal_skip=False)
+    ref = _sdpa_reference(q, k, v, dense)
+    keep = pad[:, 5:]
+    assert _max_diff(out[keep], ref[keep]) < 1e-5
+    assert not out[~keep].any()
+
+
+def test_decode_step_with_padding_uses_key_mask(calls):
+    q, k, v = _qkv(2, 1, 9)
+    pad = torch.ones(2, 9, dtype=torch.bool)
+    pad[0, :3] = False
+    out, _ = cti.attention_forward(_Module(), q, k, v, pad)
+    assert calls[-1]["attn_mask"].shape == (2, 1, 1, 9) and calls[-1]["k"] == (2, 9, 2, 16)
+    assert _max_diff(out, _sdpa_reference(q, k, v, pad[:, None, None, :])) < 1e-5
+
+
+def test_raw_padding_mask_of_another_length():
+    """A 2-D mask handed over as is (not from the mask function): longer than the keys, its last columns are
+    theirs (a sliding-window layer's keys); shorter, the keys past it are not attended (a static cache's unused
+    slots), as transformers' flash-attention path reads it."""
+    q, k, v = _qkv(2, 3, 6)
+    pad = torch.ones(2, 9, dtype=torch.long)
+    pad[0, 4] = 0
+    longer, _ = cti.attention_forward(_Module(), q, k, v, pad)
+    assert torch.equal(longer, cti.attention_forward(_Module(), q, k, v, pad[:, -6:].bool())[0])
+    shorter, _ = cti.attention_forward(_Module(), q, k, v, pad[:, :4])
+    assert torch.equal(shorter, cti.attention_forward(_Module(), q, k[:, :, :4], v[:, :, :4], pad[:, :4].bool())[0])
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_dense_mask(kind):
+    q, k, v = _qkv(2, 5, 5)
+    keep = torch.rand(2, 1, 5, 5, generator=torch.Generator().manual_seed(3)) > 0.4
+    keep[..., 0] = True
+    mask = keep if kind == "bool" else torch.where(keep, 0.0, torch.finfo(torch.float32).min)
+    out, _ = cti.attention_forward(_Module(), q, k, v, mask)
+    assert _max_diff(out, _sdpa_reference(q, k, v, mask)) < 1e-5
+
+
+def test_unsupported_features_raise():
+    q, k, v = _qkv(1, 3, 3)
+    with pytest.raises(NotImplementedError, match="sinks"):
+        cti.attention_forward(_Module(), q, k, v, None, s_aux=torch.zeros(4))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Whole models
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_sdpa_and_eager(family, calls):
+    models = _models(family, (NAME, *_references(family)))
+    ids = _ids(2, 16)
+    with torch.no_grad():
+        logits = {impl: m(ids).logits for impl, m in models.items()}
+    assert calls, "the cufa model never called cuflash"
+    assert all(c["k"][2] == 2 and c["q"][2] == 4 for c in calls)  # GQA: 2 key/value heads, not expanded
+    if family in ("qwen2", "gemma2"):
+        assert {c["window_size"] for c in calls} == {(-1, -1), (3, 0)}
+    if family == "gemma2":
+        assert all(c["softcap"] == 2.0 for c in calls)
+    for ref in _references(family):
+        assert _max_diff(logits[NAME], logits[ref]) < ATOL, ref
+    if "sdpa" in logits:  # no further from sdpa than eager is, give or take float32 rounding
+        assert _max_diff(logits[NAME], logits["sdpa"]) <= 4 * _max_diff(logits["eager"], logits["sdpa"]) + 1e-5
+
+
+def test_tests_are_sensitive_to_window_and_softcap():
+    """The comparisons above would see a wrong window or a missing softcap: both change the logits by far more
+    than ATOL on these models."""
+    ids = _ids(2, 16)
+    with torch.no_grad():
+        base = _models("gemma2", ["eager"])["eager"](ids).logits
+        no_cap = _models("gemma2", ["eager"], attn_logit_softcapping=None)["eager"](ids).logits
+        wider = _models("gemma2", ["eager"], sliding_window=5)["eager"](ids).logits
+    assert _max_diff(base, no_cap) > 100 * ATOL
+    assert _max_diff(base, wider) > 100 * ATOL
+
+
+def _padded_batch(lengths, side, seed=2):
+    """Sequences of the given lengths padded to the longest, the 2-D mask and the position ids (counted from
+    each sequence's first token, as generate() does)."""
+    n = max(lengths)
+    seqs = [_ids(1, length, seed=seed + i)[0] for i, length in enumerate(lengths)]
+    ids = torch.zeros(len(lengths), n, dtype=torch.long)
+    mask = torch.zeros(len(lengths), n, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        cols = slice(n - len(s), n) if side == "left" else slice(0, len(s))
+        ids[i, cols] = s
+        mask[i, cols] = 1
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    return seqs, ids, mask, position_ids
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_padded_batch_matches_single_sequences(family, side, calls):
+    models = _models(family, (NAME, *_references(family)))
+    seqs, ids, mask, position_ids = _padded_batch([11, 7, 3], side)
+    with torch.no_grad():
+        batched = {impl: m(ids, attention_mask=mask, position_ids=position_ids).logits for impl, m in models.items()}
+        singles = [models[NAME](s[None]).logits[0] for s in seqs]
+    assert any("cu_seqlens_q" in c for c in calls)  # the padded batch ran unpadded, not with a dense mask
+    assert not any(c.get("attn_mask") is not None for c in calls)
+    keep = mask.bool()
+    for i, single in enumerate(singles):
+        assert _max_diff(batched[NAME][i][keep[i]], single) < ATOL, i
+    for ref in _references(family):
+        assert _max_diff(batched[NAME][keep], batched[ref][keep]) < ATOL, ref
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_step_matches(family, padded):
+    """Loss and every parameter's gradient of one training step agree with sdpa (eager for Gemma 2)."""
+    models = _models(family, (NAME, _references(family)[0]))
+    if padded:
+        _, ids, mask, position_ids = _padded_batch([12, 9, 5], "right", seed=5)
+        labels = ids.masked_fill(mask == 0, -100)
+        kw = dict(attention_mask=mask, position_ids=position_ids)
+    else:
+        ids = _ids(3, 12, seed=5)
+        labels, kw = ids, {}
+    results = {}
+    for impl, model in models.items():
+        model.train()
+        model.zero_grad()
+        loss = model(ids, labels=labels, **kw).loss
+        loss.backward()
+        results[impl] = loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    (loss_a, grads_a), (loss_b, grads_b) = results.values()
+    assert abs(loss_a - loss_b) < 1e-5
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        scale = grads_b[name].abs().max().item()
+        assert _max_diff(grads_a[name], grads_b[name]) <= 1e-4 * max(scale, 1e-3), name
+
+
+def test_training_with_dropout_is_reproducible():
+    """Dropout draws its seed from torch's generator: the same manual_seed gives the same loss and gradients,
+    another seed another loss."""
+    model = _models("llama", [NAME], attention_dropout=0.3)[NAME].train()
+    ids = _ids(2, 10, seed=7)
+
+    def step(seed):
+        torch.manual_seed(seed)
+        model.zero_grad()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        return loss.item(), model.model.layers[0].self_attn.q_proj.weight.grad.clone()
+
+    (a, ga), (b, gb), (c, _) = step(0), step(0), step(1)
+    assert a == b and torch.equal(ga, gb) and a != c
+    model.eval()
+    with torch.no_grad():  # evaluation passes dropout=0
+        ref = _models("llama", ["sdpa"], attention_dropout=0.3)["sdpa"]
+        assert _max_diff(model(ids).logits, ref(ids).logits) < ATOL
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generation_matches(family, padded, calls):
+    """8 greedy tokens with the model's DynamicCache: the same tokens as sdpa (eager for Gemma 2), decode steps
+    being one query against the cache (bottom-right causal), past the sliding window of 4."""
+    models = _models(family, (NAME, _references(family)[0]))
+    if padded:  # generation pads on the left
+        _, ids, mask, _ = _padded_batch([9, 6, 3], "left", seed=11)
+    else:
+        ids = _ids(3, 9, seed=11)
+        mask = torch.ones_like(ids)
+    out = {impl: m.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+           for impl, m in models.items()}
+    a, b = out.values()
+    assert a.shape == (3, 17)
+    assert torch.equal(a, b)
+    decode = [c for c in calls if c["q"][1] == 1]
+    assert len(decode) == 7 * 2  # 7 decode steps x 2 layers (the first new token comes from the prefill)
+    if padded:
+        # the padding mask as a (batch, 1, 1, seqlen_k) attn_mask; a sliding-window layer gets none once its
+        # window has moved past the padding (its mask is then all True: None)
+        masked = [c for c in decode if c.get("attn_mask") is not None]
+        assert all(c["attn_mask"].shape == (3, 1, 1, c["k"][1]) for c in masked)
+        if family == "llama":  # no sliding-window layer: every step is masked, the keys grow with every step
+            assert len(masked) == len(decode)
+            assert [c["k"][1] for c in decode[::2]] == list(range(10, 17))
+        else:
+            assert {c["k"][1] for c in decode if c["window_size"] == (3, 0)} == {4}  # w - 1 cached + the new one
+    else:
+        assert all(c["causal"] and c.get("attn_mask") is None for c in decode)
+
+
+@pytest.mark.parametrize("family", ["llama"])
+def test_padded_generation_matches_single_sequences(family):
+    """Each sequence of a left-padded batch generates what it generates alone."""
+    model = _models(family, [NAME])[NAME]
+    seqs, ids, mask, _ = _padded_batch([9, 6, 3], "left", seed=11)
+    batched = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    for i, s in enumerate(seqs):
+        alone = model.generate(s[None], attention_mask=torch.ones(1, len(s), dtype=torch.long), max_new_tokens=8,
+                               do_sample=False, pad_token_id=0)
+        assert torch.equal(batched[i, -8:], alone[0, -8:]), i
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cached_continuation_matches(family, calls):
+    """A left-padded prompt into a DynamicCache, then 4 tokens at once against it (queries the last of the keys,
+    some sequences still in their padding): the same logits as the reference implementation."""
+    models = _models(family, (NAME, _references(family)[0]))
+    _, ids, mask, position_ids = _padded_batch([9, 5, 2], "left", seed=13)
+    cut = 5  # the third sequence's 2 tokens and part of its padding are in the continuation
+    logits = {}
+    for impl, model in models.items():
+        cache = transformers.DynamicCache(config=model.config)
+        with torch.no_grad():
+            first = model(ids[:, :cut], attention_mask=mask[:, :cut], position_ids=position_ids[:, :cut],
+                          past_key_values=cache, use_cache=True)
+            second = model(ids[:, cut:], attention_mask=mask, position_ids=position_ids[:, cut:],
+                           past_key_values=first.past_key_values, use_cache=True)
+        logits[impl] = torch.cat([first.logits, second.logits], 1)
+    assert any(c["q"][0] < c["k"][0] and "cu_seqlens_q" in c for c in calls)  # fewer queries than keys
+    keep = mask.bool()
+    a, b = logits.values()
+    assert _max_diff(a[keep], b[keep]) < ATOL
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_static_cache_generation_matches(padded, calls):
+    """A StaticCache (keys past the queries, a tensor offset) gets transformers' dense mask: still right."""
+    models = _models("llama", (NAME, "sdpa"))
+    if padded:
+        _, ids, mask, _ = _padded_batch([9, 6, 3], "left", seed=17)
+    else:
+        ids = _ids(3, 9, seed=17)
+        mask = torch.ones_like(ids)
+    out = [m.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                      cache_implementation="static") for m in models.values()]
+    assert torch.equal(*out)
+    assert calls and all(c.get("attn_mask") is not None and c["attn_mask"].dim() == 4 for c in calls)
+
+
+def test_compiled_model_fullgraph():
+    """torch.compile(model, fullgraph=True) traces the cufa model with no graph break: without padding through
+    the custom operator, with padding through transformers' dense mask (the mask function does not read a traced
+    mask's values to unpad)."""
+    model = _models("llama", [NAME])[NAME]
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    _, ids, mask, position_ids = _padded_batch([9, 5], "left", seed=19)
+    with torch.no_grad():
+        assert _max_diff(compiled(ids).logits, model(ids).logits) < 1e-5
+        got = compiled(ids, attention_mask=mask, position_ids=position_ids).logits
+        want = model(ids, attention_mask=mask, position_ids=position_ids).logits
+    assert _max_diff(got[mask.bool()], want[mask.bool()]) < 1e-5
+
+
+@pytest.mark.parametrize("boundaries", [False, True])
+def test_packed_sequences(boundaries, calls):
+    """Padding-free training batches (DataCollatorWithFlattening: one row, position ids restarting at each
+    sequence): each sequence attends to itself only. With the collator's cu_seq_lens_* keywords the row runs as
+    a packed batch; without them transformers finds the packing in position_ids and builds a dense mask."""
+    model = _models("llama", [NAME])[NAME]
+    seqs = [_ids(1, n, seed=23 + n)[0] for n in (7, 4, 9)]
+    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=boundaries)
+    batch = collator([{"input_ids": s.tolist()} for s in seqs])
+    batch.pop("labels")
+    with torch.no_grad():
+        packed = model(**batch, use_cache=False).logits[0]  # a cache turns the detection off
+        alone = torch.cat([model(s[None]).logits[0] for s in seqs])
+    assert _max_diff(packed, alone) < ATOL
+    if boundaries:
+        assert all("cu_seqlens_q" in c and c["q"] == (20, 4, 16) for c in calls[:2])
+    else:
+        assert calls[0]["attn_mask"].shape == (1, 1, 20, 20)
