@@ -317,6 +317,21 @@ def test_positive_scale_mapping_of_a_decode_call(monkeypatch):
             np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale", [0.0, -0.125])
+@pytest.mark.parametrize("options", [dict(causal=True, softcap=2.0), dict(alibi_slopes="heads", bias="full")],
+                         ids=["causal+softcap", "alibi+bias"])
+def test_non_positive_scales_on_the_gpu(requires_gpu, scale, options):
+    """The kernels on the mapped call against the float64 truth with the error budget (test_cuda_variants)."""
+    from test_cuda_variants import _inputs, _resolve, check_variant
+
+    from _gpu_helpers import DTYPES as GPU_DTYPES
+
+    rng = np.random.default_rng(11)
+    q, k, v, do = _inputs(rng, (2, 300, 4, 64), (2, 333, 2, 64), GPU_DTYPES["bfloat16"])
+    check_variant(requires_gpu, q, k, v, do, softmax_scale=scale, **_resolve(options, rng, 2, 4))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_times_minus_one_and_zero_through_the_bits(dtype):
     a = np.array([1.5, -2.0, 0.0, -0.0, np.inf, -np.inf, np.nan], dtype)
