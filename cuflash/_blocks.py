@@ -46,7 +46,8 @@ __all__ = [
     "split_range",
 ]
 
-# The "SRAM" of the CPU reference: 2**14 elements, 64 KiB of float32. At head_dim 64 the rule gives
+# The "SRAM" of the CPU reference's backward (its forward sizes square tiles from the L2 cache instead:
+# cpu_block_sizes below, docs/cpu-performance.md): 2**14 elements, 64 KiB of float32. At head_dim 64 the rule gives
 # 64 x 64 tiles forward (32 x 32 backward): the four blocks of one (batch, head) take 16 KiB each, and
 # since the reference runs the tile of every (batch, head) at once, a score tile at batch x heads = 16
 # is 1 MiB, about one core's L2. (It is also the scale of a GPU thread block's shared memory, and the
