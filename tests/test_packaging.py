@@ -3,8 +3,8 @@
 wheel, in a new virtual environment and run from another directory with no checkout in sight, runs the
 CPU demo and finds every ``.cu``/``.cuh`` file of ``cuflash_kernels/`` as package data.
 
-The fresh environment gets the wheel and its three runtime dependencies (NumPy, ml_dtypes,
-array-api-compat) at the versions already installed here, so pip takes them from its cache or the
+The fresh environment gets the wheel and its runtime dependencies (its ``Requires-Dist`` without an extra:
+NumPy, ml_dtypes, ...) at the versions already installed here, so pip takes them from its cache or the
 configured index; torch, JAX and the other test extras are never installed into it. The build runs without
 isolation (``build`` and ``setuptools`` come with the ``dev`` extra), on a copy of the source tree so the
 checkout gets no ``build/`` or ``*.egg-info``. About 15 s on a 2-core machine with a warm pip cache."""
@@ -13,6 +13,7 @@ import ast
 import importlib.metadata as md
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,7 +26,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = sorted(p.name for p in (ROOT / "cuflash_kernels").iterdir() if p.suffix in (".cu", ".cuh"))
-RUNTIME_DEPENDENCIES = ("numpy", "ml_dtypes", "array-api-compat")
 
 # Left out of the copy that is built: environments, caches, earlier builds and anything git ignores.
 _IGNORE = shutil.ignore_patterns(".git", ".venv", ".old", "build", "dist", "*.egg-info", "__pycache__",
@@ -49,6 +49,17 @@ def test_version_has_one_source():
     assert f'version = "{_source_version()}"' not in text
     assert (ROOT / "LICENSE").read_text().startswith("BSD 3-Clause License")
     assert 'license = "BSD-3-Clause"' in text
+
+
+def _runtime_dependencies(wheel) -> list[str]:
+    """Names of the wheel's requirements that no extra guards (what ``pip install cuflash`` brings)."""
+    with zipfile.ZipFile(wheel) as whl:
+        meta = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = whl.read(meta).decode().splitlines()
+    requires = [line.split(":", 1)[1].strip() for line in lines if line.startswith("Requires-Dist:")]
+    names = [re.match(r"[A-Za-z0-9._-]+", r).group(0) for r in requires if "extra ==" not in r]
+    assert "numpy" in names, requires
+    return names
 
 
 def _run(args, **kwargs):
@@ -94,7 +105,7 @@ def test_fresh_install_runs_demo_and_finds_kernels(dists):
     env_dir = work / "fresh"
     venv.EnvBuilder(with_pip=False).create(env_dir)  # the pip running these tests installs into it
     python = env_dir / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
-    pins = [f"{name}=={md.version(name)}" for name in RUNTIME_DEPENDENCIES]
+    pins = [f"{name}=={md.version(name)}" for name in _runtime_dependencies(wheel)]
     _run([sys.executable, "-m", "pip", "--python", python, "install", "--quiet",
           "--disable-pip-version-check", wheel, *pins])
 
