@@ -129,6 +129,15 @@ def assert_blocked_within_budget(dtype, truth, naive, forward, backward, orders)
             assert_within_budget(grad, grad_truth, grad_naive, 3, rounding_floor(grad_truth, dtype), f"{order} {name}")
 
 
+def small_qkv(batch=2, seqlen_q=5, seqlen_k=7, heads_q=4, heads_kv=2, head_dim=8, dtype=np.float32, seed=0):
+    """Small random q, k, v of the batched layout (GQA by default), for tests of the front door's checks."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, seqlen_q, heads_q, head_dim)).astype(dtype)
+    k = rng.standard_normal((batch, seqlen_k, heads_kv, head_dim)).astype(dtype)
+    v = rng.standard_normal((batch, seqlen_k, heads_kv, head_dim)).astype(dtype)
+    return q, k, v
+
+
 def spy_on_backend(monkeypatch):
     """Let the front door's backends run as they are but note what they get: returns a list that gains, per
     ``forward`` call, its :class:`Variant`, and per ``backward`` call ``(variant, want_dbias, grads)``, with

@@ -63,3 +63,14 @@ def requires_gpu():
     import cupy
 
     return cupy
+
+
+@pytest.fixture
+def no_backend(monkeypatch):
+    """Fail the test if validation lets a call reach a backend."""
+    from cuflash import _api
+
+    def refuse(library):
+        raise AssertionError(f"validation should have failed before the {library} backend was chosen")
+
+    monkeypatch.setattr(_api, "_backend", refuse)

@@ -10,23 +10,7 @@ import pytest
 import cuflash
 from cuflash import _api
 
-
-def _qkv(batch=2, seqlen_q=5, seqlen_k=7, heads_q=4, heads_kv=2, head_dim=8, dtype=np.float32, seed=0):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((batch, seqlen_q, heads_q, head_dim)).astype(dtype)
-    k = rng.standard_normal((batch, seqlen_k, heads_kv, head_dim)).astype(dtype)
-    v = rng.standard_normal((batch, seqlen_k, heads_kv, head_dim)).astype(dtype)
-    return q, k, v
-
-
-@pytest.fixture
-def no_backend(monkeypatch):
-    """Fail the test if validation lets a call reach a backend."""
-
-    def refuse(library):
-        raise AssertionError(f"validation should have failed before the {library} backend was chosen")
-
-    monkeypatch.setattr(_api, "_backend", refuse)
+from _helpers import small_qkv as _qkv
 
 
 class _FakeDeviceArray:

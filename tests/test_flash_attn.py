@@ -11,6 +11,8 @@ import cuflash  # noqa: E402
 import cuflash.torch as cft  # noqa: E402
 from cuflash import flash_attn as fa  # noqa: E402
 
+from _torch_truth import packed_lengths, sequence_scores  # noqa: E402
+
 # flash-attention 2.x's public signatures (flash_attn/flash_attn_interface.py, 2.8): names, order, defaults.
 _COMMON = [("dropout_p", 0.0), ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)),
            ("softcap", 0.0), ("alibi_slopes", None), ("deterministic", False), ("return_attn_probs", False)]
@@ -52,23 +54,9 @@ def _truth(q, k, v, cu_q, cu_k, *, scale, causal=False, window=(-1, -1), softcap
     ``(heads_q, total_q)``; rows that see no key output 0 with lse -inf. Differentiable (torch autograd)."""
     outs, lses = [], []
     for b in range(len(cu_q) - 1):
-        qb, kb, vb = q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]]
-        len_q, len_k, heads_q = qb.shape[0], kb.shape[0], qb.shape[1]
-        kb, vb = (x.repeat_interleave(heads_q // x.shape[1], dim=1) for x in (kb, vb))
-        s = scale * torch.einsum("qhd,khd->hqk", qb, kb)
-        if softcap > 0:
-            s = softcap * torch.tanh(s / softcap)
-        diagonal = torch.arange(len_q)[:, None] + (len_k - len_q)
-        cols = torch.arange(len_k)[None, :]
-        if slopes is not None:
-            s = s - slopes[b if slopes.dim() == 2 else slice(None)][:, None, None].double() * (diagonal - cols).abs()
-        left, right = window
-        right = 0 if causal and right == -1 else (min(right, 0) if causal else right)
-        visible = torch.ones(len_q, len_k, dtype=torch.bool)
-        if right != -1:
-            visible &= cols <= diagonal + right
-        if left != -1:
-            visible &= cols >= diagonal - left
+        slopes_b = None if slopes is None else slopes[b if slopes.dim() == 2 else slice(None)]
+        s, visible, vb = sequence_scores(q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]],
+                                         scale=scale, causal=causal, window=window, softcap=softcap, slopes=slopes_b)
         s = torch.where(visible, s, -torch.inf)
         lse = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - torch.where(lse.isinf(), 0.0, lse)[..., None])
@@ -77,14 +65,10 @@ def _truth(q, k, v, cu_q, cu_k, *, scale, causal=False, window=(-1, -1), softcap
     return torch.cat(outs), torch.cat(lses, dim=1)
 
 
-def _cu(lens):
-    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-
-
 def _padded_truth(q, k, v, **kw):
     """The truth of padded ``(batch, seqlen, heads, d)`` tensors: out like q, lse ``(batch, heads, seqlen_q)``."""
     batch, len_q, len_k = q.shape[0], q.shape[1], k.shape[1]
-    out, lse = _truth(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), _cu([len_q] * batch), _cu([len_k] * batch), **kw)
+    out, lse = _truth(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), packed_lengths([len_q] * batch), packed_lengths([len_k] * batch), **kw)
     return out.unflatten(0, (batch, len_q)), lse.unflatten(1, (batch, len_q)).transpose(0, 1)
 
 
@@ -177,7 +161,7 @@ def test_flash_attn_kvpacked_func(variant):
 @pytest.mark.parametrize("variant", ["dense", "causal-window-softcap", "alibi-per-batch-scale"])
 def test_flash_attn_varlen_func(variant):
     g = torch.Generator().manual_seed(4)
-    cu_q, cu_k = _cu([5, 1, 9]), _cu([8, 6, 9])
+    cu_q, cu_k = packed_lengths([5, 1, 9]), packed_lengths([8, 6, 9])
     q, k, v = _randn(g, 15, 4, 8), _randn(g, 23, 2, 8), _randn(g, 23, 2, 8)
     kw, truth_kw = _variant(variant, g, 3, 4)
     ours_leaves, truth_leaves = _leaves(q, k, v), _leaves(q, k, v)
@@ -189,7 +173,7 @@ def test_flash_attn_varlen_func(variant):
 
 def test_flash_attn_varlen_qkvpacked_func():
     g = torch.Generator().manual_seed(5)
-    cu = _cu([6, 3, 7])
+    cu = packed_lengths([6, 3, 7])
     qkv = _randn(g, 16, 3, 2, 8)
     (leaf,), (truth_leaf,) = _leaves(qkv), _leaves(qkv)
     out, lse, _ = fa.flash_attn_varlen_qkvpacked_func(leaf, cu, 7, causal=True, window_size=(2, -1),
@@ -201,7 +185,7 @@ def test_flash_attn_varlen_qkvpacked_func():
 
 def test_flash_attn_varlen_kvpacked_func():
     g = torch.Generator().manual_seed(6)
-    cu_q, cu_k = _cu([3, 4]), _cu([9, 4])
+    cu_q, cu_k = packed_lengths([3, 4]), packed_lengths([9, 4])
     q, kv = _randn(g, 7, 4, 8), _randn(g, 13, 2, 1, 8)  # MQA
     ours_leaves, truth_leaves = _leaves(q, kv), _leaves(q, kv)
     out, lse, _ = fa.flash_attn_varlen_kvpacked_func(*ours_leaves, cu_q, cu_k, 4, 9, causal=True, softcap=1.5,
@@ -242,7 +226,7 @@ def test_dropout_draws_from_torch_generator():
 
 def test_varlen_block_table_is_not_supported():
     q, k, v = torch.zeros(4, 1, 8), torch.zeros(4, 1, 8), torch.zeros(4, 1, 8)
-    cu = _cu([4])
+    cu = packed_lengths([4])
     with pytest.raises(NotImplementedError, match="flash_attn_varlen_func with block_table"):
         fa.flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, block_table=torch.zeros(1, 1, dtype=torch.int32))
 
@@ -250,7 +234,7 @@ def test_varlen_block_table_is_not_supported():
 def test_compiles_with_no_graph_break():
     g = torch.Generator().manual_seed(10)
     qkv = _randn(g, 2, 8, 3, 2, 8).float().requires_grad_()
-    cu = _cu([5, 3])
+    cu = packed_lengths([5, 3])
 
     def fn(qkv):
         a = fa.flash_attn_qkvpacked_func(qkv, causal=True)

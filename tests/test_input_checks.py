@@ -12,26 +12,10 @@ import pytest
 import cuflash
 from cuflash import _api
 
+from _helpers import small_qkv as _qkv
+
 ARRAY_KINDS = "(a numpy.ndarray, or a cupy.ndarray for the CUDA kernels)"
 DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64]
-
-
-def _qkv(batch=2, seqlen_q=5, seqlen_k=7, heads_q=4, heads_kv=2, head_dim=8, dtype=np.float32, seed=0):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((batch, seqlen_q, heads_q, head_dim)).astype(dtype)
-    k = rng.standard_normal((batch, seqlen_k, heads_kv, head_dim)).astype(dtype)
-    v = rng.standard_normal((batch, seqlen_k, heads_kv, head_dim)).astype(dtype)
-    return q, k, v
-
-
-@pytest.fixture
-def no_backend(monkeypatch):
-    """Fail the test if a call reaches a backend."""
-
-    def refuse(library):
-        raise AssertionError(f"the check should have failed before the {library} backend was chosen")
-
-    monkeypatch.setattr(_api, "_backend", refuse)
 
 
 def _f64(a):

@@ -13,6 +13,8 @@ import torch.nn.functional as F  # noqa: E402
 
 import cuflash.torch as cft  # noqa: E402
 
+from _torch_truth import packed_lengths, sequence_scores  # noqa: E402
+
 
 def _inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, device="cpu", seed=0):
     """q, k, v in torch's (B, H, N, d) layout, requiring grad."""
@@ -173,31 +175,13 @@ def _torch_variant_attention(q, k, v, cu_q, cu_k, *, scale, causal=False, window
     torch's autograd gives its gradients. Rows that see no key output 0."""
     outs = []
     for b in range(len(cu_q) - 1):
-        qb = q[cu_q[b]:cu_q[b + 1]]
-        len_q, heads_q = qb.shape[0], qb.shape[1]
         len_k = int(cu_k[b + 1] - cu_k[b]) if seqused_k is None else int(seqused_k[b])
-        kb, vb = (x[cu_k[b]:cu_k[b] + len_k].repeat_interleave(heads_q // x.shape[1], dim=1) for x in (k, v))
-        s = scale * torch.einsum("qhd,khd->hqk", qb, kb)
-        if softcap:
-            s = softcap * torch.tanh(s / softcap)
-        diagonal = torch.arange(len_q)[:, None] + (len_k - len_q)
-        cols = torch.arange(len_k)[None, :]
-        if slopes is not None:
-            s = s - slopes[b][:, None, None].double() * (diagonal - cols).abs()
-        left, right = window
-        right = 0 if causal and right == -1 else (min(right, 0) if causal else right)
-        visible = torch.ones(len_q, len_k, dtype=torch.bool)
-        if right != -1:
-            visible &= cols <= diagonal + right
-        if left != -1:
-            visible &= cols >= diagonal - left
+        keys = slice(int(cu_k[b]), int(cu_k[b]) + len_k)
+        s, visible, vb = sequence_scores(q[cu_q[b]:cu_q[b + 1]], k[keys], v[keys], scale=scale, causal=causal,
+                                         window=window, softcap=softcap, slopes=None if slopes is None else slopes[b])
         p = torch.softmax(torch.where(visible, s, -1e30), dim=-1) * visible  # 0 for a row that sees nothing
         outs.append(torch.einsum("hqk,khd->qhd", p, vb))
     return torch.cat(outs)
-
-
-def _packed_lengths(lens):
-    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
 
 
 @pytest.mark.parametrize("case", ["packed-causal-window-softcap-alibi", "padded-seqused-alibi"])
@@ -205,7 +189,7 @@ def test_variants_match_plain_torch_cpu(case):
     g = torch.Generator().manual_seed(13)
     slopes = torch.rand(3, 4, generator=g, dtype=torch.float32) * 0.3
     if case.startswith("packed"):
-        cu_q, cu_k = _packed_lengths([9, 1, 14]), _packed_lengths([12, 5, 14])
+        cu_q, cu_k = packed_lengths([9, 1, 14]), packed_lengths([12, 5, 14])
         q = torch.randn(int(cu_q[-1]), 4, 8, generator=g, dtype=torch.float64)
         k, v = (torch.randn(int(cu_k[-1]), 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
         ours_kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=14, max_seqlen_k=14, causal=True,
@@ -235,7 +219,7 @@ def test_variants_match_plain_torch_cpu(case):
 
 
 def test_variants_gradcheck_cpu_float64():
-    cu = _packed_lengths([4, 6])
+    cu = packed_lengths([4, 6])
     g = torch.Generator().manual_seed(17)
     q, k, v = (torch.randn(10, 2, 3, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
     slopes = torch.tensor([0.3, 0.7])
