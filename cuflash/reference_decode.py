@@ -53,19 +53,20 @@ from .reference import (
 __all__ = ["forward_kvcache", "apply_rotary", "rotary_positions"]
 
 
-def apply_rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray, interleaved: bool) -> np.ndarray:
+def apply_rotary(x, cos, sin, positions, interleaved: bool, xp=np):
     """``x`` ``(batch, seqlen, heads, d)`` with its first ``rotary_dim = 2 * cos.shape[1]`` dims of every head rotated
     by the angles of row ``positions[b, i]`` of ``cos`` / ``sin`` (``positions``: ``(batch, seqlen)`` ints); a new
-    array in ``x``'s dtype, computed in the accumulation dtype.
+    array in ``x``'s dtype, computed in the accumulation dtype. ``xp``: the arrays' module (the CUDA backend's
+    [decode rotary] passes CuPy).
 
     Each pair ``(x1, x2)`` becomes ``(x1 cos - x2 sin, x2 cos + x1 sin)``: pairs ``(x[2i], x[2i + 1])`` when
     ``interleaved`` (GPT-J), ``(x[i], x[i + rotary_dim / 2])`` otherwise (GPT-NeoX).
     """
     acc = _acc_dtype(x.dtype)
     half = cos.shape[1]
-    c = np.asarray(cos, dtype=acc)[positions][:, :, None, :]      # (batch, seqlen, 1, half)
-    s = np.asarray(sin, dtype=acc)[positions][:, :, None, :]
-    rotated = np.array(x, dtype=acc)                               # a contiguous copy
+    c = xp.asarray(cos[positions], dtype=acc)[:, :, None, :]       # (batch, seqlen, 1, half): rows gathered first
+    s = xp.asarray(sin[positions], dtype=acc)[:, :, None, :]
+    rotated = xp.array(x, dtype=acc)                               # a contiguous copy
     if interleaved:
         x1, x2 = rotated[..., 0:2 * half:2].copy(), rotated[..., 1:2 * half:2].copy()
         rotated[..., 0:2 * half:2] = x1 * c - x2 * s

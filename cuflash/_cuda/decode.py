@@ -16,6 +16,7 @@ import numpy as np
 from .._kvcache import KVCache
 from .._merge import merge_stacked
 from .._variant import Variant
+from ..reference_decode import apply_rotary
 from .compile import check_smem, kernel, launch
 from .spec import CTYPES, DECODE_HEAD_DIMS, TILES
 from .spec import spec as kernel_spec
@@ -66,26 +67,6 @@ def check_decode_supported(q, k_cache, v_cache) -> None:
                                       f"multiples of 16 bytes (got strides {a.strides})")
 
 
-def _rotate(x, rotary, positions):
-    """[decode rotary] ``x`` (batch, seqlen, heads, d) rotated at ``positions`` (batch, seqlen); a new array
-    (cuflash.reference_decode.apply_rotary with CuPy)."""
-    import cupy
-
-    half = rotary.cos.shape[1]
-    c = rotary.cos[positions].astype(cupy.float32)[:, :, None, :]  # gather, then convert only those rows
-    s = rotary.sin[positions].astype(cupy.float32)[:, :, None, :]
-    out = x.astype(cupy.float32)
-    if rotary.interleaved:
-        x1, x2 = out[..., 0:2 * half:2].copy(), out[..., 1:2 * half:2].copy()
-        out[..., 0:2 * half:2] = x1 * c - x2 * s
-        out[..., 1:2 * half:2] = x2 * c + x1 * s
-    else:
-        x1, x2 = out[..., :half].copy(), out[..., half:2 * half].copy()
-        out[..., :half] = x1 * c - x2 * s
-        out[..., half:2 * half] = x2 * c + x1 * s
-    return out.astype(x.dtype)
-
-
 def _append(k_cache, v_cache, k, v, cache: KVCache) -> None:
     """[decode append] new token i of sequence b into slot cache_seqlens[b] + i of both caches, in place (v
     first, then k: MLA's v_cache may be a view of k_cache)."""
@@ -122,9 +103,9 @@ def forward_kvcache(q, k_cache, v_cache, k, v, *, cache: KVCache, scale: float, 
         rot = cache.rotary
         base = cache.cache_seqlens.astype(cupy.int64)[:, None]
         steps = cupy.arange(seqlen_q) if rot.consecutive_q else cupy.zeros(seqlen_q, cupy.int64)
-        q = _rotate(q, rot, base + steps[None, :])
+        q = apply_rotary(q, rot.cos, rot.sin, base + steps[None, :], rot.interleaved, xp=cupy)
         if k is not None:
-            k = _rotate(k, rot, base + cupy.arange(k.shape[1])[None, :])
+            k = apply_rotary(k, rot.cos, rot.sin, base + cupy.arange(k.shape[1])[None, :], rot.interleaved, xp=cupy)
     if k is not None and k.shape[1]:
         _append(k_cache, v_cache, k, v, cache)
     if out is None:
