@@ -808,7 +808,8 @@ class _Emitter:
             return f"({self.cond(c)} ? {self.to(x, node.type)} : {self.to(y, node.type)})"
         if op == "call":
             args = ", ".join(self.to(a, node.type if node.type == INT else FLOAT) for a in node.args)
-            return f"modmath::{node.value}({args})"
+            fast = "<kFast>" if node.value == "tanhf" else ""  # (see modmath::tanhf in user_mods.cuh)
+            return f"modmath::{node.value}{fast}({args})"
         raise AssertionError(op)  # pragma: no cover
 
 
@@ -842,7 +843,7 @@ def _generate(mods: UserMods) -> tuple:
         f"    static constexpr bool Has_score_mod = {'true' if mods.has_score_mod else 'false'};\n",
         f"    static constexpr bool Has_mask_mod = {'true' if mods.has_mask_mod else 'false'};\n",
         "\n",
-        "    template <class F>\n",
+        "    template <class F, bool kFast = false>\n",
         "    __device__ __forceinline__ static F score(F score, int b, int h, int q_idx, int kv_idx,\n",
         "                                              const ModArrays& arrays) {\n",
         _array_locals(mods, mods.score_mod, ind),
@@ -850,6 +851,7 @@ def _generate(mods: UserMods) -> tuple:
         "    }\n",
         "\n",
         "    __device__ __forceinline__ static bool mask(int b, int h, int q_idx, int kv_idx, const ModArrays& arrays) {\n",
+        "        constexpr bool kFast = false;\n",
         _array_locals(mods, mods.mask_mod, ind),
         f"{ind}return {mask_body};\n",
         "    }\n",
@@ -865,8 +867,8 @@ def cpp_struct(score_mod=None, mask_mod=None, arrays: dict | None = None) -> tup
     ``source`` defines ``cuflash::<type_name>`` with::
 
         static constexpr bool Has_score_mod, Has_mask_mod;
-        template <class F> __device__ __forceinline__ static F score(F score, int b, int h, int q_idx, int kv_idx,
-                                                                     const ModArrays& arrays);
+        template <class F, bool kFast = false> __device__ __forceinline__ static F score(F score, int b, int h,
+                                                                     int q_idx, int kv_idx, const ModArrays& arrays);
         __device__ __forceinline__ static bool mask(int b, int h, int q_idx, int kv_idx, const ModArrays& arrays);
 
     and needs ``cuflash_kernels/user_mods.cuh`` before it."""

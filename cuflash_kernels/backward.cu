@@ -267,9 +267,9 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             if constexpr (V::Has_grad) {
-                mod_scores_grad<true>(st[i], dmod[i], bi, key_base + 16 * i, m0 + wm * kQW, lane);
+                mod_scores_grad<true>(st[i], dmod[i], bi, key_base + 16 * i, m0 + wm * kQW, lane, queries.partial(it));
             } else {
-                mod_scores<true>(st[i], bi, key_base + 16 * i, m0 + wm * kQW, lane);  // [variant mod]
+                mod_scores<true>(st[i], bi, key_base + 16 * i, m0 + wm * kQW, lane, queries.partial(it));  // [variant mod]
             }
         }
         // A row that saw no key has lse = -inf: its P here is +inf, but all its keys are masked below
@@ -559,9 +559,9 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
         const int n0 = n_shift + tile_row(j);  // the tile's first key in the sequence
         u32 dmod[V::Has_grad ? kNT : 1][2];  // [variant grad] d mod / d s
         if constexpr (V::Has_grad) {
-            mod_scores_grad<false>(s, dmod, bi, row_base, n0, lane);
+            mod_scores_grad<false>(s, dmod, bi, row_base, n0, lane, keys.partial(j));
         } else {
-            mod_scores<false>(s, bi, row_base, n0, lane);  // [variant mod]
+            mod_scores<false>(s, bi, row_base, n0, lane, keys.partial(j));  // [variant mod]
         }
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {

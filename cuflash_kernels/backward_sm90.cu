@@ -186,9 +186,9 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
         fence_regs(st);
         u32 dmod[V::Has_grad ? kNT : 1][2];  // [variant grad] d mod / d s
         if constexpr (V::Has_grad) {
-            mod_scores_grad<true>(st, dmod, bi, key_base, m0, lane);
+            mod_scores_grad<true>(st, dmod, bi, key_base, m0, lane, queries.partial(it));
         } else {
-            mod_scores<true>(st, bi, key_base, m0, lane);  // [variant mod]
+            mod_scores<true>(st, bi, key_base, m0, lane, queries.partial(it));  // [variant mod]
         }
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {

@@ -1,16 +1,28 @@
 // cuflash block sparsity of a user mask_mod (the kernels' side of cuflash/_mods.py:block_map, compacted).
 //
-// block_lists_kernel: for every row tile of one launch's tiling (a query tile of kBM rows for the forward
-// and dQ passes; with kTransposed, a key tile of kBN keys for the dK/dV pass), the column tiles that hold
-// at least one visible score, ascending, and their number. Visible is what the attention kernels see:
-// inside the sequence's lengths, inside the band (causal, window: BlockInfo::visible) and mask_mod. Only
-// the column tiles of the row's band range are looked at (BlockInfo::key_tiles / query_tiles, the loop
-// bounds the attention kernels would use), each by the whole block, 128 threads over its kBM x kBN scores,
-// a thread stopping at its first visible score; a tile with none costs all kBM x kBN evaluations.
+// Two launches build, for every row tile of one launch's tiling (a query tile of kBM rows for the forward and
+// dQ passes; with kTransposed, a key tile of kBN keys for the dK/dV pass), the list of column tiles that hold
+// at least one visible score, ascending, and their number:
 //
-// Grid: (row tiles, Hm, Bm), where Hm = heads_q when mask_mod reads h (else 1) and Bm = batch when mask_mod
-// reads b or the sequences have their own lengths (else 1): the lists broadcast over the other axes.
-// count: (Bm, Hm, rows) int32; list: (Bm, Hm, rows, cols) int32, entries past count unspecified.
+// block_status_kernel: one thread block per (column tile, row tile, head x batch of the map), 128 threads over
+//   the tile's kBM x kBN scores: status 0 (no visible score: skipped), 1 (partial: some score the lengths and
+//   the band leave visible fails mask_mod, so the attention kernels evaluate mask_mod score by score) or 2 (full:
+//   every such score passes mask_mod, none is evaluated again). Visible is what the attention kernels see:
+//   inside the sequence's lengths, inside the band (causal, window: BlockInfo::visible) and mask_mod. Column
+//   tiles outside the row's band range (BlockInfo::key_tiles / query_tiles, the attention kernels' loop
+//   bounds) are 0 without evaluation. One block per tile, so that the grid fills the GPU however few row tiles
+//   a call has (N 8192 in tiles of 128: 64 row tiles, 4096 tiles).
+// block_compact_kernel: one warp per row tile: the column tiles whose status is not 0, ascending (a ballot and
+//   a prefix count per 32 columns), each entry the tile index with kFullTile (variants.cuh) set when full.
+//
+// The NumPy reference's block map (cuflash/_mods.py) calls a tile full when every score inside the lengths
+// passes mask_mod; here the band's scores are left out too (the band mask still applies to them), so a few
+// more tiles are full: the same results, less mask_mod work.
+//
+// Grid of both: (.., rows or columns as above, Hm x Bm), Hm = heads_q when mask_mod reads h (else 1), Bm = batch
+// when mask_mod reads b or the sequences have their own lengths (else 1): the lists broadcast over the other
+// axes. status: (Bm, Hm, rows, cols) int8; count: (Bm, Hm, rows) int32; list: (Bm, Hm, rows, cols) int32,
+// entries past count unspecified.
 #include "cuflash_tiles.cuh"
 #include "user_mods.cuh"
 #include "variants.cuh"
@@ -19,13 +31,11 @@ namespace cuflash {
 
 template <class V, int kBM, int kBN, bool kTransposed>
 __global__ void __launch_bounds__(128)
-block_lists_kernel(int* __restrict__ count, int* __restrict__ list, int rows, int cols, int seqlen_q, int seqlen_k,
-                   const VariantParams vp) {
+block_status_kernel(signed char* __restrict__ status, int rows, int cols, int heads_map, int seqlen_q, int seqlen_k,
+                    const VariantParams vp) {
     static_assert(V::Mod::Has_mask_mod, "block lists come from a mask_mod");
-    const int r = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int c = blockIdx.x, r = blockIdx.y, h = blockIdx.z % heads_map, b = blockIdx.z / heads_map;
     const BlockInfo<V> bi(vp, b, h, seqlen_q, seqlen_k);
-    const i64 row = ((i64)b * gridDim.y + h) * rows + r;
-    int* out = list + row * cols;
     int first = 0, end = 0;
     if constexpr (kTransposed) {
         if (r * kBN < bi.len_k) {
@@ -40,22 +50,41 @@ block_lists_kernel(int* __restrict__ count, int* __restrict__ list, int rows, in
             end = kt.x + kt.y;
         }
     }
-    end = min(end, cols);
-    int n = 0;
-    for (int c = first; c < end; ++c) {
+    signed char result = 0;
+    if (c >= first && c < end) {  // (uniform over the block)
         const int q0 = kTransposed ? c * kBM : r * kBM;
         const int k0 = kTransposed ? r * kBN : c * kBN;
-        bool any = false;
-        for (int e = threadIdx.x; e < kBM * kBN && !any; e += 128) {
+        bool any = false, fails = false;
+        for (int e = threadIdx.x; e < kBM * kBN; e += 128) {
             const int i = q0 + e / kBN, j = k0 + e % kBN;
-            any = i < bi.len_q && bi.visible(i, j) && V::Mod::mask(bi.b, bi.h, i, j, *bi.mods);
+            if (i < bi.len_q && bi.visible(i, j)) {
+                const bool keep = V::Mod::mask(bi.b, bi.h, i, j, *bi.mods);
+                any = any || keep;
+                fails = fails || !keep;
+            }
         }
-        if (__syncthreads_or(any)) {
-            if (threadIdx.x == 0) out[n] = c;
-            ++n;
-        }
+        any = __syncthreads_or(any);
+        fails = __syncthreads_or(fails);
+        result = any ? (fails ? 1 : 2) : 0;
     }
-    if (threadIdx.x == 0) count[row] = n;
+    if (threadIdx.x == 0) status[(((i64)blockIdx.z * rows) + r) * cols + c] = result;
+}
+
+__global__ void __launch_bounds__(32)
+block_compact_kernel(const signed char* __restrict__ status, int* __restrict__ count, int* __restrict__ list, int cols) {
+    const i64 row = (i64)blockIdx.z * gridDim.y + blockIdx.y;
+    const signed char* st = status + row * cols;
+    int* out = list + row * cols;
+    const int lane = threadIdx.x;
+    int n = 0;
+    for (int c0 = 0; c0 < cols; c0 += 32) {
+        const int c = c0 + lane;
+        const int s = c < cols ? st[c] : 0;
+        const unsigned live = __ballot_sync(0xffffffffu, s != 0);
+        if (s != 0) out[n + __popc(live & ((1u << lane) - 1u))] = c | (s == 2 ? kFullTile : 0);
+        n += __popc(live);
+    }
+    if (lane == 0) count[row] = n;
 }
 
 }  // namespace cuflash

@@ -131,7 +131,7 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         const bool need_mask = bi.needs_mask(m0, kBlockM, n0, kBlockN);
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
-            mod_scores<false>(s[mt], bi, row_base + mt * 16, n0, lane);  // [variant mod]
+            mod_scores<false>(s[mt], bi, row_base + mt * 16, n0, lane, keys.partial(j));  // [variant mod]
             scale_scores<kNT>(s[mt], scale_log2);
             if (need_mask) mask_block<false>(s[mt], bi, row_base + mt * 16, n0, lane, -CUFLASH_INF);  // [variant mask]
             // [fa2-fwd 3] and [fa2-fwd 4]

@@ -6,8 +6,8 @@
 //
 //   struct UserMod_<hash> {
 //       static constexpr bool Has_score_mod, Has_mask_mod;
-//       template <class F> __device__ __forceinline__ static F score(F score, int b, int h, int q_idx, int kv_idx,
-//                                                                    const ModArrays& arrays);
+//       template <class F, bool kFast = false>
+//       __device__ __forceinline__ static F score(F score, int b, int h, int q_idx, int kv_idx, const ModArrays& arrays);
 //       __device__ __forceinline__ static bool mask(int b, int h, int q_idx, int kv_idx, const ModArrays& arrays);
 //   };
 //
@@ -75,14 +75,36 @@ CUFLASH_DUAL_COMPARE(==)
 CUFLASH_DUAL_COMPARE(!=)
 #undef CUFLASH_DUAL_COMPARE
 
+// tanh(x) = 1 - 2 / (1 + e^{2x}) with one MUFU instruction (the exp2) and the reciprocal by Newton's method
+// on the FMA pipe: the softmax already keeps the MUFU unit busy with one exp2 per score, so a second MUFU
+// op per score (rcp, or tanh.approx, whose 2^-11 relative error is also too coarse for softcap 30..50)
+// would nearly halve the throughput. x is clamped to +-9 (tanh(9) rounds to 1 in float32), so 1 + e^{2x}
+// lies in [1, 7e7], where the bit-trick start (|error| < 12%) and three Newton steps give ~1e-7.
+__device__ __forceinline__ float tanh_exp2(float x) {
+    x = fminf(fmaxf(x, -9.f), 9.f);
+    float e;  // ex2.approx: e^{2x} = 2^{2x log2(e)}
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(2.8853900817779268f * x));
+    const float d = 1.f + e;
+    float r = __int_as_float(0x7EF311C3 - __float_as_int(d));
+    r = r * fmaf(-d, r, 2.f);
+    r = r * fmaf(-d, r, 2.f);
+    r = r * fmaf(-d, r, 2.f);
+    return fmaf(-2.f, r, 1.f);
+}
+
 namespace modmath {
 
 constexpr float kLn2f = 0.6931471805599453f;
 
 // float: the CUDA builtins; Dual: value and derivative (the same formulas as cuflash/_mods.py's evaluator).
-__device__ __forceinline__ float tanhf(float x) { return ::tanhf(x); }
+// tanhf<kFast>: kFast (the 16-bit kernels) tanh_exp2, whose ~3e-7 absolute error is far inside their budget;
+// else the CUDA builtin (the float32 kernels, held to float32's budget). The generated code calls
+// modmath::tanhf<kFast>, with kFast the score function's template argument (false in mask).
+template <bool kFast>
+__device__ __forceinline__ float tanhf(float x) { return kFast ? tanh_exp2(x) : ::tanhf(x); }
+template <bool kFast>
 __device__ __forceinline__ Dual tanhf(Dual x) {
-    const float t = ::tanhf(x.v);
+    const float t = tanhf<kFast>(x.v);
     return Dual(t, x.d * (1.f - t * t));
 }
 __device__ __forceinline__ float expf(float x) { return ::expf(x); }
@@ -152,7 +174,7 @@ __device__ __forceinline__ T load(const T* p, int n, int i) {
 struct NoMod {
     static constexpr bool Has_score_mod = false;
     static constexpr bool Has_mask_mod = false;
-    template <class F>
+    template <class F, bool kFast = false>
     __device__ __forceinline__ static F score(F score, int, int, int, int, const ModArrays&) {
         return score;
     }
@@ -163,22 +185,23 @@ struct NoMod {
 //   s' = score_mod(scale * s) / scale,   grad = d s' / d s = score_mod'(scale * s)
 // (the scale cancels in the derivative). kKeepMasked: a score that is already -inf (a -inf bias entry, a
 // boolean mask's False) stays -inf with grad 0, as in the reference: a score_mod cannot unmask it.
-template <class M, bool kKeepMasked = false>
+// kFast: the 16-bit kernels' tanh (modmath::tanhf).
+template <class M, bool kKeepMasked = false, bool kFast = false>
 __device__ __forceinline__ float apply_score_mod(float s, float scale, float inv_scale, int b, int h, int q_idx,
                                                  int kv_idx, const ModArrays& arrays, float& grad) {
     if (kKeepMasked && s == -__int_as_float(0x7f800000)) {
         grad = 0.f;
         return s;
     }
-    const Dual r = M::template score<Dual>(Dual(s * scale, 1.f), b, h, q_idx, kv_idx, arrays);
+    const Dual r = M::template score<Dual, kFast>(Dual(s * scale, 1.f), b, h, q_idx, kv_idx, arrays);
     grad = r.d;
     return r.v * inv_scale;
 }
-template <class M, bool kKeepMasked = false>
+template <class M, bool kKeepMasked = false, bool kFast = false>
 __device__ __forceinline__ float apply_score_mod(float s, float scale, float inv_scale, int b, int h, int q_idx,
                                                  int kv_idx, const ModArrays& arrays) {
     if (kKeepMasked && s == -__int_as_float(0x7f800000)) return s;
-    return M::template score<float>(s * scale, b, h, q_idx, kv_idx, arrays) * inv_scale;
+    return M::template score<float, kFast>(s * scale, b, h, q_idx, kv_idx, arrays) * inv_scale;
 }
 
 }  // namespace cuflash

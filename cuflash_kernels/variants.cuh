@@ -103,32 +103,29 @@ struct Variant {
 using DenseVariant = Variant<false, false, false, false, false, false, false>;
 template <bool Is_causal> using CausalVariant = Variant<false, Is_causal, false, false, false, false, false>;
 
-// tanh(x) = 1 - 2 / (1 + e^{2x}) with one MUFU instruction (the exp2) and the reciprocal by Newton's method
-// on the FMA pipe: the softmax already keeps the MUFU unit busy with one exp2 per score, so a second MUFU
-// op per score (rcp, or tanh.approx, whose 2^-11 relative error is also too coarse for softcap 30..50)
-// would nearly halve the throughput. x is clamped to +-9 (tanh(9) rounds to 1 in float32), so 1 + e^{2x}
-// lies in [1, 7e7], where the bit-trick start (|error| < 12%) and three Newton steps give ~1e-7.
-__device__ __forceinline__ float tanh_exp2(float x) {
-    x = fminf(fmaxf(x, -9.f), 9.f);
-    const float d = 1.f + fast_exp2(2.f * kLog2e * x);
-    float r = __int_as_float(0x7EF311C3 - __float_as_int(d));
-    r = r * fmaf(-d, r, 2.f);
-    r = r * fmaf(-d, r, 2.f);
-    r = r * fmaf(-d, r, 2.f);
-    return fmaf(-2.f, r, 1.f);
-}
+// A block list entry's flag: every score of the tile that the lengths and the band leave visible passes
+// mask_mod (block_map.cu), so the tile needs no mask_mod evaluation (FlexAttention's "full" blocks).
+constexpr int kFullTile = 1 << 30;
 
 // [variant mask] The tiles one loop visits, in loop order: tiles first, first + 1, ..., first + count - 1 of the
-// band range, or with a block map (a mask_mod) the listed ones (first = 0, tile j = list[j]).
+// band range, or with a block map (a mask_mod) the listed ones (first = 0, tile j = list[j] without its flag).
 template <class V>
 struct TileLoop {
     int first, count;
     const int* list;
     __device__ __forceinline__ int tile(int j) const {
         if constexpr (V::Has_block_map) {
-            return list[j];
+            return list[j] & ~kFullTile;
         } else {
             return first + j;
+        }
+    }
+    // Whether tile j needs mask_mod score by score (a partial tile of the block map; no mask_mod: never).
+    __device__ __forceinline__ bool partial(int j) const {
+        if constexpr (V::Has_block_map) {
+            return !(list[j] & kFullTile);
+        } else {
+            return false;
         }
     }
 };
@@ -313,10 +310,12 @@ struct BlockInfo {
 
     // [variant mod] the raw score s = q_i . k_j after softcap, ALiBi and the bias, in raw-score units; `grad`
     // gets d mod / d s (the tanh derivative; 1 without softcap) for [variant grad]. kExactTanh: tanhf (the
-    // float32 kernels, whose budget is float32's), else tanh_exp2 (~3e-7 absolute, the 16-bit kernels).
+    // float32 kernels, whose budget is float32's), else tanh_exp2 (~3e-7 absolute, the 16-bit kernels), in
+    // softcap and in a score_mod's tanhf.
     // kWantGrad = false (the forward): a score_mod is evaluated on floats, without its dual-number derivative.
+    // with_mask_mod = false: a full tile of the block map (TileLoop::partial), where mask_mod keeps every score.
     template <bool kExactTanh = false, bool kWantGrad = true>
-    __device__ __forceinline__ float mod(float s, int i, int j, float& grad) const {
+    __device__ __forceinline__ float mod(float s, int i, int j, float& grad, bool with_mask_mod = true) const {
         if constexpr (!V::Has_softcap) grad = 1.f;
         if constexpr (V::Has_softcap) {
             const float th = kExactTanh ? tanhf(cap_a * s) : tanh_exp2(cap_a * s);
@@ -333,14 +332,14 @@ struct BlockInfo {
                 if constexpr (V::Mod::Has_score_mod) {
                     if constexpr (kWantGrad) {
                         float g;
-                        s = apply_score_mod<typename V::Mod, V::Has_bias>(s, 1.f / inv_scale, inv_scale, b, h, i, j, *mods, g);
+                        s = apply_score_mod<typename V::Mod, V::Has_bias, !kExactTanh>(s, 1.f / inv_scale, inv_scale, b, h, i, j, *mods, g);
                         grad *= g;
                     } else {
-                        s = apply_score_mod<typename V::Mod, V::Has_bias>(s, 1.f / inv_scale, inv_scale, b, h, i, j, *mods);
+                        s = apply_score_mod<typename V::Mod, V::Has_bias, !kExactTanh>(s, 1.f / inv_scale, inv_scale, b, h, i, j, *mods);
                     }
                 }
                 if constexpr (V::Mod::Has_mask_mod) {
-                    if (!V::Mod::mask(b, h, i, j, *mods)) {
+                    if (with_mask_mod && !V::Mod::mask(b, h, i, j, *mods)) {
                         s = -CUFLASH_INF;
                         grad = 0.f;
                     }
@@ -350,9 +349,9 @@ struct BlockInfo {
         return s;
     }
     template <bool kExactTanh = false>
-    __device__ __forceinline__ float mod(float s, int i, int j) const {
+    __device__ __forceinline__ float mod(float s, int i, int j, bool with_mask_mod = true) const {
         float unused;
-        return mod<kExactTanh, false>(s, i, j, unused);
+        return mod<kExactTanh, false>(s, i, j, unused, with_mask_mod);
     }
 
     // [variant grad] of the bias: dbias[i, j] = dS (the gradient of the biased scaled score), where wanted.
@@ -447,13 +446,14 @@ __device__ __forceinline__ void dropout_scores(float (&s)[kNT][4], const BlockIn
     }
 }
 
-// [variant mod] on raw scores, in place (a no-op for variants without score mods).
+// [variant mod] on raw scores, in place (a no-op for variants without score mods). with_mask_mod: the tile
+// loop's partial(j) (false on a full tile of the block map: no mask_mod evaluation).
 template <bool kTransposed, class V, int kNT>
 __device__ __forceinline__ void mod_scores(float (&s)[kNT][4], const BlockInfo<V>& bi, int row_base, int col_base,
-                                           int lane) {
+                                           int lane, bool with_mask_mod = true) {
     if constexpr (V::Has_mod) {
         for_each_score<kTransposed>(s, row_base, col_base, lane,
-                                    [&](float& x, int i, int j, int, int) { x = bi.mod(x, i, j); });
+                                    [&](float& x, int i, int j, int, int) { x = bi.mod(x, i, j, with_mask_mod); });
     }
 }
 
@@ -462,10 +462,11 @@ __device__ __forceinline__ void mod_scores(float (&s)[kNT][4], const BlockInfo<V
 // float32, and dS itself is rounded to 16 bits right after.
 template <bool kTransposed, class V, int kNT>
 __device__ __forceinline__ void mod_scores_grad(float (&s)[kNT][4], u32 (&grad)[kNT][2], const BlockInfo<V>& bi,
-                                                int row_base, int col_base, int lane) {
+                                                int row_base, int col_base, int lane, bool with_mask_mod = true) {
     float g[kNT][4];
-    for_each_score<kTransposed>(s, row_base, col_base, lane,
-                                [&](float& x, int i, int j, int nt, int e) { x = bi.mod(x, i, j, g[nt][e]); });
+    for_each_score<kTransposed>(s, row_base, col_base, lane, [&](float& x, int i, int j, int nt, int e) {
+        x = bi.mod(x, i, j, g[nt][e], with_mask_mod);
+    });
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
         grad[nt][0] = Elem<fp16>::pack(g[nt][0], g[nt][1]);

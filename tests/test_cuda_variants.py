@@ -216,7 +216,8 @@ def test_varlen_equals_per_sequence_calls(requires_gpu):
 ])
 def test_block_lists_are_the_visible_tiles(requires_gpu, mask, causal, window):
     """The launcher's block lists (block_map.cu: lengths, band and mask_mod score by score) list, ascending
-    and for both loop orders, exactly the tiles that hold a visible score of a dense evaluation."""
+    and for both loop orders, exactly the tiles that hold a visible score of a dense evaluation, flagged full
+    (kFullTile) exactly where mask_mod keeps every score that the lengths and the band leave visible."""
     cp = requires_gpu
     from cuflash._cuda.attention import Shape, block_lists
     from cuflash._mods import user_mods
@@ -247,18 +248,27 @@ def test_block_lists_are_the_visible_tiles(requires_gpu, mask, causal, window):
         pad[:, :nq, :nk] = visible
         return pad.reshape(heads, nqt, bm_, nkt, bn_).any(axis=(2, 4))
 
+    full_flag = 1 << 30  # kFullTile (variants.cuh)
     for bm_, bn_ in ((128, 64), (64, 128)):
         need = tiles_of(by_mask & by_band, bm_, bn_)
+        partial = tiles_of(~by_mask & by_band, bm_, bn_)
         for transposed in (False, True):
             count, lists = (cp.asnumpy(x) for x in block_lists(variant, shp, bm_, bn_, transposed))
             t_need = need.swapaxes(-1, -2) if transposed else need
+            t_partial = partial.swapaxes(-1, -2) if transposed else partial
+            seen_full = seen_partial = 0
             for b in range(count.shape[0]):
                 for hh in range(heads):
                     hm = hh if count.shape[1] > 1 else 0
                     for r in range(t_need.shape[1]):
                         got = lists[b, hm, r, :count[b, hm, r]]
                         where = (bm_, bn_, transposed, b, hh, r, list(got))
-                        assert list(got) == list(np.flatnonzero(t_need[hh, r])), where
+                        assert list(got & ~full_flag) == list(np.flatnonzero(t_need[hh, r])), where
+                        want_full = ~t_partial[hh, r, got & ~full_flag]
+                        assert list((got & full_flag) != 0) == list(want_full), where
+                        seen_full += int(want_full.sum())
+                        seen_partial += int((~want_full).sum())
+            assert seen_full and seen_partial, "the cases hold both kinds of tile"
 
 
 def test_a_mod_that_nvrtc_refuses_names_the_expression(requires_gpu, monkeypatch):

@@ -650,7 +650,7 @@ def test_generated_struct_interface():
     name, source = mods.type_name, mods.source
     assert name.startswith("UserMod_") and f"struct {name} {{" in source
     assert "static constexpr bool Has_score_mod = true;" in source and "static constexpr bool Has_mask_mod = true;" in source
-    assert ("template <class F>\n    __device__ __forceinline__ static F score(F score, int b, int h, int q_idx, "
+    assert ("template <class F, bool kFast = false>\n    __device__ __forceinline__ static F score(F score, int b, int h, int q_idx, "
             "int kv_idx,\n") in source
     assert "__device__ __forceinline__ static bool mask(int b, int h, int q_idx, int kv_idx, const ModArrays& arrays)" in source
     assert "const int* doc = static_cast<const int*>(arrays.ptr[0]);" in source and "zz" not in source.split("struct")[1]

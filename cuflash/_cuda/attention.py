@@ -21,7 +21,7 @@ import numpy as np
 from .._variant import Variant
 from . import fa1, naive
 from .compile import arch_class, check_smem, device_info, launch
-from .spec import BWD_HEAD_DIMS, CTYPES, HEAD_DIMS, TILES, Tile, extra_params, mask_policy, variant_params, variant_type
+from .spec import BLOCK_COMPACT, BWD_HEAD_DIMS, CTYPES, HEAD_DIMS, TILES, Tile, extra_params, mask_policy, variant_params, variant_type
 from .spec import spec as kernel_spec
 
 __all__ = ["forward", "backward", "check_supported"]
@@ -318,8 +318,15 @@ def block_lists(variant: Variant, shp: Shape, block_m: int, block_n: int, transp
                        policy)
     extra = extra_params(variant)
     vp = variant_params(variant, 1.0, shp.rows_q, shp.rows_k, extra)
-    if rows and nb and nh:
-        launch(spec, (rows, nh, nb), (count, lists, i32(rows), i32(cols), i32(shp.rows_q), i32(shp.rows_k), vp))
+    if rows and cols and nb and nh:
+        if rows > 65535 or nb * nh > 65535:
+            raise ValueError(f"mask_mod's block map has {rows} row tiles and {nb * nh} (batch x head) maps; the grid "
+                             "allows 65535 of each: use fewer sequences or heads per call")
+        status = cupy.empty((nb, nh, rows, cols), dtype=cupy.int8)  # each tile: 0 skip, 1 partial, 2 full
+        launch(spec, (cols, rows, nh * nb), (status, i32(rows), i32(cols), i32(nh), i32(shp.rows_q), i32(shp.rows_k), vp))
+        launch(BLOCK_COMPACT, (1, rows, nh * nb), (status, count, lists, i32(cols)))
+    elif rows and nb and nh:
+        count.fill(0)
     if key is not None:
         if len(_LISTS_CACHE) >= _LISTS_CACHE_SIZE:
             _LISTS_CACHE.pop(next(iter(_LISTS_CACHE)))

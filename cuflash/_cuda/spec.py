@@ -347,13 +347,15 @@ FAMILIES: dict[str, Family] = {
     "bwd_reduce_dkv": Family(
         "backward.cu", "flash_bwd_reduce_dkv_kernel", lambda s: f"{CTYPES[s.dtype]}, {s.head_dim}", _no_smem,
         threads=256),
-    # mask_mod's block lists for one launch's tiling (block_map.cu): tile = (block_m, block_n) of that launch.
+    # mask_mod's block lists for one launch's tiling (block_map.cu): tile = (block_m, block_n) of that launch;
+    # each tile's status, then the lists compacted from it (no template arguments).
     "block_lists": Family(
-        "block_map.cu", "block_lists_kernel", lambda s: f"{s.variant}, {s.tile.block_m}, {s.tile.block_n}, false",
+        "block_map.cu", "block_status_kernel", lambda s: f"{s.variant}, {s.tile.block_m}, {s.tile.block_n}, false",
         _no_smem, threads=128),
     "block_lists_t": Family(
-        "block_map.cu", "block_lists_kernel", lambda s: f"{s.variant}, {s.tile.block_m}, {s.tile.block_n}, true",
+        "block_map.cu", "block_status_kernel", lambda s: f"{s.variant}, {s.tile.block_m}, {s.tile.block_n}, true",
         _no_smem, threads=128),
+    "block_compact": Family("block_map.cu", "block_compact_kernel", lambda s: "", _no_smem, threads=32),
     # KV-cache decoding, split-KV (decode.cu): the variant slot holds kPaged ("true" / "false"); tile block_m =
     # 16 packed query rows, block_n keys per tile, warps splitting each tile's keys.
     "decode": Family(
@@ -405,7 +407,8 @@ class KernelSpec:
     @property
     def name(self) -> str:
         """The NVRTC name expression."""
-        return f"cuflash::{self.fam.kernel}<{self.fam.template(self)}>"
+        args = self.fam.template(self)
+        return f"cuflash::{self.fam.kernel}<{args}>" if args else f"cuflash::{self.fam.kernel}"
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -419,6 +422,10 @@ class KernelSpec:
     @property
     def threads(self) -> int:
         return self.fam.threads or 32 * self.tile.warps
+
+
+# The block lists' compaction (block_map.cu): one kernel for every mask and tiling.
+BLOCK_COMPACT = KernelSpec("block_compact", "float32", 0, arch="f32")
 
 
 @functools.lru_cache(maxsize=None)
@@ -517,4 +524,5 @@ def instantiations() -> list[KernelSpec]:
                 add(KernelSpec("decode", dtype, d, TILES[("decode", "any", d)], paged, arch="any"))
     for fam, t in (("block_lists", TILES[("fwd", "sm90a", 128)]), ("block_lists_t", TILES[("bwd", "sm90a", 128)])):
         add(KernelSpec(fam, "float32", 0, t, causal_mod, arch="f32"))
+    add(BLOCK_COMPACT)
     return list(out.values())
