@@ -5,7 +5,8 @@ implementation of the same block algorithm, which is also the reference the kern
 PyTorch and JAX users go through :mod:`cuflash.torch` and :mod:`cuflash.jax` (imported on demand only).
 """
 
-from ._api import attention, attention_backward, attention_with_kvcache, dropout_mask, merge_states
+from ._api import attention, attention_backward, attention_with_kvcache, dropout_mask, merge_states, plan_kvcache
+from ._decode_plan import DecodePlan
 from .mha import MHACache, MHAGrads, MHAParams, init_mha_params, mha_backward, mha_forward
 
 __version__ = "0.1.0"
@@ -15,6 +16,8 @@ __all__ = [
     "attention_backward",
     "dropout_mask",
     "attention_with_kvcache",
+    "plan_kvcache",
+    "DecodePlan",
     "merge_states",
     "MHAParams",
     "MHAGrads",

@@ -16,7 +16,8 @@ from types import ModuleType
 
 import numpy as np
 
-from . import _blocks, _merge, _validate
+from . import _blocks, _decode_plan, _merge, _validate
+from ._decode_plan import DecodePlan
 from ._variant import Variant
 
 _BACKEND_MODULES = {"numpy": "cuflash.reference", "cupy": "cuflash._cuda"}
@@ -397,9 +398,18 @@ def _empty_backward(q, k, v):
 # Decoding with a KV cache, and merging partial attentions
 # ---------------------------------------------------------------------------------------------------
 
-# The backends of attention_with_kvcache: a module with forward_kvcache (docs/architecture.md). The CUDA backend
-# gains it with the decode kernels; until then CuPy calls are refused after validation.
+# The backends of attention_with_kvcache: a module with forward_kvcache (docs/architecture.md), and, for
+# plan_kvcache, plan_kvcache (the CUDA backend; the NumPy reference runs each step through the front door).
 _DECODE_BACKEND_MODULES = {"numpy": "cuflash.reference_decode", "cupy": "cuflash._cuda"}
+_decode_backends: dict = {}  # module name -> module, imported once (a decode step's host time is counted in us)
+
+
+def _decode_backend(library: str) -> ModuleType:
+    name = _DECODE_BACKEND_MODULES[library]
+    backend = _decode_backends.get(name)
+    if backend is None:
+        backend = _decode_backends[name] = importlib.import_module(name)
+    return backend
 
 
 def attention_with_kvcache(
@@ -440,9 +450,10 @@ def attention_with_kvcache(
     Parameters
     ----------
     q : array, shape (batch, seqlen_q, heads_q, head_dim)
-        NumPy (the NumPy reference runs it) or CuPy (the CUDA decode kernels, not yet: ``NotImplementedError``
-        after validation). float16, bfloat16, float32 or float64. ``seqlen_q`` from 1 (a decode step) to many
-        (speculative decoding, chunked prefill).
+        NumPy (the NumPy reference runs it) or CuPy (the CUDA decode kernels: float16 and bfloat16, head dims 32,
+        64, 96 and 128 with ``head_dim_v == head_dim``; anything else raises ``NotImplementedError`` before the
+        caches are touched). float16, bfloat16, float32 or float64 on NumPy. ``seqlen_q`` from 1 (a decode step)
+        to many (speculative decoding, chunked prefill).
     k_cache, v_cache : arrays
         ``(batch_cache, seqlen_cache, heads_kv, head_dim)`` (contiguous cache: row ``cache_batch_idx[b]``, or
         ``b``), or with ``block_table`` ``(num_blocks, page_size, heads_kv, head_dim)`` (paged cache, any
@@ -491,7 +502,85 @@ def attention_with_kvcache(
     Index values (``cache_seqlens``, ``cache_leftpad``, ``cache_batch_idx``, ``block_table``) are checked before
     anything is written: always for NumPy arrays; for CuPy arrays only in the debug mode
     ``CUFLASH_CHECK_DEVICE_VALUES=1`` (reading device values costs a synchronization per step).
+
+    On CuPy arrays the launches of a call are planned at its first call with these shapes and options and kept
+    (:func:`plan_kvcache` makes such a plan explicitly and skips the per-call checks as well).
     """
+    key = _kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved,
+                       cache_batch_idx, cache_leftpad, block_table, causal, window_size, softcap, alibi_slopes,
+                       softmax_scale, num_splits, out)
+    launch = _kvcache_launches.get(key) if key is not None else None
+    if launch is not None:  # the same layouts and options as a call already checked: its launch, at once
+        if type(cache_seqlens) is int:
+            cache_seqlens = _namespace(q).full((q.shape[0],), cache_seqlens, dtype=np.int32)
+        result, lse = launch.run(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx, block_table,
+                                 alibi_slopes, rotary_cos, rotary_sin, out, None)
+        return (result, lse) if return_lse else result
+    library, _, cache, scale, variant = _kvcache_call(
+        q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        rotary_interleaved=rotary_interleaved, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+        block_table=block_table, causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        softmax_scale=softmax_scale, num_splits=num_splits, out=out)
+    backend = _decode_backend(library)
+    forward_kvcache = getattr(backend, "forward_kvcache", None)
+    if forward_kvcache is None:
+        raise NotImplementedError(f"attention_with_kvcache has no decode backend for {library} arrays")
+    kernel_q, scale, _ = _kernel_scale(library, q, scale)
+    if key is not None and kernel_q is q:  # (a call whose q is mapped to a positive scale is not remembered)
+        _kvcache_launches[key] = backend.plan_kvcache(q, k_cache, v_cache, k, v, cache=cache, scale=scale,
+                                                      variant=variant, out=out, shared=True)
+        while len(_kvcache_launches) > _MAX_KVCACHE_LAUNCHES:
+            _kvcache_launches.pop(next(iter(_kvcache_launches)), None)
+    result, lse = forward_kvcache(kernel_q, k_cache, v_cache, k, v, cache=cache, scale=scale, variant=variant, out=out)
+    return (result, lse) if return_lse else result
+
+
+# The front door's memory of CuPy decode calls it has checked: everything the checks read (each array's type, shape,
+# strides, dtype and device; the options, with their types; the current device and stream) -> the backend's launch.
+# A call with the same key would pass the same checks (CuPy index values are not read outside the debug mode), so
+# it runs the launch at once: a decode step's host time is the launch's, not the checks' (~150 us of Python).
+_kvcache_launches: dict = {}
+_MAX_KVCACHE_LAUNCHES = 64
+
+
+def _array_key(a, kind):
+    return None if a is None else (a.shape, a.strides, a.dtype, a.data.device_id) if type(a) is kind else _NO_KEY
+
+
+_NO_KEY = object()  # an array of another type: not remembered (the checks will say what is wrong)
+
+
+def _kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx,
+                 cache_leftpad, block_table, causal, window_size, softcap, alibi_slopes, softmax_scale, num_splits, out):
+    """The key of a CuPy decode call in :data:`_kvcache_launches`, or None: NumPy arrays (their index values are
+    checked at every call), options of unusual types (an int for a bool, a list for the window: the checks judge
+    them), the debug mode ``CUFLASH_CHECK_DEVICE_VALUES=1``."""
+    kind = type(q)
+    if _validate._library(q) != "cupy" or _validate.device_value_checks():
+        return None
+    if not (type(causal) is bool and type(rotary_interleaved) is bool and type(num_splits) is int
+            and type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int
+            and type(window_size[1]) is int and type(softcap) in (float, int)
+            and (softmax_scale is None or type(softmax_scale) in (float, int))):
+        return None
+    lens = ("int", cache_seqlens) if type(cache_seqlens) is int else _array_key(cache_seqlens, kind)
+    arrays = (_array_key(q, kind), _array_key(k_cache, kind), _array_key(v_cache, kind), _array_key(k, kind),
+              _array_key(v, kind), lens, _array_key(rotary_cos, kind), _array_key(rotary_sin, kind),
+              _array_key(cache_batch_idx, kind), _array_key(cache_leftpad, kind), _array_key(block_table, kind),
+              _array_key(alibi_slopes, kind), _array_key(out, kind))
+    if _NO_KEY in arrays:
+        return None
+    import cupy
+
+    return (cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr, arrays, rotary_interleaved, causal,
+            window_size, type(softcap), softcap, type(softmax_scale), softmax_scale, num_splits)
+
+
+def _kvcache_call(q, k_cache, v_cache, k, v, *, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved,
+                  cache_batch_idx, cache_leftpad, block_table, causal, window_size, softcap, alibi_slopes,
+                  softmax_scale, num_splits, out):
+    """Every check of a decode call, and its normalized form: ``(library, problem, cache, scale, variant)`` with the
+    split count chosen (:func:`_plan_kvcache`)."""
     given = {"q": q, "k_cache": k_cache, "v_cache": v_cache}  # required: None is named by check_same_library
     given.update((name, a) for name, a in (
         ("k", k), ("v", v), ("rotary_cos", rotary_cos),
@@ -517,17 +606,11 @@ def attention_with_kvcache(
     scale = _validate.softmax_scale(softmax_scale, problem.head_dim)
     variant = _validate.variant(problem, xp, variant_options)
     _validate.kvcache_out(out, problem)
-    cache = _plan_kvcache(problem, cache)
-    backend = importlib.import_module(_DECODE_BACKEND_MODULES[library])
-    forward_kvcache = getattr(backend, "forward_kvcache", None)
-    if forward_kvcache is None:
-        raise NotImplementedError(
-            "attention_with_kvcache runs on NumPy arrays for now (the NumPy reference); the CUDA decode kernels come "
-            "next. Pass NumPy arrays, or cuflash.attention on gathered keys meanwhile"
-        )
-    q, scale, _ = _kernel_scale(library, q, scale)
-    result, lse = forward_kvcache(q, k_cache, v_cache, k, v, cache=cache, scale=scale, variant=variant, out=out)
-    return (result, lse) if return_lse else result
+    return library, problem, _plan_kvcache(problem, cache), scale, variant
+
+
+# (work units, key tiles) -> the automatic split count: the rule tries up to 128 candidates, too slow for every step
+_auto_splits: dict = {}
 
 
 def _plan_kvcache(problem: _validate.Problem, cache):
@@ -539,8 +622,98 @@ def _plan_kvcache(problem: _validate.Problem, cache):
         group = problem.heads_q // problem.heads_kv
         m_tiles = _blocks.num_blocks(max(problem.seqlen_q, 1) * group, block_m)
         work_units = problem.batch * problem.heads_kv * m_tiles
-        splits = _blocks.decode_num_splits(work_units, _blocks.num_blocks(problem.seqlen_k, block_n))
+        key = (work_units, _blocks.num_blocks(problem.seqlen_k, block_n))
+        splits = _auto_splits.get(key)
+        if splits is None:
+            splits = _auto_splits[key] = _blocks.decode_num_splits(*key)
     return dataclasses.replace(cache, num_splits=splits, block_m=block_m, block_n=block_n)
+
+
+def plan_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    *,
+    cache_seqlens,
+    rotary_cos=None,
+    rotary_sin=None,
+    rotary_interleaved: bool = True,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes=None,
+    softmax_scale: float | None = None,
+    num_splits: int = 0,
+    out=None,
+) -> DecodePlan:
+    """Plan a decode call once for its shapes and options; run it every step with :meth:`DecodePlan.run`.
+
+    Takes the arguments of :func:`attention_with_kvcache` (the first step's, say), checks them as it does, and
+    returns a :class:`DecodePlan`. Nothing is computed or appended. Each ``plan.run(q, k_cache, v_cache, k, v, *,
+    cache_seqlens, ..., out=None, lse=None)`` then does what ``attention_with_kvcache(..., return_lse=True)``
+    would with the same options, on arrays of the planned shapes, strides and dtype (given or not as at planning):
+    their values may change from step to step, their layouts may not.
+
+    On CuPy arrays the plan compiles the kernels and allocates the splits' workspace now; a step writes the arrays'
+    addresses into the kernels' parameters and launches (append, attention, merge): a few microseconds of host
+    time, no allocation given ``out`` and ``lse``, no host synchronization, capturable in a CUDA graph (without
+    rotary, whose rotation still runs as CuPy array operations). ``softmax_scale`` must be positive there. On
+    NumPy arrays each step runs :func:`attention_with_kvcache` (the reference, with every check).
+
+    Examples
+    --------
+    >>> plan = cuflash.plan_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=table, causal=True)
+    >>> for step in range(steps):                                          # doctest: +SKIP
+    ...     out, lse = plan.run(q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=table, out=out, lse=lse)
+    ...     lens += 1
+    """
+    library, problem, cache, scale, variant = _kvcache_call(
+        q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        rotary_interleaved=rotary_interleaved, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+        block_table=block_table, causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        softmax_scale=softmax_scale, num_splits=num_splits, out=out)
+    xp = _namespace(q)
+    options = dict(rotary_interleaved=rotary_interleaved, causal=causal, window_size=window_size, softcap=softcap,
+                   softmax_scale=softmax_scale, num_splits=num_splits)
+    backend = _decode_backend(library)
+    checker = None
+    if hasattr(backend, "plan_kvcache"):
+        if scale <= 0:
+            raise NotImplementedError(f"plan_kvcache on {library} arrays takes softmax_scale > 0; got {scale!r} "
+                                      f"(attention_with_kvcache runs 0 and negative scales)")
+        launch = backend.plan_kvcache(q, k_cache, v_cache, k, v, cache=cache, scale=scale, variant=variant, out=out)
+        runner, splits = launch.run, launch.num_splits
+        if _validate.device_value_checks():  # the debug mode: every step's index values, read on the host
+            def checker(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx, block_table,
+                        alibi_slopes, rotary_cos, rotary_sin):
+                _kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, rotary_cos=rotary_cos,
+                              rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                              block_table=block_table, alibi_slopes=alibi_slopes, out=None, **options)
+    else:
+        splits = cache.num_splits
+
+        def runner(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx, block_table,
+                   alibi_slopes, rotary_cos, rotary_sin, out, lse):
+            result, lse_run = attention_with_kvcache(
+                q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
+                alibi_slopes=alibi_slopes, out=out, return_lse=True, **options)
+            if lse is None:
+                return result, lse_run
+            lse[...] = lse_run
+            return result, lse
+    layouts = _decode_plan.layouts_of(q, k_cache, v_cache, k, v, cache.cache_seqlens, cache_leftpad, cache_batch_idx,
+                                      block_table, alibi_slopes, rotary_cos, rotary_sin)
+    out_layout = (_decode_plan.layouts_of(out)[0] if out is not None else
+                  _decode_plan.contiguous_layout(xp, problem.out_shape, problem.dtype))
+    lse_layout = _decode_plan.contiguous_layout(xp, problem.lse_shape, _validate.lse_dtype(problem.dtype))
+    return DecodePlan(layouts, runner, out_layout=out_layout, lse_layout=lse_layout, num_splits=splits, xp=xp,
+                      checker=checker)
 
 
 def merge_states(o_a, lse_a, o_b, lse_b):

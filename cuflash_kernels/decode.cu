@@ -1,5 +1,11 @@
 // cuflash decode kernels (KV-cache attention, split-KV), mirroring cuflash/reference_decode.py:forward_kvcache.
 //
+// One decode call is up to three launches on one stream, all reading one DecodeParams (by value; the launcher,
+// cuflash/_cuda/decode.py:DecodeLaunch, fills it once per planned shape and rewrites only its pointers per step):
+//
+// decode_append_kernel [decode append]: one block per new token (b, i), its threads over (key/value head, column),
+// writes k and v into slot cache_seqlens[b] + i of both caches before the attention reads them.
+//
 // flash_decode_kernel: one thread block per (key/value head x packed-row tile, split, sequence). GQA packing
 // [decode pack]: the rows of a block are packed rows r = t * group + g (query token t, query head
 // h_kv * group + g), 16 of them (one mma row tile), so every query head that reads a key/value head is
@@ -9,41 +15,83 @@
 // through the block table (kPaged) or in cache row cache_batch_idx[b]. Each of the kNWarps warps takes
 // kBlockN / kNWarps keys of every tile and keeps its own online softmax (m, l, O) of the 16 rows; at the
 // end the warps' states are combined through shared memory (the same exact merge as [decode merge]) and the
-// block writes its normalized partial O (float32) and lse per row, which the launcher merges over the splits
-// (or, with one split, the output in the input dtype and lse directly).
+// block writes its normalized partial O (float32) and lse per row into the workspace, or, with one split, the
+// output in the input dtype and lse directly.
+//
+// decode_merge_kernel [decode merge]: one warp per query row (b, h, t) combines the splits' partial rows
+// (cuflash/_merge.py:merge_stacked) into the output in the input dtype and lse.
 //
 // Masks and mods of a packed row (query token t of a sequence of len_q tokens, len_k keys): key j is seen iff
 // j < len_k, j <= t + len_k - len_q + right (causal: right = 0) and j >= t + len_k - len_q - left; softcap and
 // ALiBi (slope of the row's query head) on the raw score as in variants.cuh.
 //
-// Shared memory (16-bit): Q 16 x d + 2 stages x (K + V) kBlockN x d; the float32 warp states reuse the K/V
-// ring at the end (kNWarps x 16 x (d + 2) floats).
-//
-// Not yet run on a GPU (written without device time); cuflash._cuda does not export forward_kvcache until
-// tests/test_cuda_decode.py passes on one.
+// Shared memory of flash_decode_kernel (16-bit): Q 16 x d + 2 stages x (K + V) kBlockN x d; the float32 warp
+// states reuse the K/V ring at the end (kNWarps x 16 x (d + 2) floats). The append and merge kernels use none.
 #include "cuflash_tiles.cuh"
 
 namespace cuflash {
 
-// Runtime values of one decode call (by value; strides in elements).
+// Runtime values of one decode call, passed by value to each of its kernels (strides in elements). The first
+// block is the arrays of one step: DecodeLaunch.run rewrites these pointers and nothing else.
 struct DecodeParams {
+    const u16* q;                // (batch, seqlen_q, heads_q, d)
+    u16* k_cache;                // (rows, capacity, heads_kv, d), or paged (pages, page_size, heads_kv, d)
+    u16* v_cache;                // (..., dv); may be a view of k_cache (MLA)
+    const u16* k_new;            // (batch, seqlen_new, heads_kv, d), or null (nothing appended)
+    const u16* v_new;            // (batch, seqlen_new, heads_kv, dv)
+    u16* out;                    // (batch, seqlen_q, heads_q, dv) in the input dtype, at strides o_*
+    float* lse;                  // (batch, heads_q, seqlen_q), contiguous
+    float* o_part;               // (splits, batch, heads_q, seqlen_q, dv) float32 workspace, or null (one split)
+    float* lse_part;             // (splits, batch, heads_q, seqlen_q)
     const int* cache_seqlens;    // (batch,) slots used before this call's append
     const int* cache_leftpad;    // (batch,) first used slot, or null (0)
     const int* cache_batch_idx;  // (batch,) cache row of each sequence, or null (b); contiguous caches only
     const int* block_table;      // (batch, max_pages) pages of each sequence (paged)
     const float* alibi_slopes;   // (batch, heads_q), batch stride alibi_sb, or null
     i64 alibi_sb;
-    i64 q_sb, q_ss, q_sh;        // q (batch, seqlen_q, heads_q, d)
-    i64 k_sb, k_ss, k_sh;        // k_cache: (rows, capacity, heads_kv, d), or paged (pages, page_size, heads_kv, d)
-    i64 v_sb, v_ss, v_sh;
-    i64 o_sb, o_ss, o_sh;        // out (batch, seqlen_q, heads_q, d) in the input dtype (one split)
+    i64 q_sb, q_ss, q_sh;        // q
+    i64 k_sb, k_ss, k_sh;        // k_cache
+    i64 v_sb, v_ss, v_sh;        // v_cache
+    i64 kn_sb, kn_ss, kn_sh;     // k_new
+    i64 vn_sb, vn_ss, vn_sh;     // v_new
+    i64 o_sb, o_ss, o_sh;        // out
     i64 bt_sb;                   // block_table's batch stride
-    int seqlen_q, seqlen_new, heads_q, group, page_size, num_splits;
+    int batch, seqlen_q, seqlen_new, heads_q, heads_kv, group, head_dim, head_dim_v, page_size, num_splits, row_tiles;
     int has_left, window_left, has_right, window_right;  // the band (causal: has_right, window_right = 0)
     float scale_log2;            // softmax_scale * log2(e)
     float softcap_a, softcap_b;  // softcap in raw-score units (0: none): s -> b tanh(a s)
     float inv_scale;             // 1 / softmax_scale (ALiBi slopes in raw-score units)
 };
+
+// [decode append] new token i of sequence b into slot cache_seqlens[b] + i of both caches, in place; launched
+// before flash_decode_kernel on the same stream, so the attention reads the appended keys. One block per (b, i);
+// its threads take (key/value head, column) elements. Each thread writes v's element before k's: where v_cache
+// is a view of k_cache (MLA: v_cache = k_cache[..., :dv]) an overlapping element is one address written by one
+// thread, and k's value stays, as in the reference (v first, then k). Elements are copied as their 16 bits
+// (float16 and bfloat16 alike).
+template <bool kPaged>
+__global__ void __launch_bounds__(128) decode_append_kernel(const DecodeParams p) {
+    const int b = blockIdx.x / p.seqlen_new, i = blockIdx.x % p.seqlen_new;
+    const int slot = p.cache_seqlens[b] + i;
+    i64 row, pos;  // [decode page] the slot's page (or cache row) and its place in it
+    if constexpr (kPaged) {
+        row = p.block_table[b * p.bt_sb + slot / p.page_size];
+        pos = slot % p.page_size;
+    } else {
+        row = p.cache_batch_idx ? p.cache_batch_idx[b] : b;
+        pos = slot;
+    }
+    u16* kdst = p.k_cache + row * p.k_sb + pos * p.k_ss;
+    u16* vdst = p.v_cache + row * p.v_sb + pos * p.v_ss;
+    const u16* ksrc = p.k_new + b * p.kn_sb + (i64)i * p.kn_ss;
+    const u16* vsrc = p.v_new + b * p.vn_sb + (i64)i * p.vn_ss;
+    const int width = max(p.head_dim, p.head_dim_v);
+    for (int e = threadIdx.x; e < p.heads_kv * width; e += blockDim.x) {
+        const int h = e / width, c = e % width;
+        if (c < p.head_dim_v) vdst[h * p.v_sh + c] = vsrc[h * p.vn_sh + c];
+        if (c < p.head_dim) kdst[h * p.k_sh + c] = ksrc[h * p.kn_sh + c];
+    }
+}
 
 template <int kHeadDim, int kBlockN, int kNWarps>
 struct DecodeConfig {
@@ -81,9 +129,7 @@ __device__ __forceinline__ void load_cache_tile(u16* tile, const u16* base, i64 
 
 template <class T, int kHeadDim, int kBlockN, int kNWarps, bool kPaged>
 __global__ void __launch_bounds__(kNWarps * 32)
-flash_decode_kernel(const u16* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
-                    float* __restrict__ o_part, float* __restrict__ lse_part, u16* __restrict__ out,
-                    float* __restrict__ lse_out, int row_tiles, const DecodeParams p) {
+flash_decode_kernel(const DecodeParams p) {
     using Cfg = DecodeConfig<kHeadDim, kBlockN, kNWarps>;
     constexpr int kRows = Cfg::kRows, kTile = Cfg::kTile, kThreads = kNWarps * 32;
     constexpr int kWN = kBlockN / kNWarps;  // keys of a tile per warp
@@ -96,6 +142,8 @@ flash_decode_kernel(const u16* __restrict__ q, const u16* __restrict__ k_cache, 
     u16* sV = sK + 2 * kTile;
 
     // grid (heads_kv * row_tiles, splits, batch): x has no 65535 limit (a long chunked prefill has many row tiles)
+    const u16* __restrict__ q = p.q;
+    const int row_tiles = p.row_tiles;
     const int split = blockIdx.y, b = blockIdx.z;
     const int h_kv = blockIdx.x / row_tiles, rt = blockIdx.x % row_tiles;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -120,8 +168,8 @@ flash_decode_kernel(const u16* __restrict__ q, const u16* __restrict__ k_cache, 
     const int part_first = tile_first + split * n_tiles / p.num_splits;
     const int part_end = tile_first + (split + 1) * n_tiles / p.num_splits;
 
-    const u16* kbase = k_cache + (i64)h_kv * p.k_sh;
-    const u16* vbase = v_cache + (i64)h_kv * p.v_sh;
+    const u16* kbase = p.k_cache + (i64)h_kv * p.k_sh;
+    const u16* vbase = p.v_cache + (i64)h_kv * p.v_sh;
 
     // [decode pack] the block's 16 packed rows of q (rows past the packed ones as zeros).
     for (int i = tid; i < kRows * (kHeadDim / 8); i += kThreads) {
@@ -264,15 +312,78 @@ flash_decode_kernel(const u16* __restrict__ q, const u16* __restrict__ k_cache, 
         const float lse = l > 0.f ? (m_use + log2f(l)) * kLn2 : -CUFLASH_INF;
         const int tq = pr / group, hq = h_kv * group + pr % group;
         if (p.num_splits == 1) {
-            out[b * p.o_sb + (i64)tq * p.o_ss + (i64)hq * p.o_sh + c] = static_cast<u16>(Elem<T>::pack(val, 0.f) & 0xffffu);
-            if (c == 0) lse_out[((i64)b * p.heads_q + hq) * seqlen_q + tq] = lse;
+            p.out[b * p.o_sb + (i64)tq * p.o_ss + (i64)hq * p.o_sh + c] = static_cast<u16>(Elem<T>::pack(val, 0.f) & 0xffffu);
+            if (c == 0) p.lse[((i64)b * p.heads_q + hq) * seqlen_q + tq] = lse;
         } else {
             // partials (splits, batch, heads_q, seqlen_q, d) and (splits, batch, heads_q, seqlen_q)
-            const i64 rowi = (((i64)split * gridDim.z + b) * p.heads_q + hq) * seqlen_q + tq;
-            o_part[rowi * kHeadDim + c] = val;
-            if (c == 0) lse_part[rowi] = lse;
+            const i64 rowi = (((i64)split * p.batch + b) * p.heads_q + hq) * seqlen_q + tq;
+            p.o_part[rowi * kHeadDim + c] = val;
+            if (c == 0) p.lse_part[rowi] = lse;
         }
     }
+}
+
+// [decode merge] The splits' partial rows of one query row combined exactly (cuflash/_merge.py:merge_stacked):
+// lse = top + log sum_s exp(lse_s - top) with top the largest lse_s (0 when every part is empty), then
+// o = sum_s exp(lse_s - lse) o_s, written in the input dtype at out's strides, lse in float32. A part with
+// lse_s = -inf weighs 0 (and is not read); a row whose parts are all empty gets o = 0 and lse = -inf.
+// One warp per row (b, h, t), 4 rows per block; each lane holds kHeadDim / 128 float4 chunks of the row.
+template <class T, int kHeadDim>
+__global__ void __launch_bounds__(128) decode_merge_kernel(const DecodeParams p) {
+    static_assert(kHeadDim % 4 == 0, "rows of float4 chunks");
+    constexpr int kChunks = kHeadDim / 4, kPerLane = (kChunks + 31) / 32;
+    const int lane = threadIdx.x & 31;
+    const i64 rows = (i64)p.batch * p.heads_q * p.seqlen_q;  // rows of one split
+    const i64 row = (i64)blockIdx.x * 4 + (threadIdx.x >> 5);  // (b, h, t) in lse's order
+    if (row >= rows) return;
+    const int splits = p.num_splits;
+    const float* lse_s = p.lse_part + row;  // part s at lse_s[s * rows]
+
+    // [decode merge] lse = log sum_s exp(lse_s): the largest part sets the scale (no overflow)
+    float top = -CUFLASH_INF;
+    for (int s = lane; s < splits; s += 32) top = fmaxf(top, lse_s[s * rows]);
+    top = warp_max(top);
+    const float top_safe = top == -CUFLASH_INF ? 0.f : top;  // a row of only empty parts: exp(-inf - 0) = 0
+    float total = 0.f;
+    for (int s = lane; s < splits; s += 32) total += expf(lse_s[s * rows] - top_safe);
+    total = warp_sum(total);
+    const bool seen = total > 0.f;
+    const float lse = seen ? top_safe + logf(total) : -CUFLASH_INF;
+    const float lse_use = seen ? lse : 0.f;
+
+    // [decode merge] o = sum_s exp(lse_s - lse) o_s
+    float4 acc[kPerLane];
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s = 0; s < splits; ++s) {
+        const float w = expf(lse_s[s * rows] - lse_use);  // 0 for an empty part and for a row that saw no key
+        if (w == 0.f) continue;
+        const float4* src = reinterpret_cast<const float4*>(p.o_part + (s * rows + row) * kHeadDim);
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) {
+            const int c = lane + 32 * i;
+            if (kChunks % 32 != 0 && c >= kChunks) break;
+            const float4 x = src[c];
+            acc[i].x += w * x.x;
+            acc[i].y += w * x.y;
+            acc[i].z += w * x.z;
+            acc[i].w += w * x.w;
+        }
+    }
+    const int t = (int)(row % p.seqlen_q), h = (int)(row / p.seqlen_q % p.heads_q), b = (int)(row / p.seqlen_q / p.heads_q);
+    u16* dst = p.out + b * p.o_sb + (i64)t * p.o_ss + (i64)h * p.o_sh;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+        const int c = lane + 32 * i;
+        if (kChunks % 32 != 0 && c >= kChunks) break;
+        // element stores: out= may have any strides with a contiguous last axis (no alignment beyond 2 bytes)
+        const u32 lo = Elem<T>::pack(acc[i].x, acc[i].y), hi = Elem<T>::pack(acc[i].z, acc[i].w);
+        dst[4 * c] = static_cast<u16>(lo & 0xffffu);
+        dst[4 * c + 1] = static_cast<u16>(lo >> 16);
+        dst[4 * c + 2] = static_cast<u16>(hi & 0xffffu);
+        dst[4 * c + 3] = static_cast<u16>(hi >> 16);
+    }
+    if (lane == 0) p.lse[row] = lse;
 }
 
 }  // namespace cuflash

@@ -705,13 +705,14 @@ def test_entries_past_the_used_pages_are_never_read(small_tiles):
 
 
 def test_a_backend_without_decode_kernels_is_refused_after_validation(monkeypatch):
-    """What CuPy arrays get until the CUDA decode kernels exist: validation, then NotImplementedError."""
+    """A backend without forward_kvcache (none today: NumPy and CuPy both have one) gets validation, then
+    NotImplementedError."""
     monkeypatch.setitem(_api._DECODE_BACKEND_MODULES, "numpy", "cuflash._blocks")
     q = np.zeros((1, 1, 2, 8))
     kc = np.zeros((1, 8, 1, 8))
     with pytest.raises(ValueError, match="fit the cache"):
         cuflash.attention_with_kvcache(q, kc, kc, cache_seqlens=9)
-    with pytest.raises(NotImplementedError, match="the CUDA decode kernels come next"):
+    with pytest.raises(NotImplementedError, match="attention_with_kvcache has no decode backend for numpy arrays"):
         cuflash.attention_with_kvcache(q, kc, kc, cache_seqlens=3)
 
 

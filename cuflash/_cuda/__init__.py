@@ -5,6 +5,8 @@ Implements the backend interface of ``docs/architecture.md``::
     forward(q, k, v, *, scale, variant, algorithm, block_q, block_k) -> (out, lse)
     backward(do, q, k, v, out, lse, *, scale, variant, algorithm, block_q, block_k, order) -> (dq, dk, dv)
     check_supported(problem, algorithm, variant)
+    forward_kvcache(q, k_cache, v_cache, k, v, *, cache, scale, variant, out=None) -> (out, lse)
+    plan_kvcache(q, k_cache, v_cache, k, v, *, cache, scale, variant, out=None) -> a launch with .run(...)
 
 Layers, one module each:
 
@@ -14,6 +16,8 @@ Layers, one module each:
 - :mod:`.compile`: NVRTC through ``cupy.RawModule``, the module cache, device properties, launches.
 - :mod:`.attention`: FlashAttention-2 planning (which spec, grid and arguments) for every variant.
 - :mod:`.fa1`, :mod:`.naive`: the FA1-order kernels and the materialized CuPy computation (dense, causal).
+- :mod:`.decode`: decoding with a KV cache (``decode.cu``: append, split-KV attention, merge), planned once per
+  shape and launched through the driver at every step.
 
 Paths:
 - float16 / bfloat16, head dim 32, 64, 96, 128, 256 (backward up to 128): tensor-core kernels
@@ -38,9 +42,11 @@ from __future__ import annotations
 from . import attention
 from .attention import backward, check_supported, forward
 from .compile import compile_source_for_nvrtc
+from .decode import forward_kvcache, plan_kvcache
 from .spec import BWD_HEAD_DIMS, HEAD_DIMS, NVRTC_OPTIONS, SM90A_OPTIONS, TILES, KernelSpec, Tile, instantiations
 
 __all__ = [
-    "forward", "backward", "check_supported", "instantiations", "compile_source_for_nvrtc", "attention",
+    "forward", "backward", "check_supported", "forward_kvcache", "plan_kvcache", "instantiations",
+    "compile_source_for_nvrtc", "attention",
     "KernelSpec", "Tile", "TILES", "HEAD_DIMS", "BWD_HEAD_DIMS", "NVRTC_OPTIONS", "SM90A_OPTIONS",
 ]

@@ -1,57 +1,86 @@
-"""KV-cache decoding on the GPU: rotary, the in-place append, and split-KV attention (``decode.cu``), planned
-as :func:`cuflash.reference_decode.forward_kvcache` does it step by step ([decode rotary], [decode append],
-[decode split], [decode merge]; ``docs/decoding.md``).
+"""KV-cache decoding on the GPU: rotary, the in-place append, split-KV attention and the merge (``decode.cu``),
+planned as :func:`cuflash.reference_decode.forward_kvcache` does it step by step ([decode rotary], [decode
+append], [decode split], [decode merge]; ``docs/decoding.md``).
 
-First version, written without device time: not exported by :mod:`cuflash._cuda` (so the front door still
-refuses CuPy arrays) until ``tests/test_cuda_decode.py`` passes on a GPU. What it runs: head dims 32, 64, 96
-and 128 with ``head_dim_v == head_dim``, float16 and bfloat16, contiguous or paged caches of any page size,
-GQA packing, causal (bottom-right) masks, windows, softcap and ALiBi; the splits are merged with CuPy array
-operations (:func:`cuflash._merge.merge_stacked`).
+Plan once, run every step. A :class:`DecodeLaunch` is everything about a call that its shapes, strides, dtype and
+options decide, worked out once: the kernels (compiled, their function handles), the grids, the split count, the
+float32 workspace of the splits' partial results, and the ``DecodeParams`` record with every planned field filled.
+Its :meth:`DecodeLaunch.run` writes the step's array pointers into that record and launches the kernels straight
+through the driver (``cuLaunchKernel`` with the record's address as the one argument): no allocation given ``out``
+and ``lse``, no host synchronization, nothing else on the host, so a step can be captured in a CUDA graph.
+:func:`forward_kvcache` (the backend interface of ``docs/architecture.md``) keeps the launches of recent calls,
+keyed by everything they depend on, so the front door pays the planning once per batch shape too;
+:func:`plan_kvcache` hands one to :class:`cuflash.DecodePlan`.
+
+What runs: head dims 32, 64, 96 and 128 with ``head_dim_v == head_dim``, float16 and bfloat16, contiguous or
+paged caches of any page size, GQA packing, causal (bottom-right) masks, windows, softcap and ALiBi. Rotary
+embedding runs as CuPy array operations (:func:`cuflash.reference_decode.apply_rotary`) before the kernels.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+
 import numpy as np
 
 from .._kvcache import KVCache
-from .._merge import merge_stacked
 from .._variant import Variant
 from ..reference_decode import apply_rotary
-from .compile import check_smem, kernel, launch
+from .compile import check_smem, device_info, kernel
 from .spec import CTYPES, DECODE_HEAD_DIMS, TILES
 from .spec import spec as kernel_spec
 
-__all__ = ["forward_kvcache", "DECODE_PARAMS_DTYPE"]
+__all__ = ["forward_kvcache", "plan_kvcache", "DecodeLaunch", "DECODE_PARAMS_DTYPE", "check_decode_supported"]
 
 _LOG2E = 1.4426950408889634
 
-# Layout of `struct DecodeParams` (decode.cu), passed by value.
+# The arrays of one step: the pointer fields of DecodeParams that DecodeLaunch.run rewrites, in struct order.
+_POINTERS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "o_part", "lse_part", "cache_seqlens",
+             "cache_leftpad", "cache_batch_idx", "block_table", "alibi_slopes")
+
+# Layout of `struct DecodeParams` (decode.cu), passed by value to every decode kernel.
 DECODE_PARAMS_DTYPE = np.dtype(
-    [("cache_seqlens", np.uint64), ("cache_leftpad", np.uint64), ("cache_batch_idx", np.uint64),
-     ("block_table", np.uint64), ("alibi_slopes", np.uint64), ("alibi_sb", np.int64),
+    [*((name, np.uint64) for name in _POINTERS), ("alibi_sb", np.int64),
      *((name, np.int64) for name in ("q_sb", "q_ss", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb", "v_ss", "v_sh",
-                                      "o_sb", "o_ss", "o_sh", "bt_sb")),
-     *((name, np.int32) for name in ("seqlen_q", "seqlen_new", "heads_q", "group", "page_size", "num_splits",
-                                      "has_left", "window_left", "has_right", "window_right")),
+                                      "kn_sb", "kn_ss", "kn_sh", "vn_sb", "vn_ss", "vn_sh", "o_sb", "o_ss", "o_sh",
+                                      "bt_sb")),
+     *((name, np.int32) for name in ("batch", "seqlen_q", "seqlen_new", "heads_q", "heads_kv", "group", "head_dim",
+                                      "head_dim_v", "page_size", "num_splits", "row_tiles", "has_left", "window_left",
+                                      "has_right", "window_right")),
      *((name, np.float32) for name in ("scale_log2", "softcap_a", "softcap_b", "inv_scale"))],
     align=True,
 )
-assert DECODE_PARAMS_DTYPE.itemsize == 208
+assert DECODE_PARAMS_DTYPE.itemsize == 352
+# Each pointer field's index in the record seen as 64-bit words (what run writes).
+_WORD = {name: DECODE_PARAMS_DTYPE.fields[name][1] // 8 for name in _POINTERS}
 
-
-def _ptr(a) -> int:
-    return 0 if a is None else int(a.data.ptr)
+# The front door's launches: (everything a launch depends on) -> DecodeLaunch, least recently used first. A
+# launch holds its workspace (a few MB at most: splits are chosen only for grids that do not fill the GPU).
+_LAUNCHES: OrderedDict = OrderedDict()
+MAX_CACHED_LAUNCHES = 64
+_lock = threading.Lock()
+# (thread, device) pairs known to have the device's context current: cuLaunchKernel needs one, and a thread
+# gets it from its first CUDA runtime call that needs a context.
+_context_ready: set = set()
 
 
 def _el(a, axis: int) -> int:
     return a.strides[axis] // a.itemsize
 
 
-def check_decode_supported(q, k_cache, v_cache) -> None:
-    """What this first version runs; anything else raises NotImplementedError naming it (before the caches
-    are touched)."""
-    from .compile import device_info
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Element strides of a C-contiguous array of ``shape``."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
+
+def check_decode_supported(q, k_cache, v_cache) -> None:
+    """What the decode kernels run; anything else raises NotImplementedError naming it (before the caches are
+    touched)."""
     if device_info()[0] < 80:
         raise NotImplementedError("decoding on the GPU needs compute capability 8.0 or newer (cp.async, mma.sync)")
     d, dv = q.shape[-1], v_cache.shape[-1]
@@ -62,90 +91,226 @@ def check_decode_supported(q, k_cache, v_cache) -> None:
     if np.dtype(q.dtype).name not in CTYPES:
         raise NotImplementedError(f"decoding on the GPU runs float16 and bfloat16; got {np.dtype(q.dtype).name}")
     for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if a.size == 0:  # nothing is read from an empty array (its strides may be anything, even 0)
+            continue
         if a.data.ptr % 16 or any(s % 16 for s in a.strides[:-1]) or a.strides[-1] != a.itemsize:
             raise NotImplementedError(f"{name}: the decode kernel reads 16-byte rows; its base and strides must be "
                                       f"multiples of 16 bytes (got strides {a.strides})")
 
 
-def _append(k_cache, v_cache, k, v, cache: KVCache) -> None:
-    """[decode append] new token i of sequence b into slot cache_seqlens[b] + i of both caches, in place (v
-    first, then k: MLA's v_cache may be a view of k_cache)."""
+class DecodeLaunch:
+    """The launches of one decode call's shapes, strides, dtype and options, planned once.
+
+    Built from example arrays (the first step's) and the normalized options; :meth:`run` then takes any arrays of
+    the same shapes and strides. What it holds: the compiled kernels of the steps the call needs ([decode append]
+    when it appends, the split kernel unless q is empty, [decode merge] with more than one split), their grids,
+    the float32 workspace of the splits' partials, and the DecodeParams record with every field that the shapes
+    and options decide. One launch's workspace serves one step at a time: run it on one stream (or order the
+    streams), as the front door does by keeping one launch per stream.
+    """
+
+    def __init__(self, q, k_cache, v_cache, k, v, *, cache: KVCache, scale: float, variant: Variant, out=None):
+        import cupy
+
+        check_decode_supported(q, k_cache, v_cache)
+        self.device = cupy.cuda.runtime.getDevice()
+        batch, seqlen_q, heads_q, d = q.shape
+        heads_kv, dv = k_cache.shape[2], v_cache.shape[3]
+        group = heads_q // heads_kv
+        dtype = np.dtype(q.dtype).name
+        paged = cache.block_table is not None
+        self.dtype = q.dtype
+        self.out_shape = (batch, seqlen_q, heads_q, dv)
+        self.lse_shape = (batch, heads_q, seqlen_q)
+        self.rotary = None if cache.rotary is None else (cache.rotary.interleaved, cache.rotary.consecutive_q)
+        self.num_splits = 1
+        self.o_part = self.lse_part = None
+
+        # The kernels first (NVRTC, shared memory): nothing that can fail may come after a step's append.
+        steps = []
+        if cache.seqlen_new and batch:
+            steps.append(self._step(kernel_spec("decode_append", dtype, 0, variant="true" if paged else "false"),
+                                    (batch * cache.seqlen_new, 1, 1)))
+        row_tiles = 0
+        if batch and seqlen_q and heads_q:
+            spec = kernel_spec("decode", dtype, d, TILES[("decode", "any", d)], "true" if paged else "false")
+            assert spec.tile.block_m == 16 and spec.tile.stages == 2, "decode.cu's packed-row tile and ring"
+            # Splits past the number of key tiles would be empty: at most one per tile (and grid y's 65535).
+            self.num_splits = max(1, min(int(cache.num_splits), -(-cache.capacity // spec.tile.block_n), 65535))
+            row_tiles = -(-(seqlen_q * group) // spec.tile.block_m)
+            steps.append(self._step(spec, (heads_kv * row_tiles, self.num_splits, batch)))
+            if self.num_splits > 1:  # [decode merge]: one warp per query row, 4 rows per block
+                merge = kernel_spec("decode_merge", dtype, dv)
+                steps.append(self._step(merge, (-(-(batch * heads_q * seqlen_q) // 4), 1, 1)))
+                self.o_part = cupy.empty((self.num_splits, batch, heads_q, seqlen_q, dv), dtype=cupy.float32)
+                self.lse_part = cupy.empty((self.num_splits, batch, heads_q, seqlen_q), dtype=cupy.float32)
+        self._steps = tuple(steps)
+
+        # The record: every field but the step's pointers. Arrays that the rotary step replaces by rotated
+        # copies (q, k) are read at the copies' (contiguous) strides.
+        rec = self._record = np.zeros(1, DECODE_PARAMS_DTYPE)
+        self._words = rec.view(np.uint64)
+        self._argv = np.array([rec.ctypes.data], dtype=np.uint64)  # void* args[1] = {&record}
+        self._argv_ptr = int(self._argv.ctypes.data)
+        self._lock = threading.Lock()  # one step at a time writes the record and launches from it
+        r = rec[0]  # a structured scalar: a view of the record
+        planned = {"q": q, "k": k_cache, "v": v_cache, "kn": k, "vn": v}
+        for prefix, a in planned.items():
+            if a is None:
+                continue
+            strides = _contiguous_strides(a.shape) if self.rotary and prefix in ("q", "kn") else \
+                tuple(s // a.itemsize for s in a.strides)
+            r[f"{prefix}_sb"], r[f"{prefix}_ss"], r[f"{prefix}_sh"] = strides[:3]
+        r["o_sb"], r["o_ss"], r["o_sh"] = (_contiguous_strides(self.out_shape) if out is None else
+                                           tuple(s // out.itemsize for s in out.strides))[:3]
+        self.out_strides = None if out is None else tuple(out.strides)
+        slopes = variant.alibi_slopes
+        r["alibi_sb"] = 0 if slopes is None or slopes.ndim == 1 else _el(slopes, 0)
+        r["bt_sb"] = 0 if cache.block_table is None else _el(cache.block_table, 0)
+        r["batch"], r["seqlen_q"], r["seqlen_new"], r["heads_q"] = batch, seqlen_q, cache.seqlen_new, heads_q
+        r["heads_kv"], r["group"], r["head_dim"], r["head_dim_v"] = heads_kv, group, d, dv
+        r["page_size"], r["num_splits"], r["row_tiles"] = cache.page_size or 1, self.num_splits, row_tiles
+        # A band edge past every key is no edge: clamped so that t + offset +- window stays inside int32.
+        reach = cache.capacity + seqlen_q
+        left = None if variant.window_left is None else min(variant.window_left, reach)
+        right = None if variant.right is None else min(variant.right, reach)
+        r["has_left"], r["window_left"] = left is not None, left or 0
+        r["has_right"], r["window_right"] = right is not None, right or 0
+        r["scale_log2"], r["inv_scale"] = scale * _LOG2E, 1.0 / scale
+        if variant.softcap:
+            r["softcap_a"], r["softcap_b"] = scale / variant.softcap, variant.softcap / scale
+        w = self._words
+        if self.o_part is not None:
+            w[_WORD["o_part"]], w[_WORD["lse_part"]] = self.o_part.data.ptr, self.lse_part.data.ptr
+
+        # What run calls, bound once (attribute lookups through cupy's modules cost as much as the rest of a step).
+        self._empty = cupy.empty
+        self._float32 = cupy.float32
+        self._current_stream = cupy.cuda.get_current_stream
+        self._get_device = cupy.cuda.runtime.getDevice
+        self._launch = cupy.cuda.driver.launchKernel
+
+    @staticmethod
+    def _step(spec, grid):
+        """(function handle, grid, threads, shared memory, the kernel object that keeps its module loaded)."""
+        check_smem(spec)
+        fn = kernel(spec).kernel  # the cupy.cuda.Function of the current device
+        return fn.ptr, grid, spec.threads, spec.smem, fn
+
+    def _ensure_context(self) -> None:
+        """The plan's device current, with its context (cuLaunchKernel, unlike CuPy's own launches, does not
+        establish one)."""
+        import cupy
+
+        dev = self._get_device()
+        if dev != self.device:
+            raise ValueError(f"this decode plan was made on cuda:{self.device}; the current device is cuda:{dev} "
+                             f"(use `with cupy.cuda.Device({self.device}):`)")
+        cupy.cuda.runtime.memGetInfo()  # a runtime call that needs the context: makes it current on this thread
+        _context_ready.add((threading.get_ident(), dev))
+
+    def run(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad=None, cache_batch_idx=None,
+            block_table=None, alibi_slopes=None, rotary_cos=None, rotary_sin=None, out=None, lse=None):
+        """One step: ``(out, lse)``, appending ``k``, ``v`` first. The arrays must have the planned shapes, strides
+        and dtype and lie on the plan's device (the caller checks: :class:`cuflash.DecodePlan` or the front door).
+        ``out`` and ``lse`` are allocated when not given; with both given the step allocates nothing (without
+        rotary) and does no host synchronization: the work is the launches, enqueued on the current stream."""
+        if (threading.get_ident(), self.device) not in _context_ready or self._get_device() != self.device:
+            self._ensure_context()
+        if self.rotary is not None:  # [decode rotary] in CuPy array operations, into contiguous copies
+            import cupy
+
+            interleaved, consecutive_q = self.rotary
+            base = cache_seqlens.astype(cupy.int64)[:, None]
+            seqlen_q = q.shape[1]
+            steps = cupy.arange(seqlen_q) if consecutive_q else cupy.zeros(seqlen_q, cupy.int64)
+            q = cupy.ascontiguousarray(apply_rotary(q, rotary_cos, rotary_sin, base + steps[None, :], interleaved,
+                                                    xp=cupy))
+            if k is not None:
+                positions = base + cupy.arange(k.shape[1])[None, :]
+                k = cupy.ascontiguousarray(apply_rotary(k, rotary_cos, rotary_sin, positions, interleaved, xp=cupy))
+        if out is None:
+            out = self._empty(self.out_shape, dtype=self.dtype)
+        if lse is None:
+            lse = self._empty(self.lse_shape, dtype=self._float32)
+        if not self._steps:  # no sequence or no query row: nothing to append or compute
+            return out, lse
+        with self._lock:
+            self._enqueue(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx, block_table,
+                          alibi_slopes, out, lse)
+        return out, lse
+
+    def _enqueue(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx, block_table,
+                 alibi_slopes, out, lse) -> None:
+        w, at = self._words, _WORD
+        w[at["q"]], w[at["k_cache"]], w[at["v_cache"]] = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr
+        w[at["out"]], w[at["lse"]], w[at["cache_seqlens"]] = out.data.ptr, lse.data.ptr, cache_seqlens.data.ptr
+        if k is not None:
+            w[at["k_new"]], w[at["v_new"]] = k.data.ptr, v.data.ptr
+        if cache_leftpad is not None:
+            w[at["cache_leftpad"]] = cache_leftpad.data.ptr
+        if cache_batch_idx is not None:
+            w[at["cache_batch_idx"]] = cache_batch_idx.data.ptr
+        if block_table is not None:
+            w[at["block_table"]] = block_table.data.ptr
+        if alibi_slopes is not None:
+            w[at["alibi_slopes"]] = alibi_slopes.data.ptr
+        # [decode append], [decode split], [decode merge]: in order on one stream. cuLaunchKernel copies the record
+        # when it is called, so the next step may rewrite it at once.
+        stream, launch, argv = self._current_stream().ptr, self._launch, self._argv_ptr
+        for fn, grid, threads, smem, _ in self._steps:
+            launch(fn, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream, argv, 0)
+
+
+def _layout(a):
+    return None if a is None else (a.shape, a.strides)
+
+
+def _launch_key(q, k_cache, v_cache, k, v, cache: KVCache, scale: float, variant: Variant, out):
+    """Everything a DecodeLaunch depends on: device, stream (its workspace serves one step at a time), dtype,
+    every array's shape and strides, the options."""
     import cupy
 
-    batch, seqlen_new = k.shape[0], k.shape[1]
-    slots = cache.cache_seqlens.astype(cupy.int64)[:, None] + cupy.arange(seqlen_new)[None, :]
-    if cache.block_table is not None:
-        rows = cache.block_table[cupy.arange(batch)[:, None], slots // cache.page_size]
-        slots = slots % cache.page_size
+    rotary = cache.rotary
+    stream = cupy.cuda.get_current_stream().ptr
+    # cudaStreamPerThread (2) is one stream per thread under one handle: one launch (workspace) per thread
+    owner = threading.get_ident() if stream == 2 else None
+    return (cupy.cuda.runtime.getDevice(), stream, owner, q.dtype, _layout(q),
+            _layout(k_cache), _layout(v_cache), _layout(k), _layout(v), None if out is None else out.strides,
+            _layout(cache.block_table), cache.cache_leftpad is None, cache.cache_batch_idx is None,
+            cache.capacity, cache.seqlen_new, cache.num_splits,
+            None if rotary is None else (rotary.interleaved, rotary.consecutive_q),
+            _layout(variant.alibi_slopes), scale, variant.window_left, variant.right, variant.softcap)
+
+
+def plan_kvcache(q, k_cache, v_cache, k, v, *, cache: KVCache, scale: float, variant: Variant, out=None,
+                 shared: bool = False) -> DecodeLaunch:
+    """The launches of a decode call with these arrays' shapes and strides and these options: compiles the kernels
+    and allocates the workspace now. ``shared=False`` (:func:`cuflash.plan_kvcache`): a launch of the caller's
+    own; True: the one that :func:`forward_kvcache` keeps for these arguments on the current stream (the front
+    door's repeated calls)."""
+    if not shared:
+        return DecodeLaunch(q, k_cache, v_cache, k, v, cache=cache, scale=scale, variant=variant, out=out)
+    key = _launch_key(q, k_cache, v_cache, k, v, cache, scale, variant, out)
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        launch = DecodeLaunch(q, k_cache, v_cache, k, v, cache=cache, scale=scale, variant=variant, out=out)
+        with _lock:
+            _LAUNCHES[key] = launch
+            while len(_LAUNCHES) > MAX_CACHED_LAUNCHES:
+                _LAUNCHES.popitem(last=False)
     else:
-        rows = cupy.arange(batch) if cache.cache_batch_idx is None else cache.cache_batch_idx
-        rows = cupy.broadcast_to(rows.astype(cupy.int64)[:, None], slots.shape)
-    v_cache[rows, slots] = v
-    k_cache[rows, slots] = k
+        with _lock:
+            if key in _LAUNCHES:
+                _LAUNCHES.move_to_end(key)
+    return launch
 
 
 def forward_kvcache(q, k_cache, v_cache, k, v, *, cache: KVCache, scale: float, variant: Variant, out=None):
-    """``(out, lse)`` of one decode call (the interface of docs/architecture.md); appends ``k``, ``v`` first."""
-    import cupy
-
-    check_decode_supported(q, k_cache, v_cache)
-    batch, seqlen_q, heads_q, d = q.shape
-    heads_kv = k_cache.shape[2]
-    group = heads_q // heads_kv
-    # The kernel first (shared memory, NVRTC): nothing that can fail may come after the append.
-    dtype = np.dtype(q.dtype).name
-    paged = cache.block_table is not None
-    spec = kernel_spec("decode", dtype, d, TILES[("decode", "any", d)], "true" if paged else "false")
-    assert spec.tile.block_m == 16 and spec.tile.stages == 2, "decode.cu's packed-row tile and ring"
-    check_smem(spec)
-    kernel(spec)
-    if cache.rotary is not None:
-        rot = cache.rotary
-        base = cache.cache_seqlens.astype(cupy.int64)[:, None]
-        steps = cupy.arange(seqlen_q) if rot.consecutive_q else cupy.zeros(seqlen_q, cupy.int64)
-        q = apply_rotary(q, rot.cos, rot.sin, base + steps[None, :], rot.interleaved, xp=cupy)
-        if k is not None:
-            k = apply_rotary(k, rot.cos, rot.sin, base + cupy.arange(k.shape[1])[None, :], rot.interleaved, xp=cupy)
-    if k is not None and k.shape[1]:
-        _append(k_cache, v_cache, k, v, cache)
-    if out is None:
-        out = cupy.empty((batch, seqlen_q, heads_q, d), dtype=q.dtype)
-    if 0 in (batch, seqlen_q, heads_q):  # no block to launch: what a row that sees no key keeps
-        out[...] = 0
-        return out, cupy.full((batch, heads_q, seqlen_q), -cupy.inf, dtype=cupy.float32)
-
-    # Splits past the number of key tiles would be empty: at most one per tile (and grid y's 65535).
-    splits = max(1, min(int(cache.num_splits), -(-cache.capacity // spec.tile.block_n), 65535))
-    row_tiles = -(-(seqlen_q * group) // spec.tile.block_m)
-    lse = cupy.empty((batch, heads_q, seqlen_q), dtype=cupy.float32)
-    o_part = lse_part = None
-    if splits > 1:
-        o_part = cupy.empty((splits, batch, heads_q, seqlen_q, d), dtype=cupy.float32)
-        lse_part = cupy.empty((splits, batch, heads_q, seqlen_q), dtype=cupy.float32)
-    p = np.zeros((), DECODE_PARAMS_DTYPE)
-    slopes = variant.alibi_slopes
-    p["cache_seqlens"], p["cache_leftpad"] = _ptr(cache.cache_seqlens), _ptr(cache.cache_leftpad)
-    p["cache_batch_idx"], p["block_table"] = _ptr(cache.cache_batch_idx), _ptr(cache.block_table)
-    p["alibi_slopes"], p["alibi_sb"] = _ptr(slopes), (0 if slopes is None else _el(slopes, 0))
-    for prefix, a in (("q", q), ("k", k_cache), ("v", v_cache), ("o", out)):
-        p[f"{prefix}_sb"], p[f"{prefix}_ss"], p[f"{prefix}_sh"] = _el(a, 0), _el(a, 1), _el(a, 2)
-    p["bt_sb"] = 0 if cache.block_table is None else _el(cache.block_table, 0)
-    p["seqlen_q"], p["seqlen_new"], p["heads_q"], p["group"] = seqlen_q, cache.seqlen_new, heads_q, group
-    p["page_size"], p["num_splits"] = cache.page_size or 1, splits
-    # A band edge past every key is no edge: clamped so that t + offset +- window stays inside int32.
-    reach = cache.capacity + seqlen_q
-    left = None if variant.window_left is None else min(variant.window_left, reach)
-    right = None if variant.right is None else min(variant.right, reach)
-    p["has_left"], p["window_left"] = left is not None, left or 0
-    p["has_right"], p["window_right"] = right is not None, right or 0
-    p["scale_log2"], p["inv_scale"] = scale * _LOG2E, 1.0 / scale
-    if variant.softcap:
-        p["softcap_a"], p["softcap_b"] = scale / variant.softcap, variant.softcap / scale
-    null = np.uintp(0)
-    launch(spec, (heads_kv * row_tiles, splits, batch), (
-        q, k_cache, v_cache, o_part if o_part is not None else null, lse_part if lse_part is not None else null,
-        out, lse, np.int32(row_tiles), p[()]))
-    if splits > 1:  # [decode merge]
-        o, lse = merge_stacked(o_part, lse_part, cupy)
-        out[...] = o.transpose(0, 2, 1, 3).astype(out.dtype)
-    return out, lse
+    """``(out, lse)`` of one decode call (the interface of docs/architecture.md); appends ``k``, ``v`` first. The
+    launch is planned at the first call of its shapes and options and reused by the next ones."""
+    launch = plan_kvcache(q, k_cache, v_cache, k, v, cache=cache, scale=scale, variant=variant, out=out, shared=True)
+    rotary = cache.rotary
+    return launch.run(q, k_cache, v_cache, k, v, cache.cache_seqlens, cache.cache_leftpad, cache.cache_batch_idx,
+                      cache.block_table, variant.alibi_slopes, None if rotary is None else rotary.cos,
+                      None if rotary is None else rotary.sin, out, None)

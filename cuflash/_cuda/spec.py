@@ -362,6 +362,11 @@ FAMILIES: dict[str, Family] = {
         "decode.cu", "flash_decode_kernel",
         lambda s: f"{CTYPES[s.dtype]}, {s.head_dim}, {s.tile.block_n}, {s.tile.warps}, {s.variant}",
         lambda d, t: 2 * (t.block_m * d + 4 * t.block_n * d)),  # Q + 2 stages x (K + V), 16-bit
+    # Its [decode append] (before it; the variant slot holds kPaged; the elements are copied as 16-bit words, so
+    # the name has no dtype) and [decode merge] of the splits (after it; head_dim = v's head dim).
+    "decode_append": Family("decode.cu", "decode_append_kernel", lambda s: s.variant, _no_smem, threads=128),
+    "decode_merge": Family(
+        "decode.cu", "decode_merge_kernel", lambda s: f"{CTYPES[s.dtype]}, {s.head_dim}", _no_smem, threads=128),
     # FlashAttention-1 order: dense or causal only (the variant slot holds Is_causal).
     "fa1_fwd": Family(
         "fa1.cu", "fa1_fwd_kernel", _t16,
@@ -522,6 +527,9 @@ def instantiations() -> list[KernelSpec]:
         for dtype in CTYPES:
             for paged in ("false", "true"):
                 add(KernelSpec("decode", dtype, d, TILES[("decode", "any", d)], paged, arch="any"))
+            add(KernelSpec("decode_merge", dtype, d, arch="any"))
+    for paged in ("false", "true"):
+        add(KernelSpec("decode_append", "bfloat16", 0, variant=paged, arch="any"))
     for fam, t in (("block_lists", TILES[("fwd", "sm90a", 128)]), ("block_lists_t", TILES[("bwd", "sm90a", 128)])):
         add(KernelSpec(fam, "float32", 0, t, causal_mod, arch="f32"))
     add(BLOCK_COMPACT)
