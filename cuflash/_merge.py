@@ -9,8 +9,10 @@ For disjoint key sets ``K_1, ..., K_S`` with partial results ``(o_s, lse_s)``, t
 exactly (up to rounding): each ``o_s`` is already normalized by its own ``exp(lse_s)``. A part that saw no key has
 ``lse_s = -inf`` and weight 0; a row for which every part is empty gets ``o = 0`` and ``lse = -inf``, never NaN.
 
-The code is written against the array module of its inputs (``xp``: NumPy, or CuPy until the merge kernel runs
-it), so that :func:`cuflash.merge_states` and the split-KV reference (``[decode merge]``) share it.
+The code is written against the array module of its inputs (``xp``: NumPy or CuPy), so that
+:func:`cuflash.merge_states` (both libraries) and the split-KV reference (``[decode merge]``) share it. The CUDA
+decode path merges its splits with ``decode_merge_kernel`` (``cuflash_kernels/decode.cu``), which follows this
+function step for step (the same ``[decode merge]`` tags): one warp per query row.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The CUDA decode kernels (cuflash._cuda.decode, decode.cu) against the float64 truth of the NumPy reference.
 
-cuflash._cuda does not export forward_kvcache until these pass on a GPU; each test hands it to the front door
-with monkeypatch, then compares the kernels' output and the caches they appended to with the NumPy reference's
-(float64 inputs for the truth, the kernels' dtype for the budget). Skips without CuPy and a GPU.
+Each call goes through the front door (cuflash.attention_with_kvcache) or a plan (cuflash.plan_kvcache), and the
+kernels' output and the caches they appended to are compared with the NumPy reference's (float64 inputs for the
+truth, the kernels' dtype for the budget). The merge kernel alone against cuflash._merge.merge_stacked; plans over
+several steps, in a CuPy stream-capture graph and in a torch.cuda.CUDAGraph. Skips without CuPy and a GPU.
 """
 
 from __future__ import annotations
@@ -11,20 +12,12 @@ import numpy as np
 import pytest
 
 import cuflash
+from cuflash import _api
 
-from _gpu_helpers import DTYPES, poison
+from _gpu_helpers import DTYPES, as_float32, poison
 from _helpers import assert_within_budget, rounding_floor
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture
-def gpu_decode(requires_gpu, monkeypatch):
-    from cuflash import _cuda
-    from cuflash._cuda import decode
-
-    monkeypatch.setattr(_cuda, "forward_kvcache", decode.forward_kvcache, raising=False)
-    return requires_gpu
 
 
 def _case(rng, *, batch, heads_q, heads_kv, d, seqlen_q, seqlen_new, capacity, page_size, dtype):
@@ -66,8 +59,8 @@ CASES = {  # label: (batch, heads_q, heads_kv, d, seqlen_q, seqlen_new, capacity
 @pytest.mark.parametrize("label", list(CASES))
 @pytest.mark.parametrize("dtname", ["bfloat16", "float16"])
 @pytest.mark.parametrize("splits", [None, 1])
-def test_decode_against_the_truth(gpu_decode, label, dtname, splits):
-    cp = gpu_decode
+def test_decode_against_the_truth(requires_gpu, label, dtname, splits):
+    cp = requires_gpu
     batch, hq, hkv, d, sq, snew, cap, page, opts = CASES[label]
     rng = np.random.default_rng(len(label) * 31 + len(dtname))
     dtype = DTYPES[dtname]
@@ -117,9 +110,9 @@ def test_decode_against_the_truth(gpu_decode, label, dtname, splits):
     assert np.array_equal(cp.asnumpy(cv).view(np.uint16), vn.view(np.uint16))
 
 
-def test_splits_agree(gpu_decode):
+def test_splits_agree(requires_gpu):
     """The same call with 1 and with many splits (the merge is exact up to rounding)."""
-    cp = gpu_decode
+    cp = requires_gpu
     rng = np.random.default_rng(5)
     q, k_cache, v_cache, _, _, seqlens, table = _case(rng, batch=2, heads_q=8, heads_kv=2, d=128, seqlen_q=1,
                                                      seqlen_new=0, capacity=3000, page_size=32,
@@ -131,9 +124,9 @@ def test_splits_agree(gpu_decode):
         assert float(cp.abs(o - outs[0]).max()) < 2e-2
 
 
-def test_zero_sized_calls(gpu_decode):
+def test_zero_sized_calls(requires_gpu):
     """No query token (the new keys are still appended) and no sequence: nothing to launch, nothing wrong."""
-    cp = gpu_decode
+    cp = requires_gpu
     rng = np.random.default_rng(9)
     q, k_cache, v_cache, k, v, seqlens, _ = _case(rng, batch=2, heads_q=4, heads_kv=2, d=64, seqlen_q=1,
                                                   seqlen_new=1, capacity=50, page_size=None, dtype=DTYPES["bfloat16"])
@@ -144,3 +137,253 @@ def test_zero_sized_calls(gpu_decode):
     kn = k_cache.copy()
     cuflash.attention_with_kvcache(q[:, :0], kn, v_cache.copy(), k, v, cache_seqlens=seqlens)
     assert np.array_equal(cp.asnumpy(ck).view(np.uint16), kn.view(np.uint16))  # the append happened
+
+
+# ---------------------------------------------------------------------------------------------------
+# [decode merge]: the merge kernel by itself
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtname", ["bfloat16", "float16"])
+@pytest.mark.parametrize("d", [32, 96, 128])
+@pytest.mark.parametrize("splits", [2, 7, 40])
+def test_merge_kernel_against_merge_stacked(requires_gpu, dtname, d, splits):
+    """Random partials with empty parts (lse -inf) and rows whose parts are all empty, into a NaN-poisoned out
+    with the strides of a (batch, heads, seqlen, d) array seen as (batch, seqlen, heads, d)."""
+    from cuflash._cuda.decode import merge_partials
+    from cuflash._merge import merge_stacked
+
+    cp = requires_gpu
+    dtype = DTYPES[dtname]
+    rng = np.random.default_rng(splits * 1000 + d)
+    batch, heads, seqlen_q = 3, 5, 2
+    o_parts = rng.standard_normal((splits, batch, heads, seqlen_q, d)).astype(np.float32)
+    lse_parts = rng.uniform(-30, 30, (splits, batch, heads, seqlen_q)).astype(np.float32)
+    lse_parts[rng.random(lse_parts.shape) < 0.3] = -np.inf   # empty parts
+    lse_parts[:, 1, 2, :] = -np.inf                           # rows that saw no key at all
+    lse_parts[:, 2, 0, 1] = -np.inf
+    lse_parts[0, 0, 0, 0], lse_parts[1:, 0, 0, 0] = 80.0, -np.inf  # one part only, large
+    o_want, lse_want = merge_stacked(o_parts, lse_parts, np)  # (batch, heads, seqlen_q, d), (batch, heads, seqlen_q)
+
+    nan_bits = 0x7FC0 if dtname == "bfloat16" else 0x7E00
+    out = cp.full((batch, heads, seqlen_q, d), nan_bits, dtype=cp.uint16).view(dtype).transpose(0, 2, 1, 3)
+    lse = cp.full((batch, heads, seqlen_q), np.nan, dtype=np.float32)
+    merge_partials(cp.asarray(o_parts), cp.asarray(lse_parts), out, lse)
+    got = cp.asnumpy(as_float32(cp, out)).transpose(0, 2, 1, 3)
+    assert not np.isnan(got).any(), "unwritten (NaN) output"
+    # the kernel's float32 sums in another order: at most one rounding step of the output dtype apart
+    want = o_want.astype(dtype).astype(np.float32)
+    ulp = 2.0 ** (-7 if dtname == "bfloat16" else -10)
+    np.testing.assert_allclose(got, want, rtol=ulp, atol=1e-6)
+    assert (got[1, 2] == 0).all() and (got[2, 0, 1] == 0).all()
+    lse_h = cp.asnumpy(lse)
+    assert np.array_equal(np.isneginf(lse_h), np.isneginf(lse_want))
+    np.testing.assert_allclose(lse_h, lse_want, rtol=1e-6, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Plans: several steps, CUDA graphs, the front door's memory of checked calls
+# ---------------------------------------------------------------------------------------------------
+
+
+def _steps_case(rng, dtype, *, paged: bool, batch=3, heads_q=8, heads_kv=2, d=64, capacity=300):
+    page = 16 if paged else None
+    q, k_cache, v_cache, _, _, seqlens, table = _case(rng, batch=batch, heads_q=heads_q, heads_kv=heads_kv, d=d,
+                                                     seqlen_q=1, seqlen_new=1, capacity=capacity, page_size=page,
+                                                     dtype=dtype)
+    seqlens = np.minimum(seqlens, capacity - 8).astype(np.int32)  # room for the steps' appends
+    return q, k_cache, v_cache, seqlens, table
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged16"])
+@pytest.mark.parametrize("num_splits", [0, 1])
+def test_plan_runs_steps_against_the_truth(requires_gpu, paged, num_splits):
+    """A plan made at the first step runs five steps, each appending one token and reading the lengths the
+    previous step's caller advanced on the device; out and lse preallocated and poisoned before each step."""
+    cp = requires_gpu
+    dtype = DTYPES["bfloat16"]
+    rng = np.random.default_rng(21 + paged)
+    q, k_cache, v_cache, seqlens, table = _steps_case(rng, dtype, paged=paged)
+    batch, _, heads_q, d = q.shape
+    heads_kv = k_cache.shape[2]
+    opts = dict(block_table=table, causal=True, num_splits=num_splits)
+    dev = {name: (cp.asarray(x) if isinstance(x, np.ndarray) else x) for name, x in opts.items()}
+    ck, cv, lens = cp.asarray(k_cache), cp.asarray(v_cache), cp.asarray(seqlens)
+    k64, v64, kn, vn = k_cache.astype(np.float64), v_cache.astype(np.float64), k_cache.copy(), v_cache.copy()
+    cq = cp.asarray(q)
+    ck_new = cp.asarray(rng.standard_normal((batch, 1, heads_kv, d)).astype(dtype))
+    cv_new = cp.asarray(rng.standard_normal((batch, 1, heads_kv, d)).astype(dtype))
+    out = cp.empty((batch, 1, heads_q, d), dtype=dtype)
+    lse = cp.empty((batch, heads_q, 1), dtype=cp.float32)
+    plan = cuflash.plan_kvcache(cq, ck, cv, ck_new, cv_new, cache_seqlens=lens, out=out, **dev)
+    assert plan.out_shape == out.shape and plan.num_splits >= 1
+    for step in range(5):
+        qs = rng.standard_normal(q.shape).astype(dtype)
+        ks, vs = (rng.standard_normal((batch, 1, heads_kv, d)).astype(dtype) for _ in range(2))
+        cq[...], ck_new[...], cv_new[...] = cp.asarray(qs), cp.asarray(ks), cp.asarray(vs)  # static input buffers
+        out.view(cp.uint16).fill(0x7FC0)  # NaN in bfloat16
+        lse.fill(np.nan)
+        got_out, got_lse = plan.run(cq, ck, cv, ck_new, cv_new, cache_seqlens=lens, out=out, lse=lse, **{
+            name: dev[name] for name in ("block_table",)})
+        assert got_out is out and got_lse is lse
+        lens_h = seqlens + step
+        out_t, lse_t = cuflash.attention_with_kvcache(qs.astype(np.float64), k64, v64, ks.astype(np.float64),
+                                                     vs.astype(np.float64), cache_seqlens=lens_h, return_lse=True,
+                                                     **opts)
+        out_n = cuflash.attention_with_kvcache(qs, kn, vn, ks, vs, cache_seqlens=lens_h, **opts)
+        out_h = cp.asnumpy(out)
+        assert not np.isnan(out_h.astype(np.float32)).any(), f"step {step}: unwritten (NaN) output"
+        assert_within_budget(out_h, out_t, out_n, 2, rounding_floor(out_t, dtype), f"out, step {step}")
+        np.testing.assert_allclose(cp.asnumpy(lse), lse_t, rtol=0, atol=2e-3)
+        lens += 1  # the caller advances the lengths, on the device
+    assert np.array_equal(cp.asnumpy(ck).view(np.uint16), kn.view(np.uint16))
+    assert np.array_equal(cp.asnumpy(cv).view(np.uint16), vn.view(np.uint16))
+
+
+def test_plan_refuses_arrays_of_another_layout(requires_gpu):
+    cp = requires_gpu
+    dtype = DTYPES["float16"]
+    rng = np.random.default_rng(2)
+    q, k_cache, v_cache, seqlens, _ = _steps_case(rng, dtype, paged=False)
+    cq, ck, cv, lens = (cp.asarray(x) for x in (q, k_cache, v_cache, seqlens))
+    plan = cuflash.plan_kvcache(cq, ck, cv, cache_seqlens=lens)
+    with pytest.raises(ValueError, match="q must be a cupy.ndarray of shape"):
+        plan.run(cq[:2], ck, cv, cache_seqlens=lens)
+    with pytest.raises(ValueError, match="block_table was not given when the plan was made"):
+        plan.run(cq, ck, cv, cache_seqlens=lens, block_table=cp.zeros((3, 2), cp.int32))
+    with pytest.raises(ValueError, match="lse must be"):
+        plan.run(cq, ck, cv, cache_seqlens=lens, lse=cp.empty((3, 1, 8), cp.float32))
+    with pytest.raises(NotImplementedError, match="softmax_scale > 0"):
+        cuflash.plan_kvcache(cq, ck, cv, cache_seqlens=lens, softmax_scale=-1.0)
+
+
+def test_plan_checks_device_values_in_the_debug_mode(requires_gpu, monkeypatch):
+    cp = requires_gpu
+    rng = np.random.default_rng(4)
+    q, k_cache, v_cache, seqlens, _ = _steps_case(rng, DTYPES["float16"], paged=False)
+    cq, ck, cv, lens = (cp.asarray(x) for x in (q, k_cache, v_cache, seqlens))
+    monkeypatch.setenv("CUFLASH_CHECK_DEVICE_VALUES", "1")
+    plan = cuflash.plan_kvcache(cq, ck, cv, cache_seqlens=lens)
+    lens[0] = k_cache.shape[1] + 1
+    with pytest.raises(ValueError, match="must fit the cache"):
+        plan.run(cq, ck, cv, cache_seqlens=lens)
+
+
+def _graph_inputs(cp, rng, dtype, *, paged):
+    q, k_cache, v_cache, seqlens, table = _steps_case(rng, dtype, paged=paged, batch=2, capacity=600)
+    batch, _, heads_q, d = q.shape
+    heads_kv = k_cache.shape[2]
+    k, v = (rng.standard_normal((batch, 1, heads_kv, d)).astype(dtype) for _ in range(2))
+
+    def fresh():  # one copy of everything a step reads and writes
+        return dict(q=cp.asarray(q), k_cache=cp.asarray(k_cache), v_cache=cp.asarray(v_cache), k=cp.asarray(k),
+                    v=cp.asarray(v), cache_seqlens=cp.asarray(seqlens),
+                    block_table=None if table is None else cp.asarray(table),
+                    out=cp.empty((batch, 1, heads_q, d), dtype=dtype), lse=cp.empty((batch, heads_q, 1), cp.float32))
+    return fresh
+
+
+def _run(plan, a):
+    return plan.run(a["q"], a["k_cache"], a["v_cache"], a["k"], a["v"], cache_seqlens=a["cache_seqlens"],
+                    block_table=a["block_table"], out=a["out"], lse=a["lse"])
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged16"])
+def test_plan_run_in_a_cupy_graph(requires_gpu, paged):
+    """plan.run captured by CuPy's stream capture (append, attention, merge) and replayed for three steps gives
+    what eager runs give, bit for bit; the caller advances the lengths on the device between steps."""
+    cp = requires_gpu
+    rng = np.random.default_rng(8)
+    fresh = _graph_inputs(cp, rng, DTYPES["bfloat16"], paged=paged)
+    eager, captured = fresh(), fresh()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        plan = cuflash.plan_kvcache(eager["q"], eager["k_cache"], eager["v_cache"], eager["k"], eager["v"],
+                                    cache_seqlens=eager["cache_seqlens"], block_table=eager["block_table"],
+                                    causal=True, out=eager["out"])
+        assert plan.num_splits > 1  # batch 2 x 2 heads: the merge kernel is in the graph
+        graph_plan = cuflash.plan_kvcache(captured["q"], captured["k_cache"], captured["v_cache"], captured["k"],
+                                          captured["v"], cache_seqlens=captured["cache_seqlens"],
+                                          block_table=captured["block_table"], causal=True, out=captured["out"])
+        _run(graph_plan, fresh())  # a first eager run on this thread (the context), outside the capture
+        stream.synchronize()
+        stream.begin_capture()
+        _run(graph_plan, captured)
+        graph = stream.end_capture()
+        for step in range(3):
+            for a in (eager, captured):
+                a["out"].view(cp.uint16).fill(0x7FC0)
+                a["lse"].fill(np.nan)
+            _run(plan, eager)
+            graph.launch(stream)
+            for name in ("out", "lse", "k_cache", "v_cache"):
+                assert cp.array_equal(eager[name].view(cp.uint8), captured[name].view(cp.uint8)), (name, step)
+            eager["cache_seqlens"] += 1
+            captured["cache_seqlens"] += 1
+        stream.synchronize()
+    assert not np.isnan(cp.asnumpy(eager["lse"])).any()
+
+
+def test_plan_run_in_a_torch_cuda_graph(requires_gpu):
+    """The same with torch.cuda.CUDAGraph: CuPy views of torch tensors, plan.run on torch's capture stream."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    cp = requires_gpu
+    rng = np.random.default_rng(9)
+    batch, heads_q, heads_kv, d, capacity = 2, 8, 2, 64, 700
+    shapes = dict(q=(batch, 1, heads_q, d), k_cache=(batch, capacity, heads_kv, d), v_cache=(batch, capacity, heads_kv, d),
+                  k=(batch, 1, heads_kv, d), v=(batch, 1, heads_kv, d))
+    host = {name: rng.standard_normal(shape).astype(np.float16) for name, shape in shapes.items()}
+    seqlens = np.array([100, 650], np.int32)
+
+    def fresh():
+        t = {name: torch.from_numpy(x).cuda() for name, x in host.items()}
+        t["cache_seqlens"] = torch.from_numpy(seqlens).cuda()
+        t["out"] = torch.empty(batch, 1, heads_q, d, dtype=torch.float16, device="cuda")
+        t["lse"] = torch.empty(batch, heads_q, 1, dtype=torch.float32, device="cuda")
+        return t, {"block_table": None, **{name: cp.from_dlpack(x) for name, x in t.items()}}
+
+    (te, eager), (tc, captured) = fresh(), fresh()
+    torch.cuda.synchronize()
+    plan = cuflash.plan_kvcache(eager["q"], eager["k_cache"], eager["v_cache"], eager["k"], eager["v"],
+                                cache_seqlens=eager["cache_seqlens"], causal=True, out=eager["out"])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), cp.cuda.ExternalStream(side.cuda_stream):
+        _run(plan, fresh()[1])  # warm-up on a side stream, as torch asks before a capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            _run(plan, captured)
+    for step in range(3):
+        with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            _run(plan, eager)
+        graph.replay()
+        torch.cuda.synchronize()
+        for name in ("out", "lse", "k_cache", "v_cache"):
+            assert torch.equal(te[name], tc[name]), (name, step)
+        te["cache_seqlens"] += 1
+        tc["cache_seqlens"] += 1
+    assert not torch.isnan(te["out"]).any()
+
+
+def test_the_front_door_reuses_checked_launches(requires_gpu):
+    """A repeated call runs the launch of the call it repeats (no new entry); other layouts and options are
+    checked in full (an int for causal is still refused after causal=True was remembered)."""
+    cp = requires_gpu
+    rng = np.random.default_rng(6)
+    q, k_cache, v_cache, seqlens, _ = _steps_case(rng, DTYPES["bfloat16"], paged=False)
+    cq, ck, cv, lens = (cp.asarray(x) for x in (q, k_cache, v_cache, seqlens))
+    first = cuflash.attention_with_kvcache(cq, ck, cv, cache_seqlens=lens, causal=True)
+    entries = len(_api._kvcache_launches)
+    second = cuflash.attention_with_kvcache(cq, ck, cv, cache_seqlens=lens, causal=True)
+    assert len(_api._kvcache_launches) == entries
+    assert cp.array_equal(first.view(cp.uint16), second.view(cp.uint16))
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        cuflash.attention_with_kvcache(cq, ck, cv, cache_seqlens=lens, causal=1)
+    with pytest.raises(ValueError, match="cache_seqlens must have shape"):
+        cuflash.attention_with_kvcache(cq, ck, cv, cache_seqlens=lens[:2], causal=True)
+    cuflash.attention_with_kvcache(cq[:, :, :4], ck, cv[..., :], cache_seqlens=lens, causal=True)  # another q
+    assert len(_api._kvcache_launches) == entries + 1

@@ -721,3 +721,115 @@ def test_device_value_checks_follow_the_environment(monkeypatch):
     assert not _validate.device_value_checks()
     monkeypatch.setenv(_validate.DEVICE_CHECKS_ENV, "1")
     assert _validate.device_value_checks()
+
+
+# ---------------------------------------------------------------------------------------------------
+# cuflash.plan_kvcache: plan once, run every step (NumPy: each step runs the reference with every check)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _plan_step_arrays(rng, *, batch=2, heads_q=4, heads_kv=2, d=8, capacity=24, page_size=4):
+    pages = -(-capacity // page_size)
+    table = rng.permutation(batch * pages).reshape(batch, pages).astype(np.int32)
+    caches = [rng.standard_normal((batch * pages, page_size, heads_kv, d)) for _ in range(2)]
+    angles = rng.uniform(0, 2 * np.pi, (capacity + 4, d // 4))
+    return dict(table=table, caches=caches, cos=np.cos(angles), sin=np.sin(angles), batch=batch, heads_q=heads_q,
+                heads_kv=heads_kv, d=d)
+
+
+def test_a_plan_runs_each_step_as_the_front_door():
+    """Five steps of a paged, rotary, causal GQA call with ALiBi: plan.run gives what attention_with_kvcache gives,
+    appends the same tokens, and writes into the out and lse it is handed."""
+    rng = np.random.default_rng(30)
+    a = _plan_step_arrays(rng)
+    batch, heads_q, heads_kv, d = a["batch"], a["heads_q"], a["heads_kv"], a["d"]
+    lens = np.array([0, 9], np.int32)
+    slopes = rng.uniform(0.1, 0.5, heads_q).astype(np.float32)
+    options = dict(block_table=a["table"], rotary_cos=a["cos"], rotary_sin=a["sin"], alibi_slopes=slopes)
+    fixed = dict(causal=True, rotary_interleaved=False, num_splits=3)
+    kc, vc = (c.copy() for c in a["caches"])
+    kc2, vc2 = (c.copy() for c in a["caches"])
+    q, k, v = (rng.standard_normal((batch, 1, h, d)) for h in (heads_q, heads_kv, heads_kv))
+    plan = cuflash.plan_kvcache(q, kc, vc, k, v, cache_seqlens=lens, **options, **fixed)
+    assert isinstance(plan, cuflash.DecodePlan) and plan.num_splits == 3
+    assert plan.out_shape == (batch, 1, heads_q, d) and plan.lse_shape == (batch, heads_q, 1)
+    np.testing.assert_array_equal(kc, kc2)  # planning appends nothing
+    out, lse = np.empty(plan.out_shape), np.empty(plan.lse_shape)
+    for step in range(5):
+        q, k, v = (rng.standard_normal((batch, 1, h, d)) for h in (heads_q, heads_kv, heads_kv))
+        out[...], lse[...] = np.nan, np.nan
+        got = plan.run(q, kc, vc, k, v, cache_seqlens=lens, out=out, lse=lse, **options)
+        want = cuflash.attention_with_kvcache(q, kc2, vc2, k, v, cache_seqlens=lens, return_lse=True, **options,
+                                              **fixed)
+        assert got[0] is out and got[1] is lse
+        np.testing.assert_array_equal(out, want[0])
+        np.testing.assert_array_equal(lse, want[1])
+        np.testing.assert_array_equal(kc, kc2)
+        np.testing.assert_array_equal(vc, vc2)
+        lens += 1
+    o1, l1 = plan.run(q, kc, vc, k, v, cache_seqlens=3, **options)  # an int, and out / lse allocated
+    o2, l2 = cuflash.attention_with_kvcache(q, kc2, vc2, k, v, cache_seqlens=3, return_lse=True, **options, **fixed)
+    np.testing.assert_array_equal(o1, o2)
+    np.testing.assert_array_equal(l1, l2)
+
+
+def test_a_plan_checks_its_arguments_as_the_front_door():
+    q, kc = np.zeros((1, 1, 2, 8)), np.zeros((1, 8, 1, 8))
+    with pytest.raises(ValueError, match="fit the cache"):
+        cuflash.plan_kvcache(q, kc, kc, cache_seqlens=9)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        cuflash.plan_kvcache(q, kc, kc, cache_seqlens=1, causal=1)
+
+
+PLAN_MISMATCHES = [
+    ("another dtype", lambda a: dict(q=a["q"].astype(np.float32)),
+     r"q must be a numpy.ndarray of shape \(2, 1, 4, 8\), strides \(256, 256, 64, 8\) and dtype float64 as when the "
+     r"plan was made .*got a numpy.ndarray of shape \(2, 1, 4, 8\), strides \(128, 128, 32, 4\) and dtype float32"),
+    ("another shape", lambda a: dict(k_cache=a["k_cache"][:-1]),
+     r"k_cache must be a numpy.ndarray of shape \(12, 4, 2, 8\)"),
+    ("other strides", lambda a: dict(q=np.asfortranarray(a["q"])), r"q must be .*got .*strides \(8, 16, 16, 64\)"),
+    ("a missing array", lambda a: dict(k=None, v=None), "k was given when the plan was made, so every step needs it; "
+     "got None"),
+    ("an extra array", lambda a: dict(cache_leftpad=np.zeros(2, np.int32)),
+     r"cache_leftpad was not given when the plan was made; got a numpy.ndarray of shape \(2,\)"),
+    ("an index array of another dtype", lambda a: dict(block_table=a["block_table"].astype(np.int64)),
+     "block_table must be .* dtype int32 as when"),
+    ("out", lambda a: dict(out=np.zeros((2, 1, 4, 8), np.float32)), r"out must be a numpy.ndarray .* as when the plan "
+     r"was made; got .*float32"),
+    ("lse", lambda a: dict(lse=np.zeros((2, 1, 4))), r"lse must be a numpy.ndarray of shape \(2, 4, 1\), strides "
+     r"\(32, 8, 8\) and dtype float64 \(contiguous\); got a numpy.ndarray of shape \(2, 1, 4\)"),
+]
+
+
+@pytest.mark.parametrize("case, change, match", PLAN_MISMATCHES, ids=[c[0] for c in PLAN_MISMATCHES])
+def test_a_plan_refuses_a_step_of_another_layout(case, change, match):
+    """Each array of a step must have the planned type, shape, strides and dtype, given or not as then; nothing is
+    written when it has not."""
+    rng = np.random.default_rng(31)
+    a = _plan_step_arrays(rng)
+    args = dict(q=rng.standard_normal((2, 1, 4, 8)), k_cache=a["caches"][0], v_cache=a["caches"][1],
+                k=rng.standard_normal((2, 1, 2, 8)), v=rng.standard_normal((2, 1, 2, 8)), block_table=a["table"],
+                cache_seqlens=np.array([1, 2], np.int32))
+    plan = cuflash.plan_kvcache(**args)
+    before = args["k_cache"].copy()
+    with pytest.raises(ValueError, match=match):
+        plan.run(**{**args, **change(args)})
+    np.testing.assert_array_equal(args["k_cache"], before)
+
+
+def test_a_plan_made_with_a_strided_out_needs_one_at_every_step():
+    rng = np.random.default_rng(32)
+    q, kc = rng.standard_normal((2, 1, 4, 8)), rng.standard_normal((2, 8, 2, 8))
+    out = np.zeros((2, 4, 1, 8)).transpose(0, 2, 1, 3)
+    plan = cuflash.plan_kvcache(q, kc, kc, cache_seqlens=3, out=out)
+    assert plan.run(q, kc, kc, cache_seqlens=3, out=out)[0] is out
+    with pytest.raises(ValueError, match=r"out must be given: the plan was made with an out of strides"):
+        plan.run(q, kc, kc, cache_seqlens=3)
+
+
+def test_the_front_door_remembers_cupy_calls_only():
+    """NumPy calls are checked in full every time (their index values too): no key."""
+    q, kc = np.zeros((1, 1, 2, 8)), np.zeros((1, 8, 1, 8))
+    key = _api._kvcache_key(q, kc, kc, None, None, 3, None, None, True, None, None, None, False, (-1, -1), 0.0,
+                            None, None, 0, None)
+    assert key is None

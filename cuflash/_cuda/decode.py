@@ -27,11 +27,12 @@ import numpy as np
 from .._kvcache import KVCache
 from .._variant import Variant
 from ..reference_decode import apply_rotary
-from .compile import check_smem, device_info, kernel
+from .compile import check_smem, device_info, kernel, launch
 from .spec import CTYPES, DECODE_HEAD_DIMS, TILES
 from .spec import spec as kernel_spec
 
-__all__ = ["forward_kvcache", "plan_kvcache", "DecodeLaunch", "DECODE_PARAMS_DTYPE", "check_decode_supported"]
+__all__ = ["forward_kvcache", "plan_kvcache", "merge_partials", "DecodeLaunch", "DECODE_PARAMS_DTYPE",
+           "check_decode_supported"]
 
 _LOG2E = 1.4426950408889634
 
@@ -281,6 +282,26 @@ def _launch_key(q, k_cache, v_cache, k, v, cache: KVCache, scale: float, variant
             cache.capacity, cache.seqlen_new, cache.num_splits,
             None if rotary is None else (rotary.interleaved, rotary.consecutive_q),
             _layout(variant.alibi_slopes), scale, variant.window_left, variant.right, variant.softcap)
+
+
+def merge_partials(o_part, lse_part, out, lse) -> None:
+    """[decode merge] alone, on the current stream: ``out`` (``(batch, seqlen_q, heads_q, dv)``, float16 or bfloat16,
+    any strides with a contiguous last axis) and ``lse`` (``(batch, heads_q, seqlen_q)``, contiguous float32) from
+    the splits' partials ``o_part`` ``(splits, batch, heads_q, seqlen_q, dv)`` and ``lse_part`` ``(splits, batch,
+    heads_q, seqlen_q)`` (contiguous float32), as the split kernel leaves them: the kernel that
+    :func:`cuflash._merge.merge_stacked` mirrors, launched by itself (its GPU test)."""
+    splits, batch, heads_q, seqlen_q, dv = o_part.shape
+    assert lse_part.shape == o_part.shape[:-1] and out.shape == (batch, seqlen_q, heads_q, dv)
+    assert lse.shape == (batch, heads_q, seqlen_q) and o_part.flags.c_contiguous and lse_part.flags.c_contiguous
+    assert lse.flags.c_contiguous and out.strides[-1] == out.itemsize
+    rec = np.zeros(1, DECODE_PARAMS_DTYPE)
+    r = rec[0]
+    r["out"], r["lse"], r["o_part"], r["lse_part"] = out.data.ptr, lse.data.ptr, o_part.data.ptr, lse_part.data.ptr
+    r["o_sb"], r["o_ss"], r["o_sh"] = (_el(out, axis) for axis in range(3))
+    r["batch"], r["seqlen_q"], r["heads_q"], r["head_dim_v"], r["num_splits"] = batch, seqlen_q, heads_q, dv, splits
+    rows = batch * heads_q * seqlen_q
+    if rows:
+        launch(kernel_spec("decode_merge", np.dtype(out.dtype).name, dv), (-(-rows // 4),), (rec[0],))
 
 
 def plan_kvcache(q, k_cache, v_cache, k, v, *, cache: KVCache, scale: float, variant: Variant, out=None,
