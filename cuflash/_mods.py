@@ -800,6 +800,8 @@ class _Emitter:
             return f"static_cast<int>({self.cond(node)})"
         if op in ("*", "/", "%", "+", "-"):
             a, b = (self.to(x, node.type) for x in node.args)
+            if op == "/" and node.type != INT:  # (see modmath::fdiv in user_mods.cuh)
+                return f"modmath::fdiv<kFast>({a}, {b})"
             return f"({a} {op} {b})"
         if op == "cond":
             c, x, y = node.args
@@ -851,7 +853,7 @@ def _generate(mods: UserMods) -> tuple:
         "    }\n",
         "\n",
         "    __device__ __forceinline__ static bool mask(int b, int h, int q_idx, int kv_idx, const ModArrays& arrays) {\n",
-        "        constexpr bool kFast = false;\n",
+        "        [[maybe_unused]] constexpr bool kFast = false;\n",
         _array_locals(mods, mods.mask_mod, ind),
         f"{ind}return {mask_body};\n",
         "    }\n",

@@ -107,6 +107,21 @@ __device__ __forceinline__ Dual tanhf(Dual x) {
     const float t = tanhf<kFast>(x.v);
     return Dual(t, x.d * (1.f - t * t));
 }
+// fdiv<kFast>: float division. kFast (the 16-bit kernels): div.full.f32 (__fdividef, 2 ulp; a reciprocal
+// and a product, as Triton divides), else IEEE division (a dozen instructions with a slow-path branch per
+// score: the float32 kernels). Duals: the quotient rule with the same division.
+template <bool kFast>
+__device__ __forceinline__ float fdiv(float a, float b) { return kFast ? __fdividef(a, b) : a / b; }
+template <bool kFast>
+__device__ __forceinline__ Dual fdiv(Dual a, Dual b) {
+    return Dual(fdiv<kFast>(a.v, b.v), fdiv<kFast>(a.d * b.v - a.v * b.d, b.v * b.v));
+}
+template <bool kFast>
+__device__ __forceinline__ Dual fdiv(Dual a, float b) { return Dual(fdiv<kFast>(a.v, b), fdiv<kFast>(a.d, b)); }
+template <bool kFast>
+__device__ __forceinline__ Dual fdiv(float a, Dual b) {
+    return Dual(fdiv<kFast>(a, b.v), fdiv<kFast>(-a * b.d, b.v * b.v));
+}
 __device__ __forceinline__ float expf(float x) { return ::expf(x); }
 __device__ __forceinline__ Dual expf(Dual x) {
     const float e = ::expf(x.v);

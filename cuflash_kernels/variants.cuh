@@ -140,6 +140,7 @@ struct BlockInfo {
     float slope;       // ALiBi slope in raw-score units (slope / scale)
     float cap_a, cap_b;
     float inv_scale;
+    float scale;        // softmax_scale (Has_user_mod: score_mod sees scaled scores)
     const float* bias;  // this (batch, head)'s bias rows (Has_bias), rows bias_sm apart (a plane of < 2^31
     int bias_sm;        // elements: the launcher checks)
     float* dbias;       // and its gradient's (null when not wanted)
@@ -179,6 +180,7 @@ struct BlockInfo {
         cap_a = p.softcap_a;
         cap_b = p.softcap_b;
         inv_scale = p.inv_scale;
+        if constexpr (V::Mod::Has_score_mod) scale = 1.f / p.inv_scale;  // once per block, not per score
         if constexpr (V::Has_bias) {
             const ExtraParams& bp = *p.extra;
             bias = bp.bias + b * bp.sb + h * bp.sh;
@@ -207,7 +209,7 @@ struct BlockInfo {
     // The FA1 float32 kernels' causal-or-dense info (they take causal_offset as an argument).
     __device__ __forceinline__ BlockInfo(int b, int seqlen_q, int seqlen_k, int causal_offset)
         : len_q(seqlen_q), len_k(seqlen_k), q0(0), k0(0), wb(b), offset(causal_offset), hi(causal_offset), lo(0),
-          slope(0.f), cap_a(0.f), cap_b(0.f), inv_scale(0.f), bias(nullptr), bias_sm(0), dbias(nullptr), dbias_sm(0) {
+          slope(0.f), cap_a(0.f), cap_b(0.f), inv_scale(0.f), scale(0.f), bias(nullptr), bias_sm(0), dbias(nullptr), dbias_sm(0) {
         static_assert(!V::Has_left && !V::Is_varlen && !V::Has_seqused && !V::Has_mod && !V::Has_dropout,
                       "dense or causal only");
     }
@@ -314,6 +316,7 @@ struct BlockInfo {
     // softcap and in a score_mod's tanhf.
     // kWantGrad = false (the forward): a score_mod is evaluated on floats, without its dual-number derivative.
     // with_mask_mod = false: a full tile of the block map (TileLoop::partial), where mask_mod keeps every score.
+    // (A tile-level test, not code of its own for full tiles: that duplicate pushes the forward into spills.)
     template <bool kExactTanh = false, bool kWantGrad = true>
     __device__ __forceinline__ float mod(float s, int i, int j, float& grad, bool with_mask_mod = true) const {
         if constexpr (!V::Has_softcap) grad = 1.f;
@@ -332,10 +335,10 @@ struct BlockInfo {
                 if constexpr (V::Mod::Has_score_mod) {
                     if constexpr (kWantGrad) {
                         float g;
-                        s = apply_score_mod<typename V::Mod, V::Has_bias, !kExactTanh>(s, 1.f / inv_scale, inv_scale, b, h, i, j, *mods, g);
+                        s = apply_score_mod<typename V::Mod, V::Has_bias, !kExactTanh>(s, scale, inv_scale, b, h, i, j, *mods, g);
                         grad *= g;
                     } else {
-                        s = apply_score_mod<typename V::Mod, V::Has_bias, !kExactTanh>(s, 1.f / inv_scale, inv_scale, b, h, i, j, *mods);
+                        s = apply_score_mod<typename V::Mod, V::Has_bias, !kExactTanh>(s, scale, inv_scale, b, h, i, j, *mods);
                     }
                 }
                 if constexpr (V::Mod::Has_mask_mod) {
