@@ -3,10 +3,13 @@ achieved bandwidth side by side with PyTorch's SDPA backends and the device's co
 
 Decoding reads the whole cache for one token, so its cost is memory traffic: the figure of merit is the
 bandwidth ``bytes of K and V read / time`` against what a plain device copy reaches (``docs/decoding.md``).
-On a GPU it times cuflash's decode kernels (``--unverified-kernels``: the first version of ``decode.cu``, which
-the front door does not use until its GPU tests pass) and every SDPA backend that runs the shape, and prints a
-table (``--json`` writes it, ``--plot`` draws bandwidth against cache length). Without a GPU it runs the NumPy
-reference at small sizes, so the command and its table stay exercised on any machine.
+On a GPU it first measures the host time of a call (a tiny step, batch 1 and 256 cached tokens, whose GPU work
+is a few microseconds: ``--host-calls`` calls without synchronizing, timed with ``time.perf_counter``) through the
+front door, through a plan's run and as a CUDA graph's launch; then, for each batch and cache length, it checks
+cuflash's output against SDPA's and times cuflash through the front door and through a plan
+(``cuflash.plan_kvcache``) beside every SDPA backend that runs the shape, and prints a table (``--json`` writes it,
+``--plot`` draws bandwidth against cache length). Without a GPU it runs the NumPy reference at small sizes, so the
+command and its table stay exercised on any machine.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--page-size", type=int, default=0, help="paged cache with this page size (0: contiguous)")
     p.add_argument("--rep-ms", type=float, default=100.0, help="time budget per measurement (GPU)")
-    p.add_argument("--unverified-kernels", action="store_true",
-                   help="time cuflash's first decode kernels (not yet enabled at the front door)")
+    p.add_argument("--host-calls", type=int, default=200,
+                   help="calls per host-time measurement (GPU; batch 1, cache 256, no synchronization)")
     p.add_argument("--json", default=None, help="write the rows as JSON here")
     p.add_argument("--plot", default=None, help="write a bandwidth plot (PNG) here")
     return p
@@ -48,7 +51,69 @@ def _copy_bandwidth(timed, dev) -> float:
     return 2 * src.numel() / timed(lambda: dst.copy_(src))
 
 
+def _host_times(cupy, cuflash, hq: int, hkv: int, d: int, calls: int) -> dict:
+    """Host microseconds per call of a decode step whose GPU work is tiny (batch 1, 256 cached tokens, one token
+    appended): ``calls`` calls enqueued without synchronizing, timed with time.perf_counter, for the front door
+    (allocating out and lse, and with out=), a plan's run with out= and lse=, and a CUDA graph of that run."""
+    rng = np.random.default_rng(0)
+    cache, batch = 256, 1
+    dtype = np.float16
+
+    def dev(*shape):
+        return cupy.asarray(rng.standard_normal(shape).astype(dtype))
+
+    q, k, v = dev(batch, 1, hq, d), dev(batch, 1, hkv, d), dev(batch, 1, hkv, d)
+    k_cache, v_cache = dev(batch, cache, hkv, d), dev(batch, cache, hkv, d)
+    lens = cupy.full(batch, cache - 1, dtype=cupy.int32)  # room for the appended token (the same slot each call)
+    out = cupy.empty((batch, 1, hq, d), dtype=dtype)
+    lse = cupy.empty((batch, hq, 1), dtype=cupy.float32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        plan = cuflash.plan_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, causal=True, out=out)
+        plan.run(q, k_cache, v_cache, k, v, cache_seqlens=lens, out=out, lse=lse)
+        stream.synchronize()
+        stream.begin_capture()
+        plan.run(q, k_cache, v_cache, k, v, cache_seqlens=lens, out=out, lse=lse)
+        graph = stream.end_capture()
+        cases = {
+            "front door (allocating out, lse)":
+                lambda: cuflash.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, causal=True),
+            "front door with out=":
+                lambda: cuflash.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, causal=True,
+                                                       out=out),
+            "plan.run with out=, lse=":
+                lambda: plan.run(q, k_cache, v_cache, k, v, cache_seqlens=lens, out=out, lse=lse),
+            "CUDA graph of plan.run: graph.launch()": lambda: graph.launch(stream),
+        }
+        times = {}
+        for name, fn in cases.items():
+            for _ in range(10):
+                fn()
+            stream.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            host = (time.perf_counter() - t0) / calls
+            stream.synchronize()
+            times[name] = host * 1e6
+    print(f"host time per call (batch {batch}, cache {cache}, {hq}/{hkv} heads, d {d}, one token appended, "
+          f"{plan.num_splits} splits: append + attention + merge; {calls} calls without synchronizing):")
+    for name, us in times.items():
+        print(f"  {name:40s} {us:7.1f} us")
+    return times
+
+
+def _attention_f32(torch, q, k, v):
+    """One query token of one sequence in float32: q ``(heads_q, d)``, k and v ``(n, heads_kv, d)`` (GQA)."""
+    heads_q, d = q.shape
+    heads_kv = k.shape[1]
+    qg = q.float().view(heads_kv, heads_q // heads_kv, d)
+    p = torch.softmax(torch.einsum("kgd,nkd->kgn", qg, k.float()) / d ** 0.5, dim=-1)
+    return torch.einsum("kgn,nkd->kgd", p, v.float()).reshape(heads_q, d)
+
+
 def _gpu_rows(args) -> list[dict]:
+    import cupy
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -74,13 +139,7 @@ def _gpu_rows(args) -> list[dict]:
 
     copy_bw = _copy_bandwidth(timed, dev)
     print(f"device copy bandwidth: {copy_bw / 1e12:.2f} TB/s (read + write of 1 GiB)")
-
-    if args.unverified_kernels:
-        from . import _cuda
-        from ._cuda import decode
-
-        _cuda.forward_kvcache = decode.forward_kvcache
-    import cupy
+    host = _host_times(cupy, cuflash, hq, hkv, d, args.host_calls)
 
     rows = []
     for batch in args.batch or (1, 4, 32):
@@ -90,7 +149,7 @@ def _gpu_rows(args) -> list[dict]:
             v = torch.randn_like(k)
             nbytes = _kv_bytes(batch, cache, hkv, d, 2)
             row = dict(batch=batch, cache=cache, heads_q=hq, heads_kv=hkv, head_dim=d, kv_bytes=nbytes,
-                       copy_tbs=copy_bw / 1e12)
+                       copy_tbs=copy_bw / 1e12, **{f"host_us[{name}]": us for name, us in host.items()})
             qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
                                   ("cudnn", SDPBackend.CUDNN_ATTENTION), ("math", SDPBackend.MATH)):
@@ -103,18 +162,26 @@ def _gpu_rows(args) -> list[dict]:
             sdpa = [(row[f"sdpa_{n}_us"], n) for n in ("flash", "efficient", "cudnn", "math") if row[f"sdpa_{n}_us"]]
             best_us, best = min(sdpa)
             row.update(sdpa_best=best, sdpa_best_us=best_us, sdpa_tbs=nbytes / best_us / 1e6)
-            row["cuflash_us"] = row["cuflash_tbs"] = None
-            if args.unverified_kernels:
-                cq, ck, cv = (cupy.from_dlpack(x) for x in (q, k, v))
-                lens = cupy.full(batch, cache, dtype=cupy.int32)
-                stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream())
-                with stream:
-                    s = timed(lambda: cuflash.attention_with_kvcache(cq, ck, cv, cache_seqlens=lens))
-                row.update(cuflash_us=s * 1e6, cuflash_tbs=nbytes / s / 1e12)
+
+            cq, ck, cv = (cupy.from_dlpack(x) for x in (q, k, v))
+            lens = cupy.full(batch, cache, dtype=cupy.int32)
+            stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream())
+            with stream:
+                # checked first: the first sequence against float32 attention on the same bfloat16 inputs
+                got = torch.from_dlpack(cuflash.attention_with_kvcache(cq, ck, cv, cache_seqlens=lens))
+                err = float((got[0, 0].float() - _attention_f32(torch, q[0, 0], k[0], v[0])).abs().max())
+                row["max_abs_err"] = err
+                s = timed(lambda: cuflash.attention_with_kvcache(cq, ck, cv, cache_seqlens=lens))
+                plan = cuflash.plan_kvcache(cq, ck, cv, cache_seqlens=lens)
+                out, lse = cupy.empty(plan.out_shape, dtype=cq.dtype), cupy.empty(plan.lse_shape, dtype=cupy.float32)
+                s_plan = timed(lambda: plan.run(cq, ck, cv, cache_seqlens=lens, out=out, lse=lse))
+            row.update(cuflash_us=s * 1e6, cuflash_tbs=nbytes / s / 1e12, cuflash_plan_us=s_plan * 1e6,
+                       cuflash_plan_tbs=nbytes / s_plan / 1e12, num_splits=plan.num_splits)
             rows.append(row)
-            ours = f"{row['cuflash_us']:8.1f} us {row['cuflash_tbs']:5.2f} TB/s" if row["cuflash_us"] else "   (not run)"
-            print(f"batch {batch:3d} cache {cache:6d}: cuflash {ours} | SDPA {best:9s} {best_us:8.1f} us "
-                  f"{row['sdpa_tbs']:5.2f} TB/s")
+            flag = "" if err <= 2e-2 else f"  MISMATCH: max |cuflash - float32 SDPA| = {err:.3g}"
+            print(f"batch {batch:3d} cache {cache:6d}: cuflash {s * 1e6:8.1f} us {row['cuflash_tbs']:5.2f} TB/s | "
+                  f"plan {s_plan * 1e6:8.1f} us {row['cuflash_plan_tbs']:5.2f} TB/s ({plan.num_splits:2d} splits) | "
+                  f"SDPA {best:9s} {best_us:8.1f} us {row['sdpa_tbs']:5.2f} TB/s | err {err:.1e}{flag}")
     return rows
 
 
@@ -153,6 +220,7 @@ def _plot(rows: list[dict], path: str) -> None:
             ax.plot(xs, [r["sdpa_tbs"] for r in sel], "--o", label=f"SDPA best, batch {batch}")
         if sel[0].get("cuflash_tbs") is not None:
             ax.plot(xs, [r["cuflash_tbs"] for r in sel], "-o", label=f"cuflash, batch {batch}")
+            ax.plot(xs, [r["cuflash_plan_tbs"] for r in sel], ":x", label=f"cuflash plan.run, batch {batch}")
         if sel[0].get("numpy_gbs") is not None:
             ax.plot(xs, [r["numpy_gbs"] / 1e3 for r in sel], "-o", label=f"NumPy reference, batch {batch}")
     if rows and rows[0].get("copy_tbs"):
