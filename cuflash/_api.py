@@ -447,6 +447,13 @@ def attention_with_kvcache(
     faces key ``i + len_k - seqlen_q``). ``cache_seqlens`` is not updated: the caller adds ``seqlen_new``.
     The math and the split-KV algorithm: ``docs/decoding.md``.
 
+    Index values (``cache_seqlens``, ``cache_leftpad``, ``cache_batch_idx``, ``block_table``) are checked before
+    anything is written: always for NumPy arrays; for CuPy arrays only in the debug mode
+    ``CUFLASH_CHECK_DEVICE_VALUES=1`` (reading device values costs a synchronization per step).
+
+    On CuPy arrays the launches of a call are planned at the first call with its layouts and options, and a
+    repeated call runs them without checking again; :func:`plan_kvcache` makes such a plan explicitly.
+
     Parameters
     ----------
     q : array, shape (batch, seqlen_q, heads_q, head_dim)
@@ -498,13 +505,6 @@ def attention_with_kvcache(
     -------
     out : array (batch, seqlen_q, heads_q, head_dim_v), like q
     lse : only with ``return_lse=True``
-
-    Index values (``cache_seqlens``, ``cache_leftpad``, ``cache_batch_idx``, ``block_table``) are checked before
-    anything is written: always for NumPy arrays; for CuPy arrays only in the debug mode
-    ``CUFLASH_CHECK_DEVICE_VALUES=1`` (reading device values costs a synchronization per step).
-
-    On CuPy arrays the launches of a call are planned at its first call with these shapes and options and kept
-    (:func:`plan_kvcache` makes such a plan explicitly and skips the per-call checks as well).
     """
     key = _kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved,
                        cache_batch_idx, cache_leftpad, block_table, causal, window_size, softcap, alibi_slopes,
