@@ -285,9 +285,10 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
                 }
             }
         }
-        if (bi.needs_mask(m0, kBlockM, n0, kBlockN)) {
+        const bool mask_mod = queries.mask_mod_in_mask(it);  // [variant mask]
+        if (bi.needs_mask(m0, kBlockM, n0, kBlockN) || mask_mod) {
 #pragma unroll
-            for (int i = 0; i < 2; ++i) mask_block<true>(st[i], bi, key_base + 16 * i, m0 + wm * kQW, lane, 0.f);
+            for (int i = 0; i < 2; ++i) mask_block<true>(st[i], bi, key_base + 16 * i, m0 + wm * kQW, lane, 0.f, mask_mod);
         }
         // P^T in the input dtype, as A fragments: to shared memory for dV, and kept (16 bits, half the
         // registers of float32) for dS^T. [variant dropout] dV takes P^T dropped and times 1 / (1 - p).
@@ -568,7 +569,8 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2, -lse_r[e >> 1]));
         }
-        if (bi.needs_mask(m0, kBlockM, n0, kBlockN)) mask_block<false>(s, bi, row_base, n0, lane, 0.f);  // [variant mask]
+        const bool mask_mod = keys.mask_mod_in_mask(j);  // [variant mask]
+        if (bi.needs_mask(m0, kBlockM, n0, kBlockN) || mask_mod) mask_block<false>(s, bi, row_base, n0, lane, 0.f, mask_mod);
         dropout_scores<false>(dp, bi, row_base, n0, lane, V::Has_dropout ? bi.keep_scale : 1.f);  // [variant dropout] on dP
         // [bwd 4] dS = P (dP - D), in place of dP ([variant grad]: times d mod / d s).
 #pragma unroll

@@ -197,7 +197,8 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
 #pragma unroll
             for (int e = 0; e < 4; ++e) st[nt][e] = fast_exp2(fmaf(st[nt][e], scale_log2, e & 1 ? nl1 : nl0));
         }
-        if (bi.needs_mask(m0, kBlockM, n0, kBlockN)) mask_block<true>(st, bi, key_base, m0, lane, 0.f);  // [variant mask]
+        const bool mask_mod = queries.mask_mod_in_mask(it);  // [variant mask]
+        if (bi.needs_mask(m0, kBlockM, n0, kBlockN) || mask_mod) mask_block<true>(st, bi, key_base, m0, lane, 0.f, mask_mod);
         // P^T in the input dtype as A fragments (as it enters dV, and as dS^T uses it). [variant dropout]
         // dV takes P^T dropped and times 1 / (1 - p), dS^T the dropped dP^T.
         u32 pt[kMT][4];

@@ -128,12 +128,13 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
             }
         }
         const int n0 = n_shift + tile_row(j);  // the tile's first key in the sequence
-        const bool need_mask = bi.needs_mask(m0, kBlockM, n0, kBlockN);
+        const bool mask_mod = keys.mask_mod_in_mask(j);
+        const bool need_mask = bi.needs_mask(m0, kBlockM, n0, kBlockN) || mask_mod;
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
             mod_scores<false>(s[mt], bi, row_base + mt * 16, n0, lane, keys.partial(j));  // [variant mod]
             scale_scores<kNT>(s[mt], scale_log2);
-            if (need_mask) mask_block<false>(s[mt], bi, row_base + mt * 16, n0, lane, -CUFLASH_INF);  // [variant mask]
+            if (need_mask) mask_block<false>(s[mt], bi, row_base + mt * 16, n0, lane, -CUFLASH_INF, mask_mod);  // [variant mask]
             // [fa2-fwd 3] and [fa2-fwd 4]
             sm[mt].update(s[mt], acc[mt]);
             dropout_scores<false>(s[mt], bi, row_base + mt * 16, n0, lane, 1.f);  // [variant dropout] after the row sum

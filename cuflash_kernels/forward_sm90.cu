@@ -215,7 +215,10 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
         auto mask = [&](int j) {
             const int n0 = n_shift + tile_row(j);
             mod_scores<false>(s, bi, row_base, n0, lane, keys.partial(j));
-            if (bi.needs_mask(m0, kBlockM, n0, kBlockN)) mask_block<false>(s, bi, row_base, n0, lane, -CUFLASH_INF);
+            const bool mask_mod = keys.mask_mod_in_mask(j);
+            if (bi.needs_mask(m0, kBlockM, n0, kBlockN) || mask_mod) {
+                mask_block<false>(s, bi, row_base, n0, lane, -CUFLASH_INF, mask_mod);
+            }
         };
         // [fa2-fwd 5] O += P V_buf, P (already 16-bit) straight from registers.
         auto pv = [&](int buf) {

@@ -98,6 +98,10 @@ struct Variant {
     static constexpr bool Has_grad = Has_softcap || Mod::Has_score_mod;  // d mod / d s is not 1 everywhere
     static constexpr bool Has_masked_scores = Has_bias || Mod::Has_mask_mod;  // a mod may give -inf
     static constexpr bool Has_block_map = Mod::Has_mask_mod;  // loops visit the tiles the map lists
+    // Where the 16-bit kernels apply mask_mod: in mod() when a derivative is kept per score (it must be 0
+    // where a score is masked, whatever score_mod gives there), else in mask_block with the band, on the
+    // partial tiles only, so that a full tile carries no mask_mod code at all.
+    static constexpr bool Mask_mod_in_mod = Mod::Has_mask_mod && Has_grad;
 };
 
 using DenseVariant = Variant<false, false, false, false, false, false, false>;
@@ -124,6 +128,14 @@ struct TileLoop {
     __device__ __forceinline__ bool partial(int j) const {
         if constexpr (V::Has_block_map) {
             return !(list[j] & kFullTile);
+        } else {
+            return false;
+        }
+    }
+    // Whether mask_block applies mask_mod to tile j (a partial tile, Mask_mod_in_mod false).
+    __device__ __forceinline__ bool mask_mod_in_mask(int j) const {
+        if constexpr (V::Has_block_map && !V::Mask_mod_in_mod) {
+            return partial(j);
         } else {
             return false;
         }
@@ -341,7 +353,8 @@ struct BlockInfo {
                         s = apply_score_mod<typename V::Mod, V::Has_bias, !kExactTanh>(s, scale, inv_scale, b, h, i, j, *mods);
                     }
                 }
-                if constexpr (V::Mod::Has_mask_mod) {
+                // (the float32 kernels, kExactTanh, read no block lists: mask_mod here on every score)
+                if constexpr (V::Mod::Has_mask_mod && (V::Mask_mod_in_mod || kExactTanh)) {
                     if (with_mask_mod && !V::Mod::mask(b, h, i, j, *mods)) {
                         s = -CUFLASH_INF;
                         grad = 0.f;
@@ -484,12 +497,17 @@ __device__ __forceinline__ float grad_at(const u32 (&grad)[kNT][2], int nt, int 
     return Elem<fp16>::to_float(static_cast<u16>(e & 1 ? w >> 16 : w & 0xffffu));
 }
 
-// [variant mask] scores that query i may not see := fill.
+// [variant mask] scores that query i may not see := fill; with_mask_mod (TileLoop::mask_mod_in_mask): those
+// mask_mod removes too.
 template <bool kTransposed, class V, int kNT>
 __device__ __forceinline__ void mask_block(float (&s)[kNT][4], const BlockInfo<V>& bi, int row_base, int col_base,
-                                           int lane, float fill) {
+                                           int lane, float fill, bool with_mask_mod = false) {
     for_each_score<kTransposed>(s, row_base, col_base, lane, [&](float& x, int i, int j, int, int) {
-        if (!bi.visible(i, j)) x = fill;
+        bool seen = bi.visible(i, j);
+        if constexpr (V::Mod::Has_mask_mod && !V::Mask_mod_in_mod) {
+            seen = seen && (!with_mask_mod || i >= bi.len_q || V::Mod::mask(bi.b, bi.h, i, j, *bi.mods));
+        }
+        if (!seen) x = fill;
     });
 }
 
