@@ -255,6 +255,15 @@ def test_plan_refuses_arrays_of_another_layout(requires_gpu):
         plan.run(cq, ck, cv, cache_seqlens=lens, lse=cp.empty((3, 1, 8), cp.float32))
     with pytest.raises(NotImplementedError, match="softmax_scale > 0"):
         cuflash.plan_kvcache(cq, ck, cv, cache_seqlens=lens, softmax_scale=-1.0)
+    # the same shape and strides at a base 2 bytes past a multiple of 16: refused at each step, before any launch
+    wide = cp.zeros(q.shape[:3] + (q.shape[3] + 8,), dtype=cq.dtype)
+    plan = cuflash.plan_kvcache(wide[..., :64], ck, cv, cache_seqlens=lens)
+    misaligned = "q: the decode kernel reads 16-byte rows; its base address must be a multiple of 16 bytes"
+    with pytest.raises(NotImplementedError, match=misaligned):
+        plan.run(wide[..., 1:65], ck, cv, cache_seqlens=lens)
+    cuflash.attention_with_kvcache(wide[..., :64], ck, cv, cache_seqlens=lens)  # remembered
+    with pytest.raises(NotImplementedError, match=misaligned):
+        cuflash.attention_with_kvcache(wide[..., 1:65], ck, cv, cache_seqlens=lens)
 
 
 def test_plan_checks_device_values_in_the_debug_mode(requires_gpu, monkeypatch):

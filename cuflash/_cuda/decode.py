@@ -146,6 +146,7 @@ class DecodeLaunch:
                 self.o_part = cupy.empty((self.num_splits, batch, heads_q, seqlen_q, dv), dtype=cupy.float32)
                 self.lse_part = cupy.empty((self.num_splits, batch, heads_q, seqlen_q), dtype=cupy.float32)
         self._steps = tuple(steps)
+        self._reads_rows = row_tiles > 0  # the split kernel runs: it reads q and the caches in 16-byte chunks
 
         # The record: every field but the step's pointers. Arrays that the rotary step replaces by rotated
         # copies (q, k) are read at the copies' (contiguous) strides.
@@ -244,7 +245,12 @@ class DecodeLaunch:
     def _enqueue(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx, block_table,
                  alibi_slopes, out, lse) -> None:
         w, at = self._words, _WORD
-        w[at["q"]], w[at["k_cache"]], w[at["v_cache"]] = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr
+        q_ptr, k_ptr, v_ptr = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr
+        if self._reads_rows and (q_ptr | k_ptr | v_ptr) & 15:  # layouts were checked when planning; offsets per step
+            name, ptr = next((n, p) for n, p in (("q", q_ptr), ("k_cache", k_ptr), ("v_cache", v_ptr)) if p & 15)
+            raise NotImplementedError(f"{name}: the decode kernel reads 16-byte rows; its base address must be a "
+                                      f"multiple of 16 bytes (got one {ptr % 16} bytes past a multiple)")
+        w[at["q"]], w[at["k_cache"]], w[at["v_cache"]] = q_ptr, k_ptr, v_ptr
         w[at["out"]], w[at["lse"]], w[at["cache_seqlens"]] = out.data.ptr, lse.data.ptr, cache_seqlens.data.ptr
         if k is not None:
             w[at["k_new"]], w[at["v_new"]] = k.data.ptr, v.data.ptr
