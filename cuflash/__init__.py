@@ -7,6 +7,7 @@ PyTorch and JAX users go through :mod:`cuflash.torch` and :mod:`cuflash.jax` (im
 
 from ._api import attention, attention_backward, attention_with_kvcache, dropout_mask, merge_states, plan_kvcache
 from ._decode_plan import DecodePlan
+from ._mods import BlockMask
 from .mha import MHACache, MHAGrads, MHAParams, init_mha_params, mha_backward, mha_forward
 
 __version__ = "0.1.0"
@@ -15,6 +16,7 @@ __all__ = [
     "attention",
     "attention_backward",
     "dropout_mask",
+    "BlockMask",
     "attention_with_kvcache",
     "plan_kvcache",
     "DecodePlan",

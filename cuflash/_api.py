@@ -16,7 +16,7 @@ from types import ModuleType
 
 import numpy as np
 
-from . import _blocks, _decode_plan, _merge, _validate
+from . import _blocks, _decode_plan, _merge, _mods, _validate
 from ._decode_plan import DecodePlan
 from ._variant import Variant
 
@@ -61,6 +61,8 @@ def _prepare(q, k, v, *, softmax_scale, algorithm, block_q, block_k, variant_opt
     arrays.update((name, variant_options[name]) for name in ("bias", *ARRAY_OPTIONS) if variant_options[name] is not None)
     if isinstance(variant_options.get("mod_arrays"), Mapping):
         arrays.update((f"mod_arrays[{name!r}]", a) for name, a in variant_options["mod_arrays"].items())
+    if isinstance(variant_options.get("mask_mod"), _mods.BlockMask):
+        arrays.update((f"mask_mod.mod_arrays[{name!r}]", a) for name, a in variant_options["mask_mod"].mod_arrays.items())
     library = _validate.check_same_library(**arrays)  # first: None or a list for an array is named here
     packed = [variant_options[name] for name in _PACKED_OPTIONS]
     varlen = _validate.varlen_mode(*packed)
@@ -134,7 +136,7 @@ def attention(
     dropout_seed: int | None = None,
     dropout_offset: int = 0,
     score_mod: str | None = None,
-    mask_mod: str | None = None,
+    mask_mod: str | _mods.BlockMask | None = None,
     mod_arrays: dict | None = None,
     algorithm: str = "fa2",
     block_q: int | None = None,
@@ -211,9 +213,10 @@ def attention(
         ALiBi and the bias (score_mod comes last); ``b`` the batch entry (packed: the sequence), ``h`` the query
         head, ``q_idx`` / ``kv_idx`` positions within the sequence. Differentiated (dual numbers). Grammar and
         examples: ``docs/variants.md``, "User score and mask modifications".
-    mask_mod : str, optional
+    mask_mod : str or cuflash.BlockMask, optional
         A CUDA C expression over ``b``, ``h``, ``q_idx``, ``kv_idx``: query ``q_idx`` sees key ``kv_idx`` where it
-        is non-zero (AND-ed with the other masks); tiles it masks entirely are skipped.
+        is non-zero (AND-ed with the other masks); tiles it masks entirely are skipped. A
+        :class:`cuflash.BlockMask` (an expression and its arrays) keeps the tiles it skips across calls.
     mod_arrays : dict, optional
         Up to four named 1-D int32 or float32 arrays (same library as q) the expressions index, ``name[expr]``
         (a document id per position, a per-head table).
@@ -281,7 +284,7 @@ def attention_backward(
     dropout_seed: int | None = None,
     dropout_offset: int = 0,
     score_mod: str | None = None,
-    mask_mod: str | None = None,
+    mask_mod: str | _mods.BlockMask | None = None,
     mod_arrays: dict | None = None,
     algorithm: str = "fa2",
     block_q: int | None = None,

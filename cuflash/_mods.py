@@ -27,6 +27,7 @@ import hashlib
 import math
 import operator
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, NamedTuple
@@ -801,6 +802,9 @@ class _Emitter:
         if op in ("*", "/", "%", "+", "-"):
             a, b = (self.to(x, node.type) for x in node.args)
             if op == "/" and node.type != INT:  # (see modmath::fdiv in user_mods.cuh)
+                divisor = node.args[1]
+                if divisor.op in ("float", "int") and float(divisor.value) != 0:  # a constant: its reciprocal
+                    return f"modmath::fdiv<kFast>({a}, {b}, {_c_float(1 / np.float32(divisor.value))})"
                 return f"modmath::fdiv<kFast>({a}, {b})"
             return f"({a} {op} {b})"
         if op == "cond":
@@ -878,6 +882,48 @@ def cpp_struct(score_mod=None, mask_mod=None, arrays: dict | None = None) -> tup
     if mods is None:
         return "NoMod", ""
     return mods.type_name, mods.source
+
+
+class BlockMask:
+    """A ``mask_mod`` whose block sparsity is computed once and reused (FlexAttention's ``create_block_mask``).
+
+    ``cuflash.attention(q, k, v, mask_mod=cuflash.BlockMask(expression, mod_arrays))`` masks as
+    ``mask_mod=expression, mod_arrays=mod_arrays`` would. The difference is on the GPU: the block lists of the
+    mask (which key tiles each query tile visits, per kernel tiling) are built at the first call of each shape
+    and tiling and kept in this object, where a plain ``mask_mod`` that reads arrays rebuilds them at every
+    call (its arrays may have changed in place). Build one per batch (one per set of document ids, say), pass
+    it to every layer's forward and backward, and let it go with the batch.
+
+    The contract: while the object is in use, its arrays, and the sequence lengths of the calls it is passed
+    to (``cu_seqlens_*``, ``seqused_k``), hold the same values; after changing them, call :meth:`clear` (or
+    make a new one). Use it on one CUDA stream (the lists are written on the stream of the first call).
+    ``score_mod`` may read the same arrays by name (pass others in ``mod_arrays``).
+
+    Parameters
+    ----------
+    mask_mod : str
+        The mask expression (``docs/variants.md``, "User score and mask modifications").
+    mod_arrays : dict, optional
+        The named arrays it reads (1-D int32 / float32, the library of the calls' q).
+    """
+
+    def __init__(self, mask_mod: str, mod_arrays: dict | None = None):
+        if not isinstance(mask_mod, str):
+            raise TypeError(f"BlockMask's mask_mod must be a string (a CUDA C expression); got {type(mask_mod).__name__}")
+        if mod_arrays is not None and not isinstance(mod_arrays, Mapping):
+            raise TypeError(f"BlockMask's mod_arrays must be a dict of names to 1-D arrays; got {type(mod_arrays).__name__}")
+        self.mask_mod = mask_mod
+        self.mod_arrays = dict(mod_arrays or {})
+        # (cuflash._cuda.attention.block_lists: one entry per device, shape, band and tiling)
+        self.lists: dict = {}
+
+    def clear(self) -> None:
+        """Forget the block lists built so far (after the arrays or the sequence lengths changed)."""
+        self.lists.clear()
+
+    def __repr__(self) -> str:
+        arrays = ", ".join(self.mod_arrays)
+        return f"BlockMask({self.mask_mod!r}, arrays=[{arrays}], {len(self.lists)} block lists built)"
 
 
 # ---------------------------------------------------------------------------------------------------

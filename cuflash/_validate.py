@@ -554,12 +554,22 @@ def user_mods(score_mod, mask_mod, mod_arrays) -> tuple:
 
     ``mod_arrays``: a dict of at most four names (C identifiers, none of the variables, functions or keywords)
     to 1-D, non-empty, contiguous int32 or float32 arrays. Arrays the expressions do not read are ignored.
+    ``mask_mod`` may be a :class:`cuflash.BlockMask`: its expression, and its arrays with ``mod_arrays``.
     """
+    if isinstance(mask_mod, _mods.BlockMask):
+        given = mask_mod
+        mask_mod = given.mask_mod
+        if given.mod_arrays:
+            for name, a in (mod_arrays or {}).items():
+                if name in given.mod_arrays and a is not given.mod_arrays[name]:
+                    raise ValueError(f"mod_arrays[{name!r}] names an array of the BlockMask given as mask_mod too, "
+                                     "and a different one; rename one of them")
+            mod_arrays = {**given.mod_arrays, **(mod_arrays or {})}
     for name, text in (("score_mod", score_mod), ("mask_mod", mask_mod)):
         if text is not None and not isinstance(text, str):
-            raise TypeError(
-                f"{name} must be a string (a CUDA C expression, see docs/variants.md) or None; got {type(text).__name__}"
-            )
+            kinds = "a string (a CUDA C expression, see docs/variants.md), a cuflash.BlockMask" if name == "mask_mod" else (
+                "a string (a CUDA C expression, see docs/variants.md)")
+            raise TypeError(f"{name} must be {kinds} or None; got {type(text).__name__}")
     arrays = {}
     if mod_arrays is not None:
         if not isinstance(mod_arrays, Mapping):
@@ -608,6 +618,8 @@ def variant(problem: Problem, xp, options: dict, *, read_values: bool = True) ->
     dropout_p, dropout_seed, dropout_offset = dropout(
         options.get("dropout_p", 0.0), options.get("dropout_seed"), options.get("dropout_offset", 0))
     mods, mod_arrays = user_mods(options.get("score_mod"), options.get("mask_mod"), options.get("mod_arrays"))
+    given_mask = options.get("mask_mod")
+    block_lists = given_mask.lists if isinstance(given_mask, _mods.BlockMask) else None
     return Variant(
         causal=is_causal, bottom_right=bottom_right, window_left=left, window_right=right,
         softcap=softcap(options["softcap"]),
@@ -618,7 +630,7 @@ def variant(problem: Problem, xp, options: dict, *, read_values: bool = True) ->
         seqused_k=seqused_k(options["seqused_k"], problem, options["cu_seqlens_k"], read_values=read_values),
         bias=attention_bias(options["bias"], options["attn_mask"], problem, xp),
         dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
-        mods=mods, mod_arrays=mod_arrays,
+        mods=mods, mod_arrays=mod_arrays, block_lists=block_lists,
     )
 
 

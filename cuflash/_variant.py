@@ -25,7 +25,7 @@ A plain dense call is ``Variant()``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ._blocks import Band
@@ -79,6 +79,9 @@ class Variant:
     mod_arrays : tuple or None
         Those arrays (1-D int32 / float32, same array library as q), in the order of ``mods.array_names``
         (``ModArrays::ptr[k]``); ``()`` when the expressions read none.
+    block_lists : dict or None
+        A :class:`cuflash.BlockMask`'s store of mask_mod block lists (the CUDA backend reuses them across
+        calls); None: built per call (or cached by shape for masks that read no array).
     """
 
     causal: bool = False
@@ -98,6 +101,7 @@ class Variant:
     dropout_offset: int = 0
     mods: Any = None
     mod_arrays: tuple | None = None
+    block_lists: dict | None = field(default=None, compare=False, repr=False)
 
     @property
     def is_varlen(self) -> bool:

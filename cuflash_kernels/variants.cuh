@@ -340,10 +340,12 @@ struct BlockInfo {
         if constexpr (V::Has_alibi) s -= slope * fabsf((float)(i + offset - j));
         // (rows and keys past the sequence have no bias; they are masked or never stored)
         if constexpr (V::Has_bias) s += i < len_q && j < len_k ? bias[i * bias_sm + j] * inv_scale : 0.f;
-        // user mods: score_mod last (on the scaled score, FlexAttention's convention), mask_mod as -inf; only
-        // inside the sequence (rows and keys past it are masked or never stored)
+        // user mods: score_mod last (on the scaled score, FlexAttention's convention), mask_mod as -inf. With a
+        // derivative (the backward, the float32 kernels) only inside the sequence: a NaN derivative at a
+        // position past it would make 0 * NaN of its zero P; the 16-bit forward masks those scores afterwards
+        // (keys) or never stores them (rows), and the user's array reads are clamped, so it skips the test.
         if constexpr (V::Has_user_mod) {
-            if (i < len_q && j < len_k) {
+            if (!kWantGrad || (i < len_q && j < len_k)) {
                 if constexpr (V::Mod::Has_score_mod) {
                     if constexpr (kWantGrad) {
                         float g;

@@ -844,3 +844,55 @@ def test_block_map_on_gpu_equals_numpy(requires_gpu, mask, arrays):
                               xp=cp, **{n: cp.asarray(a) for n, a in lengths.items()})
         for name, w, g in zip(want._fields, want, got):
             assert np.array_equal(cp.asnumpy(g) if isinstance(g, cp.ndarray) else g, w), name
+
+
+def test_block_mask_is_the_same_mask_and_checks_its_arrays():
+    """A cuflash.BlockMask masks as its expression and arrays do (forward and backward, with a score_mod reading
+    its array by name); a clashing mod_arrays entry and a wrong type are refused with messages naming them."""
+    rng = np.random.default_rng(11)
+    q, k, v, do = (rng.standard_normal((2, 40, 4, 16)) for _ in range(4))
+    doc = np.repeat(np.arange(5), 8).astype(np.int32)
+    rng.shuffle(doc)
+    text, score = "doc[q_idx] == doc[kv_idx] || kv_idx == 0", "score + 0.25f * doc[kv_idx]"
+    mask = cuflash.BlockMask(text, {"doc": doc})
+    plain = dict(mask_mod=text, mod_arrays={"doc": doc}, score_mod=score, causal=True)
+    out, lse = cuflash.attention(q, k, v, mask_mod=mask, score_mod=score, causal=True, return_lse=True)
+    want, want_lse = cuflash.attention(q, k, v, **plain, return_lse=True)
+    np.testing.assert_array_equal(out, want)
+    grads = cuflash.attention_backward(do, q, k, v, out, lse, mask_mod=mask, score_mod=score, causal=True)
+    for g, w in zip(grads, cuflash.attention_backward(do, q, k, v, want, want_lse, **plain)):
+        np.testing.assert_array_equal(g, w)
+    with pytest.raises(ValueError, match=r"mod_arrays\['doc'\] names an array of the BlockMask"):
+        cuflash.attention(q, k, v, mask_mod=mask, mod_arrays={"doc": doc.copy()}, score_mod=score)
+    with pytest.raises(TypeError, match="mask_mod must be a string .*, a cuflash.BlockMask or None; got int"):
+        cuflash.attention(q, k, v, mask_mod=3)
+    with pytest.raises(TypeError, match="BlockMask's mask_mod must be a string"):
+        cuflash.BlockMask(None)
+    assert "doc" in repr(mask) and "0 block lists" in repr(mask)
+
+
+@pytest.mark.gpu
+def test_block_mask_keeps_its_block_lists_on_gpu(requires_gpu):
+    """On the GPU a BlockMask's lists are built once per tiling (forward, dQ and dK/dV passes) and reused: a second
+    forward and backward build none and give the same results bit for bit; clear() forgets them."""
+    cp = requires_gpu
+    rng = np.random.default_rng(12)
+    q, k, v, do = (cp.asarray(rng.standard_normal((2, 300, 4, 64)).astype(np.float16)) for _ in range(4))
+    doc = cp.asarray(np.sort(rng.integers(0, 6, 300)).astype(np.int32))
+    mask = cuflash.BlockMask("doc[q_idx] == doc[kv_idx]", {"doc": doc})
+
+    def run():
+        out, lse = cuflash.attention(q, k, v, mask_mod=mask, causal=True, return_lse=True)
+        return (out, *cuflash.attention_backward(do, q, k, v, out, lse, mask_mod=mask, causal=True, deterministic=True))
+
+    first = run()
+    built = len(mask.lists)
+    assert built >= 2, mask
+    second = run()
+    assert len(mask.lists) == built
+    for a, b in zip(first, second):
+        assert cp.array_equal(a, b)
+    plain = cuflash.attention(q, k, v, mask_mod="doc[q_idx] == doc[kv_idx]", mod_arrays={"doc": doc}, causal=True)
+    assert cp.array_equal(first[0], plain)
+    mask.clear()
+    assert not mask.lists

@@ -353,7 +353,8 @@ def bench(args, rows):
             "dropout-0.1-causal": (Variant(causal=True, dropout_p=0.1, dropout_seed=1, dropout_offset=0), flops_full / 2),
             # user mask_mods: block-sparse (the tiles the map lists), FLOPs of the visible pairs
             "document-causal": (Variant(causal=True, mods=user_mods(None, "doc[q_idx] == doc[kv_idx]", {"doc": doc}),
-                                        mod_arrays=(cp.asarray(doc),)), 4 * b * hq * doc_pairs * d),
+                                        mod_arrays=(cp.asarray(doc),), block_lists={}),  # a BlockMask (lists built once, as Flex's)
+                                4 * b * hq * doc_pairs * d),
             "prefix-lm-1024": (Variant(mods=user_mods(None, f"kv_idx <= q_idx || kv_idx < {PREFIX}")),
                                4 * b * hq * prefix_pairs(n) * d),
             "score-mod-softcap-causal": (Variant(causal=True, mods=user_mods("30.0f * tanhf(score / 30.0f)", None)),

@@ -32,7 +32,7 @@ def cases(n: int, b: int, hq: int):
         "alibi-causal": Variant(causal=True, alibi_slopes=slopes),
         "dropout-0.1-causal": Variant(causal=True, dropout_p=0.1, dropout_seed=1, dropout_offset=0),
         "document-causal": Variant(causal=True, mods=user_mods(None, "doc[q_idx] == doc[kv_idx]", {"doc": doc}),
-                                   mod_arrays=(cp.asarray(doc),)),
+                                   mod_arrays=(cp.asarray(doc),), block_lists={}),  # a BlockMask (lists built once, as Flex's)
         "prefix-lm-1024": Variant(mods=user_mods(None, f"kv_idx <= q_idx || kv_idx < {PREFIX}")),
         "mask-causal": Variant(mods=user_mods(None, "kv_idx <= q_idx")),
         "score-mod-softcap-causal": Variant(causal=True, mods=user_mods("30.0f * tanhf(score / 30.0f)", None)),

@@ -294,7 +294,9 @@ def block_lists(variant: Variant, shp: Shape, block_m: int, block_n: int, transp
     GPU): ``(count, list)`` per query tile, or per key tile when ``transposed``, every tile listed holding a
     score visible by the sequence's lengths, the band (causal, window) and mask_mod. Reused from a cache when
     the mask reads no array and the sequences have no lengths of their own (then nothing but the shape and
-    the tiling decides them); otherwise computed on every call, since arrays may change in place."""
+    the tiling decides them), or kept in the cuflash.BlockMask the mask came in (``variant.block_lists``, whose
+    contract is that its arrays and the lengths do not change); otherwise computed on every call, since arrays
+    may change in place."""
     import cupy
 
     mods = variant.mods
@@ -304,12 +306,18 @@ def block_lists(variant: Variant, shp: Shape, block_m: int, block_n: int, transp
     rows = cdiv(shp.max_k, block_n) if transposed else cdiv(shp.max_q, block_m)
     cols = cdiv(shp.max_q, block_m) if transposed else cdiv(shp.max_k, block_n)
     policy = mask_policy(variant)
-    key = None
-    if not has_lengths and not any(mods.uses(name, "mask_mod") for name in mods.array_names):
+    key = store = None
+    if variant.block_lists is not None:  # a cuflash.BlockMask's: kept for as long as the user keeps it
+        store = variant.block_lists
+        key = (cupy.cuda.runtime.getDevice(), policy, variant.window_left, variant.right, variant.bottom_right,
+               shp.rows_q, shp.rows_k, nb, nh, block_m, block_n, transposed)
+    elif not has_lengths and not any(mods.uses(name, "mask_mod") for name in mods.array_names):
         # (per stream too: a later call on another stream must not read lists still being written)
+        store = _LISTS_CACHE
         key = (cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr, policy, variant.window_left, variant.right, variant.bottom_right,
                shp.rows_q, shp.rows_k, nb, nh, block_m, block_n, transposed)
-        hit = _LISTS_CACHE.get(key)
+    if key is not None:
+        hit = store.get(key)
         if hit is not None:
             return hit
     count = cupy.empty((nb, nh, rows), dtype=cupy.int32)
@@ -328,9 +336,9 @@ def block_lists(variant: Variant, shp: Shape, block_m: int, block_n: int, transp
     elif rows and nb and nh:
         count.fill(0)
     if key is not None:
-        if len(_LISTS_CACHE) >= _LISTS_CACHE_SIZE:
+        if store is _LISTS_CACHE and len(_LISTS_CACHE) >= _LISTS_CACHE_SIZE:
             _LISTS_CACHE.pop(next(iter(_LISTS_CACHE)))
-        _LISTS_CACHE[key] = (count, lists)
+        store[key] = (count, lists)
     return count, lists
 
 
