@@ -6,8 +6,9 @@ The seven functions of ``flash_attn`` 2.x (``flash_attn_func``, ``flash_attn_qkv
 ``flash_attn_varlen_kvpacked_func``, ``flash_attn_with_kvcache``) with its argument names, order, defaults
 and return conventions. They run :func:`cuflash.torch.attention` (the custom operators
 ``cuflash::attention_fwd`` / ``cuflash::attention_bwd``: differentiable, traced by ``torch.compile`` with no
-graph break) and, for ``flash_attn_with_kvcache``, :func:`cuflash.attention_with_kvcache`. CUDA tensors run
-the CUDA kernels, CPU tensors the NumPy reference: nothing to compile at install time.
+graph break) and, for ``flash_attn_with_kvcache``, :func:`cuflash.torch.attention_with_kvcache` (the custom
+operator ``cuflash::attention_with_kvcache``, which appends to the caches in place). CUDA tensors run the CUDA
+kernels, CPU tensors the NumPy reference: nothing to compile at install time.
 
 Differences from flash-attention, all documented in ``docs/integrations.md``:
 
@@ -16,7 +17,7 @@ Differences from flash-attention, all documented in ``docs/integrations.md``:
   returns None there when ``dropout_p == 0``). :func:`cuflash.dropout_mask` gives the mask a call applied.
 - Dropout draws its seed from PyTorch's default CPU generator (:func:`cuflash.torch.draw_dropout_seed`), not
   from the CUDA generator's Philox state: ``torch.manual_seed`` reproduces a run, but the masks differ from
-  flash-attention's.
+  flash-attention's; and a call with dropout cannot be captured in a CUDA graph (``NotImplementedError``).
 - ``block_table`` (a paged KV cache) in ``flash_attn_varlen_func`` raises ``NotImplementedError``;
   ``flash_attn_with_kvcache`` takes it.
 - Inputs in more dtypes (float32 and float64 too) and head dims than flash-attention's CUDA build; the last
@@ -29,7 +30,6 @@ import numbers
 
 import torch
 
-import cuflash
 from cuflash import torch as _ft
 
 __all__ = [
@@ -283,8 +283,9 @@ def flash_attn_with_kvcache(
 ):
     """flash-attention's ``flash_attn_with_kvcache``: attention of ``q`` over a KV cache, after writing the new
     ``k`` and ``v`` (if given, rotated by ``rotary_cos`` / ``rotary_sin``) **in place** into ``k_cache`` and
-    ``v_cache`` at ``cache_seqlens``. Runs :func:`cuflash.attention_with_kvcache` (arguments and meaning there);
-    no gradient, as in flash-attention.
+    ``v_cache`` at ``cache_seqlens``. Runs :func:`cuflash.torch.attention_with_kvcache`, the custom operator
+    ``cuflash::attention_with_kvcache`` (arguments and meaning as :func:`cuflash.attention_with_kvcache`; traced by
+    ``torch.compile``); no gradient, as in flash-attention. CUDA tensors run the decode kernels on torch's stream.
 
     ``cache_seqlens`` None means full caches (``seqlen_cache`` keys each, or every page of ``block_table``'s
     rows), as in flash-attention.
@@ -292,24 +293,13 @@ def flash_attn_with_kvcache(
     Returns ``out`` ``(batch_size, seqlen_q, nheads, headdim)``, or with ``return_softmax_lse=True``
     ``(out, softmax_lse)``, ``softmax_lse`` of shape ``(batch_size, nheads, seqlen_q)``.
     """
-    decode = getattr(cuflash, "attention_with_kvcache", None)
-    if decode is None:
-        raise NotImplementedError(
-            "flash_attn_with_kvcache needs cuflash.attention_with_kvcache (decoding with a KV cache), which this "
-            "version of cuflash does not have"
-        )
     if cache_seqlens is None:  # flash-attention: every slot of the cache (of each row's pages) is in use
         cache_seqlens = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
     q, k, v = (_maybe_contiguous(t) for t in (q, k, v))
-    arrays = {name: (_ft._to_array(t) if isinstance(t, torch.Tensor) else t) for name, t in (
-        ("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("rotary_cos", rotary_cos),
-        ("rotary_sin", rotary_sin), ("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
-        ("cache_leftpad", cache_leftpad), ("block_table", block_table), ("alibi_slopes", alibi_slopes))}
-    with _ft._on_torch_stream(q):
-        out, lse = decode(
-            arrays.pop("q"), arrays.pop("k_cache"), arrays.pop("v_cache"), arrays.pop("k"), arrays.pop("v"),
-            **arrays, softmax_scale=softmax_scale, causal=causal, window_size=_window(window_size),
-            softcap=_softcap(softcap), rotary_interleaved=rotary_interleaved, num_splits=num_splits, return_lse=True,
-        )
-    out, lse = _ft._to_tensor(out), _ft._to_tensor(lse)
+    out, lse = _ft.attention_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        rotary_interleaved=rotary_interleaved, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+        block_table=block_table, causal=causal, window_size=_window(window_size), softcap=_softcap(softcap),
+        alibi_slopes=alibi_slopes, softmax_scale=softmax_scale, num_splits=num_splits, return_lse=True,
+    )
     return (out, lse) if return_softmax_lse else out

@@ -1,12 +1,17 @@
 """PyTorch front end: :func:`attention`, over the custom operators ``cuflash::attention_fwd`` and
-``cuflash::attention_bwd`` (``torch.library``).
+``cuflash::attention_bwd``, and :func:`attention_with_kvcache`, over ``cuflash::attention_with_kvcache``
+(``torch.library``).
 
-Tensors cross into cuflash without copies: CUDA tensors through DLPack into CuPy (the kernels run on
-PyTorch's current stream), CPU tensors as NumPy views (the NumPy block algorithm). The forward saves the
-logsumexp; the backward runs :func:`cuflash.attention_backward`. Importing :mod:`cuflash` never imports
-this module, so PyTorch stays an optional dependency (``pip install cuflash[torch]``).
+Tensors cross into cuflash without copies: CPU tensors as NumPy views (the NumPy block algorithm), CUDA
+tensors as CuPy arrays over their memory (the kernels). A CUDA call runs on PyTorch's current stream, and every
+allocation the CuPy launcher makes during it (outputs, workspaces) comes from PyTorch's caching allocator:
+there is no second memory pool, the results are tensors over that memory, and a ``torch.cuda.CUDAGraph``
+captures the calls (what a replay could not repeat, such as dropout's seed, is refused under capture: see
+``docs/integrations.md``). The forward saves the logsumexp; the backward runs :func:`cuflash.attention_backward`.
+Importing :mod:`cuflash` never imports this module, so PyTorch stays an optional dependency
+(``pip install cuflash[torch]``).
 
-The two operators have fake (meta) implementations, which give the outputs' shapes and dtypes, and the
+The operators have fake (meta) implementations, which give the outputs' shapes and dtypes, and the
 forward's gradient is registered with ``torch.library.register_autograd``: ``torch.compile(fn,
 fullgraph=True)`` traces a function that calls :func:`attention` with no graph break, and
 ``torch.library.opcheck`` passes on them (``docs/integrations.md``). They can be called directly as
@@ -30,6 +35,7 @@ and the backward reuses the forward's seed and offset.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Mapping
 from typing import Optional
 
@@ -40,7 +46,7 @@ import torch
 import cuflash
 from cuflash import _api, _validate
 
-__all__ = ["attention", "draw_dropout_seed"]
+__all__ = ["attention", "attention_with_kvcache", "draw_dropout_seed"]
 
 
 def draw_dropout_seed(generator: torch.Generator | None = None) -> int:
@@ -55,45 +61,129 @@ def draw_dropout_seed(generator: torch.Generator | None = None) -> int:
     return int(torch.randint(0, 2**63 - 1, (), generator=generator, dtype=torch.int64).item())
 
 
+# ---------------------------------------------------------------------------------------------------
+# Tensors into the backends and results back, without copies
+# ---------------------------------------------------------------------------------------------------
+#
+# CPU tensors cross as NumPy views and run the NumPy reference. CUDA tensors cross as CuPy arrays over the tensors'
+# own memory, and a CUDA call runs inside _backend_call: CuPy on the tensors' device, on PyTorch's current stream
+# there, and allocating from PyTorch. Every cupy.empty / cupy.zeros of the CuPy launcher during the call (outputs,
+# workspaces such as dq_accum and delta, the variant's parameter block) takes its memory from torch.empty, that is
+# from torch's caching allocator on the current stream (inside a CUDA graph capture, from the graph's private
+# pool), and the results come back as tensors over those torch allocations. Nothing is held in CuPy's memory pool,
+# nothing is copied, and no event or synchronization is added: all the work is ordered on the one stream.
+
+# CuPy (NumPy) dtypes of the tensors that cross (bfloat16 is ml_dtypes', as NumPy has none), and back.
+_ARRAY_DTYPES = {
+    torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
+    torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64), torch.int32: np.dtype(np.int32),
+    torch.int64: np.dtype(np.int64), torch.int16: np.dtype(np.int16), torch.int8: np.dtype(np.int8),
+    torch.uint8: np.dtype(np.uint8), torch.bool: np.dtype(np.bool_),
+}
+_TENSOR_DTYPES = {dtype: t for t, dtype in _ARRAY_DTYPES.items()}
+
+
 def _to_array(t: torch.Tensor):
     """A zero-copy NumPy (CPU) or CuPy (CUDA) view of a tensor."""
     t = t.detach()
     if t.is_cuda:
-        import cupy
-
-        return cupy.from_dlpack(t)
+        return _cuda_array(t)
     if t.dtype == torch.bfloat16:  # NumPy has no native bfloat16: reinterpret the bits as ml_dtypes'
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.numpy()
 
 
-def _to_tensor(a) -> torch.Tensor:
-    """The inverse of :func:`_to_array`, again without a copy."""
-    if isinstance(a, np.ndarray):
-        if a.dtype == ml_dtypes.bfloat16:
-            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(a)
-    return torch.from_dlpack(a)
-
-
-def _with_arrays(options: dict) -> dict:
-    """The options with every tensor among them (the variant arrays, and those of ``mod_arrays``) as an
-    array, like q, k, v."""
-    def convert(val):
-        if isinstance(val, dict):
-            return {name: convert(a) for name, a in val.items()}
-        return _to_array(val) if isinstance(val, torch.Tensor) else val
-
-    return {key: convert(val) for key, val in options.items()}
-
-
-def _on_torch_stream(t: torch.Tensor):
-    """Run CuPy work on PyTorch's current stream for the tensor's device."""
-    if not t.is_cuda:
-        return contextlib.nullcontext()
+def _cuda_array(t: torch.Tensor):
+    """A CuPy array over a CUDA tensor's memory (its shape, strides and dtype), keeping the tensor alive. Built
+    directly rather than through DLPack: no stream handshake (the work runs on the tensor's stream anyway), and
+    bfloat16 crosses as ml_dtypes' dtype."""
     import cupy
 
-    return cupy.cuda.Stream.from_external(torch.cuda.current_stream(t.device))
+    dtype = _ARRAY_DTYPES.get(t.dtype)
+    if dtype is None:  # (a dtype the front door refuses anyway: let it name the array)
+        return cupy.from_dlpack(t)
+    itemsize = dtype.itemsize
+    extent = (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * itemsize if t.numel() else 0
+    memory = cupy.cuda.UnownedMemory(t.data_ptr(), extent, t, t.device.index)
+    return cupy.ndarray(tuple(t.shape), dtype, cupy.cuda.MemoryPointer(memory, 0),
+                        strides=tuple(s * itemsize for s in t.stride()))
+
+
+class _TorchMemory:
+    """CuPy's allocator during one CUDA call: each request is a ``torch.empty`` uint8 tensor of that many bytes
+    (torch's caching allocator, on torch's current stream), held by the ``cupy.cuda.UnownedMemory`` that CuPy
+    keeps; when CuPy drops its last array on it, the tensor goes and torch frees the block. :meth:`tensor` turns a
+    CuPy array allocated during the call into a tensor over its torch allocation."""
+
+    def __init__(self, device: torch.device):
+        import cupy
+
+        self._device, self._index = device, device.index
+        self._unowned, self._pointer = cupy.cuda.UnownedMemory, cupy.cuda.MemoryPointer
+        self._owners = weakref.WeakValueDictionary()  # data pointer -> the live uint8 tensor that holds it
+
+    def __call__(self, nbytes: int):
+        owner = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+        ptr = owner.data_ptr()
+        if nbytes:
+            self._owners[ptr] = owner
+        return self._pointer(self._unowned(ptr, nbytes, owner, self._index), 0)
+
+    def tensor(self, a) -> torch.Tensor | None:
+        """``a`` as a tensor over the same memory (its shape, strides, dtype), or None when ``a`` does not lie in
+        memory allocated during this call."""
+        base = a.data.mem.ptr
+        owner = self._owners.get(base)
+        dtype = _TENSOR_DTYPES.get(np.dtype(a.dtype))
+        itemsize = a.itemsize
+        offset = a.data.ptr - base
+        if owner is None or dtype is None or offset % itemsize or any(s < 0 or s % itemsize for s in a.strides):
+            return None
+        return _retyped(owner, dtype, a.shape, [s // itemsize for s in a.strides], offset // itemsize)
+
+
+def _retyped(owner: torch.Tensor, dtype: torch.dtype, shape, strides, offset: int = 0) -> torch.Tensor:
+    """A tensor of ``dtype`` over ``owner``'s storage (``offset`` and ``strides`` in its own elements) that is not a
+    view: an operator's outputs must not be views, since autograd forbids modifying in place a view returned by a
+    custom function (the user's ``out.mul_(2)`` would raise)."""
+    return torch.empty(0, dtype=dtype, device=owner.device).set_(owner.untyped_storage(), offset, shape, strides)
+
+
+@contextlib.contextmanager
+def _backend_call(t: torch.Tensor):
+    """The context of one call of a backend on tensors like ``t``; yields the call's :class:`_TorchMemory` (None
+    for CPU tensors). For CUDA tensors: torch's and CuPy's current device is t's, CuPy's current stream is
+    torch's current stream on it, and CuPy allocates through :class:`_TorchMemory`."""
+    if not t.is_cuda:
+        yield None
+        return
+    import cupy
+
+    index = t.device.index
+    memory = _TorchMemory(t.device)
+    with torch.cuda.device(index), cupy.cuda.Device(index):
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(index).cuda_stream, index)
+        with stream, cupy.cuda.using_allocator(memory):
+            yield memory
+
+
+def _output(a, memory: _TorchMemory | None) -> torch.Tensor:
+    """A backend's result as a tensor, contiguous at storage offset 0 as the fake implementations promise, and not
+    a view (:func:`_retyped`). NumPy results are wrapped; CuPy results are tensors over the torch memory they were
+    allocated in during the call (``memory``). A result laid out otherwise, or (none of the launcher's) lying
+    elsewhere, is copied into a new tensor on the call's stream."""
+    if isinstance(a, np.ndarray):
+        t = torch.from_numpy(a.view(np.int16) if a.dtype == ml_dtypes.bfloat16 else a)
+        if a.dtype == ml_dtypes.bfloat16:
+            t = _retyped(t, torch.bfloat16, t.shape, t.stride(), t.storage_offset())
+    else:
+        t = memory.tensor(a)
+        if t is None:
+            import cupy
+
+            t = torch.empty(a.shape, dtype=_TENSOR_DTYPES[np.dtype(a.dtype)], device=memory._device)
+            cupy.copyto(_cuda_array(t), a)
+    return t if t.is_contiguous() and t.storage_offset() == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
 def _check_devices(**tensors) -> None:
@@ -110,11 +200,15 @@ def _check_devices(**tensors) -> None:
             )
 
 
-def _output(a) -> torch.Tensor:
-    """A backend's result as a tensor, contiguous as the fake implementations promise (the backends allocate
-    contiguous results: this copies nothing)."""
-    t = _to_tensor(a)
-    return t if t.is_contiguous() else t.contiguous()
+def _with_arrays(options: dict) -> dict:
+    """The options with every tensor among them (the variant arrays, and those of ``mod_arrays``) as an
+    array, like q, k, v."""
+    def convert(val):
+        if isinstance(val, dict):
+            return {name: convert(a) for name, a in val.items()}
+        return _to_array(val) if isinstance(val, torch.Tensor) else val
+
+    return {key: convert(val) for key, val in options.items()}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -156,10 +250,58 @@ def _front_door_options(args: dict) -> dict:
                                                                          "dropout_offset", "mod_array_names")},
         window_size=(args["window_left"], args["window_right"]),
         mod_arrays={name: _to_array(a) for name, a in zip(names, args["mod_arrays"])} if names else None,
-        # TODO(GPU path, CUDA graphs): read on the host, so a captured graph replays with the captured seed
+        # a CPU tensor: read without a device synchronization (a CUDA graph capture refuses dropout, see below)
         dropout_seed=None if seed is None else _unsigned64(int(seed.item())),
         dropout_offset=_unsigned64(args["dropout_offset"]),
     )
+
+
+# What a CUDA graph capture of attention_fwd / attention_bwd refuses (torch.cuda.graph, torch.compile's
+# mode="reduce-overhead"): the argument, whether a call uses it, and why a replay could not repeat the call. The
+# rest (dense, causal, windows, softcap, ALiBi, GQA, any head dim, both backward orders) is launches on the current
+# stream with memory from the graph's pool, and is captured.
+_NOT_CAPTURABLE = (
+    ("dropout_p", lambda a: a["dropout_p"] > 0,
+     "the dropout seed and offset reach the kernels by value, so every replay would apply the captured mask "
+     "(PyTorch's own kernels read them from device memory that the CUDA generator advances at each replay); "
+     "capture with dropout_p=0"),
+    ("cu_seqlens_q", lambda a: a["cu_seqlens_q"] is not None,
+     "the front door checks the packed batch's offsets on the host, a device-to-host copy that a capture forbids"),
+    ("seqused_k", lambda a: a["seqused_k"] is not None,
+     "the front door checks the lengths on the host, a device-to-host copy that a capture forbids"),
+    ("bias", lambda a: a["bias"] is not None,
+     "its address reaches the kernels in a parameter block copied from host memory at each call, which a replay "
+     "would read from a reused staging buffer"),
+    ("attn_mask", lambda a: a["attn_mask"] is not None,
+     "it runs as a bias, whose address reaches the kernels in a parameter block copied from host memory at each "
+     "call, which a replay would read from a reused staging buffer"),
+    ("score_mod / mask_mod", lambda a: a["score_mod"] is not None or a["mask_mod"] is not None,
+     "their arrays and block lists reach the kernels in a parameter block copied from host memory at each call, "
+     "which a replay would read from a reused staging buffer"),
+)
+
+
+def _refuse_in_capture(args: dict) -> None:
+    """Inside a CUDA graph capture on the current stream, raise for what a replay could not repeat (the operator's
+    arguments, its ``locals()``): ``NotImplementedError`` naming the argument, before anything is launched."""
+    if not torch.cuda.is_current_stream_capturing():
+        return
+    for name, used, why in _NOT_CAPTURABLE:
+        if used(args):
+            value = args.get(name, None)
+            if isinstance(value, torch.Tensor):
+                given = f"a {name} tensor of shape {tuple(value.shape)}"
+            elif name in args:
+                given = f"{name}={value!r}"
+            else:
+                given = f"score_mod={args['score_mod']!r}, mask_mod={args['mask_mod']!r}"
+            raise NotImplementedError(
+                f"{name} cannot be captured in a CUDA graph yet: {why}; got {given} during a capture. Run this call "
+                "outside the captured region (or compile without mode='reduce-overhead')")
+    if _validate.finite_checks(False):
+        raise NotImplementedError(
+            f"{_validate.FINITE_CHECK_ENV}=1 cannot be captured in a CUDA graph: the finite check reads its result on "
+            "the host; unset it while capturing")
 
 
 @torch.library.custom_op("cuflash::attention_fwd", mutates_args=())
@@ -177,14 +319,13 @@ def _attention_fwd(
     _check_devices(q=q, k=k, v=v, bias=bias, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, attn_mask=attn_mask,
                    **{f"mod_arrays[{i}]": a for i, a in enumerate(mod_arrays)})
-    options = _front_door_options(locals())
-    # TODO(GPU path): out and lse come from CuPy's memory pool here and cross back through DLPack; the issue
-    # wants them (and the backend's workspaces) from torch's caching allocator on the current stream, which a
-    # CUDA graph capture also needs (docs/integrations.md, "What the GPU path still lacks").
-    with _on_torch_stream(q):
+    args = locals()
+    with _backend_call(q) as memory:  # CUDA: torch's stream and allocator (out, lse and workspaces from torch)
+        if memory is not None:
+            _refuse_in_capture(args)
         out, lse = cuflash.attention(_to_array(q), _to_array(k), _to_array(v), return_lse=True,
-                                     bias=None if bias is None else _to_array(bias), **options)
-    return _output(out), _output(lse)
+                                     bias=None if bias is None else _to_array(bias), **_front_door_options(args))
+        return _output(out, memory), _output(lse, memory)
 
 
 @_attention_fwd.register_fake
@@ -216,17 +357,18 @@ def _attention_bwd(
     _check_devices(q=q, dout=dout, k=k, v=v, out=out, lse=lse, bias=bias, alibi_slopes=alibi_slopes,
                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, attn_mask=attn_mask,
                    **{f"mod_arrays[{i}]": a for i, a in enumerate(mod_arrays)})
-    options = _front_door_options(locals())
-    # TODO(GPU path): dq, dk, dv, dbias and the workspaces (dq_accum, delta) from torch's allocator, as above.
-    with _on_torch_stream(q):
+    args = locals()
+    with _backend_call(q) as memory:  # CUDA: torch's stream and allocator (gradients, dq_accum, delta from torch)
+        if memory is not None:
+            _refuse_in_capture(args)
         grads = cuflash.attention_backward(
             _to_array(dout), _to_array(q), _to_array(k), _to_array(v), _to_array(out), _to_array(lse),
             deterministic=deterministic, return_dbias=want_dbias, bias=None if bias is None else _to_array(bias),
-            **options,
+            **_front_door_options(args),
         )
-    dq, dk, dv = (_output(g) for g in grads[:3])
-    dbias = _output(grads[3]) if want_dbias else q.new_empty((0,))
-    return dq, dk, dv, dbias
+        dq, dk, dv = (_output(g, memory) for g in grads[:3])
+        dbias = _output(grads[3], memory) if want_dbias else q.new_empty((0,))
+        return dq, dk, dv, dbias
 
 
 @_attention_bwd.register_fake
@@ -267,6 +409,60 @@ _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 # Under create_graph=True the gradients stay connected to q, k, v and dout through attention_bwd, so that
 # differentiating them again raises instead of treating them as constants.
 _attention_bwd.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Decoding with a KV cache: the custom operator cuflash::attention_with_kvcache
+# ---------------------------------------------------------------------------------------------------
+#
+# cuflash.attention_with_kvcache as an operator that mutates k_cache and v_cache: when k and v are given, the new
+# tokens are written into the caches in place before the attention, and the schema says so (mutates_args), so
+# that torch.compile functionalizes the call instead of reordering reads of the caches around it. No gradient,
+# as flash-attention's flash_attn_with_kvcache. CPU tensors run the NumPy reference (cuflash.reference_decode),
+# CUDA tensors the decode kernels, on torch's stream with out, lse and the split workspace from torch's allocator.
+# cache_seqlens is a tensor, or (cache_seqlens None) the int cache_seqlens_int for every sequence, which the front
+# door checks against the caches' capacity.
+
+
+@torch.library.custom_op("cuflash::attention_with_kvcache", mutates_args=("k_cache", "v_cache"))
+def _attention_with_kvcache(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
+    v: Optional[torch.Tensor], cache_seqlens: Optional[torch.Tensor], cache_seqlens_int: int,
+    rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],
+    cache_leftpad: Optional[torch.Tensor], block_table: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+    rotary_interleaved: bool, causal: bool, window_left: int, window_right: int, softcap: float,
+    softmax_scale: Optional[float], num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of :func:`cuflash.attention_with_kvcache`, after it appended ``k`` and ``v`` to the caches."""
+    arrays = dict(rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
+                  cache_leftpad=cache_leftpad, block_table=block_table, alibi_slopes=alibi_slopes)
+    _check_devices(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens, **arrays)
+    with _backend_call(q) as memory:
+        if memory is not None and _validate.device_value_checks() and torch.cuda.is_current_stream_capturing():
+            raise NotImplementedError(
+                f"{_validate.DEVICE_CHECKS_ENV}=1 cannot be captured in a CUDA graph: it reads the index arrays on the "
+                "host at every call; unset it while capturing")
+        out, lse = cuflash.attention_with_kvcache(
+            _to_array(q), _to_array(k_cache), _to_array(v_cache), None if k is None else _to_array(k),
+            None if v is None else _to_array(v),
+            cache_seqlens=cache_seqlens_int if cache_seqlens is None else _to_array(cache_seqlens),
+            **{name: None if a is None else _to_array(a) for name, a in arrays.items()},
+            rotary_interleaved=rotary_interleaved, causal=causal, window_size=(window_left, window_right),
+            softcap=softcap, softmax_scale=softmax_scale, num_splits=num_splits, return_lse=True,
+        )
+        return _output(out, memory), _output(lse, memory)
+
+
+@_attention_with_kvcache.register_fake
+def _attention_with_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, rotary_cos, rotary_sin,
+                                 cache_batch_idx, cache_leftpad, block_table, alibi_slopes, *scalars):
+    _check_devices(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens, rotary_cos=rotary_cos,
+                   rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                   block_table=block_table, alibi_slopes=alibi_slopes)
+    batch, seqlen_q, heads_q = q.shape[:3]
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return (q.new_empty((batch, seqlen_q, heads_q, v_cache.shape[-1])),
+            q.new_empty((batch, heads_q, seqlen_q), dtype=lse_dtype))
 
 
 def _optional_int(name: str, value):
@@ -354,9 +550,13 @@ def attention(
     reuses the forward's seed and ``dropout_offset``. Call with ``dropout_p=0`` to evaluate without dropout.
 
     ``softmax_scale`` may be any finite real (0: uniform attention; negative allowed), as in PyTorch's
-    ``scaled_dot_product_attention``. All tensors must be on q's device. Inputs are not scanned for NaN or
-    infinities; ``CUFLASH_CHECK_FINITE=1`` in the environment scans them when the operator runs (eager or
-    compiled), raising ``ValueError`` with the tensor's name and the first bad index.
+    ``scaled_dot_product_attention``. All tensors must be on q's device. CUDA tensors run on torch's current
+    stream with outputs and workspaces from torch's caching allocator; under a CUDA graph capture
+    (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``) dropout, packed batches (``cu_seqlens_*``),
+    ``seqused_k``, ``bias``, ``attn_mask``, ``score_mod`` and ``mask_mod`` raise ``NotImplementedError`` (a replay
+    could not repeat them). Inputs are not scanned for NaN or infinities; ``CUFLASH_CHECK_FINITE=1`` in the
+    environment scans them when the operator runs (eager or compiled), raising ``ValueError`` with the tensor's
+    name and the first bad index.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -405,3 +605,80 @@ def attention(
         block_q, block_k, bool(deterministic),
     )
     return (out, lse.detach()) if return_lse else out
+
+
+def attention_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    *,
+    cache_seqlens,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    rotary_interleaved: bool = True,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    num_splits: int = 0,
+):
+    """:func:`cuflash.attention_with_kvcache` on PyTorch tensors: attention of ``q`` over a KV cache, after writing
+    the new ``k`` and ``v`` (if given) into ``k_cache`` and ``v_cache`` **in place** at ``cache_seqlens``.
+
+    Arguments, layouts and meaning as :func:`cuflash.attention_with_kvcache` (``docs/decoding.md``), the arrays as
+    tensors on q's device: ``cache_seqlens`` an int32 tensor ``(batch,)`` or one int for every sequence,
+    ``cache_leftpad``, ``cache_batch_idx`` and ``block_table`` int32 tensors. Runs the custom operator
+    ``torch.ops.cuflash.attention_with_kvcache`` (declared to mutate ``k_cache`` and ``v_cache``; traced by
+    ``torch.compile``); CPU tensors run the NumPy reference, CUDA tensors the decode kernels (float16 and bfloat16,
+    head dims 32, 64, 96, 128; anything else raises ``NotImplementedError`` before the caches are touched), on
+    torch's current stream with the output from torch's allocator. Not differentiable (the result never requires
+    grad), as flash-attention's ``flash_attn_with_kvcache``.
+
+    Returns ``out`` ``(batch, seqlen_q, heads_q, head_dim_v)``, and with ``return_lse=True`` also ``lse``
+    ``(batch, heads_q, seqlen_q)`` (float32; float64 for float64).
+    """
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            got = "None" if t is None else f"{type(t).__module__}.{type(t).__name__}"
+            raise TypeError(f"{name} must be a torch.Tensor (CPU: the NumPy reference, CUDA: the kernels); got {got}")
+    arrays = {name: _optional_tensor(name, value) for name, value in (
+        ("k", k), ("v", v), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+        ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad), ("block_table", block_table),
+        ("alibi_slopes", alibi_slopes))}
+    if isinstance(cache_seqlens, torch.Tensor):
+        seqlens, seqlens_int = cache_seqlens.detach(), -1
+    elif _validate._is_int(cache_seqlens):
+        seqlens, seqlens_int = None, int(cache_seqlens)
+    else:
+        raise TypeError(f"cache_seqlens must be an int or an int32 torch.Tensor of shape (batch,) on the device of q; "
+                        f"got {type(cache_seqlens).__name__} {cache_seqlens!r}")
+    if torch.compiler.is_compiling():  # symbolic scalars: the front door checks them when the operator runs
+        left, right = window_size
+    else:  # the scalars' types, in the front door's words, before the operator's schema refuses them in its own
+        causal, _ = _validate.causal_options(causal, "bottom-right")
+        left, right = (-1 if x is None else x for x in _validate.window_size(window_size))
+        softcap = _validate.softcap(softcap)
+        if softmax_scale is not None:
+            _validate.softmax_scale(softmax_scale, 1)
+            softmax_scale = float(softmax_scale)
+        if not isinstance(rotary_interleaved, bool):
+            raise TypeError(f"rotary_interleaved must be a bool; got {type(rotary_interleaved).__name__} "
+                            f"{rotary_interleaved!r}")
+        if not _validate._is_int(num_splits):
+            raise TypeError(f"num_splits must be an integer >= 0 (0: automatic); got {type(num_splits).__name__} "
+                            f"{num_splits!r}")
+    # no gradient: detached views (the caches' share their version counters, which the operator bumps)
+    arrays = {name: None if t is None else t.detach() for name, t in arrays.items()}
+    out, lse = _attention_with_kvcache(
+        q.detach(), k_cache.detach(), v_cache.detach(), arrays.pop("k"), arrays.pop("v"), seqlens, seqlens_int,
+        **arrays, rotary_interleaved=rotary_interleaved, causal=causal, window_left=left, window_right=right,
+        softcap=softcap, softmax_scale=softmax_scale, num_splits=int(num_splits),
+    )
+    return (out, lse) if return_lse else out

@@ -7,7 +7,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import cuflash  # noqa: E402
 import cuflash.torch as cft  # noqa: E402
 from cuflash import flash_attn as fa  # noqa: E402
 
@@ -248,17 +247,10 @@ def test_compiles_with_no_graph_break():
 
 
 # ---------------------------------------------------------------------------------------------------
-# flash_attn_with_kvcache: cuflash.attention_with_kvcache underneath
+# flash_attn_with_kvcache: the operator cuflash::attention_with_kvcache (cuflash.attention_with_kvcache) underneath
 # ---------------------------------------------------------------------------------------------------
 
 
-def test_with_kvcache_names_the_missing_feature(monkeypatch):
-    monkeypatch.delattr(cuflash, "attention_with_kvcache", raising=False)
-    with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache needs cuflash.attention_with_kvcache"):
-        fa.flash_attn_with_kvcache(torch.zeros(1, 1, 1, 8), torch.zeros(1, 4, 1, 8), torch.zeros(1, 4, 1, 8))
-
-
-@pytest.mark.skipif(not hasattr(cuflash, "attention_with_kvcache"), reason="cuflash.attention_with_kvcache is absent")
 def test_with_kvcache_appends_in_place_and_matches_attention():
     g = torch.Generator().manual_seed(12)
     k_cache, v_cache = _randn(g, 2, 10, 2, 8), _randn(g, 2, 10, 2, 8)
@@ -279,3 +271,116 @@ def test_with_kvcache_appends_in_place_and_matches_attention():
     # cache_seqlens None: the whole cache, as flash-attention
     full = fa.flash_attn_with_kvcache(q, k_cache, v_cache)
     torch.testing.assert_close(full, cft.attention(q, k_cache, v_cache), rtol=1e-12, atol=1e-12)
+
+
+def test_with_kvcache_goes_through_the_operator_and_has_no_gradient(monkeypatch):
+    g = torch.Generator().manual_seed(13)
+    k_cache, v_cache = _randn(g, 1, 6, 1, 8), _randn(g, 1, 6, 1, 8)
+    q = _randn(g, 1, 2, 2, 8).requires_grad_()
+    seen = []
+    real = torch.ops.cuflash.attention_with_kvcache
+
+    class Spy:
+        def __call__(self, *args, **kwargs):
+            seen.append(args)
+            return real(*args, **kwargs)
+
+    monkeypatch.setattr(cft, "_attention_with_kvcache", Spy())
+    version = k_cache._version
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, _randn(g, 1, 1, 1, 8), _randn(g, 1, 1, 1, 8),
+                                     cache_seqlens=3)
+    assert len(seen) == 1 and not out.requires_grad
+    assert k_cache._version > version  # the operator declares the append: autograd and compile see the mutation
+
+
+def test_with_kvcache_compiles_with_no_graph_break_and_appends():
+    """torch.compile(fullgraph=True) traces flash_attn_with_kvcache (the mutating operator, functionalized), and the
+    compiled call appends to the caches as the eager one does."""
+    g = torch.Generator().manual_seed(14)
+    caches = [_randn(g, 2, 12, 2, 8) for _ in range(2)]
+    q, k_new, v_new = _randn(g, 2, 2, 4, 8), _randn(g, 2, 2, 2, 8), _randn(g, 2, 2, 2, 8)
+    lens = torch.tensor([3, 9], dtype=torch.int32)
+
+    def fn(q, k_cache, v_cache, k, v, lens):
+        out, lse = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, causal=True,
+                                              window_size=(4, 0), return_softmax_lse=True)
+        return out * 2, lse
+
+    eager_caches = [c.clone() for c in caches]
+    compiled_caches = [c.clone() for c in caches]
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    got = compiled(q, *compiled_caches, k_new, v_new, lens)
+    want = fn(q, *eager_caches, k_new, v_new, lens)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    for a, b, before in zip(compiled_caches, eager_caches, caches):
+        assert torch.equal(a, b) and not torch.equal(a, before)
+
+
+def test_with_kvcache_checks_in_the_front_doors_words():
+    q, cache = torch.zeros(1, 1, 2, 8), torch.zeros(1, 4, 1, 8)
+    with pytest.raises(TypeError, match="cache_seqlens must be an int or an int32 torch.Tensor"):
+        cft.attention_with_kvcache(q, cache, cache, cache_seqlens=[2])
+    with pytest.raises(TypeError, match="num_splits must be an integer >= 0"):
+        fa.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=2, num_splits=1.5)
+    with pytest.raises(TypeError, match="rotary_interleaved must be a bool"):
+        fa.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=2, rotary_interleaved=1)
+    with pytest.raises(TypeError, match="k_cache must be a torch.Tensor"):
+        cft.attention_with_kvcache(q, None, cache, cache_seqlens=2)
+    with pytest.raises(ValueError, match="cache_seqlens"):  # an int past the capacity: the front door's check
+        cft.attention_with_kvcache(q, cache, cache, cache_seqlens=5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# CUDA (skipped without a GPU): the decode kernels through the operator
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged16"])
+def test_with_kvcache_cuda_matches_the_reference(dtype, paged):
+    """The decode kernels (append, split-KV attention, merge) through flash_attn_with_kvcache on CUDA tensors: the
+    appended caches bit for bit, out and lse against the NumPy reference on the same inputs (float64 truth budget)
+    and the output allocated by torch on the current stream."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    import cupy
+
+    g = torch.Generator().manual_seed(15)
+    batch, heads_q, heads_kv, d, capacity = 3, 8, 2, 128, 640
+    page = 16 if paged else None
+    if paged:
+        pages = batch * capacity // page
+        k_cache, v_cache = (_randn(g, pages, page, heads_kv, d).to(dtype) for _ in range(2))
+        table = torch.randperm(pages, generator=g).reshape(batch, -1).to(torch.int32)
+    else:
+        k_cache, v_cache = (_randn(g, batch, capacity, heads_kv, d).to(dtype) for _ in range(2))
+        table = None
+    q, k_new, v_new = _randn(g, batch, 1, heads_q, d).to(dtype), *(_randn(g, batch, 1, heads_kv, d).to(dtype)
+                                                                  for _ in range(2))
+    lens = torch.tensor([5, 600, 321], dtype=torch.int32)
+    opts = dict(causal=True, window_size=(256, 0), softcap=20.0, return_softmax_lse=True)
+    host = [t.clone() for t in (k_cache, v_cache)]
+    out_ref, lse_ref = fa.flash_attn_with_kvcache(q, *host, k_new, v_new, cache_seqlens=lens, block_table=table, **opts)
+    truth = [t.double() for t in (k_cache, v_cache)]
+    out_t, lse_t = fa.flash_attn_with_kvcache(q.double(), *truth, k_new.double(), v_new.double(), cache_seqlens=lens,
+                                              block_table=table, **opts)
+    dev = [t.cuda() for t in (k_cache, v_cache)]
+    pool = cupy.get_default_memory_pool()
+    used = pool.used_bytes()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # a non-default stream: the kernels run on torch's current one
+        out, lse = fa.flash_attn_with_kvcache(q.cuda(), *dev, k_new.cuda(), v_new.cuda(), cache_seqlens=lens.cuda(),
+                                              block_table=None if table is None else table.cuda(), **opts)
+    side.synchronize()
+    assert pool.used_bytes() == used, "the call held memory in CuPy's pool"
+    assert out.dtype == dtype and out.is_contiguous() and lse.dtype == torch.float32
+    for got, want in zip(dev, host):
+        assert torch.equal(got.cpu(), want)
+    err = (out.cpu().double() - out_t).abs().max().item()
+    ref = (out_ref.double() - out_t).abs().max().item()
+    floor = (out_t.to(dtype).double() - out_t).abs().max().item()
+    assert err <= 2 * ref + floor + 1e-6, f"max|cuda - truth| = {err:.3g}; reference in {dtype}: {ref:.3g}"
+    assert (lse.cpu().double() - lse_t).abs().max().item() < 2e-3

@@ -116,6 +116,38 @@ def test_rejects_bad_deterministic_before_the_forward_runs():
         cft.attention(q, k, v, deterministic="yes")
 
 
+def _outputs_modifiable_in_place(device):
+    """The operators' outputs are tensors of their own, not views of a buffer (autograd forbids modifying in place a
+    view that a custom function returned, and a gradient is modified in place by every optimizer): out and lse,
+    and the gradients, which in-place arithmetic then changes as it would any tensor."""
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (t.transpose(1, 2).detach().requires_grad_() for t in _inputs(1, 33, 40, 2, 1, 64, dtype, device))
+        out, lse = cft.attention(q, k, v, causal=True, return_lse=True)
+        assert out._base is None and lse._base is None
+        out.float().sum().backward()
+        for t in (q, k, v):
+            assert t.grad._base is None
+            before = t.grad.clone()
+            t.grad.mul_(2)
+            torch.testing.assert_close(t.grad, 2 * before)
+        with torch.no_grad():
+            out = cft.attention(q, k, v, causal=True)
+            want = 3 * out
+            out.mul_(3)  # an inference result, modified in place
+            assert torch.equal(out, want)
+
+
+def test_outputs_are_not_views_cpu():
+    _outputs_modifiable_in_place("cpu")
+
+
+@pytest.mark.gpu
+def test_outputs_are_not_views_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    _outputs_modifiable_in_place("cuda")
+
+
 def test_importing_cuflash_does_not_import_torch():
     code = "import sys, cuflash; assert 'torch' not in sys.modules and 'jax' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -279,19 +279,21 @@ def test_compile_fullgraph_matches_eager_cuda(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=False, reason="TODO(GPU path): outputs and workspaces come from CuPy's pool, not the graph's "
-                   "(cuflash/torch.py _attention_fwd, _attention_bwd); not yet run on a GPU")
 def test_cuda_graph_captures_forward_and_backward():
-    """The issue's target: torch.cuda.CUDAGraph captures a forward and backward through the operators, and a
-    replay equals eager."""
+    """The issue's target: torch.cuda.CUDAGraph captures a forward and backward through the operators (outputs,
+    gradients and workspaces from the graph's pool, on the capture stream, no synchronization); each replay after
+    new values were copied into the static inputs equals eager on those values, bit for bit (the deterministic
+    backward). More capture tests: tests/test_torch_cuda_graphs.py."""
     if not torch.cuda.is_available():
         pytest.skip("torch sees no CUDA device")
     g = torch.Generator().manual_seed(47)
-    q, k, v = (_randn(g, 2, 256, h, 64, dtype=torch.bfloat16).cuda().requires_grad_() for h in (8, 2, 2))
-    do = _randn(g, 2, 256, 8, 64, dtype=torch.bfloat16).cuda()
+    shapes = [(2, 256, h, 64) for h in (8, 2, 2)]
+    q, k, v = (_randn(g, *s, dtype=torch.bfloat16).cuda().requires_grad_() for s in shapes)
+    do = _randn(g, *shapes[0], dtype=torch.bfloat16).cuda()
+    kw = dict(causal=True, window_size=(64, 0), deterministic=True)
 
     def step():
-        out = cft.attention(q, k, v, causal=True, window_size=(64, 0), deterministic=True)
+        out = cft.attention(q, k, v, **kw)
         out.backward(do)
         return out
 
@@ -299,16 +301,105 @@ def test_cuda_graph_captures_forward_and_backward():
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up: kernels compiled, caches filled
         for _ in range(2):
-            expected = step().detach()
+            step()
             q.grad = k.grad = v.grad = None
     torch.cuda.current_stream().wait_stream(side)
-    expected_grads = [t.detach().clone() for t in torch.autograd.grad(
-        cft.attention(q, k, v, causal=True, window_size=(64, 0), deterministic=True), (q, k, v), do)]
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph):  # the gradients are None here: the captured backward allocates them in the pool
         out = step()
-    graph.replay()  # the gradients were None at capture: the replay writes them afresh
-    torch.cuda.synchronize()
-    assert torch.equal(out, expected)
-    for t, want in zip((q, k, v), expected_grads):
-        assert torch.equal(t.grad, want)
+    for trial in range(3):
+        new = [_randn(g, *s, dtype=torch.bfloat16).cuda() for s in (*shapes, shapes[0])]
+        with torch.no_grad():
+            for static, fresh in zip((q, k, v, do), new):
+                static.copy_(fresh)
+        graph.replay()
+        leaves = [t.clone().requires_grad_() for t in new[:3]]
+        want = cft.attention(*leaves, **kw)
+        want_grads = torch.autograd.grad(want, leaves, new[3])
+        torch.cuda.synchronize()
+        assert torch.equal(out, want.detach()), trial
+        for name, t, w in zip("qkv", (q, k, v), want_grads):
+            assert torch.equal(t.grad, w), f"d{name}, replay {trial}"
+
+
+@pytest.mark.gpu
+def test_compile_reduce_overhead_replays_forward_and_backward_cuda():
+    """torch.compile(mode="reduce-overhead"): inductor with CUDA graph trees records the forward and the backward
+    graph around the operators (no graph skipped for them) and the replays match eager, bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    if _inductor_skip_reason():
+        pytest.skip(_inductor_skip_reason())
+    from torch._dynamo.utils import counters
+
+    def fn(q, k, v):
+        return cft.attention(q, k, v, causal=True, window_size=(96, 0), softcap=25.0, deterministic=True)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=True)
+    g = torch.Generator().manual_seed(53)
+    shapes = [(2, 320, h, 128) for h in (8, 4, 4)]
+    for step in range(5):  # trees warm up, record, then replay
+        torch.compiler.cudagraph_mark_step_begin()
+        leaves = [_randn(g, *s, dtype=torch.bfloat16).cuda().requires_grad_() for s in shapes]
+        do = _randn(g, *shapes[0], dtype=torch.bfloat16).cuda()
+        out = compiled(*leaves)
+        out.backward(do)
+        got = [out.detach().clone(), *(t.grad.clone() for t in leaves)]
+        eager = [t.detach().clone().requires_grad_() for t in leaves]
+        want = fn(*eager)
+        want = [want.detach(), *torch.autograd.grad(want, eager, do)]
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            assert torch.equal(a, b), f"{name}, step {step}"
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# cuflash::attention_with_kvcache (the decode operator, which appends to the caches in place)
+# ---------------------------------------------------------------------------------------------------
+
+KVCACHE = torch.ops.cuflash.attention_with_kvcache.default
+
+
+def _kvcache_args(name):
+    """Arguments of cuflash::attention_with_kvcache: q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int,
+    rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, then the scalars
+    rotary_interleaved, causal, window_left, window_right, softcap, softmax_scale, num_splits."""
+    g = torch.Generator().manual_seed(59)
+    q = _randn(g, 2, 3, 4, 8, dtype=torch.float64)
+    caches = [_randn(g, 2, 16, 2, 8, dtype=torch.float64) for _ in range(2)]
+    lens = torch.tensor([4, 9], dtype=torch.int32)
+    scalars = [True, True, -1, -1, 0.0, None, 0]
+    if name == "append-rotary-leftpad":
+        new = [_randn(g, 2, 3, 2, 8, dtype=torch.float64) for _ in range(2)]
+        cos, sin = (torch.rand(32, 2, generator=g, dtype=torch.float64) for _ in range(2))
+        return (q, *caches, *new, lens, -1, cos, sin, None, torch.tensor([1, 0], dtype=torch.int32), None, None,
+                *scalars[:3], 2, 1.5, 0.3, 2)
+    if name == "read-paged-alibi-int-lengths":
+        table = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32)
+        caches = [_randn(g, 4, 8, 2, 8, dtype=torch.float64) for _ in range(2)]
+        return (q, *caches, None, None, None, 11, None, None, None, None, table,
+                torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float32), *scalars)
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("name", ["append-rotary-leftpad", "read-paged-alibi-int-lengths"])
+def test_opcheck_kvcache(name):
+    torch.library.opcheck(KVCACHE, _kvcache_args(name))
+
+
+def test_kvcache_operator_matches_the_front_door():
+    """The operator is cuflash.attention_with_kvcache on NumPy views: the same out, lse and appended caches."""
+    import cuflash
+
+    args = _kvcache_args("append-rotary-leftpad")
+    q, k_cache, v_cache, k, v, lens, _, cos, sin, _, leftpad = args[:11]
+    host = [k_cache.numpy().copy(), v_cache.numpy().copy()]
+    out, lse = KVCACHE(*args)
+    want, want_lse = cuflash.attention_with_kvcache(
+        q.numpy(), *host, k.numpy(), v.numpy(), cache_seqlens=lens.numpy(), rotary_cos=cos.numpy(),
+        rotary_sin=sin.numpy(), cache_leftpad=leftpad.numpy(), causal=True, window_size=(-1, 2), softcap=1.5,
+        softmax_scale=0.3, num_splits=2, return_lse=True)
+    assert torch.equal(out, torch.from_numpy(want)) and torch.equal(lse, torch.from_numpy(want_lse))
+    assert torch.equal(k_cache, torch.from_numpy(host[0])) and torch.equal(v_cache, torch.from_numpy(host[1]))
