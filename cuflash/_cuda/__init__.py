@@ -20,8 +20,8 @@ Layers, one module each:
   shape and launched through the driver at every step.
 
 Paths:
-- float16 / bfloat16, head dim 32, 64, 96, 128, 256 (backward up to 128): tensor-core kernels
-  (``mma.sync``), sm_80 or newer. Backward at head dim 256 runs the float32 path on upcast inputs.
+- float16 / bfloat16, head dim 32, 64, 96, 128, 160, 192, 224, 256 (backward up to 128): tensor-core kernels
+  (``mma.sync``), sm_80 or newer. Backward above head dim 128 runs the float32 path on upcast inputs.
   On sm_90 (H100/H200) the forward and the backward's dK/dV(+dQ) kernel at head dim 64 and 128 run the
   Hopper kernels (``forward_sm90.cu``, ``backward_sm90.cu``: ``wgmma``, compiled for sm_90a) instead,
   unless the caller chooses block sizes.

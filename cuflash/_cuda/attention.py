@@ -21,7 +21,7 @@ import numpy as np
 from .._variant import Variant
 from . import fa1, naive
 from .compile import arch_class, check_smem, device_info, launch
-from .spec import BLOCK_COMPACT, BWD_HEAD_DIMS, CTYPES, HEAD_DIMS, TILES, Tile, extra_params, mask_policy, variant_params, variant_type
+from .spec import BLOCK_COMPACT, BWD_HEAD_DIMS, CTYPES, FA1_HEAD_DIMS, HEAD_DIMS, TILES, Tile, extra_params, mask_policy, variant_params, variant_type
 from .spec import spec as kernel_spec
 
 __all__ = ["forward", "backward", "check_supported"]
@@ -210,9 +210,9 @@ def _hopper_tile(direction: str, d: int, block_q, block_k, enabled: bool) -> Til
 MAX_HEAD_DIM = HEAD_DIMS[-1]
 
 
-def kernel_head_dim(d: int, dv: int) -> int:
-    """The instantiated head dim that runs q, k of head dim ``d`` and v of ``dv``."""
-    return next(x for x in HEAD_DIMS if x >= max(d, dv))
+def kernel_head_dim(d: int, dv: int, algorithm: str = "fa2") -> int:
+    """The instantiated head dim that runs q, k of head dim ``d`` and v of ``dv`` (FA1: FA1_HEAD_DIMS)."""
+    return next(x for x in (FA1_HEAD_DIMS if algorithm == "fa1" else HEAD_DIMS) if x >= max(d, dv))
 
 
 def _needs_padding(q, v, algorithm) -> int:
@@ -220,7 +220,7 @@ def _needs_padding(q, v, algorithm) -> int:
     d, dv = q.shape[-1], v.shape[-1]
     if algorithm == "naive":
         return 0
-    kd = kernel_head_dim(d, dv)
+    kd = kernel_head_dim(d, dv, algorithm)
     return kd if (kd != d or dv != d) else 0
 
 

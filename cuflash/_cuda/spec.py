@@ -22,7 +22,7 @@ from .._variant import Variant
 
 __all__ = [
     "Tile", "TILES", "HEAD_DIMS", "BWD_HEAD_DIMS", "Family", "FAMILIES", "KernelSpec", "NVRTC_OPTIONS",
-    "SM90A_OPTIONS", "VARIANT_PARAMS_DTYPE", "EXTRA_PARAMS_DTYPE", "variant_type", "has_dropout", "extra_params", "prelude_of", "mask_policy", "variant_params", "instantiations", "spec", "DENSE", "CTYPES",
+    "SM90A_OPTIONS", "FA1_HEAD_DIMS", "VARIANT_PARAMS_DTYPE", "EXTRA_PARAMS_DTYPE", "variant_type", "has_dropout", "extra_params", "prelude_of", "mask_policy", "variant_params", "instantiations", "spec", "DENSE", "CTYPES",
 ]
 
 # Options given to NVRTC (CuPy appends the -arch of the current device).
@@ -31,7 +31,8 @@ NVRTC_OPTIONS = ("-std=c++17",)
 # and NVRTC keeps the architecture-specific sm_90a (hopper_tiles.cuh #errors otherwise).
 SM90A_OPTIONS = NVRTC_OPTIONS + ("-arch=sm_90a",)
 
-HEAD_DIMS = (32, 64, 96, 128, 256)
+HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+FA1_HEAD_DIMS = (32, 64, 96, 128, 256)  # (the FA1 forward's per-warp query stages spill at 160..224)
 BWD_HEAD_DIMS = (32, 64, 96, 128)
 DECODE_HEAD_DIMS = (32, 64, 96, 128)  # (256: the O accumulator of 16 rows x 256 spills in this first version)
 CTYPES = {"float16": "cuflash::fp16", "bfloat16": "cuflash::bf16"}
@@ -58,17 +59,17 @@ TILES: dict[tuple[str, str, int], Tile] = {
     ("fwd", "sm90", 64): Tile(128, 64, 4, 2),
     ("fwd", "sm90", 96): Tile(128, 64, 4, 2),
     ("fwd", "sm90", 128): Tile(128, 128, 8, 2),
-    ("fwd", "sm90", 256): Tile(128, 64, 8, 2),
+    **{("fwd", "sm90", d): Tile(128, 64, 8, 2) for d in (160, 192, 224, 256)},
     ("fwd", "sm80", 32): Tile(128, 128, 4, 2),
     ("fwd", "sm80", 64): Tile(128, 64, 4, 2),
     ("fwd", "sm80", 96): Tile(128, 64, 4, 2),
     ("fwd", "sm80", 128): Tile(128, 32, 4, 2),
-    ("fwd", "sm80", 256): Tile(64, 32, 4, 2),
+    **{("fwd", "sm80", d): Tile(64, 32, 4, 2) for d in (160, 192, 224, 256)},
     ("fwd", "sm86", 32): Tile(128, 128, 8, 2),
     ("fwd", "sm86", 64): Tile(128, 128, 8, 2),
     ("fwd", "sm86", 96): Tile(64, 64, 4, 2),
     ("fwd", "sm86", 128): Tile(64, 64, 4, 2),
-    ("fwd", "sm86", 256): Tile(64, 32, 4, 1),
+    **{("fwd", "sm86", d): Tile(64, 32, 4, 1) for d in (160, 192, 224, 256)},
     # ("fwd", "sm90a", d): flash_fwd_sm90_kernel (wgmma; block_m = 64 query rows per warpgroup of 4 warps).
     ("fwd", "sm90a", 64): Tile(128, 64, 8, 2),
     ("fwd", "sm90a", 128): Tile(128, 128, 8, 2),
@@ -136,14 +137,14 @@ TILES: dict[tuple[str, str, int], Tile] = {
     # Arch class "f32": the FA1 float32 kernels (fa1_fwd_f32_kernel, fa1_bwd_f32_kernel; any GPU), 4 warps,
     # block_m = 1 query row per warp step; block_n key rows (forward: one lane per key, at most 32;
     # backward: block_n / 4 key rows per warp, their dK and dV in registers).
-    **{("fa1_fwd", "f32", d): Tile(1, 32, 4, 1) for d in HEAD_DIMS},
+    **{("fa1_fwd", "f32", d): Tile(1, 32, 4, 1) for d in FA1_HEAD_DIMS},
     # ("fwd", "f32", d): FA2's float32 forward (flash_fwd_f32_kernel): block_m query rows, 4 warps of
     # block_m / 4 rows each, block_n <= 32 key rows (one lane per key).
     **{("fwd", "f32", d): Tile(16, 32, 4, 1) for d in HEAD_DIMS},
     # ("bwd", "f32", d): FA2's float32 dK/dV(+dQ) kernel (flash_bwd_dkdv_f32_kernel), one key tile of block_n
     # rows per block, as the FA1 float32 backward's tiles.
     **{("bwd", "f32", d): Tile(1, 32 if d <= 128 else 16, 4, 1) for d in HEAD_DIMS},
-    **{("fa1_bwd", "f32", d): Tile(1, 32 if d <= 128 else 16, 4, 1) for d in HEAD_DIMS},
+    **{("fa1_bwd", "f32", d): Tile(1, 32 if d <= 128 else 16, 4, 1) for d in FA1_HEAD_DIMS},
 }
 
 
