@@ -684,7 +684,7 @@ def plan_kvcache(
     options = dict(rotary_interleaved=rotary_interleaved, causal=causal, window_size=window_size, softcap=softcap,
                    softmax_scale=softmax_scale, num_splits=num_splits)
     backend = _decode_backend(library)
-    checker = None
+    checker = launch = None
     if hasattr(backend, "plan_kvcache"):
         if scale <= 0:
             raise NotImplementedError(f"plan_kvcache on {library} arrays takes softmax_scale > 0; got {scale!r} "
@@ -716,7 +716,7 @@ def plan_kvcache(
                   _decode_plan.contiguous_layout(xp, problem.out_shape, problem.dtype))
     lse_layout = _decode_plan.contiguous_layout(xp, problem.lse_shape, _validate.lse_dtype(problem.dtype))
     return DecodePlan(layouts, runner, out_layout=out_layout, lse_layout=lse_layout, num_splits=splits, xp=xp,
-                      checker=checker)
+                      checker=checker, launch=launch)
 
 
 def merge_states(o_a, lse_a, o_b, lse_b):

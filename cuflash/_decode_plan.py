@@ -53,7 +53,7 @@ class DecodePlan:
     """
 
     def __init__(self, layouts: tuple, runner: Callable, *, out_layout, lse_layout, num_splits: int, xp,
-                 checker: Callable | None = None):
+                 checker: Callable | None = None, launch=None):
         self._layouts = layouts
         self._runner = runner
         self._checker = checker
@@ -63,6 +63,12 @@ class DecodePlan:
         self.out_shape, self.out_dtype = out_layout[1], np.dtype(out_layout[3])
         self.lse_shape, self.lse_dtype = lse_layout[1], np.dtype(lse_layout[3])
         self.num_splits = num_splits
+        # A CUDA launch (cuflash._cuda.decode.DecodeLaunch) runs the step's checks itself, and only for arrays that
+        # are not the very objects of the step before; otherwise (the NumPy reference, or the debug mode's checks
+        # of device values) every step is checked here.
+        self._check_each_step = launch is None or checker is not None
+        if launch is not None and checker is None:
+            launch.validate = self._check
 
     def run(self, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, cache_leftpad=None, cache_batch_idx=None,
             block_table=None, alibi_slopes=None, rotary_cos=None, rotary_sin=None, out=None, lse=None):
@@ -74,11 +80,21 @@ class DecodePlan:
         and ``lse`` ``(batch, heads_q, seqlen_q)`` (contiguous, float32) receive the results when given, else are
         allocated. As for :func:`cuflash.attention_with_kvcache`, the values of CuPy index arrays are not read
         (``CUFLASH_CHECK_DEVICE_VALUES=1`` when the plan is made: every step checks them, with a synchronization).
+        On CuPy, a step given the very array objects of the step before skips comparing their layouts again (a
+        CuPy array's memory, strides and dtype cannot change; its shape only by an in-place reshape of the same
+        memory, ``a.shape = ...``, which the step reads as planned) and only launches.
         """
         if type(cache_seqlens) is int:
             cache_seqlens = self._xp.full((self.lse_shape[0],), cache_seqlens, dtype=np.int32)
-        arrays = (q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx, block_table, alibi_slopes,
-                  rotary_cos, rotary_sin)
+        if self._check_each_step:
+            self._check(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx, block_table,
+                        alibi_slopes, rotary_cos, rotary_sin, out, lse)
+        return self._runner(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx, block_table,
+                            alibi_slopes, rotary_cos, rotary_sin, out, lse)
+
+    def _check(self, *arrays) -> None:
+        """A step's arrays (in :data:`_ARRAYS` order, then out and lse) against the plan's layouts."""
+        *arrays, out, lse = arrays
         if tuple(map(_layout, arrays)) != self._layouts:
             self._refuse(arrays)
         if out is None:
@@ -92,7 +108,6 @@ class DecodePlan:
             raise ValueError(f"lse must be {_spell(self._lse_layout)} (contiguous); got {_spell(_layout(lse))}")
         if self._checker is not None:
             self._checker(*arrays)
-        return self._runner(*arrays, out, lse)
 
     def _refuse(self, arrays) -> None:
         for name, a, planned in zip(_ARRAYS, arrays, self._layouts):

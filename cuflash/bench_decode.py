@@ -85,6 +85,14 @@ def _host_times(cupy, cuflash, hq: int, hkv: int, d: int, calls: int) -> dict:
                 lambda: plan.run(q, k_cache, v_cache, k, v, cache_seqlens=lens, out=out, lse=lse),
             "CUDA graph of plan.run: graph.launch()": lambda: graph.launch(stream),
         }
+        steps = plan._runner.__self__._steps  # the launches of the plan's DecodeLaunch, for their share alone
+        argv = plan._runner.__self__._argv_ptr
+        launch = cupy.cuda.driver.launchKernel
+
+        def launches_alone():
+            for fn, gx, gy, gz, threads, smem in steps:
+                launch(fn, gx, gy, gz, threads, 1, 1, smem, stream.ptr, argv, 0)
+        cases[f"its {len(steps)} cuLaunchKernel calls alone"] = launches_alone
         times = {}
         for name, fn in cases.items():
             for _ in range(10):
@@ -97,10 +105,124 @@ def _host_times(cupy, cuflash, hq: int, hkv: int, d: int, calls: int) -> dict:
             stream.synchronize()
             times[name] = host * 1e6
     print(f"host time per call (batch {batch}, cache {cache}, {hq}/{hkv} heads, d {d}, one token appended, "
-          f"{plan.num_splits} splits: append + attention + merge; {calls} calls without synchronizing):")
+          f"{plan.num_splits} splits: append + attention merging its splits; {calls} calls without synchronizing):")
     for name, us in times.items():
         print(f"  {name:40s} {us:7.1f} us")
     return times
+
+
+class _HostArray:
+    """A NumPy array seen as a CuPy array by the decode launcher (shape, strides, dtype, data.ptr): host memory
+    standing in for the device's, for :func:`host_path_times`."""
+
+    __slots__ = ("host", "shape", "strides", "dtype", "itemsize", "size", "ndim", "data", "__weakref__")
+
+    def __init__(self, host: np.ndarray):
+        self.host, self.shape, self.strides, self.dtype = host, host.shape, host.strides, host.dtype
+        self.itemsize, self.size, self.ndim = host.itemsize, host.size, host.ndim
+        self.data = _Pointer(host.ctypes.data)
+
+
+class _Pointer:
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+
+class _HostRuntime:
+    """The decode launcher's runtime (cuflash._cuda.decode.CupyRuntime's attributes) with host memory and
+    launches that do nothing: what is left of a step is its Python."""
+
+    float32 = np.float32
+
+    def __init__(self, launch=None):
+        self.launch = launch or (lambda *args: None)
+        self._stream = _Pointer(0)
+
+    def empty(self, shape, dtype):
+        return _HostArray(np.empty(shape, dtype))
+
+    def zeros(self, shape, dtype):
+        return _HostArray(np.zeros(shape, dtype))
+
+    def current_stream(self):
+        return self._stream
+
+    def get_device(self):
+        return 0
+
+    def check_supported(self, q, k_cache, v_cache):
+        pass
+
+    def function(self, spec):
+        return 0, None
+
+    def make_context_current(self):
+        pass
+
+
+def host_path_times(calls: int = 20000, *, hq: int = 32, hkv: int = 8, d: int = 128, launch=None) -> dict:
+    """Host microseconds per step of the decode launcher's Python path alone, on any machine: a plan
+    (``DecodePlan`` over a ``DecodeLaunch``) of the host-time shape (batch 1, 256 cached tokens, one token appended,
+    causal), built with a stand-in runtime whose memory is NumPy's and whose launches do nothing (``launch``: a
+    function to call instead). Two paths: the decode loop's (the same arrays every step, out= and lse= given: the
+    record already holds their addresses) and a step with new out and lse arrays (layouts compared, addresses
+    written). The launches themselves (``cuLaunchKernel``, one or two per step) come on top on a GPU."""
+    from . import _api
+    from ._cuda.decode import DecodeLaunch
+    from ._decode_plan import DecodePlan, layouts_of
+
+    rng = np.random.default_rng(0)
+    cache, batch = 256, 1
+    host = {"q": (batch, 1, hq, d), "k_cache": (batch, cache, hkv, d), "v_cache": (batch, cache, hkv, d),
+            "k": (batch, 1, hkv, d), "v": (batch, 1, hkv, d)}
+    host = {name: rng.standard_normal(shape).astype(np.float16) for name, shape in host.items()}
+    lens = np.full(batch, cache - 1, np.int32)
+    _, problem, kv, scale, variant = _api._kvcache_call(
+        host["q"], host["k_cache"], host["v_cache"], host["k"], host["v"], cache_seqlens=lens, rotary_cos=None,
+        rotary_sin=None, rotary_interleaved=True, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+        causal=True, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, softmax_scale=None, num_splits=0, out=None)
+    arrays = {name: _HostArray(a) for name, a in host.items()}
+    q, k_cache, v_cache, k, v = (arrays[n] for n in ("q", "k_cache", "v_cache", "k", "v"))
+    lens_d = _HostArray(lens)
+    runtime = _HostRuntime(launch)
+    launch_ = DecodeLaunch(q, k_cache, v_cache, k, v, cache=kv, scale=scale, variant=variant, runtime=runtime)
+    layouts = layouts_of(q, k_cache, v_cache, k, v, lens_d, None, None, None, None, None, None)
+    out = runtime.empty(launch_.out_shape, np.float16)
+    lse = runtime.empty(launch_.lse_shape, np.float32)
+    plan = DecodePlan(layouts, launch_.run, out_layout=layouts_of(out)[0], lse_layout=layouts_of(lse)[0],
+                      num_splits=launch_.num_splits, xp=None, launch=launch_)
+    outs = [(runtime.empty(launch_.out_shape, np.float16), runtime.empty(launch_.lse_shape, np.float32))
+            for _ in range(2)]
+    cases = {
+        "plan.run, the same arrays (out=, lse=)":
+            lambda i: plan.run(q, k_cache, v_cache, k, v, cache_seqlens=lens_d, out=out, lse=lse),
+        "plan.run, new out= and lse= arrays":
+            lambda i: plan.run(q, k_cache, v_cache, k, v, cache_seqlens=lens_d, out=outs[i & 1][0],
+                               lse=outs[i & 1][1]),
+    }
+    times = {}
+    for name, fn in cases.items():
+        for i in range(100):
+            fn(i)
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for i in range(calls // 5):
+                fn(i)
+            best = min(best, (time.perf_counter() - t0) / (calls // 5))
+        times[name] = best * 1e6
+    times["launches per step"] = len(launch_._steps)
+    return times
+
+
+def _print_host_path(times: dict) -> None:
+    launches = times.pop("launches per step")
+    print(f"host time of the launcher's Python path per step (stand-in runtime, launches not made; a step is "
+          f"{launches} launches: append + attention merging its splits):")
+    for name, us in times.items():
+        print(f"  {name:40s} {us:7.2f} us")
 
 
 def _attention_f32(torch, q, k, v):
@@ -137,6 +259,7 @@ def _gpu_rows(args) -> list[dict]:
             total, spent, reps = total + ms, spent + ms, reps + 1
         return total / reps * 1e-3
 
+    _print_host_path(host_path_times(hq=hq, hkv=hkv, d=d))
     copy_bw = _copy_bandwidth(timed, dev)
     print(f"device copy bandwidth: {copy_bw / 1e12:.2f} TB/s (read + write of 1 GiB)")
     host = _host_times(cupy, cuflash, hq, hkv, d, args.host_calls)
@@ -187,6 +310,8 @@ def _gpu_rows(args) -> list[dict]:
 
 def _cpu_rows(args) -> list[dict]:
     import cuflash
+
+    _print_host_path(host_path_times(hq=args.heads[0], hkv=args.heads[1], d=args.head_dim))
 
     rng = np.random.default_rng(0)
     hq, hkv, d = 4, 2, 32

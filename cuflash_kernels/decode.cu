@@ -1,32 +1,41 @@
 // cuflash decode kernels (KV-cache attention, split-KV), mirroring cuflash/reference_decode.py:forward_kvcache.
 //
-// One decode call is up to three launches on one stream, all reading one DecodeParams (by value; the launcher,
+// One decode call is one or two launches on one stream, both reading one DecodeParams (by value; the launcher,
 // cuflash/_cuda/decode.py:DecodeLaunch, fills it once per planned shape and rewrites only its pointers per step):
 //
 // decode_append_kernel [decode append]: one block per new token (b, i), its threads over (key/value head, column),
 // writes k and v into slot cache_seqlens[b] + i of both caches before the attention reads them.
 //
-// flash_decode_kernel: one thread block per (key/value head x packed-row tile, split, sequence). GQA packing
+// The split kernel, one thread block per (key/value head x packed-row tile, split, sequence). GQA packing
 // [decode pack]: the rows of a block are packed rows r = t * group + g (query token t, query head
-// h_kv * group + g), 16 of them (one mma row tile), so every query head that reads a key/value head is
-// computed from one load of each K/V tile. [decode split]: the block walks its part of the sequence's key
-// tiles (cuflash/_blocks.py:split_range over the tiles the rows see), loading K and V tiles of kBlockN keys
-// through a two-stage cp.async ring; [decode page]: key j of the sequence is cache slot leftpad + j, found
-// through the block table (kPaged) or in cache row cache_batch_idx[b]. Each of the kNWarps warps takes
-// kBlockN / kNWarps keys of every tile and keeps its own online softmax (m, l, O) of the 16 rows; at the
-// end the warps' states are combined through shared memory (the same exact merge as [decode merge]) and the
-// block writes its normalized partial O (float32) and lse per row into the workspace, or, with one split, the
-// output in the input dtype and lse directly.
+// h_kv * group + g), so every query head that reads a key/value head is computed from one load of each K/V
+// tile. [decode split]: the block walks its part of the sequence's key tiles (cuflash/_blocks.py:split_range
+// over the tiles the rows see), loading K and V tiles of kBlockN keys through a two-stage cp.async ring;
+// [decode page]: key j of the sequence is cache slot leftpad + j, found through the block table (kPaged) or in
+// cache row cache_batch_idx[b]. With one split the block writes the output in the input dtype and lse; else
+// its normalized partial O (float32) and lse per row into the workspace, and the last of the splits of its
+// rows to finish merges them ([decode merge], merge_tail: no third launch). Two bodies:
+//   flash_decode_kernel (head dims 32..128): 16 packed rows; each of the kNWarps warps takes kBlockN / kNWarps
+//     keys of every tile and keeps its own online softmax (m, l, O) of the 16 rows, combined through shared
+//     memory at the end (the same exact merge as [decode merge]).
+//   flash_decode_wide_kernel (head dims 256 and MLA's 576 / 512): kBlockM = 16 x kRowGroups packed rows, and
+//     the warps of a row group split the columns of O (an O of 16 rows x 512 columns does not fit one warp's
+//     registers): for S each takes kBlockN / kColSplit keys, the row maxima are exchanged through shared
+//     memory, and P (16-bit, in shared memory) multiplies each warp's columns of V. With kSharedKV, V is the
+//     first kHeadDimV columns of the K tile (MLA: v_cache = k_cache[..., :dv]), loaded once.
 //
-// decode_merge_kernel [decode merge]: one warp per query row (b, h, t) combines the splits' partial rows
-// (cuflash/_merge.py:merge_stacked) into the output in the input dtype and lse.
+// decode_merge_kernel [decode merge]: the same merge by itself, one warp per query row (b, h, t)
+// (cuflash/_merge.py:merge_stacked; cuflash._cuda.decode.merge_partials).
 //
 // Masks and mods of a packed row (query token t of a sequence of len_q tokens, len_k keys): key j is seen iff
 // j < len_k, j <= t + len_k - len_q + right (causal: right = 0) and j >= t + len_k - len_q - left; softcap and
 // ALiBi (slope of the row's query head) on the raw score as in variants.cuh.
 //
-// Shared memory of flash_decode_kernel (16-bit): Q 16 x d + 2 stages x (K + V) kBlockN x d; the float32 warp
-// states reuse the K/V ring at the end (kNWarps x 16 x (d + 2) floats). The append and merge kernels use none.
+// Shared memory (16-bit tiles): flash_decode_kernel Q 16 x d + 2 stages x (K + V) kBlockN x d, the float32 warp
+// states reusing the K/V ring at the end (kNWarps x 16 x (d + 2) floats); flash_decode_wide_kernel Q kBlockM x d
+// + 2 stages x (K kBlockN x d + V kBlockN x dv unless kSharedKV) + P kBlockM x kBlockN + 2 x kBlockM x
+// kColSplit floats (MLA, 64 rows and 64 keys: 225 KiB). The append and merge kernels use none (the fused merge
+// one int).
 #include "cuflash_tiles.cuh"
 
 namespace cuflash {
@@ -43,6 +52,7 @@ struct DecodeParams {
     float* lse;                  // (batch, heads_q, seqlen_q), contiguous
     float* o_part;               // (splits, batch, heads_q, seqlen_q, dv) float32 workspace, or null (one split)
     float* lse_part;             // (splits, batch, heads_q, seqlen_q)
+    int* split_count;            // (batch, grid x) finished splits per block column, zero between launches
     const int* cache_seqlens;    // (batch,) slots used before this call's append
     const int* cache_leftpad;    // (batch,) first used slot, or null (0)
     const int* cache_batch_idx;  // (batch,) cache row of each sequence, or null (b); contiguous caches only
@@ -93,6 +103,170 @@ __global__ void __launch_bounds__(128) decode_append_kernel(const DecodeParams p
     }
 }
 
+// Loads through L2 only (ld.global.cg): the fused merge reads partials that other blocks of the same launch
+// wrote, which an SM's L1 (not coherent between SMs) must not serve.
+__device__ __forceinline__ float ld_cg(const float* ptr) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(ptr));
+    return v;
+}
+__device__ __forceinline__ float4 ld_cg4(const float4* ptr) {
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(ptr));
+    return v;
+}
+
+// [decode merge] The splits' partial rows of one query row combined exactly (cuflash/_merge.py:merge_stacked):
+// lse = top + log sum_s exp(lse_s - top) with top the largest lse_s (0 when every part is empty), then
+// o = sum_s exp(lse_s - lse) o_s, written in the input dtype at out's strides, lse in float32. A part with
+// lse_s = -inf weighs 0 (and is not read); a row whose parts are all empty gets o = 0 and lse = -inf.
+// One warp per row (b, h, t) in lse's order; each lane holds kHeadDimV / 128 float4 chunks of the row. The
+// partials are read through L2 (ld.global.cg): in the fused merge other blocks of the same launch wrote them.
+template <class T, int kHeadDimV>
+__device__ __forceinline__ void merge_row(const DecodeParams& p, i64 row, int lane) {
+    static_assert(kHeadDimV % 4 == 0, "rows of float4 chunks");
+    constexpr int kChunks = kHeadDimV / 4, kPerLane = (kChunks + 31) / 32;
+    const i64 rows = (i64)p.batch * p.heads_q * p.seqlen_q;  // rows of one split
+    const int splits = p.num_splits;
+    const float* lse_s = p.lse_part + row;  // part s at lse_s[s * rows]
+
+    // [decode merge] lse = log sum_s exp(lse_s): the largest part sets the scale (no overflow)
+    float top = -CUFLASH_INF;
+    for (int s = lane; s < splits; s += 32) top = fmaxf(top, ld_cg(lse_s + s * rows));
+    top = warp_max(top);
+    const float top_safe = top == -CUFLASH_INF ? 0.f : top;  // a row of only empty parts: exp(-inf - 0) = 0
+    float total = 0.f;
+    for (int s = lane; s < splits; s += 32) total += expf(ld_cg(lse_s + s * rows) - top_safe);
+    total = warp_sum(total);
+    const bool seen = total > 0.f;
+    const float lse = seen ? top_safe + logf(total) : -CUFLASH_INF;
+    const float lse_use = seen ? lse : 0.f;
+
+    // [decode merge] o = sum_s exp(lse_s - lse) o_s
+    float4 acc[kPerLane];
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s = 0; s < splits; ++s) {
+        const float w = expf(ld_cg(lse_s + s * rows) - lse_use);  // 0 for an empty part and a row that saw no key
+        if (w == 0.f) continue;
+        const float4* src = reinterpret_cast<const float4*>(p.o_part + (s * rows + row) * kHeadDimV);
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) {
+            const int c = lane + 32 * i;
+            if (kChunks % 32 != 0 && c >= kChunks) break;
+            const float4 x = ld_cg4(src + c);
+            acc[i].x += w * x.x;
+            acc[i].y += w * x.y;
+            acc[i].z += w * x.z;
+            acc[i].w += w * x.w;
+        }
+    }
+    const int t = (int)(row % p.seqlen_q), h = (int)(row / p.seqlen_q % p.heads_q), b = (int)(row / p.seqlen_q / p.heads_q);
+    u16* dst = p.out + b * p.o_sb + (i64)t * p.o_ss + (i64)h * p.o_sh;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+        const int c = lane + 32 * i;
+        if (kChunks % 32 != 0 && c >= kChunks) break;
+        // element stores: out= may have any strides with a contiguous last axis (no alignment beyond 2 bytes)
+        const u32 lo = Elem<T>::pack(acc[i].x, acc[i].y), hi = Elem<T>::pack(acc[i].z, acc[i].w);
+        dst[4 * c] = static_cast<u16>(lo & 0xffffu);
+        dst[4 * c + 1] = static_cast<u16>(lo >> 16);
+        dst[4 * c + 2] = static_cast<u16>(hi & 0xffffu);
+        dst[4 * c + 3] = static_cast<u16>(hi >> 16);
+    }
+    if (lane == 0) p.lse[row] = lse;
+}
+
+// [decode merge] fused into the split kernel: once a block has written its partials, the last of the num_splits
+// blocks of its (sequence, block column) to finish merges that column's rows, one warp per row (the threadfence
+// reduction of the CUDA programming guide: each block's partials are fenced before it counts itself; the
+// counter is set back to 0 by the last block, so that the next launch, or a graph replay, starts from 0).
+template <class T, int kHeadDimV, int kRows, int kNWarps>
+__device__ __forceinline__ void merge_tail(const DecodeParams& p, int r0, int tid) {
+    __shared__ int s_last;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        int* counter = p.split_count + (i64)blockIdx.z * gridDim.x + blockIdx.x;
+        const bool last = atomicAdd(counter, 1) == p.num_splits - 1;
+        if (last) atomicExch(counter, 0);
+        s_last = last;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    const int group = p.group, packed = p.seqlen_q * group, b = blockIdx.z, h_kv = blockIdx.x / p.row_tiles;
+    for (int r = tid >> 5; r < kRows && r0 + r < packed; r += kNWarps) {
+        const int pr = r0 + r, tq = pr / group, hq = h_kv * group + pr % group;
+        merge_row<T, kHeadDimV>(p, ((i64)b * p.heads_q + hq) * p.seqlen_q + tq, tid & 31);
+    }
+}
+
+// [decode pack] the block's kRows packed rows of q, r0.., into a swizzled tile (rows past the packed ones as zeros).
+template <int kRows, int kHeadDim, int kThreads>
+__device__ __forceinline__ void load_packed_q(u16* sQ, const DecodeParams& p, int b, int h_kv, int r0, int packed,
+                                              int tid) {
+    const int group = p.group;
+    for (int i = tid; i < kRows * (kHeadDim / 8); i += kThreads) {
+        const int r = i / (kHeadDim / 8), c = i % (kHeadDim / 8);
+        const int pr = r0 + r;
+        const bool valid = pr < packed;
+        const u16* src = valid ? p.q + b * p.q_sb + (i64)(pr / group) * p.q_ss + (i64)(h_kv * group + pr % group) * p.q_sh + c * 8
+                               : p.q;
+        cp_async_16(smem_u32(sQ + Swizzle<kHeadDim>::offset(r, c)), src, valid);
+    }
+}
+
+// [decode split] The key tiles that packed rows [r0, r0 + kRows) see, and split `split`'s part of them
+// (cuflash/_blocks.py:split_range): tiles [part_first, part_end).
+template <int kRows, int kBlockN>
+__device__ __forceinline__ void split_part(const DecodeParams& p, int r0, int packed, int offset, int len_k, int split,
+                                           int& part_first, int& part_end) {
+    const int t_first = r0 / p.group, t_last = (min(r0 + kRows, packed) - 1) / p.group;  // the block's query tokens
+    int k_first = 0, k_end = len_k;
+    if (p.has_left) k_first = min(max(t_first + offset - p.window_left, 0), len_k);
+    if (p.has_right) k_end = min(max(t_last + offset + p.window_right + 1, 0), len_k);
+    const int tile_first = k_first / kBlockN, tile_end = k_end > k_first ? num_blocks<kBlockN>(k_end) : tile_first;
+    const int n_tiles = tile_end - tile_first;
+    part_first = tile_first + split * n_tiles / p.num_splits;
+    part_end = tile_first + (split + 1) * n_tiles / p.num_splits;
+}
+
+// Per lane: the query token and the ALiBi slope (raw-score units) of its rows g and g + 8 of the 16-row tile
+// whose first packed row is r0.
+__device__ __forceinline__ void packed_rows(const DecodeParams& p, int b, int h_kv, int r0, int packed, int g,
+                                            int (&row_t)[2], float (&slope)[2]) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int pr = r0 + g + 8 * hh;
+        row_t[hh] = pr / p.group;
+        slope[hh] = p.alibi_slopes && pr < packed
+                        ? p.alibi_slopes[b * p.alibi_sb + h_kv * p.group + pr % p.group] * p.inv_scale : 0.f;
+    }
+}
+
+// [variant mod], [variant mask] of a score block of the packed rows (kNT n8 tiles of the lane's rows g, g + 8;
+// element e of tile nt is key key0 + 8 nt + 2 t4 + e % 2), then the scale for exp2; unseen keys -> -inf.
+template <int kNT>
+__device__ __forceinline__ void mod_mask_scale(float (&s)[kNT][4], const DecodeParams& p, int key0, const int (&row_t)[2],
+                                               const float (&slope)[2], int offset, int len_k, int t4) {
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int hh = e >> 1, key = key0 + nt * 8 + 2 * t4 + (e & 1);
+            const int tq = row_t[hh];
+            float x = s[nt][e];
+            if (p.softcap_a != 0.f) x = p.softcap_b * tanhf(p.softcap_a * x);
+            x -= slope[hh] * fabsf((float)(tq + offset - key));
+            bool seen = key < len_k;
+            if (p.has_right) seen = seen && key <= tq + offset + p.window_right;
+            if (p.has_left) seen = seen && key >= tq + offset - p.window_left;
+            s[nt][e] = seen ? x * p.scale_log2 : -CUFLASH_INF;
+        }
+    }
+}
+
 template <int kHeadDim, int kBlockN, int kNWarps>
 struct DecodeConfig {
     static constexpr int kRows = 16;
@@ -102,13 +276,15 @@ struct DecodeConfig {
 };
 
 // K or V rows [n0, n0 + kBlockN) of the sequence (cache slots leftpad + n0, ...) into a swizzled tile; keys past
-// len_k as zeros. base: the cache with the key/value head's offset applied.
-template <int kBlockN, int kHeadDim, int kThreads, bool kPaged>
+// len_k as zeros. base: the cache with the key/value head's offset applied. kUnroll: how many of a thread's
+// 16-byte copies are unrolled (all by default; the wide kernel issues its 576-wide tiles with fewer, so that the
+// addresses of the next tile do not compete for registers with its O accumulator).
+template <int kBlockN, int kHeadDim, int kThreads, bool kPaged, int kUnroll = (kBlockN * kHeadDim / 8 + kThreads - 1) / kThreads>
 __device__ __forceinline__ void load_cache_tile(u16* tile, const u16* base, i64 sb, i64 ss, const DecodeParams& p,
                                                 const int* pages, int cache_row, int slot0, int n0, int len_k, int tid) {
     constexpr int kChunks = kHeadDim / 8;
     constexpr int kTotal = kBlockN * kChunks;
-#pragma unroll
+#pragma unroll kUnroll
     for (int it = 0; it < (kTotal + kThreads - 1) / kThreads; ++it) {
         const int i = tid + it * kThreads;
         if (kTotal % kThreads != 0 && i >= kTotal) break;
@@ -128,7 +304,7 @@ __device__ __forceinline__ void load_cache_tile(u16* tile, const u16* base, i64 
 }
 
 template <class T, int kHeadDim, int kBlockN, int kNWarps, bool kPaged>
-__global__ void __launch_bounds__(kNWarps * 32)
+__global__ void __launch_bounds__(kNWarps * 32, 1)
 flash_decode_kernel(const DecodeParams p) {
     using Cfg = DecodeConfig<kHeadDim, kBlockN, kNWarps>;
     constexpr int kRows = Cfg::kRows, kTile = Cfg::kTile, kThreads = kNWarps * 32;
@@ -142,7 +318,6 @@ flash_decode_kernel(const DecodeParams p) {
     u16* sV = sK + 2 * kTile;
 
     // grid (heads_kv * row_tiles, splits, batch): x has no 65535 limit (a long chunked prefill has many row tiles)
-    const u16* __restrict__ q = p.q;
     const int row_tiles = p.row_tiles;
     const int split = blockIdx.y, b = blockIdx.z;
     const int h_kv = blockIdx.x / row_tiles, rt = blockIdx.x % row_tiles;
@@ -158,28 +333,13 @@ flash_decode_kernel(const DecodeParams p) {
     const int* pages = kPaged ? p.block_table + b * p.bt_sb : nullptr;
     const int cache_row = kPaged ? 0 : (p.cache_batch_idx ? p.cache_batch_idx[b] : b);
 
-    // The key tiles the block's rows see, and this split's part of them (cuflash/_blocks.py:split_range).
-    const int t_first = r0 / group, t_last = (min(r0 + kRows, packed) - 1) / group;  // the block's query tokens
-    int k_first = 0, k_end = len_k;
-    if (p.has_left) k_first = min(max(t_first + offset - p.window_left, 0), len_k);
-    if (p.has_right) k_end = min(max(t_last + offset + p.window_right + 1, 0), len_k);
-    const int tile_first = k_first / kBlockN, tile_end = k_end > k_first ? num_blocks<kBlockN>(k_end) : tile_first;
-    const int n_tiles = tile_end - tile_first;
-    const int part_first = tile_first + split * n_tiles / p.num_splits;
-    const int part_end = tile_first + (split + 1) * n_tiles / p.num_splits;
+    int part_first, part_end;
+    split_part<kRows, kBlockN>(p, r0, packed, offset, len_k, split, part_first, part_end);
 
     const u16* kbase = p.k_cache + (i64)h_kv * p.k_sh;
     const u16* vbase = p.v_cache + (i64)h_kv * p.v_sh;
 
-    // [decode pack] the block's 16 packed rows of q (rows past the packed ones as zeros).
-    for (int i = tid; i < kRows * (kHeadDim / 8); i += kThreads) {
-        const int r = i / (kHeadDim / 8), c = i % (kHeadDim / 8);
-        const int pr = r0 + r;
-        const bool valid = pr < packed;
-        const u16* src = valid ? q + b * p.q_sb + (i64)(pr / group) * p.q_ss + (i64)(h_kv * group + pr % group) * p.q_sh + c * 8
-                               : q;
-        cp_async_16(smem_u32(sQ + Swizzle<kHeadDim>::offset(r, c)), src, valid);
-    }
+    load_packed_q<kRows, kHeadDim, kThreads>(sQ, p, b, h_kv, r0, packed, tid);
     if (part_first < part_end) {
         load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged>(sK, kbase, p.k_sb, p.k_ss, p, pages, cache_row, leftpad,
                                                              part_first * kBlockN, len_k, tid);
@@ -188,16 +348,9 @@ flash_decode_kernel(const DecodeParams p) {
     }
     cp_async_commit();
 
-    // Per lane: rows g and g + 8 of the block; their query token and ALiBi slope.
     int row_t[2];
     float slope[2];
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const int pr = r0 + g + 8 * hh;
-        row_t[hh] = pr / group;
-        slope[hh] = p.alibi_slopes && pr < packed
-                        ? p.alibi_slopes[b * p.alibi_sb + h_kv * group + pr % group] * p.inv_scale : 0.f;
-    }
+    packed_rows(p, b, h_kv, r0, packed, g, row_t, slope);
 
     float acc[kDT][4];
 #pragma unroll
@@ -236,22 +389,7 @@ flash_decode_kernel(const DecodeParams p) {
             }
         }
         // [variant mod], [variant mask] of the packed rows, then the scale for exp2.
-        const int key0 = j * kBlockN + warp * kWN;
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int hh = e >> 1, key = key0 + nt * 8 + 2 * t4 + (e & 1);
-                const int tq = row_t[hh];
-                float x = s[nt][e];
-                if (p.softcap_a != 0.f) x = p.softcap_b * tanhf(p.softcap_a * x);
-                x -= slope[hh] * fabsf((float)(tq + offset - key));
-                bool seen = key < len_k;
-                if (p.has_right) seen = seen && key <= tq + offset + p.window_right;
-                if (p.has_left) seen = seen && key >= tq + offset - p.window_left;
-                s[nt][e] = seen ? x * p.scale_log2 : -CUFLASH_INF;
-            }
-        }
+        mod_mask_scale(s, p, j * kBlockN + warp * kWN, row_t, slope, offset, len_k, t4);
         // [fa2-fwd 3], [fa2-fwd 4]
         sm.update(s, acc);
         // [fa2-fwd 5] acc += P V_w
@@ -321,69 +459,232 @@ flash_decode_kernel(const DecodeParams p) {
             if (c == 0) p.lse_part[rowi] = lse;
         }
     }
+    if (p.num_splits > 1) merge_tail<T, kHeadDim, kRows, kNWarps>(p, r0, tid);
 }
 
-// [decode merge] The splits' partial rows of one query row combined exactly (cuflash/_merge.py:merge_stacked):
-// lse = top + log sum_s exp(lse_s - top) with top the largest lse_s (0 when every part is empty), then
-// o = sum_s exp(lse_s - lse) o_s, written in the input dtype at out's strides, lse in float32. A part with
-// lse_s = -inf weighs 0 (and is not read); a row whose parts are all empty gets o = 0 and lse = -inf.
-// One warp per row (b, h, t), 4 rows per block; each lane holds kHeadDim / 128 float4 chunks of the row.
-template <class T, int kHeadDim>
-__global__ void __launch_bounds__(128) decode_merge_kernel(const DecodeParams p) {
-    static_assert(kHeadDim % 4 == 0, "rows of float4 chunks");
-    constexpr int kChunks = kHeadDim / 4, kPerLane = (kChunks + 31) / 32;
-    const int lane = threadIdx.x & 31;
-    const i64 rows = (i64)p.batch * p.heads_q * p.seqlen_q;  // rows of one split
-    const i64 row = (i64)blockIdx.x * 4 + (threadIdx.x >> 5);  // (b, h, t) in lse's order
-    if (row >= rows) return;
-    const int splits = p.num_splits;
-    const float* lse_s = p.lse_part + row;  // part s at lse_s[s * rows]
 
-    // [decode merge] lse = log sum_s exp(lse_s): the largest part sets the scale (no overflow)
-    float top = -CUFLASH_INF;
-    for (int s = lane; s < splits; s += 32) top = fmaxf(top, lse_s[s * rows]);
-    top = warp_max(top);
-    const float top_safe = top == -CUFLASH_INF ? 0.f : top;  // a row of only empty parts: exp(-inf - 0) = 0
-    float total = 0.f;
-    for (int s = lane; s < splits; s += 32) total += expf(lse_s[s * rows] - top_safe);
-    total = warp_sum(total);
-    const bool seen = total > 0.f;
-    const float lse = seen ? top_safe + logf(total) : -CUFLASH_INF;
-    const float lse_use = seen ? lse : 0.f;
+// The cache a flash_decode_wide_kernel reads: V's head dim, whether V is the first kHeadDimV columns of the K
+// cache (MLA's v_cache = k_cache[..., :dv]: each K tile serves as the V tile, one load for both), paged or not.
+template <int kHeadDimV_, bool kSharedKV_, bool kPaged_>
+struct DecodeCache {
+    static constexpr int kHeadDimV = kHeadDimV_;
+    static constexpr bool kSharedKV = kSharedKV_;
+    static constexpr bool kPaged = kPaged_;
+};
 
-    // [decode merge] o = sum_s exp(lse_s - lse) o_s
-    float4 acc[kPerLane];
+template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Cache>
+struct WideDecodeConfig {
+    static constexpr int kHeadDimV = Cache::kHeadDimV;
+    static constexpr int kRowGroups = kBlockM / 16;            // 16-row mma tiles of packed rows
+    static constexpr int kColSplit = kNWarps / kRowGroups;     // warps per row group, splitting keys (S), columns (O)
+    static constexpr int kWN = kBlockN / kColSplit;            // keys of S per warp
+    static constexpr int kWV = kHeadDimV / kColSplit;          // columns of O per warp
+    static constexpr int kTileK = kBlockN * kHeadDim, kTileV = Cache::kSharedKV ? 0 : kBlockN * kHeadDimV;
+    static constexpr int kVWidth = Cache::kSharedKV ? kHeadDim : kHeadDimV;  // row length of the tile V is read from
+    static constexpr int kSmemBytes = 2 * (kBlockM * kHeadDim + 2 * (kTileK + kTileV) + kBlockM * kBlockN)
+                                      + 2 * 4 * kBlockM * kColSplit;
+    static_assert(kBlockM % 16 == 0 && kNWarps % kRowGroups == 0, "whole row groups");
+    static_assert(kWN % 16 == 0 && kWV % 16 == 0 && kBlockN % 32 == 0, "warp tiles of 16 keys and 16 columns");
+    static_assert(kHeadDimV <= kHeadDim || !Cache::kSharedKV, "V within the K tile");
+};
+
+// One block of kBlockM packed rows (kRowGroups tiles of 16) over one split's key tiles, for head dims whose O
+// does not fit a warp's registers at 16 rows (256; MLA's 576 / 512). Warp w is row group rg = w / kColSplit and
+// column part cs = w % kColSplit. Per tile: S of its 16 rows and its kWN keys ([fa2-fwd 2]); the row maxima of
+// the kColSplit warps exchanged through shared memory, so that every warp rescales with the same new max
+// ([fa2-fwd 3]); P of its keys to shared memory (16-bit, as the reference casts P) and its own partial row
+// sums ([fa2-fwd 4]); then O[:, its kWV columns] += P (all kBlockN keys) V ([fa2-fwd 5]). At the end the row
+// sums of the column parts are added ([fa2-fwd 6]) and each warp writes its columns.
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Cache>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+flash_decode_wide_kernel(const DecodeParams p) {
+    using Cfg = WideDecodeConfig<kHeadDim, kBlockM, kBlockN, kNWarps, Cache>;
+    constexpr int kDV = Cfg::kHeadDimV, kColSplit = Cfg::kColSplit, kWN = Cfg::kWN, kWV = Cfg::kWV;
+    constexpr int kThreads = kNWarps * 32, kTileK = Cfg::kTileK, kTileV = Cfg::kTileV, kVWidth = Cfg::kVWidth;
+    constexpr bool kPaged = Cache::kPaged, kSharedKV = Cache::kSharedKV;
+    constexpr int kNT = kWN / 8, kDT = kWV / 8, kKT = kHeadDim / 16;
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    u16* sQ = reinterpret_cast<u16*>(smem_raw);
+    u16* sK = sQ + kBlockM * kHeadDim;
+    u16* sV = sK + 2 * kTileK;                                       // (unused with kSharedKV)
+    u16* sP = sV + 2 * kTileV;                                       // kBlockM x kBlockN, swizzled
+    float* sMax = reinterpret_cast<float*>(sP + kBlockM * kBlockN);  // kBlockM x kColSplit
+    float* sSum = sMax + kBlockM * kColSplit;
+
+    const int row_tiles = p.row_tiles;
+    const int split = blockIdx.y, b = blockIdx.z;
+    const int h_kv = blockIdx.x / row_tiles, rt = blockIdx.x % row_tiles;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int rg = warp / kColSplit, cs = warp % kColSplit;
+    const int group = p.group, seqlen_q = p.seqlen_q;
+    const int packed = seqlen_q * group;
+    const int r0 = rt * kBlockM;          // first packed row of the block
+    const int rw = rg * 16;               // first row of this warp's row group within the block
+
+    const int leftpad = p.cache_leftpad ? p.cache_leftpad[b] : 0;
+    const int len_k = p.cache_seqlens[b] + p.seqlen_new - leftpad;
+    const int offset = len_k - seqlen_q;
+    const int* pages = kPaged ? p.block_table + b * p.bt_sb : nullptr;
+    const int cache_row = kPaged ? 0 : (p.cache_batch_idx ? p.cache_batch_idx[b] : b);
+
+    int part_first, part_end;
+    split_part<kBlockM, kBlockN>(p, r0, packed, offset, len_k, split, part_first, part_end);
+
+    const u16* kbase = p.k_cache + (i64)h_kv * p.k_sh;
+    const u16* vbase = p.v_cache + (i64)h_kv * p.v_sh;
+    auto load_tiles = [&](int j, int buf) {
+        load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged, 1>(sK + buf * kTileK, kbase, p.k_sb, p.k_ss, p, pages,
+                                                                cache_row, leftpad, j * kBlockN, len_k, tid);
+        if constexpr (!kSharedKV) {
+            load_cache_tile<kBlockN, kDV, kThreads, kPaged, 1>(sV + buf * kTileV, vbase, p.v_sb, p.v_ss, p, pages,
+                                                            cache_row, leftpad, j * kBlockN, len_k, tid);
+        }
+    };
+
+    load_packed_q<kBlockM, kHeadDim, kThreads>(sQ, p, b, h_kv, r0, packed, tid);
+    if (part_first < part_end) load_tiles(part_first, 0);
+    cp_async_commit();
+
+    int row_t[2];
+    float slope[2];
+    packed_rows(p, b, h_kv, r0 + rw, packed, g, row_t, slope);
+
+    float acc[kDT][4];
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s = 0; s < splits; ++s) {
-        const float w = expf(lse_s[s * rows] - lse_use);  // 0 for an empty part and for a row that saw no key
-        if (w == 0.f) continue;
-        const float4* src = reinterpret_cast<const float4*>(p.o_part + (s * rows + row) * kHeadDim);
+    for (int dt = 0; dt < kDT; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.f;
+    float m[2] = {-CUFLASH_INF, -CUFLASH_INF}, l[2] = {0.f, 0.f};  // l: this warp's keys only
+
+    for (int j = part_first; j < part_end; ++j) {
+        const int buf = (j - part_first) & 1;
+        cp_async_wait<0>();  // Q and tile j have landed
+        __syncthreads();     // ... for every thread; and every warp is done with tile j - 1, sP and sMax
+        if (j + 1 < part_end) load_tiles(j + 1, buf ^ 1);
+        cp_async_commit();
+        const u16* tK = sK + buf * kTileK;
+        const u16* tV = kSharedKV ? tK : sV + buf * kTileV;
+
+        // [fa2-fwd 2] S = Q_rg K^T over this warp's kWN keys of the tile.
+        float s[kNT][4];
 #pragma unroll
-        for (int i = 0; i < kPerLane; ++i) {
-            const int c = lane + 32 * i;
-            if (kChunks % 32 != 0 && c >= kChunks) break;
-            const float4 x = src[c];
-            acc[i].x += w * x.x;
-            acc[i].y += w * x.y;
-            acc[i].z += w * x.z;
-            acc[i].w += w * x.w;
+        for (int nt = 0; nt < kNT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll 4
+        for (int kk = 0; kk < kKT; ++kk) {
+            u32 a[4];
+            load_a<kHeadDim>(a, sQ, rw, kk, lane);
+#pragma unroll
+            for (int np = 0; np < kNT / 2; ++np) {
+                u32 bf[4];
+                load_b_nk<kHeadDim>(bf, tK, cs * kWN + np * 16, kk, lane);
+                Elem<T>::mma(s[2 * np], a, bf[0], bf[1]);
+                Elem<T>::mma(s[2 * np + 1], a, bf[2], bf[3]);
+            }
+        }
+        mod_mask_scale(s, p, j * kBlockN + cs * kWN, row_t, slope, offset, len_k, t4);
+
+        // [fa2-fwd 3] the row max over the whole tile: each warp's, exchanged through shared memory
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            float mx = -CUFLASH_INF;
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * hh], s[nt][2 * hh + 1]));
+            mx = quad_max(mx);
+            if (t4 == 0) sMax[(rw + g + 8 * hh) * kColSplit + cs] = mx;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int r = rw + g + 8 * hh;
+            float mx = m[hh];
+#pragma unroll
+            for (int c = 0; c < kColSplit; ++c) mx = fmaxf(mx, sMax[r * kColSplit + c]);
+            // A row that has seen only masked keys keeps m = -inf; exp2(-inf - 0) = 0 and no NaN.
+            const float m_use = mx == -CUFLASH_INF ? 0.f : mx;
+            const float corr = fast_exp2(m[hh] - m_use);
+            m[hh] = mx;
+            // [fa2-fwd 4] P = exp2(S - m) (to shared memory in the input dtype), l += rowsum(P) of this warp's keys
+            float sum = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt) {
+                const float p0 = fast_exp2(s[nt][2 * hh] - m_use), p1 = fast_exp2(s[nt][2 * hh + 1] - m_use);
+                sum += p0 + p1;
+                const int col = cs * kWN + nt * 8 + 2 * t4;
+                *reinterpret_cast<u32*>(sP + Swizzle<kBlockN>::offset(r, col / 8) + col % 8) = Elem<T>::pack(p0, p1);
+            }
+            l[hh] = l[hh] * corr + sum;
+#pragma unroll
+            for (int dt = 0; dt < kDT; ++dt) {
+                acc[dt][2 * hh] *= corr;
+                acc[dt][2 * hh + 1] *= corr;
+            }
+        }
+        __syncthreads();  // P of every column part is in sP
+
+        // [fa2-fwd 5] O[:, this warp's columns] += P V
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+            u32 a[4];
+            load_a<kBlockN>(a, sP, rw, kk, lane);
+#pragma unroll
+            for (int np = 0; np < kDT / 2; ++np) {
+                u32 bf[4];
+                load_b_kn<kVWidth>(bf, tV, kk * 16, cs * (kWV / 16) + np, lane);
+                Elem<T>::mma(acc[2 * np], a, bf[0], bf[1]);
+                Elem<T>::mma(acc[2 * np + 1], a, bf[2], bf[3]);
+            }
         }
     }
-    const int t = (int)(row % p.seqlen_q), h = (int)(row / p.seqlen_q % p.heads_q), b = (int)(row / p.seqlen_q / p.heads_q);
-    u16* dst = p.out + b * p.o_sb + (i64)t * p.o_ss + (i64)h * p.o_sh;
+    cp_async_wait<0>();
+
+    // [fa2-fwd 6] the row sums of the column parts added; O / l and lse per row (lse = (m + log2 l) ln 2).
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-        const int c = lane + 32 * i;
-        if (kChunks % 32 != 0 && c >= kChunks) break;
-        // element stores: out= may have any strides with a contiguous last axis (no alignment beyond 2 bytes)
-        const u32 lo = Elem<T>::pack(acc[i].x, acc[i].y), hi = Elem<T>::pack(acc[i].z, acc[i].w);
-        dst[4 * c] = static_cast<u16>(lo & 0xffffu);
-        dst[4 * c + 1] = static_cast<u16>(lo >> 16);
-        dst[4 * c + 2] = static_cast<u16>(hi & 0xffffu);
-        dst[4 * c + 3] = static_cast<u16>(hi >> 16);
+    for (int hh = 0; hh < 2; ++hh) {
+        const float lq = quad_sum(l[hh]);
+        if (t4 == 0) sSum[(rw + g + 8 * hh) * kColSplit + cs] = lq;
     }
-    if (lane == 0) p.lse[row] = lse;
+    __syncthreads();
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int r = rw + g + 8 * hh, pr = r0 + r;
+        if (pr >= packed) continue;
+        float lt = 0.f;
+#pragma unroll
+        for (int c = 0; c < kColSplit; ++c) lt += sSum[r * kColSplit + c];
+        const float m_use = m[hh] == -CUFLASH_INF ? 0.f : m[hh];
+        const float inv = lt > 0.f ? 1.f / lt : 0.f;
+        const float lse = lt > 0.f ? (m_use + log2f(lt)) * kLn2 : -CUFLASH_INF;
+        const int tq = pr / group, hq = h_kv * group + pr % group;
+        if (p.num_splits == 1) {
+            u16* dst = p.out + b * p.o_sb + (i64)tq * p.o_ss + (i64)hq * p.o_sh + cs * kWV + 2 * t4;
+#pragma unroll
+            for (int dt = 0; dt < kDT; ++dt) {
+                // element stores: out= may have any strides with a contiguous last axis (2-byte alignment)
+                const u32 v = Elem<T>::pack(acc[dt][2 * hh] * inv, acc[dt][2 * hh + 1] * inv);
+                dst[dt * 8] = static_cast<u16>(v & 0xffffu);
+                dst[dt * 8 + 1] = static_cast<u16>(v >> 16);
+            }
+            if (cs == 0 && t4 == 0) p.lse[((i64)b * p.heads_q + hq) * seqlen_q + tq] = lse;
+        } else {
+            const i64 rowi = (((i64)split * p.batch + b) * p.heads_q + hq) * seqlen_q + tq;
+            float* dst = p.o_part + rowi * kDV + cs * kWV + 2 * t4;
+#pragma unroll
+            for (int dt = 0; dt < kDT; ++dt)
+                *reinterpret_cast<float2*>(dst + dt * 8) = make_float2(acc[dt][2 * hh] * inv, acc[dt][2 * hh + 1] * inv);
+            if (cs == 0 && t4 == 0) p.lse_part[rowi] = lse;
+        }
+    }
+    if (p.num_splits > 1) merge_tail<T, kDV, kBlockM, kNWarps>(p, r0, tid);
+}
+
+
+// [decode merge] by itself: one warp per query row, 4 rows per block (cuflash._cuda.decode.merge_partials; the
+// decode launches merge inside the split kernel, merge_tail below).
+template <class T, int kHeadDimV>
+__global__ void __launch_bounds__(128) decode_merge_kernel(const DecodeParams p) {
+    const i64 rows = (i64)p.batch * p.heads_q * p.seqlen_q;
+    const i64 row = (i64)blockIdx.x * 4 + (threadIdx.x >> 5);
+    if (row < rows) merge_row<T, kHeadDimV>(p, row, threadIdx.x & 31);
 }
 
 }  // namespace cuflash

@@ -20,12 +20,14 @@ from _helpers import assert_within_budget, rounding_floor
 pytestmark = pytest.mark.gpu
 
 
-def _case(rng, *, batch, heads_q, heads_kv, d, seqlen_q, seqlen_new, capacity, page_size, dtype):
-    """q, the caches (paged when page_size), the new k, v, cache_seqlens and block_table (NumPy)."""
+def _case(rng, *, batch, heads_q, heads_kv, d, seqlen_q, seqlen_new, capacity, page_size, dtype, dv=None):
+    """q, the caches (paged when page_size), the new k, v, cache_seqlens and block_table (NumPy). With ``dv``
+    (MLA): v_cache is k_cache[..., :dv], a view, and v has head dim dv."""
     q = rng.standard_normal((batch, seqlen_q, heads_q, d)).astype(dtype)
     k = v = None
     if seqlen_new:
-        k, v = (rng.standard_normal((batch, seqlen_new, heads_kv, d)).astype(dtype) for _ in range(2))
+        k = rng.standard_normal((batch, seqlen_new, heads_kv, d)).astype(dtype)
+        v = rng.standard_normal((batch, seqlen_new, heads_kv, dv or d)).astype(dtype)
     seqlens = rng.integers(0, capacity - seqlen_new + 1, batch).astype(np.int32)
     seqlens[0] = capacity - seqlen_new  # one full sequence
     if page_size:
@@ -36,6 +38,8 @@ def _case(rng, *, batch, heads_q, heads_kv, d, seqlen_q, seqlen_new, capacity, p
         table = None
         shape = (batch, capacity, heads_kv, d)
     k_cache, v_cache = (rng.standard_normal(shape).astype(dtype) for _ in range(2))
+    if dv is not None:
+        v_cache = k_cache[..., :dv]
     return q, k_cache, v_cache, k, v, seqlens, table
 
 
@@ -53,6 +57,13 @@ CASES = {  # label: (batch, heads_q, heads_kv, d, seqlen_q, seqlen_new, capacity
     "mqa-window-softcap": (2, 8, 1, 96, 3, 0, 400, None, dict(causal=True, window_size=(100, 0), softcap=20.0)),
     "alibi-splits": (1, 4, 4, 32, 1, 1, 4096, 64, dict(causal=True, alibi_slopes="heads", num_splits=7)),
     "many-splits-long": (1, 32, 8, 128, 1, 1, 16384, None, dict(causal=True)),
+    # head dim 256 (flash_decode_wide_kernel: one row group, the warps splitting O's columns)
+    "d256-gqa8-paged16": (2, 16, 2, 256, 1, 1, 700, 16, dict(causal=True)),
+    "d256-spec3-window": (2, 8, 4, 256, 3, 3, 300, None, dict(causal=True, window_size=(90, 0), softcap=30.0)),
+    # MLA, absorbed (DeepSeek-V3's shape, fewer heads): one latent head of 576 = 512 + 64 rope, V the first 512
+    # columns of the K cache; 64 packed rows per block (a token's heads span two blocks at 80 heads)
+    "mla-paged64-spec2": (2, 80, 1, 576, 2, 2, 700, 64, dict(causal=True, mla=512)),
+    "mla-contiguous-alibi": (3, 16, 1, 576, 1, 1, 300, None, dict(causal=True, mla=512, alibi_slopes="heads")),
 }
 
 
@@ -64,9 +75,12 @@ def test_decode_against_the_truth(requires_gpu, label, dtname, splits):
     batch, hq, hkv, d, sq, snew, cap, page, opts = CASES[label]
     rng = np.random.default_rng(len(label) * 31 + len(dtname))
     dtype = DTYPES[dtname]
-    q, k_cache, v_cache, k, v, seqlens, table = _case(rng, batch=batch, heads_q=hq, heads_kv=hkv, d=d, seqlen_q=sq,
-                                                     seqlen_new=snew, capacity=cap, page_size=page, dtype=dtype)
     opts = dict(opts)
+    dv = opts.pop("mla", None)
+    q, k_cache, v_cache, k, v, seqlens, table = _case(rng, batch=batch, heads_q=hq, heads_kv=hkv, d=d, seqlen_q=sq,
+                                                     seqlen_new=snew, capacity=cap, page_size=page, dtype=dtype, dv=dv)
+    if dv is not None:
+        opts["softmax_scale"] = 1 / np.sqrt(192)  # DeepSeek's: the unabsorbed head dim, 128 + 64
     if splits is not None:
         opts["num_splits"] = splits
     if opts.get("alibi_slopes") == "heads":
@@ -90,14 +104,18 @@ def test_decode_against_the_truth(requires_gpu, label, dtname, splits):
     def host(x):
         return None if x is None else np.array(x, dtype=np.float64)
 
+    def caches(k_cache, v_cache, copy):  # its own copy of both (MLA: v_cache a view of the copy of k_cache)
+        kc = copy(k_cache)
+        return (kc, kc[..., :dv]) if dv is not None else (kc, copy(v_cache))
+
     # truth (float64) and the same reference in the kernels' dtype, each on its own copy of the caches
-    k64, v64 = host(k_cache), host(v_cache)
+    k64, v64 = caches(k_cache, v_cache, host)
     out_t, lse_t = cuflash.attention_with_kvcache(host(q), k64, v64, host(k), host(v), **extra)
-    kn, vn = k_cache.copy(), v_cache.copy()
+    kn, vn = caches(k_cache, v_cache, np.copy)
     out_n, _ = cuflash.attention_with_kvcache(q, kn, vn, k, v, **extra)
 
     dev = {name: (cp.asarray(val) if isinstance(val, np.ndarray) else val) for name, val in extra.items()}
-    ck, cv = cp.asarray(k_cache), cp.asarray(v_cache)
+    ck, cv = caches(k_cache, v_cache, cp.asarray)
     poison(cp)
     out, lse = cuflash.attention_with_kvcache(cp.asarray(q), ck, cv, None if k is None else cp.asarray(k),
                                              None if v is None else cp.asarray(v), **dev)
@@ -108,6 +126,26 @@ def test_decode_against_the_truth(requires_gpu, label, dtname, splits):
     # the append wrote the same slots with the same values as the reference's, and nothing else
     assert np.array_equal(cp.asnumpy(ck).view(np.uint16), kn.view(np.uint16))
     assert np.array_equal(cp.asnumpy(cv).view(np.uint16), vn.view(np.uint16))
+
+
+def test_mla_needs_v_as_a_view_of_k(requires_gpu):
+    """MLA on the GPU reads V from the K tiles: a v_cache of its own is refused before anything is written, and so
+    is a later step of the same layouts whose v_cache is not k_cache's view."""
+    cp = requires_gpu
+    rng = np.random.default_rng(12)
+    q, k_cache, v_cache, k, v, seqlens, table = _case(rng, batch=1, heads_q=16, heads_kv=1, d=576, seqlen_q=1,
+                                                     seqlen_new=1, capacity=128, page_size=64,
+                                                     dtype=DTYPES["bfloat16"], dv=512)
+    ck = cp.asarray(k_cache)
+    before = ck.copy()
+    args = dict(cache_seqlens=cp.asarray(seqlens), block_table=cp.asarray(table), softmax_scale=0.07)
+    with pytest.raises(NotImplementedError, match=r"pass v_cache = k_cache\[\.\.\., :512\]"):
+        cuflash.attention_with_kvcache(cp.asarray(q), ck, cp.asarray(v_cache), cp.asarray(k), cp.asarray(v), **args)
+    assert cp.array_equal(ck.view(cp.uint16), before.view(cp.uint16))
+    cuflash.attention_with_kvcache(cp.asarray(q), ck, ck[..., :512], cp.asarray(k), cp.asarray(v), **args)
+    other = cp.asarray(k_cache)  # the same layout, but v_cache from another array
+    with pytest.raises(NotImplementedError, match="v_cache must be k_cache"):
+        cuflash.attention_with_kvcache(cp.asarray(q), ck, other[..., :512], cp.asarray(k), cp.asarray(v), **args)
 
 
 def test_splits_agree(requires_gpu):
@@ -310,7 +348,7 @@ def test_plan_run_in_a_cupy_graph(requires_gpu, paged):
         plan = cuflash.plan_kvcache(eager["q"], eager["k_cache"], eager["v_cache"], eager["k"], eager["v"],
                                     cache_seqlens=eager["cache_seqlens"], block_table=eager["block_table"],
                                     causal=True, out=eager["out"])
-        assert plan.num_splits > 1  # batch 2 x 2 heads: the merge kernel is in the graph
+        assert plan.num_splits > 1  # batch 2 x 2 heads: the split kernel merges (its counters reset each replay)
         graph_plan = cuflash.plan_kvcache(captured["q"], captured["k_cache"], captured["v_cache"], captured["k"],
                                           captured["v"], cache_seqlens=captured["cache_seqlens"],
                                           block_table=captured["block_table"], causal=True, out=captured["out"])

@@ -7,19 +7,23 @@ options decide, worked out once: the kernels (compiled, their function handles),
 float32 workspace of the splits' partial results, and the ``DecodeParams`` record with every planned field filled.
 Its :meth:`DecodeLaunch.run` writes the step's array pointers into that record and launches the kernels straight
 through the driver (``cuLaunchKernel`` with the record's address as the one argument): no allocation given ``out``
-and ``lse``, no host synchronization, nothing else on the host, so a step can be captured in a CUDA graph.
+and ``lse``, no host synchronization, nothing else on the host, so a step can be captured in a CUDA graph. A step
+is one launch, or two when it appends (the split kernel merges its splits itself). A step given the same array
+objects as the step before finds their addresses in the record already and only launches.
 :func:`forward_kvcache` (the backend interface of ``docs/architecture.md``) keeps the launches of recent calls,
 keyed by everything they depend on, so the front door pays the planning once per batch shape too;
 :func:`plan_kvcache` hands one to :class:`cuflash.DecodePlan`.
 
-What runs: head dims 32, 64, 96 and 128 with ``head_dim_v == head_dim``, float16 and bfloat16, contiguous or
-paged caches of any page size, GQA packing, causal (bottom-right) masks, windows, softcap and ALiBi. Rotary
-embedding runs as CuPy array operations (:func:`cuflash.reference_decode.apply_rotary`) before the kernels.
+What runs: head dims 32, 64, 96, 128 and 256 with ``head_dim_v == head_dim``, and MLA's absorbed decoding (head dim
+576, ``v_cache = k_cache[..., :512]``, on sm_90); float16 and bfloat16, contiguous or paged caches of any page size,
+GQA packing, causal (bottom-right) masks, windows, softcap and ALiBi. Rotary embedding runs as CuPy array
+operations (:func:`cuflash.reference_decode.apply_rotary`) before the kernels.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 
 import numpy as np
@@ -28,17 +32,21 @@ from .._kvcache import KVCache
 from .._variant import Variant
 from ..reference_decode import apply_rotary
 from .compile import check_smem, device_info, kernel, launch
-from .spec import CTYPES, DECODE_HEAD_DIMS, TILES
+from .spec import CTYPES, DECODE_HEAD_DIMS, DECODE_MLA_DIMS, decode_family
 from .spec import spec as kernel_spec
 
-__all__ = ["forward_kvcache", "plan_kvcache", "merge_partials", "DecodeLaunch", "DECODE_PARAMS_DTYPE",
-           "check_decode_supported"]
+__all__ = ["forward_kvcache", "plan_kvcache", "merge_partials", "DecodeLaunch", "CupyRuntime",
+           "DECODE_PARAMS_DTYPE", "check_decode_supported"]
 
 _LOG2E = 1.4426950408889634
 
-# The arrays of one step: the pointer fields of DecodeParams that DecodeLaunch.run rewrites, in struct order.
-_POINTERS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "o_part", "lse_part", "cache_seqlens",
-             "cache_leftpad", "cache_batch_idx", "block_table", "alibi_slopes")
+# The arrays of one step: the pointer fields of DecodeParams that DecodeLaunch.run rewrites, in the order of its
+# arguments' identity check.
+_STEP_POINTERS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "cache_seqlens", "cache_leftpad",
+                  "cache_batch_idx", "block_table", "alibi_slopes")
+# The pointer fields in struct order (the workspace's, planned, among them).
+_POINTERS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "o_part", "lse_part", "split_count",
+             "cache_seqlens", "cache_leftpad", "cache_batch_idx", "block_table", "alibi_slopes")
 
 # Layout of `struct DecodeParams` (decode.cu), passed by value to every decode kernel.
 DECODE_PARAMS_DTYPE = np.dtype(
@@ -52,18 +60,19 @@ DECODE_PARAMS_DTYPE = np.dtype(
      *((name, np.float32) for name in ("scale_log2", "softcap_a", "softcap_b", "inv_scale"))],
     align=True,
 )
-assert DECODE_PARAMS_DTYPE.itemsize == 352
-# Each pointer field's index in the record seen as 64-bit words (what run writes).
-_WORD = {name: DECODE_PARAMS_DTYPE.fields[name][1] // 8 for name in _POINTERS}
+assert DECODE_PARAMS_DTYPE.itemsize == 360
+# Each step pointer's byte offset in the record, in _STEP_POINTERS order.
+_STEP_OFFSETS = tuple(DECODE_PARAMS_DTYPE.fields[name][1] for name in _STEP_POINTERS)
 
 # The front door's launches: (everything a launch depends on) -> DecodeLaunch, least recently used first. A
 # launch holds its workspace (a few MB at most: splits are chosen only for grids that do not fill the GPU).
 _LAUNCHES: OrderedDict = OrderedDict()
 MAX_CACHED_LAUNCHES = 64
 _lock = threading.Lock()
-# (thread, device) pairs known to have the device's context current: cuLaunchKernel needs one, and a thread
-# gets it from its first CUDA runtime call that needs a context.
-_context_ready: set = set()
+
+
+def _none():  # the "weak reference" of an argument that was None
+    return None
 
 
 def _el(a, axis: int) -> int:
@@ -79,18 +88,39 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def _kv_shared(k_cache, v_cache) -> bool:
+    """Whether v_cache is the leading columns of k_cache (MLA's ``v_cache = k_cache[..., :dv]``): same address and
+    strides, so that the kernels read V from the K tiles."""
+    return (v_cache.data.ptr == k_cache.data.ptr and v_cache.strides == k_cache.strides
+            and v_cache.shape[:3] == k_cache.shape[:3])
+
+
 def check_decode_supported(q, k_cache, v_cache) -> None:
     """What the decode kernels run; anything else raises NotImplementedError naming it (before the caches are
     touched)."""
-    if device_info()[0] < 80:
+    cc, smem_optin = device_info()
+    if cc < 80:
         raise NotImplementedError("decoding on the GPU needs compute capability 8.0 or newer (cp.async, mma.sync)")
     d, dv = q.shape[-1], v_cache.shape[-1]
-    if dv != d:
-        raise NotImplementedError(f"decoding on the GPU with head_dim_v != head_dim (got {d} and {dv}, MLA) comes next")
-    if d not in DECODE_HEAD_DIMS:
-        raise NotImplementedError(f"decoding on the GPU runs head dims {DECODE_HEAD_DIMS}; got {d}")
+    if (d, dv) == DECODE_MLA_DIMS:
+        if not _kv_shared(k_cache, v_cache):
+            raise NotImplementedError(f"MLA decoding on the GPU (head dims {d} and {dv}) reads V from the K cache: "
+                                      f"pass v_cache = k_cache[..., :{dv}] (a view); got a v_cache of its own")
+        if k_cache.shape[2] != 1:
+            raise NotImplementedError(f"MLA decoding on the GPU runs one latent key/value head; got {k_cache.shape[2]}")
+    elif dv != d:
+        raise NotImplementedError(f"decoding on the GPU runs head_dim_v == head_dim, or MLA's {DECODE_MLA_DIMS}; "
+                                  f"got {d} and {dv}")
+    elif d not in DECODE_HEAD_DIMS:
+        raise NotImplementedError(f"decoding on the GPU runs head dims {DECODE_HEAD_DIMS} (and MLA's "
+                                  f"{DECODE_MLA_DIMS}); got {d}")
     if np.dtype(q.dtype).name not in CTYPES:
         raise NotImplementedError(f"decoding on the GPU runs float16 and bfloat16; got {np.dtype(q.dtype).name}")
+    family, tile, _ = decode_family(d, dv)
+    need = kernel_spec(family, "bfloat16", d, tile, "false").smem
+    if need > smem_optin:
+        raise NotImplementedError(f"decoding at head dims {d} / {dv} needs {need} bytes of shared memory per block; "
+                                  f"this GPU allows {smem_optin}")
     for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if a.size == 0:  # nothing is read from an empty array (its strides may be anything, even 0)
             continue
@@ -99,22 +129,56 @@ def check_decode_supported(q, k_cache, v_cache) -> None:
                                       f"multiples of 16 bytes (got strides {a.strides})")
 
 
+class CupyRuntime:
+    """What a :class:`DecodeLaunch` takes from CuPy, bound once (an attribute lookup through CuPy's modules costs
+    as much as a pointer write): allocation, the current device and stream, the compiled kernels and
+    ``cuLaunchKernel``. ``bench-decode`` gives a launch a stand-in with the same attributes to time the host path
+    of a step without a GPU (or without the driver's share)."""
+
+    def __init__(self):
+        import cupy
+
+        self.empty, self.zeros, self.float32 = cupy.empty, cupy.zeros, cupy.float32
+        self.current_stream = cupy.cuda.get_current_stream
+        self.get_device = cupy.cuda.runtime.getDevice
+        self.launch = cupy.cuda.driver.launchKernel
+        self._mem_get_info = cupy.cuda.runtime.memGetInfo
+
+    def check_supported(self, q, k_cache, v_cache) -> None:
+        check_decode_supported(q, k_cache, v_cache)
+
+    def function(self, spec):
+        """(function handle, the object that keeps its module loaded) of ``spec`` on the current device."""
+        check_smem(spec)
+        fn = kernel(spec).kernel  # the cupy.cuda.Function of the current device
+        return fn.ptr, fn
+
+    def make_context_current(self) -> None:
+        """cuLaunchKernel, unlike CuPy's own launches, does not establish the device's context on a thread: a
+        runtime call that needs it does."""
+        self._mem_get_info()
+
+
 class DecodeLaunch:
     """The launches of one decode call's shapes, strides, dtype and options, planned once.
 
     Built from example arrays (the first step's) and the normalized options; :meth:`run` then takes any arrays of
     the same shapes and strides. What it holds: the compiled kernels of the steps the call needs ([decode append]
-    when it appends, the split kernel unless q is empty, [decode merge] with more than one split), their grids,
-    the float32 workspace of the splits' partials, and the DecodeParams record with every field that the shapes
-    and options decide. One launch's workspace serves one step at a time: run it on one stream (or order the
-    streams), as the front door does by keeping one launch per stream.
+    when it appends, the split kernel, merging its own splits, unless q is empty), their grids, the float32
+    workspace of the splits' partials with their per-block counters, and the DecodeParams record with every
+    field that the shapes and options decide. One launch's workspace serves one step at a time: run it on one
+    stream (or order the streams), as the front door does by keeping one launch per stream.
+
+    ``validate``: called with a step's arguments whenever they are not the very objects of the step before
+    (:class:`cuflash.DecodePlan` compares their layouts with the plan's there); ``runtime``: :class:`CupyRuntime`
+    or a stand-in.
     """
 
-    def __init__(self, q, k_cache, v_cache, k, v, *, cache: KVCache, scale: float, variant: Variant, out=None):
-        import cupy
-
-        check_decode_supported(q, k_cache, v_cache)
-        self.device = cupy.cuda.runtime.getDevice()
+    def __init__(self, q, k_cache, v_cache, k, v, *, cache: KVCache, scale: float, variant: Variant, out=None,
+                 runtime=None):
+        rt = runtime if runtime is not None else CupyRuntime()
+        rt.check_supported(q, k_cache, v_cache)
+        self.device = rt.get_device()
         batch, seqlen_q, heads_q, d = q.shape
         heads_kv, dv = k_cache.shape[2], v_cache.shape[3]
         group = heads_q // heads_kv
@@ -125,33 +189,41 @@ class DecodeLaunch:
         self.lse_shape = (batch, heads_q, seqlen_q)
         self.rotary = None if cache.rotary is None else (cache.rotary.interleaved, cache.rotary.consecutive_q)
         self.num_splits = 1
-        self.o_part = self.lse_part = None
+        self.o_part = self.lse_part = self.split_count = None
+        self.validate = None
 
         # The kernels first (NVRTC, shared memory): nothing that can fail may come after a step's append.
-        steps = []
+        steps, keep = [], []
+
+        def step(spec, grid):
+            fn, obj = rt.function(spec)
+            keep.append(obj)
+            steps.append((fn, *grid, spec.threads, spec.smem))
+
         if cache.seqlen_new and batch:
-            steps.append(self._step(kernel_spec("decode_append", dtype, 0, variant="true" if paged else "false"),
-                                    (batch * cache.seqlen_new, 1, 1)))
+            step(kernel_spec("decode_append", dtype, 0, variant="true" if paged else "false"),
+                 (batch * cache.seqlen_new, 1, 1))
         row_tiles = 0
         if batch and seqlen_q and heads_q:
-            spec = kernel_spec("decode", dtype, d, TILES[("decode", "any", d)], "true" if paged else "false")
-            assert spec.tile.block_m == 16 and spec.tile.stages == 2, "decode.cu's packed-row tile and ring"
+            family, tile, _ = decode_family(d, dv)
+            spec = kernel_spec(family, dtype, d, tile, "true" if paged else "false")
+            assert spec.tile.block_m % 16 == 0 and spec.tile.stages == 2, "decode.cu's packed-row tiles and ring"
             # Splits past the number of key tiles would be empty: at most one per tile (and grid y's 65535).
             self.num_splits = max(1, min(int(cache.num_splits), -(-cache.capacity // spec.tile.block_n), 65535))
             row_tiles = -(-(seqlen_q * group) // spec.tile.block_m)
-            steps.append(self._step(spec, (heads_kv * row_tiles, self.num_splits, batch)))
-            if self.num_splits > 1:  # [decode merge]: one warp per query row, 4 rows per block
-                merge = kernel_spec("decode_merge", dtype, dv)
-                steps.append(self._step(merge, (-(-(batch * heads_q * seqlen_q) // 4), 1, 1)))
-                self.o_part = cupy.empty((self.num_splits, batch, heads_q, seqlen_q, dv), dtype=cupy.float32)
-                self.lse_part = cupy.empty((self.num_splits, batch, heads_q, seqlen_q), dtype=cupy.float32)
+            step(spec, (heads_kv * row_tiles, self.num_splits, batch))
+            if self.num_splits > 1:  # [decode merge] in the split kernel: partials, and a counter per block column
+                self.o_part = rt.empty((self.num_splits, batch, heads_q, seqlen_q, dv), dtype=np.float32)
+                self.lse_part = rt.empty((self.num_splits, batch, heads_q, seqlen_q), dtype=np.float32)
+                self.split_count = rt.zeros((batch, heads_kv * row_tiles), dtype=np.int32)
         self._steps = tuple(steps)
+        self._kernels = tuple(keep)
         self._reads_rows = row_tiles > 0  # the split kernel runs: it reads q and the caches in 16-byte chunks
+        self._shared_kv = (d, dv) == DECODE_MLA_DIMS  # the MLA kernel reads V from the K tiles
 
         # The record: every field but the step's pointers. Arrays that the rotary step replaces by rotated
         # copies (q, k) are read at the copies' (contiguous) strides.
         rec = self._record = np.zeros(1, DECODE_PARAMS_DTYPE)
-        self._words = rec.view(np.uint64)
         self._argv = np.array([rec.ctypes.data], dtype=np.uint64)  # void* args[1] = {&record}
         self._argv_ptr = int(self._argv.ctypes.data)
         self._lock = threading.Lock()  # one step at a time writes the record and launches from it
@@ -181,44 +253,70 @@ class DecodeLaunch:
         r["scale_log2"], r["inv_scale"] = scale * _LOG2E, 1.0 / scale
         if variant.softcap:
             r["softcap_a"], r["softcap_b"] = scale / variant.softcap, variant.softcap / scale
-        w = self._words
         if self.o_part is not None:
-            w[_WORD["o_part"]], w[_WORD["lse_part"]] = self.o_part.data.ptr, self.lse_part.data.ptr
+            r["o_part"], r["lse_part"] = self.o_part.data.ptr, self.lse_part.data.ptr
+            r["split_count"] = self.split_count.data.ptr
+        # The step's pointers as 64-bit words of the record (a memoryview: the cheapest item assignment there is).
+        self._words = memoryview(rec.view(np.uint8)).cast("Q")
+        self._word_index = tuple(off // 8 for off in _STEP_OFFSETS)
+        # Weak references to the last step's arrays (_none for None): a step with the same objects finds their
+        # addresses in the record already. Weak: a launch kept by the front door must not keep a cache alive.
+        self._last = (_none,) * len(_STEP_POINTERS)
 
-        # What run calls, bound once (attribute lookups through cupy's modules cost as much as the rest of a step).
-        self._empty = cupy.empty
-        self._float32 = cupy.float32
-        self._current_stream = cupy.cuda.get_current_stream
-        self._get_device = cupy.cuda.runtime.getDevice
-        self._launch = cupy.cuda.driver.launchKernel
-
-    @staticmethod
-    def _step(spec, grid):
-        """(function handle, grid, threads, shared memory, the kernel object that keeps its module loaded)."""
-        check_smem(spec)
-        fn = kernel(spec).kernel  # the cupy.cuda.Function of the current device
-        return fn.ptr, grid, spec.threads, spec.smem, fn
+        # What run calls, bound once.
+        self._empty, self._float32 = rt.empty, rt.float32
+        self._current_stream = rt.current_stream
+        self._get_device = rt.get_device
+        self._launch = rt.launch
+        self._runtime = rt
+        self._threads: set = set()  # threads that have made this device's context current
 
     def _ensure_context(self) -> None:
-        """The plan's device current, with its context (cuLaunchKernel, unlike CuPy's own launches, does not
-        establish one)."""
-        import cupy
-
+        """The plan's device current, with its context."""
         dev = self._get_device()
         if dev != self.device:
             raise ValueError(f"this decode plan was made on cuda:{self.device}; the current device is cuda:{dev} "
                              f"(use `with cupy.cuda.Device({self.device}):`)")
-        cupy.cuda.runtime.memGetInfo()  # a runtime call that needs the context: makes it current on this thread
-        _context_ready.add((threading.get_ident(), dev))
+        self._runtime.make_context_current()
+        self._threads.add(threading.get_ident())
 
     def run(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad=None, cache_batch_idx=None,
             block_table=None, alibi_slopes=None, rotary_cos=None, rotary_sin=None, out=None, lse=None):
         """One step: ``(out, lse)``, appending ``k``, ``v`` first. The arrays must have the planned shapes, strides
-        and dtype and lie on the plan's device (the caller checks: :class:`cuflash.DecodePlan` or the front door).
-        ``out`` and ``lse`` are allocated when not given; with both given the step allocates nothing (without
-        rotary) and does no host synchronization: the work is the launches, enqueued on the current stream."""
-        if (threading.get_ident(), self.device) not in _context_ready or self._get_device() != self.device:
+        and dtype and lie on the plan's device (the caller checks: :class:`cuflash.DecodePlan` through
+        ``validate``, or the front door). ``out`` and ``lse`` are allocated when not given; with both given the
+        step allocates nothing (without rotary) and does no host synchronization: the work is the launches,
+        enqueued on the current stream."""
+        if self._get_device() != self.device or threading.get_ident() not in self._threads:
             self._ensure_context()
+        last = self._last
+        # The hot path of a decode loop: the very arrays of the last step, so the record holds their addresses.
+        # (A CuPy array's memory, strides and dtype never change; its shape only by an in-place reshape of the
+        # same memory, `a.shape = ...`, which reads the same bytes.)
+        if (last[0]() is not q or last[1]() is not k_cache or last[2]() is not v_cache or last[3]() is not k
+                or last[4]() is not v or last[5]() is not out or last[6]() is not lse
+                or last[7]() is not cache_seqlens or last[8]() is not cache_leftpad
+                or last[9]() is not cache_batch_idx or last[10]() is not block_table
+                or last[11]() is not alibi_slopes):  # (with rotary, never: q and k are new rotated copies)
+            return self._new_arrays(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx,
+                                    block_table, alibi_slopes, rotary_cos, rotary_sin, out, lse)
+        stream, launch, argv = self._current_stream().ptr, self._launch, self._argv_ptr
+        with self._lock:
+            if self._last is last:  # (not rewritten by another thread meanwhile)
+                for fn, gx, gy, gz, threads, smem in self._steps:
+                    launch(fn, gx, gy, gz, threads, 1, 1, smem, stream, argv, 0)
+                return out, lse
+        return self._new_arrays(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx,
+                                block_table, alibi_slopes, rotary_cos, rotary_sin, out, lse)
+
+    def _new_arrays(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx, block_table,
+                    alibi_slopes, rotary_cos, rotary_sin, out, lse):
+        """A step whose arrays are not (all) the last step's: validated, rotated, allocated, their addresses
+        written into the record, then launched."""
+        if self.validate is not None:
+            self.validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx, block_table,
+                          alibi_slopes, rotary_cos, rotary_sin, out, lse)
+        given = (q, k_cache, v_cache, k, v)
         if self.rotary is not None:  # [decode rotary] in CuPy array operations, into contiguous copies
             import cupy
 
@@ -237,36 +335,37 @@ class DecodeLaunch:
             lse = self._empty(self.lse_shape, dtype=self._float32)
         if not self._steps:  # no sequence or no query row: nothing to append or compute
             return out, lse
-        with self._lock:
-            self._enqueue(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx, block_table,
-                          alibi_slopes, out, lse)
-        return out, lse
-
-    def _enqueue(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx, block_table,
-                 alibi_slopes, out, lse) -> None:
-        w, at = self._words, _WORD
-        q_ptr, k_ptr, v_ptr = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr
-        if self._reads_rows and (q_ptr | k_ptr | v_ptr) & 15:  # layouts were checked when planning; offsets per step
-            name, ptr = next((n, p) for n, p in (("q", q_ptr), ("k_cache", k_ptr), ("v_cache", v_ptr)) if p & 15)
+        arrays = (q, k_cache, v_cache, k, v, out, lse, cache_seqlens, cache_leftpad, cache_batch_idx, block_table,
+                  alibi_slopes)
+        ptrs = tuple(0 if a is None else a.data.ptr for a in arrays)
+        if self._reads_rows and (ptrs[0] | ptrs[1] | ptrs[2]) & 15:  # layouts were checked when planning
+            name, ptr = next((n, p) for n, p in zip(("q", "k_cache", "v_cache"), ptrs) if p & 15)
             raise NotImplementedError(f"{name}: the decode kernel reads 16-byte rows; its base address must be a "
                                       f"multiple of 16 bytes (got one {ptr % 16} bytes past a multiple)")
-        w[at["q"]], w[at["k_cache"]], w[at["v_cache"]] = q_ptr, k_ptr, v_ptr
-        w[at["out"]], w[at["lse"]], w[at["cache_seqlens"]] = out.data.ptr, lse.data.ptr, cache_seqlens.data.ptr
-        if k is not None:
-            w[at["k_new"]], w[at["v_new"]] = k.data.ptr, v.data.ptr
-        if cache_leftpad is not None:
-            w[at["cache_leftpad"]] = cache_leftpad.data.ptr
-        if cache_batch_idx is not None:
-            w[at["cache_batch_idx"]] = cache_batch_idx.data.ptr
-        if block_table is not None:
-            w[at["block_table"]] = block_table.data.ptr
-        if alibi_slopes is not None:
-            w[at["alibi_slopes"]] = alibi_slopes.data.ptr
-        # [decode append], [decode split], [decode merge]: in order on one stream. cuLaunchKernel copies the record
-        # when it is called, so the next step may rewrite it at once.
+        if self._shared_kv and ptrs[1] != ptrs[2]:
+            raise NotImplementedError(f"MLA decoding on the GPU reads V from the K cache: v_cache must be "
+                                      f"k_cache[..., :{self.out_shape[3]}] (a view), as when the launch was planned; "
+                                      f"got a v_cache at another address")
+        refs = (*(_none if a is None else _weak(a) for a in given), *(_none if a is None else _weak(a)
+                                                                       for a in arrays[5:]))
         stream, launch, argv = self._current_stream().ptr, self._launch, self._argv_ptr
-        for fn, grid, threads, smem, _ in self._steps:
-            launch(fn, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream, argv, 0)
+        words = self._words
+        with self._lock:
+            for index, ptr in zip(self._word_index, ptrs):
+                words[index] = ptr
+            # cuLaunchKernel copies the record when it is called: the next step may rewrite it at once.
+            for fn, gx, gy, gz, threads, smem in self._steps:
+                launch(fn, gx, gy, gz, threads, 1, 1, smem, stream, argv, 0)
+            # The fast path may skip the pointers only for the arrays the user gave (rotary's copies are new).
+            self._last = refs if self.rotary is None else (_none,) * len(_STEP_POINTERS)
+        return out, lse
+
+
+def _weak(a):
+    try:
+        return weakref.ref(a)
+    except TypeError:  # an object without weak references: never the same as the last step's
+        return _none
 
 
 def _layout(a):

@@ -34,7 +34,10 @@ SM90A_OPTIONS = NVRTC_OPTIONS + ("-arch=sm_90a",)
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 FA1_HEAD_DIMS = (32, 64, 96, 128, 256)  # (the FA1 forward's per-warp query stages spill at 160..224)
 BWD_HEAD_DIMS = (32, 64, 96, 128)
-DECODE_HEAD_DIMS = (32, 64, 96, 128)  # (256: the O accumulator of 16 rows x 256 spills in this first version)
+DECODE_HEAD_DIMS = (32, 64, 96, 128, 256)  # head_dim == head_dim_v (256: flash_decode_wide_kernel)
+# MLA's absorbed decoding (DeepSeek-V2/V3): head_dim 576 = a 512-dim latent (V: v_cache = k_cache[..., :512]) and 64
+# rope dims, one key/value head (flash_decode_wide_kernel with V read from the K tile).
+DECODE_MLA_DIMS = (576, 512)
 CTYPES = {"float16": "cuflash::fp16", "bfloat16": "cuflash::bf16"}
 
 
@@ -134,6 +137,10 @@ TILES: dict[tuple[str, str, int], Tile] = {
     # direction "decode": flash_decode_kernel (any arch): 16 packed query rows, block_n keys per tile in a
     # two-stage ring, the warps taking block_n / warps keys each (first version; not yet tuned on a GPU).
     **{("decode", "any", d): Tile(16, 64, 4, 2) for d in DECODE_HEAD_DIMS},
+    # d 256 and MLA (flash_decode_wide_kernel): block_m packed rows in 16-row groups; the warps of a group split
+    # the keys of S and the columns of O (d 256: one group of 4 warps, 64 columns each; MLA: 4 groups of 2
+    # warps, 256 of V's 512 columns each; 225 KiB of shared memory, so sm_90 only).
+    ("decode_mla", "sm90", 576): Tile(64, 64, 8, 2),
     # Arch class "f32": the FA1 float32 kernels (fa1_fwd_f32_kernel, fa1_bwd_f32_kernel; any GPU), 4 warps,
     # block_m = 1 query row per warp step; block_n key rows (forward: one lane per key, at most 32;
     # backward: block_n / 4 key rows per warp, their dK and dV in registers).
@@ -315,6 +322,28 @@ def _no_smem(d: int, t: Tile) -> int:
     return 0
 
 
+def _wide_decode_args(s: "KernelSpec", dv: int, shared: str) -> str:
+    t = s.tile
+    return (f"{CTYPES[s.dtype]}, {s.head_dim}, {t.block_m}, {t.block_n}, {t.warps}, "
+            f"cuflash::DecodeCache<{dv}, {shared}, {s.variant}>")
+
+
+def _wide_decode_smem(d: int, dv: int, shared_kv: bool, t: Tile) -> int:
+    """WideDecodeConfig::kSmemBytes (decode.cu): Q, 2 stages of K (and V unless it is read from K), P (16-bit),
+    and the row maxima and sums of the column parts (float32)."""
+    col_split = t.warps // (t.block_m // 16)
+    tiles = t.block_m * d + 2 * t.block_n * (d + (0 if shared_kv else dv)) + t.block_m * t.block_n
+    return 2 * tiles + 2 * 4 * t.block_m * col_split
+
+
+def decode_family(head_dim: int, head_dim_v: int) -> tuple[str, Tile, str]:
+    """The split kernel's family, tile and arch class for decoding at these head dims (the launcher and
+    :func:`instantiations` both ask here)."""
+    if (head_dim, head_dim_v) == DECODE_MLA_DIMS:
+        return "decode_mla", TILES[("decode_mla", "sm90", head_dim)], "sm90"
+    return ("decode_wide" if head_dim > 128 else "decode"), TILES[("decode", "any", head_dim)], "any"
+
+
 FAMILIES: dict[str, Family] = {
     # FlashAttention-2 order, every variant.
     "fwd": Family("forward.cu", "flash_fwd_kernel", _t16, lambda d, t: 2 * d * (t.block_m + 2 * t.stages * t.block_n)),
@@ -363,6 +392,15 @@ FAMILIES: dict[str, Family] = {
         "decode.cu", "flash_decode_kernel",
         lambda s: f"{CTYPES[s.dtype]}, {s.head_dim}, {s.tile.block_n}, {s.tile.warps}, {s.variant}",
         lambda d, t: 2 * (t.block_m * d + 4 * t.block_n * d)),  # Q + 2 stages x (K + V), 16-bit
+    # Head dims whose O does not fit a warp at 16 rows: flash_decode_wide_kernel, with the cache policy
+    # cuflash::DecodeCache<dv, kSharedKV, kPaged> (the variant slot holds kPaged). "decode_wide": V its own
+    # cache of head dim d; "decode_mla": V the first d - 64 columns of the K tile (MLA's latent; 64 rope dims).
+    "decode_wide": Family(
+        "decode.cu", "flash_decode_wide_kernel", lambda s: _wide_decode_args(s, s.head_dim, "false"),
+        lambda d, t: _wide_decode_smem(d, d, False, t)),
+    "decode_mla": Family(
+        "decode.cu", "flash_decode_wide_kernel", lambda s: _wide_decode_args(s, s.head_dim - 64, "true"),
+        lambda d, t: _wide_decode_smem(d, d - 64, True, t)),
     # Its [decode append] (before it; the variant slot holds kPaged; the elements are copied as 16-bit words, so
     # the name has no dtype) and [decode merge] of the splits (after it; head_dim = v's head dim).
     "decode_append": Family("decode.cu", "decode_append_kernel", lambda s: s.variant, _no_smem, threads=128),
@@ -489,7 +527,7 @@ def instantiations() -> list[KernelSpec]:
         out.setdefault((spec.source, spec.name), spec)
 
     for (direction, arch, d), t in TILES.items():
-        if direction == "decode":  # below, with its paged / contiguous variants
+        if direction.startswith("decode"):  # below, with its paged / contiguous variants
             continue
         for fam in _row_families(direction, arch):
             dtypes = ("float32",) if arch == "f32" else tuple(CTYPES)
@@ -524,11 +562,12 @@ def instantiations() -> list[KernelSpec]:
         dtype = "float32" if row[1] == "f32" else "bfloat16"
         add(KernelSpec(fam, dtype, 128, TILES[(*row, 128)], causal_mod, fam.startswith("bwd_dkdv"), row[1]))
     add(KernelSpec("bwd_dq_f32", "float32", 128, variant=causal_mod))
-    for d in DECODE_HEAD_DIMS:
+    for d, dv in [(d, d) for d in DECODE_HEAD_DIMS] + [DECODE_MLA_DIMS]:
+        fam, tile, arch = decode_family(d, dv)
         for dtype in CTYPES:
             for paged in ("false", "true"):
-                add(KernelSpec("decode", dtype, d, TILES[("decode", "any", d)], paged, arch="any"))
-            add(KernelSpec("decode_merge", dtype, d, arch="any"))
+                add(KernelSpec(fam, dtype, d, tile, paged, arch=arch))
+            add(KernelSpec("decode_merge", dtype, dv, arch="any"))
     for paged in ("false", "true"):
         add(KernelSpec("decode_append", "bfloat16", 0, variant=paged, arch="any"))
     for fam, t in (("block_lists", TILES[("fwd", "sm90a", 128)]), ("block_lists_t", TILES[("bwd", "sm90a", 128)])):
