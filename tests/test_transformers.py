@@ -88,15 +88,21 @@ FAMILIES = ["llama", "qwen2", "gemma2"]
 
 @pytest.fixture
 def calls(monkeypatch):
-    """The keyword arguments and shapes of every cuflash.torch.attention call the integration makes."""
+    """The keyword arguments and shapes of every cuflash.torch.attention and cuflash.torch.attention_with_kvcache
+    call the integration makes (the latter with ``decode=True``, ``k`` the cache's shape)."""
     seen = []
-    real = cuflash.torch.attention
+    real, real_decode = cuflash.torch.attention, cuflash.torch.attention_with_kvcache
 
     def spy(q, k, v, **kw):
         seen.append(dict(q=tuple(q.shape), k=tuple(k.shape), **kw))
         return real(q, k, v, **kw)
 
+    def decode_spy(q, k_cache, v_cache, **kw):
+        seen.append(dict(q=tuple(q.shape), k=tuple(k_cache.shape), decode=True, **kw))
+        return real_decode(q, k_cache, v_cache, **kw)
+
     monkeypatch.setattr(cti.cuflash_torch, "attention", spy)
+    monkeypatch.setattr(cti.cuflash_torch, "attention_with_kvcache", decode_spy)
     return seen
 
 
@@ -131,6 +137,7 @@ def test_mask_function_returns_padding_not_dense():
     got = cti.attention_mask(batch_size=2, q_length=1, kv_length=10, q_offset=9, attention_mask=torch.cat(
         [pad9, torch.ones(2, 1, dtype=torch.bool)], 1))
     assert got.shape == (2, 10)
+    assert not hasattr(got, "_cuflash_leftpad")  # row 1 has a hole (right padding, then generated tokens)
     # a sliding-window cache layer: the keys are the last 4 of 10 positions (offset 6), the mask is sliced to them
     sliding = sliding_window_causal_mask_function(4)
     full = torch.ones(2, 10, dtype=torch.bool)
@@ -231,7 +238,57 @@ def test_padding_mask_with_cached_keys(side, calls):
     assert not out[~keep].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.bool, torch.long])
+def test_mask_function_marks_left_padding_of_a_decode_step(dtype):
+    """A decode step over left padding only: the 2-D mask carries each row's first token (attention_with_kvcache's
+    cache_leftpad); a prefill (several queries), a hole, or a row of padding only carry nothing."""
+    pad = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1, 1]], dtype=dtype)
+    got = cti.attention_mask(batch_size=3, q_length=1, kv_length=7, q_offset=6, attention_mask=pad)
+    assert torch.equal(got, pad) and got._cuflash_leftpad.tolist() == [3, 0, 1]
+    assert got._cuflash_leftpad.dtype == torch.int32
+    prefill = cti.attention_mask(batch_size=3, q_length=7, kv_length=7, attention_mask=pad)
+    assert not hasattr(prefill, "_cuflash_leftpad")
+    for bad in ([1, 0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0]):
+        holed = pad.clone()
+        holed[1] = torch.tensor(bad, dtype=dtype)
+        got = cti.attention_mask(batch_size=3, q_length=1, kv_length=7, q_offset=6, attention_mask=holed)
+        assert not hasattr(got, "_cuflash_leftpad"), bad
+
+
+def test_decode_step_runs_the_decode_operator(calls, monkeypatch):
+    """One query against the keys: through attention_with_kvcache over the whole cache (cache_seqlens = the keys,
+    cache_leftpad from the mask function), the same output as SDPA with the dense mask; with the switch off, or
+    when the caller wants gradients, through cuflash.torch.attention."""
+    q, k, v = _qkv(3, 1, 9)
+    pad = torch.ones(3, 9, dtype=torch.bool)
+    pad[0, :4] = pad[2, :1] = False
+    mask = cti.attention_mask(batch_size=3, q_length=1, kv_length=9, q_offset=8, attention_mask=pad)
+    out, _ = cti.attention_forward(_Module(), q, k, v, mask, sliding_window=6, scaling=0.3, softcap=5.0)
+    call = calls[-1]
+    assert call["decode"] and call["cache_seqlens"] == 9 and call["cache_leftpad"].tolist() == [4, 0, 1]
+    assert call["window_size"] == (5, 0) and call["softcap"] == 5.0 and call["softmax_scale"] == 0.3
+    dense = sdpa_mask(batch_size=3, q_length=1, kv_length=9, q_offset=8, attention_mask=pad,
+                      mask_function=sliding_window_causal_mask_function(6), allow_is_causal_skip=False)
+    groups = q.shape[1] // k.shape[1]
+    kr, vr = (t.repeat_interleave(groups, 1) for t in (k, v))
+    scores = 5.0 * torch.tanh(0.3 * q @ kr.transpose(-1, -2) / 5.0)
+    ref = (scores.masked_fill(~dense, float("-inf")).softmax(-1) @ vr).transpose(1, 2)
+    assert _max_diff(out, ref) < 1e-5
+    no_mask, _ = cti.attention_forward(_Module(), q, k, v, None)
+    assert calls[-1]["decode"] and calls[-1]["cache_leftpad"] is None
+    assert _max_diff(no_mask, _sdpa_reference(q, k, v, None)) < 1e-5
+
+    monkeypatch.setattr(cti, "DECODE_WITH_KVCACHE", False)
+    again, _ = cti.attention_forward(_Module(), q, k, v, mask, sliding_window=6, scaling=0.3, softcap=5.0)
+    assert "decode" not in calls[-1] and calls[-1]["attn_mask"].shape == (3, 1, 1, 9)
+    assert _max_diff(again, out) < 1e-5
+    monkeypatch.setattr(cti, "DECODE_WITH_KVCACHE", True)
+    cti.attention_forward(_Module(), q.requires_grad_(), k, v, None)
+    assert "decode" not in calls[-1]  # the decode operator has no gradient
+
+
 def test_decode_step_with_padding_uses_key_mask(calls):
+    """A 2-D mask that the mask function did not mark (a caller's own): the mask of one query, as attn_mask."""
     q, k, v = _qkv(2, 1, 9)
     pad = torch.ones(2, 9, dtype=torch.bool)
     pad[0, :3] = False
@@ -401,18 +458,21 @@ def test_greedy_generation_matches(family, padded, calls):
     assert torch.equal(a, b)
     decode = [c for c in calls if c["q"][1] == 1]
     assert len(decode) == 7 * 2  # 7 decode steps x 2 layers (the first new token comes from the prefill)
+    # every step through the decode operator, over the whole cache transformers appended to (no append here)
+    assert all(c.get("decode") and c["cache_seqlens"] == c["k"][1] for c in decode)
+    assert all(c["causal"] for c in decode)
     if padded:
-        # the padding mask as a (batch, 1, 1, seqlen_k) attn_mask; a sliding-window layer gets none once its
-        # window has moved past the padding (its mask is then all True: None)
-        masked = [c for c in decode if c.get("attn_mask") is not None]
-        assert all(c["attn_mask"].shape == (3, 1, 1, c["k"][1]) for c in masked)
+        # left padding as cache_leftpad (each row's first token); a sliding-window layer gets none once its window
+        # has moved past the padding (its mask is then all True: None)
+        masked = [c for c in decode if c["cache_leftpad"] is not None]
+        assert all(c["cache_leftpad"].tolist() == [0, 3, 6] for c in masked if c["k"][1] > 9)
         if family == "llama":  # no sliding-window layer: every step is masked, the keys grow with every step
             assert len(masked) == len(decode)
             assert [c["k"][1] for c in decode[::2]] == list(range(10, 17))
         else:
             assert {c["k"][1] for c in decode if c["window_size"] == (3, 0)} == {4}  # w - 1 cached + the new one
     else:
-        assert all(c["causal"] and c.get("attn_mask") is None for c in decode)
+        assert all(c["cache_leftpad"] is None for c in decode)
 
 
 @pytest.mark.parametrize("family", ["llama"])
@@ -496,3 +556,144 @@ def test_packed_sequences(boundaries, calls):
         assert all("cu_seqlens_q" in c and c["q"] == (20, 4, 16) for c in calls[:2])
     else:
         assert calls[0]["attn_mask"].shape == (1, 1, 20, 20)
+
+
+# ---------------------------------------------------------------------------------------------------
+# CUDA (skipped without a GPU): decode steps through the decode kernels
+# ---------------------------------------------------------------------------------------------------
+
+def _gpu_config(family: str):
+    """Small models with the head dims of real ones: Llama d 128 GQA 8/2; Qwen2 d 64 GQA 8/2, a sliding window of
+    32 in layer 1; Gemma 2 d 128, softcap, sliding window 32 in layer 0."""
+    common = dict(vocab_size=VOCAB, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=2, max_position_embeddings=1024, attention_dropout=0.0)
+    if family == "llama":
+        return transformers.LlamaConfig(**common, hidden_size=1024)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**common, hidden_size=512, use_sliding_window=True, sliding_window=32,
+                                        max_window_layers=1)
+    return transformers.Gemma2Config(**common, hidden_size=512, head_dim=128, query_pre_attn_scalar=128,
+                                     sliding_window=32, attn_logit_softcapping=50.0, final_logit_softcapping=None)
+
+
+def _decode_logits(model, prompt, mask, tokens):
+    """Prefill ``prompt`` into a DynamicCache, then feed ``tokens`` one at a time (teacher forcing, so that every
+    implementation sees the same inputs): the logits of each decode step, (batch, steps, vocab), float32."""
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(prompt, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), past_key_values=cache,
+              use_cache=True)
+        logits = []
+        for t in range(tokens.shape[1]):
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+            out = model(tokens[:, t:t + 1], attention_mask=mask, position_ids=mask.sum(-1, keepdim=True) - 1,
+                        past_key_values=cache, use_cache=True)
+            logits.append(out.logits[:, -1].float())
+    return torch.stack(logits, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_steps_match_the_reference_cuda(family, padded, calls):
+    """bf16 models on the GPU, 40 decode steps after a prompt of 60 (left-padded to 60 from 60, 37 and 5 tokens,
+    past the sliding window): every step runs the decode operator, and its logits are no further from a float32
+    run of the reference implementation than the reference in bf16 is (twice, plus a floor)."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    torch.manual_seed(0)
+    cls = getattr(transformers, _MODEL[family])
+    base = cls._from_config(_gpu_config(family), attn_implementation="eager", dtype=torch.float32).eval().cuda()
+    reference = _references(family)[0]
+    g = torch.Generator().manual_seed(31)
+    prompt = torch.randint(0, VOCAB, (3, 60), generator=g).cuda()
+    tokens = torch.randint(0, VOCAB, (3, 40), generator=g).cuda()
+    mask = torch.ones_like(prompt)
+    if padded:
+        mask[1, :23] = mask[2, :55] = 0
+    results = {}
+    for name, impl, dtype in (("truth", reference, torch.float32), ("reference", reference, torch.bfloat16),
+                              (NAME, NAME, torch.bfloat16)):
+        model = copy.deepcopy(base).to(dtype)
+        model.set_attn_implementation(impl)
+        results[name] = _decode_logits(model, prompt, mask, tokens)
+        del model
+    decode = [c for c in calls if c["q"][1] == 1]
+    assert len(decode) == 40 * 2 and all(c.get("decode") for c in decode)
+    if padded:
+        assert any(c["cache_leftpad"] is not None for c in decode)
+    err = _max_diff(results[NAME], results["truth"])
+    ref = _max_diff(results["reference"], results["truth"])
+    floor = 1e-2 * results["truth"].abs().max().item()
+    assert err <= 2 * ref + floor, f"max|cufa - truth| = {err:.3g}; {reference} in bf16: {ref:.3g}; floor {floor:.3g}"
+
+
+@pytest.mark.gpu
+def test_decode_step_paths_timing_cuda():
+    """Not a pass/fail benchmark: the numbers behind the integration's choice for decode steps (printed; run
+    pytest with -rP or -s to see them). One step of a DynamicCache decode loop, whose keys grow by one token per
+    step (a new shape at every call, as transformers' cache concatenates), through cuflash.torch.attention (what
+    decode steps ran before), through the decode operator, through the decode operator with a fixed shape (a
+    static cache: the front door's remembered launch), and through torch's SDPA (enable_gqa). Host: the time to
+    enqueue a call; wall: enqueued and finished, per call, over 20 calls. Each path's result is checked against
+    SDPA first."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    import time
+
+    import torch.nn.functional as F
+
+    rows = []
+    for batch, context in ((1, 512), (1, 4096), (1, 16384), (8, 4096)):
+        reps, heads_q, heads_kv, d = 20, 16, 4, 128
+        g = torch.Generator().manual_seed(batch + context)
+        q = torch.randn(batch, heads_q, 1, d, generator=g).to("cuda", torch.bfloat16)
+        k_buf, v_buf = (torch.randn(batch, heads_kv, context + reps, d, generator=g).to("cuda", torch.bfloat16)
+                        for _ in range(2))
+        step = iter(range(10**9))
+
+        def grown():  # the keys of the next step: one more token (a new shape), transformers' (B, H, S, d) layout
+            n = context + next(step) % reps
+            return k_buf[:, :, :n], v_buf[:, :, :n]
+
+        def sdpa():
+            k, v = grown()
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True).transpose(1, 2)
+
+        def attention():
+            k, v = grown()
+            return cuflash.torch.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+
+        def decode():
+            k, v = grown()
+            return cuflash.torch.attention_with_kvcache(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                        cache_seqlens=k.shape[2], causal=True)
+
+        def decode_fixed():
+            k, v = k_buf[:, :, :context], v_buf[:, :, :context]
+            return cuflash.torch.attention_with_kvcache(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                        cache_seqlens=context, causal=True)
+
+        for name, fn in (("sdpa", sdpa), ("cuflash.torch.attention", attention), ("attention_with_kvcache", decode),
+                         ("attention_with_kvcache, fixed shape", decode_fixed)):
+            step = iter(range(10**9))
+            want, got = sdpa(), None
+            step = iter(range(10**9))
+            got = fn()
+            assert _max_diff(got, want) < 2e-2, name
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            host = (time.perf_counter() - t0) / reps
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) / reps
+            rows.append(f"batch {batch:2d} context {context:6d}  {name:38s} host {host * 1e6:8.1f} us  "
+                        f"wall {wall * 1e6:8.1f} us")
+    print("\n" + "\n".join(rows))

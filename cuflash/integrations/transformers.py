@@ -30,6 +30,13 @@ What :func:`attention_forward` does with each kind of mask:
   (``cu_seqlens_q``, ``cu_seqlens_k``), run in one call, and the output padded back (zeros at padding queries).
   A single query per sequence (decoding) skips the unpadding: the mask goes in as ``attn_mask`` of shape
   ``(batch, 1, 1, kv_length)``, which is the whole mask for one query, and the cache is not copied.
+
+Decode steps (one query per sequence, no dropout, no gradient, not traced, and on CUDA the decode kernels' dtypes
+and head dims) run :func:`cuflash.torch.attention_with_kvcache` instead: the decode kernels (GQA rows packed, the
+keys split across the GPU) over the whole cache as transformers hands it over, which has appended the new token
+itself (a ``DynamicCache`` concatenates, so there is no in-place append to do), with ``cache_seqlens`` the number
+of keys and, under left padding, ``cache_leftpad`` each row's first token, which the mask function marks on the
+2-D mask (``_cuflash_leftpad``) in the host read it makes anyway. ``DECODE_WITH_KVCACHE = False`` turns this off.
 - 4-D mask: ``attn_mask`` (boolean) or ``bias`` (additive, floating), with no causal flag or window (the mask
   holds them), as "sdpa" does.
 
@@ -101,6 +108,25 @@ def _queries_are_last_keys(q_length, kv_length, q_offset, kv_offset) -> bool:
     return q_offset + q_length == kv_offset + kv_length
 
 
+# The attribute of a 2-D padding mask handed to a decode step whose keys are left-padded only (each row: padding,
+# then tokens, no hole): the first token of each row, int32 (batch,), i.e. attention_with_kvcache's cache_leftpad.
+_LEFTPAD = "_cuflash_leftpad"
+
+
+def _padding_summary(padding: torch.Tensor, decode: bool) -> tuple[bool, torch.Tensor | None]:
+    """``(every key kept, left padding)`` of a 2-D padding mask, in one host read (the check that padding is
+    there at all reads the device anyway). The left padding, each row's first token, is worked out for a decode
+    step (``decode``) and given only when every row is padding then tokens with no hole (left padding, as
+    ``generate`` makes it): otherwise None."""
+    kept = padding if padding.dtype == torch.bool else padding != 0
+    if not decode:
+        return bool(kept.all()), None
+    first = kept.to(torch.int8).argmax(1)  # the first token (0 for a row of padding only, which fails the test)
+    left_only = kept == (torch.arange(kept.shape[1], device=kept.device) >= first[:, None])
+    all_kept, is_left = torch.stack([kept.all(), left_only.all()]).tolist()
+    return all_kept, first.to(torch.int32) if is_left else None
+
+
 def attention_mask(
     batch_size: int,
     q_length: int,
@@ -122,18 +148,27 @@ def attention_mask(
     the caller allows skipping the mask (``allow_is_causal_skip`` / ``allow_is_bidirectional_skip``: a caller
     that needs the mask materialized gets it) and the mask is not being traced. Otherwise transformers' dense
     boolean ``(batch_size, 1, q_length, kv_length)`` mask (``sdpa_mask``), True where a query sees a key.
+
+    For a decode step (one query) over left padding only (padding then tokens in every row, as ``generate``
+    pads), the 2-D mask carries each row's first token (the attribute ``_cuflash_leftpad``), which lets
+    :func:`attention_forward` run the decode kernels with ``cache_leftpad``; it is found in the same host read
+    that looks for padding.
     """
     pattern = _plain_pattern(mask_function)
     may_skip = allow_is_bidirectional_skip if pattern == "bidirectional" else allow_is_causal_skip
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
     if pattern is not None and may_skip and not use_vmap and not (padding is not None and is_tracing(padding)):
         aligned = _queries_are_last_keys(q_length, kv_length, q_offset, kv_offset)
+        all_kept, leftpad = True, None
         if padding is not None:
             padding = padding[:, kv_offset:kv_offset + kv_length]
-        if padding is None or bool(padding.all()):
+            all_kept, leftpad = _padding_summary(padding, decode=aligned and q_length == 1)
+        if all_kept:
             if aligned or pattern == "bidirectional":  # a bidirectional pattern needs no alignment
                 return None
         elif aligned:
+            if leftpad is not None:  # a decode step over left padding: attention_forward runs the decode kernels
+                setattr(padding, _LEFTPAD, leftpad)
             return padding
     return sdpa_mask(
         batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
@@ -187,6 +222,45 @@ def _unpadded(q, k, v, key_mask: torch.Tensor, **options) -> torch.Tensor:
     )
     padded = out.new_zeros((batch, nq, *out.shape[1:]))
     return padded.index_put(rows_q, out)
+
+
+#: Decode steps run :func:`cuflash.torch.attention_with_kvcache` (the decode kernels on CUDA) where they can; False
+#: runs them through :func:`cuflash.torch.attention` like any other call (a switch for comparisons and benchmarks).
+DECODE_WITH_KVCACHE = True
+
+
+def _decode_kernels_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether :func:`cuflash.torch.attention_with_kvcache` runs these tensors: CPU tensors always (the NumPy
+    reference); CUDA tensors in the decode kernels' dtypes and head dims, with 16-byte rows."""
+    if not q.is_cuda:
+        return True
+    from cuflash._cuda.spec import DECODE_HEAD_DIMS
+
+    d = q.shape[-1]
+    if q.dtype not in (torch.float16, torch.bfloat16) or v.shape[-1] != d or d not in DECODE_HEAD_DIMS:
+        return False
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0
+                                                                   for s in t.stride()[:-1]) for t in (q, k, v))
+
+
+def _decodes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: dict) -> bool:
+    """Whether a call runs as a decode step: one query per sequence (the last of the keys: the mask function
+    hands over no mask or a 2-D one only then), no dropout, no gradient (the decode operator has none), not while
+    torch.compile traces (the traced model keeps the differentiable operators) and tensors the decode kernels
+    take."""
+    return (DECODE_WITH_KVCACHE and q.shape[1] == 1 and not options["dropout_p"]
+            and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+            and _decode_kernels_run(q, k, v))
+
+
+def _decode_step(q, k, v, leftpad, options: dict) -> torch.Tensor:
+    """One query per sequence against all the keys transformers' cache handed over (it has appended the new token
+    itself: nothing is appended here), the first ``leftpad[b]`` of them padding: the decode kernels, reading the
+    cache in place through its transposed view (GQA rows packed, the keys split across the GPU)."""
+    return cuflash_torch.attention_with_kvcache(
+        q, k, v, cache_seqlens=k.shape[1], cache_leftpad=leftpad, causal=options["causal"],
+        window_size=options["window_size"], softcap=options["softcap"], softmax_scale=options["softmax_scale"])
 
 
 def attention_forward(
@@ -251,6 +325,8 @@ def attention_forward(
 
     options.update(causal=causal, window_size=_window(sliding_window, causal))
     if attention_mask is None:
+        if _decodes(q, k, v, options):
+            return _decode_step(q, k, v, None, options), None
         return cuflash_torch.attention(q, k, v, **options), None
 
     if attention_mask.dim() != 2:
@@ -265,6 +341,10 @@ def attention_forward(
         raise ValueError(f"a 2-D padding mask needs the queries to be the last keys; got {q.shape[1]} queries and "
                          f"{k.shape[1]} keys")
     if q.shape[1] == 1:  # decoding: the mask of one query is the padding mask itself; no copy of the cache
+        leftpad = getattr(attention_mask, _LEFTPAD, None)  # left padding only, found by the mask function
+        if (leftpad is not None and attention_mask.shape[1] == k.shape[1] and leftpad.device == q.device
+                and _decodes(q, k, v, options)):
+            return _decode_step(q, k, v, leftpad, options), None
         return cuflash_torch.attention(q, k, v, attn_mask=mask[:, None, None, :], **options), None
     return _unpadded(q, k, v, mask, **options), None
 
