@@ -461,8 +461,8 @@ def attention_with_kvcache(
     ----------
     q : array, shape (batch, seqlen_q, heads_q, head_dim)
         NumPy (the NumPy reference runs it) or CuPy (the CUDA decode kernels: float16 and bfloat16, head dims 32,
-        64, 96 and 128 with ``head_dim_v == head_dim``; anything else raises ``NotImplementedError`` before the
-        caches are touched). float16, bfloat16, float32 or float64 on NumPy. ``seqlen_q`` from 1 (a decode step)
+        64, 96, 128 and 256 with ``head_dim_v == head_dim``, and MLA's 576 / 512 with ``v_cache = k_cache[...,
+        :512]``; anything else raises ``NotImplementedError`` before the caches are touched). float16, bfloat16, float32 or float64 on NumPy. ``seqlen_q`` from 1 (a decode step)
         to many (speculative decoding, chunked prefill).
     k_cache, v_cache : arrays
         ``(batch_cache, seqlen_cache, heads_kv, head_dim)`` (contiguous cache: row ``cache_batch_idx[b]``, or

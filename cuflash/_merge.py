@@ -11,8 +11,9 @@ exactly (up to rounding): each ``o_s`` is already normalized by its own ``exp(ls
 
 The code is written against the array module of its inputs (``xp``: NumPy or CuPy), so that
 :func:`cuflash.merge_states` (both libraries) and the split-KV reference (``[decode merge]``) share it. The CUDA
-decode path merges its splits with ``decode_merge_kernel`` (``cuflash_kernels/decode.cu``), which follows this
-function step for step (the same ``[decode merge]`` tags): one warp per query row.
+decode path merges its splits with ``merge_row`` (``cuflash_kernels/decode.cu``: in the split kernel's last block
+of each block column, and as ``decode_merge_kernel``), which follows this function step for step (the same
+``[decode merge]`` tags): one warp per query row.
 """
 
 from __future__ import annotations

@@ -29,7 +29,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cache", type=int, nargs="+", default=None, help="cached tokens (default: 4096 16384 65536)")
     p.add_argument("--heads", type=int, nargs=2, default=(32, 8), metavar=("HQ", "HKV"))
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--page-size", type=int, default=0, help="paged cache with this page size (0: contiguous)")
+    p.add_argument("--page-size", type=int, nargs="+", default=None, metavar="P",
+                   help="also time paged caches of these page sizes (a shuffled page pool) beside each contiguous row")
+    p.add_argument("--mla", action="store_true",
+                   help="MLA's absorbed decoding instead: one latent head of 576 (V: its first 512 dims), 128 query "
+                        "heads, page 64 (default batch 1 8 32 64 128, cache 4096 16384 32768): TB/s and TFLOP/s")
+    p.add_argument("--seqlen-q", type=int, default=1, help="query tokens per sequence (--mla; 2: speculative)")
     p.add_argument("--rep-ms", type=float, default=100.0, help="time budget per measurement (GPU)")
     p.add_argument("--host-calls", type=int, default=200,
                    help="calls per host-time measurement (GPU; batch 1, cache 256, no synchronization)")
@@ -234,6 +239,25 @@ def _attention_f32(torch, q, k, v):
     return torch.einsum("kgn,nkd->kgd", p, v.float()).reshape(heads_q, d)
 
 
+def _timer(torch, rep_ms: float):
+    """Seconds per call of a function, by CUDA events around each call until ``rep_ms`` are spent (3 calls at
+    least), after one untimed call."""
+    def timed(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        reps, spent, total = 0, 0.0, 0.0
+        while spent < rep_ms or reps < 3:
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            ms = start.elapsed_time(stop)
+            total, spent, reps = total + ms, spent + ms, reps + 1
+        return total / reps * 1e-3
+    return timed
+
+
 def _gpu_rows(args) -> list[dict]:
     import cupy
     import torch
@@ -244,20 +268,7 @@ def _gpu_rows(args) -> list[dict]:
 
     dev = torch.device("cuda")
     hq, hkv, d = args.heads[0], args.heads[1], args.head_dim
-
-    def timed(fn) -> float:
-        fn()
-        torch.cuda.synchronize()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        reps, spent, total = 0, 0.0, 0.0
-        while spent < args.rep_ms or reps < 3:
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            ms = start.elapsed_time(stop)
-            total, spent, reps = total + ms, spent + ms, reps + 1
-        return total / reps * 1e-3
+    timed = _timer(torch, args.rep_ms)
 
     _print_host_path(host_path_times(hq=hq, hkv=hkv, d=d))
     copy_bw = _copy_bandwidth(timed, dev)
@@ -305,6 +316,148 @@ def _gpu_rows(args) -> list[dict]:
             print(f"batch {batch:3d} cache {cache:6d}: cuflash {s * 1e6:8.1f} us {row['cuflash_tbs']:5.2f} TB/s | "
                   f"plan {s_plan * 1e6:8.1f} us {row['cuflash_plan_tbs']:5.2f} TB/s ({plan.num_splits:2d} splits) | "
                   f"SDPA {best:9s} {best_us:8.1f} us {row['sdpa_tbs']:5.2f} TB/s | err {err:.1e}{flag}")
+            for page in args.page_size or ():
+                with stream:
+                    paged = _paged_row(cupy, timed, cq, ck, cv, lens, page, s_plan)
+                row[f"paged{page}_us"], row[f"paged{page}_tbs"] = paged["us"], nbytes / paged["us"] / 1e6
+                row[f"paged{page}_vs_contiguous"] = paged["ratio"]
+                print(f"    paged, page {page:3d}: plan {paged['us']:8.1f} us {nbytes / paged['us'] / 1e6:5.2f} TB/s "
+                      f"= {paged['ratio']:.2f}x contiguous | max |paged - contiguous| {paged['diff']:.1e}")
+    return rows
+
+
+def _paged_row(cupy, timed, q, k, v, lens, page: int, contiguous_s: float) -> dict:
+    """The same step over a paged copy of the cache (a shuffled pool of pages of ``page`` slots, the block table
+    mapping each sequence's slots to them) through a plan: its time, its ratio to the contiguous plan's and the
+    largest difference of the outputs (none is expected: the same keys in the same order)."""
+    import cuflash
+
+    batch, cache, heads_kv, d = k.shape
+    pages = -(-cache // page)
+    rng = np.random.default_rng(page)
+    table = cupy.asarray(rng.permutation(batch * pages).astype(np.int32).reshape(batch, pages))
+    pool_k = cupy.empty((batch * pages, page, heads_kv, d), dtype=k.dtype)
+    pool_v = cupy.empty_like(pool_k)
+    padded = pages * page
+    for src, dst in ((k, pool_k), (v, pool_v)):
+        full = cupy.zeros((batch, padded, heads_kv, d), dtype=k.dtype)
+        full[:, :cache] = src
+        dst[table.reshape(-1)] = full.reshape(batch * pages, page, heads_kv, d)
+        del full
+    plan = cuflash.plan_kvcache(q, pool_k, pool_v, cache_seqlens=lens, block_table=table)
+    out, lse = cupy.empty(plan.out_shape, dtype=q.dtype), cupy.empty(plan.lse_shape, dtype=cupy.float32)
+    plan.run(q, pool_k, pool_v, cache_seqlens=lens, block_table=table, out=out, lse=lse)
+    want = cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lens)
+    diff = float(cupy.abs(out.astype(cupy.float32) - want.astype(cupy.float32)).max())
+    s = timed(lambda: plan.run(q, pool_k, pool_v, cache_seqlens=lens, block_table=table, out=out, lse=lse))
+    return {"us": s * 1e6, "ratio": contiguous_s / s, "diff": diff}
+
+
+MLA_D, MLA_DV, MLA_HEADS, MLA_PAGE = 576, 512, 128, 64
+
+
+def _mla_flops(batch: int, seqlen_q: int, heads: int, cache: int) -> float:
+    """Absorbed MLA's matrix products: q K^T over 576 dims and P V over 512, per query row and key."""
+    return 2.0 * batch * seqlen_q * heads * cache * (MLA_D + MLA_DV)
+
+
+def _mla_rows(args) -> list[dict]:
+    """MLA's absorbed decoding (DeepSeek-V3's shape): one latent key/value head of 576 dims (V its first 512),
+    128 query heads, a paged cache of page 64, bfloat16. Bytes: the latent cache read once (batch x cache x 576 x
+    2); FLOPs: 2 x rows x cache x (576 + 512). Beside it: plain torch on a contiguous cache (q K^T, softmax,
+    P V as batched matrix products, the absorbed computation) and every SDPA backend that takes the shape (q
+    128 heads, k and v one head, enable_gqa), the best of them printed."""
+    import cupy
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import cuflash
+
+    dev = torch.device("cuda")
+    timed = _timer(torch, args.rep_ms)
+    sq, heads = args.seqlen_q, MLA_HEADS
+    scale = 1.0 / (128 + 64) ** 0.5  # DeepSeek's: the unabsorbed head dim
+    rows = []
+    for batch in args.batch or (1, 8, 32, 64, 128):
+        for cache in args.cache or (4096, 16384, 32768):
+            pages = -(-cache // MLA_PAGE)
+            q = torch.randn(batch, sq, heads, MLA_D, device=dev, dtype=torch.bfloat16)
+            kc = torch.randn(batch, cache, 1, MLA_D, device=dev, dtype=torch.bfloat16)
+            nbytes = batch * cache * MLA_D * 2
+            flops = _mla_flops(batch, sq, heads, cache)
+            row = dict(mla=True, batch=batch, cache=cache, seqlen_q=sq, heads_q=heads, head_dim=MLA_D,
+                       head_dim_v=MLA_DV, page_size=MLA_PAGE, kv_bytes=nbytes, flops=flops)
+
+            # torch, absorbed, contiguous: (batch, sq * heads, 576) x (batch, 576, cache) -> softmax -> x V
+            qf = q.reshape(batch, sq * heads, MLA_D)
+            kt = kc[:, :, 0]
+            mask = None
+            if sq > 1:  # causal, bottom-right: query token t sees keys <= cache - sq + t
+                t = torch.arange(sq, device=dev).repeat_interleave(heads)[:, None]
+                mask = torch.arange(cache, device=dev)[None, :] > cache - sq + t
+
+            def torch_mla():
+                s = torch.matmul(qf, kt.transpose(1, 2)).float() * scale
+                if mask is not None:
+                    s = s.masked_fill(mask, float("-inf"))
+                return torch.matmul(torch.softmax(s, dim=-1).to(torch.bfloat16), kt[..., :MLA_DV])
+            try:
+                want = torch_mla()
+                row["torch_matmul_us"] = timed(torch_mla) * 1e6
+            except torch.OutOfMemoryError:
+                want, row["torch_matmul_us"] = None, None
+            torch.cuda.empty_cache()
+            qs, ks = q.transpose(1, 2), kc.transpose(1, 2)
+            # SDPA's is_causal is top-left aligned: bottom-right causal (query t sees keys <= cache - sq + t) as a mask
+            sees = None if sq == 1 else (torch.arange(cache, device=dev)[None, :]
+                                         <= cache - sq + torch.arange(sq, device=dev)[:, None])
+            for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+                                  ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                try:
+                    with sdpa_kernel(backend):
+                        fn = lambda: F.scaled_dot_product_attention(qs, ks, ks[..., :MLA_DV], attn_mask=sees,
+                                                                    scale=scale, enable_gqa=True)
+                        row[f"sdpa_{name}_us"] = timed(fn) * 1e6
+                except (RuntimeError, torch.OutOfMemoryError):
+                    row[f"sdpa_{name}_us"] = None
+            base = [(row[k], k[:-3]) for k in ("torch_matmul_us", "sdpa_flash_us", "sdpa_efficient_us", "sdpa_cudnn_us")
+                    if row.get(k)]
+            best_us, best = min(base) if base else (None, "none")
+            row.update(torch_best=best, torch_best_us=best_us)
+
+            # cuflash: the same cache, paged (a shuffled pool of 64-slot pages), V a view of K
+            rng = np.random.default_rng(batch)
+            perm = rng.permutation(batch * pages).astype(np.int32)
+            table = torch.from_numpy(perm.reshape(batch, pages)).to(dev)
+            pool = torch.zeros(batch * pages, MLA_PAGE, 1, MLA_D, device=dev, dtype=torch.bfloat16)
+            full = torch.zeros(batch, pages * MLA_PAGE, 1, MLA_D, device=dev, dtype=torch.bfloat16)
+            full[:, :cache] = kc
+            pool[table.reshape(-1).long()] = full.reshape(batch * pages, MLA_PAGE, 1, MLA_D)
+            del full
+            stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream())
+            with stream:
+                cq, cpool, ctable = (cupy.from_dlpack(x) for x in (q, pool, table))
+                lens = cupy.full(batch, cache, dtype=cupy.int32)
+                plan = cuflash.plan_kvcache(cq, cpool, cpool[..., :MLA_DV], cache_seqlens=lens, block_table=ctable,
+                                            softmax_scale=scale, causal=sq > 1)
+                out = cupy.empty(plan.out_shape, dtype=cq.dtype)
+                lse = cupy.empty(plan.lse_shape, dtype=cupy.float32)
+                plan.run(cq, cpool, cpool[..., :MLA_DV], cache_seqlens=lens, block_table=ctable, out=out, lse=lse)
+                got = torch.from_dlpack(out).reshape(batch, sq * heads, MLA_DV)
+                err = None if want is None else float((got.float() - want.float()).abs().max())
+                vview = cpool[..., :MLA_DV]
+                s = timed(lambda: plan.run(cq, cpool, vview, cache_seqlens=lens, block_table=ctable, out=out,
+                                           lse=lse))
+            row.update(cuflash_us=s * 1e6, cuflash_tbs=nbytes / s / 1e12, cuflash_tflops=flops / s / 1e12,
+                       num_splits=plan.num_splits, max_abs_err=err)
+            rows.append(row)
+            flag = "" if err is None or err <= 3e-2 else f"  MISMATCH: max |cuflash - torch| = {err:.3g}"
+            base_txt = (f"{best:13s} {best_us:8.1f} us {nbytes / best_us / 1e6:5.2f} TB/s "
+                        f"{flops / best_us / 1e6:6.1f} TFLOP/s" if best_us else "no torch baseline ran")
+            print(f"MLA batch {batch:3d} cache {cache:6d} q {sq}: cuflash {s * 1e6:8.1f} us {row['cuflash_tbs']:5.2f} "
+                  f"TB/s {row['cuflash_tflops']:6.1f} TFLOP/s ({plan.num_splits:2d} splits) | torch {base_txt} | "
+                  f"err {err if err is None else f'{err:.1e}'}{flag}")
     return rows
 
 
@@ -331,6 +484,33 @@ def _cpu_rows(args) -> list[dict]:
     return rows
 
 
+def _cpu_mla_rows(args) -> list[dict]:
+    """MLA through the NumPy reference at small sizes (16 heads, float32, page 64): the command stays exercised
+    without a GPU."""
+    import cuflash
+
+    rng = np.random.default_rng(0)
+    heads, sq, rows = 16, args.seqlen_q, []
+    for batch in args.batch or (1, 2):
+        for cache in args.cache or (256, 1024):
+            pages = -(-cache // MLA_PAGE)
+            q = rng.standard_normal((batch, sq, heads, MLA_D)).astype(np.float32)
+            pool = rng.standard_normal((batch * pages, MLA_PAGE, 1, MLA_D)).astype(np.float32)
+            table = rng.permutation(batch * pages).astype(np.int32).reshape(batch, pages)
+            lens = np.full(batch, cache, np.int32)
+            t0 = time.perf_counter()
+            cuflash.attention_with_kvcache(q, pool, pool[..., :MLA_DV], cache_seqlens=lens, block_table=table,
+                                           softmax_scale=1 / 192 ** 0.5, causal=sq > 1)
+            s = time.perf_counter() - t0
+            nbytes, flops = batch * cache * MLA_D * 4, _mla_flops(batch, sq, heads, cache)
+            rows.append(dict(mla=True, batch=batch, cache=cache, seqlen_q=sq, heads_q=heads, head_dim=MLA_D,
+                             head_dim_v=MLA_DV, page_size=MLA_PAGE, kv_bytes=nbytes, flops=flops, numpy_us=s * 1e6,
+                             numpy_gbs=nbytes / s / 1e9))
+            print(f"MLA batch {batch:3d} cache {cache:6d} q {sq}: NumPy reference {s * 1e6:10.1f} us "
+                  f"{nbytes / s / 1e9:6.2f} GB/s {flops / s / 1e9:7.2f} GFLOP/s")
+    return rows
+
+
 def _plot(rows: list[dict], path: str) -> None:
     import matplotlib
 
@@ -345,6 +525,7 @@ def _plot(rows: list[dict], path: str) -> None:
             ax.plot(xs, [r["sdpa_tbs"] for r in sel], "--o", label=f"SDPA best, batch {batch}")
         if sel[0].get("cuflash_tbs") is not None:
             ax.plot(xs, [r["cuflash_tbs"] for r in sel], "-o", label=f"cuflash, batch {batch}")
+        if sel[0].get("cuflash_plan_tbs") is not None:
             ax.plot(xs, [r["cuflash_plan_tbs"] for r in sel], ":x", label=f"cuflash plan.run, batch {batch}")
         if sel[0].get("numpy_gbs") is not None:
             ax.plot(xs, [r["numpy_gbs"] / 1e3 for r in sel], "-o", label=f"NumPy reference, batch {batch}")
@@ -364,7 +545,10 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     from .__main__ import gpu_available
 
-    rows = _gpu_rows(args) if gpu_available() else _cpu_rows(args)
+    if args.mla:
+        rows = _mla_rows(args) if gpu_available() else _cpu_mla_rows(args)
+    else:
+        rows = _gpu_rows(args) if gpu_available() else _cpu_rows(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

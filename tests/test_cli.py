@@ -178,3 +178,20 @@ def test_bench_decode_on_the_cpu_writes_its_table_and_plot(capsys, tmp_path, mon
     assert all(r["numpy_us"] > 0 and r["kv_bytes"] == 2 * r["cache"] * 2 * 32 * 4 for r in rows)
     assert out_png.stat().st_size > 1000
     assert "NumPy reference" in capsys.readouterr().out
+
+
+def test_bench_decode_mla_on_the_cpu(capsys, tmp_path, monkeypatch):
+    """bench-decode --mla without a GPU: MLA's absorbed decoding (576 / 512, page 64) through the NumPy reference."""
+    import json
+
+    from cuflash import __main__ as cli
+
+    monkeypatch.setattr(cli, "gpu_available", lambda: False)
+    out_json = tmp_path / "mla.json"
+    assert cli.main(["bench-decode", "--mla", "--batch", "1", "--cache", "70", "--seqlen-q", "2",
+                     "--json", str(out_json)]) == 0
+    (row,) = json.loads(out_json.read_text())
+    assert (row["head_dim"], row["head_dim_v"], row["page_size"], row["seqlen_q"]) == (576, 512, 64, 2)
+    assert row["flops"] == 2 * 2 * 16 * 70 * (576 + 512) and row["numpy_us"] > 0
+    assert "MLA batch   1 cache     70 q 2: NumPy reference" in capsys.readouterr().out
+

@@ -833,3 +833,47 @@ def test_the_front_door_remembers_cupy_calls_only():
     key = _api._kvcache_key(q, kc, kc, None, None, 3, None, None, True, None, None, None, False, (-1, -1), 0.0,
                             None, None, 0, None)
     assert key is None
+
+
+def test_the_cuda_launcher_checks_and_writes_only_new_arrays():
+    """The decode launcher's step paths, with bench-decode's stand-in runtime (host memory, launches recorded):
+    a step of new array objects is validated and its addresses written into the record; a step of the very
+    objects of the step before only launches; a step with one new array (out) is validated again and rewrites
+    that address. The record's words are what the kernels would read."""
+    from cuflash._cuda.decode import DECODE_PARAMS_DTYPE, DecodeLaunch
+    from cuflash.bench_decode import _HostArray, _HostRuntime
+
+    rng = np.random.default_rng(40)
+    host = dict(q=(1, 1, 8, 32), k_cache=(1, 256, 2, 32), v_cache=(1, 256, 2, 32), k=(1, 1, 2, 32), v=(1, 1, 2, 32))
+    host = {name: rng.standard_normal(shape).astype(np.float16) for name, shape in host.items()}
+    lens = np.array([40], np.int32)
+    _, _, cache, scale, variant = _api._kvcache_call(
+        *host.values(), cache_seqlens=lens, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
+        cache_batch_idx=None, cache_leftpad=None, block_table=None, causal=True, window_size=(-1, -1), softcap=0.0,
+        alibi_slopes=None, softmax_scale=None, num_splits=3, out=None)
+    launches, checked = [], []
+    runtime = _HostRuntime(lambda *args: launches.append(args))
+    q, kc, vc, k, v = (_HostArray(a) for a in host.values())
+    launch = DecodeLaunch(q, kc, vc, k, v, cache=cache, scale=scale, variant=variant, runtime=runtime)
+    launch.validate = lambda *arrays: checked.append(arrays)
+    assert launch.num_splits == 3 and len(launch._steps) == 2  # the append, and the split kernel merging itself
+    record = launch._record[0]
+    seqlens = _HostArray(lens)
+    out, lse = runtime.empty(launch.out_shape, np.float16), runtime.empty(launch.lse_shape, np.float32)
+
+    def step(out):
+        return launch.run(q, kc, vc, k, v, seqlens, None, None, None, None, None, None, out, lse)
+
+    assert step(out)[0] is out and len(checked) == 1 and len(launches) == 2
+    assert record["q"] == q.data.ptr and record["out"] == out.data.ptr and record["cache_seqlens"] == seqlens.data.ptr
+    assert record["o_part"] == launch.o_part.data.ptr and record["split_count"] == launch.split_count.data.ptr
+    assert (record["batch"], record["num_splits"], record["heads_kv"]) == (1, 3, 2)
+    step(out)
+    assert len(checked) == 1 and len(launches) == 4  # the same objects: launched, not checked
+    other = runtime.empty(launch.out_shape, np.float16)
+    step(other)
+    assert len(checked) == 2 and len(launches) == 6 and record["out"] == other.data.ptr
+    # every launch passes the record's address as the one kernel argument
+    argv = {args[9] for args in launches}
+    assert argv == {launch._argv_ptr} and launch._argv[0] == launch._record.ctypes.data
+    assert DECODE_PARAMS_DTYPE.itemsize == launch._record.itemsize
