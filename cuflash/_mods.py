@@ -353,8 +353,8 @@ class ModExpr:
     text: str = field(compare=False, hash=False)
     node: Node
 
-    @property
-    def names(self) -> frozenset:
+    @cached_property
+    def names(self) -> frozenset:  # (read at every launch: computed once)
         return self.node.names()
 
 

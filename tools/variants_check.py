@@ -497,12 +497,41 @@ def flex(args, rows):
             log(f"flex N {n:6d} {name:28s} fwd {tf:.3f} ms  fwd+bwd {tb:.3f} ms")
 
 
+def head_dims_bench(args, rows):
+    """Forward time per FLOP (FLOPs of the call's own head dims) of head dims between the instantiated ones, bf16,
+    causal, 16384 tokens of 16 heads at N 4096: d 80 against 96 and d 200 against 256 are the issue's pairs."""
+    import cupy as cp
+    import torch
+    import triton.testing as tt
+
+    from cuflash import _cuda as cuda
+    from cuflash._variant import Variant
+
+    n, hq, b = 4096, 16, 4
+    stream = cp.cuda.Stream.from_external(torch.cuda.current_stream())
+    for d in (64, 80, 96, 128, 160, 192, 200, 224, 256):
+        q, k, v = (cp.from_dlpack(torch.randn(b, n, hq, d, device="cuda", dtype=torch.bfloat16)) for _ in range(3))
+        opts = dict(scale=d ** -0.5, variant=Variant(causal=True), algorithm="fa2", block_q=None, block_k=None)
+
+        def fwd():
+            with stream:
+                cuda.forward(q, k, v, **opts)
+
+        fwd()
+        t = tt.do_bench(fwd, rep=args.rep_ms, warmup=10)
+        flops = 4 * b * hq * n * n * d / 2
+        rows.append(dict(case=f"head-dim-{d}", d=d, fwd_ms=t, fwd_tflops=flops / t * 1e-9))
+        log(f"head dim {d:3d} (kernel {cuda.attention.kernel_head_dim(d, d)}): fwd {t:.3f} ms, "
+            f"{flops / t * 1e-9:6.1f} TFLOP/s of its own FLOPs, {t / flops * 1e12:.3f} ps/FLOP")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--flex", action="store_true")
     ap.add_argument("--bias", action="store_true", help="bias against PyTorch SDPA with an additive mask")
+    ap.add_argument("--head-dims", action="store_true", help="forward time per FLOP at head dims 64..256")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--cases", default="", help="comma-separated words: check only the cases whose label has one")
     ap.add_argument("--rep-ms", type=int, default=100)
@@ -516,6 +545,8 @@ def main():
         bench(args, rows)
     if args.bias:
         bias_bench(args, rows)
+    if args.head_dims:
+        head_dims_bench(args, rows)
     if args.flex:
         try:
             flex(args, flex_rows)

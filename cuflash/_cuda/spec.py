@@ -206,6 +206,7 @@ def variant_type(variant: Variant) -> str:
     return _policy(flags, variant.mods)
 
 
+@functools.lru_cache(maxsize=1024)  # (every launch names its policy: the string once per flags and mods)
 def _policy(flags, mods=None) -> str:
     if mods is None:
         return f"cuflash::Variant<{', '.join(map(_b, flags))}>"
