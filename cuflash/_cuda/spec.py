@@ -263,7 +263,22 @@ def extra_params(variant: Variant, dbias=None, tiles=None):
         bm, hm, rows, cols = lists.shape
         e["tile_count"], e["tile_list"], e["tile_cols"] = _ptr(count), _ptr(lists), cols
         e["tiles_sb"], e["tiles_sh"] = (hm * rows if bm > 1 else 0), (rows if hm > 1 else 0)
-    return cupy.asarray(e.reshape(1).view(np.uint8))
+    # The device copy, kept by content (and stream: a later call on another stream must not read a copy still
+    # in flight): a call that repeats its arrays (a BlockMask, a bias reused across layers) costs no host copy.
+    # Not with a dbias buffer, new at every backward (the copy would only hold memory).
+    if dbias is not None:
+        return cupy.asarray(e.reshape(1).view(np.uint8))
+    key = (cupy.cuda.get_current_stream().ptr, cupy.cuda.runtime.getDevice(), e.tobytes())
+    device = _EXTRA_CACHE.get(key)
+    if device is None:
+        if len(_EXTRA_CACHE) >= _EXTRA_CACHE_SIZE:
+            _EXTRA_CACHE.pop(next(iter(_EXTRA_CACHE)))
+        device = _EXTRA_CACHE[key] = cupy.asarray(e.reshape(1).view(np.uint8))
+    return device
+
+
+_EXTRA_CACHE: dict = {}
+_EXTRA_CACHE_SIZE = 256
 
 
 def variant_params(variant: Variant, scale: float, seqlen_q: int, seqlen_k: int, extra=None) -> np.void:
