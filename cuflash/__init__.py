@@ -5,7 +5,8 @@ implementation of the same block algorithm, which is also the reference the kern
 PyTorch and JAX users go through :mod:`cuflash.torch` and :mod:`cuflash.jax` (imported on demand only).
 """
 
-from ._api import attention, attention_backward, attention_with_kvcache, dropout_mask, merge_states, plan_kvcache
+from ._api import (attention, attention_backward, attention_with_kvcache, cascade_attention, dropout_mask, merge_states,
+                   plan_kvcache)
 from ._decode_plan import DecodePlan
 from ._mods import BlockMask
 from .mha import MHACache, MHAGrads, MHAParams, init_mha_params, mha_backward, mha_forward
@@ -21,6 +22,7 @@ __all__ = [
     "plan_kvcache",
     "DecodePlan",
     "merge_states",
+    "cascade_attention",
     "MHAParams",
     "MHAGrads",
     "MHACache",

@@ -16,7 +16,7 @@ from types import ModuleType
 
 import numpy as np
 
-from . import _blocks, _decode_plan, _merge, _mods, _validate
+from . import _blocks, _cascade, _decode_plan, _merge, _mods, _validate
 from ._decode_plan import DecodePlan
 from ._variant import Variant
 
@@ -717,6 +717,78 @@ def plan_kvcache(
     lse_layout = _decode_plan.contiguous_layout(xp, problem.lse_shape, _validate.lse_dtype(problem.dtype))
     return DecodePlan(layouts, runner, out_layout=out_layout, lse_layout=lse_layout, num_splits=splits, xp=xp,
                       checker=checker, launch=launch)
+
+
+def cascade_attention(
+    q,
+    k_prefix,
+    v_prefix,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    *,
+    cache_seqlens,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    causal: bool = False,
+    softcap: float = 0.0,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    num_splits: int = 0,
+    prefix_splits: int = 0,
+):
+    """Decoding over a prefix shared by every sequence of the batch, read once for all of them, then each sequence's
+    own keys in its KV cache (shared-prefix, or cascade, attention; ``docs/decoding.md``).
+
+    Sequence ``b``'s keys are the ``prefix_len`` keys of ``k_prefix`` (the same for every sequence: a system
+    prompt) followed by its keys in the cache, exactly as :func:`attention_with_kvcache` finds them (``k``, ``v``
+    appended in place first; ``cache_seqlens`` not updated). The result equals :func:`attention_with_kvcache` over
+    a cache holding the prefix in front of each sequence's keys, but the prefix is read once per key/value head for
+    the whole batch, not once per sequence. Every query sees the whole prefix (it comes before every query);
+    ``causal`` masks within each sequence's own keys, bottom-right aligned, as :func:`attention_with_kvcache`
+    (equal to causal masking over prefix + suffix when the suffix holds at least ``seqlen_q`` keys, which a call
+    that appends the query tokens' own keys always does).
+
+    Runs as :func:`attention` of the whole batch's queries (GQA-packed rows) against the prefix, cut into
+    ``prefix_splits`` chunks, then :func:`attention_with_kvcache` with ``return_lse=True``, then the exact merge of
+    :func:`merge_states`: NumPy and CuPy arrays, with the dtypes and head dims those two calls take on each.
+    Not supported here: rotary embedding, ALiBi and sliding windows (they measure positions across the prefix
+    boundary, differently for each sequence): rotate q and k before the call.
+
+    Parameters
+    ----------
+    q : array (batch, seqlen_q, heads_q, head_dim)
+    k_prefix, v_prefix : arrays (prefix_len, heads_kv, head_dim) and (prefix_len, heads_kv, head_dim_v)
+        The shared prefix's keys and values, q's library and dtype, the caches' heads and head dims (FlashInfer's
+        ``k_shared`` / ``v_shared``). ``prefix_len`` may be 0.
+    k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, causal, softcap,
+    softmax_scale, num_splits :
+        As in :func:`attention_with_kvcache`, for each sequence's own keys (``num_splits``: its split-KV parts).
+    return_lse : bool
+        Also return ``lse`` ``(batch, heads_q, seqlen_q)`` over prefix and suffix (float32; float64 for float64).
+    prefix_splits : int
+        Cut the prefix into this many equal chunks (a divisor of ``prefix_len``), attended as one batched call and
+        merged: more thread blocks when the batch's query rows make few tiles. 0 chooses (at least 512 keys a
+        chunk, enough blocks to fill 132 SMs).
+
+    Returns
+    -------
+    out : array (batch, seqlen_q, heads_q, head_dim_v), q's dtype
+    lse : array (batch, heads_q, seqlen_q); only with ``return_lse=True``
+    """
+    prefix_splits = _cascade.check_prefix(q, k_prefix, v_prefix, k_cache, v_cache, prefix_splits)
+
+    def suffix():
+        return attention_with_kvcache(
+            q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+            cache_leftpad=cache_leftpad, block_table=block_table, causal=causal, softcap=softcap,
+            softmax_scale=softmax_scale, return_lse=True, num_splits=num_splits)
+
+    out, lse = _cascade.cascade(q, k_prefix, v_prefix, suffix, prefix_splits=prefix_splits, softcap=softcap,
+                                softmax_scale=softmax_scale, attention=attention, xp=_namespace(q))
+    return (out, lse) if return_lse else out
 
 
 def merge_states(o_a, lse_a, o_b, lse_b):
