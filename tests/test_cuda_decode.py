@@ -64,6 +64,11 @@ CASES = {  # label: (batch, heads_q, heads_kv, d, seqlen_q, seqlen_new, capacity
     # columns of the K cache; 64 packed rows per block (a token's heads span two blocks at 80 heads)
     "mla-paged64-spec2": (2, 80, 1, 576, 2, 2, 700, 64, dict(causal=True, mla=512)),
     "mla-contiguous-alibi": (3, 16, 1, 576, 1, 1, 300, None, dict(causal=True, mla=512, alibi_slopes="heads")),
+    # chunked prefill (seqlen_q >= 64, contiguous, no leftpad / batch_idx): the forward kernels over the cache
+    "prefill-append-gqa4": (2, 16, 4, 128, 128, 128, 1024, None, dict(causal=True)),
+    "prefill-rotary-window-alibi": (2, 8, 2, 64, 96, 96, 600, None,
+                                    dict(causal=True, window_size=(200, 0), rotary="neox", alibi_slopes="batch")),
+    "prefill-softcap-no-append": (2, 8, 8, 64, 64, 0, 400, None, dict(softcap=20.0)),
 }
 
 
@@ -126,6 +131,39 @@ def test_decode_against_the_truth(requires_gpu, label, dtname, splits):
     # the append wrote the same slots with the same values as the reference's, and nothing else
     assert np.array_equal(cp.asnumpy(ck).view(np.uint16), kn.view(np.uint16))
     assert np.array_equal(cp.asnumpy(cv).view(np.uint16), vn.view(np.uint16))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_chunked_prefill_matches_the_decode_kernels(requires_gpu, monkeypatch, d):
+    """A call of 512 new tokens against a contiguous cache runs as the forward over the cache
+    (ChunkedPrefillLaunch); forced onto the decode kernels (MIN_SEQLEN_Q raised) the same call gives the same output
+    within bfloat16 rounding and the same caches, bit for bit."""
+    from cuflash import _chunked_prefill
+    from cuflash._cuda import decode
+
+    cp = requires_gpu
+    rng = np.random.default_rng(d)
+    q, k_cache, v_cache, k, v, seqlens, _ = _case(rng, batch=2, heads_q=16, heads_kv=4, d=d, seqlen_q=512,
+                                                  seqlen_new=512, capacity=4096, page_size=None,
+                                                  dtype=DTYPES["bfloat16"])
+    args = dict(cache_seqlens=cp.asarray(seqlens), causal=True, return_lse=True)
+    results = {}
+    for path, threshold in (("prefill", _chunked_prefill.MIN_SEQLEN_Q), ("decode", 10**9)):
+        monkeypatch.setattr(_chunked_prefill, "MIN_SEQLEN_Q", threshold)
+        decode._LAUNCHES.clear()
+        _api._kvcache_launches.clear()
+        ck, cv = cp.asarray(k_cache), cp.asarray(v_cache)
+        out, lse = cuflash.attention_with_kvcache(cp.asarray(q), ck, cv, cp.asarray(k), cp.asarray(v), **args)
+        kinds = {type(launch).__name__ for launch in decode._LAUNCHES.values()}
+        assert kinds == {"ChunkedPrefillLaunch" if path == "prefill" else "DecodeLaunch"}, kinds
+        results[path] = (as_float32(cp, out), lse, ck, cv)
+    (o1, l1, k1, v1), (o2, l2, k2, v2) = results["prefill"], results["decode"]
+    assert float(cp.abs(o1 - o2).max()) < 2e-2
+    assert float(cp.abs(l1 - l2).max()) < 1e-3
+    assert cp.array_equal(k1.view(cp.uint16), k2.view(cp.uint16)) and cp.array_equal(v1.view(cp.uint16),
+                                                                                      v2.view(cp.uint16))
+    decode._LAUNCHES.clear()
+    _api._kvcache_launches.clear()
 
 
 def test_mla_needs_v_as_a_view_of_k(requires_gpu):

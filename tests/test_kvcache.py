@@ -8,6 +8,8 @@ keys per tile) so that small caches already span many tiles, splits and query ti
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -877,3 +879,115 @@ def test_the_cuda_launcher_checks_and_writes_only_new_arrays():
     argv = {args[9] for args in launches}
     assert argv == {launch._argv_ptr} and launch._argv[0] == launch._record.ctypes.data
     assert DECODE_PARAMS_DTYPE.itemsize == launch._record.itemsize
+
+
+# ---------------------------------------------------------------------------------------------------
+# Chunked prefill: the forward over the cache (cuflash._chunked_prefill), as the CUDA backend runs seqlen_q >= 64
+# ---------------------------------------------------------------------------------------------------
+
+PREFILL_CASES = {  # label: (batch, batch_cache, heads_q, heads_kv, d, seqlen_q, seqlen_new, capacity, seqlens, options)
+    "append-gqa4-causal": (2, 2, 8, 2, 16, 64, 64, 200, [0, 136], dict(causal=True)),
+    "no-append-mha": (3, 3, 4, 4, 32, 100, 0, 300, [100, 300, 217], dict(causal=True)),
+    "mqa-rotary-neox-window": (2, 2, 8, 1, 16, 70, 70, 150, [5, 80], dict(causal=True, window_size=(40, 0),
+                                                                           rotary="neox")),
+    "partial-append-softcap-gptj": (2, 2, 4, 2, 16, 65, 30, 200, [0, 170], dict(softcap=5.0, rotary="gptj")),
+    "spare-cache-rows-alibi": (3, 5, 8, 2, 16, 64, 64, 128, [0, 64, 20], dict(causal=True, alibi="batch")),
+    "exactly-full-alibi-heads-scale": (1, 1, 2, 2, 8, 130, 130, 130, [0], dict(causal=True, alibi="heads",
+                                                                                softmax_scale=0.3)),
+    "rows-without-keys": (2, 2, 4, 2, 16, 80, 0, 100, [10, 90], dict(causal=True)),
+    "right-window-not-causal": (2, 2, 4, 2, 16, 96, 16, 160, [40, 144], dict(window_size=(-1, 7))),
+}
+
+
+def _prefill_case(rng, batch, batch_cache, heads_q, heads_kv, d, seqlen_q, seqlen_new, capacity, seqlens, options,
+                  dtype=np.float64):
+    q = rng.standard_normal((batch, seqlen_q, heads_q, d)).astype(dtype)
+    k_cache, v_cache = (rng.standard_normal((batch_cache, capacity, heads_kv, d)).astype(dtype) for _ in range(2))
+    k = v = None
+    if seqlen_new:
+        k, v = (rng.standard_normal((batch, seqlen_new, heads_kv, d)).astype(dtype) for _ in range(2))
+    call = {name: value for name, value in options.items() if name not in ("rotary", "alibi")}
+    if "rotary" in options:
+        angles = rng.uniform(0, 2 * np.pi, (capacity + seqlen_q, d // 4))
+        call.update(rotary_cos=np.cos(angles), rotary_sin=np.sin(angles),
+                    rotary_interleaved=options["rotary"] == "gptj")
+    if "alibi" in options:
+        shape = (heads_q,) if options["alibi"] == "heads" else (batch, heads_q)
+        call["alibi_slopes"] = rng.uniform(0.01, 0.3, shape).astype(np.float32)
+    return q, k_cache, v_cache, k, v, np.array(seqlens, np.int32), call
+
+
+def _normalized(q, k_cache, v_cache, k, v, lens, call):
+    defaults = dict(rotary_cos=None, rotary_sin=None, rotary_interleaved=True, cache_batch_idx=None,
+                    cache_leftpad=None, block_table=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, softmax_scale=None, num_splits=0, out=None)
+    return _api._kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens=lens, **{**defaults, **call})
+
+
+@pytest.mark.parametrize("label", list(PREFILL_CASES))
+def test_chunked_prefill_composition_equals_the_decode_reference(label):
+    """The CUDA backend's chunked-prefill path (rotate, append by an indexed assignment, the FA2 forward with
+    seqused_k = cache_seqlens + seqlen_new over the cache rows, bottom-right masks) run on NumPy with the reference's
+    forward: the same output, lse and caches as the decode reference, in float64 to 1e-12."""
+    from cuflash import _chunked_prefill, reference, reference_decode
+
+    rng = np.random.default_rng(sum(map(ord, label)))
+    q, k_cache, v_cache, k, v, lens, call = _prefill_case(rng, *PREFILL_CASES[label])
+    _, problem, cache, scale, variant = _normalized(q, k_cache, v_cache, k, v, lens, call)
+    assert _chunked_prefill.eligible(q.shape[1], cache, problem.head_dim, problem.head_dim_v)
+    k_decode, v_decode = k_cache.copy(), v_cache.copy()
+    out_ref, lse_ref = reference_decode.forward_kvcache(q, k_decode, v_decode, k, v, cache=cache, scale=scale,
+                                                        variant=variant)
+    out, lse = _chunked_prefill.forward_over_cache(q, k_cache, v_cache, k, v, cache.cache_seqlens, rotary=cache.rotary,
+                                                   scale=scale, variant=variant, forward=reference.forward, xp=np)
+    np.testing.assert_array_equal(k_cache, k_decode)
+    np.testing.assert_array_equal(v_cache, v_decode)
+    np.testing.assert_allclose(out, out_ref, rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(lse_ref))
+    np.testing.assert_allclose(lse, lse_ref, rtol=0, atol=1e-12)
+
+
+def test_chunked_prefill_only_where_the_forward_reads_the_same_keys():
+    """Eligible: seqlen_q >= MIN_SEQLEN_Q over a contiguous cache; not with a block table, left padding, cache rows
+    chosen by cache_batch_idx, or v's head dim differing from q's (MLA)."""
+    from cuflash import _chunked_prefill
+
+    rng = np.random.default_rng(0)
+    q, k_cache, v_cache, k, v, lens, call = _prefill_case(rng, *PREFILL_CASES["append-gqa4-causal"])
+    n = _chunked_prefill.MIN_SEQLEN_Q
+    assert n == 64
+
+    def eligible(q, v_cache=v_cache, **extra):
+        _, problem, cache, _, _ = _normalized(q, k_cache, v_cache, k, v, lens, {**call, **extra})
+        return _chunked_prefill.eligible(q.shape[1], cache, problem.head_dim, problem.head_dim_v)
+
+    assert eligible(q) and not eligible(q[:, :n - 1])
+    assert not eligible(q, cache_leftpad=np.zeros(2, np.int32))
+    assert not eligible(q, cache_batch_idx=np.array([1, 0], np.int32))
+    table = np.arange(2 * 50, dtype=np.int32).reshape(2, 50)
+    _, problem, cache, _, _ = _api._kvcache_call(
+        q, k_cache.reshape(100, 4, 2, 16), v_cache.reshape(100, 4, 2, 16), k, v, cache_seqlens=lens, rotary_cos=None,
+        rotary_sin=None, rotary_interleaved=True, cache_batch_idx=None, cache_leftpad=None, block_table=table,
+        causal=True, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, softmax_scale=None, num_splits=0, out=None)
+    assert not _chunked_prefill.eligible(q.shape[1], cache, 16, 16)
+    contiguous = dataclasses.replace(cache, block_table=None, page_size=None)
+    assert _chunked_prefill.eligible(q.shape[1], contiguous, 16, 16)
+    assert not _chunked_prefill.eligible(q.shape[1], contiguous, 16, 8)    # head_dim_v != head_dim (MLA)
+
+
+def test_chunked_prefill_composition_in_float32():
+    """float32, the decode tiles (64 / 128) against the forward's: the two paths agree to float32 rounding."""
+    from cuflash import _chunked_prefill, reference, reference_decode
+
+    rng = np.random.default_rng(1)
+    q, k_cache, v_cache, k, v, lens, call = _prefill_case(rng, 2, 2, 8, 2, 32, 256, 256, 1024, [0, 700],
+                                                          dict(causal=True), dtype=np.float32)
+    _, _, cache, scale, variant = _normalized(q, k_cache, v_cache, k, v, lens, call)
+    k_decode, v_decode = k_cache.copy(), v_cache.copy()
+    out_ref, lse_ref = reference_decode.forward_kvcache(q, k_decode, v_decode, k, v, cache=cache, scale=scale,
+                                                        variant=variant)
+    out, lse = _chunked_prefill.forward_over_cache(q, k_cache, v_cache, k, v, cache.cache_seqlens, rotary=None,
+                                                   scale=scale, variant=variant, forward=reference.forward, xp=np)
+    np.testing.assert_array_equal(k_cache, k_decode)
+    np.testing.assert_allclose(out, out_ref, rtol=0, atol=2e-6)
+    np.testing.assert_allclose(lse, lse_ref, rtol=0, atol=2e-6)

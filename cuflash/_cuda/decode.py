@@ -22,20 +22,22 @@ operations (:func:`cuflash.reference_decode.apply_rotary`) before the kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from collections import OrderedDict
 
 import numpy as np
 
-from .._kvcache import KVCache
+from .. import _chunked_prefill
+from .._kvcache import KVCache, Rotary
 from .._variant import Variant
 from ..reference_decode import apply_rotary
 from .compile import check_smem, device_info, kernel, launch
 from .spec import CTYPES, DECODE_HEAD_DIMS, DECODE_MLA_DIMS, decode_family
 from .spec import spec as kernel_spec
 
-__all__ = ["forward_kvcache", "plan_kvcache", "merge_partials", "DecodeLaunch", "CupyRuntime",
+__all__ = ["forward_kvcache", "plan_kvcache", "merge_partials", "DecodeLaunch", "ChunkedPrefillLaunch", "CupyRuntime",
            "DECODE_PARAMS_DTYPE", "check_decode_supported"]
 
 _LOG2E = 1.4426950408889634
@@ -361,6 +363,81 @@ class DecodeLaunch:
         return out, lse
 
 
+class ChunkedPrefillLaunch:
+    """A decode call with many query tokens over a contiguous cache (chunked prefill), run as the FlashAttention-2
+    forward over the cache arrays after the append (:mod:`cuflash._chunked_prefill`): the forward kernels' large
+    tiles where the decode kernels' small ones would be compute-bound. The interface of :class:`DecodeLaunch`
+    (``run``, ``num_splits``, ``validate``, ``out_shape``, ``lse_shape``), so that the front door's memory and
+    :class:`cuflash.DecodePlan` take either; unlike it, a step allocates (the forward's output, ``seqused_k``,
+    rotary's copies, the append's indices) and is not capturable in a CUDA graph.
+
+    Runs the same head dims and dtypes as the decode kernels (:func:`check_decode_supported`), checked before
+    anything is appended. Holds no array of the planned call (the ALiBi slopes and rotary tables come with each
+    step). Not yet run on a GPU: composed of the GPU-verified forward (``seqused_k``, bottom-right causal masks,
+    windows, GQA) and CuPy array operations.
+    """
+
+    def __init__(self, q, k_cache, v_cache, k, v, *, cache: KVCache, scale: float, variant: Variant, out=None):
+        import cupy
+
+        from . import attention
+        from .._validate import Problem
+
+        check_decode_supported(q, k_cache, v_cache)
+        batch, seqlen_q, heads_q, d = q.shape
+        attention.check_supported(Problem(batch, seqlen_q, cache.capacity, heads_q, k_cache.shape[2], d, q.dtype),
+                                  "fa2", variant)
+        self.device = cupy.cuda.runtime.getDevice()
+        self.out_shape = (batch, seqlen_q, heads_q, v_cache.shape[3])
+        self.lse_shape = (batch, heads_q, seqlen_q)
+        self.num_splits = 1
+        self.validate = None
+        self._scale = scale
+        self._variant = dataclasses.replace(variant, alibi_slopes=None)
+        self._rotary = None if cache.rotary is None else (cache.rotary.interleaved, cache.rotary.consecutive_q)
+        self._forward = attention.forward
+
+    def run(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad=None, cache_batch_idx=None,
+            block_table=None, alibi_slopes=None, rotary_cos=None, rotary_sin=None, out=None, lse=None):
+        """One step: ``(out, lse)``, appending ``k``, ``v`` first; ``out`` and ``lse``, when given, receive copies
+        of the forward's results."""
+        import cupy
+
+        if self.validate is not None:
+            self.validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx, block_table,
+                          alibi_slopes, rotary_cos, rotary_sin, out, lse)
+        device = cupy.cuda.runtime.getDevice()
+        if device != self.device:
+            raise ValueError(f"this decode plan was made on cuda:{self.device}; the current device is cuda:{device} "
+                             f"(use `with cupy.cuda.Device({self.device}):`)")
+        variant = self._variant
+        if alibi_slopes is not None:  # the forward's slopes: (batch, heads_q), a (heads_q,) array broadcast
+            slopes = alibi_slopes if alibi_slopes.ndim == 2 else cupy.broadcast_to(alibi_slopes, self.lse_shape[:2])
+            variant = dataclasses.replace(variant, alibi_slopes=slopes)
+        rotary = None if self._rotary is None else Rotary(rotary_cos, rotary_sin, *self._rotary)
+        result, lse_run = _chunked_prefill.forward_over_cache(q, k_cache, v_cache, k, v, cache_seqlens, rotary=rotary,
+                                                              scale=self._scale, variant=variant,
+                                                              forward=self._forward, xp=cupy)
+        if out is not None:
+            out[...] = result
+            result = out
+        if lse is not None:
+            lse[...] = lse_run
+            lse_run = lse
+        return result, lse_run
+
+
+def _runs_as_prefill(q, k_cache, v_cache, cache: KVCache) -> bool:
+    """Whether a call runs as the forward over the cache (:func:`cuflash._chunked_prefill.eligible`, and a batch)."""
+    return q.shape[0] > 0 and q.shape[2] > 0 and _chunked_prefill.eligible(q.shape[1], cache, q.shape[3],
+                                                                            v_cache.shape[3])
+
+
+def _launch_of(q, k_cache, v_cache, k, v, *, cache: KVCache, scale: float, variant: Variant, out):
+    kind = ChunkedPrefillLaunch if _runs_as_prefill(q, k_cache, v_cache, cache) else DecodeLaunch
+    return kind(q, k_cache, v_cache, k, v, cache=cache, scale=scale, variant=variant, out=out)
+
+
 def _weak(a):
     try:
         return weakref.ref(a)
@@ -414,13 +491,15 @@ def plan_kvcache(q, k_cache, v_cache, k, v, *, cache: KVCache, scale: float, var
     """The launches of a decode call with these arrays' shapes and strides and these options: compiles the kernels
     and allocates the workspace now. ``shared=False`` (:func:`cuflash.plan_kvcache`): a launch of the caller's
     own; True: the one that :func:`forward_kvcache` keeps for these arguments on the current stream (the front
-    door's repeated calls)."""
+    door's repeated calls). A call of at least ``cuflash._chunked_prefill.MIN_SEQLEN_Q`` query tokens over a
+    contiguous cache without ``cache_leftpad`` or ``cache_batch_idx`` gets a :class:`ChunkedPrefillLaunch` (the
+    forward kernels over the cache), any other a :class:`DecodeLaunch`."""
     if not shared:
-        return DecodeLaunch(q, k_cache, v_cache, k, v, cache=cache, scale=scale, variant=variant, out=out)
+        return _launch_of(q, k_cache, v_cache, k, v, cache=cache, scale=scale, variant=variant, out=out)
     key = _launch_key(q, k_cache, v_cache, k, v, cache, scale, variant, out)
     launch = _LAUNCHES.get(key)
     if launch is None:
-        launch = DecodeLaunch(q, k_cache, v_cache, k, v, cache=cache, scale=scale, variant=variant, out=out)
+        launch = _launch_of(q, k_cache, v_cache, k, v, cache=cache, scale=scale, variant=variant, out=out)
         with _lock:
             _LAUNCHES[key] = launch
             while len(_LAUNCHES) > MAX_CACHED_LAUNCHES:

@@ -1,0 +1,74 @@
+"""Chunked prefill: a decode call with many query tokens runs the FlashAttention-2 forward over the cache itself.
+
+A call of :func:`cuflash.attention_with_kvcache` whose ``seqlen_q`` is large (a chunk of 512-2048 prompt tokens
+against a long cache) is no longer memory-bound: each key/value byte serves ``group * seqlen_q`` query rows, past
+the H100's ~300 FLOPs per byte once ``seqlen_q`` reaches a few dozen tokens (``docs/decoding.md``, "Why decoding is
+memory-bound"). The decode kernels are built for few query rows (64 packed rows a tile, 64 keys a tile); the
+forward kernels for many (128-row tiles, the Hopper wgmma kernels at head dims 64 and 128). So, for a contiguous
+cache, after the in-place append the call is the forward over the cache arrays, each sequence using its first
+``cache_seqlens[b] + seqlen_new`` keys (``seqused_k``), causal masking, windows and ALiBi bottom-right aligned, as
+in the decode call:
+
+1. ``[decode rotary]`` q and the new keys rotated at their positions
+   (:func:`cuflash.reference_decode.apply_rotary`, in the array module of the inputs);
+2. ``[decode append]`` the new keys and values written into slots ``cache_seqlens[b] ..`` of cache row ``b`` (an
+   indexed assignment, v first, then k);
+3. the forward (``forward``: the backend's, :func:`cuflash._cuda.attention.forward` on CuPy, or
+   :func:`cuflash.reference.forward` on NumPy), ``seqused_k = cache_seqlens + seqlen_new``, over ``k_cache[:batch]``.
+
+When it applies (:func:`eligible`): ``seqlen_q >= MIN_SEQLEN_Q``, a contiguous cache (no ``block_table``), no
+``cache_leftpad`` (the forward's keys start at slot 0) and no ``cache_batch_idx`` (row ``b`` of the cache is batch
+entry ``b``), ``head_dim_v == head_dim``. The CUDA backend dispatches to it (:class:`cuflash._cuda.decode.
+ChunkedPrefillLaunch`); the NumPy backend keeps its decode reference (the step tags of the decode kernels), and the
+tests run this composition on NumPy against it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ._kvcache import KVCache, Rotary
+from ._variant import Variant
+from .reference_decode import apply_rotary
+
+__all__ = ["MIN_SEQLEN_Q", "eligible", "forward_over_cache"]
+
+# From this many query tokens on, the forward kernels run the call (CUDA backend). At seqlen_q 64 with GQA group 4
+# a key/value byte serves 256 query rows, near the H100's ridge of ~300 FLOPs per byte; below it the decode kernels'
+# small tiles waste less. To be tuned by `python -m cuflash bench-decode --prefill` on the GPU.
+MIN_SEQLEN_Q = 64
+
+
+def eligible(seqlen_q: int, cache: KVCache, head_dim: int, head_dim_v: int) -> bool:
+    """Whether a decode call of these shapes runs as the forward over the cache (see the module's docstring)."""
+    return (seqlen_q >= MIN_SEQLEN_Q and cache.block_table is None and cache.cache_leftpad is None
+            and cache.cache_batch_idx is None and head_dim == head_dim_v)
+
+
+def forward_over_cache(q, k_cache, v_cache, k, v, cache_seqlens, *, rotary: Rotary | None, scale: float,
+                       variant: Variant, forward, xp):
+    """``(out, lse)`` of a decode call over a contiguous cache, appending ``k``, ``v`` first (in place).
+
+    ``cache_seqlens``: int32 ``(batch,)`` of ``xp``; ``variant``: the decode call's (bottom-right causal masking,
+    window, softcap, ALiBi slopes ``(batch, heads_q)``), to which ``seqused_k`` is added; ``forward``: a backend's
+    ``forward(q, k, v, *, scale, variant, algorithm, block_q, block_k)``.
+    """
+    batch, seqlen_q = q.shape[:2]
+    seqlen_new = 0 if k is None else k.shape[1]
+    starts = cache_seqlens.astype(xp.int64)[:, None]
+    if rotary is not None:
+        # [decode rotary] query token i at cache_seqlens[b] + i (or cache_seqlens[b]), new key i at cache_seqlens[b] + i
+        q_steps = xp.arange(seqlen_q) if rotary.consecutive_q else xp.zeros(seqlen_q, dtype=xp.int64)
+        q = apply_rotary(q, rotary.cos, rotary.sin, starts + q_steps[None, :], rotary.interleaved, xp=xp)
+        if seqlen_new:
+            k = apply_rotary(k, rotary.cos, rotary.sin, starts + xp.arange(seqlen_new)[None, :], rotary.interleaved,
+                             xp=xp)
+    if seqlen_new:
+        # [decode append] row b, slots cache_seqlens[b] .. + seqlen_new - 1, v first then k
+        rows, slots = xp.arange(batch)[:, None], starts + xp.arange(seqlen_new)[None, :]
+        v_cache[rows, slots] = v
+        k_cache[rows, slots] = k
+    seqused_k = (cache_seqlens + seqlen_new).astype(xp.int32)
+    variant = dataclasses.replace(variant, seqused_k=seqused_k)
+    return forward(q, k_cache[:batch], v_cache[:batch], scale=scale, variant=variant, algorithm="fa2", block_q=None,
+                   block_k=None)
