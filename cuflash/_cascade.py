@@ -98,6 +98,29 @@ def prefix_chunks(prefix_len: int, rows: int, heads_kv: int) -> int:
     return max(n for n in range(1, max(want, 1) + 1) if prefix_len % n == 0) if want > 1 else 1
 
 
+def _bits(a):
+    """A bfloat16 array seen as uint16 (copies and reshapes move bits; CuPy before its bfloat16 support has no
+    kernels for ml_dtypes' bfloat16), any other array as it is."""
+    return a.view(np.uint16) if np.dtype(a.dtype).name == "bfloat16" else a
+
+
+def _to_acc(a, acc, xp):
+    """``a`` in the accumulation dtype; bfloat16 widened through its bits (exact)."""
+    if np.dtype(a.dtype).name == "bfloat16" and np.dtype(acc) == np.float32:
+        return (a.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return a.astype(acc)
+
+
+def _from_acc(a, dtype, xp):
+    """float32 ``a`` rounded to ``dtype``; to bfloat16 through the bits, to nearest even (finite values; the merge
+    makes no NaN or infinity)."""
+    if np.dtype(dtype).name == "bfloat16" and a.dtype == np.float32:
+        u = xp.ascontiguousarray(a).view(np.uint32)
+        u = u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))
+        return (u >> np.uint32(16)).astype(np.uint16).view(dtype)
+    return a.astype(dtype)
+
+
 def _to_rows(x, heads_kv: int):
     """``(batch, seqlen_q, heads_q, ...)`` -> ``(heads_kv, rows, ...)``, row ``(b, i, g)`` of head ``h`` being query
     head ``h * group + g`` of token ``i`` of sequence ``b`` (the ``[decode pack]`` order)."""
@@ -128,9 +151,10 @@ def cascade(q, k_prefix, v_prefix, suffix, *, prefix_splits: int, softcap: float
     n = prefix_splits or prefix_chunks(prefix_len, rows, heads_kv)
     n = 1 if prefix_len == 0 else n
     # [cascade prefix] q as (1, rows, heads_kv, d), repeated once per chunk; the chunks: a view of the prefix
-    q_rows = _to_rows(q, heads_kv).transpose(1, 0, 2)[None]                     # (1, rows, heads_kv, d)
+    q_rows = _to_rows(_bits(q), heads_kv).transpose(1, 0, 2)[None]              # (1, rows, heads_kv, d)
     if n > 1:
         q_rows = xp.ascontiguousarray(xp.broadcast_to(q_rows, (n, *q_rows.shape[1:])))
+    q_rows = q_rows.view(q.dtype)
     chunk = prefix_len // n
     k_chunks = k_prefix.reshape(n, chunk, *k_prefix.shape[1:])
     v_chunks = v_prefix.reshape(n, chunk, *v_prefix.shape[1:])
@@ -140,10 +164,12 @@ def cascade(q, k_prefix, v_prefix, suffix, *, prefix_splits: int, softcap: float
     o_s, lse_s = suffix()
     # [cascade merge] n + 1 disjoint key sets of every row, merged exactly
     acc = lse_s.dtype
-    o_parts = xp.concatenate([o_p.transpose(0, 2, 1, 3).astype(acc), _to_rows(o_s, heads_kv)[None].astype(acc)])
+    o_parts = xp.concatenate([_to_acc(o_p.transpose(0, 2, 1, 3), acc, xp),
+                              _to_acc(xp.ascontiguousarray(_to_rows(_bits(o_s), heads_kv)).view(o_s.dtype), acc,
+                                      xp)[None]])
     lse_rows = _to_rows(lse_s.transpose(0, 2, 1), heads_kv)                       # (hkv, rows)
     lse_parts = xp.concatenate([lse_p.astype(acc), lse_rows[None].astype(acc)])
     o, lse = _merge.merge_stacked(o_parts, lse_parts, xp)                       # (hkv, rows, dv), (hkv, rows)
-    out = _from_rows(o, batch, seqlen_q, heads_q).astype(q.dtype)
+    out = _from_acc(_from_rows(o, batch, seqlen_q, heads_q), q.dtype, xp)
     lse = xp.ascontiguousarray(_from_rows(lse, batch, seqlen_q, heads_q).transpose(0, 2, 1))
     return out, lse

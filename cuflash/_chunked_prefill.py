@@ -27,16 +27,24 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from ._kvcache import KVCache, Rotary
 from ._variant import Variant
 from .reference_decode import apply_rotary
 
-__all__ = ["MIN_SEQLEN_Q", "eligible", "forward_over_cache"]
+__all__ = ["MIN_SEQLEN_Q", "eligible", "forward_over_cache", "bits"]
 
 # From this many query tokens on, the forward kernels run the call (CUDA backend). At seqlen_q 64 with GQA group 4
 # a key/value byte serves 256 query rows, near the H100's ridge of ~300 FLOPs per byte; below it the decode kernels'
 # small tiles waste less. To be tuned by `python -m cuflash bench-decode --prefill` on the GPU.
 MIN_SEQLEN_Q = 64
+
+
+def bits(a):
+    """A 16-bit float array seen as uint16 (an indexed assignment moves bits: no dependence on the array library's
+    bfloat16 support), any other array as it is."""
+    return a.view(np.uint16) if a.dtype.itemsize == 2 else a
 
 
 def eligible(seqlen_q: int, cache: KVCache, head_dim: int, head_dim_v: int) -> bool:
@@ -66,8 +74,8 @@ def forward_over_cache(q, k_cache, v_cache, k, v, cache_seqlens, *, rotary: Rota
     if seqlen_new:
         # [decode append] row b, slots cache_seqlens[b] .. + seqlen_new - 1, v first then k
         rows, slots = xp.arange(batch)[:, None], starts + xp.arange(seqlen_new)[None, :]
-        v_cache[rows, slots] = v
-        k_cache[rows, slots] = k
+        bits(v_cache)[rows, slots] = bits(v)
+        bits(k_cache)[rows, slots] = bits(k)
     seqused_k = (cache_seqlens + seqlen_new).astype(xp.int32)
     variant = dataclasses.replace(variant, seqused_k=seqused_k)
     return forward(q, k_cache[:batch], v_cache[:batch], scale=scale, variant=variant, algorithm="fa2", block_q=None,

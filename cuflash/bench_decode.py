@@ -34,6 +34,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mla", action="store_true",
                    help="MLA's absorbed decoding instead: one latent head of 576 (V: its first 512 dims), 128 query "
                         "heads, page 64 (default batch 1 8 32 64 128, cache 4096 16384 32768): TB/s and TFLOP/s")
+    p.add_argument("--cascade", action="store_true",
+                   help="shared-prefix decoding instead: cuflash.cascade_attention against the unshared call (the "
+                        "prefix copied into every sequence's cache); --cache gives the prefix lengths (default "
+                        "8192), --batch the batch (default 64), each sequence's own suffix 256-1024 tokens")
+    p.add_argument("--prefill", action="store_true",
+                   help="chunked prefill instead: --new-tokens new tokens appended to a cache of --cache tokens "
+                        "(default 8192 32768) through attention_with_kvcache (the forward over the cache), beside "
+                        "cuflash.attention on the same work and the decode kernels forced")
+    p.add_argument("--new-tokens", type=int, nargs="+", default=None, help="--prefill: new tokens (default 512 2048)")
     p.add_argument("--seqlen-q", type=int, default=1, help="query tokens per sequence (--mla; 2: speculative)")
     p.add_argument("--rep-ms", type=float, default=100.0, help="time budget per measurement (GPU)")
     p.add_argument("--host-calls", type=int, default=200,
@@ -511,6 +520,230 @@ def _cpu_mla_rows(args) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------------------------------------------------
+# --cascade: a shared prefix read once (cuflash.cascade_attention) against the unshared call
+# ---------------------------------------------------------------------------------------------------
+
+_SUFFIX_RANGE = (256, 1024)  # each sequence's own tokens after the shared prefix (GPU rows)
+
+
+def _cascade_case(xp, rng, dtype, batch: int, prefix: int, suffix_range, hq: int, hkv: int, d: int) -> dict:
+    """q, the shared prefix, each sequence's suffix cache and lengths, and the unshared cache (the prefix copied in
+    front of every sequence's suffix), as arrays of ``xp``."""
+    lo, hi = suffix_range
+    lens = rng.integers(lo, hi + 1, batch).astype(np.int32)
+
+    def draw(*shape):
+        return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+
+    q, k_prefix, v_prefix = draw(batch, 1, hq, d), draw(prefix, hkv, d), draw(prefix, hkv, d)
+    k_suffix, v_suffix = draw(batch, hi, hkv, d), draw(batch, hi, hkv, d)
+    case = dict(q=q, k_prefix=k_prefix, v_prefix=v_prefix, k_suffix=k_suffix, v_suffix=v_suffix, lens=lens)
+    case = {name: xp.asarray(a) for name, a in case.items()}
+    for name, part, suffix in (("k_full", "k_prefix", "k_suffix"), ("v_full", "v_prefix", "v_suffix")):
+        full = xp.empty((batch, prefix + hi, hkv, d), dtype=case[part].dtype)
+        full[:, :prefix] = case[part][None]
+        full[:, prefix:] = case[suffix]
+        case[name] = full
+    case["full_lens"] = case["lens"] + np.int32(prefix)
+    return case
+
+
+def _cascade_calls(cuflash, c: dict):
+    def cascade():
+        return cuflash.cascade_attention(c["q"], c["k_prefix"], c["v_prefix"], c["k_suffix"], c["v_suffix"],
+                                         cache_seqlens=c["lens"], causal=True)
+
+    def unshared():
+        return cuflash.attention_with_kvcache(c["q"], c["k_full"], c["v_full"], cache_seqlens=c["full_lens"],
+                                              causal=True)
+    return cascade, unshared
+
+
+def _cascade_row(batch, prefix, mean_suffix, hq, hkv, d, itemsize, cascade_s, unshared_s, err) -> dict:
+    shared_bytes = _kv_bytes(1, prefix, hkv, d, itemsize) + _kv_bytes(batch, 1, hkv, d, itemsize) * mean_suffix
+    return dict(cascade=True, batch=batch, prefix=prefix, mean_suffix=mean_suffix, heads_q=hq, heads_kv=hkv,
+                head_dim=d, unshared_kv_bytes=_kv_bytes(batch, prefix + mean_suffix, hkv, d, itemsize),
+                cascade_kv_bytes=shared_bytes, cascade_us=cascade_s * 1e6, unshared_us=unshared_s * 1e6,
+                speedup=unshared_s / cascade_s, max_abs_diff=err)
+
+
+def _print_cascade(row: dict, unit: str) -> None:
+    print(f"cascade batch {row['batch']:3d} prefix {row['prefix']:6d} suffix ~{row['mean_suffix']:5.0f}: "
+          f"cascade_attention {row['cascade_us']:9.1f} us | unshared {row['unshared_us']:9.1f} us | "
+          f"{row['speedup']:5.2f}x (target >= 3x on the GPU) | max |cascade - unshared| {row['max_abs_diff']:.1e}"
+          f"{unit}")
+
+
+def _cascade_rows_gpu(args) -> list[dict]:
+    import cupy
+    import torch
+
+    import cuflash
+
+    timed = _timer(torch, args.rep_ms)
+    hq, hkv, d = args.heads[0], args.heads[1], args.head_dim
+    rng, rows = np.random.default_rng(0), []
+    import ml_dtypes
+
+    stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream())
+    with stream:
+        for batch in args.batch or (64,):
+            for prefix in args.cache or (8192,):
+                c = _cascade_case(cupy, rng, ml_dtypes.bfloat16, batch, prefix, _SUFFIX_RANGE, hq, hkv, d)
+                cascade, unshared = _cascade_calls(cuflash, c)
+                err = float(cupy.abs(cascade().astype(cupy.float32) - unshared().astype(cupy.float32)).max())
+                row = _cascade_row(batch, prefix, float(c["lens"].mean()), hq, hkv, d, 2, timed(cascade),
+                                   timed(unshared), err)
+                rows.append(row)
+                _print_cascade(row, "" if err <= 2e-2 else "  MISMATCH")
+                del c
+    return rows
+
+
+def _cascade_rows_cpu(args) -> list[dict]:
+    import cuflash
+
+    rng, rows = np.random.default_rng(0), []
+    hq, hkv, d = 4, 2, 32
+    for batch in args.batch or (4,):
+        for prefix in args.cache or (512,):
+            c = _cascade_case(np, rng, np.float32, batch, prefix, (16, 64), hq, hkv, d)
+            cascade, unshared = _cascade_calls(cuflash, c)
+            times, outs = [], []
+            for fn in (cascade, unshared):
+                t0 = time.perf_counter()
+                outs.append(fn())
+                times.append(time.perf_counter() - t0)
+            row = _cascade_row(batch, prefix, float(c["lens"].mean()), hq, hkv, d, 4, *times,
+                               float(np.abs(outs[0] - outs[1]).max()))
+            rows.append(row)
+            _print_cascade(row, " (NumPy reference)")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# --prefill: chunked prefill (the forward over the cache) against cuflash.attention on the same work
+# ---------------------------------------------------------------------------------------------------
+
+
+def _prefill_flops(batch: int, new: int, cache: int, hq: int, d: int) -> float:
+    """Causal bottom-right: query token i of ``new`` sees ``cache + i + 1`` keys; 4 d FLOPs per (row, key)."""
+    return 4.0 * d * hq * batch * (new * cache + new * (new + 1) / 2)
+
+
+def _prefill_case(xp, rng, dtype, batch: int, cache: int, new: int, hq: int, hkv: int, d: int) -> dict:
+    def draw(*shape):
+        return xp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
+
+    return dict(q=draw(batch, new, hq, d), k=draw(batch, new, hkv, d), v=draw(batch, new, hkv, d),
+                k_cache=draw(batch, cache + new, hkv, d), v_cache=draw(batch, cache + new, hkv, d),
+                lens=xp.full(batch, cache, dtype=np.int32))
+
+
+def _prefill_calls(cuflash, c: dict):
+    def chunked():  # appends the same tokens into the same slots at every call: the same work each time
+        return cuflash.attention_with_kvcache(c["q"], c["k_cache"], c["v_cache"], c["k"], c["v"],
+                                              cache_seqlens=c["lens"], causal=True)
+
+    def dense():  # the same attention over the cache after the append, as plain arrays
+        return cuflash.attention(c["q"], c["k_cache"], c["v_cache"], causal=True)
+    return chunked, dense
+
+
+class _decode_kernels_forced:
+    """Within: attention_with_kvcache runs the decode kernels for any seqlen_q (the launches remembered by the front
+    door and the backend are forgotten on entry and exit, since they were chosen under the other threshold)."""
+
+    def __enter__(self):
+        from . import _api, _chunked_prefill
+
+        self._module, self._saved = _chunked_prefill, _chunked_prefill.MIN_SEQLEN_Q
+        _chunked_prefill.MIN_SEQLEN_Q = 1 << 62
+        self._forget(_api)
+        return self
+
+    def __exit__(self, *exc):
+        from . import _api
+
+        self._module.MIN_SEQLEN_Q = self._saved
+        self._forget(_api)
+
+    @staticmethod
+    def _forget(api) -> None:
+        api._kvcache_launches.clear()
+        try:
+            from ._cuda import decode
+        except ImportError:
+            return
+        decode._LAUNCHES.clear()
+
+
+def _prefill_row(batch, cache, new, hq, hkv, d, chunked_s, dense_s, decode_s, err) -> dict:
+    flops = _prefill_flops(batch, new, cache, hq, d)
+    return dict(prefill=True, batch=batch, cache=cache, new_tokens=new, heads_q=hq, heads_kv=hkv, head_dim=d,
+                flops=flops, chunked_us=chunked_s * 1e6, dense_us=dense_s * 1e6, decode_kernels_us=decode_s * 1e6,
+                chunked_vs_dense=dense_s / chunked_s, max_abs_diff=err)
+
+
+def _print_prefill(row: dict, unit: str, scale: float = 1e12, rate: str = "TFLOP/s") -> None:
+    print(f"prefill batch {row['batch']:2d} cache {row['cache']:6d} new {row['new_tokens']:5d}: attention_with_kvcache "
+          f"{row['chunked_us']:9.1f} us {row['flops'] / row['chunked_us'] * 1e6 / scale:7.2f} {rate} | "
+          f"attention (same work) {row['dense_us']:9.1f} us | decode kernels {row['decode_kernels_us']:9.1f} us | "
+          f"{row['chunked_vs_dense']:4.2f}x dense (target >= 0.95) | max |diff| {row['max_abs_diff']:.1e}{unit}")
+
+
+def _prefill_rows_gpu(args) -> list[dict]:
+    import cupy
+    import ml_dtypes
+    import torch
+
+    import cuflash
+
+    timed = _timer(torch, args.rep_ms)
+    hq, hkv, d = args.heads[0], args.heads[1], args.head_dim
+    rng, rows = np.random.default_rng(0), []
+    stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream())
+    with stream:
+        for batch in args.batch or (1,):
+            for cache in args.cache or (8192, 32768):
+                for new in args.new_tokens or (512, 2048):
+                    c = _prefill_case(cupy, rng, ml_dtypes.bfloat16, batch, cache, new, hq, hkv, d)
+                    chunked, dense = _prefill_calls(cuflash, c)
+                    err = float(cupy.abs(chunked().astype(cupy.float32) - dense().astype(cupy.float32)).max())
+                    chunked_s, dense_s = timed(chunked), timed(dense)
+                    with _decode_kernels_forced():
+                        decode_s = timed(chunked)
+                    row = _prefill_row(batch, cache, new, hq, hkv, d, chunked_s, dense_s, decode_s, err)
+                    rows.append(row)
+                    _print_prefill(row, "" if err <= 2e-2 else "  MISMATCH")
+                    del c
+    return rows
+
+
+def _prefill_rows_cpu(args) -> list[dict]:
+    """The NumPy reference runs its decode path whatever seqlen_q: the rows time the same call as the GPU's."""
+    import cuflash
+
+    rng, rows = np.random.default_rng(0), []
+    hq, hkv, d = 4, 2, 32
+    for batch in args.batch or (1,):
+        for cache in args.cache or (256,):
+            for new in args.new_tokens or (64,):
+                c = _prefill_case(np, rng, np.float32, batch, cache, new, hq, hkv, d)
+                chunked, dense = _prefill_calls(cuflash, c)
+                times, outs = [], []
+                for fn in (chunked, dense):
+                    t0 = time.perf_counter()
+                    outs.append(fn())
+                    times.append(time.perf_counter() - t0)
+                row = _prefill_row(batch, cache, new, hq, hkv, d, *times, times[0],
+                                   float(np.abs(outs[0] - outs[1]).max()))
+                rows.append(row)
+                _print_prefill(row, " (NumPy reference)", 1e9, "GFLOP/s")
+    return rows
+
+
 def _plot(rows: list[dict], path: str) -> None:
     import matplotlib
 
@@ -545,13 +778,17 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     from .__main__ import gpu_available
 
-    if args.mla:
+    if args.cascade:
+        rows = _cascade_rows_gpu(args) if gpu_available() else _cascade_rows_cpu(args)
+    elif args.prefill:
+        rows = _prefill_rows_gpu(args) if gpu_available() else _prefill_rows_cpu(args)
+    elif args.mla:
         rows = _mla_rows(args) if gpu_available() else _cpu_mla_rows(args)
     else:
         rows = _gpu_rows(args) if gpu_available() else _cpu_rows(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    if args.plot:
+    if args.plot and not (args.cascade or args.prefill):
         _plot(rows, args.plot)
     return 0

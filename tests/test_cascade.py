@@ -207,3 +207,21 @@ def test_errors_name_the_argument_and_leave_the_cache_untouched():
         cuflash.cascade_attention(q, k_prefix, v_prefix, k_cache, v_cache, k, v, cache_seqlens=np.array([3, 24], np.int32))
     np.testing.assert_array_equal(k_cache, before[0])
     np.testing.assert_array_equal(v_cache, before[1])
+
+
+@pytest.mark.parametrize("mode, expected", [("--cascade", "cascade batch   2 prefix    128"),
+                                            ("--prefill", "prefill batch  1 cache     96 new    64")])
+def test_bench_decode_cascade_and_prefill_on_the_cpu(capsys, tmp_path, monkeypatch, mode, expected):
+    """bench-decode --cascade / --prefill without a GPU: the NumPy paths at small sizes, checked (the cascade against
+    the unshared call, the prefill call against cuflash.attention on the same keys) and written as JSON."""
+    import json
+
+    from cuflash import __main__ as cli
+
+    monkeypatch.setattr(cli, "gpu_available", lambda: False)
+    out_json = tmp_path / "rows.json"
+    sizes = ["--batch", "2", "--cache", "128"] if mode == "--cascade" else ["--batch", "1", "--cache", "96"]
+    assert cli.main(["bench-decode", mode, *sizes, "--json", str(out_json)]) == 0
+    (row,) = json.loads(out_json.read_text())
+    assert row["max_abs_diff"] < 1e-5
+    assert expected in capsys.readouterr().out

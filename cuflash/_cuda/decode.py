@@ -419,7 +419,7 @@ class ChunkedPrefillLaunch:
                                                               scale=self._scale, variant=variant,
                                                               forward=self._forward, xp=cupy)
         if out is not None:
-            out[...] = result
+            _chunked_prefill.bits(out)[...] = _chunked_prefill.bits(result)
             result = out
         if lse is not None:
             lse[...] = lse_run
