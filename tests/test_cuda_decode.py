@@ -166,6 +166,39 @@ def test_chunked_prefill_matches_the_decode_kernels(requires_gpu, monkeypatch, d
     _api._kvcache_launches.clear()
 
 
+@pytest.mark.parametrize("dtname", ["bfloat16", "float16"])
+def test_cascade_attention_on_the_gpu(requires_gpu, dtname):
+    """cuflash.cascade_attention on CuPy (batch 16, GQA 4, prefix 2048 in 4 chunks, suffixes 0..300 with one token
+    appended) against the same call on NumPy in float64 (the truth), within the error budget of the NumPy call in
+    the same dtype; the caches appended as the reference appends them."""
+    cp = requires_gpu
+    dtype = DTYPES[dtname]
+    rng = np.random.default_rng(21)
+    batch, hq, hkv, d, prefix, cap = 16, 16, 4, 128, 2048, 301
+    q = rng.standard_normal((batch, 1, hq, d)).astype(dtype)
+    k_prefix, v_prefix = (rng.standard_normal((prefix, hkv, d)).astype(dtype) for _ in range(2))
+    k_cache, v_cache = (rng.standard_normal((batch, cap, hkv, d)).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal((batch, 1, hkv, d)).astype(dtype) for _ in range(2))
+    lens = rng.integers(0, cap, batch).astype(np.int32)
+    lens[0] = 0
+    extra = dict(cache_seqlens=lens, causal=True, return_lse=True, prefix_splits=4)
+
+    def host(x):
+        return np.array(x, dtype=np.float64)
+
+    out_t, lse_t = cuflash.cascade_attention(*map(host, (q, k_prefix, v_prefix, k_cache, v_cache, k, v)), **extra)
+    kn, vn = k_cache.copy(), v_cache.copy()
+    out_n, _ = cuflash.cascade_attention(q, k_prefix, v_prefix, kn, vn, k, v, **extra)
+    ck, cv = cp.asarray(k_cache), cp.asarray(v_cache)
+    dev = {**extra, "cache_seqlens": cp.asarray(lens)}
+    out, lse = cuflash.cascade_attention(*map(cp.asarray, (q, k_prefix, v_prefix)), ck, cv, cp.asarray(k),
+                                         cp.asarray(v), **dev)
+    assert_within_budget(cp.asnumpy(out), out_t, out_n, 2, rounding_floor(out_t, dtype), "out")
+    np.testing.assert_allclose(cp.asnumpy(lse), lse_t, rtol=0, atol=2e-3)
+    assert np.array_equal(cp.asnumpy(ck).view(np.uint16), kn.view(np.uint16))
+    assert np.array_equal(cp.asnumpy(cv).view(np.uint16), vn.view(np.uint16))
+
+
 def test_mla_needs_v_as_a_view_of_k(requires_gpu):
     """MLA on the GPU reads V from the K tiles: a v_cache of its own is refused before anything is written, and so
     is a later step of the same layouts whose v_cache is not k_cache's view."""
