@@ -176,13 +176,19 @@ _TORCH_XP = types.SimpleNamespace(
 
 
 def _merge_into(out_acc, lse_acc, rows: slice, out_b, lse_b) -> None:
-    """Merge a partial result ``(out_b, lse_b)`` of local query rows ``rows`` into the accumulators, in place:
-    ``[decode merge]`` of :mod:`cuflash._merge` with two parts (``out_acc`` in the accumulation dtype)."""
-    o_parts = torch.stack([out_acc[:, rows], out_b.to(out_acc.dtype)])
-    lse_parts = torch.stack([lse_acc[:, :, rows], lse_b.to(lse_acc.dtype)]).transpose(-1, -2)  # (2, B, rows, H)
-    o, lse = _merge.merge_stacked(o_parts, lse_parts, _TORCH_XP)
-    out_acc[:, rows] = o
-    lse_acc[:, :, rows] = lse.transpose(-1, -2)
+    """Merge a partial result ``(out_b, lse_b)`` of local query rows ``rows`` into the accumulators, in place
+    (``out_acc`` in the accumulation dtype): ``[decode merge]`` of :mod:`cuflash._merge` with two parts.
+
+    The logsumexp comes from ``merge_stacked`` itself (given outputs of width 0: it costs ``B H L`` elements);
+    the outputs are then rescaled in place by the same weights ``exp(lse_s - lse)`` (0 for an empty part and for a
+    row that saw no key), two passes over ``out_acc`` instead of the stacked copies and products of the
+    ``S``-part form: per ring step this is memory traffic next to the block's compute (``docs/distributed.md``)."""
+    lse_parts = torch.stack([lse_acc[:, :, rows], lse_b.to(lse_acc.dtype)])
+    _, lse = _merge.merge_stacked(lse_parts.new_empty((*lse_parts.shape, 0)), lse_parts, _TORCH_XP)
+    # [decode merge] o = sum_s exp(lse_s - lse) o_s
+    weights = torch.exp(lse_parts - torch.where(lse == -math.inf, 0.0, lse)).transpose(-1, -2)[..., None]
+    out_acc[:, rows].mul_(weights[0]).addcmul_(out_b, weights[1])
+    lse_acc[:, :, rows] = lse
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
