@@ -249,6 +249,7 @@ def test_block_lists_are_the_visible_tiles(requires_gpu, mask, causal, window):
         return pad.reshape(heads, nqt, bm_, nkt, bn_).any(axis=(2, 4))
 
     full_flag = 1 << 30  # kFullTile (variants.cuh)
+    seen_full = seen_partial = 0
     for bm_, bn_ in ((128, 64), (64, 128)):
         need = tiles_of(by_mask & by_band, bm_, bn_)
         partial = tiles_of(~by_mask & by_band, bm_, bn_)
@@ -256,7 +257,6 @@ def test_block_lists_are_the_visible_tiles(requires_gpu, mask, causal, window):
             count, lists = (cp.asnumpy(x) for x in block_lists(variant, shp, bm_, bn_, transposed))
             t_need = need.swapaxes(-1, -2) if transposed else need
             t_partial = partial.swapaxes(-1, -2) if transposed else partial
-            seen_full = seen_partial = 0
             for b in range(count.shape[0]):
                 for hh in range(heads):
                     hm = hh if count.shape[1] > 1 else 0
@@ -268,7 +268,8 @@ def test_block_lists_are_the_visible_tiles(requires_gpu, mask, causal, window):
                         assert list((got & full_flag) != 0) == list(want_full), where
                         seen_full += int(want_full.sum())
                         seen_partial += int((~want_full).sum())
-            assert seen_full and seen_partial, "the cases hold both kinds of tile"
+    # (documents of ~55 keys hold no full tile of 64 x 128 or 128 x 64; the prefix mask holds both kinds)
+    assert seen_partial and (seen_full or "doc[" in mask), "the listed tiles hold both kinds"
 
 
 def test_a_mod_that_nvrtc_refuses_names_the_expression(requires_gpu, monkeypatch):
