@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything that needs a GPU: the GPU tests, the demo, and the
 # side-by-side benchmark with its plots. Run from the repository root on the device machine:
-#   TESTS_S=600 SANITIZE=1 bash tools/device_all.sh [REP_MS [bench_gpu options...]]
+#   TESTS_S=600 SANITIZE=1 [TESTS="tests/test_x.py ..."] bash tools/device_all.sh [REP_MS [bench_gpu options...]]
 # (writes logs, bench.json and plots/ under $OUT; TESTS_S bounds the test run in seconds; SANITIZE=1 adds
 # compute-sanitizer memcheck and racecheck on tools/gpu_check.py's small cases)
 # The device has no package index: wheels of missing pure-Python dependencies (array-api-compat) travel
@@ -18,8 +18,9 @@ rep=${1:-60}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import cupy, torch; print('cupy', cupy.__version__, 'torch', torch.__version__)"
 tests_s=${TESTS_S:-600}
-timeout "$tests_s" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_attention.py \
-    tests/test_cuda_fa1.py tests/test_torch.py tests/test_jax.py tests/test_mha.py 2>&1 \
+# Every GPU test (TESTS="tests/..." narrows it); the log is written as the tests run, so a run cut by the time box
+# still comes back (under $OUT) with every result it reached.
+timeout "$tests_s" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --tb=short ${TESTS:-tests/} 2>&1 \
     | tee "$out/pytest-gpu.log" | tail -15
 if [ "${SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
     for tool in memcheck racecheck; do
