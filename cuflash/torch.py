@@ -477,9 +477,11 @@ def _mod_arrays(score_mod, mask_mod, mod_arrays) -> tuple[str, list]:
     """``mod_arrays`` as the operator takes it: the names joined by commas, and the tensors (detached)."""
     for name, text in (("score_mod", score_mod), ("mask_mod", mask_mod)):
         if text is not None and not isinstance(text, str):
-            raise TypeError(
-                f"{name} must be a string (a CUDA C expression, see docs/variants.md) or None; got {type(text).__name__}"
-            )
+            hint = ("; cuflash.BlockMask is taken by cuflash.attention (CuPy and NumPy arrays): here pass its "
+                    "expression and arrays, mask_mod=m.mask_mod, mod_arrays=m.mod_arrays"
+                    if type(text).__name__ == "BlockMask" else "")
+            raise TypeError(f"{name} must be a string (a CUDA C expression, see docs/variants.md) or None; got "
+                            f"{type(text).__name__}{hint}")
     if mod_arrays is None:
         return "", []
     if not isinstance(mod_arrays, Mapping):

@@ -896,3 +896,14 @@ def test_block_mask_keeps_its_block_lists_on_gpu(requires_gpu):
     assert cp.array_equal(first[0], plain)
     mask.clear()
     assert not mask.lists
+
+
+def test_torch_front_end_names_blockmask_as_not_its_type():
+    torch = pytest.importorskip("torch")
+    import cuflash.torch as cft
+
+    q = torch.randn(1, 16, 2, 8)
+    mask = cuflash.BlockMask("doc[q_idx] == doc[kv_idx]", {"doc": torch.zeros(16, dtype=torch.int32)})
+    with pytest.raises(TypeError, match=r"got BlockMask; cuflash.BlockMask is taken by cuflash.attention .* "
+                                        r"mask_mod=m.mask_mod, mod_arrays=m.mod_arrays"):
+        cft.attention(q, q, q, mask_mod=mask)
