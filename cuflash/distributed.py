@@ -14,6 +14,10 @@ would give. Two algorithms (``docs/distributed.md``):
 - :func:`all_gather_attention`: the Llama 3 recipe: all-gather K and V (small with GQA's few K/V heads), attend
   locally with the causal offset of each query chunk, and reduce-scatter dk/dv in the backward.
 
+Both take flash-attention's sliding window (``window_size``, causal or not) and packed documents (``cu_seqlens`` of
+the full sequence): each (query chunk, key chunk) pair then runs on the rows and keys that see each other, with the
+window moved to that block's diagonal and a document-id ``mask_mod`` where the block straddles documents.
+
 Layouts (:func:`shard`, :func:`unshard`): ``"contiguous"`` gives rank ``r`` of ``R`` the ``r``-th of ``R`` equal
 chunks; ``"zigzag"`` cuts the sequence into ``2R`` chunks and gives rank ``r`` chunks ``r`` and ``2R - 1 - r``, so
 that under causal masking every rank does the same work.
@@ -31,8 +35,10 @@ Importing :mod:`cuflash` never imports this module (it imports PyTorch).
 
 from __future__ import annotations
 
+import bisect
 import math
 import types
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -143,24 +149,52 @@ def _describe(x) -> str:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _op_options(opts: types.SimpleNamespace, causal: bool, window) -> dict:
-    left, right = window
+class _Call(NamedTuple):
+    """One operator call of a plan: local query rows, local key rows, and the mask of that block.
+
+    ``causal``, ``align`` (``causal_align``) and ``window`` (``(left, right)``, -1 unlimited) are the operator's
+    arguments, relative to the diagonal of the sliced block; ``docs`` is ``(q_start, k_start)``, the global
+    positions of the block's first query and key row, when the block straddles documents (the operator then
+    masks by document ids, ``mask_mod="doc_q[q_idx] == doc_k[kv_idx]"``), else None."""
+
+    q_rows: slice
+    k_rows: slice
+    causal: bool = False
+    align: str = "bottom-right"
+    window: tuple[int, int] = (-1, -1)
+    docs: tuple[int, int] | None = None
+
+
+_DOC_MASK = "doc_q[q_idx] == doc_k[kv_idx]"
+
+
+def _op_options(opts: types.SimpleNamespace, call: _Call) -> dict:
+    left, right = call.window
+    mask_mod, names, arrays = None, "", []
+    if call.docs is not None:
+        (q_start, k_start), ids = call.docs, opts.doc_ids
+        nq, nk = call.q_rows.stop - call.q_rows.start, call.k_rows.stop - call.k_rows.start
+        mask_mod, names = _DOC_MASK, "doc_q,doc_k"
+        arrays = [ids[q_start:q_start + nq], ids[k_start:k_start + nk]]
     return dict(
         bias=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, attn_mask=None,
-        mod_arrays=[], dropout_seed=None, causal=causal, softmax_scale=opts.scale, causal_align="bottom-right",
+        mod_arrays=arrays, dropout_seed=None, causal=call.causal, softmax_scale=opts.scale, causal_align=call.align,
         window_left=left, window_right=right, softcap=opts.softcap, max_seqlen_q=None, max_seqlen_k=None,
-        dropout_p=0.0, dropout_offset=0, score_mod=None, mask_mod=None, mod_array_names="", algorithm="fa2",
+        dropout_p=0.0, dropout_offset=0, score_mod=None, mask_mod=mask_mod, mod_array_names=names, algorithm="fa2",
         block_q=None, block_k=None, deterministic=opts.deterministic,
     )
 
 
-def _block_fwd(q, k, v, causal, opts, window=(-1, -1)):
-    return torch.ops.cuflash.attention_fwd(q, k, v, **_op_options(opts, causal, window))
+def _block_fwd(q, k, v, call: _Call, opts):
+    return torch.ops.cuflash.attention_fwd(q[:, call.q_rows], k[:, call.k_rows], v[:, call.k_rows],
+                                           **_op_options(opts, call))
 
 
-def _block_bwd(dout, q, k, v, out, lse, causal, opts, window=(-1, -1)):
-    dq, dk, dv, _ = torch.ops.cuflash.attention_bwd(dout, q, k, v, out, lse, **_op_options(opts, causal, window),
-                                                     want_dbias=False)
+def _block_bwd(dout, q, k, v, out, lse, call: _Call, opts):
+    rows = call.q_rows
+    dq, dk, dv, _ = torch.ops.cuflash.attention_bwd(
+        dout[:, rows], q[:, rows], k[:, call.k_rows], v[:, call.k_rows], out[:, rows], lse[:, :, rows].contiguous(),
+        **_op_options(opts, call), want_dbias=False)
     return dq, dk, dv
 
 
@@ -244,6 +278,97 @@ def _step_plan(q_chunks, k_chunks, causal: bool) -> list[tuple[slice, slice, boo
 
 
 # ---------------------------------------------------------------------------------------------------
+# The band plan: sliding windows and packed documents, one call per (query chunk, key chunk) pair
+# ---------------------------------------------------------------------------------------------------
+#
+# In global positions, query p sees key g when p - left <= g <= p + right (``band``: ``(left, right)``, None
+# unlimited; causal caps right at 0) and, with packed documents, when p and g lie in the same document. For a
+# query chunk [qa, qa + nq) and a key chunk [kb, kb + nk), _pair_call keeps the query rows that see some key of
+# the chunk and the keys that some row sees: both are contiguous ranges (document ids and band edges are
+# monotonic in the position), and each row of the kept rows sees a key of the kept keys. Relative to the sliced
+# block, whose first query row is delta = q_lo - k_lo positions after its first key, the band is
+# i + delta - left <= j <= i + delta + right: the operator's window (left - delta, right + delta) around the
+# top-left diagonal (query i faces key i), or (left - delta + off, right + delta - off) around the bottom-right
+# one (off = nk - nq). The slicing keeps -right <= delta <= left, so the top-left window is never negative; a
+# side that reaches past the block's edge for every row is unlimited (-1), and a right edge of 0 becomes the
+# causal mask, so that a block inside the band runs unmasked and a diagonal block as the plain causal call.
+
+
+def _pair_call(qa: int, nq: int, kb: int, nk: int, band, cu) -> tuple | None:
+    """``(q_lo, q_hi, k_lo, k_hi, causal, align, window, masked_by_docs)`` in global positions (half-open), or
+    None when no query of ``[qa, qa + nq)`` sees a key of ``[kb, kb + nk)`` (the pair is skipped)."""
+    q_lo, q_hi, k_lo, k_hi = qa, qa + nq, kb, kb + nk
+    if cu is not None:
+        # [band docs] only the documents that both ranges hold
+        doc = lambda pos: bisect.bisect_right(cu, pos) - 1  # noqa: E731
+        d_lo, d_hi = max(doc(q_lo), doc(k_lo)), min(doc(q_hi - 1), doc(k_hi - 1))
+        if d_lo > d_hi:
+            return None
+        q_lo, q_hi = max(q_lo, cu[d_lo]), min(q_hi, cu[d_hi + 1])
+        k_lo, k_hi = max(k_lo, cu[d_lo]), min(k_hi, cu[d_hi + 1])
+    # [band rows] rows whose band meets the keys, keys in some row's band (from the same bounds: simultaneous)
+    left, right = band
+    rows = (q_lo if right is None else max(q_lo, k_lo - right), q_hi if left is None else min(q_hi, k_hi + left))
+    keys = (k_lo if left is None else max(k_lo, q_lo - left), k_hi if right is None else min(k_hi, q_hi + right))
+    (q_lo, q_hi), (k_lo, k_hi) = rows, keys
+    if q_lo >= q_hi or k_lo >= k_hi:
+        return None
+    masked_by_docs = cu is not None and doc(min(q_lo, k_lo)) != doc(max(q_hi, k_hi) - 1)
+    # [band window] the window relative to the sliced block's diagonal
+    nq, nk, delta = q_hi - q_lo, k_hi - k_lo, q_lo - k_lo
+    left_free = left is None or left - delta >= nq - 1
+    right_free = right is None or right + delta >= nk - 1
+    if left_free and right_free:
+        return q_lo, q_hi, k_lo, k_hi, False, "bottom-right", (-1, -1), masked_by_docs
+    best = None
+    for align, shift in (("bottom-right", nk - nq), ("top-left", 0)):
+        wl = -1 if left_free else left - delta + shift
+        wr = -1 if right_free else right + delta - shift
+        if (not left_free and wl < 0) or (not right_free and wr < 0):
+            continue  # this diagonal lies outside the band: a negative window is not one the operator takes
+        causal = wr == 0
+        call = (q_lo, q_hi, k_lo, k_hi, causal, align, (wl, -1 if causal else wr), masked_by_docs)
+        if causal:
+            return call
+        best = best or call
+    return best
+
+
+def _band_plan(q_chunks, k_chunks, band, cu) -> list[_Call]:
+    """The calls of local query chunks ``q_chunks`` against local key chunks ``k_chunks`` (``(global_start,
+    length)`` in local order) under ``band`` and the documents ``cu``: one per pair that has a visible score, then
+    adjacent unmasked calls on the same keys merged (all-gather without a window: one call)."""
+    calls, q_row = [], 0
+    for qa, nq in q_chunks:
+        k_row = 0
+        for kb, nk in k_chunks:
+            pair = _pair_call(qa, nq, kb, nk, band, cu)
+            if pair is not None:
+                q_lo, q_hi, k_lo, k_hi, causal, align, window, masked = pair
+                calls.append(_Call(slice(q_row + q_lo - qa, q_row + q_hi - qa), slice(k_row + k_lo - kb, k_row + k_hi - kb),
+                                   causal, align, window, (q_lo, k_lo) if masked else None))
+            k_row += nk
+        q_row += nq
+    merged = []
+    for call in calls:
+        plain = lambda c: not c.causal and c.window == (-1, -1) and c.docs is None  # noqa: E731
+        if merged and plain(call) and plain(merged[-1]) and merged[-1].k_rows == call.k_rows \
+                and merged[-1].q_rows.stop == call.q_rows.start:
+            merged[-1] = merged[-1]._replace(q_rows=slice(merged[-1].q_rows.start, call.q_rows.stop))
+        else:
+            merged.append(call)
+    return merged
+
+
+def _plan(q_chunks, k_chunks, opts) -> list[_Call]:
+    """The calls of one ring step: the causal prefix plan without window and documents, else the band plan."""
+    if opts.cu is None and opts.band[0] is None and opts.band[1] in (None, 0):
+        return [_Call(q_rows, k_rows, causal) for q_rows, k_rows, causal in
+                _step_plan(q_chunks, k_chunks, opts.band[1] == 0)]
+    return _band_plan(q_chunks, k_chunks, opts.band, opts.cu)
+
+
+# ---------------------------------------------------------------------------------------------------
 # Ring attention
 # ---------------------------------------------------------------------------------------------------
 
@@ -272,7 +397,7 @@ class _Ring:
             req.wait()
 
 
-def _ring_forward(q, k, v, ring: _Ring, layout: str, causal: bool, opts):
+def _ring_forward(q, k, v, ring: _Ring, layout: str, opts):
     batch, local_len, heads, _ = q.shape
     acc = _acc_dtype(q.dtype)
     out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=acc, device=q.device)
@@ -284,9 +409,9 @@ def _ring_forward(q, k, v, ring: _Ring, layout: str, causal: bool, opts):
         pending = ring.start([k, v]) if step + 1 < ring.world else None
         # [ring-fwd 2] attention of the local queries to the K/V of rank (rank - step), merged by logsumexp
         src = (ring.rank - step) % ring.world
-        for q_rows, k_rows, block_causal in _step_plan(q_chunks, _chunks(layout, ring.world, src, local_len), causal):
-            out_b, lse_b = _block_fwd(q[:, q_rows], k[:, k_rows], v[:, k_rows], block_causal, opts)
-            _merge_into(out, lse, q_rows, out_b, lse_b)
+        for call in _plan(q_chunks, _chunks(layout, ring.world, src, local_len), opts):
+            out_b, lse_b = _block_fwd(q, k, v, call, opts)
+            _merge_into(out, lse, call.q_rows, out_b, lse_b)
         # [ring-fwd 3] the next step's K/V
         if pending is not None:
             requests, (k, v) = pending
@@ -294,7 +419,7 @@ def _ring_forward(q, k, v, ring: _Ring, layout: str, causal: bool, opts):
     return out.to(q.dtype), lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, ring: _Ring, layout: str, causal: bool, opts):
+def _ring_backward(dout, q, k, v, out, lse, ring: _Ring, layout: str, opts):
     local_len = q.shape[1]
     acc = _acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -308,12 +433,11 @@ def _ring_backward(dout, q, k, v, out, lse, ring: _Ring, layout: str, causal: bo
         src = (ring.rank - step) % ring.world
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-        for q_rows, k_rows, block_causal in _step_plan(q_chunks, _chunks(layout, ring.world, src, local_len), causal):
-            dq_b, dk_b, dv_b = _block_bwd(dout[:, q_rows], q[:, q_rows], k[:, k_rows], v[:, k_rows], out[:, q_rows],
-                                          lse[:, :, q_rows].contiguous(), block_causal, opts)
-            dq[:, q_rows] += dq_b
-            dk[:, k_rows] += dk_b
-            dv[:, k_rows] += dv_b
+        for call in _plan(q_chunks, _chunks(layout, ring.world, src, local_len), opts):
+            dq_b, dk_b, dv_b = _block_bwd(dout, q, k, v, out, lse, call, opts)
+            dq[:, call.q_rows] += dq_b
+            dk[:, call.k_rows] += dk_b
+            dv[:, call.k_rows] += dv_b
         # [ring-bwd 3] add the shares of the ranks this K/V visited before (their accumulators travel behind it)
         if dkv_pending is not None:
             requests, (dk_before, dv_before) = dkv_pending
@@ -332,11 +456,11 @@ def _ring_backward(dout, q, k, v, out, lse, ring: _Ring, layout: str, causal: bo
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring, layout, causal, opts):
-        out, lse = _ring_forward(q, k, v, ring, layout, causal, opts)
+    def forward(ctx, q, k, v, ring, layout, opts):
+        out, lse = _ring_forward(q, k, v, ring, layout, opts)
         lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (ring, layout, causal, opts)
+        ctx.args = (ring, layout, opts)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -344,11 +468,13 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None
 
 
-def _options(q, k, v, *, group, causal, layout, softmax_scale, window_size, softcap, deterministic, entry):
-    """Validate the arguments common to both entries; ``(world, rank, layout, opts, window)``."""
+def _options(q, k, v, *, group, causal, layout, softmax_scale, window_size, softcap, cu_seqlens, deterministic, entry):
+    """Validate the arguments common to both entries; ``(world, rank, layout, opts)``, ``opts.band`` being the band
+    in global positions (``(left, right)``, None unlimited, causal folded into right) and ``opts.cu`` the document
+    boundaries (a tuple of ints, or None) with ``opts.doc_ids`` (int32, one per position of the full sequence)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             if type(t).__module__.split(".")[0] == "cupy":
@@ -372,11 +498,40 @@ def _options(q, k, v, *, group, causal, layout, softmax_scale, window_size, soft
     if layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"q must have an even local sequence length (dim 1) with layout='zigzag' (two chunks per "
                          f"rank); got {q.shape[1]}")
-    left, right = (-1 if x is None else x for x in _validate.window_size(window_size))
+    left, right = _validate.window_size(window_size)
+    if causal:
+        right = 0 if right is None else min(right, 0)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     _validate.softmax_scale(scale, q.shape[-1])
-    opts = types.SimpleNamespace(scale=scale, softcap=_validate.softcap(softcap), deterministic=bool(deterministic))
-    return world, rank, layout, opts, (left, right)
+    cu = _cu_seqlens(cu_seqlens, world * q.shape[1])
+    doc_ids = None
+    if cu is not None:
+        lengths = torch.tensor([b - a for a, b in zip(cu, cu[1:])])
+        doc_ids = torch.repeat_interleave(torch.arange(len(cu) - 1, dtype=torch.int32), lengths).to(q.device)
+    opts = types.SimpleNamespace(scale=scale, softcap=_validate.softcap(softcap), deterministic=bool(deterministic),
+                                 band=(left, right), cu=cu, doc_ids=doc_ids)
+    return world, rank, layout, opts
+
+
+def _cu_seqlens(cu_seqlens, total: int) -> tuple[int, ...] | None:
+    """The document boundaries as Python ints (read to the host once per call), validated against the full length."""
+    if cu_seqlens is None:
+        return None
+    expected = (f"cu_seqlens must be a 1-D integer tensor (or a sequence of ints) of document boundaries in the full "
+                f"sequence: 0, then non-decreasing, ending at the full length {total}")
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex \
+                or cu_seqlens.dtype == torch.bool:
+            raise TypeError(f"{expected}; got a {cu_seqlens.dtype} tensor of shape {tuple(cu_seqlens.shape)}")
+        values = cu_seqlens.tolist()
+    elif isinstance(cu_seqlens, (list, tuple)) and all(_validate._is_int(x) for x in cu_seqlens):
+        values = [int(x) for x in cu_seqlens]
+    else:
+        raise TypeError(f"{expected}; got {_describe(cu_seqlens)}")
+    if len(values) < 2 or values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values, values[1:])):
+        shown = values if len(values) <= 8 else values[:4] + ["..."] + values[-2:]
+        raise ValueError(f"{expected}; got {shown}")
+    return tuple(values)
 
 
 def ring_attention(
@@ -390,6 +545,7 @@ def ring_attention(
     softmax_scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    cu_seqlens=None,
     deterministic: bool = False,
     return_lse: bool = False,
 ):
@@ -400,26 +556,31 @@ def ring_attention(
     over the ranks of ``group`` (default: the default group), as :func:`shard` cuts them. Returns this rank's shard
     of ``out`` ``(batch, local_seqlen, heads_q, head_dim_v)`` (and with ``return_lse=True`` of the logsumexp
     ``(batch, heads_q, local_seqlen)``, float32, no gradient), equal up to rounding to the same shard of
-    ``cuflash.torch.attention`` on the full sequences with the same ``causal``, ``softmax_scale`` and ``softcap``.
+    ``cuflash.torch.attention`` on the full sequences with the same ``causal``, ``softmax_scale``, ``window_size``
+    and ``softcap``.
+
+    ``window_size=(left, right)``: flash-attention's sliding window in positions of the full sequence (query ``p``
+    sees keys ``p - left .. p + right``; -1 unlimited; ``causal=True`` caps ``right`` at 0). ``cu_seqlens``: packed
+    documents, an integer tensor (or sequence) ``(docs + 1,)`` of boundaries in the full sequence, ``0 .. N``,
+    the same on every rank and for every batch entry: a query sees only keys of its own document (the causal mask
+    and the window measured from its position, as flash-attention's varlen call with equal ``cu_seqlens_q`` and
+    ``cu_seqlens_k``). It is read to the host once per call (to plan the blocks).
 
     ``R`` steps: in step ``s`` the rank attends to the K/V shard of rank ``rank - s`` while the next one arrives
-    (``batch_isend_irecv``); blocks that causal masking hides entirely are skipped. ``layout="zigzag"`` balances
+    (``batch_isend_irecv``); blocks that the mask hides entirely are skipped (their K/V still travel: the next
+    rank may need them). ``layout="zigzag"`` balances
     causal work over the ranks; ``"contiguous"`` with ``causal=True`` is correct but unbalanced (rank ``R - 1``
     does ``2R - 1`` blocks' work where rank 0 does one). The backward sends dk/dv around the ring behind K/V.
 
-    ``window_size`` other than ``(-1, -1)`` raises ``NotImplementedError``: a window cut inside a block with a
-    diagonal that lies outside it is not one of the operator's alignments; :func:`all_gather_attention` has
-    causal windows. CPU tensors over gloo have been run; CUDA tensors over NCCL have not run on a GPU yet.
+    With a window or documents, each (query chunk, key chunk) pair is one operator call on the rows and keys that
+    see each other, with the window moved to that block's diagonal (``_pair_call``); without them, the calls of a
+    step are merged as in flash-attention's zigzag ring. CPU tensors over gloo have been run; CUDA tensors over
+    NCCL have not run on a GPU yet.
     """
-    world, rank, layout, opts, window = _options(
+    world, rank, layout, opts = _options(
         q, k, v, group=group, causal=causal, layout=layout, softmax_scale=softmax_scale, window_size=window_size,
-        softcap=softcap, deterministic=deterministic, entry="ring_attention")
-    if window != (-1, -1):
-        raise NotImplementedError(
-            f"ring_attention has no sliding window yet (a window cut inside a block whose diagonal lies outside it is "
-            f"not one of the operator's causal alignments); use all_gather_attention with causal=True; got "
-            f"window_size={tuple(window_size)!r}")
-    out, lse = _RingAttention.apply(q, k, v, _Ring(group), layout, causal, opts)
+        softcap=softcap, cu_seqlens=cu_seqlens, deterministic=deterministic, entry="ring_attention")
+    out, lse = _RingAttention.apply(q, k, v, _Ring(group), layout, opts)
     return (out, lse) if return_lse else out
 
 
@@ -428,62 +589,44 @@ def ring_attention(
 # ---------------------------------------------------------------------------------------------------
 
 
-def _gather_plan(q_chunks, causal: bool, window) -> list[tuple[slice, slice]]:
-    """``[(q_rows, k_rows), ...]``: local query rows and global key rows of each operator call. Causal: each query
-    chunk at global start ``a`` attends to the keys before ``a + C`` with the mask aligned bottom-right (query ``i``
-    faces key ``a + i``); a left window starts the keys at ``a - left`` (those before it are masked anyway)."""
-    total_q = sum(n for _, n in q_chunks)
-    if not causal:
-        return [(slice(0, total_q), None)]
-    left = window[0]
-    calls, row = [], 0
-    for a, n in q_chunks:
-        start = 0 if left < 0 else max(0, a - left)
-        calls.append((slice(row, row + n), slice(start, a + n)))
-        row += n
-    return calls
-
-
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, world, rank, layout, causal, opts, window):
+    def forward(ctx, q, k, v, group, world, rank, layout, opts):
         k_full = _in_global_order(_all_gather(k, group, world), layout, world)
         v_full = _in_global_order(_all_gather(v, group, world), layout, world)
-        q_chunks = _chunks(layout, world, rank, q.shape[1])
-        outs, lses = [], []
-        for q_rows, k_rows in _gather_plan(q_chunks, causal, window):
-            k_rows = k_rows or slice(0, k_full.shape[1])
-            out_b, lse_b = _block_fwd(q[:, q_rows], k_full[:, k_rows], v_full[:, k_rows], causal, opts, window)
-            outs.append(out_b)
-            lses.append(lse_b)
-        out, lse = torch.cat(outs, dim=1), torch.cat(lses, dim=2)
+        # each query chunk against all keys: every row sees all its keys in one call (no merge)
+        plan = _band_plan(_chunks(layout, world, rank, q.shape[1]), [(0, k_full.shape[1])], opts.band, opts.cu)
+        batch, local_len, heads, _ = q.shape
+        out = q.new_zeros((batch, local_len, heads, v.shape[-1]))
+        lse = torch.full((batch, heads, local_len), -math.inf, dtype=_acc_dtype(q.dtype), device=q.device)
+        for call in plan:
+            out[:, call.q_rows], lse[:, :, call.q_rows] = _block_fwd(q, k_full, v_full, call, opts)
         # the shards, not the gathered K/V: the backward gathers them again (memory stays that of a shard)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, world, rank, layout, causal, opts, window)
+        ctx.args = (group, world, layout, opts, plan)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        group, world, rank, layout, causal, opts, window = ctx.args
+        group, world, layout, opts, plan = ctx.args
+        rank = dist.get_rank(group)
         k_full = _in_global_order(_all_gather(k, group, world), layout, world)
         v_full = _in_global_order(_all_gather(v, group, world), layout, world)
         dout = dout.contiguous()
         acc = _acc_dtype(q.dtype)
-        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         dk_full = torch.zeros(k_full.shape, dtype=acc, device=q.device)
         dv_full = torch.zeros(v_full.shape, dtype=acc, device=q.device)
-        for q_rows, k_rows in _gather_plan(_chunks(layout, world, rank, q.shape[1]), causal, window):
-            k_rows = k_rows or slice(0, k_full.shape[1])
-            dq_b, dk_b, dv_b = _block_bwd(dout[:, q_rows], q[:, q_rows], k_full[:, k_rows], v_full[:, k_rows],
-                                          out[:, q_rows], lse[:, :, q_rows].contiguous(), causal, opts, window)
-            dq[:, q_rows] = dq_b
-            dk_full[:, k_rows] += dk_b
-            dv_full[:, k_rows] += dv_b
+        for call in plan:
+            dq_b, dk_b, dv_b = _block_bwd(dout, q, k_full, v_full, out, lse, call, opts)
+            dq[:, call.q_rows] = dq_b
+            dk_full[:, call.k_rows] += dk_b
+            dv_full[:, call.k_rows] += dv_b
         dk = _reduce_scatter(dk_full, group, world, rank, layout).to(k_full.dtype)
         dv = _reduce_scatter(dv_full, group, world, rank, layout).to(v_full.dtype)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _reduce_scatter(full: torch.Tensor, group, world: int, rank: int, layout: str) -> torch.Tensor:
@@ -512,6 +655,7 @@ def all_gather_attention(
     softmax_scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    cu_seqlens=None,
     deterministic: bool = False,
     return_lse: bool = False,
 ):
@@ -520,21 +664,16 @@ def all_gather_attention(
 
     Arguments and result as :func:`ring_attention`. Every rank gathers the full K and V (``2 N heads_kv d``
     elements: small next to q with GQA's few K/V heads), then each local query chunk attends to the keys up to its
-    own position in one operator call (causal: aligned bottom-right on the keys before the chunk's end); the
+    own position in one operator call (causal: aligned bottom-right on the keys before the chunk's end; a window
+    or documents: the keys of the chunk's band and documents, with the window moved to that block's diagonal); the
     backward reduce-scatters dk and dv to their owners (gloo, which has no reduce-scatter: an all-reduce). No
     merge is needed: every query row sees all its keys in one call.
 
-    Causal sliding windows (``window_size=(left, 0)`` with ``causal=True``) are supported; a window with
-    ``causal=False`` raises ``NotImplementedError``. The gathered K/V take ``R`` times the memory of the shards.
-    CPU tensors over gloo have been run; CUDA tensors over NCCL have not run on a GPU yet.
+    The gathered K/V take ``R`` times the memory of the shards. CPU tensors over gloo have been run; CUDA tensors
+    over NCCL have not run on a GPU yet.
     """
-    world, rank, layout, opts, window = _options(
+    world, rank, layout, opts = _options(
         q, k, v, group=group, causal=causal, layout=layout, softmax_scale=softmax_scale, window_size=window_size,
-        softcap=softcap, deterministic=deterministic, entry="all_gather_attention")
-    if window != (-1, -1) and not causal:
-        raise NotImplementedError(
-            f"all_gather_attention has sliding windows with causal=True only (a window around a diagonal that lies "
-            f"outside the chunk's keys is not one of the operator's alignments); got window_size="
-            f"{tuple(window_size)!r} with causal=False")
-    out, lse = _AllGatherAttention.apply(q, k, v, group, world, rank, layout, causal, opts, window)
+        softcap=softcap, cu_seqlens=cu_seqlens, deterministic=deterministic, entry="all_gather_attention")
+    out, lse = _AllGatherAttention.apply(q, k, v, group, world, rank, layout, opts)
     return (out, lse) if return_lse else out
