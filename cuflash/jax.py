@@ -4,7 +4,9 @@ Concrete arrays cross into cuflash through DLPack without copies: GPU arrays int
 kernels), CPU arrays into NumPy (the NumPy block algorithm). Under ``jax.jit`` the inputs are tracers,
 which no foreign library can read; there the call goes through ``jax.pure_callback`` to the host
 implementation (correct everywhere, but on a GPU it copies through host memory: call the function
-outside ``jit`` for the kernels). The forward saves the logsumexp for the backward.
+outside ``jit`` for the kernels). The forward saves the logsumexp for the backward. ``jax.vmap`` works (with
+``grad`` and ``jit`` around it): inside it the arrays are tracers too, and the callback runs once per mapped
+element (``vmap_method="sequential"``), so every argument may be mapped or not.
 
 The variant arrays (``alibi_slopes``, ``cu_seqlens_q``, ``cu_seqlens_k``, ``seqused_k``, ``attn_mask``) travel
 with q, k, v (through DLPack, or into the callback under ``jit``) and get no gradient; ``bias`` travels the
@@ -55,7 +57,8 @@ def _call(fn, result_shapes, *args):
     DLPack when concrete, else a callback."""
     leaves = jax.tree_util.tree_leaves(args)
     if _is_traced(*leaves):
-        return jax.pure_callback(_host(fn), result_shapes, *args)
+        # (under vmap the callback runs once per mapped element: correct for every argument, batched or not)
+        return jax.pure_callback(_host(fn), result_shapes, *args, vmap_method="sequential")
     if _on_gpu(leaves[0]):
         import cupy
 

@@ -225,3 +225,28 @@ def test_bias_checks_run_at_trace_time():
         call(q, jnp.zeros((3, 5, 5)))
     with pytest.raises(TypeError, match="attn_mask must have dtype bool"):
         jax.jit(lambda q, m: cfj.attention(q, q, q, attn_mask=m))(q, jnp.zeros((5, 5), jnp.int32))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_vmap_forward_and_grad_match_a_loop(jit):
+    """jax.vmap over a leading axis (q, k, v all mapped, or k and v shared), with grad inside and jit around:
+    the same values as calling the function element by element."""
+    rng = np.random.default_rng(5)
+    q, k, v = (jnp.asarray(rng.standard_normal((3, 2, 24, 4, 16)), dtype=jnp.float32) for _ in range(3))
+
+    def f(a, b, c):
+        return cfj.attention(a, b, c, causal=True, window_size=(5, 0))
+
+    def loss(a, b, c):
+        return (f(a, b, c) ** 2).sum()
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    wrap = jax.jit if jit else (lambda fn: fn)
+    out = wrap(jax.vmap(f))(q, k, v)
+    grads = wrap(jax.vmap(grad))(q, k, v)
+    shared = wrap(jax.vmap(f, in_axes=(0, None, None)))(q, k[0], v[0])
+    for i in range(3):
+        np.testing.assert_allclose(out[i], f(q[i], k[i], v[i]), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(shared[i], f(q[i], k[0], v[0]), rtol=1e-6, atol=1e-6)
+        for g, w in zip(grads, grad(q[i], k[i], v[i])):
+            np.testing.assert_allclose(g[i], w, rtol=1e-5, atol=1e-5)
