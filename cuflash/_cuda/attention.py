@@ -306,16 +306,15 @@ def block_lists(variant: Variant, shp: Shape, block_m: int, block_n: int, transp
     rows = cdiv(shp.max_k, block_n) if transposed else cdiv(shp.max_q, block_m)
     cols = cdiv(shp.max_q, block_m) if transposed else cdiv(shp.max_k, block_n)
     policy = mask_policy(variant)
+    # What decides the lists besides the mask's arrays and the sequences' lengths.
+    tiling = (cupy.cuda.runtime.getDevice(), policy, variant.window_left, variant.right, variant.bottom_right,
+              shp.rows_q, shp.rows_k, nb, nh, block_m, block_n, transposed)
     key = store = None
     if variant.block_lists is not None:  # a cuflash.BlockMask's: kept for as long as the user keeps it
-        store = variant.block_lists
-        key = (cupy.cuda.runtime.getDevice(), policy, variant.window_left, variant.right, variant.bottom_right,
-               shp.rows_q, shp.rows_k, nb, nh, block_m, block_n, transposed)
+        store, key = variant.block_lists, tiling
     elif not has_lengths and not any(mods.uses(name, "mask_mod") for name in mods.array_names):
         # (per stream too: a later call on another stream must not read lists still being written)
-        store = _LISTS_CACHE
-        key = (cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr, policy, variant.window_left, variant.right, variant.bottom_right,
-               shp.rows_q, shp.rows_k, nb, nh, block_m, block_n, transposed)
+        store, key = _LISTS_CACHE, (cupy.cuda.get_current_stream().ptr, *tiling)
     if key is not None:
         hit = store.get(key)
         if hit is not None:
