@@ -323,17 +323,17 @@ struct BlockInfo {
     }
 
     // [variant mod] the raw score s = q_i . k_j after softcap, ALiBi and the bias, in raw-score units; `grad`
-    // gets d mod / d s (the tanh derivative; 1 without softcap) for [variant grad]. kExactTanh: tanhf (the
-    // float32 kernels, whose budget is float32's), else tanh_exp2 (~3e-7 absolute, the 16-bit kernels), in
-    // softcap and in a score_mod's tanhf.
+    // gets d mod / d s (the tanh derivative; 1 without softcap) for [variant grad]. kFloat32 (the
+    // float32 kernels): tanhf, whose error fits float32's budget, and mask_mod on every score (they read no
+    // block lists); else tanh_exp2 (~3e-7 absolute, the 16-bit kernels), in softcap and in a score_mod's tanhf.
     // kWantGrad = false (the forward): a score_mod is evaluated on floats, without its dual-number derivative.
-    // with_mask_mod = false: a full tile of the block map (TileLoop::partial), where mask_mod keeps every score.
-    // (A tile-level test, not code of its own for full tiles: that duplicate pushes the forward into spills.)
-    template <bool kExactTanh = false, bool kWantGrad = true>
+    // with_mask_mod = false: a full tile of the block map (TileLoop::partial), where mask_mod keeps every score
+    // (Mask_mod_in_mod variants and the float32 kernels; the others apply mask_mod in mask_block).
+    template <bool kFloat32 = false, bool kWantGrad = true>
     __device__ __forceinline__ float mod(float s, int i, int j, float& grad, bool with_mask_mod = true) const {
         if constexpr (!V::Has_softcap) grad = 1.f;
         if constexpr (V::Has_softcap) {
-            const float th = kExactTanh ? tanhf(cap_a * s) : tanh_exp2(cap_a * s);
+            const float th = kFloat32 ? tanhf(cap_a * s) : tanh_exp2(cap_a * s);
             s = cap_b * th;
             grad = 1.f - th * th;
         }
@@ -349,14 +349,13 @@ struct BlockInfo {
                 if constexpr (V::Mod::Has_score_mod) {
                     if constexpr (kWantGrad) {
                         float g;
-                        s = apply_score_mod<typename V::Mod, V::Has_bias, !kExactTanh>(s, scale, inv_scale, b, h, i, j, *mods, g);
+                        s = apply_score_mod<typename V::Mod, V::Has_bias, !kFloat32>(s, scale, inv_scale, b, h, i, j, *mods, g);
                         grad *= g;
                     } else {
-                        s = apply_score_mod<typename V::Mod, V::Has_bias, !kExactTanh>(s, scale, inv_scale, b, h, i, j, *mods);
+                        s = apply_score_mod<typename V::Mod, V::Has_bias, !kFloat32>(s, scale, inv_scale, b, h, i, j, *mods);
                     }
                 }
-                // (the float32 kernels, kExactTanh, read no block lists: mask_mod here on every score)
-                if constexpr (V::Mod::Has_mask_mod && (V::Mask_mod_in_mod || kExactTanh)) {
+                if constexpr (V::Mod::Has_mask_mod && (V::Mask_mod_in_mod || kFloat32)) {
                     if (with_mask_mod && !V::Mod::mask(b, h, i, j, *mods)) {
                         s = -CUFLASH_INF;
                         grad = 0.f;
@@ -366,10 +365,10 @@ struct BlockInfo {
         }
         return s;
     }
-    template <bool kExactTanh = false>
+    template <bool kFloat32 = false>
     __device__ __forceinline__ float mod(float s, int i, int j, bool with_mask_mod = true) const {
         float unused;
-        return mod<kExactTanh, false>(s, i, j, unused, with_mask_mod);
+        return mod<kFloat32, false>(s, i, j, unused, with_mask_mod);
     }
 
     // [variant grad] of the bias: dbias[i, j] = dS (the gradient of the biased scaled score), where wanted.
