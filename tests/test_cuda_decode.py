@@ -117,7 +117,7 @@ def test_decode_against_the_truth(requires_gpu, label, dtname, splits):
     k64, v64 = caches(k_cache, v_cache, host)
     out_t, lse_t = cuflash.attention_with_kvcache(host(q), k64, v64, host(k), host(v), **extra)
     kn, vn = caches(k_cache, v_cache, np.copy)
-    out_n, _ = cuflash.attention_with_kvcache(q, kn, vn, k, v, **extra)
+    out_n, lse_n = cuflash.attention_with_kvcache(q, kn, vn, k, v, **extra)
 
     dev = {name: (cp.asarray(val) if isinstance(val, np.ndarray) else val) for name, val in extra.items()}
     ck, cv = caches(k_cache, v_cache, cp.asarray)
@@ -127,7 +127,11 @@ def test_decode_against_the_truth(requires_gpu, label, dtname, splits):
     out_h = cp.asnumpy(out)
     assert not np.isnan(out_h.astype(np.float32)).any(), "unwritten (NaN) output"
     assert_within_budget(out_h, out_t, out_n, 2, rounding_floor(out_t, dtype), "out")
-    np.testing.assert_allclose(cp.asnumpy(lse), lse_t, rtol=0, atol=2e-3)  # (rows that see no key: -inf in both)
+    # lse: within twice the reference's own distance in the kernels' dtype (rotary rounds the rotated q and k to
+    # it), at least 2e-3; rows that see no key: -inf in both
+    seen = np.isfinite(lse_t)
+    lse_budget = max(2e-3, 2 * float(np.abs(lse_n.astype(np.float64) - lse_t)[seen].max(initial=0.0)))
+    np.testing.assert_allclose(cp.asnumpy(lse), lse_t, rtol=0, atol=lse_budget)
     # the append wrote the same slots with the same values as the reference's, and nothing else
     assert np.array_equal(cp.asnumpy(ck).view(np.uint16), kn.view(np.uint16))
     assert np.array_equal(cp.asnumpy(cv).view(np.uint16), vn.view(np.uint16))
@@ -500,6 +504,14 @@ def test_the_front_door_reuses_checked_launches(requires_gpu):
     second = cuflash.attention_with_kvcache(cq, ck, cv, cache_seqlens=lens, causal=True)
     assert len(_api._kvcache_launches) == entries
     assert cp.array_equal(first.view(cp.uint16), second.view(cp.uint16))
+    # Results dropped at once: each call still allocates its own output (the weak reference of the last call's
+    # dead output reads None, as an output not given does; that is no reason to skip the allocation).
+    del first
+    for _ in range(3):
+        again, lse = cuflash.attention_with_kvcache(cq, ck, cv, cache_seqlens=lens, causal=True, return_lse=True)
+        assert again is not None and lse is not None
+        assert cp.array_equal(again.view(cp.uint16), second.view(cp.uint16))
+        del again, lse
     with pytest.raises(TypeError, match="causal must be a bool"):
         cuflash.attention_with_kvcache(cq, ck, cv, cache_seqlens=lens, causal=1)
     with pytest.raises(ValueError, match="cache_seqlens must have shape"):

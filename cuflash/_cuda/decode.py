@@ -295,7 +295,9 @@ class DecodeLaunch:
         # The hot path of a decode loop: the very arrays of the last step, so the record holds their addresses.
         # (A CuPy array's memory, strides and dtype never change; its shape only by an in-place reshape of the
         # same memory, `a.shape = ...`, which reads the same bytes.)
-        if (last[0]() is not q or last[1]() is not k_cache or last[2]() is not v_cache or last[3]() is not k
+        # (Only with out and lse given: an output the step allocated is new each time, and the weak reference of
+        # last step's dead one reads None, the same as an argument not given.)
+        if (out is None or lse is None or last[0]() is not q or last[1]() is not k_cache or last[2]() is not v_cache or last[3]() is not k
                 or last[4]() is not v or last[5]() is not out or last[6]() is not lse
                 or last[7]() is not cache_seqlens or last[8]() is not cache_leftpad
                 or last[9]() is not cache_batch_idx or last[10]() is not block_table
