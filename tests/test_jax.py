@@ -1,5 +1,7 @@
 """cuflash.jax: the custom_vjp wrapper against jax.nn.dot_product_attention, eager and under jit."""
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -31,19 +33,29 @@ def _loss(fn, dout):
     return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float64) * dout)
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+# How a test runs the function: eagerly, under jit by the default route (buffer_callback where JAX has it),
+# or under jit through jax.pure_callback.
+MODES = pytest.mark.parametrize("mode", ["eager", "jit", "jit-pure"])
+
+
+def _compiled(fn, mode, monkeypatch):
+    if mode == "jit-pure":
+        monkeypatch.setenv("CUFLASH_JAX_CALLBACK", "pure")
+    return fn if mode == "eager" else jax.jit(fn)
+
+
+@MODES
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(
     "shape", [(2, 48, 48, 4, 4, 16), (1, 37, 75, 4, 2, 8)], ids=["square", "gqa-cross"]
 )
-def test_matches_jax_nn(shape, causal, jit):
+def test_matches_jax_nn(shape, causal, mode, monkeypatch):
     q, k, v = _inputs(shape, jnp.float64)
     dout = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape))
     ours = lambda q, k, v: cfj.attention(q, k, v, causal=causal, causal_align="top-left", block_q=16, block_k=24)  # noqa: E731
     ref = lambda q, k, v: _plain(q, k, v, causal)  # noqa: E731
     grad = lambda fn: jax.value_and_grad(_loss(fn, dout), argnums=(0, 1, 2))  # noqa: E731
-    if jit:
-        ours = jax.jit(ours)
+    ours = _compiled(ours, mode, monkeypatch)
     (l_ours, g_ours), (l_ref, g_ref) = grad(ours)(q, k, v), grad(ref)(q, k, v)
     np.testing.assert_allclose(ours(q, k, v), ref(q, k, v), rtol=0, atol=1e-10)
     np.testing.assert_allclose(l_ours, l_ref, rtol=1e-12)
@@ -125,8 +137,8 @@ def _plain_variant(q, k, v, cu_q, cu_k, seqused_k, slopes, *, scale, window, sof
     return jnp.concatenate(outs)
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_variants_match_plain_jnp(jit):
+@MODES
+def test_variants_match_plain_jnp(mode, monkeypatch):
     rng = np.random.default_rng(21)
     lens_q, lens_k = [7, 1, 12], [9, 6, 12]
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
@@ -146,7 +158,7 @@ def test_variants_match_plain_jnp(jit):
         return _plain_variant(q, k, v, cu_q, cu_k, used, slopes.astype(np.float64), scale=0.3, window=(5, -1),
                               softcap=3.0)
 
-    fn = jax.jit(ours) if jit else ours
+    fn = _compiled(ours, mode, monkeypatch)
     value_and_grad = jax.value_and_grad(lambda q, k, v, *a: jnp.sum(fn(q, k, v, *a) * dout), argnums=(0, 1, 2))
     (l_ours, g_ours) = value_and_grad(q, k, v, cu_q, cu_k, used, slopes)
     (l_ref, g_ref) = jax.value_and_grad(lambda q, k, v: jnp.sum(ref(q, k, v) * dout), argnums=(0, 1, 2))(q, k, v)
@@ -157,7 +169,11 @@ def test_variants_match_plain_jnp(jit):
     assert not np.asarray(g_ours[1])[cu_k[1]:cu_k[2]].any()  # keys past seqused_k: no gradient
 
 
-def test_variant_values_are_checked_eagerly_or_when_the_jit_function_runs():
+@pytest.mark.parametrize("route", ["buffer", "pure"])
+def test_variant_values_are_checked_eagerly_or_when_the_jit_function_runs(route, monkeypatch):
+    if route == "buffer" and cfj._buffer_callback is None:
+        pytest.skip(f"JAX {jax.__version__} has no jax.experimental.buffer_callback")
+    monkeypatch.setenv("CUFLASH_JAX_CALLBACK", route)
     q = jnp.ones((8, 2, 4), jnp.float32)
     bad = np.array([1, 3, 8], np.int32)
     call = lambda q, cu: cfj.attention(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=5, max_seqlen_k=5)  # noqa: E731
@@ -189,8 +205,8 @@ def _plain_biased(q, k, v, bias, mask, *, scale, softcap):
     return jnp.einsum("bhqk,bkhd->bqhd", p, v)
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_bias_and_mask_match_plain_jnp(jit):
+@MODES
+def test_bias_and_mask_match_plain_jnp(mode, monkeypatch):
     rng = np.random.default_rng(31)
     q = jnp.asarray(rng.standard_normal((2, 9, 4, 8)))
     k, v = (jnp.asarray(rng.standard_normal((2, 13, 2, 8))) for _ in range(2))
@@ -204,7 +220,7 @@ def test_bias_and_mask_match_plain_jnp(jit):
         return cfj.attention(q, k, v, bias=bias, attn_mask=mask, causal=True, softcap=2.5, softmax_scale=0.4,
                              block_q=4, block_k=5)
 
-    fn = jax.jit(ours) if jit else ours
+    fn = _compiled(ours, mode, monkeypatch)
     ref = jax.jit(lambda q, k, v, bias: _plain_biased(q, k, v, bias, mask, scale=0.4, softcap=2.5))
     value_and_grad = jax.value_and_grad(lambda *a: jnp.sum(fn(*a, mask) * dout), argnums=(0, 1, 2, 3))
     l_ours, g_ours = value_and_grad(q, k, v, bias)
@@ -227,10 +243,61 @@ def test_bias_checks_run_at_trace_time():
         jax.jit(lambda q, m: cfj.attention(q, q, q, attn_mask=m))(q, jnp.zeros((5, 5), jnp.int32))
 
 
-@pytest.mark.parametrize("jit", [False, True])
-def test_vmap_forward_and_grad_match_a_loop(jit):
+# ---------------------------------------------------------------------------------------------------
+# The callback routes under jit, and jax.vmap (the mapped axis folded into the batch, or one call per element)
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route", ["buffer", "pure"])
+def test_jit_lowers_to_the_chosen_callback(route, monkeypatch):
+    """CUFLASH_JAX_CALLBACK picks the custom call the forward and the backward lower to (on the CPU here:
+    buffer_callback's and pure_callback's CPU targets)."""
+    if route == "buffer" and cfj._buffer_callback is None:
+        pytest.skip(f"JAX {jax.__version__} has no jax.experimental.buffer_callback")
+    monkeypatch.setenv("CUFLASH_JAX_CALLBACK", route)
+    assert cfj.callback_route() == route
+    q = jnp.ones((1, 8, 2, 16), jnp.float32)
+    loss = lambda q, k, v: jnp.sum(cfj.attention(q, k, v, causal=True) ** 2)  # noqa: E731
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, q, q).as_text()
+    targets = [line.split("@")[1].split("(")[0] for line in text.splitlines() if "custom_call @" in line]
+    want = "xla_buffer_python_cpu_callback" if route == "buffer" else "xla_ffi_python_cpu_callback"
+    assert targets == [want, want], targets  # the forward, then the backward
+
+
+def test_callback_route_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("CUFLASH_JAX_CALLBACK", "host")
+    with pytest.raises(ValueError, match="CUFLASH_JAX_CALLBACK must be one of 'auto', 'buffer', 'pure'; got 'host'"):
+        cfj.callback_route()
+    monkeypatch.setattr(cfj, "_buffer_callback", None)
+    monkeypatch.setenv("CUFLASH_JAX_CALLBACK", "auto")
+    assert cfj.callback_route() == "pure"
+    monkeypatch.setenv("CUFLASH_JAX_CALLBACK", "buffer")
+    with pytest.raises(RuntimeError, match="needs jax.experimental.buffer_callback"):
+        cfj.callback_route()
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts of the calls that reach cuflash.attention and cuflash.attention_backward."""
+    import cuflash
+
+    counts = {"forward": 0, "backward": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(cuflash, "attention", counted("forward", cuflash.attention))
+    monkeypatch.setattr(cuflash, "attention_backward", counted("backward", cuflash.attention_backward))
+    return counts
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit", "jit-pure"])
+def test_vmap_forward_and_grad_match_a_loop(mode, monkeypatch, calls):
     """jax.vmap over a leading axis (q, k, v all mapped, or k and v shared), with grad inside and jit around:
-    the same values as calling the function element by element."""
+    the same values as calling the function element by element, from one call of cuflash per direction."""
     rng = np.random.default_rng(5)
     q, k, v = (jnp.asarray(rng.standard_normal((3, 2, 24, 4, 16)), dtype=jnp.float32) for _ in range(3))
 
@@ -241,12 +308,96 @@ def test_vmap_forward_and_grad_match_a_loop(jit):
         return (f(a, b, c) ** 2).sum()
 
     grad = jax.grad(loss, argnums=(0, 1, 2))
-    wrap = jax.jit if jit else (lambda fn: fn)
+    wrap = functools.partial(_compiled, mode=mode, monkeypatch=monkeypatch)
     out = wrap(jax.vmap(f))(q, k, v)
+    assert calls == {"forward": 1, "backward": 0}  # folded: one call for the 3 x 2 sequences
     grads = wrap(jax.vmap(grad))(q, k, v)
+    assert calls == {"forward": 2, "backward": 1}
     shared = wrap(jax.vmap(f, in_axes=(0, None, None)))(q, k[0], v[0])
+    assert calls["forward"] == 3
     for i in range(3):
         np.testing.assert_allclose(out[i], f(q[i], k[i], v[i]), rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(shared[i], f(q[i], k[0], v[0]), rtol=1e-6, atol=1e-6)
         for g, w in zip(grads, grad(q[i], k[i], v[i])):
             np.testing.assert_allclose(g[i], w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_vmap_folds_other_axes_nested_maps_and_variant_arrays(jit, calls):
+    """A mapped axis that is not the first (in_axes=2, out_axes=1), vmap of vmap, and the variant arrays that
+    fold with the batch: ALiBi slopes (heads,) shared and (batch, heads) mapped, seqused_k mapped, a 2-d
+    attn_mask shared, a bias mapped (forward) and shared (backward): all equal to a loop, one call per
+    direction."""
+    rng = np.random.default_rng(8)
+    n, batch, seqlen, heads, d = 3, 2, 12, 4, 8
+    x = lambda *shape: jnp.asarray(rng.standard_normal(shape))  # noqa: E731
+    q, k, v = (x(batch, seqlen, n, heads, d) for _ in range(3))  # mapped along axis 2
+    slopes = jnp.asarray(rng.uniform(0, 0.5, (n, batch, heads)), jnp.float32)
+    used = jnp.asarray(rng.integers(1, seqlen + 1, (n, batch)), jnp.int32)
+    mask = jnp.asarray(rng.random((seqlen, seqlen)) < 0.8)
+    bias = x(n, 1, heads, seqlen, seqlen)
+
+    def f(q, k, v, slopes, used, bias):
+        return cfj.attention(q, k, v, causal=True, alibi_slopes=slopes, seqused_k=used, attn_mask=mask, bias=bias)
+
+    wrap = jax.jit if jit else (lambda fn: fn)
+    mapped = wrap(jax.vmap(f, in_axes=(2, 2, 2, 0, 0, 0), out_axes=1))
+    out = mapped(q, k, v, slopes, used, bias)
+    assert calls["forward"] == 1
+    for i in range(n):
+        want = f(q[:, :, i], k[:, :, i], v[:, :, i], slopes[i], used[i], bias[i])
+        np.testing.assert_allclose(out[:, i], want, rtol=1e-12, atol=1e-12)
+
+    def loss(q, k, v, shared_bias):  # heads-only slopes, a bias shared by all elements: the backward folds
+        out = cfj.attention(q, k, v, alibi_slopes=slopes[0, 0], bias=shared_bias, window_size=(4, 2))
+        return jnp.sum(out ** 2)
+
+    shared_bias = x(1, heads, seqlen, seqlen)
+    grads = wrap(jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=(2, 2, 2, None)))(q, k, v, shared_bias)
+    assert calls["backward"] == n  # a bias in the backward: each element's dbias is its own, one call each
+    grads = wrap(jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=(2, 2, 2, None)))(q, k, v, None)
+    assert calls["backward"] == n + 1
+    for i in range(n):
+        want = jax.grad(loss, argnums=(0, 1, 2))(q[:, :, i], k[:, :, i], v[:, :, i], None)
+        for g, w in zip(grads, want):
+            np.testing.assert_allclose(g[i], w, rtol=1e-10, atol=1e-12)
+
+    twice = wrap(jax.vmap(jax.vmap(lambda q, k, v: cfj.attention(q, k, v, causal=True))))
+    qq, kk, vv = (x(2, n, batch, seqlen, heads, d) for _ in range(3))
+    before = calls["forward"]
+    out = twice(qq, kk, vv)
+    assert calls["forward"] == before + 1
+    np.testing.assert_allclose(out[1, 2], cfj.attention(qq[1, 2], kk[1, 2], vv[1, 2], causal=True), atol=1e-12)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_vmap_runs_one_call_per_element_where_the_batch_index_matters(jit, calls):
+    """Dropout (its counter reads the batch index), a packed batch (no batch axis) and a bias mapped in the
+    backward run element by element: the loop's values, one call each."""
+    rng = np.random.default_rng(9)
+    n = 3
+    q, k, v = (jnp.asarray(rng.standard_normal((n, 2, 10, 2, 8))) for _ in range(3))
+    wrap = jax.jit if jit else (lambda fn: fn)
+    drop = lambda q, k, v: cfj.attention(q, k, v, dropout_p=0.3, dropout_seed=7)  # noqa: E731
+    out = wrap(jax.vmap(drop))(q, k, v)
+    assert calls["forward"] == n
+    for i in range(n):
+        np.testing.assert_allclose(out[i], drop(q[i], k[i], v[i]), rtol=0, atol=1e-12)
+
+    cu = jnp.asarray([0, 4, 10], jnp.int32)
+    packed = lambda q, k, v: cfj.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=6,  # noqa: E731
+                                           max_seqlen_k=6, causal=True)
+    flat = [a.reshape(n, 20, 2, 8)[:, :10] for a in (q, k, v)]
+    out = wrap(jax.vmap(packed))(*flat)
+    for i in range(n):
+        np.testing.assert_allclose(out[i], packed(*(a[i] for a in flat)), rtol=0, atol=1e-12)
+
+    bias = jnp.asarray(rng.standard_normal((n, 2, 1, 10, 10)))
+    grad = jax.grad(lambda q, bias: jnp.sum(cfj.attention(q, k[0], v[0], bias=bias) ** 2), argnums=(0, 1))
+    before = calls["backward"]
+    g_q, g_bias = wrap(jax.vmap(grad))(q, bias)
+    assert calls["backward"] == before + n
+    for i in range(n):
+        want = grad(q[i], bias[i])
+        np.testing.assert_allclose(g_q[i], want[0], rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(g_bias[i], want[1], rtol=1e-10, atol=1e-12)
