@@ -401,3 +401,164 @@ def test_vmap_runs_one_call_per_element_where_the_batch_index_matters(jit, calls
         want = grad(q[i], bias[i])
         np.testing.assert_allclose(g_q[i], want[0], rtol=1e-10, atol=1e-12)
         np.testing.assert_allclose(g_bias[i], want[1], rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------
+# On the GPU under jit: the kernels on XLA's stream (buffer_callback), no host transfer, vmap, the overhead
+# ---------------------------------------------------------------------------------------------------
+
+
+def _jax_gpu():
+    """Skip unless JAX has a GPU device (CuPy is checked by the gpu marker); the GPU as a JAX device."""
+    pytest.importorskip("cupy")
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if not gpus:
+        pytest.skip(f"no JAX GPU device (JAX {jax.__version__}, backend {jax.default_backend()})")
+    return gpus[0]
+
+
+def _buffer_route_or_skip():
+    if cfj.callback_route() != "buffer":
+        pytest.skip(f"JAX {jax.__version__} has no jax.experimental.buffer_callback: jit runs through the host")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [None, "br", "tl"])
+@pytest.mark.parametrize("dtname", ["float16", "bfloat16"])
+def test_jit_on_gpu_forward_and_backward_within_budget(dtname, causal):
+    """jit(forward) and jit(vjp) on the GPU, held to the float64 truth's error budget (tests/_helpers.py), as
+    the CuPy tests hold cuflash.attention; and the compiled function calls buffer_callback's GPU target."""
+    from _gpu_helpers import ALIGN, DTYPES, variant_of
+    from _helpers import assert_within_budget, float64_truth, max_abs_error, random_inputs, rounding_floor
+
+    from cuflash import reference
+
+    gpu = _jax_gpu()
+    dtype = DTYPES[dtname]
+    q, k, v, do = random_inputs(2, 200, 264, 4, 2, 64, dtype, seed=3)
+    scale, variant = 1 / np.sqrt(64), variant_of(causal)
+    out_t, lse_t, grads_t = float64_truth(q, k, v, do, scale=scale, variant=variant)
+    out_n, _ = reference.naive_forward(q, k, v, scale=scale, variant=variant)
+    grads_n = reference.naive_backward(do, q, k, v, scale=scale, variant=variant)
+    is_causal, align = ALIGN[causal]
+
+    def f(q, k, v):
+        return cfj.attention(q, k, v, causal=is_causal, causal_align=align)
+
+    fwd = jax.jit(f)
+    bwd = jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))
+    jq, jk, jv, jdo = (jax.device_put(x, gpu) for x in (q, k, v, do))
+    if cfj.callback_route() == "buffer":
+        assert "xla_buffer_python_gpu_callback" in bwd.lower(jq, jk, jv, jdo).as_text()
+    out = np.asarray(fwd(jq, jk, jv))
+    assert not np.isnan(out.astype(np.float32)).any()
+    assert_within_budget(out, out_t, out_n, 2, rounding_floor(out_t, dtype), "out")
+    for name, g, gt, gn in zip(("dq", "dk", "dv"), bwd(jq, jk, jv, jdo), grads_t, grads_n):
+        g = np.asarray(g)
+        assert g.dtype == dtype and not np.isnan(g.astype(np.float32)).any(), name
+        assert_within_budget(g, gt, gn, 3, rounding_floor(gt, dtype) + 1e-4, name)
+    assert max_abs_error(out, out_t) > 0  # (the budget check compared something)
+
+
+@pytest.mark.gpu
+def test_jit_on_gpu_makes_no_host_transfer():
+    """Under jax.transfer_guard("disallow"), a compiled forward + backward on device arrays runs (the kernels
+    read and write XLA's buffers in place: buffer_callback), and so does a vmap of it."""
+    gpu = _jax_gpu()
+    _buffer_route_or_skip()
+    q, k, v = _inputs((2, 256, 256, 8, 2, 64), jnp.bfloat16, seed=4)
+    q, k, v = (jax.device_put(x, gpu) for x in (q, k, v))
+    dout = jax.device_put(jnp.ones(q.shape, jnp.bfloat16), gpu)
+
+    def step(q, k, v, dout):
+        out, pullback = jax.vjp(lambda *a: cfj.attention(*a, causal=True), q, k, v)
+        return out, pullback(dout)
+
+    step = jax.jit(step)
+    stacked = jax.jit(jax.vmap(step))
+    qs, ks, vs, ds = (jnp.stack([x, x]) for x in (q, k, v, dout))
+    want = jax.block_until_ready(step(q, k, v, dout))  # compiled (and kernels compiled) outside the guard
+    jax.block_until_ready(stacked(qs, ks, vs, ds))
+    with jax.transfer_guard("disallow"):
+        got = jax.block_until_ready(step(q, k, v, dout))
+        got_vmap = jax.block_until_ready(stacked(qs, ks, vs, ds))
+        fresh = jax.block_until_ready(jax.jit(lambda q, k, v: cfj.attention(q, k, v, window_size=(64, 0)))(q, k, v))
+    assert fresh.shape == q.shape
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert a.devices() == {gpu}
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=0, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(got_vmap[0][1], np.float32), np.asarray(want[0], np.float32), rtol=0,
+                               atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route", ["buffer", "pure"])
+def test_vmap_on_gpu_matches_a_loop(route, monkeypatch):
+    """jit(vmap) of the forward and of a deterministic backward on the GPU against a loop of jit calls (the
+    folded call runs the same kernels on the same tiles; the pure route runs the NumPy algorithm on the host)."""
+    gpu = _jax_gpu()
+    if route == "buffer":
+        _buffer_route_or_skip()
+    monkeypatch.setenv("CUFLASH_JAX_CALLBACK", route)
+    rng = np.random.default_rng(6)
+    q, k, v = (jax.device_put(jnp.asarray(rng.standard_normal((3, 2, 96, 4, 64)), jnp.float16), gpu)
+               for _ in range(3))
+
+    def f(q, k, v):
+        return cfj.attention(q, k, v, causal=True, deterministic=True)
+
+    grad = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2), argnums=(0, 1, 2))
+    out = jax.jit(jax.vmap(f))(q, k, v)
+    grads = jax.jit(jax.vmap(grad))(q, k, v)
+    one, one_grad = jax.jit(f), jax.jit(grad)
+    for i in range(3):
+        np.testing.assert_allclose(np.asarray(out[i], np.float32), np.asarray(one(q[i], k[i], v[i]), np.float32),
+                                   rtol=0, atol=1e-3)
+        for g, w in zip(grads, one_grad(q[i], k[i], v[i])):
+            np.testing.assert_allclose(np.asarray(g[i], np.float32), np.asarray(w, np.float32), rtol=0, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_jit_overhead_on_gpu_is_printed():
+    """Time per call of jit(cuflash.jax.attention) against cuflash.attention on the same CuPy arrays, forward and
+    forward + backward (printed, not asserted: run with -s). A small shape is launch-bound: the difference is
+    the callback's overhead per call; a large one is bound by the kernels."""
+    import time
+
+    import cupy
+    import cuflash
+
+    gpu = _jax_gpu()
+    rows = []
+    for shape in [(1, 128, 128, 8, 8, 64), (2, 1024, 1024, 16, 16, 128)]:
+        q, k, v = _inputs(shape, jnp.bfloat16, seed=7)
+        q, k, v = (jax.device_put(x, gpu) for x in (q, k, v))
+        cq, ck, cv = (cupy.from_dlpack(x) for x in (q, k, v))
+        cdo = cupy.from_dlpack(jnp.ones_like(q))
+        f = jax.jit(lambda q, k, v: cfj.attention(q, k, v, causal=True))
+        g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(cfj.attention(q, k, v, causal=True).astype(jnp.float32)),
+                             argnums=(0, 1, 2)))
+
+        def cupy_fwd():
+            return cuflash.attention(cq, ck, cv, causal=True)
+
+        def cupy_fwd_bwd():
+            out, lse = cuflash.attention(cq, ck, cv, causal=True, return_lse=True)
+            return cuflash.attention_backward(cdo, cq, ck, cv, out, lse, causal=True)
+
+        def per_call(fn, sync, n=100):
+            sync(fn())  # compile, warm up
+            start = time.perf_counter()
+            for _ in range(n):
+                r = fn()
+            sync(r)
+            return (time.perf_counter() - start) / n * 1e6
+
+        cu_sync = lambda *_: cupy.cuda.get_current_stream().synchronize()  # noqa: E731
+        jx_sync = lambda r=None: jax.block_until_ready(r)  # noqa: E731
+        rows.append((shape, "forward", per_call(cupy_fwd, cu_sync), per_call(lambda: f(q, k, v), jx_sync)))
+        rows.append((shape, "fwd+bwd", per_call(cupy_fwd_bwd, cu_sync), per_call(lambda: g(q, k, v), jx_sync)))
+    print(f"\ncuflash.jax under jit ({cfj.callback_route()} route, JAX {jax.__version__}, {gpu.device_kind}): "
+          "microseconds per call")
+    for shape, what, t_cupy, t_jax in rows:
+        print(f"  {str(shape):28s} {what:8s} cupy {t_cupy:9.1f}  jax.jit {t_jax:9.1f}  overhead {t_jax - t_cupy:+8.1f}")
