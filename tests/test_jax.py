@@ -429,7 +429,7 @@ def test_jit_on_gpu_forward_and_backward_within_budget(dtname, causal):
     """jit(forward) and jit(vjp) on the GPU, held to the float64 truth's error budget (tests/_helpers.py), as
     the CuPy tests hold cuflash.attention; and the compiled function calls buffer_callback's GPU target."""
     from _gpu_helpers import ALIGN, DTYPES, variant_of
-    from _helpers import assert_within_budget, float64_truth, max_abs_error, random_inputs, rounding_floor
+    from _helpers import assert_within_budget, float64_truth, random_inputs, rounding_floor
 
     from cuflash import reference
 
@@ -457,7 +457,6 @@ def test_jit_on_gpu_forward_and_backward_within_budget(dtname, causal):
         g = np.asarray(g)
         assert g.dtype == dtype and not np.isnan(g.astype(np.float32)).any(), name
         assert_within_budget(g, gt, gn, 3, rounding_floor(gt, dtype) + 1e-4, name)
-    assert max_abs_error(out, out_t) > 0  # (the budget check compared something)
 
 
 @pytest.mark.gpu
