@@ -176,17 +176,30 @@ def _data_ptr(buf) -> int:
         return ctypes.c_void_p.from_address(get(capsule, b"dltensor")).value or 0
 
 
+# CuPy views of XLA's buffers by (device, address, shape, dtype): XLA hands out the same addresses call after
+# call, and a view is only an address with a shape (it owns nothing), so building it once saves the per-call
+# construction. Cleared when full.
+_views: dict = {}
+_VIEWS_SIZE = 256
+
+
 def _cupy_view(ordinal: int, buf):
-    """A CuPy array over an XLA FFI buffer (C-contiguous, as XLA gives them to callbacks), no copy; the
-    buffer stays referenced as the memory's owner."""
+    """A CuPy array over an XLA FFI buffer (C-contiguous, as XLA gives them to callbacks), no copy."""
     import cupy
 
-    shape, dtype = tuple(buf.shape), np.dtype(buf.dtype)
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:
-        return cupy.empty(shape, dtype)
-    mem = cupy.cuda.UnownedMemory(_data_ptr(buf), nbytes, buf, ordinal)
-    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
+    shape, dtype, ptr = buf.shape, buf.dtype, _data_ptr(buf)
+    key = (ordinal, ptr, shape, dtype)
+    view = _views.get(key)
+    if view is None:
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0:
+            return cupy.empty(shape, dtype)
+        if len(_views) >= _VIEWS_SIZE:
+            _views.clear()
+        mem = cupy.cuda.UnownedMemory(ptr, nbytes, None, ordinal)
+        view = _views[key] = cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
+    return view
 
 
 def _write(dst, src, stream) -> None:
