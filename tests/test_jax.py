@@ -12,6 +12,16 @@ import jax.numpy as jnp  # noqa: E402
 import cuflash.jax as cfj  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _on_the_cpu_unless_marked_gpu(request):
+    """The tests not marked gpu run on JAX's CPU device (the NumPy algorithm, float64), also where JAX has a GPU."""
+    if "gpu" in request.keywords:
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 def _inputs(shape, dtype, seed=0):
     batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim = shape
     rng = np.random.default_rng(seed)
