@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.util
 import math
 import os
 from typing import Callable, NamedTuple
@@ -62,14 +63,24 @@ _ROUTE_ENV = "CUFLASH_JAX_CALLBACK"
 def callback_route() -> str:
     """The callback that :func:`attention` becomes under ``jax.jit``: ``"buffer"`` (device buffers in place,
     on XLA's stream) or ``"pure"`` (``jax.pure_callback``, through host memory on a GPU). Read when a function
-    is traced; ``CUFLASH_JAX_CALLBACK=pure`` (or ``buffer``) in the environment chooses."""
+    is traced; ``CUFLASH_JAX_CALLBACK=pure`` (or ``buffer``) in the environment chooses. The default is
+    ``"buffer"`` where JAX has ``jax.experimental.buffer_callback`` and, when JAX's default backend is not the
+    CPU, CuPy is installed (the GPU buffers are read as CuPy arrays); else ``"pure"``."""
     want = os.environ.get(_ROUTE_ENV, "auto")
     if want not in ("auto", "buffer", "pure"):
         raise ValueError(f"{_ROUTE_ENV} must be one of 'auto', 'buffer', 'pure'; got {want!r}")
     if want == "buffer" and _buffer_callback is None:
         raise RuntimeError(f"{_ROUTE_ENV}=buffer needs jax.experimental.buffer_callback, which JAX "
                            f"{jax.__version__} does not have; use 'pure' or 'auto'")
-    return "pure" if want == "pure" or _buffer_callback is None else "buffer"
+    if want == "auto":
+        usable = _buffer_callback is not None and (jax.default_backend() == "cpu" or _have_cupy())
+        return "buffer" if usable else "pure"
+    return want
+
+
+@functools.lru_cache(maxsize=None)
+def _have_cupy() -> bool:
+    return importlib.util.find_spec("cupy") is not None
 
 
 def _is_traced(*arrays) -> bool:
@@ -85,7 +96,8 @@ class _Op(NamedTuple):
 
     ``run`` takes the op's arguments as NumPy or CuPy arrays (pytrees of them; None leaves stay None) and
     returns a tuple of results; ``shapes`` gives the results' ``jax.ShapeDtypeStruct`` from the arguments'
-    shapes; ``fold`` is the vmap rule's plan (:func:`_fold_forward`, :func:`_fold_backward`)."""
+    shapes; ``fold(axis_size, in_batched, args)`` is the vmap rule's plan: None (one call per mapped element), or
+    the arguments of one folded call and the function that unfolds each of its results."""
 
     run: Callable
     shapes: Callable

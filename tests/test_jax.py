@@ -278,6 +278,13 @@ def test_callback_route_setting_is_checked(monkeypatch):
     monkeypatch.setenv("CUFLASH_JAX_CALLBACK", "host")
     with pytest.raises(ValueError, match="CUFLASH_JAX_CALLBACK must be one of 'auto', 'buffer', 'pure'; got 'host'"):
         cfj.callback_route()
+    if cfj._buffer_callback is not None:  # a GPU backend without CuPy to read its buffers: the host route
+        monkeypatch.setenv("CUFLASH_JAX_CALLBACK", "auto")
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+        monkeypatch.setattr(cfj, "_have_cupy", lambda: False)
+        assert cfj.callback_route() == "pure"
+        monkeypatch.setattr(cfj, "_have_cupy", lambda: True)
+        assert cfj.callback_route() == "buffer"
     monkeypatch.setattr(cfj, "_buffer_callback", None)
     monkeypatch.setenv("CUFLASH_JAX_CALLBACK", "auto")
     assert cfj.callback_route() == "pure"
