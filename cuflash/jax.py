@@ -2,11 +2,23 @@
 
 Concrete arrays cross into cuflash through DLPack without copies: GPU arrays into CuPy (the CUDA
 kernels), CPU arrays into NumPy (the NumPy block algorithm). Under ``jax.jit`` the inputs are tracers,
-which no foreign library can read; there the call goes through ``jax.pure_callback`` to the host
-implementation (correct everywhere, but on a GPU it copies through host memory: call the function
-outside ``jit`` for the kernels). The forward saves the logsumexp for the backward. ``jax.vmap`` works (with
-``grad`` and ``jit`` around it): inside it the arrays are tracers too, and the callback runs once per mapped
-element (``vmap_method="sequential"``), so every argument may be mapped or not.
+which no foreign library can read; there the call becomes a callback in the compiled function, by one of
+two routes (:func:`callback_route`):
+
+- ``"buffer"`` (where ``jax.experimental.buffer_callback`` exists): XLA hands the callback its device
+  buffers and, on a GPU, its CUDA stream. The buffers are seen as CuPy arrays in place and the kernels are
+  queued on XLA's stream: no host round trip, no synchronization, nothing for ``jax.transfer_guard`` to
+  refuse. The results are written into XLA's output buffers (one device-to-device copy each, queued on the
+  same stream: cuflash allocates its results itself). On the CPU the same callback runs the NumPy
+  algorithm on the buffers.
+- ``"pure"`` (older JAX, or ``CUFLASH_JAX_CALLBACK=pure``): ``jax.pure_callback`` to the host
+  implementation, correct everywhere, but on a GPU a copy through host memory each way.
+
+The forward saves the logsumexp for the backward. ``jax.vmap`` (with ``grad`` and ``jit`` around it) folds
+the mapped axis into the batch axis and makes one call of the kernels (``jax.custom_batching.custom_vmap``),
+for padded batches without dropout, ``score_mod`` or ``mask_mod`` (the kernels read the batch index there);
+with the variant arrays broadcast or folded likewise, except a mapped ``bias`` in the backward. Every other
+case runs one call per mapped element (``vmap_method="sequential"``), so any argument may be mapped or not.
 
 The variant arrays (``alibi_slopes``, ``cu_seqlens_q``, ``cu_seqlens_k``, ``seqused_k``, ``attn_mask``) travel
 with q, k, v (through DLPack, or into the callback under ``jit``) and get no gradient; ``bias`` travels the
@@ -24,7 +36,12 @@ Importing :mod:`cuflash` never imports this module, so JAX stays optional (``pip
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import importlib.util
+import math
+import os
+from typing import Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -32,7 +49,38 @@ import numpy as np
 import cuflash
 from cuflash import _api, _validate
 
-__all__ = ["attention"]
+try:
+    from jax.experimental.buffer_callback import buffer_callback as _buffer_callback
+except ImportError:  # a JAX without it: jax.pure_callback only
+    _buffer_callback = None
+
+__all__ = ["attention", "callback_route"]
+
+# CUFLASH_JAX_CALLBACK: "auto" (the default: "buffer" where JAX has it, else "pure"), "buffer" or "pure".
+_ROUTE_ENV = "CUFLASH_JAX_CALLBACK"
+
+
+def callback_route() -> str:
+    """The callback that :func:`attention` becomes under ``jax.jit``: ``"buffer"`` (device buffers in place,
+    on XLA's stream) or ``"pure"`` (``jax.pure_callback``, through host memory on a GPU). Read when a function
+    is traced; ``CUFLASH_JAX_CALLBACK=pure`` (or ``buffer``) in the environment chooses. The default is
+    ``"buffer"`` where JAX has ``jax.experimental.buffer_callback`` and, when JAX's default backend is not the
+    CPU, CuPy is installed (the GPU buffers are read as CuPy arrays); else ``"pure"``."""
+    want = os.environ.get(_ROUTE_ENV, "auto")
+    if want not in ("auto", "buffer", "pure"):
+        raise ValueError(f"{_ROUTE_ENV} must be one of 'auto', 'buffer', 'pure'; got {want!r}")
+    if want == "buffer" and _buffer_callback is None:
+        raise RuntimeError(f"{_ROUTE_ENV}=buffer needs jax.experimental.buffer_callback, which JAX "
+                           f"{jax.__version__} does not have; use 'pure' or 'auto'")
+    if want == "auto":
+        usable = _buffer_callback is not None and (jax.default_backend() == "cpu" or _have_cupy())
+        return "buffer" if usable else "pure"
+    return want
+
+
+@functools.lru_cache(maxsize=None)
+def _have_cupy() -> bool:
+    return importlib.util.find_spec("cupy") is not None
 
 
 def _is_traced(*arrays) -> bool:
@@ -41,6 +89,53 @@ def _is_traced(*arrays) -> bool:
 
 def _on_gpu(a) -> bool:
     return any(d.platform == "gpu" for d in a.devices())
+
+
+class _Op(NamedTuple):
+    """One call of cuflash as the callbacks and the vmap rule see it.
+
+    ``run`` takes the op's arguments as NumPy or CuPy arrays (pytrees of them; None leaves stay None) and
+    returns a tuple of results; ``shapes`` gives the results' ``jax.ShapeDtypeStruct`` from the arguments'
+    shapes; ``fold(axis_size, in_batched, args)`` is the vmap rule's plan: None (one call per mapped element), or
+    the arguments of one folded call and the function that unfolds each of its results."""
+
+    run: Callable
+    shapes: Callable
+    fold: Callable
+
+
+def _apply(op: _Op, *args):
+    """Run ``op`` on JAX arrays: zero-copy through DLPack when concrete, else a callback that
+    ``jax.vmap`` batches with :func:`_vmap_rule`."""
+    leaves = jax.tree_util.tree_leaves(args)
+    if not _is_traced(*leaves):
+        return _eager(op.run, *args)
+    call = jax.custom_batching.custom_vmap(lambda *a: _callback(op, *a))
+    call.def_vmap(functools.partial(_vmap_rule, op))
+    return call(*args)
+
+
+def _eager(run, *args):
+    leaves = jax.tree_util.tree_leaves(args)
+    if _on_gpu(leaves[0]):
+        import cupy
+
+        for a in leaves:  # JAX and CuPy work on different streams: hand over finished buffers only
+            a.block_until_ready()
+        results = run(*jax.tree_util.tree_map(cupy.from_dlpack, args))
+        cupy.cuda.get_current_stream().synchronize()
+        return tuple(jax.dlpack.from_dlpack(r) for r in results)
+    results = run(*jax.tree_util.tree_map(np.asarray, args))
+    return tuple(jax.numpy.asarray(r) for r in results)
+
+
+def _callback(op: _Op, *args):
+    """``op`` as a callback in a traced function (one call per mapped element under a plain ``jax.vmap``)."""
+    shapes = op.shapes(*args)
+    if callback_route() == "buffer":
+        return tuple(_buffer_callback(functools.partial(_into_buffers, op.run), shapes,
+                                      vmap_method="sequential")(*args))
+    return tuple(jax.pure_callback(_host(op.run), shapes, *args, vmap_method="sequential"))
 
 
 def _host(fn):
@@ -52,23 +147,145 @@ def _host(fn):
     return call
 
 
-def _call(fn, result_shapes, *args):
-    """Run a cuflash function on JAX arrays (pytrees of them; None leaves stay None): zero-copy through
-    DLPack when concrete, else a callback."""
-    leaves = jax.tree_util.tree_leaves(args)
-    if _is_traced(*leaves):
-        # (under vmap the callback runs once per mapped element: correct for every argument, batched or not)
-        return jax.pure_callback(_host(fn), result_shapes, *args, vmap_method="sequential")
-    if _on_gpu(leaves[0]):
-        import cupy
+# ---------------------------------------------------------------------------------------------------
+# The buffer route: XLA's buffers seen in place, the kernels queued on XLA's stream.
 
-        for a in leaves:  # JAX and CuPy work on different streams: hand over finished buffers only
-            a.block_until_ready()
-        results = fn(*jax.tree_util.tree_map(cupy.from_dlpack, args))
-        cupy.cuda.get_current_stream().synchronize()
-        return tuple(jax.dlpack.from_dlpack(r) for r in results)
-    results = fn(*jax.tree_util.tree_map(np.asarray, args))
-    return tuple(jax.numpy.asarray(r) for r in results)
+_KDL_CPU = 1
+_streams: dict = {}  # (device, XLA stream pointer) -> cupy.cuda.ExternalStream (XLA's streams live long)
+
+
+def _into_buffers(run, ctx, outs, *args) -> None:
+    """The ``buffer_callback`` body: ``run`` on the input buffers, its results written into ``outs``."""
+    leaves = jax.tree_util.tree_leaves(args)
+    kind, ordinal = leaves[0].__dlpack_device__()
+    if kind == _KDL_CPU:
+        results = run(*jax.tree_util.tree_map(np.asarray, args))
+        for buf, r in zip(outs, results):
+            np.asarray(buf)[...] = r
+        return
+    import cupy
+
+    with cupy.cuda.Device(ordinal):
+        key = (ordinal, ctx.stream)
+        stream = _streams.get(key)
+        if stream is None:
+            stream = _streams[key] = cupy.cuda.ExternalStream(ctx.stream)
+        with stream:
+            results = run(*jax.tree_util.tree_map(functools.partial(_cupy_view, ordinal), args))
+            for buf, r in zip(outs, results):
+                _write(_cupy_view(ordinal, buf), r, stream)
+
+
+def _data_ptr(buf) -> int:
+    """The device address of an XLA FFI buffer: from ``__cuda_array_interface__``, or (a dtype it has no
+    type string for) from the DLPack capsule, whose DLTensor's first field is the data pointer."""
+    try:
+        return int(buf.__cuda_array_interface__["data"][0])
+    except Exception:
+        capsule = buf.__dlpack__()
+        get = ctypes.pythonapi.PyCapsule_GetPointer
+        get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+        return ctypes.c_void_p.from_address(get(capsule, b"dltensor")).value or 0
+
+
+# CuPy views of XLA's buffers by (device, address, shape, dtype): XLA hands out the same addresses call after
+# call, and a view is only an address with a shape (it owns nothing), so building it once saves the per-call
+# construction. Cleared when full.
+_views: dict = {}
+_VIEWS_SIZE = 256
+
+
+def _cupy_view(ordinal: int, buf):
+    """A CuPy array over an XLA FFI buffer (C-contiguous, as XLA gives them to callbacks), no copy."""
+    import cupy
+
+    shape, dtype, ptr = buf.shape, buf.dtype, _data_ptr(buf)
+    key = (ordinal, ptr, shape, dtype)
+    view = _views.get(key)
+    if view is None:
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0:
+            return cupy.empty(shape, dtype)
+        if len(_views) >= _VIEWS_SIZE:
+            _views.clear()
+        mem = cupy.cuda.UnownedMemory(ptr, nbytes, None, ordinal)
+        view = _views[key] = cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
+    return view
+
+
+def _write(dst, src, stream) -> None:
+    """``dst[...] = src`` on ``stream``: a device-to-device copy where both are contiguous alike, else CuPy's
+    elementwise copy (which casts)."""
+    if src.data.ptr == dst.data.ptr or dst.size == 0:
+        return
+    if src.dtype == dst.dtype and src.shape == dst.shape and src.flags.c_contiguous:
+        dst.data.copy_from_device_async(src.data, dst.nbytes, stream)
+    else:
+        dst[...] = src
+
+
+# ---------------------------------------------------------------------------------------------------
+# jax.vmap: fold the mapped axis into the batch axis, one call of the kernels.
+
+
+def _vmap_rule(op: _Op, axis_size: int, in_batched, *args):
+    """``custom_vmap`` rule (mapped axes at the front): the folded call where ``op.fold`` has a plan, else one
+    callback per mapped element."""
+    plan = op.fold(axis_size, in_batched, args)
+    if plan is None:
+        in_axes = tuple(jax.tree_util.tree_map(lambda b: 0 if b else None, list(in_batched)))
+        outs = jax.vmap(lambda *a: _callback(op, *a), in_axes=in_axes)(*args)
+    else:
+        folded, unfold = plan
+        outs = tuple(unfold(i, o) for i, o in enumerate(_apply(op, *folded)))
+    return tuple(outs), tuple(True for _ in outs)
+
+
+def _foldable(options, arrays) -> bool:
+    """Whether a call may run with its mapped axis folded into the batch: a padded batch (the packed one's
+    rows are not a batch axis), and nothing that reads the batch index (dropout's counter, the mods' ``b``)."""
+    opts = dict(options)
+    mod_arrays = arrays[len(_api.ARRAY_OPTIONS)]
+    given = dict(zip(_api.ARRAY_OPTIONS, arrays))
+    return (given["cu_seqlens_q"] is None and given["cu_seqlens_k"] is None and not opts["dropout_p"]
+            and opts["score_mod"] is None and opts["mask_mod"] is None and not mod_arrays)
+
+
+def _fold_lead(x, batched: bool, n: int):
+    """``(n, batch, ...)`` -> ``(n * batch, ...)``; an unmapped ``(batch, ...)`` broadcast to every element first."""
+    if not batched:
+        x = jax.numpy.broadcast_to(x, (n, *x.shape))
+    return x.reshape((n * x.shape[1], *x.shape[2:]))
+
+
+def _fold_per_batch(x, batched: bool, n: int, batch: int, ndim: int, may_broadcast: bool):
+    """A variant array whose full form has ``ndim`` axes, the first one the batch (size ``batch`` or 1), for
+    the folded call: unchanged when unmapped and broadcast over the batch (fewer axes, or, where
+    ``may_broadcast``, a batch axis of 1); else expanded to ``(n, batch, ...)`` and folded."""
+    if x is None:
+        return None
+    per = x.shape[1:] if batched else x.shape
+    if not batched and (len(per) < ndim or (may_broadcast and per[0] == 1)):
+        return x
+    full = (1,) * (ndim - len(per)) + tuple(per)
+    x = x.reshape(((n,) if batched else ()) + full)
+    x = jax.numpy.broadcast_to(x, (n, batch, *full[1:]))
+    return x.reshape((n * batch, *full[1:]))
+
+
+def _fold_arrays(arrays, batched, n: int, batch: int):
+    """The variant arrays of a foldable call for the folded one (alibi_slopes ``(B, H)``, seqused_k ``(B,)``,
+    attn_mask ``(B, H, Sq, Sk)`` in their full forms; cu_seqlens and mod_arrays are absent)."""
+    full = {"alibi_slopes": (2, False), "seqused_k": (1, False), "attn_mask": (4, True)}
+    out = []
+    for name, a, b in zip(_api.ARRAY_OPTIONS, arrays, batched):
+        out.append(None if a is None else _fold_per_batch(a, b, n, batch, *full[name]))
+    return (*out, arrays[len(_api.ARRAY_OPTIONS)])
+
+
+def _unfold(n: int):
+    return lambda i, x: x.reshape((n, x.shape[0] // n, *x.shape[1:]))
 
 
 def _lse_shape(q):
@@ -141,12 +358,51 @@ def _attention(q, k, v, bias, arrays, options):
     return out
 
 
-def _forward(q, k, v, bias, arrays, options):
-    def fn(q, k, v, bias, arrays):
+def _forward_op(options) -> _Op:
+    def run(q, k, v, bias, arrays):
         return cuflash.attention(q, k, v, return_lse=True, bias=bias, **_keywords(options, arrays))
 
-    out_shape = jax.ShapeDtypeStruct(q.shape[:-1] + v.shape[-1:], q.dtype)  # v's head dim may differ from q's
-    return _call(fn, (out_shape, _lse_shape(q)), q, k, v, bias, arrays)
+    def shapes(q, k, v, bias, arrays):
+        out = jax.ShapeDtypeStruct(q.shape[:-1] + v.shape[-1:], q.dtype)  # v's head dim may differ from q's
+        return out, _lse_shape(q)
+
+    def fold(n, batched, args):
+        (q, k, v, bias, arrays), (bq, bk, bv, bb, barr) = args, batched
+        if not _foldable(options, arrays):
+            return None
+        batch = q.shape[1] if bq else q.shape[0]
+        folded = (*(_fold_lead(x, b, n) for x, b in ((q, bq), (k, bk), (v, bv))),
+                  None if bias is None else _fold_per_batch(bias, bb, n, batch, 4, True),
+                  _fold_arrays(arrays, barr, n, batch))
+        return folded, _unfold(n)
+
+    return _Op(run, shapes, fold)
+
+
+def _backward_op(options) -> _Op:
+    deterministic = dict(options)["deterministic"]
+
+    def run(do, q, k, v, out, lse, bias, arrays):
+        return cuflash.attention_backward(do, q, k, v, out, lse, deterministic=deterministic, bias=bias,
+                                          **_keywords(options, arrays))
+
+    def shapes(do, q, k, v, out, lse, bias, arrays):
+        return tuple(_shape_of(a) for a in (q, k, v) + (() if bias is None else (bias,)))
+
+    def fold(n, batched, args):
+        # (with a bias, each element's dbias sums over its own batch only: one call per element)
+        if args[6] is not None or not _foldable(options, args[7]):
+            return None
+        batch = args[1].shape[1] if batched[1] else args[1].shape[0]
+        folded = (*(_fold_lead(x, b, n) for x, b in zip(args[:6], batched[:6])), None,
+                  _fold_arrays(args[7], batched[7], n, batch))
+        return folded, _unfold(n)
+
+    return _Op(run, shapes, fold)
+
+
+def _forward(q, k, v, bias, arrays, options):
+    return _apply(_forward_op(options), q, k, v, bias, arrays)
 
 
 def _attention_fwd(q, k, v, bias, arrays, options):
@@ -156,14 +412,7 @@ def _attention_fwd(q, k, v, bias, arrays, options):
 
 def _attention_bwd(options, saved, dout):
     q, k, v, bias, arrays, out, lse = saved
-    deterministic = dict(options)["deterministic"]
-
-    def fn(do, q, k, v, out, lse, bias, arrays):
-        return cuflash.attention_backward(do, q, k, v, out, lse, deterministic=deterministic, bias=bias,
-                                          **_keywords(options, arrays))
-
-    shapes = tuple(_shape_of(a) for a in (q, k, v) + (() if bias is None else (bias,)))
-    grads = _call(fn, shapes, dout, q, k, v, out, lse, bias, arrays)
+    grads = _apply(_backward_op(options), dout, q, k, v, out, lse, bias, arrays)
     dbias = None if bias is None else grads[3]
     return grads[0], grads[1], grads[2], dbias, None  # the other variant arrays (slopes, bounds, mask): none
 

@@ -1,5 +1,7 @@
 """cuflash.jax: the custom_vjp wrapper against jax.nn.dot_product_attention, eager and under jit."""
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -8,6 +10,16 @@ jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp  # noqa: E402
 
 import cuflash.jax as cfj  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _on_the_cpu_unless_marked_gpu(request):
+    """The tests not marked gpu run on JAX's CPU device (the NumPy algorithm, float64), also where JAX has a GPU."""
+    if "gpu" in request.keywords:
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
 
 
 def _inputs(shape, dtype, seed=0):
@@ -31,19 +43,29 @@ def _loss(fn, dout):
     return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float64) * dout)
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+# How a test runs the function: eagerly, under jit by the default route (buffer_callback where JAX has it),
+# or under jit through jax.pure_callback.
+MODES = pytest.mark.parametrize("mode", ["eager", "jit", "jit-pure"])
+
+
+def _compiled(fn, mode, monkeypatch):
+    if mode == "jit-pure":
+        monkeypatch.setenv("CUFLASH_JAX_CALLBACK", "pure")
+    return fn if mode == "eager" else jax.jit(fn)
+
+
+@MODES
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(
     "shape", [(2, 48, 48, 4, 4, 16), (1, 37, 75, 4, 2, 8)], ids=["square", "gqa-cross"]
 )
-def test_matches_jax_nn(shape, causal, jit):
+def test_matches_jax_nn(shape, causal, mode, monkeypatch):
     q, k, v = _inputs(shape, jnp.float64)
     dout = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape))
     ours = lambda q, k, v: cfj.attention(q, k, v, causal=causal, causal_align="top-left", block_q=16, block_k=24)  # noqa: E731
     ref = lambda q, k, v: _plain(q, k, v, causal)  # noqa: E731
     grad = lambda fn: jax.value_and_grad(_loss(fn, dout), argnums=(0, 1, 2))  # noqa: E731
-    if jit:
-        ours = jax.jit(ours)
+    ours = _compiled(ours, mode, monkeypatch)
     (l_ours, g_ours), (l_ref, g_ref) = grad(ours)(q, k, v), grad(ref)(q, k, v)
     np.testing.assert_allclose(ours(q, k, v), ref(q, k, v), rtol=0, atol=1e-10)
     np.testing.assert_allclose(l_ours, l_ref, rtol=1e-12)
@@ -125,8 +147,8 @@ def _plain_variant(q, k, v, cu_q, cu_k, seqused_k, slopes, *, scale, window, sof
     return jnp.concatenate(outs)
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_variants_match_plain_jnp(jit):
+@MODES
+def test_variants_match_plain_jnp(mode, monkeypatch):
     rng = np.random.default_rng(21)
     lens_q, lens_k = [7, 1, 12], [9, 6, 12]
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
@@ -146,7 +168,7 @@ def test_variants_match_plain_jnp(jit):
         return _plain_variant(q, k, v, cu_q, cu_k, used, slopes.astype(np.float64), scale=0.3, window=(5, -1),
                               softcap=3.0)
 
-    fn = jax.jit(ours) if jit else ours
+    fn = _compiled(ours, mode, monkeypatch)
     value_and_grad = jax.value_and_grad(lambda q, k, v, *a: jnp.sum(fn(q, k, v, *a) * dout), argnums=(0, 1, 2))
     (l_ours, g_ours) = value_and_grad(q, k, v, cu_q, cu_k, used, slopes)
     (l_ref, g_ref) = jax.value_and_grad(lambda q, k, v: jnp.sum(ref(q, k, v) * dout), argnums=(0, 1, 2))(q, k, v)
@@ -157,7 +179,11 @@ def test_variants_match_plain_jnp(jit):
     assert not np.asarray(g_ours[1])[cu_k[1]:cu_k[2]].any()  # keys past seqused_k: no gradient
 
 
-def test_variant_values_are_checked_eagerly_or_when_the_jit_function_runs():
+@pytest.mark.parametrize("route", ["buffer", "pure"])
+def test_variant_values_are_checked_eagerly_or_when_the_jit_function_runs(route, monkeypatch):
+    if route == "buffer" and cfj._buffer_callback is None:
+        pytest.skip(f"JAX {jax.__version__} has no jax.experimental.buffer_callback")
+    monkeypatch.setenv("CUFLASH_JAX_CALLBACK", route)
     q = jnp.ones((8, 2, 4), jnp.float32)
     bad = np.array([1, 3, 8], np.int32)
     call = lambda q, cu: cfj.attention(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=5, max_seqlen_k=5)  # noqa: E731
@@ -189,8 +215,8 @@ def _plain_biased(q, k, v, bias, mask, *, scale, softcap):
     return jnp.einsum("bhqk,bkhd->bqhd", p, v)
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_bias_and_mask_match_plain_jnp(jit):
+@MODES
+def test_bias_and_mask_match_plain_jnp(mode, monkeypatch):
     rng = np.random.default_rng(31)
     q = jnp.asarray(rng.standard_normal((2, 9, 4, 8)))
     k, v = (jnp.asarray(rng.standard_normal((2, 13, 2, 8))) for _ in range(2))
@@ -204,7 +230,7 @@ def test_bias_and_mask_match_plain_jnp(jit):
         return cfj.attention(q, k, v, bias=bias, attn_mask=mask, causal=True, softcap=2.5, softmax_scale=0.4,
                              block_q=4, block_k=5)
 
-    fn = jax.jit(ours) if jit else ours
+    fn = _compiled(ours, mode, monkeypatch)
     ref = jax.jit(lambda q, k, v, bias: _plain_biased(q, k, v, bias, mask, scale=0.4, softcap=2.5))
     value_and_grad = jax.value_and_grad(lambda *a: jnp.sum(fn(*a, mask) * dout), argnums=(0, 1, 2, 3))
     l_ours, g_ours = value_and_grad(q, k, v, bias)
@@ -227,10 +253,68 @@ def test_bias_checks_run_at_trace_time():
         jax.jit(lambda q, m: cfj.attention(q, q, q, attn_mask=m))(q, jnp.zeros((5, 5), jnp.int32))
 
 
-@pytest.mark.parametrize("jit", [False, True])
-def test_vmap_forward_and_grad_match_a_loop(jit):
+# ---------------------------------------------------------------------------------------------------
+# The callback routes under jit, and jax.vmap (the mapped axis folded into the batch, or one call per element)
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route", ["buffer", "pure"])
+def test_jit_lowers_to_the_chosen_callback(route, monkeypatch):
+    """CUFLASH_JAX_CALLBACK picks the custom call the forward and the backward lower to (on the CPU here:
+    buffer_callback's and pure_callback's CPU targets)."""
+    if route == "buffer" and cfj._buffer_callback is None:
+        pytest.skip(f"JAX {jax.__version__} has no jax.experimental.buffer_callback")
+    monkeypatch.setenv("CUFLASH_JAX_CALLBACK", route)
+    assert cfj.callback_route() == route
+    q = jnp.ones((1, 8, 2, 16), jnp.float32)
+    loss = lambda q, k, v: jnp.sum(cfj.attention(q, k, v, causal=True) ** 2)  # noqa: E731
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, q, q).as_text()
+    targets = [line.split("@")[1].split("(")[0] for line in text.splitlines() if "custom_call @" in line]
+    want = "xla_buffer_python_cpu_callback" if route == "buffer" else "xla_ffi_python_cpu_callback"
+    assert targets == [want, want], targets  # the forward, then the backward
+
+
+def test_callback_route_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("CUFLASH_JAX_CALLBACK", "host")
+    with pytest.raises(ValueError, match="CUFLASH_JAX_CALLBACK must be one of 'auto', 'buffer', 'pure'; got 'host'"):
+        cfj.callback_route()
+    if cfj._buffer_callback is not None:  # a GPU backend without CuPy to read its buffers: the host route
+        monkeypatch.setenv("CUFLASH_JAX_CALLBACK", "auto")
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+        monkeypatch.setattr(cfj, "_have_cupy", lambda: False)
+        assert cfj.callback_route() == "pure"
+        monkeypatch.setattr(cfj, "_have_cupy", lambda: True)
+        assert cfj.callback_route() == "buffer"
+    monkeypatch.setattr(cfj, "_buffer_callback", None)
+    monkeypatch.setenv("CUFLASH_JAX_CALLBACK", "auto")
+    assert cfj.callback_route() == "pure"
+    monkeypatch.setenv("CUFLASH_JAX_CALLBACK", "buffer")
+    with pytest.raises(RuntimeError, match="needs jax.experimental.buffer_callback"):
+        cfj.callback_route()
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts of the calls that reach cuflash.attention and cuflash.attention_backward."""
+    import cuflash
+
+    counts = {"forward": 0, "backward": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(cuflash, "attention", counted("forward", cuflash.attention))
+    monkeypatch.setattr(cuflash, "attention_backward", counted("backward", cuflash.attention_backward))
+    return counts
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit", "jit-pure"])
+def test_vmap_forward_and_grad_match_a_loop(mode, monkeypatch, calls):
     """jax.vmap over a leading axis (q, k, v all mapped, or k and v shared), with grad inside and jit around:
-    the same values as calling the function element by element."""
+    the same values as calling the function element by element, from one call of cuflash per direction."""
     rng = np.random.default_rng(5)
     q, k, v = (jnp.asarray(rng.standard_normal((3, 2, 24, 4, 16)), dtype=jnp.float32) for _ in range(3))
 
@@ -241,12 +325,256 @@ def test_vmap_forward_and_grad_match_a_loop(jit):
         return (f(a, b, c) ** 2).sum()
 
     grad = jax.grad(loss, argnums=(0, 1, 2))
-    wrap = jax.jit if jit else (lambda fn: fn)
+    wrap = functools.partial(_compiled, mode=mode, monkeypatch=monkeypatch)
     out = wrap(jax.vmap(f))(q, k, v)
+    assert calls == {"forward": 1, "backward": 0}  # folded: one call for the 3 x 2 sequences
     grads = wrap(jax.vmap(grad))(q, k, v)
+    assert calls == {"forward": 2, "backward": 1}
     shared = wrap(jax.vmap(f, in_axes=(0, None, None)))(q, k[0], v[0])
+    assert calls["forward"] == 3
     for i in range(3):
         np.testing.assert_allclose(out[i], f(q[i], k[i], v[i]), rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(shared[i], f(q[i], k[0], v[0]), rtol=1e-6, atol=1e-6)
         for g, w in zip(grads, grad(q[i], k[i], v[i])):
             np.testing.assert_allclose(g[i], w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_vmap_folds_other_axes_nested_maps_and_variant_arrays(jit, calls):
+    """A mapped axis that is not the first (in_axes=2, out_axes=1), vmap of vmap, and the variant arrays that
+    fold with the batch: ALiBi slopes (heads,) shared and (batch, heads) mapped, seqused_k mapped, a 2-d
+    attn_mask shared, a bias mapped (forward) and shared (backward): all equal to a loop, one call per
+    direction."""
+    rng = np.random.default_rng(8)
+    n, batch, seqlen, heads, d = 3, 2, 12, 4, 8
+    x = lambda *shape: jnp.asarray(rng.standard_normal(shape))  # noqa: E731
+    q, k, v = (x(batch, seqlen, n, heads, d) for _ in range(3))  # mapped along axis 2
+    slopes = jnp.asarray(rng.uniform(0, 0.5, (n, batch, heads)), jnp.float32)
+    used = jnp.asarray(rng.integers(1, seqlen + 1, (n, batch)), jnp.int32)
+    mask = jnp.asarray(rng.random((seqlen, seqlen)) < 0.8)
+    bias = x(n, 1, heads, seqlen, seqlen)
+
+    def f(q, k, v, slopes, used, bias):
+        return cfj.attention(q, k, v, causal=True, alibi_slopes=slopes, seqused_k=used, attn_mask=mask, bias=bias)
+
+    wrap = jax.jit if jit else (lambda fn: fn)
+    mapped = wrap(jax.vmap(f, in_axes=(2, 2, 2, 0, 0, 0), out_axes=1))
+    out = mapped(q, k, v, slopes, used, bias)
+    assert calls["forward"] == 1
+    for i in range(n):
+        want = f(q[:, :, i], k[:, :, i], v[:, :, i], slopes[i], used[i], bias[i])
+        np.testing.assert_allclose(out[:, i], want, rtol=1e-12, atol=1e-12)
+
+    def loss(q, k, v, shared_bias):  # heads-only slopes, a bias shared by all elements: the backward folds
+        out = cfj.attention(q, k, v, alibi_slopes=slopes[0, 0], bias=shared_bias, window_size=(4, 2))
+        return jnp.sum(out ** 2)
+
+    shared_bias = x(1, heads, seqlen, seqlen)
+    grads = wrap(jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=(2, 2, 2, None)))(q, k, v, shared_bias)
+    assert calls["backward"] == n  # a bias in the backward: each element's dbias is its own, one call each
+    grads = wrap(jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=(2, 2, 2, None)))(q, k, v, None)
+    assert calls["backward"] == n + 1
+    for i in range(n):
+        want = jax.grad(loss, argnums=(0, 1, 2))(q[:, :, i], k[:, :, i], v[:, :, i], None)
+        for g, w in zip(grads, want):
+            np.testing.assert_allclose(g[i], w, rtol=1e-10, atol=1e-12)
+
+    twice = wrap(jax.vmap(jax.vmap(lambda q, k, v: cfj.attention(q, k, v, causal=True))))
+    qq, kk, vv = (x(2, n, batch, seqlen, heads, d) for _ in range(3))
+    before = calls["forward"]
+    out = twice(qq, kk, vv)
+    assert calls["forward"] == before + 1
+    np.testing.assert_allclose(out[1, 2], cfj.attention(qq[1, 2], kk[1, 2], vv[1, 2], causal=True), atol=1e-12)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_vmap_runs_one_call_per_element_where_the_batch_index_matters(jit, calls):
+    """Dropout (its counter reads the batch index), a packed batch (no batch axis) and a bias mapped in the
+    backward run element by element: the loop's values, one call each."""
+    rng = np.random.default_rng(9)
+    n = 3
+    q, k, v = (jnp.asarray(rng.standard_normal((n, 2, 10, 2, 8))) for _ in range(3))
+    wrap = jax.jit if jit else (lambda fn: fn)
+    drop = lambda q, k, v: cfj.attention(q, k, v, dropout_p=0.3, dropout_seed=7)  # noqa: E731
+    out = wrap(jax.vmap(drop))(q, k, v)
+    assert calls["forward"] == n
+    for i in range(n):
+        np.testing.assert_allclose(out[i], drop(q[i], k[i], v[i]), rtol=0, atol=1e-12)
+
+    cu = jnp.asarray([0, 4, 10], jnp.int32)
+    packed = lambda q, k, v: cfj.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=6,  # noqa: E731
+                                           max_seqlen_k=6, causal=True)
+    flat = [a.reshape(n, 20, 2, 8)[:, :10] for a in (q, k, v)]
+    out = wrap(jax.vmap(packed))(*flat)
+    for i in range(n):
+        np.testing.assert_allclose(out[i], packed(*(a[i] for a in flat)), rtol=0, atol=1e-12)
+
+    bias = jnp.asarray(rng.standard_normal((n, 2, 1, 10, 10)))
+    grad = jax.grad(lambda q, bias: jnp.sum(cfj.attention(q, k[0], v[0], bias=bias) ** 2), argnums=(0, 1))
+    before = calls["backward"]
+    g_q, g_bias = wrap(jax.vmap(grad))(q, bias)
+    assert calls["backward"] == before + n
+    for i in range(n):
+        want = grad(q[i], bias[i])
+        np.testing.assert_allclose(g_q[i], want[0], rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(g_bias[i], want[1], rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------
+# On the GPU under jit: the kernels on XLA's stream (buffer_callback), no host transfer, vmap, the overhead
+# ---------------------------------------------------------------------------------------------------
+
+
+def _jax_gpu():
+    """Skip unless JAX has a GPU device (CuPy is checked by the gpu marker); the GPU as a JAX device."""
+    pytest.importorskip("cupy")
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if not gpus:
+        pytest.skip(f"no JAX GPU device (JAX {jax.__version__}, backend {jax.default_backend()})")
+    return gpus[0]
+
+
+def _buffer_route_or_skip():
+    if cfj.callback_route() != "buffer":
+        pytest.skip(f"JAX {jax.__version__} has no jax.experimental.buffer_callback: jit runs through the host")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [None, "br", "tl"])
+@pytest.mark.parametrize("dtname", ["float16", "bfloat16"])
+def test_jit_on_gpu_forward_and_backward_within_budget(dtname, causal):
+    """jit(forward) and jit(vjp) on the GPU, held to the float64 truth's error budget (tests/_helpers.py), as
+    the CuPy tests hold cuflash.attention; and the compiled function calls buffer_callback's GPU target."""
+    from _gpu_helpers import ALIGN, DTYPES, variant_of
+    from _helpers import assert_within_budget, float64_truth, random_inputs, rounding_floor
+
+    from cuflash import reference
+
+    gpu = _jax_gpu()
+    dtype = DTYPES[dtname]
+    q, k, v, do = random_inputs(2, 200, 264, 4, 2, 64, dtype, seed=3)
+    scale, variant = 1 / np.sqrt(64), variant_of(causal)
+    out_t, lse_t, grads_t = float64_truth(q, k, v, do, scale=scale, variant=variant)
+    out_n, _ = reference.naive_forward(q, k, v, scale=scale, variant=variant)
+    grads_n = reference.naive_backward(do, q, k, v, scale=scale, variant=variant)
+    is_causal, align = ALIGN[causal]
+
+    def f(q, k, v):
+        return cfj.attention(q, k, v, causal=is_causal, causal_align=align)
+
+    fwd = jax.jit(f)
+    bwd = jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))
+    jq, jk, jv, jdo = (jax.device_put(x, gpu) for x in (q, k, v, do))
+    if cfj.callback_route() == "buffer":
+        assert "xla_buffer_python_gpu_callback" in bwd.lower(jq, jk, jv, jdo).as_text()
+    out = np.asarray(fwd(jq, jk, jv))
+    assert not np.isnan(out.astype(np.float32)).any()
+    assert_within_budget(out, out_t, out_n, 2, rounding_floor(out_t, dtype), "out")
+    for name, g, gt, gn in zip(("dq", "dk", "dv"), bwd(jq, jk, jv, jdo), grads_t, grads_n):
+        g = np.asarray(g)
+        assert g.dtype == dtype and not np.isnan(g.astype(np.float32)).any(), name
+        assert_within_budget(g, gt, gn, 3, rounding_floor(gt, dtype) + 1e-4, name)
+
+
+@pytest.mark.gpu
+def test_jit_on_gpu_makes_no_host_transfer():
+    """Under jax.transfer_guard("disallow"), a compiled forward + backward on device arrays runs (the kernels
+    read and write XLA's buffers in place: buffer_callback), and so does a vmap of it."""
+    gpu = _jax_gpu()
+    _buffer_route_or_skip()
+    q, k, v = _inputs((2, 256, 256, 8, 2, 64), jnp.bfloat16, seed=4)
+    q, k, v = (jax.device_put(x, gpu) for x in (q, k, v))
+    dout = jax.device_put(jnp.ones(q.shape, jnp.bfloat16), gpu)
+
+    def step(q, k, v, dout):
+        out, pullback = jax.vjp(lambda *a: cfj.attention(*a, causal=True), q, k, v)
+        return out, pullback(dout)
+
+    step = jax.jit(step)
+    stacked = jax.jit(jax.vmap(step))
+    qs, ks, vs, ds = (jnp.stack([x, x]) for x in (q, k, v, dout))
+    want = jax.block_until_ready(step(q, k, v, dout))  # compiled (and kernels compiled) outside the guard
+    jax.block_until_ready(stacked(qs, ks, vs, ds))
+    with jax.transfer_guard("disallow"):
+        got = jax.block_until_ready(step(q, k, v, dout))
+        got_vmap = jax.block_until_ready(stacked(qs, ks, vs, ds))
+        fresh = jax.block_until_ready(jax.jit(lambda q, k, v: cfj.attention(q, k, v, window_size=(64, 0)))(q, k, v))
+    assert fresh.shape == q.shape
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert a.devices() == {gpu}
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=0, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(got_vmap[0][1], np.float32), np.asarray(want[0], np.float32), rtol=0,
+                               atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route", ["buffer", "pure"])
+def test_vmap_on_gpu_matches_a_loop(route, monkeypatch):
+    """jit(vmap) of the forward and of a deterministic backward on the GPU against a loop of jit calls (the
+    folded call runs the same kernels on the same tiles; the pure route runs the NumPy algorithm on the host)."""
+    gpu = _jax_gpu()
+    if route == "buffer":
+        _buffer_route_or_skip()
+    monkeypatch.setenv("CUFLASH_JAX_CALLBACK", route)
+    rng = np.random.default_rng(6)
+    q, k, v = (jax.device_put(jnp.asarray(rng.standard_normal((3, 2, 96, 4, 64)), jnp.float16), gpu)
+               for _ in range(3))
+
+    def f(q, k, v):
+        return cfj.attention(q, k, v, causal=True, deterministic=True)
+
+    grad = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2), argnums=(0, 1, 2))
+    out = jax.jit(jax.vmap(f))(q, k, v)
+    grads = jax.jit(jax.vmap(grad))(q, k, v)
+    one, one_grad = jax.jit(f), jax.jit(grad)
+    for i in range(3):
+        np.testing.assert_allclose(np.asarray(out[i], np.float32), np.asarray(one(q[i], k[i], v[i]), np.float32),
+                                   rtol=0, atol=1e-3)
+        for g, w in zip(grads, one_grad(q[i], k[i], v[i])):
+            np.testing.assert_allclose(np.asarray(g[i], np.float32), np.asarray(w, np.float32), rtol=0, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_jit_overhead_on_gpu_is_printed():
+    """Time per call of jit(cuflash.jax.attention) against cuflash.attention on the same CuPy arrays, forward and
+    forward + backward (printed, not asserted: run with -s). A small shape is launch-bound: the difference is
+    the callback's overhead per call; a large one is bound by the kernels."""
+    import time
+
+    import cupy
+    import cuflash
+
+    gpu = _jax_gpu()
+    rows = []
+    for shape in [(1, 128, 128, 8, 8, 64), (2, 1024, 1024, 16, 16, 128)]:
+        q, k, v = _inputs(shape, jnp.bfloat16, seed=7)
+        q, k, v = (jax.device_put(x, gpu) for x in (q, k, v))
+        cq, ck, cv = (cupy.from_dlpack(x) for x in (q, k, v))
+        cdo = cupy.from_dlpack(jnp.ones_like(q))
+        f = jax.jit(lambda q, k, v: cfj.attention(q, k, v, causal=True))
+        g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(cfj.attention(q, k, v, causal=True).astype(jnp.float32)),
+                             argnums=(0, 1, 2)))
+
+        def cupy_fwd():
+            return cuflash.attention(cq, ck, cv, causal=True)
+
+        def cupy_fwd_bwd():
+            out, lse = cuflash.attention(cq, ck, cv, causal=True, return_lse=True)
+            return cuflash.attention_backward(cdo, cq, ck, cv, out, lse, causal=True)
+
+        def per_call(fn, sync, n=100):
+            sync(fn())  # compile, warm up
+            start = time.perf_counter()
+            for _ in range(n):
+                r = fn()
+            sync(r)
+            return (time.perf_counter() - start) / n * 1e6
+
+        cu_sync = lambda *_: cupy.cuda.get_current_stream().synchronize()  # noqa: E731
+        jx_sync = lambda r=None: jax.block_until_ready(r)  # noqa: E731
+        rows.append((shape, "forward", per_call(cupy_fwd, cu_sync), per_call(lambda: f(q, k, v), jx_sync)))
+        rows.append((shape, "fwd+bwd", per_call(cupy_fwd_bwd, cu_sync), per_call(lambda: g(q, k, v), jx_sync)))
+    print(f"\ncuflash.jax under jit ({cfj.callback_route()} route, JAX {jax.__version__}, {gpu.device_kind}): "
+          "microseconds per call")
+    for shape, what, t_cupy, t_jax in rows:
+        print(f"  {str(shape):28s} {what:8s} cupy {t_cupy:9.1f}  jax.jit {t_jax:9.1f}  overhead {t_jax - t_cupy:+8.1f}")
