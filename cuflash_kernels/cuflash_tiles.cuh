@@ -182,9 +182,12 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 }
 
 // Copy rows [row0, row0 + kRows) of a (rows, kWidth) global matrix with row stride `stride` (elements)
-// into a swizzled tile; rows at or past `nrows` become zeros.
+// into a swizzled tile; rows at or past `nrows` become zeros, and so do the 8-column chunks at or past `cols8`
+// ([variant head dim]: a matrix of fewer columns than the tile, read in place; kWidth / 8 otherwise, a constant
+// that leaves the copy as it was).
 template <int kRows, int kWidth, int kThreads>
-__device__ __forceinline__ void load_tile_async(u16* tile, const u16* g, i64 stride, int row0, int nrows, int tid) {
+__device__ __forceinline__ void load_tile_async(u16* tile, const u16* g, i64 stride, int row0, int nrows, int tid,
+                                                int cols8 = kWidth / 8) {
     constexpr int kChunks = kWidth / 8;
     constexpr int kTotal = kRows * kChunks;
 #pragma unroll
@@ -192,7 +195,7 @@ __device__ __forceinline__ void load_tile_async(u16* tile, const u16* g, i64 str
         const int i = tid + it * kThreads;
         if (kTotal % kThreads != 0 && i >= kTotal) break;
         const int r = i / kChunks, c = i % kChunks;
-        const bool valid = row0 + r < nrows;
+        const bool valid = row0 + r < nrows && (cols8 == kChunks || c < cols8);
         const u16* src = valid ? g + (i64)(row0 + r) * stride + c * 8 : g;
         cp_async_16(smem_u32(tile + Swizzle<kWidth>::offset(r, c)), src, valid);
     }

@@ -66,17 +66,18 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     const int len_k = bi.len_k - n_shift;  // keys left from the first tile on
 
     const u16* qg = bi.q_rows(q, b, h, q_sb, q_sh, q_ss);
+    const int qk8 = bi.template qk_cols8<kHeadDim>(), v8 = bi.template v_cols8<kHeadDim>();  // [variant head dim]
     const u16* kg = bi.k_rows(k, b, h_kv, k_sb, k_sh, k_ss) + (i64)n_shift * k_ss;
     const u16* vg = bi.k_rows(v, b, h_kv, v_sb, v_sh, v_ss) + (i64)n_shift * v_ss;
 
     // [fa2-fwd 1] load the query block (its own commit group), then the first kStages - 1 K/V tiles.
-    load_tile_async<kBlockM, kHeadDim, kThreads>(sQ, qg, q_ss, m0, bi.len_q, tid);
+    load_tile_async<kBlockM, kHeadDim, kThreads>(sQ, qg, q_ss, m0, bi.len_q, tid, qk8);
     cp_async_commit();
 #pragma unroll
     for (int st = 0; st < kStages - 1; ++st) {
-        if (st < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sK + st * kTile, kg, k_ss, tile_row(st), len_k, tid);
+        if (st < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sK + st * kTile, kg, k_ss, tile_row(st), len_k, tid, qk8);
         cp_async_commit();
-        if (st < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sV + st * kTile, vg, v_ss, tile_row(st), len_k, tid);
+        if (st < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sV + st * kTile, vg, v_ss, tile_row(st), len_k, tid, v8);
         cp_async_commit();
     }
 
@@ -94,9 +95,9 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         // Refill the buffer freed at the end of iteration j - 1 with tile j + kStages - 1.
         const int jn = j + kStages - 1;
         const int buf_n = jn % kStages;
-        if (jn < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sK + buf_n * kTile, kg, k_ss, tile_row(jn), len_k, tid);
+        if (jn < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sK + buf_n * kTile, kg, k_ss, tile_row(jn), len_k, tid, qk8);
         cp_async_commit();
-        if (jn < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sV + buf_n * kTile, vg, v_ss, tile_row(jn), len_k, tid);
+        if (jn < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sV + buf_n * kTile, vg, v_ss, tile_row(jn), len_k, tid, v8);
         cp_async_commit();
         const u16* tK = sK + (j % kStages) * kTile;
         const u16* tV = sV + (j % kStages) * kTile;
@@ -113,6 +114,7 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         }
 #pragma unroll
         for (int kk = 0; kk < kKT; ++kk) {
+            if (V::Pads_head_dim && 2 * kk >= qk8) break;  // [variant head dim] zero columns add nothing
             u32 a[kMT][4];
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt) load_a<kHeadDim>(a[mt], sQ, (warp * kMT + mt) * 16, kk, lane);
@@ -151,6 +153,7 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
             for (int mt = 0; mt < kMT; ++mt) c_to_a<T, kNT>(a[mt], s[mt], kk);
 #pragma unroll
             for (int np = 0; np < kDT / 2; ++np) {
+                if (V::Pads_head_dim && 2 * np >= v8) break;  // [variant head dim] output columns past v's
                 u32 bf[4];
                 load_b_kn<kHeadDim>(bf, tV, kk * 16, np, lane);
 #pragma unroll
@@ -178,6 +181,7 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                 u16* orow = og + (i64)row * o_ss;
 #pragma unroll
                 for (int dt = 0; dt < kDT; ++dt) {
+                    if (V::Pads_head_dim && dt >= v8) break;  // [variant head dim] the output's columns only
                     *reinterpret_cast<u32*>(orow + dt * 8 + 2 * t) =
                         Elem<T>::pack(acc[mt][dt][2 * hh] * inv, acc[mt][dt][2 * hh + 1] * inv);
                 }

@@ -77,11 +77,12 @@ struct VariantParams {
     float softcap_a;            // softcap in raw-score units: s -> softcap_b * tanh(softcap_a * s),
     float softcap_b;            //   softcap_a = scale / softcap, softcap_b = softcap / scale
     float inv_scale;            // 1 / softmax_scale: ALiBi slopes and the bias in raw-score units
+    int qk_chunks, v_chunks;    // (Pads_head_dim) the arrays' head dims in 8-column chunks, below the kernel's
     const ExtraParams* extra;   // (Has_bias, Has_dropout) in device memory
 };
 
 template <bool Has_left_, bool Has_right_, bool Is_varlen_, bool Has_seqused_, bool Has_softcap_, bool Has_alibi_,
-          bool Has_bias_, bool Has_dropout_ = false, class Mod_ = NoMod>
+          bool Has_bias_, bool Has_dropout_ = false, class Mod_ = NoMod, bool Pads_head_dim_ = false>
 struct Variant {
     static constexpr bool Has_left = Has_left_;        // a sliding window's left edge
     static constexpr bool Has_right = Has_right_;      // causal, or a window's right edge
@@ -92,6 +93,9 @@ struct Variant {
     static constexpr bool Has_bias = Has_bias_;         // an additive bias (and boolean masks, as -inf)
     static constexpr bool Has_dropout = Has_dropout_;
     static constexpr bool Has_band = Has_left || Has_right;
+    // [variant head dim] q, k (and v) have fewer columns than the kernel's head dim (multiples of 8): loads read
+    // the arrays' columns and zero-fill the rest of each shared-memory row; stores write the arrays' columns.
+    static constexpr bool Pads_head_dim = Pads_head_dim_;
     using Mod = Mod_;                                  // user score_mod / mask_mod (user_mods.cuh)
     static constexpr bool Has_user_mod = Mod::Has_score_mod || Mod::Has_mask_mod;
     static constexpr bool Has_mod = Has_softcap || Has_alibi || Has_bias || Has_user_mod;
@@ -160,6 +164,7 @@ struct BlockInfo {
     u32 drop_k0, drop_k1, drop_w0, drop_w1;  // [variant dropout] Philox key and counter words 2, 3
     u32 keep_threshold;
     float keep_scale;
+    int qk_chunks, v_chunks;    // (Pads_head_dim) the arrays' head dims in 8-column chunks
     int b, h;                   // (Has_user_mod) the sequence and query head, as the user's mods see them
     const ModArrays* mods;
     const ExtraParams* extra;
@@ -206,6 +211,10 @@ struct BlockInfo {
             mods = &p.extra->mods;
             extra = p.extra;
         }
+        if constexpr (V::Pads_head_dim) {
+            qk_chunks = p.qk_chunks;
+            v_chunks = p.v_chunks;
+        }
         if constexpr (V::Has_dropout) {
             const ExtraParams& ep = *p.extra;
             drop_k0 = (u32)ep.dropout_seed;
@@ -225,6 +234,13 @@ struct BlockInfo {
         static_assert(!V::Has_left && !V::Is_varlen && !V::Has_seqused && !V::Has_mod && !V::Has_dropout,
                       "dense or causal only");
     }
+
+    // [variant head dim] The 8-column chunks of q and k rows, and of v, dO and output rows, that the arrays hold:
+    // kHeadDim / 8 (a constant) unless Pads_head_dim.
+    template <int kHeadDim>
+    __device__ __forceinline__ int qk_cols8() const { if constexpr (V::Pads_head_dim) return qk_chunks; else return kHeadDim / 8; }
+    template <int kHeadDim>
+    __device__ __forceinline__ int v_cols8() const { if constexpr (V::Pads_head_dim) return v_chunks; else return kHeadDim / 8; }
 
     // A block of a shorter sequence than the grid covers: query tile m0 (packed batches), or key tile n0
     // (packed batches, or keys past seqused_k). Compiled out for the other variants, where the grid is exact.

@@ -26,8 +26,17 @@ def _inputs(rng, q_shape, kv_shape, dtype):
     return q, k, v, do
 
 
-def check_variant(cp, q, k, v, do, *, deterministic=False, **opts):
-    """Forward and backward on the GPU against the float64 truth with the error budget."""
+def _nan_padded(cp, x):
+    """``x`` on the device as a view of a wider array whose extra 16 columns hold NaN: a kernel that reads past
+    the view's head dim poisons its output."""
+    wide = cp.full((*x.shape[:-1], x.shape[-1] + 16), np.nan, dtype=x.dtype)
+    wide[..., :x.shape[-1]] = cp.asarray(x)
+    return wide[..., :x.shape[-1]]
+
+
+def check_variant(cp, q, k, v, do, *, deterministic=False, views=False, **opts):
+    """Forward and backward on the GPU against the float64 truth with the error budget (``views``: the inputs
+    as views of wider arrays with NaN past their head dims)."""
     dtype = q.dtype
     q64, k64, v64, do64 = (x.astype(np.float64) for x in (q, k, v, do))
     opts64 = dict(opts, **({"bias": opts["bias"].astype(np.float64)} if "bias" in opts else {}))
@@ -42,7 +51,7 @@ def check_variant(cp, q, k, v, do, *, deterministic=False, **opts):
         return cp.asarray(val) if isinstance(val, np.ndarray) else val
 
     dev = {key: to_dev(val) for key, val in opts.items()}
-    cq, ck, cv, cdo = (cp.asarray(x) for x in (q, k, v, do))
+    cq, ck, cv, cdo = (_nan_padded(cp, x) if views else cp.asarray(x) for x in (q, k, v, do))
     poison(cp)
     out, lse = cuflash.attention(cq, ck, cv, return_lse=True, **dev)
     poison(cp)
@@ -151,6 +160,21 @@ def test_any_head_dim(requires_gpu, d, dv, dtname):
     out, _, grads = check_variant(requires_gpu, q, k, v, do, causal=True, window_size=(90, -1))
     assert out.shape == (2, 130, 4, dv) and [g.shape for g in grads] == [q.shape, k.shape, v.shape]
     check_variant(requires_gpu, q, k, v, do, deterministic=True)
+
+
+@pytest.mark.parametrize(("d", "dv", "label"), [(80, 80, "causal-window"), (40, 40, "dropout"), (200, 200, "softcap-causal"),
+                                                (112, 112, "alibi-batch"), (192, 128, "bias-broadcast-causal"),
+                                                (24, 64, "seqused")])
+def test_head_dims_read_in_place(requires_gpu, d, dv, label):
+    """[variant head dim] Head dims that are multiples of 8 below the kernel's, read in place from views of wider
+    arrays whose extra columns hold NaN (a load or store past the view's columns shows)."""
+    rng = np.random.default_rng(d * 7 + dv)
+    dtype = DTYPES["bfloat16"]
+    q, k, _, _ = _inputs(rng, (2, 150, 4, d), (2, 333, 2, d), dtype)
+    v = rng.standard_normal((2, 333, 2, dv)).astype(dtype)
+    do = rng.standard_normal((2, 150, 4, dv)).astype(dtype)
+    out, _, _ = check_variant(requires_gpu, q, k, v, do, views=True, **_resolve(PADDED_CASES[label], rng, 2, 4, 150))
+    assert out.shape == (2, 150, 4, dv)
 
 
 @pytest.mark.parametrize("label", ["causal-window", "softcap-causal", "alibi-causal", "seqused-causal-softcap-alibi",

@@ -203,9 +203,11 @@ def _hopper_tile(direction: str, d: int, block_q, block_k, enabled: bool) -> Til
 
 # ---------------------------------------------------------------------------------------------------
 # Head dims. The kernels are instantiated at HEAD_DIMS; any other head dim (1..256), and a v head dim that
-# differs from q's and k's, runs the kernel of the next instantiated dim with the last axes zero-padded to
-# it: zero columns add nothing to q.k, and v's zero columns give output (and dV) columns that are cut off.
-# (One padded copy of the inputs; predicated loads that read the unpadded arrays in place are future work.)
+# differs from q's and k's, runs the kernel of the next instantiated dim. The 16-bit FA2 forward reads arrays
+# whose head dims are multiples of 8 in place ([variant head dim], Pads_head_dim: loads zero-fill the columns
+# past the array's, the matrix products skip the 16-column steps that hold only zeros, stores write the
+# array's columns); the other cases run on copies with the last axes zero-padded to the kernel's dim: zero
+# columns add nothing to q.k, and v's zero columns give output (and dV) columns that are cut off.
 
 MAX_HEAD_DIM = HEAD_DIMS[-1]
 
@@ -224,6 +226,12 @@ def _needs_padding(q, v, algorithm) -> int:
     return kd if (kd != d or dv != d) else 0
 
 
+def _reads_in_place(q, v, algorithm) -> bool:
+    """Whether the kernels read head dims below their own in place (no padded copies): the 16-bit FA2
+    forward, with both head dims multiples of 8 (16-byte rows)."""
+    return algorithm == "fa2" and q.dtype.itemsize == 2 and q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0
+
+
 def _pad(a, width: int):
     import cupy
 
@@ -237,7 +245,10 @@ def forward(q, k, v, *, scale, variant: Variant, algorithm, block_q, block_k):
     import cupy
 
     kd = _needs_padding(q, v, algorithm)
-    if kd:
+    head_dims = (0, 0)  # [variant head dim] the arrays' (d, dv) when the kernel reads them in place
+    if kd and _reads_in_place(q, v, algorithm):
+        head_dims = (q.shape[-1], v.shape[-1])
+    elif kd:
         out, lse = forward(_pad(q, kd), _pad(k, kd), _pad(v, kd), scale=scale, variant=variant, algorithm=algorithm,
                            block_q=block_q, block_k=block_k)
         return cupy.ascontiguousarray(out[..., :v.shape[-1]]), lse
@@ -247,32 +258,33 @@ def forward(q, k, v, *, scale, variant: Variant, algorithm, block_q, block_k):
         return fa1.forward(q, k, v, scale=scale, causal_offset=causal_offset, block_q=block_q, block_k=block_k)
     if algorithm == "naive":
         return naive.forward(q, k, v, scale=scale, causal_offset=causal_offset)
-    d = shp.head_dim
+    d = kd or shp.head_dim
     assert shp.heads_q % shp.heads_kv == 0 and d in HEAD_DIMS
     dtype = np.dtype(q.dtype).name
     variant = _kernel_ready(variant)
-    vtype = variant_type(variant)
-    out = cupy.empty(q.shape, dtype=q.dtype)
+    vtype = variant_type(variant, pads_head_dim=bool(kd))
+    out = cupy.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype)
     lse = _lse_empty(shp, variant)
     if dtype == "float32":
         spec = kernel_spec("fwd_f32", dtype, d, TILES[("fwd", "f32", d)], vtype)
     else:
         assert dtype in CTYPES, dtype
         q, k, v = aligned(q), aligned(k), aligned(v)
-        t = _hopper_tile("fwd", d, block_q, block_k, SM90A_FORWARD)
+        t = _hopper_tile("fwd", d, block_q, block_k, SM90A_FORWARD and not kd)
         if t is not None:
             spec = kernel_spec("fwd_sm90", dtype, d, t, vtype)
         else:
             spec = kernel_spec("fwd", dtype, d, plan_tile("fwd", d, block_q, block_k), vtype)
     check_smem(spec)
-    vp, _keep = launch_params(variant, scale, shp, spec)
+    vp, _keep = launch_params(variant, scale, shp, spec, head_dims=head_dims)
     launch(spec, (cdiv(shp.max_q, spec.tile.block_m), shp.heads_q, shp.batch), (
         q, k, v, out, lse, i32(shp.rows_q), i32(shp.rows_k), i32(shp.heads_q), i32(shp.group),
         *strides(q), *strides(k), *strides(v), *strides(out), np.float32(scale * _LOG2E), vp))
     return out, lse
 
 
-def launch_params(variant: Variant, scale: float, shp: Shape, spec=None, dbias=None, transposed=False):
+def launch_params(variant: Variant, scale: float, shp: Shape, spec=None, dbias=None, transposed=False,
+                  head_dims=(0, 0)):
     """The ``VariantParams`` of one launch of ``spec``, and the device buffers they point to (keep them
     referenced until the launch is queued). With a mask_mod, the block lists of the spec's tiles: per query
     tile the key tiles to visit, or (``transposed``, the dK/dV pass) per key tile the query tiles."""
@@ -280,7 +292,7 @@ def launch_params(variant: Variant, scale: float, shp: Shape, spec=None, dbias=N
     if spec is not None and variant.mods is not None and variant.mods.has_mask_mod and spec.dtype != "float32":
         tiles = block_lists(variant, shp, spec.tile.block_m, spec.tile.block_n, transposed)
     extra = extra_params(variant, dbias, tiles)
-    return variant_params(variant, scale, shp.rows_q, shp.rows_k, extra), (extra, tiles)
+    return variant_params(variant, scale, shp.rows_q, shp.rows_k, extra, head_dims), (extra, tiles)
 
 
 # Block lists of masks that read no array and no per-sequence length are a function of the call's shape

@@ -167,10 +167,10 @@ VARIANT_PARAMS_DTYPE = np.dtype(
     [("cu_seqlens_q", np.uint64), ("cu_seqlens_k", np.uint64), ("seqused_k", np.uint64), ("alibi_slopes", np.uint64),
      ("alibi_sb", np.int64), ("bottom_right", np.int32), ("window_left", np.int32), ("window_right", np.int32),
      ("band_lo", np.int32), ("band_hi", np.int32), ("softcap_a", np.float32), ("softcap_b", np.float32),
-     ("inv_scale", np.float32), ("extra", np.uint64)],
+     ("inv_scale", np.float32), ("qk_chunks", np.int32), ("v_chunks", np.int32), ("extra", np.uint64)],
     align=True,
 )
-assert VARIANT_PARAMS_DTYPE.itemsize == 80
+assert VARIANT_PARAMS_DTYPE.itemsize == 88
 
 # Layout of `struct ExtraParams` (variants.cuh): the values a block reads once, in device memory.
 EXTRA_PARAMS_DTYPE = np.dtype(
@@ -196,22 +196,26 @@ def has_dropout(variant: Variant) -> bool:
     return bool(variant.dropout_p) and keep_threshold(variant.dropout_p) < 2**32
 
 
-def variant_type(variant: Variant) -> str:
+def variant_type(variant: Variant, pads_head_dim: bool = False) -> str:
     """The C++ policy type ``cuflash::Variant<Has_left, Has_right, Is_varlen, Has_seqused, Has_softcap,
-    Has_alibi, Has_bias, Has_dropout>`` of a variant: only what changes the compiled code (values travel
-    in VariantParams and ExtraParams)."""
+    Has_alibi, Has_bias, Has_dropout, Mod, Pads_head_dim>`` of a variant: only what changes the compiled code
+    (values travel in VariantParams and ExtraParams). ``pads_head_dim``: the arrays' head dims are below the
+    kernel's (``[variant head dim]``; their column counts travel in VariantParams)."""
     flags = (variant.window_left is not None, variant.right is not None, variant.is_varlen,
              variant.seqused_k is not None, bool(variant.softcap), variant.alibi_slopes is not None,
              variant.bias is not None, has_dropout(variant))
-    return _policy(flags, variant.mods)
+    return _policy(flags, variant.mods, pads_head_dim)
 
 
 @functools.lru_cache(maxsize=1024)  # (every launch names its policy: the string once per flags and mods)
-def _policy(flags, mods=None) -> str:
-    if mods is None:
-        return f"cuflash::Variant<{', '.join(map(_b, flags))}>"
-    PRELUDES.setdefault(mods.type_name, mods.source)
-    return f"cuflash::Variant<{', '.join(map(_b, flags))}, cuflash::{mods.type_name}>"
+def _policy(flags, mods=None, pads_head_dim: bool = False) -> str:
+    args = ", ".join(map(_b, flags))
+    if mods is not None:
+        PRELUDES.setdefault(mods.type_name, mods.source)
+        args += f", cuflash::{mods.type_name}"
+    if pads_head_dim:
+        args += f"{'' if mods is not None else ', cuflash::NoMod'}, true"
+    return f"cuflash::Variant<{args}>"
 
 
 def mask_policy(variant: Variant) -> str:
@@ -281,10 +285,12 @@ _EXTRA_CACHE: dict = {}
 _EXTRA_CACHE_SIZE = 256
 
 
-def variant_params(variant: Variant, scale: float, seqlen_q: int, seqlen_k: int, extra=None) -> np.void:
+def variant_params(variant: Variant, scale: float, seqlen_q: int, seqlen_k: int, extra=None,
+                   head_dims: tuple[int, int] = (0, 0)) -> np.void:
     """The kernels' VariantParams for ``variant`` (device pointers of its arrays, edges, softcap constants);
     ``seqlen_q``, ``seqlen_k``: a padded batch's lengths (they place the band of every sequence);
-    ``extra``: :func:`extra_params` of the variant."""
+    ``extra``: :func:`extra_params` of the variant; ``head_dims``: the arrays' (d, dv) where they are below the
+    kernel's head dim (``Pads_head_dim``; multiples of 8)."""
     slopes = variant.alibi_slopes
     left, right = variant.window_left or 0, variant.right or 0
     offset = variant.offset(seqlen_q, seqlen_k)
@@ -294,7 +300,7 @@ def variant_params(variant: Variant, scale: float, seqlen_q: int, seqlen_k: int,
         0 if slopes is None else slopes.strides[0] // slopes.itemsize,
         int(variant.bottom_right), left, right, offset - left, offset + right,
         scale / cap if cap else 0.0, cap / scale if cap else 0.0, 1.0 / scale,
-        _ptr(extra),
+        head_dims[0] // 8, head_dims[1] // 8, _ptr(extra),
     ), VARIANT_PARAMS_DTYPE)[()]
 
 
@@ -578,6 +584,10 @@ def instantiations() -> list[KernelSpec]:
         dtype = "float32" if row[1] == "f32" else "bfloat16"
         add(KernelSpec(fam, dtype, 128, TILES[(*row, 128)], causal_mod, fam.startswith("bwd_dkdv"), row[1]))
     add(KernelSpec("bwd_dq_f32", "float32", 128, variant=causal_mod))
+    # [variant head dim] head dims read in place below the kernel's (d 80 on the 96 kernel; 200 on 224), causal.
+    causal_pads = _policy((False, True, False, False, False, False, False, False), None, True)
+    for d in (96, 224):
+        add(KernelSpec("fwd", "bfloat16", d, TILES[("fwd", "sm90", d)], causal_pads, arch="sm90"))
     for d, dv in [(d, d) for d in DECODE_HEAD_DIMS] + [DECODE_MLA_DIMS]:
         fam, tile, arch = decode_family(d, dv)
         for dtype in CTYPES:
