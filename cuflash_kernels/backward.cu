@@ -207,6 +207,7 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
 
     const u16* qg = bi.q_rows(q, b, h, q_sb, q_sh, q_ss);
     const u16* dog = bi.q_rows(dout, b, h, do_sb, do_sh, do_ss);
+    const int qk8 = bi.template qk_cols8<kHeadDim>(), v8 = bi.template v_cols8<kHeadDim>();  // [variant head dim]
     const float* lse_row = lse + bi.row_index(h, heads_q, seqlen_q, 0);
     const float* delta_row = delta + bi.row_index(h, heads_q, seqlen_q, 0);
     // The m_count query tiles q_tile(0), q_tile(1), ... hold the queries that see this key tile (causal, window).
@@ -217,14 +218,14 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
     // One query tile: Q, dO, and its rows' lse and D (rows past seqlen_q read as zeros: with dO = 0 and
     // D = 0 they add nothing to dV, dK or dQ whatever P is).
     auto load_q_stage = [&](int stage, int mi) {
-        load_tile_async<kBlockM, kHeadDim, kThreads>(sQ + stage * kQTile, qg, q_ss, mi * kBlockM, len_q, tid);
-        load_tile_async<kBlockM, kHeadDim, kThreads>(sdO + stage * kQTile, dog, do_ss, mi * kBlockM, len_q, tid);
+        load_tile_async<kBlockM, kHeadDim, kThreads>(sQ + stage * kQTile, qg, q_ss, mi * kBlockM, len_q, tid, qk8);
+        load_tile_async<kBlockM, kHeadDim, kThreads>(sdO + stage * kQTile, dog, do_ss, mi * kBlockM, len_q, tid, v8);
         load_row_stats_async<kBlockM, kThreads>(sLse + stage * kBlockM, sD + stage * kBlockM, lse_row, delta_row,
                                                 mi * kBlockM, len_q, tid);
     };
 
-    load_tile_async<kBlockN, kHeadDim, kThreads>(sK, k + b * k_sb + h_kv * k_sh + (i64)bi.k0 * k_ss, k_ss, n0, len_k, tid);
-    load_tile_async<kBlockN, kHeadDim, kThreads>(sV, v + b * v_sb + h_kv * v_sh + (i64)bi.k0 * v_ss, v_ss, n0, len_k, tid);
+    load_tile_async<kBlockN, kHeadDim, kThreads>(sK, k + b * k_sb + h_kv * k_sh + (i64)bi.k0 * k_ss, k_ss, n0, len_k, tid, qk8);
+    load_tile_async<kBlockN, kHeadDim, kThreads>(sV, v + b * v_sb + h_kv * v_sh + (i64)bi.k0 * v_ss, v_ss, n0, len_k, tid, v8);
     cp_async_commit();
 #pragma unroll
     for (int st = 0; st < kStages - 1; ++st) {
@@ -432,9 +433,14 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
                 u16* dvr = dv + b * dv_sb + h * dv_sh + (i64)(bi.k0 + row) * dv_ss + col0;
 #pragma unroll
                 for (int dt = 0; dt < kDN8; ++dt) {
-                    *reinterpret_cast<u32*>(dkr + dt * 8) =
-                        Elem<T>::pack(dk_acc[i][dt][2 * hh] * scale, dk_acc[i][dt][2 * hh + 1] * scale);
-                    *reinterpret_cast<u32*>(dvr + dt * 8) = Elem<T>::pack(dv_acc[i][dt][2 * hh], dv_acc[i][dt][2 * hh + 1]);
+                    const int chunk = wm * kDN8 + dt;  // [variant head dim] the arrays' columns only
+                    if (!V::Pads_head_dim || chunk < qk8) {
+                        *reinterpret_cast<u32*>(dkr + dt * 8) =
+                            Elem<T>::pack(dk_acc[i][dt][2 * hh] * scale, dk_acc[i][dt][2 * hh + 1] * scale);
+                    }
+                    if (!V::Pads_head_dim || chunk < v8) {
+                        *reinterpret_cast<u32*>(dvr + dt * 8) = Elem<T>::pack(dv_acc[i][dt][2 * hh], dv_acc[i][dt][2 * hh + 1]);
+                    }
                 }
             } else {
                 const i64 plane = (i64)(V::Is_varlen ? 1 : gridDim.z) * heads_q * seqlen_k * kHeadDim;
@@ -493,14 +499,15 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
     const u16* kg = bi.k_rows(k, b, h_kv, k_sb, k_sh, k_ss) + (i64)n_shift * k_ss;
     const u16* vg = bi.k_rows(v, b, h_kv, v_sb, v_sh, v_ss) + (i64)n_shift * v_ss;
 
-    load_tile_async<kBlockM, kHeadDim, kThreads>(sQ, q + b * q_sb + h * q_sh + (i64)bi.q0 * q_ss, q_ss, m0, len_q, tid);
-    load_tile_async<kBlockM, kHeadDim, kThreads>(sdO, dout + b * do_sb + h * do_sh + (i64)bi.q0 * do_ss, do_ss, m0, len_q, tid);
+    const int qk8 = bi.template qk_cols8<kHeadDim>(), v8 = bi.template v_cols8<kHeadDim>();  // [variant head dim]
+    load_tile_async<kBlockM, kHeadDim, kThreads>(sQ, q + b * q_sb + h * q_sh + (i64)bi.q0 * q_ss, q_ss, m0, len_q, tid, qk8);
+    load_tile_async<kBlockM, kHeadDim, kThreads>(sdO, dout + b * do_sb + h * do_sh + (i64)bi.q0 * do_ss, do_ss, m0, len_q, tid, v8);
     cp_async_commit();
 #pragma unroll
     for (int st = 0; st < kStages - 1; ++st) {
         if (st < n_end) {
-            load_tile_async<kBlockN, kHeadDim, kThreads>(sK + st * kTile, kg, k_ss, tile_row(st), len_k, tid);
-            load_tile_async<kBlockN, kHeadDim, kThreads>(sV + st * kTile, vg, v_ss, tile_row(st), len_k, tid);
+            load_tile_async<kBlockN, kHeadDim, kThreads>(sK + st * kTile, kg, k_ss, tile_row(st), len_k, tid, qk8);
+            load_tile_async<kBlockN, kHeadDim, kThreads>(sV + st * kTile, vg, v_ss, tile_row(st), len_k, tid, v8);
         }
         cp_async_commit();
     }
@@ -524,8 +531,8 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
     for (int j = 0; j < n_end; ++j) {
         const int jn = j + kStages - 1;
         if (jn < n_end) {
-            load_tile_async<kBlockN, kHeadDim, kThreads>(sK + (jn % kStages) * kTile, kg, k_ss, tile_row(jn), len_k, tid);
-            load_tile_async<kBlockN, kHeadDim, kThreads>(sV + (jn % kStages) * kTile, vg, v_ss, tile_row(jn), len_k, tid);
+            load_tile_async<kBlockN, kHeadDim, kThreads>(sK + (jn % kStages) * kTile, kg, k_ss, tile_row(jn), len_k, tid, qk8);
+            load_tile_async<kBlockN, kHeadDim, kThreads>(sV + (jn % kStages) * kTile, vg, v_ss, tile_row(jn), len_k, tid, v8);
         }
         cp_async_commit();
         const u16* tK = sK + (j % kStages) * kTile;
@@ -605,38 +612,43 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
         u16* dqr = dq + b * dq_sb + h * dq_sh + (i64)(bi.q0 + row) * dq_ss;
 #pragma unroll
         for (int dt = 0; dt < kDT; ++dt) {
+            if (V::Pads_head_dim && dt >= qk8) break;  // [variant head dim] dq's columns only
             *reinterpret_cast<u32*>(dqr + dt * 8 + 2 * t) =
                 Elem<T>::pack(dq_acc[dt][2 * hh] * scale, dq_acc[dt][2 * hh + 1] * scale);
         }
     }
 }
 
-// dQ = scale * dq_accum (float32, (batch, heads_q, seqlen_q, d)) cast to T with dq's strides.
+// dQ = scale * dq_accum (float32, (batch, heads_q, seqlen_q, d)) cast to T with dq's strides; dq has the first
+// `cols` of the workspace's kHeadDim columns ([variant head dim]: fewer when the kernels read dims below theirs).
 // Grid (ceil(seqlen_q * d / 2 / 256), heads_q, batch); one thread per pair of elements.
 template <class T, int kHeadDim>
 __global__ void __launch_bounds__(256)
 flash_bwd_convert_dq_kernel(const float* __restrict__ dq_accum, u16* __restrict__ dq, int seqlen_q, int heads_q,
-                            i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale) {
+                            i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale, int cols) {
     const int h = blockIdx.y, b = blockIdx.z;
     const int e = (blockIdx.x * 256 + threadIdx.x) * 2;  // element within this head's seqlen_q x d plane
     if (e >= seqlen_q * kHeadDim) return;
     const int i = e / kHeadDim, d = e % kHeadDim;
+    if (d >= cols) return;
     const float2 x = *reinterpret_cast<const float2*>(dq_accum + ((i64)b * heads_q + h) * seqlen_q * kHeadDim + e);
     *reinterpret_cast<u32*>(dq + b * dq_sb + h * dq_sh + (i64)i * dq_ss + d) = Elem<T>::pack(x.x * scale, x.y * scale);
 }
 
-// GQA/MQA: dK[b, :, hk] = sum over the group's query heads of the per-head workspace, in a fixed order.
+// GQA/MQA: dK[b, :, hk] = sum over the group's query heads of the per-head workspace, in a fixed order; dk and dv
+// have the first dk_cols and dv_cols of the workspace's kHeadDim columns ([variant head dim]).
 // Grid (ceil(seqlen_k * d / 2 / 256), heads_kv, batch).
 template <class T, int kHeadDim>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(256, 4)  // (without the 4, ptxas kept 32 registers and spilled 8 bytes)
 flash_bwd_reduce_dkv_kernel(const float* __restrict__ dkv_accum, u16* __restrict__ dk, u16* __restrict__ dv,
                             int seqlen_k, int group, i64 plane,
-                            i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh) {
+                            i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh, int dk_cols, int dv_cols) {
     const int hk = blockIdx.y, b = blockIdx.z;
     const int heads_q = gridDim.y * group;
     const int e = (blockIdx.x * 256 + threadIdx.x) * 2;
     if (e >= seqlen_k * kHeadDim) return;
     const int j = e / kHeadDim, d = e % kHeadDim;
+    if (d >= dk_cols && d >= dv_cols) return;
     float2 sk = make_float2(0.f, 0.f), sv = make_float2(0.f, 0.f);
     for (int gi = 0; gi < group; ++gi) {
         const i64 off = ((i64)b * heads_q + hk * group + gi) * seqlen_k * kHeadDim + e;
@@ -645,8 +657,8 @@ flash_bwd_reduce_dkv_kernel(const float* __restrict__ dkv_accum, u16* __restrict
         sk.x += xk.x; sk.y += xk.y;
         sv.x += xv.x; sv.y += xv.y;
     }
-    *reinterpret_cast<u32*>(dk + b * dk_sb + hk * dk_sh + (i64)j * dk_ss + d) = Elem<T>::pack(sk.x, sk.y);
-    *reinterpret_cast<u32*>(dv + b * dv_sb + hk * dv_sh + (i64)j * dv_ss + d) = Elem<T>::pack(sv.x, sv.y);
+    if (d < dk_cols) *reinterpret_cast<u32*>(dk + b * dk_sb + hk * dk_sh + (i64)j * dk_ss + d) = Elem<T>::pack(sk.x, sk.y);
+    if (d < dv_cols) *reinterpret_cast<u32*>(dv + b * dv_sb + hk * dv_sh + (i64)j * dv_ss + d) = Elem<T>::pack(sv.x, sv.y);
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -404,7 +404,10 @@ def backward(do, q, k, v, out, lse, *, scale, variant: Variant, algorithm, block
             "kernels keep one derivative per score); apply the softcap inside score_mod instead, e.g. "
             "score_mod='30.0f * tanhf(score / 30.0f) + ...'")
     kd = _needs_padding(q, v, algorithm)
-    if kd:
+    head_dims = (0, 0)  # [variant head dim] the arrays' (d, dv) when the kernels read them in place
+    if kd and kd in BWD_HEAD_DIMS and _reads_in_place(q, v, algorithm):
+        head_dims = (q.shape[-1], v.shape[-1])
+    elif kd:
         d, dv = q.shape[-1], v.shape[-1]
         grads = backward(_pad(do, kd), _pad(q, kd), _pad(k, kd), _pad(v, kd), _pad(out, kd), lse, scale=scale,
                          variant=variant, algorithm=algorithm, block_q=block_q, block_k=block_k, order=order,
@@ -412,7 +415,7 @@ def backward(do, q, k, v, out, lse, *, scale, variant: Variant, algorithm, block
         cut = [cupy.ascontiguousarray(g[..., :w]) for g, w in zip(grads[:3], (d, d, dv))]
         return (*cut, *grads[3:])
     shp = shape_of(q, k, variant)
-    d, dtype = shp.head_dim, np.dtype(q.dtype).name
+    d, dtype = kd or shp.head_dim, np.dtype(q.dtype).name
     if algorithm == "fa1" and (dtype == "float32" or d in BWD_HEAD_DIMS):
         return fa1.backward(do, q, k, v, out, lse, scale=scale,
                             causal_offset=causal_offset_of(variant, shp.rows_q, shp.rows_k),
@@ -431,18 +434,18 @@ def backward(do, q, k, v, out, lse, *, scale, variant: Variant, algorithm, block
     dbias = None
     if want_dbias and variant.bias is not None:  # [variant grad]: tiles no query visits stay 0
         dbias = cupy.zeros((shp.batch, shp.heads_q, shp.rows_q, shp.rows_k), dtype=cupy.float32)
-    vtype, fscale = variant_type(variant), np.float32(scale)
+    vtype, fscale = variant_type(variant, pads_head_dim=bool(kd)), np.float32(scale)
     def params(spec=None, transposed=False):  # one launch's VariantParams (and what it points to)
-        return launch_params(variant, scale, shp, spec, dbias, transposed)
+        return launch_params(variant, scale, shp, spec, dbias, transposed, head_dims)
 
-    grads = _backward(do, q, k, v, out, lse, shp, variant, vtype, params, fscale, order, block_q, block_k, dtype)
+    grads = _backward(do, q, k, v, out, lse, shp, d, variant, vtype, params, fscale, order, block_q, block_k, dtype)
     return grads if dbias is None else (*grads, dbias)
 
 
-def _backward(do, q, k, v, out, lse, shp: Shape, variant, vtype, params, fscale, order, block_q, block_k, dtype):
+def _backward(do, q, k, v, out, lse, shp: Shape, d, variant, vtype, params, fscale, order, block_q, block_k, dtype):
+    """The backward's launches at kernel head dim ``d`` (the arrays' own, or above them: [variant head dim])."""
     import cupy
 
-    d = shp.head_dim
     split = order in ("split", "q_outer")
     lse = cupy.ascontiguousarray(lse)
     if dtype == "float32":
@@ -450,9 +453,9 @@ def _backward(do, q, k, v, out, lse, shp: Shape, variant, vtype, params, fscale,
         return _backward_f32(do, q, k, v, out, lse, shp, variant, vtype, vp, fscale, split)
 
     q, k, v, do = aligned(q), aligned(k), aligned(v), aligned(do)
-    delta = _preprocess("bwd_pre", dtype, d, do, out, shp)
+    delta = _preprocess("bwd_pre", dtype, do.shape[-1], do, out, shp)  # (elementwise: at the arrays' own dims)
     dq, dk, dv = _grad_buffers(q, k, v, variant)
-    t = _hopper_tile("bwd", d, block_q, block_k, SM90A_BACKWARD)
+    t = _hopper_tile("bwd", d, block_q, block_k, SM90A_BACKWARD and d == q.shape[-1] == v.shape[-1])
     if t is not None:
         spec = kernel_spec("bwd_dkdv_sm90", dtype, d, t, vtype, not split)
     else:
@@ -487,15 +490,17 @@ def _backward(do, q, k, v, out, lse, shp: Shape, variant, vtype, params, fscale,
 
 
 def convert_dq(dq_accum, dq, dtype: str, d: int, shp: Shape, fscale) -> None:
-    """dQ = scale * dq_accum, cast, written with dq's strides (one batch of all rows when packed)."""
+    """dQ = scale * dq_accum, cast, written with dq's strides (one batch of all rows when packed); the workspace
+    is ``d`` columns wide, dq may have fewer ([variant head dim])."""
     launch(kernel_spec("bwd_convert_dq", dtype, d), (cdiv(shp.rows_q * d // 2, 256), shp.heads_q, shp.ws_batch),
-           (dq_accum, dq, i32(shp.rows_q), i32(shp.heads_q), *strides(dq), fscale))
+           (dq_accum, dq, i32(shp.rows_q), i32(shp.heads_q), *strides(dq), fscale, i32(dq.shape[-1])))
 
 
 def reduce_dkv(dkv_accum, dk, dv, dtype: str, d: int, shp: Shape) -> None:
     """GQA/MQA: dK, dV of each key/value head = the sum over its query heads, in a fixed order."""
     launch(kernel_spec("bwd_reduce_dkv", dtype, d), (cdiv(shp.rows_k * d // 2, 256), shp.heads_kv, shp.ws_batch), (
-        dkv_accum, dk, dv, i32(shp.rows_k), i32(shp.group), np.int64(dkv_accum[0].size), *strides(dk), *strides(dv)))
+        dkv_accum, dk, dv, i32(shp.rows_k), i32(shp.group), np.int64(dkv_accum[0].size), *strides(dk), *strides(dv),
+        i32(dk.shape[-1]), i32(dv.shape[-1])))
 
 
 def _backward_f32(do, q, k, v, out, lse, shp: Shape, variant, vtype, vp, fscale, split):

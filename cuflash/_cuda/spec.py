@@ -588,6 +588,10 @@ def instantiations() -> list[KernelSpec]:
     causal_pads = _policy((False, True, False, False, False, False, False, False), None, True)
     for d in (96, 224):
         add(KernelSpec("fwd", "bfloat16", d, TILES[("fwd", "sm90", d)], causal_pads, arch="sm90"))
+    for has_dq in (True, False):
+        add(KernelSpec("bwd_dkdv", "bfloat16", 96, TILES[("bwd", "sm90", 96)], causal_pads, has_dq, "sm90"))
+    add(KernelSpec("bwd_dq", "bfloat16", 96, TILES[("bwd_dq", "sm90", 96)], causal_pads, arch="sm90"))
+    add(KernelSpec("bwd_pre", "bfloat16", 80))
     for d, dv in [(d, d) for d in DECODE_HEAD_DIMS] + [DECODE_MLA_DIMS]:
         fam, tile, arch = decode_family(d, dv)
         for dtype in CTYPES:
