@@ -179,6 +179,13 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
 #pragma unroll
         for (int kk = 0; kk < kKT; ++kk) Wgmma<T>::ss(dpt, desc_kv(v_addr, kk), desc_qk(tdo, kk), kk > 0 ? 1 : 0, Int<kBlockM>());
         wgmma_commit();
+        // [variant dropout] The keep bits of the tile (indices only), drawn while the tensor cores work; P^T and
+        // dP^T both use them.
+        u32 keep_bits[V::Has_dropout ? (4 * kNT + 31) / 32 : 1];
+        if constexpr (V::Has_dropout) {
+            dropout_bits<true, kNT>(keep_bits, bi, key_base, m0, lane);
+            keep_fence(keep_bits);
+        }
 
         // [bwd 1] P^T = exp(scale mod(K Q^T) - lse) while dP^T runs. A row that saw no key has lse = -inf:
         // its P here is +inf, but every tile it meets crosses an edge of its band and is masked to 0 below.
@@ -204,10 +211,8 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
         u32 pt[kMT][4];
 #pragma unroll
         for (int kk = 0; kk < kMT; ++kk) c_to_a<T, kNT>(pt[kk], st, kk);
-        u32 keep_bits[V::Has_dropout ? (4 * kNT + 31) / 32 : 1];
         u32 ptd[V::Has_dropout ? kMT : 1][4];
         if constexpr (V::Has_dropout) {
-            dropout_bits<true, kNT>(keep_bits, bi, key_base, m0, lane);
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll

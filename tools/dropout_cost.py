@@ -63,8 +63,8 @@ __global__ void dropout_probe(float* out, const VariantParams vp, int row_base, 
         for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                s[nt][e] = __int_as_float(lane + it + 4 * nt + e);
-                dp[nt][e] = __int_as_float(lane - it + 4 * nt + e);
+                s[nt][e] = fmaf((float)(4 * nt + e), 0.25f, (float)(lane + it));  // float arithmetic: the
+                dp[nt][e] = fmaf((float)(4 * nt + e), 0.5f, (float)(lane - it));  // selects stay FSEL
             }
         }
         const int col = col_base + it * 8 * kNT;
