@@ -481,6 +481,21 @@ __device__ __forceinline__ bool kept(const u32 (&bits)[(4 * kNT + 31) / 32], int
     return (bits[bit >> 5] >> (bit & 31)) & 1u;
 }
 
+// [variant dropout] An A fragment of k16 step kk (n8 tiles 2 kk, 2 kk + 1; c_to_a's layout: register r holds
+// elements 2 (r & 1) and + 1 of tile 2 kk + (r >> 1)) with its dropped scores zeroed, in 16 bits.
+template <int kNT>
+__device__ __forceinline__ void dropout_pairs(u32 (&out)[4], const u32 (&a)[4], const u32 (&bits)[(4 * kNT + 31) / 32],
+                                              int kk) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const int nt = 2 * kk + (r >> 1), e = 2 * (r & 1);
+        u32 x = a[r];
+        if (!kept<kNT>(bits, nt, e)) x &= 0xffff0000u;
+        if (!kept<kNT>(bits, nt, e + 1)) x &= 0x0000ffffu;
+        out[r] = x;
+    }
+}
+
 // [variant dropout] P := P * keep * scale with keep bits from dropout_bits (scale 1 in the forward, which
 // folds 1 / (1 - p) into the output).
 template <int kNT>
