@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["philox4x32", "keep_threshold", "dropout_keep"]
+__all__ = ["philox4x32", "keep_threshold", "dropout_keep", "KEEP_BITS", "THRESHOLD_ONE"]
 
 _M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)   # round multipliers
 _W0, _W1 = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)   # Weyl key increments (golden ratio, sqrt(3) - 1)
 _MASK32 = np.uint64(0xFFFFFFFF)
 _SHIFT32 = np.uint64(32)
-_U1, _U3, _U4, _U7 = np.uint64(1), np.uint64(3), np.uint64(4), np.uint64(7)
+_U1, _U2, _U3, _U4, _U7 = np.uint64(1), np.uint64(2), np.uint64(3), np.uint64(4), np.uint64(7)
 ROUNDS = 10
 
 
@@ -44,35 +44,41 @@ def philox4x32(counter, key, rounds: int = ROUNDS):
     return tuple(c.astype(np.uint32) for c in (c0, c1, c2, c3))
 
 
+KEEP_BITS = 16                 # each Philox word serves two scores, a 16-bit half each
+THRESHOLD_ONE = 1 << KEEP_BITS  # keep_threshold of p = 0 (every score kept)
+
+
 def keep_threshold(dropout_p: float) -> int:
-    """``T = floor((1 - p) * 2**32)``, computed in float64: a score is kept iff its uniform uint32 ``r < T``
-    (compared as 64-bit integers; ``T`` may be ``2**32`` when ``1 - p`` rounds to 1)."""
-    return int(np.floor((1.0 - float(dropout_p)) * 4294967296.0))
+    """``T = floor((1 - p) * 2**16)``, computed in float64: a score is kept iff its uniform 16-bit half-word
+    ``r < T``. So ``p`` is quantized to a multiple of ``2**-16`` (the kept fraction is ``T / 2**16``, at most
+    ``2**-16`` below ``1 - p``); ``T`` is ``2**16`` only when ``1 - p`` rounds to 1 (no dropout)."""
+    return int(np.floor((1.0 - float(dropout_p)) * float(THRESHOLD_ONE)))
 
 
 def dropout_keep(seed: int, offset: int, dropout_p: float, b, h, i, j) -> np.ndarray:
     """The keep decision of score ``(b, h, i, j)``: a boolean array, the broadcast of the index arrays.
 
     key = ``(seed mod 2**32, seed >> 32)``; counter = ``(c0, c1, lo32(W), hi32(W))`` with
-    ``c0 = (j >> 4) * 8 + (j & 7)``, ``c1 = (i >> 4) * 8 + (i & 7)`` and the 64-bit
-    ``W = (b * 2**32 + h + offset) mod 2**64``; the Philox word ``2 * ((i >> 3) & 1) + ((j >> 3) & 1)`` of
-    that call is ``r``, and the score is kept iff ``r < keep_threshold(p)``. A pure function of
-    ``(seed, offset, b, h, i, j)``.
+    ``c0 = (i >> 4) * 8 + (i & 7)``, ``c1 = (j >> 4) * 4 + ((j >> 1) & 3)`` and the 64-bit
+    ``W = (b * 2**32 + h + offset) mod 2**64``; of that call's word ``2 * ((i >> 3) & 1) + ((j >> 3) & 1)``,
+    the low 16 bits for an even ``j`` and the high 16 for an odd one are ``r``, and the score is kept iff
+    ``r < keep_threshold(p)``. A pure function of ``(seed, offset, b, h, i, j)``.
 
-    One call thus serves the four scores ``(i, i + 8) x (j, j + 8)`` (``i & 8 == 0``, ``j & 8 == 0``) of a
-    16 x 16 block: the four accumulator entries that one lane of an mma holds, in both the normal and the
-    transposed (backward) layout (``docs/variants.md``, "Dropout").
+    One call thus serves the eight scores ``(i, i + 8) x (j, j + 1, j + 8, j + 9)`` (``i & 8 == 0``,
+    ``j & 9 == 0``) of a 16 x 16 block: the eight accumulator entries that one lane of an mma holds in the
+    normal (forward) layout (``docs/variants.md``, "Dropout").
     """
     b, h, i, j = (np.asarray(x, dtype=np.uint64) for x in (b, h, i, j))
     with np.errstate(over="ignore"):  # the 64-bit word wraps mod 2**64 by definition
         w = (b << _SHIFT32) + h + np.uint64(offset)
-    c0 = ((j >> _U4) << _U3) + (j & _U7)
-    c1 = ((i >> _U4) << _U3) + (i & _U7)
+    c0 = ((i >> _U4) << _U3) + (i & _U7)
+    c1 = ((j >> _U4) << _U2) + ((j >> _U1) & _U3)
     words = philox4x32((c0, c1, w & _MASK32, w >> _SHIFT32), (seed & 0xFFFFFFFF, seed >> 32))
     lane = ((((i >> _U3) & _U1) << _U1) + ((j >> _U3) & _U1)).astype(np.intp)
-    shape = np.broadcast_shapes(*(x.shape for x in words), lane.shape)
+    shape = np.broadcast_shapes(*(x.shape for x in words), lane.shape, j.shape)
     r = np.choose(np.broadcast_to(lane, shape), [np.broadcast_to(x, shape) for x in words])
+    r = (r >> ((j & _U1) * np.uint32(16)).astype(np.uint32)) & np.uint32(0xFFFF)
     threshold = keep_threshold(dropout_p)
-    if threshold >= 2**32:
+    if threshold >= THRESHOLD_ONE:
         return np.ones(shape, bool)
     return r < np.uint32(threshold)

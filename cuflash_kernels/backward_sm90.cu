@@ -179,6 +179,13 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
 #pragma unroll
         for (int kk = 0; kk < kKT; ++kk) Wgmma<T>::ss(dpt, desc_kv(v_addr, kk), desc_qk(tdo, kk), kk > 0 ? 1 : 0, Int<kBlockM>());
         wgmma_commit();
+        // [variant dropout] The keep bits of the tile (indices only), drawn while the tensor cores work; P^T and
+        // dP^T both use them.
+        u32 keep_bits[V::Has_dropout ? (4 * kNT + 31) / 32 : 1];
+        if constexpr (V::Has_dropout) {
+            dropout_bits<true, kNT>(keep_bits, bi, key_base, m0, lane);
+            keep_fence(keep_bits);
+        }
 
         // [bwd 1] P^T = exp(scale mod(K Q^T) - lse) while dP^T runs. A row that saw no key has lse = -inf:
         // its P here is +inf, but every tile it meets crosses an edge of its band and is masked to 0 below.
@@ -200,21 +207,14 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
         const bool mask_mod = queries.mask_mod_in_mask(it);  // [variant mask]
         if (bi.needs_mask(m0, kBlockM, n0, kBlockN) || mask_mod) mask_block<true>(st, bi, key_base, m0, lane, 0.f, mask_mod);
         // P^T in the input dtype as A fragments (as it enters dV, and as dS^T uses it). [variant dropout]
-        // dV takes P^T dropped and times 1 / (1 - p), dS^T the dropped dP^T.
+        // dV takes P^T dropped (its 1 / (1 - p) applied to dV once, at the end), dS^T the dropped dP^T.
         u32 pt[kMT][4];
 #pragma unroll
         for (int kk = 0; kk < kMT; ++kk) c_to_a<T, kNT>(pt[kk], st, kk);
-        u32 keep_bits[V::Has_dropout ? (4 * kNT + 31) / 32 : 1];
         u32 ptd[V::Has_dropout ? kMT : 1][4];
         if constexpr (V::Has_dropout) {
-            dropout_bits<true, kNT>(keep_bits, bi, key_base, m0, lane);
 #pragma unroll
-            for (int nt = 0; nt < kNT; ++nt) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) st[nt][e] = kept<kNT>(keep_bits, nt, e) ? st[nt][e] * bi.keep_scale : 0.f;
-            }
-#pragma unroll
-            for (int kk = 0; kk < kMT; ++kk) c_to_a<T, kNT>(ptd[kk], st, kk);
+            for (int kk = 0; kk < kMT; ++kk) dropout_pairs<kNT>(ptd[kk], pt[kk], keep_bits, kk);
         }
 
         // [bwd 4] dS^T = P^T (dP^T - D), in place of dP^T, then packed to the input dtype.
@@ -324,7 +324,14 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
     fence_regs(dv_acc);
 
     // Write dK = scale * dK_acc and dV: straight to dk/dv (group == 1) or per query head to the float32
-    // workspace that flash_bwd_reduce_dkv_kernel sums over the group.
+    // workspace that flash_bwd_reduce_dkv_kernel sums over the group. [variant dropout] dV times 1 / (1 - p).
+    if constexpr (V::Has_dropout) {
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dv_acc[dt][e] *= bi.keep_scale;
+        }
+    }
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         const int row = key_base + g + 8 * hh;

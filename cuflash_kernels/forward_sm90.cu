@@ -226,9 +226,18 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
             for (int kk = 0; kk < kPT; ++kk) Wgmma<T>::rs_tb(acc, p[kk], desc_v(buf, kk), 1, Int<kHeadDim>());
             wgmma_commit();
         };
+        // [variant dropout] The keep bits of key tile j, drawn while the tensor cores compute S_j (they depend
+        // on the indices only), applied to P after the row sum.
+        u32 keep[V::Has_dropout ? (4 * kNT + 31) / 32 : 1];
+        auto draw_keep = [&](int j) {
+            if constexpr (V::Has_dropout) {
+                dropout_bits<false, kNT>(keep, bi, row_base, n_shift + tile_row(j), lane);
+                keep_fence(keep);
+            }
+        };
         // [variant dropout] (after the row sum) and P to 16 bits for the A operand of P V.
-        auto pack_p = [&](int j) {
-            dropout_scores<false>(s, bi, row_base, n_shift + tile_row(j), lane, 1.f);
+        auto pack_p = [&]() {
+            if constexpr (V::Has_dropout) dropout_apply<kNT>(s, keep, 1.f);
 #pragma unroll
             for (int kk = 0; kk < kPT; ++kk) c_to_a<T, kNT>(p[kk], s, kk);
         };
@@ -266,12 +275,13 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
                 load_v(0, tid);
                 cp_async_commit();
             }
+            draw_keep(0);
             wgmma_wait<0>();
             fence_regs(s);
             if constexpr (kWS) mbar_arrive(free_k);
             mask(0);
             softmax_step<kNT>(s, m, l, corr, scale_log2);
-            pack_p(0);
+            pack_p();
 
             for (int j = 1; j < n_end; ++j) {
                 // K_j and V_{j-1} have landed (and, without a producer, every warpgroup's wgmma reads of
@@ -290,6 +300,7 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
                     load_v(j, tid);
                     cp_async_commit();
                 }
+                draw_keep(j);
                 wgmma_wait<1>();  // S_j is ready; P_{j-1} V_{j-1} may still run
                 fence_regs(s);
                 if constexpr (kWS) mbar_arrive(free_k + 8 * (j & 1));
@@ -300,7 +311,7 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
                 if constexpr (kWS) mbar_arrive(free_v + 8 * ((j - 1) & 1));
                 // [fa2-fwd 3] rescale O by exp(m_old - m_new), now that P_{j-1} V_{j-1} is in it.
                 rescale_o();
-                pack_p(j);
+                pack_p();
             }
             // The last P V.
             if constexpr (kWS) {

@@ -15,8 +15,9 @@
 //     bias's gradient is dS itself, store_dbias);
 //   - [variant mask] visible(i, j): the key lies inside the sequence's used keys and the band;
 //   - [variant dropout] keep(i, j) / dropout_bits: the Philox keep decision of cuflash/_philox.py, one call
-//     per 4 scores (i, i + 8) x (j, j + 8) that one lane holds in both the normal and the transposed
-//     mma accumulator layout.
+//     per 8 scores (i, i + 8) x (j, j + 1, j + 8, j + 9), a 16-bit half-word each: the 8 scores of a 16 x 16
+//     block that one lane holds in the normal mma accumulator layout (the transposed one swaps halves
+//     between lane pairs).
 // A dense call is `Variant<false, ..., false>`: every hook folds to the dense code.
 // Header-only, free of CUDA toolkit headers; include after cuflash_tiles.cuh.
 #pragma once
@@ -33,7 +34,7 @@ struct ExtraParams {
     i64 dsb, dsh, dsm;
     u64 dropout_seed;   // Philox key (seed mod 2^32, seed >> 32)
     u64 dropout_offset; // W = b * 2^32 + h + offset
-    u32 keep_threshold; // a score is kept iff its Philox word < keep_threshold = floor((1 - p) 2^32)
+    u32 keep_threshold; // a score is kept iff its 16-bit Philox half-word < keep_threshold = floor((1 - p) 2^16)
     float keep_scale;   // 1 / (1 - p)
     ModArrays mods;     // the arrays user mods read (user_mods.cuh)
     // mask_mod's block sparsity for this launch's tiles (cuflash/_mods.py:BlockMap, compacted): for each row
@@ -410,51 +411,83 @@ struct BlockInfo {
         return ep.tile_list + r * ep.tile_cols;
     }
 
-    // [variant dropout] The 4 Philox words of the scores (i0 + 8a, j0 + 8c), a, c in {0, 1}, word 2a + c
-    // (i0 % 16 < 8, j0 % 16 < 8): counter ((j0 >> 4) * 8 + j0 % 8, (i0 >> 4) * 8 + i0 % 8, W lo, W hi).
+    // [variant dropout] The Philox call of the 8 scores (i0 + 8a, j0 + 8c + h), a, c, h in {0, 1} (i0 % 16 < 8;
+    // j0 % 16 < 8, even): word 2a + c, its 16-bit half h (h = 0: the low half). Counter (c0, c1, W lo, W hi)
+    // with c0 = (i0 >> 4) * 8 + i0 % 8 (the query: a warp's constant in the forward, where the compiler
+    // hoists the rounds that see only c0, c2, c3 out of the key loop) and c1 = (j0 >> 4) * 4 + (j0 >> 1) % 4.
     __device__ __forceinline__ uint4 dropout_words(int i0, int j0) const {
-        return philox4x32_10(make_uint4(((u32)j0 >> 4) * 8 + (j0 & 7), ((u32)i0 >> 4) * 8 + (i0 & 7), drop_w0, drop_w1),
-                             drop_k0, drop_k1);
+        return dropout_call(((u32)i0 >> 4) * 8 + (i0 & 7), ((u32)j0 >> 4) * 4 + ((j0 >> 1) & 3));
+    }
+    __device__ __forceinline__ uint4 dropout_call(u32 c0, u32 c1) const {
+        return philox4x32_10(make_uint4(c0, c1, drop_w0, drop_w1), drop_k0, drop_k1);
     }
     // Whether score (i, j) is kept (one Philox call for one score: the float32 kernels).
     __device__ __forceinline__ bool keep(int i, int j) const {
-        const uint4 w = dropout_words(i & ~8, j & ~8);
+        const uint4 w = dropout_words(i & ~8, j & ~9);
         const int word = ((i >> 2) & 2) | ((j >> 3) & 1);
         const u32 r = word == 0 ? w.x : word == 1 ? w.y : word == 2 ? w.z : w.w;
-        return r < keep_threshold;
+        return ((j & 1) ? r >> 16 : r & 0xffffu) < keep_threshold;
     }
 };
 
 // [variant dropout] The keep bits of one lane's scores of a block of 16-row mma tiles, bit 4 nt + e for
 // element e of n8 tile nt (the for_each_score layout; kTransposed: rows are keys). row_base and col_base
-// are multiples of 16, so the lane's scores (g, g + 8) x (2t + c, 2t + c + 8) of each 16 x 16 block are
-// one Philox call's four words.
+// are multiples of 16. A lane holds 8 scores of each 16 x 16 block: rows (g, g + 8) x columns (2t, 2t + 1,
+// 2t + 8, 2t + 9). In the normal layout (rows are queries) they are exactly one Philox call's 8 half-words.
+// In the transposed layout a lane's 8 are half of each of two calls (queries 2t and 2t + 1 of keys g, g + 8),
+// so lanes g and g ^ 1 (lane ^ 4) each make one of the two calls and swap the halves the other needs: one
+// Philox call per 8 scores either way, and one shuffle per 32 bits.
 template <bool kTransposed, int kNT, class V>
 __device__ __forceinline__ void dropout_bits(u32 (&bits)[(4 * kNT + 31) / 32], const BlockInfo<V>& bi, int row_base,
                                              int col_base, int lane) {
     static_assert(kNT % 2 == 0, "whole 16-column blocks");
+    constexpr int kWords = (4 * kNT + 31) / 32;
     const int g = lane >> 2, t = lane & 3;
+    const u32 threshold = bi.keep_threshold, threshold_hi = bi.keep_threshold << 16;
+    // Normal: both halves of a word go to bits (bit 0 of the key is bit 0 of the element). Transposed: the
+    // low and high halves (keys g & ~1 and g | 1) to lo and hi, at the element of query parity 0.
+    u32 lo[kWords], hi[kWords];
 #pragma unroll
-    for (int w = 0; w < (4 * kNT + 31) / 32; ++w) bits[w] = 0u;
+    for (int w = 0; w < kWords; ++w) lo[w] = hi[w] = 0u;
+    // The call of query i0, keys j0, j0 + 1 (+ 8 each): normal, this lane's own (i0 = row_base + g, j0 =
+    // col_base + 16 np + 2t); transposed, that of its queries of parity g & 1 (i0 = col_base + 16 np + 2t +
+    // (g & 1), j0 = row_base + (g & 6); the other parity is lane ^ 4's call). Counter words as dropout_words.
+    const u32 c0 = kTransposed ? ((u32)col_base >> 1) + 2 * t + (g & 1) : ((u32)row_base >> 1) + g;
+    const u32 c1 = kTransposed ? ((u32)row_base >> 2) + (g >> 1) : ((u32)col_base >> 2) + t;
 #pragma unroll
     for (int np = 0; np < kNT / 2; ++np) {
+        const uint4 w4 = kTransposed ? bi.dropout_call(c0 + 8 * np, c1) : bi.dropout_call(c0, c1 + 4 * np);
+        const u32 words[4] = {w4.x, w4.y, w4.z, w4.w};
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            const int r = row_base + g, col = col_base + 16 * np + 2 * t + c;
-            const uint4 w = kTransposed ? bi.dropout_words(col, r) : bi.dropout_words(r, col);
-            // word 2a + c' of (query i0 + 8a, key j0 + 8c'): element e = 2 ra + c of n8 tile 2 np + rc.
-            const u32 words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-            for (int ra = 0; ra < 2; ++ra) {      // row + 8 ra
-#pragma unroll
-                for (int rc = 0; rc < 2; ++rc) {  // column + 8 rc
-                    const u32 word = kTransposed ? words[2 * rc + ra] : words[2 * ra + rc];
-                    const int bit = 4 * (2 * np + rc) + 2 * ra + c;
-                    bits[bit >> 5] |= (u32)(word < bi.keep_threshold) << (bit & 31);
-                }
-            }
+        for (int wd = 0; wd < 4; ++wd) {  // word 2a + c: query + 8a, key + 8c
+            const int qa = wd >> 1, kc = wd & 1;
+            // element e = 2 (row + 8) + (column parity) of n8 tile 2 np + (column + 8)
+            const int pos = kTransposed ? 4 * (2 * np + qa) + 2 * kc : 4 * (2 * np + kc) + 2 * qa;
+            if ((words[wd] & 0xffffu) < threshold) lo[pos >> 5] |= 1u << (pos & 31);
+            if (words[wd] < threshold_hi) hi[pos >> 5] |= 1u << (pos & 31);
         }
     }
+#pragma unroll
+    for (int w = 0; w < kWords; ++w) {
+        if constexpr (kTransposed) {
+            // Own: the half of this lane's key parity s, at query parity s; sent: the other half, which lane ^ 4
+            // (key parity 1 - s) needs at the same query parity s (its 1 - its own).
+            const int s = g & 1;
+            const u32 own = s ? hi[w] : lo[w], send = s ? lo[w] : hi[w];
+            const u32 got = __shfl_xor_sync(0xffffffffu, send, 4);
+            bits[w] = (own << s) | (got << (1 - s));
+        } else {
+            bits[w] = lo[w] | (hi[w] << 1);
+        }
+    }
+}
+
+// [variant dropout] Keep bits drawn here, before the next statement: the Hopper kernels draw them while their
+// wgmma run, but the compiler would otherwise sink the Philox rounds below the wait, to where bits are used.
+template <int kN>
+__device__ __forceinline__ void keep_fence(u32 (&bits)[kN]) {
+#pragma unroll
+    for (int w = 0; w < kN; ++w) asm volatile("" : "+r"(bits[w]) :: "memory");
 }
 
 // Whether element e of n8 tile nt is kept.
@@ -464,18 +497,40 @@ __device__ __forceinline__ bool kept(const u32 (&bits)[(4 * kNT + 31) / 32], int
     return (bits[bit >> 5] >> (bit & 31)) & 1u;
 }
 
-// [variant dropout] P := P * keep * scale (scale 1 in the forward, which folds 1 / (1 - p) into the output).
+// [variant dropout] An A fragment of k16 step kk (n8 tiles 2 kk, 2 kk + 1; c_to_a's layout: register r holds
+// elements 2 (r & 1) and + 1 of tile 2 kk + (r >> 1)) with its dropped scores zeroed, in 16 bits.
+template <int kNT>
+__device__ __forceinline__ void dropout_pairs(u32 (&out)[4], const u32 (&a)[4], const u32 (&bits)[(4 * kNT + 31) / 32],
+                                              int kk) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const int nt = 2 * kk + (r >> 1), e = 2 * (r & 1);
+        u32 x = a[r];
+        if (!kept<kNT>(bits, nt, e)) x &= 0xffff0000u;
+        if (!kept<kNT>(bits, nt, e + 1)) x &= 0x0000ffffu;
+        out[r] = x;
+    }
+}
+
+// [variant dropout] P := P * keep * scale with keep bits from dropout_bits (scale 1 in the forward, which
+// folds 1 / (1 - p) into the output).
+template <int kNT>
+__device__ __forceinline__ void dropout_apply(float (&s)[kNT][4], const u32 (&bits)[(4 * kNT + 31) / 32], float scale) {
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] = kept<kNT>(bits, nt, e) ? s[nt][e] * scale : 0.f;
+    }
+}
+
+// [variant dropout] The same, the keep bits drawn here.
 template <bool kTransposed, class V, int kNT>
 __device__ __forceinline__ void dropout_scores(float (&s)[kNT][4], const BlockInfo<V>& bi, int row_base, int col_base,
                                                int lane, float scale) {
     if constexpr (V::Has_dropout) {
         u32 bits[(4 * kNT + 31) / 32];
         dropout_bits<kTransposed, kNT>(bits, bi, row_base, col_base, lane);
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[nt][e] = kept<kNT>(bits, nt, e) ? s[nt][e] * scale : 0.f;
-        }
+        dropout_apply<kNT>(s, bits, scale);
     }
 }
 

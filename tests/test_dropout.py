@@ -33,17 +33,17 @@ def _philox_scalar(counter, key, rounds=10):
 
 
 def _layout(i, j):
-    """The documented counter words c0, c1 and the word index of score (i, j): 16 x 16 blocks, one call per
-    (i, i + 8) x (j, j + 8) quadruple."""
-    return (j >> 4) * 8 + (j & 7), (i >> 4) * 8 + (i & 7), 2 * ((i >> 3) & 1) + ((j >> 3) & 1)
+    """The documented counter words c0, c1, the word index and the half of score (i, j): 16 x 16 blocks, one
+    call per (i, i + 8) x (j, j + 1, j + 8, j + 9) octuple, a 16-bit half-word per score."""
+    return (i >> 4) * 8 + (i & 7), (j >> 4) * 4 + ((j >> 1) & 3), 2 * ((i >> 3) & 1) + ((j >> 3) & 1), j & 1
 
 
 def _keep_scalar(seed, offset, p, b, h, i, j):
     """The documented keep decision, on Python integers."""
     w = ((b << 32) + h + offset) % 2**64
-    c0, c1, word = _layout(i, j)
+    c0, c1, word, half = _layout(i, j)
     words = _philox_scalar((c0, c1, w & 0xFFFFFFFF, w >> 32), (seed & 0xFFFFFFFF, seed >> 32))
-    return words[word] < int(np.floor((1.0 - p) * 2.0**32))
+    return (words[word] >> (16 * half)) & 0xFFFF < int(np.floor((1.0 - p) * 2.0**16))
 
 
 @pytest.mark.parametrize("counter, key, expected", PHILOX4X32_10_KAT)
@@ -77,37 +77,101 @@ def test_keep_decision_matches_its_definition():
 
 
 def test_counter_layout_against_scalar_philox():
-    """dropout_keep at chosen (i, j) equals the threshold test of word 2 * ((i >> 3) & 1) + ((j >> 3) & 1) of
-    one scalar Philox call at counter ((j >> 4) * 8 + (j & 7), (i >> 4) * 8 + (i & 7), lo32(W), hi32(W)),
-    written out by hand here; p = 0.5 makes the word's top bit the decision."""
+    """dropout_keep at chosen (i, j) equals the threshold test of half j & 1 of word 2 * ((i >> 3) & 1) +
+    ((j >> 3) & 1) of one scalar Philox call at counter ((i >> 4) * 8 + (i & 7), (j >> 4) * 4 + ((j >> 1) & 3),
+    lo32(W), hi32(W)), written out by hand here; p = 0.5 makes the half-word's top bit the decision."""
     seed, offset, b, h = 0x0123456789ABCDEF, 5, 1, 2
     w = (b << 32) + h + offset
     key = (seed & 0xFFFFFFFF, seed >> 32)
-    cases = {  # (i, j): (c0, c1, word)
-        (0, 0): (0, 0, 0), (0, 8): (0, 0, 1), (8, 0): (0, 0, 2), (8, 8): (0, 0, 3),
-        (5, 13): (5, 5, 1), (13, 5): (5, 5, 2), (16, 16): (8, 8, 0), (23, 31): (15, 15, 1),
-        (100, 37): (21, 52, 0), (1000, 2047): (1023, 496, 3),
+    cases = {  # (i, j): (c0, c1, word, half)
+        (0, 0): (0, 0, 0, 0), (0, 1): (0, 0, 0, 1), (0, 8): (0, 0, 1, 0), (8, 0): (0, 0, 2, 0), (8, 9): (0, 0, 3, 1),
+        (5, 13): (5, 2, 1, 1), (13, 5): (5, 2, 2, 1), (16, 16): (8, 4, 0, 0), (23, 31): (15, 7, 1, 1),
+        (100, 37): (52, 10, 0, 1), (1000, 2047): (496, 511, 3, 1),
     }
-    for (i, j), (c0, c1, word) in cases.items():
-        assert _layout(i, j) == (c0, c1, word), (i, j)
-        r = _philox_scalar((c0, c1, w & 0xFFFFFFFF, w >> 32), key)[word]
-        assert bool(_philox.dropout_keep(seed, offset, 0.5, b, h, i, j)) == (r < 2**31), (i, j)
-    # the four scores (i, i + 8) x (j, j + 8) of a 16 x 16 block read the four words of one call, in order
+    for (i, j), (c0, c1, word, half) in cases.items():
+        assert _layout(i, j) == (c0, c1, word, half), (i, j)
+        r = (_philox_scalar((c0, c1, w & 0xFFFFFFFF, w >> 32), key)[word] >> (16 * half)) & 0xFFFF
+        assert bool(_philox.dropout_keep(seed, offset, 0.5, b, h, i, j)) == (r < 2**15), (i, j)
+    # the eight scores (i, i + 8) x (j, j + 1, j + 8, j + 9) of a 16 x 16 block read the eight half-words of
+    # one call, in order: word 2a + c, low half for the even key
     i0, j0 = 16 * 3 + 5, 16 * 7 + 2
-    words = _philox_scalar(((j0 >> 4) * 8 + (j0 & 7), (i0 >> 4) * 8 + (i0 & 7), w & 0xFFFFFFFF, w >> 32), key)
-    quad = [(i0 + 8 * a, j0 + 8 * c) for a in (0, 1) for c in (0, 1)]
+    words = _philox_scalar(((i0 >> 4) * 8 + (i0 & 7), (j0 >> 4) * 4 + ((j0 >> 1) & 3), w & 0xFFFFFFFF, w >> 32), key)
+    halves = [(x >> (16 * hb)) & 0xFFFF for x in words for hb in (0, 1)]
+    octet = [(i0 + 8 * a, j0 + 8 * c + hb) for a in (0, 1) for c in (0, 1) for hb in (0, 1)]
     threshold = _philox.keep_threshold(0.3)
-    for n, (i, j) in enumerate(quad):
-        assert bool(_philox.dropout_keep(seed, offset, 0.3, b, h, i, j)) == (words[n] < threshold), (i, j)
-    # distinct scores of a sequence never share (counter, word): the layout is a bijection
-    seen = {(*_layout(i, j)[:2], _layout(i, j)[2]) for i in range(64) for j in range(48)}
+    for n, (i, j) in enumerate(octet):
+        assert bool(_philox.dropout_keep(seed, offset, 0.3, b, h, i, j)) == (halves[n] < threshold), (i, j)
+    # distinct scores of a sequence never share (counter, word, half): the layout is a bijection
+    seen = {_layout(i, j) for i in range(64) for j in range(48)}
     assert len(seen) == 64 * 48
+
+
+def test_threshold_quantizes_p_to_a_multiple_of_2_to_the_minus_16():
+    """T = floor((1 - p) 2**16): the kept fraction T / 2**16 is 1 - p rounded down to a multiple of 2**-16."""
+    assert _philox.KEEP_BITS == 16 and _philox.THRESHOLD_ONE == 2**16
+    for p in (0.1, 0.25, 0.5, 0.9, 1e-9, 1 - 2**-16, 0.999999):
+        t = _philox.keep_threshold(p)
+        assert t == int(np.floor((1 - p) * 65536)) and 0 <= t < 2**16
+        assert 0 <= (1 - p) - t / 2**16 < 2**-16
+    assert _philox.keep_threshold(0.0) == 2**16
+    assert _philox.keep_threshold(0.1) == 58982 and _philox.keep_threshold(0.25) == 49152
+
+
+def _lane_bits(seed, offset, p, b, h, row_base, col_base, n_tiles, transposed):
+    """The CUDA kernels' dropout_bits (cuflash_kernels/variants.cuh) for all 32 lanes of a warp, written out in
+    Python: bit 4 nt + e of lane (g, t) is the keep bit of element e of n8 tile nt of the mma accumulator
+    (rows row_base + g + 8 (e >> 1), columns col_base + 8 nt + 2t + (e & 1); rows are keys when transposed).
+    Transposed, lane pairs g, g ^ 1 each make one Philox call and swap the halves the other needs."""
+    threshold = _philox.keep_threshold(p)
+    w = ((b << 32) + h + offset) % 2**64
+    key = (seed & 0xFFFFFFFF, seed >> 32)
+    lo, hi = [0] * 32, [0] * 32  # Python integers: bits 0 .. 4 n_tiles - 1
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        if transposed:
+            c0, c1 = (col_base >> 1) + 2 * t + (g & 1), (row_base >> 2) + (g >> 1)
+        else:
+            c0, c1 = (row_base >> 1) + g, (col_base >> 2) + t
+        for np_ in range(n_tiles // 2):
+            cc0, cc1 = (c0 + 8 * np_, c1) if transposed else (c0, c1 + 4 * np_)
+            words = _philox_scalar((cc0, cc1, w & 0xFFFFFFFF, w >> 32), key)
+            for wd in range(4):
+                qa, kc = wd >> 1, wd & 1
+                pos = 4 * (2 * np_ + qa) + 2 * kc if transposed else 4 * (2 * np_ + kc) + 2 * qa
+                lo[lane] |= int((words[wd] & 0xFFFF) < threshold) << pos
+                hi[lane] |= int((words[wd] >> 16) < threshold) << pos
+    if not transposed:
+        return [x | (y << 1) for x, y in zip(lo, hi)]
+    bits = [0] * 32
+    for lane in range(32):
+        s, partner = (lane >> 2) & 1, lane ^ 4
+        own = hi[lane] if s else lo[lane]
+        got = lo[partner] if (partner >> 2) & 1 else hi[partner]  # what the partner sends: its other half
+        bits[lane] = (own << s) | (got << (1 - s))
+    return bits
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_kernel_lane_layout_gives_the_reference_mask(transposed):
+    """Every lane's keep bits, as the kernels draw them (one call per 8 scores in both layouts), are the
+    reference's keep decisions of the scores that lane holds."""
+    seed, offset, p, b, h = 2**40 + 12345, 2**33 + 5, 0.3, 1, 3
+    for row_base, col_base, n_tiles in ((0, 0, 8), (48, 96, 16), (1024, 2048, 4)):
+        bits = _lane_bits(seed, offset, p, b, h, row_base, col_base, n_tiles, transposed)
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            for nt in range(n_tiles):
+                for e in range(4):
+                    r, c = row_base + g + 8 * (e >> 1), col_base + 8 * nt + 2 * t + (e & 1)
+                    i, j = (c, r) if transposed else (r, c)
+                    want = bool(_philox.dropout_keep(seed, offset, p, b, h, i, j))
+                    assert bool((bits[lane] >> (4 * nt + e)) & 1) == want, (transposed, lane, nt, e)
 
 
 # The keep mask of one 16 x 16 block, (b, h) = (1, 3), seed 2024, offset 7, p = 0.5: bit j of row i is
 # keep(i, j), computed once from the scalar definition above (a pin for the CUDA kernels' tests)
-KNOWN_BLOCK = (0x65A9, 0x41B8, 0xC0DD, 0xCD1E, 0xB984, 0xC4DF, 0xE8FB, 0xBF98,
-               0x9C6D, 0x5302, 0x391A, 0x7651, 0x5631, 0xFBF8, 0xEFCC, 0x2F11)
+KNOWN_BLOCK = (0x8B22, 0x05D0, 0x87E5, 0xC5AE, 0x45FC, 0x575E, 0xEB65, 0xA56A,
+               0x2996, 0xCC38, 0xC312, 0x7266, 0xFAE1, 0xB416, 0xD893, 0x4605)
 
 
 def test_known_block_mask():

@@ -9,7 +9,9 @@ time each variant against dense attention (and PyTorch's FlexAttention where it 
          error of the same oracle computed in the kernels' dtype. NaN-poisoned pool.
 --bench  bf16, d 128, heads 16, 16384 tokens per N: TFLOP/s of each variant and its ratio to dense per
          computed FLOP (windows: FLOPs inside the window), forward and forward+backward; varlen on a mix of
-         64 documents against dense on the same total tokens.
+         64 documents against dense on the same total tokens. Dropout (p 0.1, with and without causal) is
+         printed as a ratio to its baseline without dropout (issue 11: <= 1.10); `--cases dropout` runs
+         just those and their baselines.
 --flex   the same variants through torch.nn.attention.flex_attention (compiled), side by side.
 """
 
@@ -350,6 +352,7 @@ def bench(args, rows):
             "softcap-causal": (Variant(causal=True, softcap=30.0), flops_full / 2),
             "alibi-causal": (Variant(causal=True, alibi_slopes=slopes), flops_full / 2),
             "seqused-causal (all keys)": (Variant(causal=True, seqused_k=cp.full((b,), n, cp.int32)), flops_full / 2),
+            "dropout-0.1": (Variant(dropout_p=0.1, dropout_seed=1, dropout_offset=0), flops_full),
             "dropout-0.1-causal": (Variant(causal=True, dropout_p=0.1, dropout_seed=1, dropout_offset=0), flops_full / 2),
             # user mask_mods: block-sparse (the tiles the map lists), FLOPs of the visible pairs
             "document-causal": (Variant(causal=True, mods=user_mods(None, "doc[q_idx] == doc[kv_idx]", {"doc": doc}),
@@ -360,13 +363,22 @@ def bench(args, rows):
             "score-mod-softcap-causal": (Variant(causal=True, mods=user_mods("30.0f * tanhf(score / 30.0f)", None)),
                                          flops_full / 2),
         }
+        def selected(name):
+            if not args.cases:
+                return True
+            words = args.cases.split(",")
+            # a dropout case brings its baseline (the same FLOPs without dropout) into the run
+            return any(word in name for word in words) or any(
+                word in other and DROPOUT_BASELINE.get(other) == name for other in cases for word in words)
+
         for name, (variant, flops) in cases.items():
-            if args.cases and not any(word in name for word in args.cases.split(",")):
+            if not selected(name):
                 continue
             tf, tb = pair(q, k, v, do, variant)
             r = dict(n=n, case=name, fwd_ms=tf, fb_ms=tb, fwd_tflops=flops / tf * 1e-9, fb_tflops=3.5 * flops / tb * 1e-9)
             rows.append(r)
             log(f"N {n:6d} {name:28s} fwd {r['fwd_tflops']:6.1f} TFLOP/s  fwd+bwd {r['fb_tflops']:6.1f}")
+    dropout_ratios(rows)
     if args.cases and "varlen" not in args.cases:
         return
     # Varlen: 64 documents of 256..8192 tokens (one packed batch) vs dense batches of the same total tokens.
@@ -390,6 +402,28 @@ def bench(args, rows):
     rows.append(dict(n=b * n, case=f"dense-causal batch {b} x {n}", fwd_ms=tf, fb_ms=tb, fwd_tflops=fl / tf * 1e-9,
                      fb_tflops=3.5 * fl / tb * 1e-9))
     log(f"dense causal {b} x {n}: fwd {rows[-1]['fwd_tflops']:.1f} TFLOP/s, fwd+bwd {rows[-1]['fb_tflops']:.1f}")
+
+
+DROPOUT_BASELINE = {"dropout-0.1": "dense", "dropout-0.1-causal": "causal"}  # same FLOPs, no dropout
+
+
+def dropout_ratios(rows):
+    """Issue 11's dropout budget (<= 1.10): time per FLOP of each dropout case over its baseline without
+    dropout (the same FLOPs, so the time ratio), forward and forward+backward, side by side."""
+    by = {(r["n"], r["case"]): r for r in rows}
+    lines = []
+    for (n, case), r in sorted(by.items()):
+        base = by.get((n, DROPOUT_BASELINE.get(case)))
+        if base:
+            lines.append(f"| {n} | {case} / {base['case']} | {r['fwd_ms']:.3f} / {base['fwd_ms']:.3f} | "
+                         f"**{r['fwd_ms'] / base['fwd_ms']:.3f}** | {r['fb_ms']:.3f} / {base['fb_ms']:.3f} | "
+                         f"**{r['fb_ms'] / base['fb_ms']:.3f}** |")
+    if lines:
+        log("dropout cost per FLOP (time ratio dropout / no dropout; budget <= 1.10):")
+        log("| N | case | fwd ms | fwd ratio | fwd+bwd ms | fwd+bwd ratio |")
+        log("|---|---|---|---|---|---|")
+        for line in lines:
+            log(line)
 
 
 def bias_bench(args, rows):

@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from .._philox import keep_threshold
+from .._philox import THRESHOLD_ONE, keep_threshold
 from .._variant import Variant
 
 __all__ = [
@@ -191,9 +191,9 @@ PRELUDES: dict[str, str] = {}
 
 
 def has_dropout(variant: Variant) -> bool:
-    """Whether the kernels apply dropout: p > 0 with a keep threshold below 2**32 (for p < ~1e-16, 1 - p
+    """Whether the kernels apply dropout: p > 0 with a keep threshold below 2**16 (for p < ~1e-16, 1 - p
     rounds to 1: every score is kept and scaled by 1, which is no dropout)."""
-    return bool(variant.dropout_p) and keep_threshold(variant.dropout_p) < 2**32
+    return bool(variant.dropout_p) and keep_threshold(variant.dropout_p) < THRESHOLD_ONE
 
 
 def variant_type(variant: Variant, pads_head_dim: bool = False) -> str:
