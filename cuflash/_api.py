@@ -506,6 +506,25 @@ def attention_backward(
         The gradient of the scaled, modified score (after softcap and ALiBi) at each query and key, zero
         where masked, summed over the axes ``bias`` broadcasts over. ``attn_mask`` gets no gradient.
     """
+    planner = _planner(q)
+    key = None
+    if planner is not None and bias is None and attn_mask is None:  # (a bias is converted at every call)
+        key = _call_key(planner, (q, do, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k), (
+            "attention_backward", causal, softmax_scale, causal_align, window_size, softcap, max_seqlen_q,
+            max_seqlen_k, dropout_p, dropout_seed, dropout_offset, score_mod, algorithm, block_q, block_k, order,
+            deterministic, return_dbias,
+        ), mask_mod, mod_arrays, window_size)
+        call = _checked_calls.get(key) if key is not None else None
+        if call is not None:  # the same signature as a call already checked: its plan, at once
+            arrays = _NO_ARRAYS if call.plain else _rechecked_arrays(
+                call, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, alibi_slopes=alibi_slopes, mask_mod=mask_mod,
+                mod_arrays=mod_arrays)
+            if arrays is not None:
+                if _validate.finite_checks(check_finite):
+                    _validate.check_finite({"do": do, "q": q, "k": k, "v": v, "out": out, "lse": lse,
+                                            "alibi_slopes": alibi_slopes}, allow_neginf=("lse",))
+                return call.plan.run(do, q, k, v, out, lse, arrays)
     variant_options = _variant_options(locals())
     library, problem, options = _prepare(
         q, k, v, softmax_scale=softmax_scale, algorithm=algorithm, block_q=block_q, block_k=block_k,
@@ -522,7 +541,16 @@ def attention_backward(
         return (*grads, _namespace(q).zeros(bias.shape, bias.dtype)) if want_dbias else grads
     backend = _backend(library)
     _check_supported(backend, problem, options["algorithm"], options["variant"])
-    q, options["scale"], dq_factor = _kernel_scale(library, q, options["scale"])
+    kernel_q, options["scale"], dq_factor = _kernel_scale(library, q, options["scale"])
+    plan = None
+    if key is not None and kernel_q is q and not want_dbias:
+        plan = planner.plan_backward(do, q, k, v, out, lse, **options)
+    if plan is not None:
+        grads = plan.run(do, q, k, v, out, lse, options["variant"].arrays)
+        _checked_calls.put(key, _checked(plan, _validate.check_qkv(q, k, v, varlen=problem.is_varlen), problem,
+                                         options["variant"], mask_mod, _namespace(q)))
+        return grads
+    q = kernel_q
     if not want_dbias:  # the keyword only when asked: the backend interface without a bias is unchanged
         dq, dk, dv = backend.backward(do, q, k, v, out, lse, **options)
         return (dq if dq_factor == 1 else _times(dq, dq_factor)), dk, dv

@@ -231,3 +231,43 @@ def test_a_new_blockmask_is_not_taken_for_a_remembered_one(fake):
     cuflash.attention(q, q, q, mask_mod=first)  # remembered, its lists cleared: built again
     assert first.lists
     assert any(len(launch) == 3 for launch in recorder.take())
+
+
+def test_a_remembered_backward_launches_what_a_fresh_one_launches(fake):
+    cp, recorder = fake
+    rng = np.random.default_rng(2)
+    q, k, v, do = (cp.asarray(rng.standard_normal((2, 64, 4, 64)).astype(np.float16)) for _ in range(4))
+    kg, vg = k[:, :, :2].copy(), v[:, :, :2].copy()
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    q32, k32, v32, do32, out32 = (a.astype(np.float32) for a in (q, k, v, do, out))
+    signatures = {
+        "causal": lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=True),
+        "scale": lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=True, softmax_scale=0.3),
+        "window softcap": lambda: cuflash.attention_backward(do, q, k, v, out, lse, window_size=(8, 0), softcap=20.0),
+        "gqa": lambda: cuflash.attention_backward(do, q, kg, vg, out, lse, causal=True),
+        "deterministic": lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=True, deterministic=True),
+        "float32": lambda: cuflash.attention_backward(do32, q32, k32, v32, out32, lse, causal=True),
+    }
+
+    def launched(call):
+        recorder.take()
+        grads = call()
+        names = {id(g): name for g, name in zip(grads, ("dq", "dk", "dv"))}
+        return [(launch[0], launch[1], [names.get(id(a), a.tobytes() if isinstance(a, np.generic) else
+                                              (a.shape, a.strides) if hasattr(a, "shape") else a)
+                                        for a in launch[2]]) for launch in recorder.take()]
+
+    fresh = {}
+    for name, call in signatures.items():
+        _api._checked_calls.clear()
+        fresh[name] = launched(call)
+        assert fresh[name], name
+    for call in signatures.values():
+        call()
+    remembered = len(_api._checked_calls)
+    assert remembered == len(signatures)
+    for name, call in reversed(signatures.items()):
+        assert launched(call) == fresh[name], name
+    assert len(_api._checked_calls) == remembered
+    with pytest.raises(ValueError, match=r"do must have the shape of q"):
+        cuflash.attention_backward(do[:, :32], q, k, v, out, lse, causal=True)

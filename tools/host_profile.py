@@ -4,8 +4,8 @@ steady state: the same shapes, dtypes and options called again and again, as a m
     PYTHONPATH=. python3 tools/host_profile.py [--n 512] [--cases causal,document] [--profile causal]
     PYTHONPATH=. python3 tools/host_profile.py --emulator /path/to/emulated/cupy   # no GPU
 
-On a GPU: each call's wall time with nothing but host work in it (small shapes, so that the GPU keeps up; the
-queue is drained before and after the timed loop; the median of ``--repeats`` loops). With ``--emulator`` (a
+On a GPU: the CPU time of each call, from ``cupyx.profiler.benchmark`` (which synchronizes after the timed call,
+so the GPU's own time is not in it; printed apart), median and min over ``--calls * --repeats`` calls. With ``--emulator`` (a
 directory holding a CPU stand-in package named ``cupy``, put first on ``sys.path``): the same Python path with the
 kernels neither compiled nor launched (a stand-in runtime, and a fixed sm_90 device), so the numbers are the
 Python of cuflash plus the stand-in's allocations: indicative, not an H100's. ``--profile CASE`` prints the
@@ -109,6 +109,7 @@ def main():
         if not args.emulator:
             cp.cuda.Device().synchronize()
 
+
     where = "emulator (launches stubbed)" if args.emulator else cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(f"host time per call, {where}: (batch {args.batch}, seqlen {args.n}, heads {args.heads}, head_dim "
           f"{args.head_dim}) float16", flush=True)
@@ -118,15 +119,22 @@ def main():
         for _ in range(3):  # compile, plan
             call()
         sync()
-        loops = []
-        for _ in range(args.repeats):
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(args.calls):
-                call()
-            loops.append((time.perf_counter() - t0) / args.calls)
-            sync()
-        print(f"{name:22s} {statistics.median(loops) * 1e6:8.1f} us/call  (min {min(loops) * 1e6:.1f})", flush=True)
+        if args.emulator:
+            loops = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                for _ in range(args.calls):
+                    call()
+                loops.append((time.perf_counter() - t0) / args.calls)
+            print(f"{name:22s} {statistics.median(loops) * 1e6:8.1f} us/call  (min {min(loops) * 1e6:.1f})",
+                  flush=True)
+        else:  # the CPU time of each call alone (the GPU's time is measured apart, between events around it)
+            from cupyx.profiler import benchmark
+
+            r = benchmark(call, n_repeat=args.calls * args.repeats, n_warmup=10)
+            cpu, gpu = np.asarray(r.cpu_times) * 1e6, np.asarray(r.gpu_times).ravel() * 1e6
+            print(f"{name:22s} {np.median(cpu):8.1f} us/call host (min {cpu.min():.1f})  GPU {np.median(gpu):8.1f} us",
+                  flush=True)
         if args.profile and args.profile in name:
             profile = cProfile.Profile()
             profile.enable()

@@ -27,7 +27,8 @@ from .spec import (BLOCK_COMPACT, BWD_HEAD_DIMS, CTYPES, EXTRA_POINTER_FIELDS, F
                    variant_params, variant_type)
 from .spec import spec as kernel_spec
 
-__all__ = ["forward", "backward", "check_supported", "plan_forward", "ForwardPlan", "call_context"]
+__all__ = ["forward", "backward", "check_supported", "plan_forward", "ForwardPlan", "plan_backward", "BackwardPlan",
+           "call_context"]
 
 # On sm_90 devices the forward runs flash_fwd_sm90_kernel where TILES has a ("fwd", "sm90a", d) row, and the
 # backward flash_bwd_dkdv_sm90_kernel where it has a ("bwd", "sm90a", d) row (switches for benchmarks).
@@ -537,6 +538,28 @@ def block_lists(variant: Variant, shp: Shape, block_m: int, block_n: int, transp
             _LISTS_CACHE.pop(next(iter(_LISTS_CACHE)))
         store[key] = (count, lists)
     return count, lists
+
+
+def plan_backward(do, q, k, v, out, lse, *, scale, variant: Variant, algorithm, block_q, block_k, order):
+    """A :class:`BackwardPlan` for repeated backward calls with these layouts and options (the front door keeps
+    it), or None for a bias (converted at every call, and its gradient)."""
+    if variant.bias is not None:
+        return None
+    return BackwardPlan(scale=scale, variant=variant, algorithm=algorithm, block_q=block_q, block_k=block_k,
+                        order=order)
+
+
+class BackwardPlan:
+    """A backward call's checked options, without its arrays: :meth:`run` runs :func:`backward` with a run's arrays.
+    (The backward's launches are still worked out at each call and launched through CuPy; packing them once, as
+    :class:`ForwardPlan` does, is the next step for its host time.)"""
+
+    def __init__(self, *, variant: Variant, **options):
+        self._variant = variant.with_arrays(VariantArrays())  # (keeps none of the caller's arrays alive)
+        self._options = options
+
+    def run(self, do, q, k, v, out, lse, arrays: VariantArrays = VariantArrays()):
+        return backward(do, q, k, v, out, lse, variant=self._variant.with_arrays(arrays), **self._options)
 
 
 # ---------------------------------------------------------------------------------------------------
