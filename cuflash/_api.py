@@ -11,14 +11,17 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import numbers
+import weakref
+from collections import OrderedDict
 from collections.abc import Mapping
 from types import ModuleType
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import _blocks, _cascade, _decode_plan, _merge, _mods, _validate
 from ._decode_plan import DecodePlan
-from ._variant import Variant
+from ._variant import Variant, VariantArrays
 
 _BACKEND_MODULES = {"numpy": "cuflash.reference", "cupy": "cuflash._cuda"}
 
@@ -50,6 +53,154 @@ def _variant_options(arguments: dict) -> dict:
     """The variant keywords of a call of :func:`attention` or :func:`attention_backward`, from its ``locals()``
     (their parameters have the keywords' names)."""
     return {name: arguments[name] for name in _VARIANT_OPTIONS}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The front door's memory of checked calls. A backend that plans its launches (the CUDA one: plan_forward, and
+# plan_kvcache for decoding) gets each call checked once per signature: everything the checks read (each
+# array's type, shape, strides, dtype and device; every option with its type; the backend's call_context(): the
+# current device and stream) is the key of what the checks concluded and of the plan. A call with the same key
+# would pass the same checks, so it runs the plan at once: its host time is the plan's, not the checks' (~150 us
+# of Python). Checks that read array values (cu_seqlens, seqused_k, check_finite) still run at every call.
+
+
+class _Unkeyed(Exception):
+    """An argument the memory does not key (an array of another type, a dict subclass): the call is checked."""
+
+
+class CallMemo:
+    """Checked calls, least recently used first, at most ``size`` of them: key -> what the checks concluded."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._entries: OrderedDict = OrderedDict()
+
+    def get(self, key):
+        try:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+        except (TypeError, KeyError):  # an unhashable option (checked, then refused); a race with put's eviction
+            return None
+        return entry
+
+    def put(self, key, entry) -> None:
+        try:
+            self._entries[key] = entry
+        except TypeError:
+            return
+        while len(self._entries) > self.size:
+            try:
+                self._entries.popitem(last=False)
+            except KeyError:  # emptied by another thread meanwhile
+                break
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+_NOT_PLANNED = object()
+_planners: dict = {}  # array type -> its backend, when that plans launches, else None
+
+
+def _planner(q):
+    """The backend of q's array type when it plans launches (plan_forward, call_context), else None."""
+    kind = type(q)
+    planner = _planners.get(kind, _NOT_PLANNED)
+    if planner is _NOT_PLANNED:
+        library = _validate._library(q)  # (the module is asked what it can do; the checks choose the backend)
+        module = importlib.import_module(_BACKEND_MODULES[library]) if library in _BACKEND_MODULES else None
+        planner = _planners[kind] = module if hasattr(module, "plan_forward") else None
+    return planner
+
+
+def _array_key(a, kind):
+    """What the checks read of an array: None, or its type, shape, strides, dtype and device (of ``kind`` only)."""
+    if a is None:
+        return None
+    if type(a) is not kind:
+        raise _Unkeyed
+    return a.shape, a.strides, a.dtype, a.data.device_id
+
+
+def _dict_key(arrays, kind):
+    if type(arrays) is not dict:
+        raise _Unkeyed
+    return tuple((type(name), name, _array_key(a, kind)) for name, a in arrays.items())
+
+
+def _mods_key(mask_mod, mod_arrays, kind):
+    """``mask_mod`` (a string, or a BlockMask: the object, its expression and its arrays) and ``mod_arrays``."""
+    if type(mask_mod) is _mods.BlockMask:
+        if mod_arrays is not None and type(mod_arrays) is dict and not mask_mod.mod_arrays.keys().isdisjoint(mod_arrays):
+            raise _Unkeyed  # (a name in both: the checks compare the arrays themselves)
+        mask = (id(mask_mod), type(mask_mod.mask_mod), mask_mod.mask_mod, _dict_key(mask_mod.mod_arrays, kind))
+    else:
+        mask = (type(mask_mod), mask_mod)
+    return mask, None if mod_arrays is None else _dict_key(mod_arrays, kind)
+
+
+def _call_key(planner, arrays: tuple, options: tuple, mask_mod, mod_arrays, window_size):
+    """The memory's key of a call: ``arrays`` (q first, None where not given), the options (with their types),
+    mask_mod, mod_arrays and window_size (a tuple of two ints); None where the call is not remembered."""
+    kind = type(arrays[0])
+    if type(window_size) is not tuple:
+        return None
+    try:
+        return (planner.call_context(), tuple([None if a is None else _array_key(a, kind) for a in arrays]), options,
+                tuple(map(type, options)), tuple(map(type, window_size)),
+                None if mask_mod is None and mod_arrays is None else _mods_key(mask_mod, mod_arrays, kind))
+    except _Unkeyed:
+        return None
+    except Exception:  # an array without a device address, no usable CuPy: the checks (or the backend) will say
+        return None
+
+
+class _Checked(NamedTuple):
+    """What the checks of a call concluded, for the calls with its key."""
+
+    plan: Any                    # the backend's plan of the call
+    plain: bool                  # no array but q, k, v (and the backward's): nothing to re-check or pass
+    problem_qkv: _validate.Problem  # check_qkv's (a packed batch's cu_seqlens are checked against it at each call)
+    problem: _validate.Problem
+    mod_names: tuple             # the arrays the mods read, in their slot order
+    mask: Any                    # a weak reference to the BlockMask given as mask_mod, or None
+    xp: ModuleType
+
+
+def _checked(plan, problem_qkv, problem, variant: Variant, mask_mod, xp) -> _Checked:
+    names = variant.mods.array_names if variant.mods is not None else ()
+    mask = weakref.ref(mask_mod) if isinstance(mask_mod, _mods.BlockMask) else None
+    plain = variant.arrays.empty
+    return _Checked(plan, plain, problem_qkv, problem, names, mask, xp)
+
+
+def _rechecked_arrays(call: _Checked, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, alibi_slopes,
+                      mask_mod, mod_arrays) -> VariantArrays | None:
+    """A remembered call's variant arrays for its plan, after the checks that read their values (as at every
+    call); None when its BlockMask is not the remembered one (another object at the same address)."""
+    block_lists = None
+    if call.mask is not None:
+        if call.mask() is not mask_mod:
+            return None
+        block_lists = mask_mod.lists
+        mod_arrays = {**mask_mod.mod_arrays, **(mod_arrays or {})}
+    if call.problem.is_varlen:
+        _validate.check_cu_seqlens(call.problem_qkv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if seqused_k is not None:
+        _validate.seqused_k(seqused_k, call.problem, cu_seqlens_k)
+    if alibi_slopes is not None:
+        alibi_slopes = _validate.alibi_slopes(alibi_slopes, call.problem, call.xp)  # (its (batch, heads_q) view)
+    mods = tuple(mod_arrays[name] for name in call.mod_names) if call.mod_names else ()
+    return VariantArrays(cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, None, mods, block_lists)
+
+
+# Checked attention calls (their keys name the operation), and their plans.
+_checked_calls = CallMemo(256)
+_NO_ARRAYS = VariantArrays()
 
 
 def _prepare(q, k, v, *, softmax_scale, algorithm, block_q, block_k, variant_options, extra=None, read_values=True):
@@ -241,6 +392,25 @@ def attention(
     lse : array, shape (batch, heads_q, seqlen_q), or (heads_q, total_q) packed; only with ``return_lse=True``
         Natural-log logsumexp, float32 (float64 for float64 inputs); ``-inf`` for a row that sees no key.
     """
+    planner = _planner(q)
+    key = None
+    if planner is not None and bias is None and attn_mask is None:  # (a bias is converted at every call)
+        key = _call_key(planner, (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k), (
+            "attention", causal, softmax_scale, causal_align, window_size, softcap, max_seqlen_q, max_seqlen_k,
+            dropout_p, dropout_seed, dropout_offset, score_mod, algorithm, block_q, block_k,
+        ), mask_mod, mod_arrays, window_size)
+        call = _checked_calls.get(key) if key is not None else None
+        if call is not None:  # the same signature as a call already checked: its plan, at once
+            arrays = _NO_ARRAYS if call.plain else _rechecked_arrays(
+                call, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, alibi_slopes=alibi_slopes, mask_mod=mask_mod,
+                mod_arrays=mod_arrays)
+            if arrays is not None:
+                if _validate.finite_checks(check_finite):
+                    _validate.check_finite({"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes})
+                result = call.plan.run(q, k, v, arrays)
+                if result is not None:  # (None: an input's address needs an aligned copy; the call below makes it)
+                    return result if return_lse else result[0]
     variant_options = _variant_options(locals())
     library, problem, options = _prepare(
         q, k, v, softmax_scale=softmax_scale, algorithm=algorithm, block_q=block_q, block_k=block_k,
@@ -254,8 +424,16 @@ def attention(
     else:
         backend = _backend(library)
         _check_supported(backend, problem, options["algorithm"], options["variant"])
-        q, options["scale"], _ = _kernel_scale(library, q, options["scale"])
-        out, lse = backend.forward(q, k, v, **options)
+        kernel_q, options["scale"], _ = _kernel_scale(library, q, options["scale"])
+        plan = None
+        if key is not None and kernel_q is q:  # (a call whose q is mapped to a positive scale is not remembered)
+            plan = planner.plan_forward(q, k, v, **options)
+        if plan is not None:
+            out, lse = plan.run(q, k, v, options["variant"].arrays)
+            _checked_calls.put(key, _checked(plan, _validate.check_qkv(q, k, v, varlen=problem.is_varlen), problem,
+                                             options["variant"], mask_mod, _namespace(q)))
+        else:
+            out, lse = backend.forward(kernel_q, k, v, **options)
     return (out, lse) if return_lse else out
 
 
@@ -328,6 +506,25 @@ def attention_backward(
         The gradient of the scaled, modified score (after softcap and ALiBi) at each query and key, zero
         where masked, summed over the axes ``bias`` broadcasts over. ``attn_mask`` gets no gradient.
     """
+    planner = _planner(q)
+    key = None
+    if planner is not None and bias is None and attn_mask is None:  # (a bias is converted at every call)
+        key = _call_key(planner, (q, do, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k), (
+            "attention_backward", causal, softmax_scale, causal_align, window_size, softcap, max_seqlen_q,
+            max_seqlen_k, dropout_p, dropout_seed, dropout_offset, score_mod, algorithm, block_q, block_k, order,
+            deterministic, return_dbias,
+        ), mask_mod, mod_arrays, window_size)
+        call = _checked_calls.get(key) if key is not None else None
+        if call is not None:  # the same signature as a call already checked: its plan, at once
+            arrays = _NO_ARRAYS if call.plain else _rechecked_arrays(
+                call, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, alibi_slopes=alibi_slopes, mask_mod=mask_mod,
+                mod_arrays=mod_arrays)
+            if arrays is not None:
+                if _validate.finite_checks(check_finite):
+                    _validate.check_finite({"do": do, "q": q, "k": k, "v": v, "out": out, "lse": lse,
+                                            "alibi_slopes": alibi_slopes}, allow_neginf=("lse",))
+                return call.plan.run(do, q, k, v, out, lse, arrays)
     variant_options = _variant_options(locals())
     library, problem, options = _prepare(
         q, k, v, softmax_scale=softmax_scale, algorithm=algorithm, block_q=block_q, block_k=block_k,
@@ -344,7 +541,16 @@ def attention_backward(
         return (*grads, _namespace(q).zeros(bias.shape, bias.dtype)) if want_dbias else grads
     backend = _backend(library)
     _check_supported(backend, problem, options["algorithm"], options["variant"])
-    q, options["scale"], dq_factor = _kernel_scale(library, q, options["scale"])
+    kernel_q, options["scale"], dq_factor = _kernel_scale(library, q, options["scale"])
+    plan = None
+    if key is not None and kernel_q is q and not want_dbias:
+        plan = planner.plan_backward(do, q, k, v, out, lse, **options)
+    if plan is not None:
+        grads = plan.run(do, q, k, v, out, lse, options["variant"].arrays)
+        _checked_calls.put(key, _checked(plan, _validate.check_qkv(q, k, v, varlen=problem.is_varlen), problem,
+                                         options["variant"], mask_mod, _namespace(q)))
+        return grads
+    q = kernel_q
     if not want_dbias:  # the keyword only when asked: the backend interface without a bias is unchanged
         dq, dk, dv = backend.backward(do, q, k, v, out, lse, **options)
         return (dq if dq_factor == 1 else _times(dq, dq_factor)), dk, dv
@@ -530,10 +736,8 @@ def attention_with_kvcache(
         raise NotImplementedError(f"attention_with_kvcache has no decode backend for {library} arrays")
     kernel_q, scale, _ = _kernel_scale(library, q, scale)
     if key is not None and kernel_q is q:  # (a call whose q is mapped to a positive scale is not remembered)
-        _kvcache_launches[key] = backend.plan_kvcache(q, k_cache, v_cache, k, v, cache=cache, scale=scale,
-                                                      variant=variant, out=out, shared=True)
-        while len(_kvcache_launches) > _MAX_KVCACHE_LAUNCHES:
-            _kvcache_launches.pop(next(iter(_kvcache_launches)), None)
+        _kvcache_launches.put(key, backend.plan_kvcache(q, k_cache, v_cache, k, v, cache=cache, scale=scale,
+                                                        variant=variant, out=out, shared=True))
     result, lse = forward_kvcache(kernel_q, k_cache, v_cache, k, v, cache=cache, scale=scale, variant=variant, out=out)
     return (result, lse) if return_lse else result
 
@@ -542,15 +746,7 @@ def attention_with_kvcache(
 # strides, dtype and device; the options, with their types; the current device and stream) -> the backend's launch.
 # A call with the same key would pass the same checks (CuPy index values are not read outside the debug mode), so
 # it runs the launch at once: a decode step's host time is the launch's, not the checks' (~150 us of Python).
-_kvcache_launches: dict = {}
-_MAX_KVCACHE_LAUNCHES = 64
-
-
-def _array_key(a, kind):
-    return None if a is None else (a.shape, a.strides, a.dtype, a.data.device_id) if type(a) is kind else _NO_KEY
-
-
-_NO_KEY = object()  # an array of another type: not remembered (the checks will say what is wrong)
+_kvcache_launches = CallMemo(64)
 
 
 def _kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx,
@@ -566,12 +762,13 @@ def _kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_si
             and type(window_size[1]) is int and type(softcap) in (float, int)
             and (softmax_scale is None or type(softmax_scale) in (float, int))):
         return None
-    lens = ("int", cache_seqlens) if type(cache_seqlens) is int else _array_key(cache_seqlens, kind)
-    arrays = (_array_key(q, kind), _array_key(k_cache, kind), _array_key(v_cache, kind), _array_key(k, kind),
-              _array_key(v, kind), lens, _array_key(rotary_cos, kind), _array_key(rotary_sin, kind),
-              _array_key(cache_batch_idx, kind), _array_key(cache_leftpad, kind), _array_key(block_table, kind),
-              _array_key(alibi_slopes, kind), _array_key(out, kind))
-    if _NO_KEY in arrays:
+    try:
+        lens = ("int", cache_seqlens) if type(cache_seqlens) is int else _array_key(cache_seqlens, kind)
+        arrays = (_array_key(q, kind), _array_key(k_cache, kind), _array_key(v_cache, kind), _array_key(k, kind),
+                  _array_key(v, kind), lens, _array_key(rotary_cos, kind), _array_key(rotary_sin, kind),
+                  _array_key(cache_batch_idx, kind), _array_key(cache_leftpad, kind), _array_key(block_table, kind),
+                  _array_key(alibi_slopes, kind), _array_key(out, kind))
+    except _Unkeyed:  # an array of another type: not remembered (the checks will say what is wrong)
         return None
     import cupy
 

@@ -25,13 +25,33 @@ A plain dense call is ``Variant()``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._blocks import Band
 from ._philox import dropout_keep
 
-__all__ = ["Variant"]
+__all__ = ["Variant", "VariantArrays"]
+
+
+class VariantArrays(NamedTuple):
+    """The fields of a :class:`Variant` that hold arrays (and a BlockMask's store of block lists), apart: what
+    differs between calls that share everything else. A planned launch (``cuflash._cuda.attention``) is made for
+    a variant without them and reads them at each run."""
+
+    cu_seqlens_q: Any = None
+    cu_seqlens_k: Any = None
+    seqused_k: Any = None
+    alibi_slopes: Any = None
+    bias: Any = None
+    mod_arrays: tuple = ()
+    block_lists: dict | None = None
+
+    @property
+    def empty(self) -> bool:
+        """No array at all (a plain call: nothing of it changes between calls but q, k, v)."""
+        return all(a is None for a in self[:5]) and not self.mod_arrays and self.block_lists is None
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,6 +122,18 @@ class Variant:
     mods: Any = None
     mod_arrays: tuple | None = None
     block_lists: dict | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def arrays(self) -> VariantArrays:
+        return VariantArrays(self.cu_seqlens_q, self.cu_seqlens_k, self.seqused_k, self.alibi_slopes, self.bias,
+                             self.mod_arrays or (), self.block_lists)
+
+    def with_arrays(self, arrays: VariantArrays) -> "Variant":
+        """This variant with other arrays (of the same layouts: a plan's variant and a run's arrays)."""
+        return dataclasses.replace(
+            self, cu_seqlens_q=arrays.cu_seqlens_q, cu_seqlens_k=arrays.cu_seqlens_k, seqused_k=arrays.seqused_k,
+            alibi_slopes=arrays.alibi_slopes, bias=arrays.bias,
+            mod_arrays=arrays.mod_arrays if self.mods is not None else None, block_lists=arrays.block_lists)
 
     @property
     def is_varlen(self) -> bool:

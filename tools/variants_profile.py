@@ -4,8 +4,10 @@ duration, for the forward (and forward+backward) of the cases of ``variants_chec
     PYTHONPATH=. python3 tools/variants_profile.py [--n 8192] [--cases causal,prefix] [--backward]
     ncu --metrics gpu__time_duration.sum --csv python3 tools/variants_profile.py --once ...
 
-Without ``--once``: ``cupyx.profiler.benchmark`` per case (CPU time of the call's Python and launches, and GPU
-time between events around it: a GPU time equal to the CPU time means the host is the bottleneck). With
+Without ``--once``: ``cupyx.profiler.benchmark`` per case of the front door (``cuflash.attention``, and
+``attention_backward`` with ``--backward``): CPU time of the call (its checks, or their remembered result, and its
+launches) and GPU time between events around it (a GPU time equal to the CPU time means the host is the
+bottleneck). ``tools/host_profile.py`` measures the host time alone, at small shapes. With
 ``--once``: each case runs once after a warm-up (for ncu to time every kernel of one call).
 """
 
@@ -19,24 +21,24 @@ from variants_check import PREFIX, documents
 
 
 def cases(n: int, b: int, hq: int):
+    """name -> the keywords of cuflash.attention / attention_backward."""
     import cupy as cp
 
-    from cuflash._mods import user_mods
-    from cuflash._variant import Variant
+    import cuflash
 
-    doc = documents(n)
-    slopes = cp.broadcast_to(cp.asarray(2.0 ** (-8.0 * (np.arange(hq) + 1) / hq), dtype=cp.float32), (b, hq))
+    doc = cp.asarray(documents(n))
+    slopes = cp.asarray(2.0 ** (-8.0 * (np.arange(hq) + 1) / hq), dtype=cp.float32)
     return {
-        "causal": Variant(causal=True),
-        "softcap-causal": Variant(causal=True, softcap=30.0),
-        "alibi-causal": Variant(causal=True, alibi_slopes=slopes),
-        "dropout-0.1-causal": Variant(causal=True, dropout_p=0.1, dropout_seed=1, dropout_offset=0),
-        "document-causal": Variant(causal=True, mods=user_mods(None, "doc[q_idx] == doc[kv_idx]", {"doc": doc}),
-                                   mod_arrays=(cp.asarray(doc),), block_lists={}),  # a BlockMask (lists built once, as Flex's)
-        "prefix-lm-1024": Variant(mods=user_mods(None, f"kv_idx <= q_idx || kv_idx < {PREFIX}")),
-        "mask-causal": Variant(mods=user_mods(None, "kv_idx <= q_idx")),
-        "score-mod-softcap-causal": Variant(causal=True, mods=user_mods("30.0f * tanhf(score / 30.0f)", None)),
-        "score-mod-identity-causal": Variant(causal=True, mods=user_mods("score", None)),
+        "causal": dict(causal=True),
+        "softcap-causal": dict(causal=True, softcap=30.0),
+        "alibi-causal": dict(causal=True, alibi_slopes=slopes),
+        "dropout-0.1-causal": dict(causal=True, dropout_p=0.1, dropout_seed=1, dropout_offset=0),
+        # a BlockMask: lists built once, as Flex's
+        "document-causal": dict(causal=True, mask_mod=cuflash.BlockMask("doc[q_idx] == doc[kv_idx]", {"doc": doc})),
+        "prefix-lm-1024": dict(mask_mod=f"kv_idx <= q_idx || kv_idx < {PREFIX}"),
+        "mask-causal": dict(mask_mod="kv_idx <= q_idx"),
+        "score-mod-softcap-causal": dict(causal=True, score_mod="30.0f * tanhf(score / 30.0f)"),
+        "score-mod-identity-causal": dict(causal=True, score_mod="score"),
     }
 
 
@@ -51,24 +53,23 @@ def main():
     import cupy as cp
     from cupyx.profiler import benchmark
 
-    from cuflash import _cuda as cuda
+    import cuflash
 
     d, hq, n = 128, 16, args.n
     b = max(1, 16384 // n)
     rng = cp.random.default_rng(0)
     q, k, v, do = (rng.standard_normal((b, n, hq, d), dtype=cp.float32).astype(cp.float16) for _ in range(4))
 
-    for name, variant in cases(n, b, hq).items():
+    for name, opts in cases(n, b, hq).items():
         if args.cases and not any(w in name for w in args.cases.split(",")):
             continue
-        opts = dict(scale=d ** -0.5, variant=variant, algorithm="fa2", block_q=None, block_k=None)
 
         def fwd():
-            return cuda.forward(q, k, v, **opts)
+            return cuflash.attention(q, k, v, **opts)
 
         def fb():
-            o, lse = cuda.forward(q, k, v, **opts)
-            return cuda.backward(do, q, k, v, o, lse, order="kv_outer", **opts)
+            o, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
+            return cuflash.attention_backward(do, q, k, v, o, lse, **opts)
 
         fn = fb if args.backward else fwd
         fn()

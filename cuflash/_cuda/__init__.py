@@ -7,6 +7,9 @@ Implements the backend interface of ``docs/architecture.md``::
     check_supported(problem, algorithm, variant)
     forward_kvcache(q, k_cache, v_cache, k, v, *, cache, scale, variant, out=None) -> (out, lse)
     plan_kvcache(q, k_cache, v_cache, k, v, *, cache, scale, variant, out=None) -> a launch with .run(...)
+    plan_forward(q, k, v, *, scale, variant, algorithm, block_q, block_k) -> a plan with .run(q, k, v, arrays), or None
+    plan_backward(do, q, k, v, out, lse, *, scale, variant, algorithm, block_q, block_k, order) -> the same, or None
+    call_context() -> what decides a plan besides the arguments (device, stream)
 
 Layers, one module each:
 
@@ -40,13 +43,13 @@ are computed per query head into a float32 workspace and summed over each group 
 from __future__ import annotations
 
 from . import attention
-from .attention import backward, check_supported, forward
+from .attention import backward, call_context, check_supported, forward, plan_backward, plan_forward
 from .compile import compile_source_for_nvrtc
 from .decode import forward_kvcache, plan_kvcache
 from .spec import BWD_HEAD_DIMS, HEAD_DIMS, NVRTC_OPTIONS, SM90A_OPTIONS, TILES, KernelSpec, Tile, instantiations
 
 __all__ = [
-    "forward", "backward", "check_supported", "forward_kvcache", "plan_kvcache", "instantiations",
+    "forward", "backward", "check_supported", "plan_forward", "plan_backward", "call_context", "forward_kvcache", "plan_kvcache", "instantiations",
     "compile_source_for_nvrtc", "attention",
     "KernelSpec", "Tile", "TILES", "HEAD_DIMS", "BWD_HEAD_DIMS", "NVRTC_OPTIONS", "SM90A_OPTIONS",
 ]

@@ -14,17 +14,21 @@ kernels index as one batch of ``total`` rows, as they do D and the float32 dQ an
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import NamedTuple
 
 import numpy as np
 
-from .._variant import Variant
+from .._variant import Variant, VariantArrays
 from . import fa1, naive
-from .compile import arch_class, check_smem, device_info, launch
-from .spec import BLOCK_COMPACT, BWD_HEAD_DIMS, CTYPES, FA1_HEAD_DIMS, HEAD_DIMS, TILES, Tile, extra_params, mask_policy, variant_params, variant_type
+from .compile import PackedLaunch, arch_class, check_smem, device_info, launch
+from .spec import (BLOCK_COMPACT, BWD_HEAD_DIMS, CTYPES, EXTRA_POINTER_FIELDS, FA1_HEAD_DIMS, HEAD_DIMS, TILES,
+                   VARIANT_POINTER_FIELDS, Tile, device_record, extra_params, extra_record, has_dropout, mask_policy,
+                   variant_params, variant_type)
 from .spec import spec as kernel_spec
 
-__all__ = ["forward", "backward", "check_supported"]
+__all__ = ["forward", "backward", "check_supported", "plan_forward", "ForwardPlan", "plan_backward", "BackwardPlan",
+           "call_context"]
 
 # On sm_90 devices the forward runs flash_fwd_sm90_kernel where TILES has a ("fwd", "sm90a", d) row, and the
 # backward flash_bwd_dkdv_sm90_kernel where it has a ("bwd", "sm90a", d) row (switches for benchmarks).
@@ -121,14 +125,17 @@ def strides(a) -> tuple[np.int64, np.int64, np.int64]:
     return tuple(np.int64(x // it) for x in s)
 
 
+def _is_aligned(a) -> bool:
+    """Whether ``a``'s tiles can be copied with 16-byte cp.async: base and every stride a multiple of 16 bytes."""
+    return a.data.ptr % 16 == 0 and all((s % 16 == 0) or n == 1 for s, n in zip(a.strides[:-1], a.shape[:-1]))
+
+
 def aligned(a):
-    """``a`` itself when its tiles can be copied with 16-byte cp.async (base and every stride a multiple
-    of 16 bytes); otherwise a contiguous copy (rare: views with odd offsets or strides)."""
+    """``a`` itself when its tiles can be copied with 16-byte cp.async (:func:`_is_aligned`); otherwise a
+    contiguous copy (rare: views with odd offsets or strides)."""
     import cupy
 
-    if a.data.ptr % 16 == 0 and all((s % 16 == 0) or n == 1 for s, n in zip(a.strides[:-1], a.shape[:-1])):
-        return a
-    return cupy.ascontiguousarray(a)
+    return a if _is_aligned(a) else cupy.ascontiguousarray(a)
 
 
 def i32(x) -> np.int32:
@@ -245,10 +252,7 @@ def forward(q, k, v, *, scale, variant: Variant, algorithm, block_q, block_k):
     import cupy
 
     kd = _needs_padding(q, v, algorithm)
-    head_dims = (0, 0)  # [variant head dim] the arrays' (d, dv) when the kernel reads them in place
-    if kd and _reads_in_place(q, v, algorithm):
-        head_dims = (q.shape[-1], v.shape[-1])
-    elif kd:
+    if kd and not _reads_in_place(q, v, algorithm):
         out, lse = forward(_pad(q, kd), _pad(k, kd), _pad(v, kd), scale=scale, variant=variant, algorithm=algorithm,
                            block_q=block_q, block_k=block_k)
         return cupy.ascontiguousarray(out[..., :v.shape[-1]]), lse
@@ -258,29 +262,210 @@ def forward(q, k, v, *, scale, variant: Variant, algorithm, block_q, block_k):
         return fa1.forward(q, k, v, scale=scale, causal_offset=causal_offset, block_q=block_q, block_k=block_k)
     if algorithm == "naive":
         return naive.forward(q, k, v, scale=scale, causal_offset=causal_offset)
-    d = kd or shp.head_dim
-    assert shp.heads_q % shp.heads_kv == 0 and d in HEAD_DIMS
-    dtype = np.dtype(q.dtype).name
     variant = _kernel_ready(variant)
-    vtype = variant_type(variant, pads_head_dim=bool(kd))
-    out = cupy.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype)
-    lse = _lse_empty(shp, variant)
-    if dtype == "float32":
-        spec = kernel_spec("fwd_f32", dtype, d, TILES[("fwd", "f32", d)], vtype)
-    else:
-        assert dtype in CTYPES, dtype
+    if np.dtype(q.dtype).name in CTYPES:
         q, k, v = aligned(q), aligned(k), aligned(v)
-        t = _hopper_tile("fwd", d, block_q, block_k, SM90A_FORWARD and not kd)
-        if t is not None:
-            spec = kernel_spec("fwd_sm90", dtype, d, t, vtype)
+    return ForwardPlan(q, k, v, scale=scale, variant=variant, block_q=block_q, block_k=block_k).run(
+        q, k, v, variant.arrays)
+
+
+def plan_forward(q, k, v, *, scale, variant: Variant, algorithm, block_q, block_k) -> ForwardPlan | None:
+    """A :class:`ForwardPlan` for repeated calls with these layouts and options (the front door keeps it), or None
+    where the call does not run as one FA2 launch on the arrays as given: FA1 and naive, head dims that run on
+    padded copies, a bias (converted at every call), 16-bit inputs whose base or strides need an aligned copy."""
+    if algorithm != "fa2" or variant.bias is not None or (_needs_padding(q, v, algorithm)
+                                                          and not _reads_in_place(q, v, algorithm)):
+        return None
+    if np.dtype(q.dtype).name in CTYPES and not (_is_aligned(q) and _is_aligned(k) and _is_aligned(v)):
+        return None
+    return ForwardPlan(q, k, v, scale=scale, variant=variant, block_q=block_q, block_k=block_k)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Plans: the launches of one call's layouts and options, worked out once, then run with any arrays of those
+# layouts. What a plan holds: the kernels (compiled, their function handles), grids and shared memory, each
+# launch's arguments packed for cuLaunchKernel (compile.PackedLaunch) with every value the layouts and options
+# decide, and the variant's records. A run allocates the outputs, writes the arrays' addresses into the packed
+# arguments and launches on the current stream. Every FA2 call runs through one (made for the call, or kept by
+# the front door for calls that repeat: it keys them by everything the plan depends on, cuflash._api).
+
+_RUNTIME = None
+
+
+def runtime():
+    """What plans take from CuPy (:class:`.decode.CupyRuntime`), bound once; a tool may set a stand-in."""
+    global _RUNTIME
+    if _RUNTIME is None:
+        from .decode import CupyRuntime
+
+        _RUNTIME = CupyRuntime()
+    return _RUNTIME
+
+
+def call_context() -> tuple:
+    """What decides a plan besides the call's arguments: the current device and stream (a plan's ExtraParams copy
+    and block lists are made on one), and the benchmarks' switches of the Hopper kernels."""
+    rt = runtime()
+    return rt.get_device(), rt.current_stream().ptr, SM90A_FORWARD, SM90A_BACKWARD
+
+
+def _ptr(a) -> int:
+    return 0 if a is None else a.data.ptr
+
+
+def _element_strides(shape) -> tuple[np.int64, np.int64, np.int64]:
+    """:func:`strides` of a C-contiguous array of ``shape`` (the outputs a run allocates)."""
+    steps, step = [], 1
+    for n in reversed(shape):
+        steps.append(step)
+        step *= max(int(n), 1)
+    s = steps[:0:-1]  # every axis's but the last, outermost first
+    if len(s) == 2:
+        s = [0, *s]
+    return tuple(np.int64(x) for x in s)
+
+
+class _VariantArgs:
+    """One planned launch's variant arguments across runs: ``VariantParams`` (passed by value; :meth:`pointers`
+    gives its pointer fields for a run), the ``ExtraParams`` record (in device memory: a new copy only when an
+    address in it changes, through :func:`.spec.device_record`'s cache) and, with a mask_mod on the 16-bit
+    kernels, the block lists of the launch's tiles (looked up in their store at each run: a BlockMask may have
+    been cleared; or built at each run for masks whose arrays may change in place)."""
+
+    def __init__(self, variant: Variant, scale: float, shp: Shape, spec=None, transposed: bool = False,
+                 head_dims=(0, 0)):
+        # (its pointers: written at each run; head_dims: [variant head dim], the arrays' (d, dv) below the kernel's)
+        self.params = variant_params(variant, scale, shp.rows_q, shp.rows_k, head_dims=head_dims)
+        self._shp, self._transposed = shp, transposed
+        # The variant without its arrays (a plan must not keep the caller's arrays alive): a run's arrays re-form it.
+        # Variant fields that test for an array (is_varlen, variant_type) are read before this, not after.
+        self._template = variant.with_arrays(VariantArrays())
+        self._has_mods = variant.mods is not None
+        self._has_extra = variant.bias is not None or has_dropout(variant) or self._has_mods
+        self._tiles = None
+        if spec is not None and self._has_mods and variant.mods.has_mask_mod and spec.dtype != "float32":
+            store, key = lists_store(variant, shp, spec.tile.block_m, spec.tile.block_n, transposed)
+            # (a BlockMask's store is the run's: VariantArrays.block_lists)
+            self._tiles = (None if store is variant.block_lists else store, key, spec.tile.block_m, spec.tile.block_n)
+        self._record = self._record_words = self._device = None
+        self._last = None
+        # No pointer in VariantParams to write at a run: the planned record's zeros serve every run.
+        self.constant = not self._has_extra and variant.arrays.empty
+
+    def variant(self, arrays: VariantArrays) -> Variant:
+        """The planned variant with a run's arrays."""
+        return self._template.with_arrays(arrays)
+
+    def _lists(self, arrays: VariantArrays):
+        store, key, block_m, block_n = self._tiles
+        if store is None:
+            store = arrays.block_lists
+        hit = store.get(key) if key is not None else None
+        if hit is None:
+            hit = block_lists(self.variant(arrays), self._shp, block_m, block_n, self._transposed)
+        return hit
+
+    def pointers(self, arrays: VariantArrays, dbias=None) -> tuple[int, int, int, int, int]:
+        """VariantParams' pointer fields of a run (:data:`.spec.VARIANT_POINTER_FIELDS`): the arrays' addresses
+        and the ExtraParams copy's. Keeps the copy and the lists it points to until the next run."""
+        extra = 0
+        if self._has_extra:
+            tiles = self._lists(arrays) if self._tiles is not None else None
+            mods = arrays.mod_arrays
+            ptrs = (_ptr(arrays.bias), _ptr(dbias), *(_ptr(a) for a in mods), *(0,) * (4 - len(mods)),
+                    *((0, 0) if tiles is None else (tiles[0].data.ptr, tiles[1].data.ptr)))
+            if ptrs != self._last:
+                if self._record is None:
+                    self._record = extra_record(self.variant(arrays), dbias, tiles)
+                    self._record_words = memoryview(self._record.reshape(1).view(np.uint8)).cast("Q")
+                else:
+                    for offset, ptr in zip(EXTRA_POINTER_FIELDS, ptrs):
+                        self._record_words[offset // 8] = ptr
+                self._device = device_record(self._record, cached=dbias is None)
+                self._keep, self._last = tiles, ptrs
+            extra = self._device.data.ptr
+        return (_ptr(arrays.cu_seqlens_q), _ptr(arrays.cu_seqlens_k), _ptr(arrays.seqused_k),
+                _ptr(arrays.alibi_slopes), extra)
+
+
+class _Plan:
+    """What every plan does at a run: one run at a time writes the packed arguments and launches (threads may share
+    a plan: the front door keys plans by stream, and threads may share one); the device's context current on each
+    thread (cuLaunchKernel, unlike CuPy's launches, does not establish it)."""
+
+    def __init__(self):
+        rt = runtime()
+        self._rt = rt
+        self._empty, self._zeros, self._stream = rt.empty, rt.zeros, rt.current_stream
+        self._lock = threading.Lock()
+        self._threads: set = set()
+
+    def _enter(self) -> None:
+        if threading.get_ident() not in self._threads:
+            self._rt.make_context_current()
+            self._threads.add(threading.get_ident())
+
+    @staticmethod
+    def _write(launch: PackedLaunch, words: tuple, ptrs: tuple) -> None:
+        w = launch.words
+        for index, ptr in zip(words, ptrs):
+            w[index] = ptr
+
+
+class ForwardPlan(_Plan):
+    """The FA2 forward of one call's layouts and options: the kernel (the wgmma kernel on sm_90 where the tile table
+    has a row, the mma.sync one otherwise, the SIMT one for float32), its grid and packed arguments. :meth:`run`
+    takes q, k, v and :class:`VariantArrays` of the planned layouts (the caller checks them: the front door keys its
+    plans by layout) and returns ``(out, lse)``."""
+
+    def __init__(self, q, k, v, *, scale: float, variant: Variant, block_q, block_k):
+        super().__init__()
+        shp = shape_of(q, k, variant)
+        dtype, dv = np.dtype(q.dtype).name, v.shape[-1]
+        d = kernel_head_dim(shp.head_dim, dv)
+        # [variant head dim] head dims below the kernel's (multiples of 8, 16-bit: _reads_in_place), read in place
+        pads = d != shp.head_dim or d != dv
+        vtype = variant_type(variant, pads_head_dim=pads)
+        assert shp.heads_q % shp.heads_kv == 0 and d in HEAD_DIMS and (not pads or dtype in CTYPES)
+        self._aligned = dtype != "float32"  # the 16-bit kernels copy tiles with 16-byte cp.async
+        if dtype == "float32":
+            spec = kernel_spec("fwd_f32", dtype, d, TILES[("fwd", "f32", d)], vtype)
         else:
-            spec = kernel_spec("fwd", dtype, d, plan_tile("fwd", d, block_q, block_k), vtype)
-    check_smem(spec)
-    vp, _keep = launch_params(variant, scale, shp, spec, head_dims=head_dims)
-    launch(spec, (cdiv(shp.max_q, spec.tile.block_m), shp.heads_q, shp.batch), (
-        q, k, v, out, lse, i32(shp.rows_q), i32(shp.rows_k), i32(shp.heads_q), i32(shp.group),
-        *strides(q), *strides(k), *strides(v), *strides(out), np.float32(scale * _LOG2E), vp))
-    return out, lse
+            assert dtype in CTYPES, dtype
+            t = _hopper_tile("fwd", d, block_q, block_k, SM90A_FORWARD and not pads)
+            if t is not None:
+                spec = kernel_spec("fwd_sm90", dtype, d, t, vtype)
+            else:
+                spec = kernel_spec("fwd", dtype, d, plan_tile("fwd", d, block_q, block_k), vtype)
+        check_smem(spec)
+        self.dtype, self.out_shape = q.dtype, (*q.shape[:-1], dv)
+        self.lse_shape = (shp.heads_q, shp.rows_q) if variant.is_varlen else (shp.batch, shp.heads_q, shp.rows_q)
+        self._variant = _VariantArgs(variant, scale, shp, spec, head_dims=(shp.head_dim, dv) if pads else (0, 0))
+        args = (None, None, None, None, None, i32(shp.rows_q), i32(shp.rows_k), i32(shp.heads_q), i32(shp.group),
+                *strides(q), *strides(k), *strides(v), *_element_strides(self.out_shape), np.float32(scale * _LOG2E),
+                self._variant.params)
+        self._launch = PackedLaunch(self._rt, spec, (cdiv(shp.max_q, spec.tile.block_m), shp.heads_q, shp.batch), args)
+        vp = len(args) - 1
+        self._words = tuple(self._launch.word(i) for i in range(5))
+        if not self._variant.constant:
+            self._words += tuple(self._launch.word(vp, offset) for offset in VARIANT_POINTER_FIELDS)
+
+    def run(self, q, k, v, arrays: VariantArrays = VariantArrays()):
+        """``(out, lse)``, or None when a 16-bit input's base address is not a multiple of 16 bytes (the caller
+        runs it unplanned, on an aligned copy)."""
+        pq, pk, pv = q.data.ptr, k.data.ptr, v.data.ptr
+        if self._aligned and (pq | pk | pv) & 15:
+            return None
+        self._enter()
+        out = self._empty(self.out_shape, dtype=self.dtype)
+        lse = self._empty(self.lse_shape, dtype=np.float32)
+        with self._lock:
+            ptrs = (pq, pk, pv, out.data.ptr, lse.data.ptr)
+            if not self._variant.constant:
+                ptrs += self._variant.pointers(arrays)
+            self._write(self._launch, self._words, ptrs)
+            self._launch.run(self._stream().ptr)
+        return out, lse
 
 
 def launch_params(variant: Variant, scale: float, shp: Shape, spec=None, dbias=None, transposed=False,
@@ -301,6 +486,37 @@ _LISTS_CACHE: dict = {}
 _LISTS_CACHE_SIZE = 64
 
 
+def lists_store(variant: Variant, shp: Shape, block_m: int, block_n: int, transposed: bool):
+    """``(store, key)``: where :func:`block_lists` keeps the lists of this launch's tiling, or ``(None, None)`` for
+    lists computed on every call. A cuflash.BlockMask's store is ``variant.block_lists``; the shape cache is
+    :data:`_LISTS_CACHE`."""
+    import cupy
+
+    mods = variant.mods
+    has_lengths = variant.is_varlen or variant.seqused_k is not None
+    # What decides the lists besides the mask's arrays and the sequences' lengths.
+    tiling = (cupy.cuda.runtime.getDevice(), mask_policy(variant), variant.window_left, variant.right,
+              variant.bottom_right, shp.rows_q, shp.rows_k, *_lists_shape(variant, shp, block_m, block_n, transposed),
+              block_m, block_n, transposed)
+    if variant.block_lists is not None:  # a cuflash.BlockMask's: kept for as long as the user keeps it
+        return variant.block_lists, tiling
+    if not has_lengths and not any(mods.uses(name, "mask_mod") for name in mods.array_names):
+        # (per stream too: a later call on another stream must not read lists still being written)
+        return _LISTS_CACHE, (cupy.cuda.get_current_stream().ptr, *tiling)
+    return None, None
+
+
+def _lists_shape(variant: Variant, shp: Shape, block_m: int, block_n: int, transposed: bool):
+    """``(nb, nh, rows, cols)`` of a launch's block lists: the batch and head axes 1 where the map broadcasts."""
+    mods = variant.mods
+    has_lengths = variant.is_varlen or variant.seqused_k is not None
+    nb = shp.batch if (mods.mask_uses_b or has_lengths) else 1
+    nh = shp.heads_q if mods.mask_uses_h else 1
+    rows = cdiv(shp.max_k, block_n) if transposed else cdiv(shp.max_q, block_m)
+    cols = cdiv(shp.max_q, block_m) if transposed else cdiv(shp.max_k, block_n)
+    return nb, nh, rows, cols
+
+
 def block_lists(variant: Variant, shp: Shape, block_m: int, block_n: int, transposed: bool):
     """mask_mod's block lists for tiles of ``block_m`` queries x ``block_n`` keys (``block_map.cu``, on the
     GPU): ``(count, list)`` per query tile, or per key tile when ``transposed``, every tile listed holding a
@@ -308,29 +524,16 @@ def block_lists(variant: Variant, shp: Shape, block_m: int, block_n: int, transp
     the mask reads no array and the sequences have no lengths of their own (then nothing but the shape and
     the tiling decides them), or kept in the cuflash.BlockMask the mask came in (``variant.block_lists``, whose
     contract is that its arrays and the lengths do not change); otherwise computed on every call, since arrays
-    may change in place."""
+    may change in place (:func:`lists_store`)."""
     import cupy
 
-    mods = variant.mods
-    has_lengths = variant.is_varlen or variant.seqused_k is not None
-    nb = shp.batch if (mods.mask_uses_b or has_lengths) else 1
-    nh = shp.heads_q if mods.mask_uses_h else 1
-    rows = cdiv(shp.max_k, block_n) if transposed else cdiv(shp.max_q, block_m)
-    cols = cdiv(shp.max_q, block_m) if transposed else cdiv(shp.max_k, block_n)
-    policy = mask_policy(variant)
-    # What decides the lists besides the mask's arrays and the sequences' lengths.
-    tiling = (cupy.cuda.runtime.getDevice(), policy, variant.window_left, variant.right, variant.bottom_right,
-              shp.rows_q, shp.rows_k, nb, nh, block_m, block_n, transposed)
-    key = store = None
-    if variant.block_lists is not None:  # a cuflash.BlockMask's: kept for as long as the user keeps it
-        store, key = variant.block_lists, tiling
-    elif not has_lengths and not any(mods.uses(name, "mask_mod") for name in mods.array_names):
-        # (per stream too: a later call on another stream must not read lists still being written)
-        store, key = _LISTS_CACHE, (cupy.cuda.get_current_stream().ptr, *tiling)
+    store, key = lists_store(variant, shp, block_m, block_n, transposed)
     if key is not None:
         hit = store.get(key)
         if hit is not None:
             return hit
+    nb, nh, rows, cols = _lists_shape(variant, shp, block_m, block_n, transposed)
+    policy = mask_policy(variant)
     count = cupy.empty((nb, nh, rows), dtype=cupy.int32)
     lists = cupy.empty((nb, nh, rows, cols), dtype=cupy.int32)
     spec = kernel_spec("block_lists_t" if transposed else "block_lists", "float32", 0, Tile(block_m, block_n, 4, 1),
@@ -351,6 +554,28 @@ def block_lists(variant: Variant, shp: Shape, block_m: int, block_n: int, transp
             _LISTS_CACHE.pop(next(iter(_LISTS_CACHE)))
         store[key] = (count, lists)
     return count, lists
+
+
+def plan_backward(do, q, k, v, out, lse, *, scale, variant: Variant, algorithm, block_q, block_k, order):
+    """A :class:`BackwardPlan` for repeated backward calls with these layouts and options (the front door keeps
+    it), or None for a bias (converted at every call, and its gradient)."""
+    if variant.bias is not None:
+        return None
+    return BackwardPlan(scale=scale, variant=variant, algorithm=algorithm, block_q=block_q, block_k=block_k,
+                        order=order)
+
+
+class BackwardPlan:
+    """A backward call's checked options, without its arrays: :meth:`run` runs :func:`backward` with a run's arrays.
+    (The backward's launches are still worked out at each call and launched through CuPy; packing them once, as
+    :class:`ForwardPlan` does, is the next step for its host time.)"""
+
+    def __init__(self, *, variant: Variant, **options):
+        self._variant = variant.with_arrays(VariantArrays())  # (keeps none of the caller's arrays alive)
+        self._options = options
+
+    def run(self, do, q, k, v, out, lse, arrays: VariantArrays = VariantArrays()):
+        return backward(do, q, k, v, out, lse, variant=self._variant.with_arrays(arrays), **self._options)
 
 
 # ---------------------------------------------------------------------------------------------------

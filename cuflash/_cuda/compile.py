@@ -11,9 +11,11 @@ import importlib.resources
 import re
 import threading
 
+import numpy as np
+
 from .spec import KernelSpec, prelude_of
 
-__all__ = ["compile_source_for_nvrtc", "kernel", "device_info", "arch_class", "check_smem"]
+__all__ = ["compile_source_for_nvrtc", "kernel", "device_info", "arch_class", "check_smem", "launch", "PackedLaunch"]
 
 _INCLUDE_RE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
 
@@ -109,3 +111,46 @@ def launch(spec: KernelSpec, grid: tuple[int, ...], args: tuple) -> None:
     if entry is None:
         entry = _launchable[key] = (kernel(spec), (spec.threads,), spec.smem)
     entry[0](grid, entry[1], args, shared_mem=entry[2])
+
+
+class PackedLaunch:
+    """One kernel launch planned for repeated runs: the kernel's function handle, grid, block and shared memory,
+    and its arguments packed once as ``cuLaunchKernel`` takes them (each in its own 8-byte-aligned slot of one host
+    buffer, and the array of the slots' addresses). A run writes the pointers that change into their 64-bit words
+    and launches through the driver: none of CuPy's per-argument conversion, which costs more host time than the
+    rest of a planned call.
+
+    ``args`` as :func:`launch` takes them, with None for a pointer written at each run (a null pointer until then);
+    ``runtime``: :class:`.decode.CupyRuntime` or a stand-in. ``cuLaunchKernel`` copies the arguments when it is
+    called, so the buffer may be rewritten as soon as :meth:`run` returns.
+    """
+
+    def __init__(self, runtime, spec: KernelSpec, grid: tuple[int, int, int], args: tuple):
+        self.fn, self._module = runtime.function(spec)  # (the module object keeps the function loaded)
+        self.grid, self.threads, self.smem = tuple(int(g) for g in grid), spec.threads, spec.smem
+        self._launch = runtime.launch
+        values = [np.zeros((), np.uint64) if a is None else a if isinstance(a, np.generic) else np.uint64(a.data.ptr)
+                  for a in args]
+        self.offsets, size = [], 0
+        for value in values:
+            self.offsets.append(size)
+            size += -(-value.dtype.itemsize // 8) * 8
+        self._buffer = np.zeros(max(size, 8), np.uint8)
+        for value, offset in zip(values, self.offsets):
+            raw = np.asarray(value).reshape(1).view(np.uint8)
+            self._buffer[offset:offset + raw.size] = raw
+        base = self._buffer.ctypes.data
+        self._argv = np.array([base + offset for offset in self.offsets], np.uint64)
+        self._argv_ptr = int(self._argv.ctypes.data)
+        self.words = memoryview(self._buffer).cast("Q")  # (item assignment: the cheapest write there is)
+
+    def word(self, index: int, field_offset: int = 0) -> int:
+        """The index in :attr:`words` of argument ``index`` (a pointer), or of the pointer field at byte
+        ``field_offset`` of a structured argument (VariantParams)."""
+        offset = self.offsets[index] + field_offset
+        assert offset % 8 == 0, offset
+        return offset // 8
+
+    def run(self, stream: int) -> None:
+        gx, gy, gz = self.grid
+        self._launch(self.fn, gx, gy, gz, self.threads, 1, 1, self.smem, stream, self._argv_ptr, 0)

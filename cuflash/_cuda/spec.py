@@ -22,7 +22,8 @@ from .._variant import Variant
 
 __all__ = [
     "Tile", "TILES", "HEAD_DIMS", "BWD_HEAD_DIMS", "Family", "FAMILIES", "KernelSpec", "NVRTC_OPTIONS",
-    "SM90A_OPTIONS", "FA1_HEAD_DIMS", "VARIANT_PARAMS_DTYPE", "EXTRA_PARAMS_DTYPE", "variant_type", "has_dropout", "extra_params", "prelude_of", "mask_policy", "variant_params", "instantiations", "spec", "DENSE", "CTYPES",
+    "SM90A_OPTIONS", "FA1_HEAD_DIMS", "VARIANT_PARAMS_DTYPE", "EXTRA_PARAMS_DTYPE", "variant_type", "has_dropout", "extra_params", "extra_record", "device_record",
+    "VARIANT_POINTER_FIELDS", "EXTRA_POINTER_FIELDS", "prelude_of", "mask_policy", "variant_params", "instantiations", "spec", "DENSE", "CTYPES",
 ]
 
 # Options given to NVRTC (CuPy appends the -arch of the current device).
@@ -183,6 +184,13 @@ EXTRA_PARAMS_DTYPE = np.dtype(
     align=True,
 )
 assert EXTRA_PARAMS_DTYPE.itemsize == 176
+# The pointer fields of each record that a planned launch rewrites at every run, as byte offsets: VariantParams'
+# arrays and its ExtraParams; ExtraParams' bias, dbias, the user mods' four arrays and the block lists.
+VARIANT_POINTER_FIELDS = tuple(VARIANT_PARAMS_DTYPE.fields[name][1]
+                               for name in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "alibi_slopes", "extra"))
+EXTRA_POINTER_FIELDS = (EXTRA_PARAMS_DTYPE.fields["bias"][1], EXTRA_PARAMS_DTYPE.fields["dbias"][1],
+                        *(EXTRA_PARAMS_DTYPE.fields["mod_ptr"][1] + 8 * i for i in range(4)),
+                        EXTRA_PARAMS_DTYPE.fields["tile_count"][1], EXTRA_PARAMS_DTYPE.fields["tile_list"][1])
 
 # The C++ source of each user-mod policy type in use (name -> source), appended to the kernel source of
 # any instantiation whose name expression names it (cuflash/_mods.py generates them; the name is a hash of
@@ -241,14 +249,13 @@ def _strides_of(a, n: int) -> tuple[int, ...]:
     return (0,) * n if a is None else tuple(s // a.itemsize for s in a.strides[:n])
 
 
-def extra_params(variant: Variant, dbias=None, tiles=None):
-    """``struct ExtraParams`` (variants.cuh) in device memory, or None when the variant needs none: the bias
+def extra_record(variant: Variant, dbias=None, tiles=None) -> np.ndarray | None:
+    """``struct ExtraParams`` (variants.cuh) on the host, or None when the variant needs none: the bias
     ((batch, heads_q, seqlen_q, seqlen_k) float32 with a contiguous last axis) and its gradient buffer
     ``dbias`` (or None), the dropout seed, offset, keep threshold and 1 / (1 - p), the user mods' arrays,
     and ``tiles``, mask_mod's compacted block lists for one launch: ``(count, list)``, int32 arrays
-    ``(Bm, Hm, rows)`` and ``(Bm, Hm, rows, cols)`` (Bm, Hm: 1 where the map broadcasts)."""
-    import cupy
-
+    ``(Bm, Hm, rows)`` and ``(Bm, Hm, rows, cols)`` (Bm, Hm: 1 where the map broadcasts). A 0-d record; its
+    pointer fields are :data:`EXTRA_POINTER_FIELDS`."""
     drop = has_dropout(variant)
     if variant.bias is None and not drop and variant.mods is None:
         return None
@@ -267,10 +274,17 @@ def extra_params(variant: Variant, dbias=None, tiles=None):
         bm, hm, rows, cols = lists.shape
         e["tile_count"], e["tile_list"], e["tile_cols"] = _ptr(count), _ptr(lists), cols
         e["tiles_sb"], e["tiles_sh"] = (hm * rows if bm > 1 else 0), (rows if hm > 1 else 0)
-    # The device copy, kept by content (and stream: a later call on another stream must not read a copy still
-    # in flight): a call that repeats its arrays (a BlockMask, a bias reused across layers) costs no host copy.
-    # Not with a dbias buffer, new at every backward (the copy would only hold memory).
-    if dbias is not None:
+    return e
+
+
+def device_record(e: np.ndarray, *, cached: bool = True):
+    """The device copy of an ExtraParams record. ``cached``: kept by content (and stream: a later call on another
+    stream must not read a copy still in flight), so that a call that repeats its arrays (a BlockMask, a bias
+    reused across layers) costs no host copy; not for a record that points to a dbias buffer, new at every
+    backward (the copy would only hold memory)."""
+    import cupy
+
+    if not cached:
         return cupy.asarray(e.reshape(1).view(np.uint8))
     key = (cupy.cuda.get_current_stream().ptr, cupy.cuda.runtime.getDevice(), e.tobytes())
     device = _EXTRA_CACHE.get(key)
@@ -279,6 +293,12 @@ def extra_params(variant: Variant, dbias=None, tiles=None):
             _EXTRA_CACHE.pop(next(iter(_EXTRA_CACHE)))
         device = _EXTRA_CACHE[key] = cupy.asarray(e.reshape(1).view(np.uint8))
     return device
+
+
+def extra_params(variant: Variant, dbias=None, tiles=None):
+    """:func:`extra_record` in device memory (None when the variant needs none)."""
+    e = extra_record(variant, dbias, tiles)
+    return None if e is None else device_record(e, cached=dbias is None)
 
 
 _EXTRA_CACHE: dict = {}

@@ -1,0 +1,124 @@
+"""A stand-in ``cupy`` module for CPU tests of the CUDA launcher's host side: arrays are NumPy arrays of a subclass
+whose module is ``cupy`` (host memory standing in for device memory, ``.data.ptr`` its address), and nothing is
+compiled or launched: every launch is recorded instead, with its arguments' bytes, so that a test can compare what
+two calls would run. Installed by :func:`install` (the ``fake_cupy`` fixture of the tests that use it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import types
+
+import numpy as np
+
+
+class _Memory:
+    __slots__ = ("ptr", "device_id")
+
+    def __init__(self, ptr):
+        self.ptr, self.device_id = ptr, 0
+
+
+class _Device:
+    id = 0
+
+
+class ndarray(np.ndarray):
+    device = _Device()
+
+    def __array_finalize__(self, obj):
+        self._memory = _Memory(self.__array_interface__["data"][0])
+
+    @property
+    def data(self):
+        return self._memory
+
+    def get(self):
+        return np.asarray(self).view(np.ndarray).copy()
+
+
+ndarray.__module__ = "cupy"
+
+
+def _wrap(x):
+    return x.view(ndarray) if isinstance(x, np.ndarray) and not isinstance(x, ndarray) else x
+
+
+class _Stream:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+class Recorder:
+    """The launches since the last :meth:`take`: ``(kernel name, grid, block, shared memory, stream, [bytes of each
+    argument])`` for launches through the driver (planned), ``(spec name, grid, args)`` for CuPy launches."""
+
+    def __init__(self):
+        self.launches = []
+        self.names = {}  # function handle -> kernel name
+
+    def take(self):
+        out, self.launches = self.launches, []
+        return out
+
+
+def install(monkeypatch):
+    """Put a stand-in ``cupy`` in ``sys.modules`` and make the CUDA backend use it: its planned launches go to a
+    :class:`Recorder` (returned), a fixed sm_90 device, the front door's and the launcher's caches emptied."""
+    from cuflash import _api
+    from cuflash._cuda import attention, compile, decode, spec
+
+    recorder = Recorder()
+    module = types.ModuleType("cupy")
+    for name in ("float16", "float32", "float64", "int8", "int32", "int64", "uint8", "inf", "nan"):
+        setattr(module, name, getattr(np, name))
+    module.ndarray = ndarray
+    for name in ("empty", "zeros", "ones", "full", "zeros_like", "empty_like", "arange", "where", "concatenate"):
+        setattr(module, name, (lambda fn: lambda *a, **k: _wrap(fn(*a, **k)))(getattr(np, name)))
+    module.ascontiguousarray = lambda a, dtype=None: _wrap(np.ascontiguousarray(a, dtype=dtype))
+    module.asarray = lambda a, dtype=None: _wrap(np.array(a, dtype=dtype)) if not isinstance(a, ndarray) or (
+        dtype is not None and a.dtype != dtype) else a
+    module.broadcast_to = lambda a, shape: np.broadcast_to(a, shape, subok=True)
+    stream = _Stream(0)
+
+    def launch_kernel(fn, gx, gy, gz, bx, by, bz, smem, stream_ptr, argv, extra):
+        spec = recorder.names[fn]
+        pointers = (ctypes.c_uint64 * len(spec["sizes"])).from_address(argv)
+        args = [ctypes.string_at(p, size) for p, size in zip(pointers, spec["sizes"])]
+        recorder.launches.append((spec["name"], (gx, gy, gz), (bx, by, bz), smem, stream_ptr, args))
+
+    module.cuda = types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDevice=lambda: 0, memGetInfo=lambda: (0, 0), getDeviceCount=lambda: 1),
+        get_current_stream=lambda: stream,
+        driver=types.SimpleNamespace(launchKernel=launch_kernel),
+    )
+    monkeypatch.setitem(sys.modules, "cupy", module)
+
+    class Runtime(decode.CupyRuntime):
+        def function(self, spec):
+            handle = 0x1000 + len(recorder.names)
+            recorder.names[handle] = {"name": spec.name, "sizes": None}
+            self._last = handle
+            return handle, None
+
+    original_init = compile.PackedLaunch.__init__
+
+    def packed_init(self, runtime, spec, grid, args):
+        original_init(self, runtime, spec, grid, args)
+        recorder.names[self.fn]["sizes"] = [
+            -(-(np.asarray(a).dtype.itemsize if isinstance(a, np.generic) else 8) // 8) * 8 for a in args]
+
+    def cupy_launch(spec, grid, args):
+        recorder.launches.append((spec.name, tuple(grid), args))
+
+    monkeypatch.setattr(compile.PackedLaunch, "__init__", packed_init)
+    monkeypatch.setattr(attention, "launch", cupy_launch)
+    monkeypatch.setattr(compile, "launch", cupy_launch)
+    monkeypatch.setitem(compile._device_cache, 0, (90, 227 * 1024))
+    monkeypatch.setattr(attention, "_RUNTIME", Runtime())
+    monkeypatch.setattr(spec, "_EXTRA_CACHE", {})  # (device copies: the stand-in's must not outlive the test)
+    monkeypatch.setattr(attention, "_LISTS_CACHE", {})
+    monkeypatch.setattr(_api, "_planners", {})
+    monkeypatch.setattr(_api, "_checked_calls", _api.CallMemo(_api._checked_calls.size))
+    return module, recorder

@@ -1,0 +1,273 @@
+"""The front door's memory of checked CuPy calls (cuflash._api.CallMemo) and the launch plans it keeps, on the CPU:
+a stand-in CuPy (tests/_fake_cupy.py) records what each call would launch, with its arguments' bytes.
+
+A remembered call must launch exactly what a fresh call (memory emptied) launches, for every signature, whichever
+signatures came before; a bad call after a good one must raise the same error as without the memory; checks of
+array values (cu_seqlens, seqused_k, check_finite) run at every call; the memory is bounded and keeps no array or
+BlockMask alive.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import weakref
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import _api
+from cuflash._cuda.spec import EXTRA_PARAMS_DTYPE, VARIANT_PARAMS_DTYPE
+
+from _fake_cupy import install
+from conftest import gpu_skip_reason
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    gpu_skip_reason()  # (decided before the stand-in is in sys.modules)
+    return install(monkeypatch)
+
+
+def _normalized(launches, result):
+    """The planned launches with the outputs' addresses named (they are new at every call). (CuPy launches, which
+    build block lists, are left out: whether a call builds them depends on what was built before.)"""
+    out, lse = result
+    names = {out.data.ptr: "out", lse.data.ptr: "lse"}
+    normal = []
+    for launch in launches:
+        if len(launch) == 3:
+            continue
+        name, grid, block, smem, stream, args = launch
+        args = [names.get(int.from_bytes(a, "little"), a) if len(a) == 8 else a for a in args]
+        if len(args[-1]) == VARIANT_PARAMS_DTYPE.itemsize:  # VariantParams: its ExtraParams by content
+            params = np.frombuffer(args[-1], VARIANT_PARAMS_DTYPE)[0]
+            extra = None
+            if params["extra"]:
+                extra = np.frombuffer(ctypes.string_at(int(params["extra"]), EXTRA_PARAMS_DTYPE.itemsize),
+                                      EXTRA_PARAMS_DTYPE).copy()
+                extra["tile_count"] = extra["tile_list"] = 0  # (lists built at every call: new arrays)
+                extra = extra.tobytes()
+            args[-1] = (args[-1][:72], extra)
+        normal.append((name, grid, block, smem, stream, args))
+    return normal
+
+
+def _signatures(cp):
+    rng = np.random.default_rng(0)
+
+    def array(shape, dtype=np.float16):
+        return cp.asarray(rng.standard_normal(shape).astype(np.float32).astype(dtype))
+
+    b, n, h, d = 2, 96, 4, 64
+    q, k, v = (array((b, n, h, d)) for _ in range(3))
+    kg, vg = array((b, n, 2, d)), array((b, n, 2, d))
+    qt = array((b, h, n, d)).transpose(0, 2, 1, 3)  # (b, n, h, d) with the heads outer: other strides
+    q32, k32, v32 = (a.astype(np.float32) for a in (q, k, v))
+    qb, kb, vb = (a.astype(ml_dtypes.bfloat16) for a in (q, k, v))
+    q1, k1, v1 = (array((1, n, h, d)) for _ in range(3))
+    doc = cp.asarray(np.repeat(np.arange(4), n // 4).astype(np.int32))
+    mask = cuflash.BlockMask("doc[q_idx] == doc[kv_idx]", {"doc": doc})
+    slopes = cp.asarray(np.linspace(0.1, 0.5, h).astype(np.float32))
+    cu = cp.asarray(np.array([0, 50, 96, 96 + 70, 2 * n], np.int32))
+    packed = [a.reshape(b * n, h, d) for a in (q, k, v)]
+    used = cp.asarray(np.array([40, 96], np.int32))
+    return {
+        "causal": lambda: cuflash.attention(q, k, v, causal=True, return_lse=True),
+        "dense": lambda: cuflash.attention(q, k, v, return_lse=True),
+        "scale 0.5": lambda: cuflash.attention(q, k, v, causal=True, softmax_scale=0.5, return_lse=True),
+        "scale 0.25": lambda: cuflash.attention(q, k, v, causal=True, softmax_scale=0.25, return_lse=True),
+        "scale int 1": lambda: cuflash.attention(q, k, v, causal=True, softmax_scale=1, return_lse=True),
+        "top-left": lambda: cuflash.attention(q, k, v, causal=True, causal_align="top-left", return_lse=True),
+        "window softcap": lambda: cuflash.attention(q, k, v, causal=True, window_size=(8, 0), softcap=30.0,
+                                                    return_lse=True),
+        "window 8 8": lambda: cuflash.attention(q, k, v, window_size=(8, 8), return_lse=True),
+        "softcap 20": lambda: cuflash.attention(q, k, v, causal=True, window_size=(8, 0), softcap=20.0,
+                                                return_lse=True),
+        "gqa": lambda: cuflash.attention(q, kg, vg, causal=True, return_lse=True),
+        "strides": lambda: cuflash.attention(qt, k, v, causal=True, return_lse=True),
+        "batch 1": lambda: cuflash.attention(q1, k1, v1, causal=True, return_lse=True),
+        "float32": lambda: cuflash.attention(q32, k32, v32, causal=True, return_lse=True),
+        "bfloat16": lambda: cuflash.attention(qb, kb, vb, causal=True, return_lse=True),
+        "tiles 64": lambda: cuflash.attention(q, k, v, causal=True, block_q=64, block_k=64, return_lse=True),
+        "alibi": lambda: cuflash.attention(q, k, v, causal=True, alibi_slopes=slopes, return_lse=True),
+        "dropout seed 1": lambda: cuflash.attention(q, k, v, dropout_p=0.1, dropout_seed=1, return_lse=True),
+        "dropout seed 2": lambda: cuflash.attention(q, k, v, dropout_p=0.1, dropout_seed=2, return_lse=True),
+        "score_mod": lambda: cuflash.attention(q, k, v, causal=True, score_mod="score * 0.5f", return_lse=True),
+        "BlockMask": lambda: cuflash.attention(q, k, v, causal=True, mask_mod=mask, return_lse=True),
+        "BlockMask 64": lambda: cuflash.attention(q, k, v, causal=True, mask_mod=mask, block_q=64, block_k=64,
+                                                  return_lse=True),
+        "mask_mod array": lambda: cuflash.attention(q, k, v, mask_mod="doc[q_idx] == doc[kv_idx]",
+                                                    mod_arrays={"doc": doc}, return_lse=True),
+        "mask_mod shape": lambda: cuflash.attention(q, k, v, mask_mod="kv_idx <= q_idx + 3", return_lse=True),
+        "varlen": lambda: cuflash.attention(*packed, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=96,
+                                            max_seqlen_k=96, causal=True, return_lse=True),
+        "varlen max 100": lambda: cuflash.attention(*packed, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=100,
+                                                    max_seqlen_k=100, causal=True, return_lse=True),
+        "seqused_k": lambda: cuflash.attention(q, k, v, seqused_k=used, return_lse=True),
+    }
+
+
+def test_a_remembered_call_launches_what_a_fresh_call_launches(fake):
+    cp, recorder = fake
+    signatures = _signatures(cp)
+    fresh = {}
+    for name, call in signatures.items():
+        _api._checked_calls.clear()
+        recorder.take()
+        result = call()
+        fresh[name] = _normalized(recorder.take(), result)
+        assert fresh[name], name
+    _api._checked_calls.clear()
+    for call in signatures.values():  # every signature remembered, in one memory
+        call()
+    remembered = len(_api._checked_calls)
+    assert remembered == len(signatures)
+    for name, call in reversed(signatures.items()):
+        recorder.take()
+        result = call()
+        launches = recorder.take()
+        assert _normalized(launches, result) == fresh[name], name
+        if name == "mask_mod array":  # its arrays may have changed in place: its block lists are built again
+            assert any(len(launch) == 3 for launch in launches)
+    assert len(_api._checked_calls) == remembered  # (every call above was a remembered one)
+
+
+def _error(call):
+    with pytest.raises(Exception) as info:
+        call()
+    return type(info.value), str(info.value)
+
+
+def test_bad_calls_after_a_good_one_raise_what_they_raise_without_the_memory(fake):
+    cp, _ = fake
+    rng = np.random.default_rng(1)
+    q, k, v = (cp.asarray(rng.standard_normal((2, 64, 4, 64)).astype(np.float16)) for _ in range(3))
+    packed = [a.reshape(128, 4, 64) for a in (q, k, v)]
+    good_cu = cp.asarray(np.array([0, 64, 128], np.int32))
+    bad_cu = cp.asarray(np.array([0, 100, 64], np.int32))
+    used = cp.asarray(np.array([10, 64], np.int32))
+    nan_q = q.copy()
+    nan_q[0, 3, 1, 5] = np.nan
+    goods_and_bads = [
+        (lambda: cuflash.attention(q, k, v, causal=True), [
+            lambda: cuflash.attention(q, k.astype(np.float32), v, causal=True),
+            lambda: cuflash.attention(q, k, v, causal=1),
+            lambda: cuflash.attention(q, k, v, causal=True, window_size=(True, -1)),
+            lambda: cuflash.attention(q, k, v, causal=True, softmax_scale=float("nan")),
+            lambda: cuflash.attention(q, k, v, causal=True, softcap=True),
+            lambda: cuflash.attention(q, k[:, :, :3], v[:, :, :3], causal=True),
+            lambda: cuflash.attention(q, k, np.asarray(v), causal=True),
+            lambda: cuflash.attention(nan_q, k, v, causal=True, check_finite=True),
+        ]),
+        (lambda: cuflash.attention(*packed, cu_seqlens_q=good_cu, cu_seqlens_k=good_cu, max_seqlen_q=64,
+                                   max_seqlen_k=64), [
+            lambda: cuflash.attention(*packed, cu_seqlens_q=bad_cu, cu_seqlens_k=good_cu, max_seqlen_q=64,
+                                      max_seqlen_k=64),
+            lambda: cuflash.attention(*packed, cu_seqlens_q=good_cu, cu_seqlens_k=good_cu, max_seqlen_q=32,
+                                      max_seqlen_k=64),
+        ]),
+        (lambda: cuflash.attention(q, k, v, seqused_k=used), [
+            lambda: cuflash.attention(q, k, v, seqused_k=cp.asarray(np.array([10, 65], np.int32))),
+        ]),
+    ]
+    for good, bads in goods_and_bads:
+        for bad in bads:
+            _api._checked_calls.clear()
+            without = _error(bad)
+            good()
+            good()  # (remembered)
+            assert _error(bad) == without
+    # Options of other types than the remembered call's, but valid: checked (not remembered), and run.
+    cuflash.attention(q, k, v, causal=np.bool_(True), window_size=[4, 0], softcap=np.float32(30.0))
+
+
+def test_value_checks_run_at_every_remembered_call(fake):
+    cp, _ = fake
+    q, k, v = (cp.zeros((128, 2, 64), np.float16) for _ in range(3))
+    cu = cp.asarray(np.array([0, 64, 128], np.int32))
+    cuflash.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=64, max_seqlen_k=64)
+    cu[1] = 200  # in place: the same array, the same key
+    with pytest.raises(ValueError, match="non-decreasing"):
+        cuflash.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=64, max_seqlen_k=64)
+    q4 = q.reshape(2, 64, 2, 64)
+    cuflash.attention(q4, q4, q4, check_finite=True)
+    q4[0, 0, 0, 0] = np.inf
+    with pytest.raises(ValueError, match=r"q must be finite; got inf at q\[0, 0, 0, 0\]"):
+        cuflash.attention(q4, q4, q4, check_finite=True)
+
+
+def test_the_memory_is_bounded_and_keeps_no_array_alive(fake, monkeypatch):
+    cp, _ = fake
+    monkeypatch.setattr(_api, "_checked_calls", _api.CallMemo(4))
+    q = cp.zeros((1, 64, 2, 64), np.float16)
+    for scale in np.linspace(0.1, 1.0, 10):
+        cuflash.attention(q, q, q, softmax_scale=float(scale))
+    assert len(_api._checked_calls) == 4
+    doc = cp.zeros(64, np.int32)
+    mask = cuflash.BlockMask("doc[q_idx] == doc[kv_idx]", {"doc": doc})
+    k = cp.zeros((1, 64, 2, 64), np.float16)
+    cuflash.attention(q, k, k, mask_mod=mask)
+    cuflash.attention(q, k, k, mask_mod=mask)
+    refs = [weakref.ref(a) for a in (mask, doc, k)]
+    del mask, doc, k
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
+
+
+def test_a_new_blockmask_is_not_taken_for_a_remembered_one(fake):
+    cp, recorder = fake
+    q = cp.zeros((1, 64, 2, 64), np.float16)
+    doc = cp.zeros(64, np.int32)
+    first = cuflash.BlockMask("doc[q_idx] == doc[kv_idx]", {"doc": doc})
+    cuflash.attention(q, q, q, mask_mod=first)
+    second = cuflash.BlockMask("doc[q_idx] == doc[kv_idx]", {"doc": doc})
+    cuflash.attention(q, q, q, mask_mod=second)
+    assert first.lists and second.lists  # each built its own lists, in its own store
+    first.clear()
+    recorder.take()
+    cuflash.attention(q, q, q, mask_mod=first)  # remembered, its lists cleared: built again
+    assert first.lists
+    assert any(len(launch) == 3 for launch in recorder.take())
+
+
+def test_a_remembered_backward_launches_what_a_fresh_one_launches(fake):
+    cp, recorder = fake
+    rng = np.random.default_rng(2)
+    q, k, v, do = (cp.asarray(rng.standard_normal((2, 64, 4, 64)).astype(np.float16)) for _ in range(4))
+    kg, vg = k[:, :, :2].copy(), v[:, :, :2].copy()
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    q32, k32, v32, do32, out32 = (a.astype(np.float32) for a in (q, k, v, do, out))
+    signatures = {
+        "causal": lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=True),
+        "scale": lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=True, softmax_scale=0.3),
+        "window softcap": lambda: cuflash.attention_backward(do, q, k, v, out, lse, window_size=(8, 0), softcap=20.0),
+        "gqa": lambda: cuflash.attention_backward(do, q, kg, vg, out, lse, causal=True),
+        "deterministic": lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=True, deterministic=True),
+        "float32": lambda: cuflash.attention_backward(do32, q32, k32, v32, out32, lse, causal=True),
+    }
+
+    def launched(call):
+        recorder.take()
+        grads = call()
+        names = {id(g): name for g, name in zip(grads, ("dq", "dk", "dv"))}
+        return [(launch[0], launch[1], [names.get(id(a), a.tobytes() if isinstance(a, np.generic) else
+                                              (a.shape, a.strides) if hasattr(a, "shape") else a)
+                                        for a in launch[2]]) for launch in recorder.take()]
+
+    fresh = {}
+    for name, call in signatures.items():
+        _api._checked_calls.clear()
+        fresh[name] = launched(call)
+        assert fresh[name], name
+    for call in signatures.values():
+        call()
+    remembered = len(_api._checked_calls)
+    assert remembered == len(signatures)
+    for name, call in reversed(signatures.items()):
+        assert launched(call) == fresh[name], name
+    assert len(_api._checked_calls) == remembered
+    with pytest.raises(ValueError, match=r"do must have the shape of q"):
+        cuflash.attention_backward(do[:, :32], q, k, v, out, lse, causal=True)

@@ -1,0 +1,148 @@
+"""Host time per call of the front door (``cuflash.attention``, ``cuflash.attention_backward``) on CuPy arrays, at
+steady state: the same shapes, dtypes and options called again and again, as a model's layers call it.
+
+    PYTHONPATH=. python3 tools/host_profile.py [--n 512] [--cases causal,document] [--profile causal]
+    PYTHONPATH=. python3 tools/host_profile.py --emulator /path/to/emulated/cupy   # no GPU
+
+On a GPU: the CPU time of each call, from ``cupyx.profiler.benchmark`` (which synchronizes after the timed call,
+so the GPU's own time is not in it; printed apart), median and min over ``--calls * --repeats`` calls. With ``--emulator`` (a
+directory holding a CPU stand-in package named ``cupy``, put first on ``sys.path``): the same Python path with the
+kernels neither compiled nor launched (a stand-in runtime, and a fixed sm_90 device), so the numbers are the
+Python of cuflash plus the stand-in's allocations: indicative, not an H100's. ``--profile CASE`` prints the
+cProfile of one case's loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+def _stub_launches():
+    """Neither compile nor launch (the emulator has no NVRTC and no driver): the launch layer's entry points
+    replaced, and an H100's device properties. And an emulated array's ``.data`` (its memory pointer) made an
+    attribute read, as CuPy's is, instead of a read of ``__array_interface__`` (2 us each)."""
+    import cupy
+
+    from cuflash._cuda import attention, compile, fa1, naive
+
+    finalize = cupy.ndarray.__array_finalize__
+
+    def __array_finalize__(self, obj):
+        finalize(self, obj)
+        self._memory = cupy._Mem(self.__array_interface__["data"][0])
+
+    cupy.ndarray.__array_finalize__ = __array_finalize__
+    cupy.ndarray.data = property(lambda self: self._memory)
+
+    compile._device_cache[0] = (90, 227 * 1024)
+
+    def no_launch(*args, **kwargs):
+        return None
+
+    for module in (compile, attention, fa1, naive):
+        if hasattr(module, "launch"):
+            module.launch = no_launch
+    if hasattr(attention, "runtime"):  # the planned launches (cuLaunchKernel through a runtime object)
+        from cuflash._cuda.decode import CupyRuntime
+
+        class StandIn(CupyRuntime):
+            def function(self, spec):
+                return 0, None
+
+            def make_context_current(self):
+                pass
+
+        stand_in = StandIn()
+        stand_in.launch = no_launch
+        attention._RUNTIME = stand_in
+
+
+def cases(cp, n: int, b: int, hq: int, d: int, dtype):
+    """name -> (call, backward: whether it is attention_backward's), each a function of no arguments."""
+    import cuflash
+
+    rng = np.random.default_rng(0)
+    q, k, v, do = (cp.asarray(rng.standard_normal((b, n, hq, d)).astype(np.float32)).astype(dtype) for _ in range(4))
+    doc = cp.asarray(np.repeat(np.arange(8), -(-n // 8))[:n].astype(np.int32))
+    block_mask = cuflash.BlockMask("doc[q_idx] == doc[kv_idx]", {"doc": doc})
+    options = {
+        "dense": {},
+        "causal": {"causal": True},
+        "window-softcap": {"causal": True, "window_size": (256, 0), "softcap": 30.0},
+        "document-blockmask": {"causal": True, "mask_mod": block_mask},
+    }
+    out = {}
+    for name, opts in options.items():
+        out[name] = (lambda opts=opts: cuflash.attention(q, k, v, **opts))
+    o, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    out["backward-causal"] = lambda: cuflash.attention_backward(do, q, k, v, o, lse, causal=True)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--emulator", help="a directory holding a CPU stand-in package named cupy (no GPU)")
+    ap.add_argument("--n", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--calls", type=int, default=300, help="calls per timed loop")
+    ap.add_argument("--repeats", type=int, default=5, help="timed loops per case (the median is printed)")
+    ap.add_argument("--cases", default="", help="comma-separated substrings of the case names")
+    ap.add_argument("--profile", default="", help="print the cProfile of this case's loop")
+    args = ap.parse_args()
+    if args.emulator:
+        sys.path.insert(0, args.emulator)
+    import cupy as cp
+
+    if args.emulator:
+        _stub_launches()
+
+    def sync():
+        if not args.emulator:
+            cp.cuda.Device().synchronize()
+
+
+    where = "emulator (launches stubbed)" if args.emulator else cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    print(f"host time per call, {where}: (batch {args.batch}, seqlen {args.n}, heads {args.heads}, head_dim "
+          f"{args.head_dim}) float16", flush=True)
+    for name, call in cases(cp, args.n, args.batch, args.heads, args.head_dim, cp.float16).items():
+        if args.cases and not any(word in name for word in args.cases.split(",")):
+            continue
+        for _ in range(3):  # compile, plan
+            call()
+        sync()
+        if args.emulator:
+            loops = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                for _ in range(args.calls):
+                    call()
+                loops.append((time.perf_counter() - t0) / args.calls)
+            print(f"{name:22s} {statistics.median(loops) * 1e6:8.1f} us/call  (min {min(loops) * 1e6:.1f})",
+                  flush=True)
+        else:  # the CPU time of each call alone (the GPU's time is measured apart, between events around it)
+            from cupyx.profiler import benchmark
+
+            r = benchmark(call, n_repeat=args.calls * args.repeats, n_warmup=10)
+            cpu, gpu = np.asarray(r.cpu_times) * 1e6, np.asarray(r.gpu_times).ravel() * 1e6
+            print(f"{name:22s} {np.median(cpu):8.1f} us/call host (min {cpu.min():.1f})  GPU {np.median(gpu):8.1f} us",
+                  flush=True)
+        if args.profile and args.profile in name:
+            profile = cProfile.Profile()
+            profile.enable()
+            for _ in range(args.calls):
+                call()
+            profile.disable()
+            pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
