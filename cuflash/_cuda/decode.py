@@ -56,13 +56,13 @@ DECODE_PARAMS_DTYPE = np.dtype(
      *((name, np.int64) for name in ("q_sb", "q_ss", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb", "v_ss", "v_sh",
                                       "kn_sb", "kn_ss", "kn_sh", "vn_sb", "vn_ss", "vn_sh", "o_sb", "o_ss", "o_sh",
                                       "bt_sb")),
-     *((name, np.int32) for name in ("batch", "seqlen_q", "seqlen_new", "heads_q", "heads_kv", "group", "head_dim",
+     *((name, np.int32) for name in ("capacity", "cache_rows", "batch", "seqlen_q", "seqlen_new", "heads_q", "heads_kv", "group", "head_dim",
                                       "head_dim_v", "page_size", "num_splits", "row_tiles", "has_left", "window_left",
                                       "has_right", "window_right")),
      *((name, np.float32) for name in ("scale_log2", "softcap_a", "softcap_b", "inv_scale"))],
     align=True,
 )
-assert DECODE_PARAMS_DTYPE.itemsize == 360
+assert DECODE_PARAMS_DTYPE.itemsize == 368
 # Each step pointer's byte offset in the record, in _STEP_POINTERS order.
 _STEP_OFFSETS = tuple(DECODE_PARAMS_DTYPE.fields[name][1] for name in _STEP_POINTERS)
 
@@ -243,6 +243,8 @@ class DecodeLaunch:
         slopes = variant.alibi_slopes
         r["alibi_sb"] = 0 if slopes is None or slopes.ndim == 1 else _el(slopes, 0)
         r["bt_sb"] = 0 if cache.block_table is None else _el(cache.block_table, 0)
+        # [decode guard] the bounds the kernels check the device's index values against
+        r["capacity"], r["cache_rows"] = cache.capacity, k_cache.shape[0]
         r["batch"], r["seqlen_q"], r["seqlen_new"], r["heads_q"] = batch, seqlen_q, cache.seqlen_new, heads_q
         r["heads_kv"], r["group"], r["head_dim"], r["head_dim_v"] = heads_kv, group, d, dv
         r["page_size"], r["num_splits"], r["row_tiles"] = cache.page_size or 1, self.num_splits, row_tiles
