@@ -272,7 +272,7 @@ GUARD_CASES = {
     "d256-seqlens-negative-spec3": (3, 8, 4, 256, 3, 3, 300, None, dict(causal=True), ("seqlens", -1)),
     "mla-page-huge": (3, 16, 1, 576, 1, 1, 300, 64, dict(causal=True, mla=512), ("page", 1, 1 << 30)),
     "mla-seqlens-no-room-splits": (3, 16, 1, 576, 1, 1, 1000, 64, dict(causal=True, mla=512, num_splits=4),
-                                   ("seqlens", 1000)),
+                                   ("seqlens", 1024)),  # 16 pages of 64: capacity 1024
     # chunked prefill (the forward kernels over the cache): its guards are CuPy array operations
     "prefill-seqlens-no-room": (3, 8, 2, 64, 64, 64, 400, None, dict(causal=True), ("seqlens", 400)),
 }

@@ -923,11 +923,14 @@ def test_the_front_door_remembers_cupy_calls_only():
 
 
 def test_the_cuda_launcher_checks_and_writes_only_new_arrays():
-    """The decode launcher's step paths, with bench-decode's stand-in runtime (host memory, launches recorded):
-    a step of new array objects is validated and its addresses written into the record; a step of the very
-    objects of the step before only launches; a step with one new array (out) is validated again and rewrites
-    that address. The record's words are what the kernels would read."""
+    """The decode launcher's step paths, with bench-decode's stand-in runtime (host memory, launches recorded) and
+    the layouts a DecodePlan gives it (expect): a first step writes every address; a step of the very objects of
+    the step before only launches; a step with new q, k, v (a model's projections), a new out of the planned
+    layouts or an out to allocate writes those addresses only, without the plan's full check; an array of another
+    layout or a None where an array was planned (even once the last step's array has died) goes through the full
+    check (here a spy) first. The record's words are what the kernels would read."""
     from cuflash._cuda.decode import DECODE_PARAMS_DTYPE, DecodeLaunch
+    from cuflash._decode_plan import layouts_of
     from cuflash.bench_decode import _HostArray, _HostRuntime
 
     rng = np.random.default_rng(40)
@@ -942,28 +945,54 @@ def test_the_cuda_launcher_checks_and_writes_only_new_arrays():
     runtime = _HostRuntime(lambda *args: launches.append(args))
     q, kc, vc, k, v = (_HostArray(a) for a in host.values())
     launch = DecodeLaunch(q, kc, vc, k, v, cache=cache, scale=scale, variant=variant, runtime=runtime)
-    launch.validate = lambda *arrays: checked.append(arrays)
-    assert launch.num_splits == 3 and len(launch._steps) == 2  # the append, and the split kernel merging itself
-    record = launch._record[0]
     seqlens = _HostArray(lens)
     out, lse = runtime.empty(launch.out_shape, np.float16), runtime.empty(launch.lse_shape, np.float32)
+    launch.expect(layouts_of(q, kc, vc, k, v, seqlens, None, None, None, None, None, None), layouts_of(out)[0],
+                  layouts_of(lse)[0], lambda *arrays: checked.append(arrays))
+    assert launch.num_splits == 3 and len(launch._steps) == 2  # the append, and the split kernel merging itself
+    record = launch._record[0]
 
-    def step(out):
+    def step(q=q, k=k, v=v, out=out):
         return launch.run(q, kc, vc, k, v, seqlens, None, None, None, None, None, None, out, lse)
 
-    assert step(out)[0] is out and len(checked) == 1 and len(launches) == 2
+    assert step()[0] is out and not checked and len(launches) == 2
     assert record["q"] == q.data.ptr and record["out"] == out.data.ptr and record["cache_seqlens"] == seqlens.data.ptr
+    assert record["k_new"] == k.data.ptr and record["lse"] == lse.data.ptr and record["k_cache"] == kc.data.ptr
     assert record["o_part"] == launch.o_part.data.ptr and record["split_count"] == launch.split_count.data.ptr
     assert (record["batch"], record["num_splits"], record["heads_kv"]) == (1, 3, 2)
     assert (record["capacity"], record["cache_rows"]) == (256, 1)  # [decode guard]'s bounds
-    step(out)
-    assert len(checked) == 1 and len(launches) == 4  # the same objects: launched, not checked
+    step()
+    assert not checked and len(launches) == 4  # the same objects: launched
+    q2, k2, v2 = (_HostArray(host[name].copy()) for name in ("q", "k", "v"))
+    step(q2, k2, v2)
+    assert not checked and len(launches) == 6
+    assert (record["q"], record["k_new"], record["v_new"]) == (q2.data.ptr, k2.data.ptr, v2.data.ptr)
     other = runtime.empty(launch.out_shape, np.float16)
-    step(other)
-    assert len(checked) == 2 and len(launches) == 6 and record["out"] == other.data.ptr
-    # every launch passes the record's address as the one kernel argument
+    step(q2, k2, v2, other)
+    assert not checked and len(launches) == 8 and record["out"] == other.data.ptr
+    # another layout: the full check (a DecodePlan's raises, naming it)
+    wide = _HostArray(np.zeros((1, 1, 8, 64), np.float16)[..., :32])
+    step(wide, k2, v2, other)
+    assert len(checked) == 1 and checked[0][0] is wide
+    # a None where the plan has k, after the last step's k died: not taken for the same (None) argument
+    step(q2, k2, v2, other)
+    del k2
+    step(q2, None, v2, other)
+    assert len(checked) == 2 and checked[1][3] is None
+    # out to allocate: a new out of the planned layout, written
+    got, _ = step(q2, k, v2, None)
+    assert len(checked) == 2 and got is not other and record["out"] == got.data.ptr
+    # the front door's launch (no expect): lse allocated at each call, even once the last one has died (a dead
+    # reference must not pass for the None argument: the kernels would write into freed memory)
+    front = DecodeLaunch(q, kc, vc, k, v, cache=cache, scale=scale, variant=variant, runtime=runtime)
+    first = front.run(q, kc, vc, k, v, seqlens, None, None, None, None, None, None, out, None)[1]
+    assert front._record[0]["lse"] == first.data.ptr
+    del first
+    second = front.run(q, kc, vc, k, v, seqlens, None, None, None, None, None, None, out, None)[1]
+    assert second is not None and front._record[0]["lse"] == second.data.ptr
+    # every launch passes its record's address as the one kernel argument
     argv = {args[9] for args in launches}
-    assert argv == {launch._argv_ptr} and launch._argv[0] == launch._record.ctypes.data
+    assert argv == {launch._argv_ptr, front._argv_ptr} and launch._argv[0] == launch._record.ctypes.data
     assert DECODE_PARAMS_DTYPE.itemsize == launch._record.itemsize
 
 
