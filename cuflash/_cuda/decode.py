@@ -282,9 +282,9 @@ class DecodeLaunch:
         """Every step's arrays must have these layouts (``(type, shape, strides, dtype)`` or None for an array not
         given, as :mod:`cuflash._decode_plan` spells them): ``layouts`` in the order of :meth:`run`'s arguments from
         ``q`` to ``alibi_slopes``, then ``out``'s and ``lse``'s. A step compares only the arrays that are not the
-        objects of the step before with them, and calls ``validate`` (:meth:`cuflash.DecodePlan` 's check, which
-        names the array and both layouts) with all its arguments when one differs, or when the step is not one of
-        the decode loop's (rotary, ``out`` or ``lse`` to allocate)."""
+        objects of the step before with them (an ``out`` or ``lse`` it allocates too), and calls ``validate``
+        (:class:`cuflash.DecodePlan`'s check, which names the array and both layouts) with all its arguments when
+        one differs, and at every rotary step."""
         self._layouts = (*layouts[:5], out_layout, lse_layout, *layouts[5:10])
         self.validate = validate
 
