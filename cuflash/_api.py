@@ -657,8 +657,13 @@ def attention_with_kvcache(
     The math and the split-KV algorithm: ``docs/decoding.md``.
 
     Index values (``cache_seqlens``, ``cache_leftpad``, ``cache_batch_idx``, ``block_table``) are checked before
-    anything is written: always for NumPy arrays; for CuPy arrays only in the debug mode
-    ``CUFLASH_CHECK_DEVICE_VALUES=1`` (reading device values costs a synchronization per step).
+    anything is written: always for NumPy arrays (a bad one raises ``ValueError``); for CuPy arrays only in the
+    debug mode ``CUFLASH_CHECK_DEVICE_VALUES=1`` (reading device values costs a synchronization per step).
+    Without it the CUDA kernels check them as they read them and never access memory out of bounds: a sequence
+    whose length leaves no room for the new tokens, is negative, or is below its ``cache_leftpad``, or whose
+    ``cache_batch_idx`` names no cache row, appends nothing and gets NaN in every output row and ``lse`` row; a
+    ``block_table`` entry that names no page is neither written nor read, and the rows that would read it are NaN
+    (``docs/limits.md``). The other sequences are computed as usual.
 
     On CuPy arrays the launches of a call are planned at the first call with its layouts and options, and a
     repeated call runs them without checking again; :func:`plan_kvcache` makes such a plan explicitly.

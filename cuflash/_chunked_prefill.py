@@ -16,6 +16,10 @@ in the decode call:
 3. the forward (``forward``: the backend's, :func:`cuflash._cuda.attention.forward` on CuPy, or
    :func:`cuflash.reference.forward` on NumPy), ``seqused_k = cache_seqlens + seqlen_new``, over ``k_cache[:batch]``.
 
+``[decode guard]`` as in the decode kernels: a sequence whose ``cache_seqlens[b]`` is negative or leaves no room
+for the new tokens (a device value, not checked before the call on CuPy) appends nothing (its slots are written
+with the values they hold), reads no key (``seqused_k`` 0) and gets NaN in its output rows and lse.
+
 When it applies (:func:`eligible`): ``seqlen_q >= MIN_SEQLEN_Q``, a contiguous cache (no ``block_table``), no
 ``cache_leftpad`` (the forward's keys start at slot 0) and no ``cache_batch_idx`` (row ``b`` of the cache is batch
 entry ``b``), ``head_dim_v == head_dim``. The CUDA backend dispatches to it (:class:`cuflash._cuda.decode.
@@ -63,7 +67,10 @@ def forward_over_cache(q, k_cache, v_cache, k, v, cache_seqlens, *, rotary: Rota
     """
     batch, seqlen_q = q.shape[:2]
     seqlen_new = 0 if k is None else k.shape[1]
-    starts = cache_seqlens.astype(xp.int64)[:, None]
+    # [decode guard] a sequence out of range takes slot 0 for its positions below, and appends and reads nothing
+    in_range = (cache_seqlens >= 0) & (cache_seqlens <= k_cache.shape[1] - seqlen_new)
+    seqlens = xp.where(in_range, cache_seqlens, 0)
+    starts = seqlens.astype(xp.int64)[:, None]
     if rotary is not None:
         # [decode rotary] query token i at cache_seqlens[b] + i (or cache_seqlens[b]), new key i at cache_seqlens[b] + i
         q_steps = xp.arange(seqlen_q) if rotary.consecutive_q else xp.zeros(seqlen_q, dtype=xp.int64)
@@ -74,9 +81,25 @@ def forward_over_cache(q, k_cache, v_cache, k, v, cache_seqlens, *, rotary: Rota
     if seqlen_new:
         # [decode append] row b, slots cache_seqlens[b] .. + seqlen_new - 1, v first then k
         rows, slots = xp.arange(batch)[:, None], starts + xp.arange(seqlen_new)[None, :]
-        bits(v_cache)[rows, slots] = bits(v)
-        bits(k_cache)[rows, slots] = bits(k)
-    seqused_k = (cache_seqlens + seqlen_new).astype(xp.int32)
+        keep = ~in_range[:, None, None, None]  # [decode guard] those slots get the values they hold
+        bits(v_cache)[rows, slots] = xp.where(keep, bits(v_cache)[rows, slots], bits(v))
+        bits(k_cache)[rows, slots] = xp.where(keep, bits(k_cache)[rows, slots], bits(k))
+    seqused_k = xp.where(in_range, seqlens + seqlen_new, 0).astype(xp.int32)
     variant = dataclasses.replace(variant, seqused_k=seqused_k)
-    return forward(q, k_cache[:batch], v_cache[:batch], scale=scale, variant=variant, algorithm="fa2", block_q=None,
-                   block_k=None)
+    out, lse = forward(q, k_cache[:batch], v_cache[:batch], scale=scale, variant=variant, algorithm="fa2",
+                       block_q=None, block_k=None)
+    # [decode guard] the rows of a sequence out of range NaN (through the bits: no bfloat16 arithmetic needed)
+    bad = ~in_range
+    bits(out)[...] = xp.where(bad[:, None, None, None], _nan_bits(out.dtype), bits(out))
+    lse[...] = xp.where(bad[:, None, None], xp.nan, lse)
+    return out, lse
+
+
+def _nan_bits(dtype):
+    """A quiet NaN of ``dtype``, as :func:`bits` sees an array of it."""
+    name = np.dtype(dtype).name
+    if name == "float16":
+        return np.uint16(0x7E00)
+    if name == "bfloat16":
+        return np.uint16(0x7FC0)
+    return np.dtype(dtype).type(np.nan)

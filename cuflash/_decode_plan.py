@@ -63,12 +63,12 @@ class DecodePlan:
         self.out_shape, self.out_dtype = out_layout[1], np.dtype(out_layout[3])
         self.lse_shape, self.lse_dtype = lse_layout[1], np.dtype(lse_layout[3])
         self.num_splits = num_splits
-        # A CUDA launch (cuflash._cuda.decode.DecodeLaunch) runs the step's checks itself, and only for arrays that
-        # are not the very objects of the step before; otherwise (the NumPy reference, or the debug mode's checks
-        # of device values) every step is checked here.
+        # A CUDA launch (cuflash._cuda.decode.DecodeLaunch) compares the step's layouts itself, only those of arrays
+        # that are not the very objects of the step before, and calls _check to name a mismatch; otherwise (the
+        # NumPy reference, or the debug mode's checks of device values) every step is checked here.
         self._check_each_step = launch is None or checker is not None
         if launch is not None and checker is None:
-            launch.validate = self._check
+            launch.expect(layouts, out_layout, lse_layout, self._check)
 
     def run(self, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, cache_leftpad=None, cache_batch_idx=None,
             block_table=None, alibi_slopes=None, rotary_cos=None, rotary_sin=None, out=None, lse=None):
@@ -80,9 +80,10 @@ class DecodePlan:
         and ``lse`` ``(batch, heads_q, seqlen_q)`` (contiguous, float32) receive the results when given, else are
         allocated. As for :func:`cuflash.attention_with_kvcache`, the values of CuPy index arrays are not read
         (``CUFLASH_CHECK_DEVICE_VALUES=1`` when the plan is made: every step checks them, with a synchronization).
-        On CuPy, a step given the very array objects of the step before skips comparing their layouts again (a
-        CuPy array's memory, strides and dtype cannot change; its shape only by an in-place reshape of the same
-        memory, ``a.shape = ...``, which the step reads as planned) and only launches.
+        On CuPy, a step compares the layouts of only those arrays that are not the very objects of the step before
+        (a CuPy array's memory, strides and dtype cannot change; its shape only by an in-place reshape of the same
+        memory, ``a.shape = ...``, which the step reads as planned) and writes only their addresses: the same
+        arrays every step only launch; a model's new q, k, v cost three comparisons.
         """
         if type(cache_seqlens) is int:
             cache_seqlens = self._xp.full((self.lse_shape[0],), cache_seqlens, dtype=np.int32)

@@ -7,7 +7,8 @@ For disjoint key sets ``K_1, ..., K_S`` with partial results ``(o_s, lse_s)``, t
     o   = sum_s exp(lse_s - lse) o_s                 (the weights sum to 1)
 
 exactly (up to rounding): each ``o_s`` is already normalized by its own ``exp(lse_s)``. A part that saw no key has
-``lse_s = -inf`` and weight 0; a row for which every part is empty gets ``o = 0`` and ``lse = -inf``, never NaN.
+``lse_s = -inf`` and weight 0; a row for which every part is empty gets ``o = 0`` and ``lse = -inf``, never NaN. A
+part with ``lse_s = NaN`` (a row poisoned by the decode kernels' guards) makes the row's ``o`` and ``lse`` NaN.
 
 The code is written against the array module of its inputs (``xp``: NumPy or CuPy), so that
 :func:`cuflash.merge_states` (both libraries) and the split-KV reference (``[decode merge]``) share it. The CUDA
@@ -34,8 +35,9 @@ def merge_stacked(o_parts, lse_parts, xp):
     top_safe = xp.where(top == neg_inf, zero, top)            # a row of only empty parts: exp(-inf - 0) = 0
     total = xp.sum(xp.exp(lse_parts - top_safe), axis=0)
     seen = total > 0
-    lse = xp.where(seen, top_safe + xp.log(xp.where(seen, total, 1)), neg_inf)
+    # total is NaN where a part's lse is ([decode guard]: a sequence with an index out of range): so are lse and o
+    lse = xp.where(seen, top_safe + xp.log(xp.where(seen, total, 1)), xp.where(total == 0, neg_inf, total))
     # [decode merge] o = sum_s exp(lse_s - lse) o_s
-    weights = xp.exp(lse_parts - xp.where(seen, lse, zero))  # 0 for empty parts and for rows that saw no key
+    weights = xp.exp(lse_parts - xp.where(total == 0, zero, lse))  # 0 for empty parts and for rows that saw no key
     o = xp.sum(weights[..., None] * o_parts, axis=0)
     return o, lse

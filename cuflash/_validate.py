@@ -850,6 +850,11 @@ def kvcache(q, k_cache, v_cache, k, v, *, cache_seqlens, rotary_cos, rotary_sin,
             raise ValueError(f"k_cache must have a row per batch entry without cache_batch_idx (axis 0 >= batch = "
                              f"{batch}); got {rows} rows")
 
+    if seqlen_new > capacity:  # (the shapes alone: no sequence can take the new tokens)
+        room = (f"max_pages * page_size = {_shape(block_table)[1]} * {page_size}" if paged else "seqlen_cache")
+        raise ValueError(f"k and v's seqlen_new must fit the cache, at most {room} = {capacity} slots; got "
+                         f"seqlen_new {seqlen_new}")
+
     seqlens_int = None
     if _is_int(cache_seqlens):
         seqlens_int = int(cache_seqlens)

@@ -68,7 +68,8 @@ def _copy_bandwidth(timed, dev) -> float:
 def _host_times(cupy, cuflash, hq: int, hkv: int, d: int, calls: int) -> dict:
     """Host microseconds per call of a decode step whose GPU work is tiny (batch 1, 256 cached tokens, one token
     appended): ``calls`` calls enqueued without synchronizing, timed with time.perf_counter, for the front door
-    (allocating out and lse, and with out=), a plan's run with out= and lse=, and a CUDA graph of that run."""
+    (allocating out and lse, and with out=), a plan's run with out= and lse= (the same arrays every step, and new
+    q, k, v objects every step as a model's projections are), and a CUDA graph of that run."""
     rng = np.random.default_rng(0)
     cache, batch = 256, 1
     dtype = np.float16
@@ -89,6 +90,14 @@ def _host_times(cupy, cuflash, hq: int, hkv: int, d: int, calls: int) -> dict:
         stream.begin_capture()
         plan.run(q, k_cache, v_cache, k, v, cache_seqlens=lens, out=out, lse=lse)
         graph = stream.end_capture()
+        news = [(dev(batch, 1, hq, d), dev(batch, 1, hkv, d), dev(batch, 1, hkv, d)) for _ in range(2)]
+        turn = [0]
+
+        def new_qkv():
+            turn[0] ^= 1
+            nq, nk, nv = news[turn[0]]
+            plan.run(nq, k_cache, v_cache, nk, nv, cache_seqlens=lens, out=out, lse=lse)
+
         cases = {
             "front door (allocating out, lse)":
                 lambda: cuflash.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, causal=True),
@@ -97,6 +106,7 @@ def _host_times(cupy, cuflash, hq: int, hkv: int, d: int, calls: int) -> dict:
                                                        out=out),
             "plan.run with out=, lse=":
                 lambda: plan.run(q, k_cache, v_cache, k, v, cache_seqlens=lens, out=out, lse=lse),
+            "plan.run, new q, k, v every step": new_qkv,
             "CUDA graph of plan.run: graph.launch()": lambda: graph.launch(stream),
         }
         steps = plan._runner.__self__._steps  # the launches of the plan's DecodeLaunch, for their share alone
@@ -176,13 +186,13 @@ class _HostRuntime:
         pass
 
 
-def host_path_times(calls: int = 20000, *, hq: int = 32, hkv: int = 8, d: int = 128, launch=None) -> dict:
-    """Host microseconds per step of the decode launcher's Python path alone, on any machine: a plan
-    (``DecodePlan`` over a ``DecodeLaunch``) of the host-time shape (batch 1, 256 cached tokens, one token appended,
-    causal), built with a stand-in runtime whose memory is NumPy's and whose launches do nothing (``launch``: a
-    function to call instead). Two paths: the decode loop's (the same arrays every step, out= and lse= given: the
-    record already holds their addresses) and a step with new out and lse arrays (layouts compared, addresses
-    written). The launches themselves (``cuLaunchKernel``, one or two per step) come on top on a GPU."""
+def host_path_cases(*, hq: int = 32, hkv: int = 8, d: int = 128, launch=None) -> dict:
+    """The steps :func:`host_path_times` times, each a function of the step's index: a plan (``DecodePlan`` over a
+    ``DecodeLaunch``) of the host-time shape (batch 1, 256 cached tokens, one token appended, causal), built with a
+    stand-in runtime whose memory is NumPy's and whose launches do nothing (``launch``: a function to call
+    instead). Three steps: the decode loop's over persistent buffers (the same arrays every step, out= and lse=
+    given: the record already holds their addresses), a model's (new q, k, v objects every step, the caches,
+    lengths, out and lse kept: those three are compared and written) and one with new out and lse arrays."""
     from . import _api
     from ._cuda.decode import DecodeLaunch
     from ._decode_plan import DecodePlan, layouts_of
@@ -209,13 +219,27 @@ def host_path_times(calls: int = 20000, *, hq: int = 32, hkv: int = 8, d: int = 
                       num_splits=launch_.num_splits, xp=None, launch=launch_)
     outs = [(runtime.empty(launch_.out_shape, np.float16), runtime.empty(launch_.lse_shape, np.float32))
             for _ in range(2)]
+    news = [tuple(_HostArray(host[name].copy()) for name in ("q", "k", "v")) for _ in range(2)]
     cases = {
         "plan.run, the same arrays (out=, lse=)":
             lambda i: plan.run(q, k_cache, v_cache, k, v, cache_seqlens=lens_d, out=out, lse=lse),
+        "plan.run, new q, k, v arrays":
+            lambda i: plan.run(news[i & 1][0], k_cache, v_cache, news[i & 1][1], news[i & 1][2],
+                               cache_seqlens=lens_d, out=out, lse=lse),
         "plan.run, new out= and lse= arrays":
             lambda i: plan.run(q, k_cache, v_cache, k, v, cache_seqlens=lens_d, out=outs[i & 1][0],
                                lse=outs[i & 1][1]),
     }
+    cases["launches per step"] = len(launch_._steps)
+    return cases
+
+
+def host_path_times(calls: int = 20000, *, hq: int = 32, hkv: int = 8, d: int = 128, launch=None) -> dict:
+    """Host microseconds per step of the decode launcher's Python path alone, on any machine: the steps of
+    :func:`host_path_cases`, best of five runs of ``calls / 5`` steps. The launches themselves (``cuLaunchKernel``,
+    one or two per step) come on top on a GPU."""
+    cases = host_path_cases(hq=hq, hkv=hkv, d=d, launch=launch)
+    launches = cases.pop("launches per step")
     times = {}
     for name, fn in cases.items():
         for i in range(100):
@@ -227,7 +251,7 @@ def host_path_times(calls: int = 20000, *, hq: int = 32, hkv: int = 8, d: int = 
                 fn(i)
             best = min(best, (time.perf_counter() - t0) / (calls // 5))
         times[name] = best * 1e6
-    times["launches per step"] = len(launch_._steps)
+    times["launches per step"] = launches
     return times
 
 

@@ -22,12 +22,21 @@ on both sides (``grep -rn "decode split" cuflash cuflash_kernels``; the list is 
 6. ``[decode merge]`` the parts are combined exactly (:func:`cuflash._merge.merge_stacked`, the same math as
    :func:`cuflash.merge_states`) and cast to the input dtype. With one split the part is the output (no merge).
 
+``[decode guard]`` index values out of range, as the kernels treat them (they cannot be checked on the host
+before a CUDA launch without a synchronization): a sequence whose ``cache_seqlens[b]`` is negative or leaves no
+room for the new tokens, whose ``cache_leftpad[b]`` is negative or past ``cache_seqlens[b]``, or whose
+``cache_batch_idx[b]`` names no cache row appends nothing and gets NaN in all its output rows and lse; a
+``block_table`` entry naming no page is neither written nor read (its slots load as zeros), and the rows of every
+tile whose split read one of its slots get NaN (a NaN part makes the merged row NaN). Nothing is read or written
+out of bounds, and nothing else changes.
+
 The score hooks (softcap, ALiBi, the band of causal masking and windows, ``[variant mod]`` / ``[variant mask]``)
 are those of :mod:`cuflash.reference` (its ``_scores``), with bottom-right alignment: query token ``i`` of
 ``seqlen_q`` faces key ``i + len_k - seqlen_q``.
 
-Like every backend it trusts its arguments: the front door (:func:`cuflash.attention_with_kvcache`) has checked
-shapes, dtypes and index values before anything is written.
+Like every backend it trusts the shapes and dtypes of its arguments: the front door
+(:func:`cuflash.attention_with_kvcache`) has checked them, and on NumPy the index values too (a bad one raises
+there); the guards above make the reference behave as the kernels where a value was not checked.
 """
 
 from __future__ import annotations
@@ -89,24 +98,36 @@ class _Slots:
     sequence, and slot ``p`` is ``cache[row, p]`` (contiguous) or ``cache[block_table[b, p // page_size],
     p % page_size]`` (paged)."""
 
-    def __init__(self, cache: KVCache, host: dict, b: int):
+    def __init__(self, cache: KVCache, host: dict, b: int, num_pages: int):
         self.leftpad = int(host["leftpad"][b])
         self.row = int(host["batch_idx"][b])
         self.pages = None if host["block_table"] is None else host["block_table"][b]
         self.page_size = cache.page_size
+        self.num_pages = num_pages
+        self.page_fault = False  # [decode guard] a slot loaded since the last take_fault() had no page
 
     def index(self, first: int, stop: int):
-        """Indices into axes 0 and 1 of the cache of slots ``[first, stop)``."""
+        """Indices into axes 0 and 1 of the cache of slots ``[first, stop)``, and which of them exist (``[decode
+        guard]``: a slot whose page id is out of range does not; its indices are 0, to be masked)."""
         slots = np.arange(first, stop)
         if self.pages is None:
-            return self.row, slots
-        return self.pages[slots // self.page_size], slots % self.page_size
+            return self.row, slots, np.ones(slots.shape, bool)
+        pages = self.pages[slots // self.page_size]
+        ok = (pages >= 0) & (pages < self.num_pages)
+        return np.where(ok, pages, 0), np.where(ok, slots % self.page_size, 0), ok
 
     def load(self, cache_array: np.ndarray, k_start: int, k_stop: int, acc) -> np.ndarray:
-        """Keys ``[k_start, k_stop)`` of one cache as a ``(1, heads_kv, 1, cols, d)`` block in ``acc``."""
-        rows, slots = self.index(self.leftpad + k_start, self.leftpad + k_stop)
-        tile = cache_array[rows, slots]                            # (cols, heads_kv, d): a gather
+        """Keys ``[k_start, k_stop)`` of one cache as a ``(1, heads_kv, 1, cols, d)`` block in ``acc``; slots without
+        a page read as zeros and set ``page_fault``."""
+        rows, slots, ok = self.index(self.leftpad + k_start, self.leftpad + k_stop)
+        tile = np.where(ok[:, None, None], cache_array[rows, slots], 0)  # (cols, heads_kv, d): a gather
+        self.page_fault |= not ok.all()
         return np.ascontiguousarray(tile.transpose(1, 0, 2)[None, :, None], dtype=acc)
+
+    def take_fault(self) -> bool:
+        """Whether a slot without a page was loaded since the last call (and reset)."""
+        fault, self.page_fault = self.page_fault, False
+        return fault
 
 
 def _host_values(cache: KVCache, batch: int) -> dict:
@@ -119,6 +140,17 @@ def _host_values(cache: KVCache, batch: int) -> dict:
     }
 
 
+def _in_range(k_cache, cache: KVCache, host: dict) -> np.ndarray:
+    """``[decode guard]`` ``(batch,)`` bool: whether each sequence's index values are in range (the kernels'
+    ``sequence_in_range``): ``cache_seqlens[b]`` in ``[0, capacity - seqlen_new]``, ``cache_leftpad[b]`` in ``[0,
+    cache_seqlens[b]]`` and, for a contiguous cache, ``cache_batch_idx[b]`` a row of it."""
+    seqlens, leftpad = host["seqlens"], host["leftpad"]
+    ok = (seqlens >= 0) & (seqlens <= cache.capacity - cache.seqlen_new) & (leftpad >= 0) & (leftpad <= seqlens)
+    if host["block_table"] is None:
+        ok &= (host["batch_idx"] >= 0) & (host["batch_idx"] < k_cache.shape[0])
+    return ok
+
+
 def _rotate(q, k, rotary: Rotary, seqlens: np.ndarray):
     """``[decode rotary]`` q at ``cache_seqlens[b] + i`` (or ``cache_seqlens[b]``), new key ``i`` at
     ``cache_seqlens[b] + i``."""
@@ -128,16 +160,17 @@ def _rotate(q, k, rotary: Rotary, seqlens: np.ndarray):
     return q_rot, k_rot
 
 
-def _append(k_cache, v_cache, k, v, cache: KVCache, host: dict) -> None:
+def _append(k_cache, v_cache, k, v, cache: KVCache, host: dict, in_range: np.ndarray) -> None:
     """``[decode append]`` new token ``i`` of sequence ``b`` into slot ``cache_seqlens[b] + i`` of both caches, in
     place. v is written first, then k: where the two caches share memory (MLA's ``v_cache = k_cache[..., :dv]``)
-    the cache holds k's values."""
-    for b in range(k.shape[0]):
+    the cache holds k's values. ``[decode guard]`` a sequence out of range appends nothing, a slot without a page
+    is not written."""
+    for b in np.flatnonzero(in_range):
         start = int(host["seqlens"][b])
-        slots = _Slots(cache, host, b)
-        rows, columns = slots.index(start, start + k.shape[1])
-        v_cache[rows, columns] = v[b]
-        k_cache[rows, columns] = k[b]
+        slots = _Slots(cache, host, b, k_cache.shape[0])
+        rows, columns, ok = slots.index(start, start + k.shape[1])
+        v_cache[rows[ok] if np.ndim(rows) else rows, columns[ok]] = v[b][ok]
+        k_cache[rows[ok] if np.ndim(rows) else rows, columns[ok]] = k[b][ok]
 
 
 def forward_kvcache(q, k_cache, v_cache, k, v, *, cache: KVCache, scale: float, variant: Variant, out=None):
@@ -149,10 +182,11 @@ def forward_kvcache(q, k_cache, v_cache, k, v, *, cache: KVCache, scale: float, 
     batch, seqlen_q, heads_q, _ = q.shape
     dtype, acc = q.dtype, _acc_dtype(q.dtype)
     host = _host_values(cache, batch)
+    in_range = _in_range(k_cache, cache, host)
     if cache.rotary is not None:
-        q, k = _rotate(q, k, cache.rotary, host["seqlens"])
+        q, k = _rotate(q, k, cache.rotary, np.where(in_range, host["seqlens"], 0))
     if k is not None and k.shape[1]:
-        _append(k_cache, v_cache, k, v, cache, host)
+        _append(k_cache, v_cache, k, v, cache, host, in_range)
 
     head_dim_v = v_cache.shape[-1]
     if out is None:
@@ -163,12 +197,16 @@ def forward_kvcache(q, k_cache, v_cache, k, v, *, cache: KVCache, scale: float, 
     if 0 in (batch, seqlen_q, heads_q):
         return out, lse
     for b in range(batch):
+        if not in_range[b]:  # [decode guard] the sequence's rows NaN
+            out[b] = np.nan
+            lse[b] = np.nan
+            continue
         len_k = int(host["seqlens"][b]) + cache.seqlen_new - int(host["leftpad"][b])
         if len_k == 0:
             continue  # no key: out stays 0, lse -inf
         mods = _score_mods(variant, scale, q[b:b + 1], k_cache, slice(b, b + 1), np.array([b]), seqlen_q, len_k)
-        _decode_sequence(q[b:b + 1], k_cache, v_cache, out[b:b + 1], lse[b:b + 1], _Slots(cache, host, b), mods,
-                         len_k, cache)
+        slots = _Slots(cache, host, b, k_cache.shape[0])
+        _decode_sequence(q[b:b + 1], k_cache, v_cache, out[b:b + 1], lse[b:b + 1], slots, mods, len_k, cache)
     return out, lse
 
 
@@ -202,11 +240,13 @@ def _decode_sequence(q, k_cache, v_cache, out, lse, slots: _Slots, mods, len_k: 
 
 def _split_partial(q_i, k_cache, v_cache, slots: _Slots, tiles, mods, q_start, q_stop, dtype):
     """``[decode split]`` FlashAttention-2's inner loop over the key tiles of one split: ``(o_s, lse_s)``, ``o_s``
-    normalized (zeros and ``lse_s = -inf`` where the rows see no key of the split), in the accumulation dtype."""
+    normalized (zeros and ``lse_s = -inf`` where the rows see no key of the split; NaN where a slot had no page), in
+    the accumulation dtype."""
     acc_dtype = q_i.dtype
     m_i = np.full(q_i.shape[:-1], -np.inf, acc_dtype)
     l_i = np.zeros(q_i.shape[:-1], acc_dtype)
     acc = np.zeros(q_i.shape[:-1] + v_cache.shape[-1:], acc_dtype)
+    slots.take_fault()
     for k_start, k_stop in tiles:
         assert not tile_is_fully_masked(q_start, q_stop, k_start, k_stop, mods.band)
         # [decode page] gather the tile's keys and values slot by slot through the block table
@@ -221,4 +261,7 @@ def _split_partial(q_i, k_cache, v_cache, slots: _Slots, tiles, mods, q_start, q
     # [fa2-fwd 6] o_s = acc / l, lse_s = m + log l
     l_safe, lse_s = _finish_lse(m_i, l_i)
     acc /= l_safe[..., None]
+    if slots.take_fault():  # [decode guard] a slot of the split had no page: its rows NaN
+        acc[...] = np.nan
+        lse_s[...] = np.nan
     return acc, lse_s

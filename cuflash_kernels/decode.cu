@@ -27,6 +27,16 @@
 // decode_merge_kernel [decode merge]: the same merge by itself, one warp per query row (b, h, t)
 // (cuflash/_merge.py:merge_stacked; cuflash._cuda.decode.merge_partials).
 //
+// [decode guard] Index values that live on the device (cache_seqlens, cache_leftpad, cache_batch_idx, block_table)
+// cannot be checked before the launch without a synchronization, so the kernels check them where they read them,
+// never touching memory out of bounds for them: a sequence whose cache_seqlens[b] is negative or leaves no room for
+// the new tokens (> capacity - seqlen_new), whose cache_leftpad[b] is negative or past cache_seqlens[b], or whose
+// cache_batch_idx[b] names no cache row, appends nothing and gets NaN in every output row and lse (a few integer
+// compares per block, before any loop: sequence_in_range); a block_table entry that names no page (< 0 or >=
+// num_blocks) is neither written by the append nor read by the split kernel (the 16-byte chunks of its slots are
+// zeros; one unsigned compare beside the page id's load), and the rows of every block that would have read it
+// get NaN (merged: a NaN part makes the row NaN). The reference (cuflash/reference_decode.py) does the same.
+//
 // Masks and mods of a packed row (query token t of a sequence of len_q tokens, len_k keys): key j is seen iff
 // j < len_k, j <= t + len_k - len_q + right (causal: right = 0) and j >= t + len_k - len_q - left; softcap and
 // ALiBi (slope of the row's query head) on the raw score as in variants.cuh.
@@ -37,6 +47,8 @@
 // kColSplit floats (MLA, 64 rows and 64 keys: 225 KiB). The append and merge kernels use none (the fused merge
 // one int).
 #include "cuflash_tiles.cuh"
+
+#define CUFLASH_NAN __int_as_float(0x7fffffff)
 
 namespace cuflash {
 
@@ -66,6 +78,8 @@ struct DecodeParams {
     i64 vn_sb, vn_ss, vn_sh;     // v_new
     i64 o_sb, o_ss, o_sh;        // out
     i64 bt_sb;                   // block_table's batch stride
+    int capacity;                // slots a sequence can address: the cache's seqlen, or max_pages * page_size
+    int cache_rows;              // axis 0 of the caches: rows (contiguous) or pages (num_blocks, paged)
     int batch, seqlen_q, seqlen_new, heads_q, heads_kv, group, head_dim, head_dim_v, page_size, num_splits, row_tiles;
     int has_left, window_left, has_right, window_right;  // the band (causal: has_right, window_right = 0)
     float scale_log2;            // softmax_scale * log2(e)
@@ -73,22 +87,39 @@ struct DecodeParams {
     float inv_scale;             // 1 / softmax_scale (ALiBi slopes in raw-score units)
 };
 
+// [decode guard] Whether sequence b's index values are in range: cache_seqlens[b] (seqlen) in [0, capacity -
+// seqlen_new], cache_leftpad[b] in [0, seqlen] and, for a contiguous cache, its row in [0, cache_rows). Then every
+// slot it reads or writes, [leftpad, seqlen + seqlen_new), lies in [0, capacity): within the block table's row, or
+// the cache row (block_table entries are checked where they are read).
+template <bool kPaged>
+__device__ __forceinline__ bool sequence_in_range(const DecodeParams& p, int seqlen, int leftpad, int cache_row) {
+    return seqlen >= 0 && seqlen <= p.capacity - p.seqlen_new && leftpad >= 0 && leftpad <= seqlen
+           && (kPaged || static_cast<unsigned>(cache_row) < static_cast<unsigned>(p.cache_rows));
+}
+
 // [decode append] new token i of sequence b into slot cache_seqlens[b] + i of both caches, in place; launched
 // before flash_decode_kernel on the same stream, so the attention reads the appended keys. One block per (b, i);
 // its threads take (key/value head, column) elements. Each thread writes v's element before k's: where v_cache
 // is a view of k_cache (MLA: v_cache = k_cache[..., :dv]) an overlapping element is one address written by one
 // thread, and k's value stays, as in the reference (v first, then k). Elements are copied as their 16 bits
-// (float16 and bfloat16 alike).
+// (float16 and bfloat16 alike). [decode guard] A sequence out of range appends nothing, a slot whose page is out
+// of range is not written.
 template <bool kPaged>
 __global__ void __launch_bounds__(128) decode_append_kernel(const DecodeParams p) {
     const int b = blockIdx.x / p.seqlen_new, i = blockIdx.x % p.seqlen_new;
-    const int slot = p.cache_seqlens[b] + i;
+    const int seqlen = p.cache_seqlens[b];
+    const int leftpad = p.cache_leftpad ? p.cache_leftpad[b] : 0;
+    const int cache_row = kPaged ? 0 : (p.cache_batch_idx ? p.cache_batch_idx[b] : b);
+    if (!sequence_in_range<kPaged>(p, seqlen, leftpad, cache_row)) return;
+    const int slot = seqlen + i;
     i64 row, pos;  // [decode page] the slot's page (or cache row) and its place in it
     if constexpr (kPaged) {
-        row = p.block_table[b * p.bt_sb + slot / p.page_size];
+        const int page = p.block_table[b * p.bt_sb + slot / p.page_size];
+        if (static_cast<unsigned>(page) >= static_cast<unsigned>(p.cache_rows)) return;
+        row = page;
         pos = slot % p.page_size;
     } else {
-        row = p.cache_batch_idx ? p.cache_batch_idx[b] : b;
+        row = cache_row;
         pos = slot;
     }
     u16* kdst = p.k_cache + row * p.k_sb + pos * p.k_ss;
@@ -119,7 +150,8 @@ __device__ __forceinline__ float4 ld_cg4(const float4* ptr) {
 // [decode merge] The splits' partial rows of one query row combined exactly (cuflash/_merge.py:merge_stacked):
 // lse = top + log sum_s exp(lse_s - top) with top the largest lse_s (0 when every part is empty), then
 // o = sum_s exp(lse_s - lse) o_s, written in the input dtype at out's strides, lse in float32. A part with
-// lse_s = -inf weighs 0 (and is not read); a row whose parts are all empty gets o = 0 and lse = -inf.
+// lse_s = -inf weighs 0 (and is not read); a row whose parts are all empty gets o = 0 and lse = -inf; a part
+// with lse_s = NaN ([decode guard]) makes the row's o and lse NaN.
 // One warp per row (b, h, t) in lse's order; each lane holds kHeadDimV / 128 float4 chunks of the row. The
 // partials are read through L2 (ld.global.cg): in the fused merge other blocks of the same launch wrote them.
 template <class T, int kHeadDimV>
@@ -138,9 +170,10 @@ __device__ __forceinline__ void merge_row(const DecodeParams& p, i64 row, int la
     float total = 0.f;
     for (int s = lane; s < splits; s += 32) total += expf(ld_cg(lse_s + s * rows) - top_safe);
     total = warp_sum(total);
+    // total is NaN when a part is ([decode guard]: fmaxf passed it over): the row's lse, and so every weight, NaN
     const bool seen = total > 0.f;
-    const float lse = seen ? top_safe + logf(total) : -CUFLASH_INF;
-    const float lse_use = seen ? lse : 0.f;
+    const float lse = seen ? top_safe + logf(total) : (total == 0.f ? -CUFLASH_INF : CUFLASH_NAN);
+    const float lse_use = total == 0.f ? 0.f : lse;
 
     // [decode merge] o = sum_s exp(lse_s - lse) o_s
     float4 acc[kPerLane];
@@ -276,12 +309,13 @@ struct DecodeConfig {
 };
 
 // K or V rows [n0, n0 + kBlockN) of the sequence (cache slots leftpad + n0, ...) into a swizzled tile; keys past
-// len_k as zeros. base: the cache with the key/value head's offset applied. kUnroll: how many of a thread's
+// len_k as zeros. [decode guard] A slot whose page id is out of range reads as zeros and sets page_fault. base: the cache with the key/value head's offset applied. kUnroll: how many of a thread's
 // 16-byte copies are unrolled (all by default; the wide kernel issues its 576-wide tiles with fewer, so that the
 // addresses of the next tile do not compete for registers with its O accumulator).
 template <int kBlockN, int kHeadDim, int kThreads, bool kPaged, int kUnroll = (kBlockN * kHeadDim / 8 + kThreads - 1) / kThreads>
 __device__ __forceinline__ void load_cache_tile(u16* tile, const u16* base, i64 sb, i64 ss, const DecodeParams& p,
-                                                const int* pages, int cache_row, int slot0, int n0, int len_k, int tid) {
+                                                const int* pages, int cache_row, int slot0, int n0, int len_k, int tid,
+                                                bool& page_fault) {
     constexpr int kChunks = kHeadDim / 8;
     constexpr int kTotal = kBlockN * kChunks;
 #pragma unroll kUnroll
@@ -289,12 +323,18 @@ __device__ __forceinline__ void load_cache_tile(u16* tile, const u16* base, i64 
         const int i = tid + it * kThreads;
         if (kTotal % kThreads != 0 && i >= kTotal) break;
         const int r = i / kChunks, c = i % kChunks;
-        const bool valid = n0 + r < len_k;
+        bool valid = n0 + r < len_k;
         const u16* src = base;
         if (valid) {
             const int slot = slot0 + n0 + r;
             if constexpr (kPaged) {
-                src = base + (i64)pages[slot / p.page_size] * sb + (i64)(slot % p.page_size) * ss + c * 8;
+                const int page = pages[slot / p.page_size];
+                if (static_cast<unsigned>(page) < static_cast<unsigned>(p.cache_rows)) {
+                    src = base + (i64)page * sb + (i64)(slot % p.page_size) * ss + c * 8;
+                } else {
+                    valid = false;
+                    page_fault = true;
+                }
             } else {
                 src = base + (i64)cache_row * sb + (i64)slot * ss + c * 8;
             }
@@ -327,11 +367,15 @@ flash_decode_kernel(const DecodeParams p) {
     const int packed = seqlen_q * group;  // packed rows of this key/value head
     const int r0 = rt * kRows;            // first packed row of the block
 
+    // [decode guard] a sequence out of range reads no key (len_k 0) and writes NaN rows
+    const int seqlen = p.cache_seqlens[b];
     const int leftpad = p.cache_leftpad ? p.cache_leftpad[b] : 0;
-    const int len_k = p.cache_seqlens[b] + p.seqlen_new - leftpad;
+    const int cache_row = kPaged ? 0 : (p.cache_batch_idx ? p.cache_batch_idx[b] : b);
+    const bool in_range = sequence_in_range<kPaged>(p, seqlen, leftpad, cache_row);
+    const int len_k = in_range ? seqlen + p.seqlen_new - leftpad : 0;
     const int offset = len_k - seqlen_q;  // query token t faces key t + offset (bottom-right)
     const int* pages = kPaged ? p.block_table + b * p.bt_sb : nullptr;
-    const int cache_row = kPaged ? 0 : (p.cache_batch_idx ? p.cache_batch_idx[b] : b);
+    bool page_fault = false;  // [decode guard] a page id out of range among the slots this block loaded
 
     int part_first, part_end;
     split_part<kRows, kBlockN>(p, r0, packed, offset, len_k, split, part_first, part_end);
@@ -342,9 +386,9 @@ flash_decode_kernel(const DecodeParams p) {
     load_packed_q<kRows, kHeadDim, kThreads>(sQ, p, b, h_kv, r0, packed, tid);
     if (part_first < part_end) {
         load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged>(sK, kbase, p.k_sb, p.k_ss, p, pages, cache_row, leftpad,
-                                                             part_first * kBlockN, len_k, tid);
+                                                             part_first * kBlockN, len_k, tid, page_fault);
         load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged>(sV, vbase, p.v_sb, p.v_ss, p, pages, cache_row, leftpad,
-                                                             part_first * kBlockN, len_k, tid);
+                                                             part_first * kBlockN, len_k, tid, page_fault);
     }
     cp_async_commit();
 
@@ -362,9 +406,11 @@ flash_decode_kernel(const DecodeParams p) {
         const int buf = (j - part_first) & 1;
         if (j + 1 < part_end) {  // the next tile into the other buffer (freed at the end of the last iteration)
             load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged>(sK + (buf ^ 1) * kTile, kbase, p.k_sb, p.k_ss, p, pages,
-                                                                 cache_row, leftpad, (j + 1) * kBlockN, len_k, tid);
+                                                                 cache_row, leftpad, (j + 1) * kBlockN, len_k, tid,
+                                                                 page_fault);
             load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged>(sV + (buf ^ 1) * kTile, vbase, p.v_sb, p.v_ss, p, pages,
-                                                                 cache_row, leftpad, (j + 1) * kBlockN, len_k, tid);
+                                                                 cache_row, leftpad, (j + 1) * kBlockN, len_k, tid,
+                                                                 page_fault);
         }
         cp_async_commit();
         cp_async_wait<1>();  // Q and tile j have landed
@@ -408,7 +454,8 @@ flash_decode_kernel(const DecodeParams p) {
         __syncthreads();  // every warp is done with buffer buf before it is refilled
     }
     cp_async_wait<0>();
-    __syncthreads();
+    // [decode guard] the block's rows NaN when its sequence is out of range or a page it read was
+    const bool poisoned = __syncthreads_or(page_fault) != 0 || !in_range;
 
     // [decode merge] within the block: each warp's (m, l, O) of the 16 rows to shared memory (over the K/V
     // ring), then every thread combines the warps for some (row, column) elements.
@@ -446,8 +493,8 @@ flash_decode_kernel(const DecodeParams p) {
             l += sL[w * kRows + r] * f;
             o += sState[(w * kRows + r) * kHeadDim + c] * f;
         }
-        const float val = l > 0.f ? o / l : 0.f;
-        const float lse = l > 0.f ? (m_use + log2f(l)) * kLn2 : -CUFLASH_INF;
+        const float val = poisoned ? CUFLASH_NAN : l > 0.f ? o / l : 0.f;
+        const float lse = poisoned ? CUFLASH_NAN : l > 0.f ? (m_use + log2f(l)) * kLn2 : -CUFLASH_INF;
         const int tq = pr / group, hq = h_kv * group + pr % group;
         if (p.num_splits == 1) {
             p.out[b * p.o_sb + (i64)tq * p.o_ss + (i64)hq * p.o_sh + c] = static_cast<u16>(Elem<T>::pack(val, 0.f) & 0xffffu);
@@ -523,11 +570,15 @@ flash_decode_wide_kernel(const DecodeParams p) {
     const int r0 = rt * kBlockM;          // first packed row of the block
     const int rw = rg * 16;               // first row of this warp's row group within the block
 
+    // [decode guard] a sequence out of range reads no key (len_k 0) and writes NaN rows
+    const int seqlen = p.cache_seqlens[b];
     const int leftpad = p.cache_leftpad ? p.cache_leftpad[b] : 0;
-    const int len_k = p.cache_seqlens[b] + p.seqlen_new - leftpad;
+    const int cache_row = kPaged ? 0 : (p.cache_batch_idx ? p.cache_batch_idx[b] : b);
+    const bool in_range = sequence_in_range<kPaged>(p, seqlen, leftpad, cache_row);
+    const int len_k = in_range ? seqlen + p.seqlen_new - leftpad : 0;
     const int offset = len_k - seqlen_q;
     const int* pages = kPaged ? p.block_table + b * p.bt_sb : nullptr;
-    const int cache_row = kPaged ? 0 : (p.cache_batch_idx ? p.cache_batch_idx[b] : b);
+    bool page_fault = false;  // [decode guard] a page id out of range among the slots this block loaded
 
     int part_first, part_end;
     split_part<kBlockM, kBlockN>(p, r0, packed, offset, len_k, split, part_first, part_end);
@@ -536,10 +587,11 @@ flash_decode_wide_kernel(const DecodeParams p) {
     const u16* vbase = p.v_cache + (i64)h_kv * p.v_sh;
     auto load_tiles = [&](int j, int buf) {
         load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged, 1>(sK + buf * kTileK, kbase, p.k_sb, p.k_ss, p, pages,
-                                                                cache_row, leftpad, j * kBlockN, len_k, tid);
+                                                                cache_row, leftpad, j * kBlockN, len_k, tid,
+                                                                page_fault);
         if constexpr (!kSharedKV) {
             load_cache_tile<kBlockN, kDV, kThreads, kPaged, 1>(sV + buf * kTileV, vbase, p.v_sb, p.v_ss, p, pages,
-                                                            cache_row, leftpad, j * kBlockN, len_k, tid);
+                                                            cache_row, leftpad, j * kBlockN, len_k, tid, page_fault);
         }
     };
 
@@ -643,7 +695,8 @@ flash_decode_wide_kernel(const DecodeParams p) {
         const float lq = quad_sum(l[hh]);
         if (t4 == 0) sSum[(rw + g + 8 * hh) * kColSplit + cs] = lq;
     }
-    __syncthreads();
+    // [decode guard] the block's rows NaN when its sequence is out of range or a page it read was
+    const bool poisoned = __syncthreads_or(page_fault) != 0 || !in_range;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         const int r = rw + g + 8 * hh, pr = r0 + r;
@@ -652,8 +705,8 @@ flash_decode_wide_kernel(const DecodeParams p) {
 #pragma unroll
         for (int c = 0; c < kColSplit; ++c) lt += sSum[r * kColSplit + c];
         const float m_use = m[hh] == -CUFLASH_INF ? 0.f : m[hh];
-        const float inv = lt > 0.f ? 1.f / lt : 0.f;
-        const float lse = lt > 0.f ? (m_use + log2f(lt)) * kLn2 : -CUFLASH_INF;
+        const float inv = poisoned ? CUFLASH_NAN : lt > 0.f ? 1.f / lt : 0.f;
+        const float lse = poisoned ? CUFLASH_NAN : lt > 0.f ? (m_use + log2f(lt)) * kLn2 : -CUFLASH_INF;
         const int tq = pr / group, hq = h_kv * group + pr % group;
         if (p.num_splits == 1) {
             u16* dst = p.out + b * p.o_sb + (i64)tq * p.o_ss + (i64)hq * p.o_sh + cs * kWV + 2 * t4;

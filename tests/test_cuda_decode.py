@@ -8,6 +8,8 @@ several steps, in a CuPy stream-capture graph and in a torch.cuda.CUDAGraph. Ski
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -250,6 +252,117 @@ def test_zero_sized_calls(requires_gpu):
     kn = k_cache.copy()
     cuflash.attention_with_kvcache(q[:, :0], kn, v_cache.copy(), k, v, cache_seqlens=seqlens)
     assert np.array_equal(cp.asnumpy(ck).view(np.uint16), kn.view(np.uint16))  # the append happened
+
+
+# ---------------------------------------------------------------------------------------------------
+# [decode guard]: device index values out of range give NaN rows, never an access out of bounds
+# ---------------------------------------------------------------------------------------------------
+
+# label: (batch, heads_q, heads_kv, d, seqlen_q, seqlen_new, capacity, page_size, options, sequence 1's broken value:
+# ("seqlens" | "leftpad" | "batch_idx", value) or ("page", column of block_table or "append", value)). Huge values
+# would fault (an illegal address) if a kernel used them.
+GUARD_CASES = {
+    "seqlens-negative": (3, 8, 2, 128, 1, 1, 700, None, dict(causal=True), ("seqlens", -5)),
+    "seqlens-no-room-splits": (3, 8, 2, 128, 1, 1, 4096, None, dict(causal=True, num_splits=8), ("seqlens", 4096)),
+    "seqlens-huge-paged5-spec2": (3, 8, 2, 64, 2, 2, 333, 5, dict(causal=True), ("seqlens", 2**31 - 1)),
+    "leftpad-past-seqlens": (3, 8, 2, 64, 1, 1, 300, None, dict(causal=True, leftpad=True), ("leftpad", 10**6)),
+    "leftpad-negative-paged16": (3, 8, 2, 64, 1, 1, 300, 16, dict(leftpad=True), ("leftpad", -1)),
+    "batch-idx-huge": (3, 8, 2, 96, 1, 1, 300, None, dict(batch_idx=True), ("batch_idx", 1 << 30)),
+    "batch-idx-negative": (3, 8, 2, 32, 1, 1, 300, None, dict(batch_idx=True), ("batch_idx", -1)),
+    "page-huge-first": (3, 8, 2, 128, 1, 1, 700, 16, dict(causal=True), ("page", 0, 1 << 30)),
+    "page-negative-splits": (3, 8, 2, 128, 1, 1, 4096, 16, dict(causal=True, num_splits=8), ("page", 3, -7)),
+    "page-huge-appended-slot-page1": (3, 8, 8, 64, 1, 1, 200, 1, dict(causal=True), ("page", "append", 1 << 30)),
+    "d256-page-huge": (3, 16, 2, 256, 1, 1, 700, 16, dict(causal=True), ("page", 0, 1 << 30)),
+    "d256-seqlens-negative-spec3": (3, 8, 4, 256, 3, 3, 300, None, dict(causal=True), ("seqlens", -1)),
+    "mla-page-huge": (3, 16, 1, 576, 1, 1, 300, 64, dict(causal=True, mla=512), ("page", 1, 1 << 30)),
+    "mla-seqlens-no-room-splits": (3, 16, 1, 576, 1, 1, 1000, 64, dict(causal=True, mla=512, num_splits=4),
+                                   ("seqlens", 1024)),  # 16 pages of 64: capacity 1024
+    # chunked prefill (the forward kernels over the cache): its guards are CuPy array operations
+    "prefill-seqlens-no-room": (3, 8, 2, 64, 64, 64, 400, None, dict(causal=True), ("seqlens", 400)),
+}
+
+
+@pytest.mark.parametrize("label", list(GUARD_CASES))
+@pytest.mark.parametrize("dtname", ["bfloat16", "float16"])
+def test_device_values_out_of_range_give_nan_rows(requires_gpu, monkeypatch, label, dtname):
+    """Sequence 1 of 3 with an index value out of range, left on the device (no debug mode): a plan's step
+    completes without a device error, writes NaN into that sequence's rows of out and lse (both poisoned with a
+    finite 7.0 first), gives the other sequences what the float64 reference gives, and leaves the caches as the
+    reference's mirror of the guards leaves them (bit for bit: the broken sequence appends nothing, or nothing
+    where its page is out of range). A valid step runs afterwards (the context is healthy)."""
+    from cuflash import reference_decode
+
+    cp = requires_gpu
+    monkeypatch.delenv("CUFLASH_CHECK_DEVICE_VALUES", raising=False)
+    batch, hq, hkv, d, sq, snew, cap, page, opts, (what, *where) = GUARD_CASES[label]
+    opts = dict(opts)
+    dv = opts.pop("mla", None)
+    dtype = DTYPES[dtname]
+    rng = np.random.default_rng(sum(map(ord, label)) + len(dtname))
+    q, k_cache, v_cache, k, v, seqlens, table = _case(rng, batch=batch, heads_q=hq, heads_kv=hkv, d=d, seqlen_q=sq,
+                                                     seqlen_new=snew, capacity=cap, page_size=page, dtype=dtype, dv=dv)
+    seqlens[:] = [cap - snew, cap // 2, cap // 3]
+    call = dict(causal=opts.get("causal", False), num_splits=opts.get("num_splits", 0))
+    if dv is not None:
+        call["softmax_scale"] = 1 / np.sqrt(192)
+    if opts.get("leftpad"):
+        call["cache_leftpad"] = np.array([0, 5, 1], np.int32)
+    if opts.get("batch_idx"):  # two spare rows
+        k_cache, v_cache = (np.concatenate([x, x[:2]]) for x in (k_cache, v_cache))
+        call["cache_batch_idx"] = rng.permutation(batch + 2)[:batch].astype(np.int32)
+    if table is not None:
+        call["block_table"] = table
+
+    def caches(copy):  # a copy of both caches (MLA: v_cache a view of the copy of k_cache)
+        kc = copy(k_cache)
+        return (kc, kc[..., :dv]) if dv is not None else (kc, copy(v_cache))
+
+    # the reference's KVCache of the valid call, then sequence 1's value broken
+    normalized = dict(rotary_cos=None, rotary_sin=None, rotary_interleaved=True, cache_batch_idx=None,
+                      cache_leftpad=None, block_table=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                      alibi_slopes=None, softmax_scale=None, num_splits=0, out=None)
+    kn, vn = caches(np.copy)
+    _, _, cache, scale, variant = _api._kvcache_call(q, kn, vn, k, v, cache_seqlens=seqlens,
+                                                     **{**normalized, **call})
+    field = {"seqlens": "cache_seqlens", "leftpad": "cache_leftpad", "batch_idx": "cache_batch_idx",
+             "page": "block_table"}[what]
+    values = getattr(cache, field).copy()
+    if what == "page":
+        column = seqlens[1] // page if where[0] == "append" else where[0]
+        values[1, column] = where[1]
+    else:
+        values[1] = where[0]
+    broken = dataclasses.replace(cache, **{field: values})
+    k64, v64 = caches(lambda x: np.array(x, dtype=np.float64))
+    out_t, lse_t = reference_decode.forward_kvcache(q.astype(np.float64), k64, v64, k.astype(np.float64),
+                                                    v.astype(np.float64), cache=broken, scale=scale, variant=variant)
+    out_n, _ = reference_decode.forward_kvcache(q, kn, vn, k, v, cache=broken, scale=scale, variant=variant)
+
+    dev = {name: (cp.asarray(x) if isinstance(x, np.ndarray) else x) for name, x in call.items()}
+    dev[field] = cp.asarray(values)
+    lens = dev.pop("cache_seqlens", cp.asarray(seqlens))
+    ck, cv = caches(cp.asarray)
+    cq, ck_new, cv_new = cp.asarray(q), cp.asarray(k), cp.asarray(v)
+    seven = 0x40E0 if dtname == "bfloat16" else 0x4700
+    out = cp.full((batch, sq, hq, dv or d), seven, dtype=cp.uint16).view(dtype)
+    lse = cp.full((batch, hq, sq), 7.0, dtype=cp.float32)
+    plan = cuflash.plan_kvcache(cq, ck, cv, ck_new, cv_new, cache_seqlens=lens, out=out, **dev)
+    plan.run(cq, ck, cv, ck_new, cv_new, cache_seqlens=lens, out=out, lse=lse,
+             **{name: dev[name] for name in ("cache_leftpad", "cache_batch_idx", "block_table") if name in dev})
+    cp.cuda.Device().synchronize()  # an access out of bounds would surface here (an illegal address)
+    out_h, lse_h = cp.asnumpy(as_float32(cp, out)), cp.asnumpy(lse)
+    assert np.isnan(out_h[1]).all() and np.isnan(lse_h[1]).all(), "the broken sequence's rows are not NaN"
+    good = [0, 2]
+    assert not np.isnan(out_h[good]).any() and not np.isnan(lse_h[good]).any()
+    assert_within_budget(cp.asnumpy(out)[good], out_t[good], out_n[good], 2, rounding_floor(out_t[good], dtype), "out")
+    np.testing.assert_allclose(lse_h[good], lse_t[good], rtol=0, atol=2e-3)
+    assert np.array_equal(cp.asnumpy(ck).view(np.uint16), kn.view(np.uint16))
+    assert np.array_equal(cp.asnumpy(cv).view(np.uint16), vn.view(np.uint16))
+    # the context is healthy: the same plan with valid values
+    dev.update({name: cp.asarray(x) for name, x in call.items() if isinstance(x, np.ndarray)})
+    plan.run(cq, ck, cv, ck_new, cv_new, cache_seqlens=cp.asarray(seqlens), out=out, lse=lse,
+             **{name: dev[name] for name in ("cache_leftpad", "cache_batch_idx", "block_table") if name in dev})
+    assert not np.isnan(cp.asnumpy(lse)).any()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -518,3 +631,12 @@ def test_the_front_door_reuses_checked_launches(requires_gpu):
         cuflash.attention_with_kvcache(cq, ck, cv, cache_seqlens=lens[:2], causal=True)
     cuflash.attention_with_kvcache(cq[:, :, :4], ck, cv[..., :], cache_seqlens=lens, causal=True)  # another q
     assert len(_api._kvcache_launches) == entries + 1
+    # with out= given, each repeated call allocates its lse, even once the last call's lse has died (it once came
+    # back None, and the kernels wrote into the freed memory)
+    out = cp.empty_like(first)
+    _, lse = cuflash.attention_with_kvcache(cq, ck, cv, cache_seqlens=lens, causal=True, return_lse=True, out=out)
+    want = cp.asnumpy(lse)
+    del lse
+    poison(cp)
+    _, lse = cuflash.attention_with_kvcache(cq, ck, cv, cache_seqlens=lens, causal=True, return_lse=True, out=out)
+    assert lse is not None and np.array_equal(cp.asnumpy(lse), want)

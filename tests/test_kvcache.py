@@ -652,6 +652,10 @@ def _bad_call(case):
         args["q"] = rng.standard_normal((2, 1, 4, 16))[..., ::2]
     elif case == "seqlens list":
         args["cache_seqlens"] = [3, 5]
+    elif case == "new tokens past the capacity":
+        args["k"], args["v"] = (rng.standard_normal((2, 13, 2, 8)) for _ in range(2))
+        args["q"] = rng.standard_normal((2, 13, 4, 8))
+        args["cache_seqlens"] = np.array([0, 0], np.int32)
     return args
 
 
@@ -687,6 +691,8 @@ BAD_CASES = [
     ("out shape", ValueError, r"out must have shape \(batch, seqlen_q, heads_q, head_dim_v\) = \(2, 1, 4, 8\)"),
     ("strided q", ValueError, "q must have a contiguous last axis"),
     ("seqlens list", TypeError, "cache_seqlens must be an int or an int32 array"),
+    ("new tokens past the capacity", ValueError, r"seqlen_new must fit the cache, at most max_pages \* page_size = "
+                                                 r"3 \* 4 = 12 slots; got seqlen_new 13"),
 ]
 
 
@@ -698,6 +704,85 @@ def test_bad_inputs_are_refused_before_the_cache_changes(case, error, match):
         cuflash.attention_with_kvcache(**args)
     np.testing.assert_array_equal(args["k_cache"], before[0])
     np.testing.assert_array_equal(args["v_cache"], before[1])
+
+
+# ---------------------------------------------------------------------------------------------------
+# [decode guard]: index values out of range, as the CUDA kernels treat them (device values are not read before a
+# launch). The NumPy front door refuses them (above); the reference backend, called directly, mirrors the kernels.
+# ---------------------------------------------------------------------------------------------------
+
+# label: (Scenario options, the broken value of sequence 1, whether sequence 1 still appends)
+GUARD_CASES = {
+    "seqlens negative": (dict(), ("seqlens", -3), False),
+    "seqlens leave no room": (dict(seqlen_new=2), ("seqlens", 39), False),   # capacity 40
+    "seqlens huge, 1 split": (dict(num_splits=1), ("seqlens", 2**31 - 1), False),
+    "seqlens huge paged": (dict(page_size=4), ("seqlens", 2**31 - 1), False),
+    "leftpad past seqlens": (dict(leftpad=[0, 2, 1]), ("leftpad", 21), False),
+    "leftpad negative paged": (dict(leftpad=[0, 2, 1], page_size=3), ("leftpad", -1), False),
+    "batch idx past the rows": (dict(batch_idx=True), ("batch_idx", 5), False),   # rows: batch + 2 = 5
+    "batch idx negative": (dict(batch_idx=True), ("batch_idx", -1), False),
+    "page read past num_blocks, 1 split": (dict(page_size=4, num_splits=1), ("page", 0, 10**9), True),
+    "page read negative, 3 splits": (dict(page_size=4), ("page", 2, -1), True),
+    "page of the appended slot": (dict(page_size=4), ("page", 5, -2), False),    # slot 20: page 5
+    "page of the last slot only, page 1": (dict(page_size=1), ("page", 20, 2**31 - 1), False),
+}
+
+
+def _guard_call(label, dtype=np.float64):
+    """The Scenario (batch 3, sequence 1 at 20 cached keys and one new token), the normalized call of its valid
+    values, and the same call with sequence 1's value broken."""
+    options, (what, *where), appends = GUARD_CASES[label]
+    options = dict(options)
+    splits = options.pop("num_splits", 3)
+    s = Scenario(batch=3, capacity=40, seqlens=[7, 20, 33], seqlen_new=options.pop("seqlen_new", 1), dtype=dtype,
+                 seed=len(label), **options)
+    _, _, cache, scale, variant = _normalized(s.q, s.k_cache, s.v_cache, s.k, s.v, s.seqlens, dict(
+        block_table=s.block_table, cache_leftpad=s.leftpad, cache_batch_idx=s.batch_idx, causal=True,
+        num_splits=splits))
+    broken = {"seqlens": "cache_seqlens", "leftpad": "cache_leftpad", "batch_idx": "cache_batch_idx",
+              "page": "block_table"}[what]
+    values = getattr(cache, broken).copy()
+    if what == "page":
+        values[1, where[0]] = where[1]
+    else:
+        values[1] = where[0]
+    return s, cache, dataclasses.replace(cache, **{broken: values}), scale, variant, appends
+
+
+@pytest.mark.parametrize("label", list(GUARD_CASES))
+def test_the_reference_gives_nan_rows_for_values_out_of_range(label, small_tiles):
+    """reference_decode.forward_kvcache with one sequence's index value out of range: that sequence's output rows and
+    lse are NaN, the other sequences' are what the valid call gives (bit for bit), nothing is read or written out
+    of bounds (NumPy would raise or wrap), and the caches change only where the valid call appends, but for the
+    slots the broken sequence cannot write."""
+    from cuflash import reference_decode
+
+    s, good, bad, scale, variant, appends = _guard_call(label)
+    runs = {}
+    for name, cache in (("good", good), ("bad", bad)):
+        kc, vc = s.k_cache.copy(), s.v_cache.copy()
+        out, lse = reference_decode.forward_kvcache(s.q, kc, vc, s.k, s.v, cache=cache, scale=scale, variant=variant)
+        runs[name] = out, lse, kc, vc
+    (out_g, lse_g, kc_g, vc_g), (out_b, lse_b, kc_b, vc_b) = runs["good"], runs["bad"]
+    assert np.isnan(out_b[1]).all() and np.isnan(lse_b[1]).all()
+    np.testing.assert_array_equal(out_b[[0, 2]], out_g[[0, 2]])
+    np.testing.assert_array_equal(lse_b[[0, 2]], lse_g[[0, 2]])
+    assert not np.isnan(out_g).any()
+    if not appends:  # the slots sequence 1 appends to in the valid call keep their old values
+        rows, slots = s.locate(1, np.arange(s.seqlens[1], s.seqlens[1] + s.seqlen_new))
+        kc_g[rows, slots], vc_g[rows, slots] = s.before[0][rows, slots], s.before[1][rows, slots]
+    np.testing.assert_array_equal(kc_b, kc_g)
+    np.testing.assert_array_equal(vc_b, vc_g)
+
+
+def test_the_front_door_still_refuses_numpy_values_out_of_range(small_tiles):
+    """On NumPy the values are on the host: attention_with_kvcache checks them and raises before writing."""
+    s, _, bad, _, _, _ = _guard_call("page read past num_blocks, 1 split")
+    before = s.k_cache.copy()
+    with pytest.raises(ValueError, match=r"block_table\[1, 0\] = 1000000000"):
+        cuflash.attention_with_kvcache(s.q, s.k_cache, s.v_cache, s.k, s.v, cache_seqlens=s.seqlens,
+                                       block_table=bad.block_table)
+    np.testing.assert_array_equal(s.k_cache, before)
 
 
 def test_entries_past_the_used_pages_are_never_read(small_tiles):
@@ -838,11 +923,14 @@ def test_the_front_door_remembers_cupy_calls_only():
 
 
 def test_the_cuda_launcher_checks_and_writes_only_new_arrays():
-    """The decode launcher's step paths, with bench-decode's stand-in runtime (host memory, launches recorded):
-    a step of new array objects is validated and its addresses written into the record; a step of the very
-    objects of the step before only launches; a step with one new array (out) is validated again and rewrites
-    that address. The record's words are what the kernels would read."""
+    """The decode launcher's step paths, with bench-decode's stand-in runtime (host memory, launches recorded) and
+    the layouts a DecodePlan gives it (expect): a first step writes every address; a step of the very objects of
+    the step before only launches; a step with new q, k, v (a model's projections), a new out of the planned
+    layouts or an out to allocate writes those addresses only, without the plan's full check; an array of another
+    layout or a None where an array was planned (even once the last step's array has died) goes through the full
+    check (here a spy) first. The record's words are what the kernels would read."""
     from cuflash._cuda.decode import DECODE_PARAMS_DTYPE, DecodeLaunch
+    from cuflash._decode_plan import layouts_of
     from cuflash.bench_decode import _HostArray, _HostRuntime
 
     rng = np.random.default_rng(40)
@@ -857,27 +945,54 @@ def test_the_cuda_launcher_checks_and_writes_only_new_arrays():
     runtime = _HostRuntime(lambda *args: launches.append(args))
     q, kc, vc, k, v = (_HostArray(a) for a in host.values())
     launch = DecodeLaunch(q, kc, vc, k, v, cache=cache, scale=scale, variant=variant, runtime=runtime)
-    launch.validate = lambda *arrays: checked.append(arrays)
-    assert launch.num_splits == 3 and len(launch._steps) == 2  # the append, and the split kernel merging itself
-    record = launch._record[0]
     seqlens = _HostArray(lens)
     out, lse = runtime.empty(launch.out_shape, np.float16), runtime.empty(launch.lse_shape, np.float32)
+    launch.expect(layouts_of(q, kc, vc, k, v, seqlens, None, None, None, None, None, None), layouts_of(out)[0],
+                  layouts_of(lse)[0], lambda *arrays: checked.append(arrays))
+    assert launch.num_splits == 3 and len(launch._steps) == 2  # the append, and the split kernel merging itself
+    record = launch._record[0]
 
-    def step(out):
+    def step(q=q, k=k, v=v, out=out):
         return launch.run(q, kc, vc, k, v, seqlens, None, None, None, None, None, None, out, lse)
 
-    assert step(out)[0] is out and len(checked) == 1 and len(launches) == 2
+    assert step()[0] is out and not checked and len(launches) == 2
     assert record["q"] == q.data.ptr and record["out"] == out.data.ptr and record["cache_seqlens"] == seqlens.data.ptr
+    assert record["k_new"] == k.data.ptr and record["lse"] == lse.data.ptr and record["k_cache"] == kc.data.ptr
     assert record["o_part"] == launch.o_part.data.ptr and record["split_count"] == launch.split_count.data.ptr
     assert (record["batch"], record["num_splits"], record["heads_kv"]) == (1, 3, 2)
-    step(out)
-    assert len(checked) == 1 and len(launches) == 4  # the same objects: launched, not checked
+    assert (record["capacity"], record["cache_rows"]) == (256, 1)  # [decode guard]'s bounds
+    step()
+    assert not checked and len(launches) == 4  # the same objects: launched
+    q2, k2, v2 = (_HostArray(host[name].copy()) for name in ("q", "k", "v"))
+    step(q2, k2, v2)
+    assert not checked and len(launches) == 6
+    assert (record["q"], record["k_new"], record["v_new"]) == (q2.data.ptr, k2.data.ptr, v2.data.ptr)
     other = runtime.empty(launch.out_shape, np.float16)
-    step(other)
-    assert len(checked) == 2 and len(launches) == 6 and record["out"] == other.data.ptr
-    # every launch passes the record's address as the one kernel argument
+    step(q2, k2, v2, other)
+    assert not checked and len(launches) == 8 and record["out"] == other.data.ptr
+    # another layout: the full check (a DecodePlan's raises, naming it)
+    wide = _HostArray(np.zeros((1, 1, 8, 64), np.float16)[..., :32])
+    step(wide, k2, v2, other)
+    assert len(checked) == 1 and checked[0][0] is wide
+    # a None where the plan has k, after the last step's k died: not taken for the same (None) argument
+    step(q2, k2, v2, other)
+    del k2
+    step(q2, None, v2, other)
+    assert len(checked) == 2 and checked[1][3] is None
+    # out to allocate: a new out of the planned layout, written
+    got, _ = step(q2, k, v2, None)
+    assert len(checked) == 2 and got is not other and record["out"] == got.data.ptr
+    # the front door's launch (no expect): lse allocated at each call, even once the last one has died (a dead
+    # reference must not pass for the None argument: the kernels would write into freed memory)
+    front = DecodeLaunch(q, kc, vc, k, v, cache=cache, scale=scale, variant=variant, runtime=runtime)
+    first = front.run(q, kc, vc, k, v, seqlens, None, None, None, None, None, None, out, None)[1]
+    assert front._record[0]["lse"] == first.data.ptr
+    del first
+    second = front.run(q, kc, vc, k, v, seqlens, None, None, None, None, None, None, out, None)[1]
+    assert second is not None and front._record[0]["lse"] == second.data.ptr
+    # every launch passes its record's address as the one kernel argument
     argv = {args[9] for args in launches}
-    assert argv == {launch._argv_ptr} and launch._argv[0] == launch._record.ctypes.data
+    assert argv == {launch._argv_ptr, front._argv_ptr} and launch._argv[0] == launch._record.ctypes.data
     assert DECODE_PARAMS_DTYPE.itemsize == launch._record.itemsize
 
 
@@ -945,6 +1060,31 @@ def test_chunked_prefill_composition_equals_the_decode_reference(label):
     np.testing.assert_allclose(out, out_ref, rtol=0, atol=1e-12)
     np.testing.assert_array_equal(np.isinf(lse), np.isinf(lse_ref))
     np.testing.assert_allclose(lse, lse_ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("bad_length", [-1, 137, 2**31 - 1])
+def test_chunked_prefill_composition_guards_lengths_out_of_range(bad_length):
+    """[decode guard] on the chunked-prefill path: a cache_seqlens entry out of range (capacity 200, 64 new tokens)
+    gives that sequence NaN rows and appends nothing, as the decode reference does; the other sequence is
+    unchanged."""
+    from cuflash import _chunked_prefill, reference, reference_decode
+
+    rng = np.random.default_rng(3)
+    q, k_cache, v_cache, k, v, lens, call = _prefill_case(rng, *PREFILL_CASES["append-gqa4-causal"])
+    _, _, cache, scale, variant = _normalized(q, k_cache, v_cache, k, v, lens, call)
+    cache = dataclasses.replace(cache, cache_seqlens=np.array([bad_length, lens[1]], np.int32))
+    k_decode, v_decode = k_cache.copy(), v_cache.copy()
+    out_ref, lse_ref = reference_decode.forward_kvcache(q, k_decode, v_decode, k, v, cache=cache, scale=scale,
+                                                        variant=variant)
+    before = k_cache.copy()
+    out, lse = _chunked_prefill.forward_over_cache(q, k_cache, v_cache, k, v, cache.cache_seqlens, rotary=None,
+                                                   scale=scale, variant=variant, forward=reference.forward, xp=np)
+    assert np.isnan(out[0]).all() and np.isnan(lse[0]).all() and np.isnan(out_ref[0]).all()
+    np.testing.assert_array_equal(k_cache[0], before[0])
+    np.testing.assert_array_equal(k_cache, k_decode)
+    np.testing.assert_array_equal(v_cache, v_decode)
+    np.testing.assert_allclose(out[1], out_ref[1], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(lse[1], lse_ref[1], rtol=0, atol=1e-12)
 
 
 def test_chunked_prefill_only_where_the_forward_reads_the_same_keys():

@@ -96,6 +96,24 @@ def test_empty_parts_and_both_empty():
     assert np.isneginf(merged_lse).all()
 
 
+def test_a_nan_part_makes_the_row_nan():
+    """A row poisoned by the decode kernels' guards (NaN o and lse in one part) stays NaN after a merge, lse
+    included, whatever the other part holds; the other rows merge as usual."""
+    rng = np.random.default_rng(3)
+    o_a, o_b = rng.standard_normal((2, 1, 2, 3, 4))
+    lse_a, lse_b = rng.standard_normal((2, 1, 3, 2))
+    lse_b[0, 0, :] = -np.inf                   # head 0: part b empty
+    o_a[0, :, 0], lse_a[0, 0, :] = np.nan, np.nan   # ... and part a poisoned
+    o_b[0, 1, 2], lse_b[0, 2, 1] = np.nan, np.nan   # head 2, token 1: part b poisoned
+    merged, merged_lse = cuflash.merge_states(o_a, lse_a, o_b, lse_b)
+    assert np.isnan(merged[0, :, 0]).all() and np.isnan(merged_lse[0, 0]).all()
+    assert np.isnan(merged[0, 1, 2]).all() and np.isnan(merged_lse[0, 2, 1])
+    fine = np.ones(merged_lse.shape, bool)
+    fine[0, 0, :] = fine[0, 2, 1] = False
+    assert np.isfinite(merged_lse[fine]).all()
+    np.testing.assert_allclose(merged_lse[fine], np.logaddexp(lse_a[fine], lse_b[fine]), rtol=0, atol=1e-14)
+
+
 def test_equal_parts_add_log_two():
     o = np.random.default_rng(0).standard_normal((2, 3, 4, 5))
     lse = np.random.default_rng(1).standard_normal((2, 4, 3))

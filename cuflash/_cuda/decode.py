@@ -56,13 +56,13 @@ DECODE_PARAMS_DTYPE = np.dtype(
      *((name, np.int64) for name in ("q_sb", "q_ss", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb", "v_ss", "v_sh",
                                       "kn_sb", "kn_ss", "kn_sh", "vn_sb", "vn_ss", "vn_sh", "o_sb", "o_ss", "o_sh",
                                       "bt_sb")),
-     *((name, np.int32) for name in ("batch", "seqlen_q", "seqlen_new", "heads_q", "heads_kv", "group", "head_dim",
+     *((name, np.int32) for name in ("capacity", "cache_rows", "batch", "seqlen_q", "seqlen_new", "heads_q", "heads_kv", "group", "head_dim",
                                       "head_dim_v", "page_size", "num_splits", "row_tiles", "has_left", "window_left",
                                       "has_right", "window_right")),
      *((name, np.float32) for name in ("scale_log2", "softcap_a", "softcap_b", "inv_scale"))],
     align=True,
 )
-assert DECODE_PARAMS_DTYPE.itemsize == 360
+assert DECODE_PARAMS_DTYPE.itemsize == 368
 # Each step pointer's byte offset in the record, in _STEP_POINTERS order.
 _STEP_OFFSETS = tuple(DECODE_PARAMS_DTYPE.fields[name][1] for name in _STEP_POINTERS)
 
@@ -171,9 +171,10 @@ class DecodeLaunch:
     field that the shapes and options decide. One launch's workspace serves one step at a time: run it on one
     stream (or order the streams), as the front door does by keeping one launch per stream.
 
-    ``validate``: called with a step's arguments whenever they are not the very objects of the step before
-    (:class:`cuflash.DecodePlan` compares their layouts with the plan's there); ``runtime``: :class:`CupyRuntime`
-    or a stand-in.
+    :meth:`expect` (:class:`cuflash.DecodePlan`) gives the layouts every step must have: a step compares those of
+    its arrays that are not the very objects of the step before (and ``validate``, the plan's full check, names a
+    mismatch); without it the caller guarantees them (the front door). ``runtime``: :class:`CupyRuntime` or a
+    stand-in.
     """
 
     def __init__(self, q, k_cache, v_cache, k, v, *, cache: KVCache, scale: float, variant: Variant, out=None,
@@ -193,6 +194,7 @@ class DecodeLaunch:
         self.num_splits = 1
         self.o_part = self.lse_part = self.split_count = None
         self.validate = None
+        self._layouts = None  # per record slot, what expect() was given (None: the caller guarantees the layouts)
 
         # The kernels first (NVRTC, shared memory): nothing that can fail may come after a step's append.
         steps, keep = [], []
@@ -243,6 +245,8 @@ class DecodeLaunch:
         slopes = variant.alibi_slopes
         r["alibi_sb"] = 0 if slopes is None or slopes.ndim == 1 else _el(slopes, 0)
         r["bt_sb"] = 0 if cache.block_table is None else _el(cache.block_table, 0)
+        # [decode guard] the bounds the kernels check the device's index values against
+        r["capacity"], r["cache_rows"] = cache.capacity, k_cache.shape[0]
         r["batch"], r["seqlen_q"], r["seqlen_new"], r["heads_q"] = batch, seqlen_q, cache.seqlen_new, heads_q
         r["heads_kv"], r["group"], r["head_dim"], r["head_dim_v"] = heads_kv, group, d, dv
         r["page_size"], r["num_splits"], r["row_tiles"] = cache.page_size or 1, self.num_splits, row_tiles
@@ -262,8 +266,9 @@ class DecodeLaunch:
         self._words = memoryview(rec.view(np.uint8)).cast("Q")
         self._word_index = tuple(off // 8 for off in _STEP_OFFSETS)
         # Weak references to the last step's arrays (_none for None): a step with the same objects finds their
-        # addresses in the record already. Weak: a launch kept by the front door must not keep a cache alive.
-        self._last = (_none,) * len(_STEP_POINTERS)
+        # addresses in the record already. Weak: a launch kept by the front door must not keep a cache alive. (A
+        # dead reference reads as None: a None argument is the same only where the reference is _none.)
+        self._last = _FORGOTTEN
 
         # What run calls, bound once.
         self._empty, self._float32 = rt.empty, rt.float32
@@ -272,6 +277,16 @@ class DecodeLaunch:
         self._launch = rt.launch
         self._runtime = rt
         self._threads: set = set()  # threads that have made this device's context current
+
+    def expect(self, layouts: tuple, out_layout, lse_layout, validate) -> None:
+        """Every step's arrays must have these layouts (``(type, shape, strides, dtype)`` or None for an array not
+        given, as :mod:`cuflash._decode_plan` spells them): ``layouts`` in the order of :meth:`run`'s arguments from
+        ``q`` to ``alibi_slopes``, then ``out``'s and ``lse``'s. A step compares only the arrays that are not the
+        objects of the step before with them (an ``out`` or ``lse`` it allocates too), and calls ``validate``
+        (:class:`cuflash.DecodePlan`'s check, which names the array and both layouts) with all its arguments when
+        one differs, and at every rotary step."""
+        self._layouts = (*layouts[:5], out_layout, lse_layout, *layouts[5:10])
+        self.validate = validate
 
     def _ensure_context(self) -> None:
         """The plan's device current, with its context."""
@@ -285,25 +300,41 @@ class DecodeLaunch:
     def run(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad=None, cache_batch_idx=None,
             block_table=None, alibi_slopes=None, rotary_cos=None, rotary_sin=None, out=None, lse=None):
         """One step: ``(out, lse)``, appending ``k``, ``v`` first. The arrays must have the planned shapes, strides
-        and dtype and lie on the plan's device (the caller checks: :class:`cuflash.DecodePlan` through
-        ``validate``, or the front door). ``out`` and ``lse`` are allocated when not given; with both given the
-        step allocates nothing (without rotary) and does no host synchronization: the work is the launches,
-        enqueued on the current stream."""
+        and dtype and lie on the plan's device (compared here after :meth:`expect`, else the caller's guarantee:
+        the front door's). ``out`` and ``lse`` are allocated when not given; with both given the step allocates
+        nothing (without rotary) and does no host synchronization: the work is the launches, enqueued on the
+        current stream."""
         if self._get_device() != self.device or threading.get_ident() not in self._threads:
             self._ensure_context()
         last = self._last
         # The hot path of a decode loop: the very arrays of the last step, so the record holds their addresses.
         # (A CuPy array's memory, strides and dtype never change; its shape only by an in-place reshape of the
         # same memory, `a.shape = ...`, which reads the same bytes.)
-        # (Only with out and lse given: an output the step allocated is new each time, and the weak reference of
-        # last step's dead one reads None, the same as an argument not given.)
-        if (out is None or lse is None or last[0]() is not q or last[1]() is not k_cache or last[2]() is not v_cache or last[3]() is not k
-                or last[4]() is not v or last[5]() is not out or last[6]() is not lse
-                or last[7]() is not cache_seqlens or last[8]() is not cache_leftpad
-                or last[9]() is not cache_batch_idx or last[10]() is not block_table
-                or last[11]() is not alibi_slopes):  # (with rotary, never: q and k are new rotated copies)
-            return self._new_arrays(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx,
-                                    block_table, alibi_slopes, rotary_cos, rotary_sin, out, lse)
+        # (An argument that may be None is the same as the last step's only where that one was None too, not where
+        # the last one's reference died.)
+        if (last[0]() is not q or last[1]() is not k_cache or last[2]() is not v_cache
+                or (last[3] is not _none if k is None else last[3]() is not k)
+                or (last[4] is not _none if v is None else last[4]() is not v)
+                or (last[5] is not _none if out is None else last[5]() is not out)
+                or (last[6] is not _none if lse is None else last[6]() is not lse)
+                or last[7]() is not cache_seqlens
+                or (last[8] is not _none if cache_leftpad is None else last[8]() is not cache_leftpad)
+                or (last[9] is not _none if cache_batch_idx is None else last[9]() is not cache_batch_idx)
+                or (last[10] is not _none if block_table is None else last[10]() is not block_table)
+                or (last[11] is not _none if alibi_slopes is None else last[11]() is not alibi_slopes)):
+            # (with rotary, never: q and k are new rotated copies)
+            if self.rotary is not None or rotary_cos is not None or rotary_sin is not None:
+                return self._new_arrays(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx,
+                                        block_table, alibi_slopes, rotary_cos, rotary_sin, out, lse)
+            # A model's decode loop (new q, k, v objects: its projections; the same caches and lengths), or the
+            # front door's call (a new lse): the arrays that changed
+            given = out, lse
+            if out is None:
+                out = self._empty(self.out_shape, dtype=self.dtype)
+            if lse is None:
+                lse = self._empty(self.lse_shape, dtype=self._float32)
+            return self._changed_arrays(last, (q, k_cache, v_cache, k, v, out, lse, cache_seqlens, cache_leftpad,
+                                               cache_batch_idx, block_table, alibi_slopes), given)
         stream, launch, argv = self._current_stream().ptr, self._launch, self._argv_ptr
         with self._lock:
             if self._last is last:  # (not rewritten by another thread meanwhile)
@@ -312,6 +343,62 @@ class DecodeLaunch:
                 return out, lse
         return self._new_arrays(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx,
                                 block_table, alibi_slopes, rotary_cos, rotary_sin, out, lse)
+
+    def _changed_arrays(self, last, arrays, given):
+        """A step without rotary some of whose arrays (``arrays``, in record slot order, ``out`` and ``lse``
+        allocated where ``given`` has None) are not the last step's objects: only those are compared with the
+        expected layouts, checked for alignment and written into the record. Where one differs from its layout,
+        the full check (``validate``) runs on the arguments as given, and raises."""
+        stale = [i for i, ref, a in zip(_SLOTS, last, arrays) if (ref is not _none if a is None else ref() is not a)]
+        layouts, index = self._layouts, self._word_index
+        refs, writes = list(last), []
+        for i in stale:
+            a = arrays[i]
+            if a is None:
+                if layouts is not None and layouts[i] is not None:
+                    return self._new_arrays(*_run_order(arrays, given))  # validate names it, raising
+                refs[i] = _none
+                writes.append((index[i], 0))
+                continue
+            if layouts is not None and (type(a), a.shape, a.strides, a.dtype) != layouts[i]:
+                return self._new_arrays(*_run_order(arrays, given))  # validate names it, raising
+            ptr = a.data.ptr
+            if i < 3 and ptr & 15 and self._reads_rows:  # q and the caches (layouts were checked when planning)
+                self._check_addresses({i: ptr})
+            refs[i] = _weak(a)
+            writes.append((index[i], ptr))
+        if self._shared_kv and stale and stale[0] <= 2:
+            self._check_addresses({i: p for i, (_, p) in zip(stale, writes) if i in (1, 2)})
+        refs = tuple(refs)
+        stream, launch, argv = self._current_stream().ptr, self._launch, self._argv_ptr
+        words = self._words
+        with self._lock:
+            if self._last is not last:  # another thread's step wrote the record meanwhile: write every address
+                return self._new_arrays(*_run_order(arrays, arrays[5:7]))
+            for word, ptr in writes:
+                words[word] = ptr
+            for fn, gx, gy, gz, threads, smem in self._steps:
+                launch(fn, gx, gy, gz, threads, 1, 1, smem, stream, argv, 0)
+            self._last = refs
+        return arrays[5], arrays[6]
+
+    def _check_addresses(self, ptrs: dict) -> None:
+        """The addresses of a step's new arrays (record slot -> address) that the kernels constrain: q and the
+        caches at multiples of 16 bytes (read in 16-byte rows; layouts were checked when planning), and, for MLA,
+        v_cache at k_cache's address."""
+        if self._reads_rows:
+            for slot, name in ((0, "q"), (1, "k_cache"), (2, "v_cache")):
+                ptr = ptrs.get(slot, 0)
+                if ptr & 15:
+                    raise NotImplementedError(f"{name}: the decode kernel reads 16-byte rows; its base address must "
+                                              f"be a multiple of 16 bytes (got one {ptr % 16} bytes past a multiple)")
+        if self._shared_kv and (1 in ptrs or 2 in ptrs):
+            k_ptr = ptrs[1] if 1 in ptrs else self._words[self._word_index[1]]
+            v_ptr = ptrs[2] if 2 in ptrs else self._words[self._word_index[2]]
+            if k_ptr != v_ptr:
+                raise NotImplementedError(f"MLA decoding on the GPU reads V from the K cache: v_cache must be "
+                                          f"k_cache[..., :{self.out_shape[3]}] (a view), as when the launch was "
+                                          f"planned; got a v_cache at another address")
 
     def _new_arrays(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx, block_table,
                     alibi_slopes, rotary_cos, rotary_sin, out, lse):
@@ -342,14 +429,7 @@ class DecodeLaunch:
         arrays = (q, k_cache, v_cache, k, v, out, lse, cache_seqlens, cache_leftpad, cache_batch_idx, block_table,
                   alibi_slopes)
         ptrs = tuple(0 if a is None else a.data.ptr for a in arrays)
-        if self._reads_rows and (ptrs[0] | ptrs[1] | ptrs[2]) & 15:  # layouts were checked when planning
-            name, ptr = next((n, p) for n, p in zip(("q", "k_cache", "v_cache"), ptrs) if p & 15)
-            raise NotImplementedError(f"{name}: the decode kernel reads 16-byte rows; its base address must be a "
-                                      f"multiple of 16 bytes (got one {ptr % 16} bytes past a multiple)")
-        if self._shared_kv and ptrs[1] != ptrs[2]:
-            raise NotImplementedError(f"MLA decoding on the GPU reads V from the K cache: v_cache must be "
-                                      f"k_cache[..., :{self.out_shape[3]}] (a view), as when the launch was planned; "
-                                      f"got a v_cache at another address")
+        self._check_addresses(dict(enumerate(ptrs)))
         refs = (*(_none if a is None else _weak(a) for a in given), *(_none if a is None else _weak(a)
                                                                        for a in arrays[5:]))
         stream, launch, argv = self._current_stream().ptr, self._launch, self._argv_ptr
@@ -361,7 +441,7 @@ class DecodeLaunch:
             for fn, gx, gy, gz, threads, smem in self._steps:
                 launch(fn, gx, gy, gz, threads, 1, 1, smem, stream, argv, 0)
             # The fast path may skip the pointers only for the arrays the user gave (rotary's copies are new).
-            self._last = refs if self.rotary is None else (_none,) * len(_STEP_POINTERS)
+            self._last = refs if self.rotary is None else _FORGOTTEN
         return out, lse
 
 
@@ -369,7 +449,7 @@ class ChunkedPrefillLaunch:
     """A decode call with many query tokens over a contiguous cache (chunked prefill), run as the FlashAttention-2
     forward over the cache arrays after the append (:mod:`cuflash._chunked_prefill`): the forward kernels' large
     tiles where the decode kernels' small ones would be compute-bound. The interface of :class:`DecodeLaunch`
-    (``run``, ``num_splits``, ``validate``, ``out_shape``, ``lse_shape``), so that the front door's memory and
+    (``run``, ``num_splits``, ``expect``, ``out_shape``, ``lse_shape``), so that the front door's memory and
     :class:`cuflash.DecodePlan` take either; unlike it, a step allocates (the forward's output, ``seqused_k``,
     rotary's copies, the append's indices) and is not capturable in a CUDA graph.
 
@@ -398,6 +478,10 @@ class ChunkedPrefillLaunch:
         self._variant = dataclasses.replace(variant, alibi_slopes=None)
         self._rotary = None if cache.rotary is None else (cache.rotary.interleaved, cache.rotary.consecutive_q)
         self._forward = attention.forward
+
+    def expect(self, layouts: tuple, out_layout, lse_layout, validate) -> None:
+        """As :meth:`DecodeLaunch.expect`; here every step is validated in full (``validate``)."""
+        self.validate = validate
 
     def run(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad=None, cache_batch_idx=None,
             block_table=None, alibi_slopes=None, rotary_cos=None, rotary_sin=None, out=None, lse=None):
@@ -440,11 +524,34 @@ def _launch_of(q, k_cache, v_cache, k, v, *, cache: KVCache, scale: float, varia
     return kind(q, k_cache, v_cache, k, v, cache=cache, scale=scale, variant=variant, out=out)
 
 
+_SLOTS = range(len(_STEP_POINTERS))
+
+
+def _run_order(arrays, out_lse):
+    """A step's arrays in record slot order back in the order of DecodeLaunch.run's arguments (no rotary), with
+    ``out_lse`` for out and lse."""
+    q, k_cache, v_cache, k, v, _, _, cache_seqlens, cache_leftpad, cache_batch_idx, block_table, slopes = arrays
+    return (q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx, block_table, slopes, None, None,
+            *out_lse)
+
+
 def _weak(a):
     try:
         return weakref.ref(a)
     except TypeError:  # an object without weak references: never the same as the last step's
-        return _none
+        return _never
+
+
+class _Never:
+    """What a forgotten slot's reference returns: an object no argument is."""
+
+
+def _never():
+    return _Never
+
+
+_FORGOTTEN = (_never,) * len(_STEP_POINTERS)  # a record whose every address the next step writes
+
 
 
 def _layout(a):
