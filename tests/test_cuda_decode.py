@@ -633,7 +633,7 @@ def test_the_front_door_reuses_checked_launches(requires_gpu):
     assert len(_api._kvcache_launches) == entries + 1
     # with out= given, each repeated call allocates its lse, even once the last call's lse has died (it once came
     # back None, and the kernels wrote into the freed memory)
-    out = cp.empty_like(first)
+    out = cp.empty_like(second)
     _, lse = cuflash.attention_with_kvcache(cq, ck, cv, cache_seqlens=lens, causal=True, return_lse=True, out=out)
     want = cp.asnumpy(lse)
     del lse
