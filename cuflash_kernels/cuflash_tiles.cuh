@@ -181,14 +181,15 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" :: "n"(N));
 }
 
-// Copy rows [row0, row0 + kRows) of a (rows, kWidth) global matrix with row stride `stride` (elements)
-// into a swizzled tile; rows at or past `nrows` become zeros, and so do the 8-column chunks at or past `cols8`
-// ([variant head dim]: a matrix of fewer columns than the tile, read in place; kWidth / 8 otherwise, a constant
-// that leaves the copy as it was).
-template <int kRows, int kWidth, int kThreads>
+// Copy rows [row0, row0 + kRows) of a (rows, kCols) global matrix with row stride `stride` (elements)
+// into a swizzled tile of kWidth-element rows (kCols <= kWidth; columns past kCols are neither written nor
+// meant to be read); rows at or past `nrows` become zeros, and so do the 8-column chunks at or past `cols8`
+// ([variant head dim]: a matrix of fewer columns than the kernel's head dim, read in place; kCols / 8
+// otherwise, a constant that leaves the copy as it was).
+template <int kRows, int kWidth, int kThreads, int kCols = kWidth>
 __device__ __forceinline__ void load_tile_async(u16* tile, const u16* g, i64 stride, int row0, int nrows, int tid,
-                                                int cols8 = kWidth / 8) {
-    constexpr int kChunks = kWidth / 8;
+                                                int cols8 = kCols / 8) {
+    constexpr int kChunks = kCols / 8;
     constexpr int kTotal = kRows * kChunks;
 #pragma unroll
     for (int it = 0; it < (kTotal + kThreads - 1) / kThreads; ++it) {

@@ -36,18 +36,21 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                  i64 v_sb, i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh,
                  float scale_log2, const VariantParams vp) {
     static_assert(kBlockM % (16 * kNWarps) == 0, "each warp owns kMT x 16 query rows");
-    static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shape");
+    static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0, "tile shape");
     static_assert(kStages >= 1, "at least one key/value buffer");
     constexpr int kThreads = kNWarps * 32;
     constexpr int kMT = kBlockM / (16 * kNWarps);  // 16-row mma tiles per warp: B fragments read once, used kMT times
     constexpr int kNT = kBlockN / 8;     // n8 tiles of a score row block
     constexpr int kDT = kHeadDim / 8;    // n8 tiles of an output row block
     constexpr int kKT = kHeadDim / 16;   // k16 steps of Q K^T
-    constexpr int kTile = kBlockN * kHeadDim;
+    // [variant head dim] Shared-memory rows are kW wide (the swizzle's multiple of 32); a head dim of 16 * odd has
+    // a tail of 16 columns that is never loaded nor read.
+    constexpr int kW = (kHeadDim + 31) / 32 * 32;
+    constexpr int kTile = kBlockN * kW;
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     u16* sQ = reinterpret_cast<u16*>(smem_raw);
-    u16* sK = sQ + kBlockM * kHeadDim;
+    u16* sK = sQ + kBlockM * kW;
     u16* sV = sK + kStages * kTile;
 
     const int m_block = gridDim.x - 1 - blockIdx.x;
@@ -71,13 +74,13 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     const u16* vg = bi.k_rows(v, b, h_kv, v_sb, v_sh, v_ss) + (i64)n_shift * v_ss;
 
     // [fa2-fwd 1] load the query block (its own commit group), then the first kStages - 1 K/V tiles.
-    load_tile_async<kBlockM, kHeadDim, kThreads>(sQ, qg, q_ss, m0, bi.len_q, tid, qk8);
+    load_tile_async<kBlockM, kW, kThreads, kHeadDim>(sQ, qg, q_ss, m0, bi.len_q, tid, qk8);
     cp_async_commit();
 #pragma unroll
     for (int st = 0; st < kStages - 1; ++st) {
-        if (st < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sK + st * kTile, kg, k_ss, tile_row(st), len_k, tid, qk8);
+        if (st < n_end) load_tile_async<kBlockN, kW, kThreads, kHeadDim>(sK + st * kTile, kg, k_ss, tile_row(st), len_k, tid, qk8);
         cp_async_commit();
-        if (st < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sV + st * kTile, vg, v_ss, tile_row(st), len_k, tid, v8);
+        if (st < n_end) load_tile_async<kBlockN, kW, kThreads, kHeadDim>(sV + st * kTile, vg, v_ss, tile_row(st), len_k, tid, v8);
         cp_async_commit();
     }
 
@@ -95,9 +98,9 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         // Refill the buffer freed at the end of iteration j - 1 with tile j + kStages - 1.
         const int jn = j + kStages - 1;
         const int buf_n = jn % kStages;
-        if (jn < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sK + buf_n * kTile, kg, k_ss, tile_row(jn), len_k, tid, qk8);
+        if (jn < n_end) load_tile_async<kBlockN, kW, kThreads, kHeadDim>(sK + buf_n * kTile, kg, k_ss, tile_row(jn), len_k, tid, qk8);
         cp_async_commit();
-        if (jn < n_end) load_tile_async<kBlockN, kHeadDim, kThreads>(sV + buf_n * kTile, vg, v_ss, tile_row(jn), len_k, tid, v8);
+        if (jn < n_end) load_tile_async<kBlockN, kW, kThreads, kHeadDim>(sV + buf_n * kTile, vg, v_ss, tile_row(jn), len_k, tid, v8);
         cp_async_commit();
         const u16* tK = sK + (j % kStages) * kTile;
         const u16* tV = sV + (j % kStages) * kTile;
@@ -114,14 +117,13 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         }
 #pragma unroll
         for (int kk = 0; kk < kKT; ++kk) {
-            if (V::Pads_head_dim && 2 * kk >= qk8) break;  // [variant head dim] zero columns add nothing
             u32 a[kMT][4];
 #pragma unroll
-            for (int mt = 0; mt < kMT; ++mt) load_a<kHeadDim>(a[mt], sQ, (warp * kMT + mt) * 16, kk, lane);
+            for (int mt = 0; mt < kMT; ++mt) load_a<kW>(a[mt], sQ, (warp * kMT + mt) * 16, kk, lane);
 #pragma unroll
             for (int np = 0; np < kNT / 2; ++np) {
                 u32 bf[4];
-                load_b_nk<kHeadDim>(bf, tK, np * 16, kk, lane);
+                load_b_nk<kW>(bf, tK, np * 16, kk, lane);
 #pragma unroll
                 for (int mt = 0; mt < kMT; ++mt) {
                     Elem<T>::mma(s[mt][2 * np], a[mt], bf[0], bf[1]);
@@ -153,9 +155,8 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
             for (int mt = 0; mt < kMT; ++mt) c_to_a<T, kNT>(a[mt], s[mt], kk);
 #pragma unroll
             for (int np = 0; np < kDT / 2; ++np) {
-                if (V::Pads_head_dim && 2 * np >= v8) break;  // [variant head dim] output columns past v's
                 u32 bf[4];
-                load_b_kn<kHeadDim>(bf, tV, kk * 16, np, lane);
+                load_b_kn<kW>(bf, tV, kk * 16, np, lane);
 #pragma unroll
                 for (int mt = 0; mt < kMT; ++mt) {
                     Elem<T>::mma(acc[mt][2 * np], a[mt], bf[0], bf[1]);

@@ -555,7 +555,7 @@ def head_dims_bench(args, rows):
         t = tt.do_bench(fwd, rep=args.rep_ms, warmup=10)
         flops = 4 * b * hq * n * n * d / 2
         rows.append(dict(case=f"head-dim-{d}", d=d, fwd_ms=t, fwd_tflops=flops / t * 1e-9))
-        log(f"head dim {d:3d} (kernel {cuda.attention.kernel_head_dim(d, d)}): fwd {t:.3f} ms, "
+        log(f"head dim {d:3d} (kernel {cuda.attention.kernel_head_dim(d, d, in_place=True)}): fwd {t:.3f} ms, "
             f"{flops / t * 1e-9:6.1f} TFLOP/s of its own FLOPs, {t / flops * 1e12:.3f} ps/FLOP")
     per_flop = {r["d"]: r["fwd_ms"] / (4 * b * hq * n * n * r["d"] / 2) for r in rows if r["case"].startswith("head-dim")}
     for d, ref in ((80, 96), (200, 256)):  # the pairs: <= 1.10 is the target

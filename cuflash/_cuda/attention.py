@@ -180,7 +180,8 @@ def _dkdv_ok(d: int, t: Tile) -> bool:
 def plan_tile(direction: str, d: int, block_q, block_k) -> Tile:
     """The table's tile for this device, or one with the user's block sizes."""
     cc, _ = device_info()
-    t = TILES.get((direction, arch_class(cc), d))
+    # (a head dim between the table's rows, the in-place forward's: the next row's tile)
+    t = TILES.get((direction, arch_class(cc), next((x for x in HEAD_DIMS if x >= d), d)))
     assert t is not None, (direction, cc, d)
     if block_q is not None or block_k is not None:
         bm = block_q if block_q is not None else t.block_m
@@ -219,8 +220,12 @@ def _hopper_tile(direction: str, d: int, block_q, block_k, enabled: bool) -> Til
 MAX_HEAD_DIM = HEAD_DIMS[-1]
 
 
-def kernel_head_dim(d: int, dv: int, algorithm: str = "fa2") -> int:
-    """The instantiated head dim that runs q, k of head dim ``d`` and v of ``dv`` (FA1: FA1_HEAD_DIMS)."""
+def kernel_head_dim(d: int, dv: int, algorithm: str = "fa2", in_place: bool = False) -> int:
+    """The instantiated head dim that runs q, k of head dim ``d`` and v of ``dv`` (FA1: FA1_HEAD_DIMS).
+    ``in_place``: the 16-bit FA2 forward reading the arrays as they are (:func:`_reads_in_place`), which is
+    instantiated at any multiple of 16 (its loops run over the head dim, its shared-memory rows are padded)."""
+    if in_place:
+        return -(-max(d, dv) // 16) * 16
     return next(x for x in (FA1_HEAD_DIMS if algorithm == "fa1" else HEAD_DIMS) if x >= max(d, dv))
 
 
@@ -422,11 +427,11 @@ class ForwardPlan(_Plan):
         super().__init__()
         shp = shape_of(q, k, variant)
         dtype, dv = np.dtype(q.dtype).name, v.shape[-1]
-        d = kernel_head_dim(shp.head_dim, dv)
+        d = kernel_head_dim(shp.head_dim, dv, in_place=dtype in CTYPES)
         # [variant head dim] head dims below the kernel's (multiples of 8, 16-bit: _reads_in_place), read in place
         pads = d != shp.head_dim or d != dv
         vtype = variant_type(variant, pads_head_dim=pads)
-        assert shp.heads_q % shp.heads_kv == 0 and d in HEAD_DIMS and (not pads or dtype in CTYPES)
+        assert shp.heads_q % shp.heads_kv == 0 and (d in HEAD_DIMS or dtype in CTYPES) and (not pads or dtype in CTYPES)
         self._aligned = dtype != "float32"  # the 16-bit kernels copy tiles with 16-byte cp.async
         if dtype == "float32":
             spec = kernel_spec("fwd_f32", dtype, d, TILES[("fwd", "f32", d)], vtype)

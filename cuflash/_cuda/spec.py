@@ -388,7 +388,9 @@ def decode_family(head_dim: int, head_dim_v: int) -> tuple[str, Tile, str]:
 
 FAMILIES: dict[str, Family] = {
     # FlashAttention-2 order, every variant.
-    "fwd": Family("forward.cu", "flash_fwd_kernel", _t16, lambda d, t: 2 * d * (t.block_m + 2 * t.stages * t.block_n)),
+    # (shared-memory rows of a multiple of 32 elements: a head dim of 16 * odd, [variant head dim], pads them)
+    "fwd": Family("forward.cu", "flash_fwd_kernel", _t16,
+                  lambda d, t: 2 * (-(-d // 32) * 32) * (t.block_m + 2 * t.stages * t.block_n)),
     "fwd_sm90": Family(
         "forward_sm90.cu", "flash_fwd_sm90_kernel", _t16,
         # + 1024: the kernel aligns its base to 1024 bytes; + 128: the mbarriers of the warp-specialized variant
@@ -606,8 +608,9 @@ def instantiations() -> list[KernelSpec]:
     add(KernelSpec("bwd_dq_f32", "float32", 128, variant=causal_mod))
     # [variant head dim] head dims read in place below the kernel's (d 80 on the 96 kernel; 200 on 224), causal.
     causal_pads = _policy((False, True, False, False, False, False, False, False), None, True)
-    for d in (96, 224):
-        add(KernelSpec("fwd", "bfloat16", d, TILES[("fwd", "sm90", d)], causal_pads, arch="sm90"))
+    # (d 80: its own instantiation, rows padded to 96 in shared memory; 200: the 208 one with zero-filled chunks)
+    add(KernelSpec("fwd", "bfloat16", 80, TILES[("fwd", "sm90", 96)], variant_type(Variant(causal=True)), arch="sm90"))
+    add(KernelSpec("fwd", "bfloat16", 208, TILES[("fwd", "sm90", 224)], causal_pads, arch="sm90"))
     for has_dq in (True, False):
         add(KernelSpec("bwd_dkdv", "bfloat16", 96, TILES[("bwd", "sm90", 96)], causal_pads, has_dq, "sm90"))
     add(KernelSpec("bwd_dq", "bfloat16", 96, TILES[("bwd_dq", "sm90", 96)], causal_pads, arch="sm90"))
