@@ -292,6 +292,7 @@ def attention(
     algorithm: str = "fa2",
     block_q: int | None = None,
     block_k: int | None = None,
+    fp32_precision: str = "tf32x3",
     return_lse: bool = False,
     check_finite: bool = False,
 ):
@@ -376,6 +377,14 @@ def attention(
         O, m, l written back each step), or the naive algorithm that materializes the scores.
     block_q, block_k : int, optional
         Tile sizes. Default: from the on-chip memory budget (NumPy) or the tuned tile table (CUDA).
+    fp32_precision : {"tf32x3", "tf32", "ieee"}
+        How the CUDA forward (``algorithm="fa2"``) multiplies float32 inputs (Triton's ``tl.dot`` spellings):
+        ``"tf32x3"`` (default) on the tensor cores with the 3xTF32 split, float32 accuracy (the float32 error
+        budget of the tests); ``"tf32"`` one TF32 product, faster, operands rounded to 10-bit mantissas
+        (~1e-3 relative error, like PyTorch's ``allow_tf32``); ``"ieee"`` plain float32 arithmetic (the SIMT kernel).
+        The tensor-core modes need sm_80 or newer and head dims up to 128; elsewhere the SIMT kernel runs (as
+        accurate or more). Other dtypes, NumPy arrays, ``algorithm="fa1"``/``"naive"`` and the backward ignore it
+        (``docs/performance.md``, "float32").
     return_lse : bool
         Also return the logsumexp of the scaled (and modified) scores, needed by :func:`attention_backward`.
     check_finite : bool
@@ -397,7 +406,7 @@ def attention(
     if planner is not None and bias is None and attn_mask is None:  # (a bias is converted at every call)
         key = _call_key(planner, (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k), (
             "attention", causal, softmax_scale, causal_align, window_size, softcap, max_seqlen_q, max_seqlen_k,
-            dropout_p, dropout_seed, dropout_offset, score_mod, algorithm, block_q, block_k,
+            dropout_p, dropout_seed, dropout_offset, score_mod, algorithm, block_q, block_k, fp32_precision,
         ), mask_mod, mod_arrays, window_size)
         call = _checked_calls.get(key) if key is not None else None
         if call is not None:  # the same signature as a call already checked: its plan, at once
@@ -416,6 +425,7 @@ def attention(
         q, k, v, softmax_scale=softmax_scale, algorithm=algorithm, block_q=block_q, block_k=block_k,
         variant_options=variant_options,
     )
+    options["fp32_precision"] = _validate.fp32_precision(fp32_precision)
     if _validate.finite_checks(check_finite):
         _validate.check_finite({"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes, "bias": bias},
                                allow_neginf=("bias",))

@@ -27,6 +27,9 @@ from . import _mods
 from ._variant import Variant
 
 ALGORITHMS = ("fa2", "fa1", "naive")
+# How float32 inputs are multiplied (attention's fp32_precision): 3xTF32 on the tensor cores (float32 accuracy), one
+# TF32 product (faster, ~1e-3 relative), or IEEE float32 arithmetic (the SIMT kernels). Triton's tl.dot spellings.
+FP32_PRECISIONS = ("tf32x3", "tf32", "ieee")
 ORDERS = ("kv_outer", "q_outer", "split")
 CAUSAL_ALIGNS = ("bottom-right", "top-left")
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -637,6 +640,12 @@ def variant(problem: Problem, xp, options: dict, *, read_values: bool = True) ->
 def algorithm(value) -> str:
     if value not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {', '.join(map(repr, ALGORITHMS))}; got {value!r}")
+    return value
+
+
+def fp32_precision(value) -> str:
+    if not isinstance(value, str) or value not in FP32_PRECISIONS:
+        raise ValueError(f"fp32_precision must be one of {', '.join(map(repr, FP32_PRECISIONS))}; got {value!r}")
     return value
 
 

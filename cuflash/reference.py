@@ -91,8 +91,9 @@ DENSE = Variant()
 # ---------------------------------------------------------------------------------------------------
 
 
-def forward(q, k, v, *, scale, variant, algorithm, block_q, block_k):
-    """Attention forward: ``(out, lse)``. ``algorithm`` is ``"fa2"``, ``"fa1"`` or ``"naive"``."""
+def forward(q, k, v, *, scale, variant, algorithm, block_q, block_k, fp32_precision="ieee"):
+    """Attention forward: ``(out, lse)``. ``algorithm`` is ``"fa2"``, ``"fa1"`` or ``"naive"``. ``fp32_precision`` is
+    the CUDA kernels' (how they multiply float32): NumPy computes float32 in IEEE arithmetic whatever it says."""
     if algorithm == "naive":
         return naive_forward(q, k, v, scale=scale, variant=variant)
     blocked = {"fa2": fa2_forward, "fa1": fa1_forward}

@@ -24,34 +24,107 @@
 #include "user_mods.cuh"
 #include "variants.cuh"
 #include "f32_tiles.cuh"
+#include "tf32_tiles.cuh"
 
 namespace cuflash {
 
+// What the element type T changes in flash_fwd_kernel: the storage, the tile copies, the two matrix products and
+// the output store (everything between them, scores, variants and online softmax, is T's C fragments in float32).
+// float16 / bfloat16: mma.sync m16n8k16 on ldmatrix fragments (cuflash_tiles.cuh); tf32 / tf32x3 below.
+template <class T>
+struct FwdMma {
+    using Storage = u16;
+    static constexpr int kHeadDimStep = 16;    // head dims the tiles take
+    static constexpr bool kExactMods = false;  // softcap with tanh_exp2 (~3e-7 absolute: the 16-bit budget)
+
+    template <int kRows, int kW, int kThreads, int kCols, bool kIsV>
+    __device__ __forceinline__ static void load(u16* tile, const u16* g, i64 stride, int row0, int nrows, int tid, int cols8) {
+        load_tile_async<kRows, kW, kThreads, kCols>(tile, g, stride, row0, nrows, tid, cols8);
+    }
+
+    // [fa2-fwd 2] s[mt] += Q[row0 + 16 mt ..] K^T (k16 steps; each K fragment feeds the kMT query tiles).
+    template <int kMT, int kNT, int kHeadDim, int kW>
+    __device__ __forceinline__ static void qk(float (&s)[kMT][kNT][4], const u16* sQ, const u16* tK, int row0, int lane) {
+#pragma unroll
+        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+            u32 a[kMT][4];
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) load_a<kW>(a[mt], sQ, row0 + mt * 16, kk, lane);
+#pragma unroll
+            for (int np = 0; np < kNT / 2; ++np) {
+                u32 bf[4];
+                load_b_nk<kW>(bf, tK, np * 16, kk, lane);
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) {
+                    Elem<T>::mma(s[mt][2 * np], a[mt], bf[0], bf[1]);
+                    Elem<T>::mma(s[mt][2 * np + 1], a[mt], bf[2], bf[3]);
+                }
+            }
+        }
+    }
+
+    // [fa2-fwd 5] acc[mt] += P V, P cast to the input dtype and used straight from registers.
+    template <int kMT, int kNT, int kDT, int kW>
+    __device__ __forceinline__ static void pv(float (&acc)[kMT][kDT][4], const float (&s)[kMT][kNT][4], const u16* tV,
+                                              int lane) {
+#pragma unroll
+        for (int kk = 0; kk < kNT / 2; ++kk) {
+            u32 a[kMT][4];
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) c_to_a<T, kNT>(a[mt], s[mt], kk);
+#pragma unroll
+            for (int np = 0; np < kDT / 2; ++np) {
+                u32 bf[4];
+                load_b_kn<kW>(bf, tV, kk * 16, np, lane);
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) {
+                    Elem<T>::mma(acc[mt][2 * np], a[mt], bf[0], bf[1]);
+                    Elem<T>::mma(acc[mt][2 * np + 1], a[mt], bf[2], bf[3]);
+                }
+            }
+        }
+    }
+
+    // [fa2-fwd 6] Row g + 8 hh of one 16-row tile, times inv (kPads: the output's v8 chunks only).
+    template <bool kPads, int kDT>
+    __device__ __forceinline__ static void store_row(u16* orow, const float (&acc)[kDT][4], int hh, float inv, int t, int v8) {
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt) {
+            if (kPads && dt >= v8) break;  // [variant head dim] the output's columns only
+            *reinterpret_cast<u32*>(orow + dt * 8 + 2 * t) = Elem<T>::pack(acc[dt][2 * hh] * inv, acc[dt][2 * hh + 1] * inv);
+        }
+    }
+};
+template <> struct FwdMma<tf32> : Tf32FwdMma<1> {};
+template <> struct FwdMma<tf32x3> : Tf32FwdMma<3> {};
+
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V>
 __global__ void __launch_bounds__(kNWarps * 32)
-flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-                 u16* __restrict__ o, float* __restrict__ lse,
+flash_fwd_kernel(const typename FwdMma<T>::Storage* __restrict__ q, const typename FwdMma<T>::Storage* __restrict__ k,
+                 const typename FwdMma<T>::Storage* __restrict__ v, typename FwdMma<T>::Storage* __restrict__ o,
+                 float* __restrict__ lse,
                  int seqlen_q, int seqlen_k, int heads_q, int group,
                  i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                  i64 v_sb, i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh,
                  float scale_log2, const VariantParams vp) {
+    using Mma = FwdMma<T>;
+    using E = typename Mma::Storage;
     static_assert(kBlockM % (16 * kNWarps) == 0, "each warp owns kMT x 16 query rows");
-    static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0, "tile shape");
+    static_assert(kBlockN % 16 == 0 && kHeadDim % Mma::kHeadDimStep == 0, "tile shape");
     static_assert(kStages >= 1, "at least one key/value buffer");
     constexpr int kThreads = kNWarps * 32;
     constexpr int kMT = kBlockM / (16 * kNWarps);  // 16-row mma tiles per warp: B fragments read once, used kMT times
     constexpr int kNT = kBlockN / 8;     // n8 tiles of a score row block
     constexpr int kDT = kHeadDim / 8;    // n8 tiles of an output row block
-    constexpr int kKT = kHeadDim / 16;   // k16 steps of Q K^T
     // [variant head dim] Shared-memory rows are kW wide (the swizzle's multiple of 32); a head dim of 16 * odd has
     // a tail of 16 columns that is never loaded nor read.
     constexpr int kW = (kHeadDim + 31) / 32 * 32;
     constexpr int kTile = kBlockN * kW;
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    u16* sQ = reinterpret_cast<u16*>(smem_raw);
-    u16* sK = sQ + kBlockM * kW;
-    u16* sV = sK + kStages * kTile;
+    E* sQ = reinterpret_cast<E*>(smem_raw);
+    E* sK = sQ + kBlockM * kW;
+    E* sV = sK + kStages * kTile;
 
     const int m_block = gridDim.x - 1 - blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
@@ -68,19 +141,19 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     const int n_shift = n_begin * kBlockN;
     const int len_k = bi.len_k - n_shift;  // keys left from the first tile on
 
-    const u16* qg = bi.q_rows(q, b, h, q_sb, q_sh, q_ss);
+    const E* qg = bi.q_rows(q, b, h, q_sb, q_sh, q_ss);
     const int qk8 = bi.template qk_cols8<kHeadDim>(), v8 = bi.template v_cols8<kHeadDim>();  // [variant head dim]
-    const u16* kg = bi.k_rows(k, b, h_kv, k_sb, k_sh, k_ss) + (i64)n_shift * k_ss;
-    const u16* vg = bi.k_rows(v, b, h_kv, v_sb, v_sh, v_ss) + (i64)n_shift * v_ss;
+    const E* kg = bi.k_rows(k, b, h_kv, k_sb, k_sh, k_ss) + (i64)n_shift * k_ss;
+    const E* vg = bi.k_rows(v, b, h_kv, v_sb, v_sh, v_ss) + (i64)n_shift * v_ss;
 
     // [fa2-fwd 1] load the query block (its own commit group), then the first kStages - 1 K/V tiles.
-    load_tile_async<kBlockM, kW, kThreads, kHeadDim>(sQ, qg, q_ss, m0, bi.len_q, tid, qk8);
+    Mma::template load<kBlockM, kW, kThreads, kHeadDim, false>(sQ, qg, q_ss, m0, bi.len_q, tid, qk8);
     cp_async_commit();
 #pragma unroll
     for (int st = 0; st < kStages - 1; ++st) {
-        if (st < n_end) load_tile_async<kBlockN, kW, kThreads, kHeadDim>(sK + st * kTile, kg, k_ss, tile_row(st), len_k, tid, qk8);
+        if (st < n_end) Mma::template load<kBlockN, kW, kThreads, kHeadDim, false>(sK + st * kTile, kg, k_ss, tile_row(st), len_k, tid, qk8);
         cp_async_commit();
-        if (st < n_end) load_tile_async<kBlockN, kW, kThreads, kHeadDim>(sV + st * kTile, vg, v_ss, tile_row(st), len_k, tid, v8);
+        if (st < n_end) Mma::template load<kBlockN, kW, kThreads, kHeadDim, true>(sV + st * kTile, vg, v_ss, tile_row(st), len_k, tid, v8);
         cp_async_commit();
     }
 
@@ -98,12 +171,12 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         // Refill the buffer freed at the end of iteration j - 1 with tile j + kStages - 1.
         const int jn = j + kStages - 1;
         const int buf_n = jn % kStages;
-        if (jn < n_end) load_tile_async<kBlockN, kW, kThreads, kHeadDim>(sK + buf_n * kTile, kg, k_ss, tile_row(jn), len_k, tid, qk8);
+        if (jn < n_end) Mma::template load<kBlockN, kW, kThreads, kHeadDim, false>(sK + buf_n * kTile, kg, k_ss, tile_row(jn), len_k, tid, qk8);
         cp_async_commit();
-        if (jn < n_end) load_tile_async<kBlockN, kW, kThreads, kHeadDim>(sV + buf_n * kTile, vg, v_ss, tile_row(jn), len_k, tid, v8);
+        if (jn < n_end) Mma::template load<kBlockN, kW, kThreads, kHeadDim, true>(sV + buf_n * kTile, vg, v_ss, tile_row(jn), len_k, tid, v8);
         cp_async_commit();
-        const u16* tK = sK + (j % kStages) * kTile;
-        const u16* tV = sV + (j % kStages) * kTile;
+        const E* tK = sK + (j % kStages) * kTile;
+        const E* tV = sV + (j % kStages) * kTile;
 
         cp_async_wait<2 * kStages - 1>();  // Q and K_j have landed; V_j may still be in flight
         __syncthreads();
@@ -115,28 +188,14 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
         }
-#pragma unroll
-        for (int kk = 0; kk < kKT; ++kk) {
-            u32 a[kMT][4];
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt) load_a<kW>(a[mt], sQ, (warp * kMT + mt) * 16, kk, lane);
-#pragma unroll
-            for (int np = 0; np < kNT / 2; ++np) {
-                u32 bf[4];
-                load_b_nk<kW>(bf, tK, np * 16, kk, lane);
-#pragma unroll
-                for (int mt = 0; mt < kMT; ++mt) {
-                    Elem<T>::mma(s[mt][2 * np], a[mt], bf[0], bf[1]);
-                    Elem<T>::mma(s[mt][2 * np + 1], a[mt], bf[2], bf[3]);
-                }
-            }
-        }
+        Mma::template qk<kMT, kNT, kHeadDim, kW>(s, sQ, tK, warp * kMT * 16, lane);
         const int n0 = n_shift + tile_row(j);  // the tile's first key in the sequence
-        const bool mask_mod = keys.mask_mod_in_mask(j);
+        // (kExactMods: mod_scores applies mask_mod on a partial tile already, with the float32 math)
+        const bool mask_mod = !Mma::kExactMods && keys.mask_mod_in_mask(j);
         const bool need_mask = bi.needs_mask(m0, kBlockM, n0, kBlockN) || mask_mod;
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
-            mod_scores<false>(s[mt], bi, row_base + mt * 16, n0, lane, keys.partial(j));  // [variant mod]
+            mod_scores<false, Mma::kExactMods>(s[mt], bi, row_base + mt * 16, n0, lane, keys.partial(j));  // [variant mod]
             scale_scores<kNT>(s[mt], scale_log2);
             if (need_mask) mask_block<false>(s[mt], bi, row_base + mt * 16, n0, lane, -CUFLASH_INF, mask_mod);  // [variant mask]
             // [fa2-fwd 3] and [fa2-fwd 4]
@@ -147,30 +206,15 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         cp_async_wait<2 * kStages - 2>();  // V_j has landed
         __syncthreads();
 
-        // [fa2-fwd 5] acc += P V, P cast to the input dtype and used straight from registers.
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) {
-            u32 a[kMT][4];
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt) c_to_a<T, kNT>(a[mt], s[mt], kk);
-#pragma unroll
-            for (int np = 0; np < kDT / 2; ++np) {
-                u32 bf[4];
-                load_b_kn<kW>(bf, tV, kk * 16, np, lane);
-#pragma unroll
-                for (int mt = 0; mt < kMT; ++mt) {
-                    Elem<T>::mma(acc[mt][2 * np], a[mt], bf[0], bf[1]);
-                    Elem<T>::mma(acc[mt][2 * np + 1], a[mt], bf[2], bf[3]);
-                }
-            }
-        }
+        // [fa2-fwd 5] acc += P V
+        Mma::template pv<kMT, kNT, kDT, kW>(acc, s, tV, lane);
         __syncthreads();  // every warp is done with buffer j % kStages before it is refilled
     }
     cp_async_wait<0>();
 
     // [fa2-fwd 6] O = acc / l, lse = m + log l; rows that saw no key: O = 0, lse = -inf.
     const int g = lane >> 2, t = lane & 3;
-    u16* og = o + b * o_sb + h * o_sh + (i64)bi.q0 * o_ss;
+    E* og = o + b * o_sb + h * o_sh + (i64)bi.q0 * o_ss;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
@@ -179,13 +223,7 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
             const float inv = l > 0.f ? (V::Has_dropout ? bi.keep_scale : 1.f) / l : 0.f;  // [variant dropout] 1 / (1 - p)
             const int row = row_base + mt * 16 + g + 8 * hh;
             if (row < bi.len_q) {
-                u16* orow = og + (i64)row * o_ss;
-#pragma unroll
-                for (int dt = 0; dt < kDT; ++dt) {
-                    if (V::Pads_head_dim && dt >= v8) break;  // [variant head dim] the output's columns only
-                    *reinterpret_cast<u32*>(orow + dt * 8 + 2 * t) =
-                        Elem<T>::pack(acc[mt][dt][2 * hh] * inv, acc[mt][dt][2 * hh + 1] * inv);
-                }
+                Mma::template store_row<V::Pads_head_dim, kDT>(og + (i64)row * o_ss, acc[mt], hh, inv, t, v8);
                 if (t == 0) {
                     lse[bi.row_index(h, heads_q, seqlen_q, row)] = l > 0.f ? (sm[mt].m[hh] + __log2f(l)) * kLn2 : -CUFLASH_INF;
                 }

@@ -535,13 +535,15 @@ __device__ __forceinline__ void dropout_scores(float (&s)[kNT][4], const BlockIn
 }
 
 // [variant mod] on raw scores, in place (a no-op for variants without score mods). with_mask_mod: the tile
-// loop's partial(j) (false on a full tile of the block map: no mask_mod evaluation).
-template <bool kTransposed, class V, int kNT>
+// loop's partial(j) (false on a full tile of the block map: no mask_mod evaluation). kFloat32: BlockInfo::mod's
+// float32 math (the TF32 forward: tanhf, and mask_mod applied here on a partial tile).
+template <bool kTransposed, bool kFloat32 = false, class V, int kNT>
 __device__ __forceinline__ void mod_scores(float (&s)[kNT][4], const BlockInfo<V>& bi, int row_base, int col_base,
                                            int lane, bool with_mask_mod = true) {
     if constexpr (V::Has_mod) {
-        for_each_score<kTransposed>(s, row_base, col_base, lane,
-                                    [&](float& x, int i, int j, int, int) { x = bi.mod(x, i, j, with_mask_mod); });
+        for_each_score<kTransposed>(s, row_base, col_base, lane, [&](float& x, int i, int j, int, int) {
+            x = bi.template mod<kFloat32>(x, i, j, with_mask_mod);
+        });
     }
 }
 

@@ -378,7 +378,7 @@ def test_backends_receive_the_variant(monkeypatch):
             calls["check"] = (problem, algorithm, variant)
 
         @staticmethod
-        def forward(q, k, v, *, scale, variant, algorithm, block_q, block_k):
+        def forward(q, k, v, *, scale, variant, algorithm, block_q, block_k, fp32_precision):
             calls["forward"] = variant
             return np.zeros(q.shape, q.dtype), np.zeros((4, q.shape[0]), np.float32)
 

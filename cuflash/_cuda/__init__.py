@@ -2,12 +2,12 @@
 
 Implements the backend interface of ``docs/architecture.md``::
 
-    forward(q, k, v, *, scale, variant, algorithm, block_q, block_k) -> (out, lse)
+    forward(q, k, v, *, scale, variant, algorithm, block_q, block_k, fp32_precision) -> (out, lse)
     backward(do, q, k, v, out, lse, *, scale, variant, algorithm, block_q, block_k, order) -> (dq, dk, dv)
     check_supported(problem, algorithm, variant)
     forward_kvcache(q, k_cache, v_cache, k, v, *, cache, scale, variant, out=None) -> (out, lse)
     plan_kvcache(q, k_cache, v_cache, k, v, *, cache, scale, variant, out=None) -> a launch with .run(...)
-    plan_forward(q, k, v, *, scale, variant, algorithm, block_q, block_k) -> a plan with .run(q, k, v, arrays), or None
+    plan_forward(q, k, v, *, scale, variant, algorithm, block_q, block_k, fp32_precision) -> a plan with .run(q, k, v, arrays), or None
     plan_backward(do, q, k, v, out, lse, *, scale, variant, algorithm, block_q, block_k, order) -> the same, or None
     call_context() -> what decides a plan besides the arguments (device, stream)
 
@@ -28,7 +28,10 @@ Paths:
   On sm_90 (H100/H200) the forward and the backward's dK/dV(+dQ) kernel at head dim 64 and 128 run the
   Hopper kernels (``forward_sm90.cu``, ``backward_sm90.cu``: ``wgmma``, compiled for sm_90a) instead,
   unless the caller chooses block sizes.
-- float32: plain SIMT float32 kernels (no tensor cores, no TF32; key/value tiles through shared memory).
+- float32: the forward runs ``flash_fwd_kernel`` on TF32 fragments (``tf32_tiles.cuh``: 3xTF32 by default,
+  float32 accuracy; one TF32 product with ``fp32_precision="tf32"``) on sm_80 or newer at head dims up to 128;
+  elsewhere, with ``fp32_precision="ieee"``, and in the backward, plain SIMT float32 kernels (no tensor cores;
+  key/value tiles through shared memory).
 - ``algorithm="naive"``: the materialized reference computation with CuPy matmuls (O(N^2) memory).
 - ``algorithm="fa1"``: FlashAttention-1 kernels (``fa1.cu``): one thread block per (batch, head),
   key/value tiles outer, the running O, m, l (forward) and dQ (backward) read-modify-written in float32

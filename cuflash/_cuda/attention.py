@@ -22,9 +22,9 @@ import numpy as np
 from .._variant import Variant, VariantArrays
 from . import fa1, naive
 from .compile import PackedLaunch, arch_class, check_smem, device_info, launch
-from .spec import (BLOCK_COMPACT, BWD_HEAD_DIMS, CTYPES, EXTRA_POINTER_FIELDS, FA1_HEAD_DIMS, HEAD_DIMS, TILES,
-                   VARIANT_POINTER_FIELDS, Tile, device_record, extra_params, extra_record, has_dropout, mask_policy,
-                   variant_params, variant_type)
+from .spec import (BLOCK_COMPACT, BWD_HEAD_DIMS, CTYPES, EXTRA_POINTER_FIELDS, FA1_HEAD_DIMS, HEAD_DIMS, TF32_FAMILIES,
+                   TF32_HEAD_DIMS, TILES, VARIANT_POINTER_FIELDS, Tile, device_record, extra_params, extra_record,
+                   has_dropout, mask_policy, variant_params, variant_type)
 from .spec import spec as kernel_spec
 
 __all__ = ["forward", "backward", "check_supported", "plan_forward", "ForwardPlan", "plan_backward", "BackwardPlan",
@@ -149,7 +149,7 @@ def cdiv(a: int, b: int) -> int:
 def check_tile(direction: str, d: int, t: Tile) -> None:
     """The constraints each kernel static_asserts, checked before compiling a user-chosen tile."""
     ok = t.block_m % 16 == 0 and t.block_n % 16 == 0 and t.stages >= 1 and 1 <= t.warps <= 16
-    if direction == "fwd":
+    if direction.startswith("fwd"):  # (and the TF32 forward's "fwd_tf32x3", "fwd_tf32")
         ok = ok and t.block_m % (16 * t.warps) == 0 and t.block_m // (16 * t.warps) in (1, 2)
     elif direction == "bwd_dq":
         ok = ok and t.block_m == 16 * t.warps
@@ -188,7 +188,7 @@ def plan_tile(direction: str, d: int, block_q, block_k) -> Tile:
         bn = block_k if block_k is not None else t.block_n
         if direction == "bwd":
             warps = 2 * max(bn // 32, 1)  # two warps per group of 32 key rows
-        elif direction == "fwd" and bm % (16 * t.warps) == 0 and bm // (16 * t.warps) in (1, 2):
+        elif direction.startswith("fwd") and bm % (16 * t.warps) == 0 and bm // (16 * t.warps) in (1, 2):
             warps = t.warps
         else:
             warps = bm // 16
@@ -252,14 +252,30 @@ def _pad(a, width: int):
     return out
 
 
-def forward(q, k, v, *, scale, variant: Variant, algorithm, block_q, block_k):
-    """``(out, lse)`` of one call (FA2 kernels; FA1 and naive are dispatched from here)."""
+def _copies_16_bytes(dtype: str, fp32_precision: str) -> bool:
+    """Whether the FA2 forward copies tiles with 16-byte cp.async (16-bit inputs, float32 on TF32 fragments), so
+    that its inputs' base and strides must be multiples of 16 bytes (:func:`aligned`)."""
+    return dtype in CTYPES or fp32_precision != "ieee"
+
+
+def _f32_forward_spec(d: int, vtype: str, fp32_precision: str, block_q, block_k):
+    """The float32 forward's kernel: flash_fwd_kernel on TF32 fragments (3xTF32 or one product, ``fp32_precision``) on
+    sm_80 or newer at head dims up to 128; else (``"ieee"``, older GPUs, larger head dims) the SIMT kernel."""
+    family = TF32_FAMILIES.get(fp32_precision)
+    if family is not None and d in TF32_HEAD_DIMS and device_info()[0] >= 80:
+        return kernel_spec(family, "float32", d, plan_tile(family, d, block_q, block_k), vtype)
+    return kernel_spec("fwd_f32", "float32", d, TILES[("fwd", "f32", d)], vtype)
+
+
+def forward(q, k, v, *, scale, variant: Variant, algorithm, block_q, block_k, fp32_precision="tf32x3"):
+    """``(out, lse)`` of one call (FA2 kernels; FA1 and naive are dispatched from here). ``fp32_precision``: how the
+    FA2 forward multiplies float32 inputs ("tf32x3", "tf32" or "ieee"; see cuflash.attention)."""
     import cupy
 
     kd = _needs_padding(q, v, algorithm)
     if kd and not _reads_in_place(q, v, algorithm):
         out, lse = forward(_pad(q, kd), _pad(k, kd), _pad(v, kd), scale=scale, variant=variant, algorithm=algorithm,
-                           block_q=block_q, block_k=block_k)
+                           block_q=block_q, block_k=block_k, fp32_precision=fp32_precision)
         return cupy.ascontiguousarray(out[..., :v.shape[-1]]), lse
     shp = shape_of(q, k, variant)
     causal_offset = causal_offset_of(variant, shp.rows_q, shp.rows_k)
@@ -268,22 +284,25 @@ def forward(q, k, v, *, scale, variant: Variant, algorithm, block_q, block_k):
     if algorithm == "naive":
         return naive.forward(q, k, v, scale=scale, causal_offset=causal_offset)
     variant = _kernel_ready(variant)
-    if np.dtype(q.dtype).name in CTYPES:
+    if _copies_16_bytes(np.dtype(q.dtype).name, fp32_precision):
         q, k, v = aligned(q), aligned(k), aligned(v)
-    return ForwardPlan(q, k, v, scale=scale, variant=variant, block_q=block_q, block_k=block_k).run(
-        q, k, v, variant.arrays)
+    return ForwardPlan(q, k, v, scale=scale, variant=variant, block_q=block_q, block_k=block_k,
+                       fp32_precision=fp32_precision).run(q, k, v, variant.arrays)
 
 
-def plan_forward(q, k, v, *, scale, variant: Variant, algorithm, block_q, block_k) -> ForwardPlan | None:
+def plan_forward(q, k, v, *, scale, variant: Variant, algorithm, block_q, block_k,
+                 fp32_precision="tf32x3") -> ForwardPlan | None:
     """A :class:`ForwardPlan` for repeated calls with these layouts and options (the front door keeps it), or None
     where the call does not run as one FA2 launch on the arrays as given: FA1 and naive, head dims that run on
     padded copies, a bias (converted at every call), 16-bit inputs whose base or strides need an aligned copy."""
     if algorithm != "fa2" or variant.bias is not None or (_needs_padding(q, v, algorithm)
                                                           and not _reads_in_place(q, v, algorithm)):
         return None
-    if np.dtype(q.dtype).name in CTYPES and not (_is_aligned(q) and _is_aligned(k) and _is_aligned(v)):
+    if _copies_16_bytes(np.dtype(q.dtype).name, fp32_precision) and not (_is_aligned(q) and _is_aligned(k)
+                                                                         and _is_aligned(v)):
         return None
-    return ForwardPlan(q, k, v, scale=scale, variant=variant, block_q=block_q, block_k=block_k)
+    return ForwardPlan(q, k, v, scale=scale, variant=variant, block_q=block_q, block_k=block_k,
+                       fp32_precision=fp32_precision)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -348,7 +367,7 @@ class _VariantArgs:
         self._has_mods = variant.mods is not None
         self._has_extra = variant.bias is not None or has_dropout(variant) or self._has_mods
         self._tiles = None
-        if spec is not None and self._has_mods and variant.mods.has_mask_mod and spec.dtype != "float32":
+        if spec is not None and self._has_mods and variant.mods.has_mask_mod and spec.reads_block_lists:
             store, key = lists_store(variant, shp, spec.tile.block_m, spec.tile.block_n, transposed)
             # (a BlockMask's store is the run's: VariantArrays.block_lists)
             self._tiles = (None if store is variant.block_lists else store, key, spec.tile.block_m, spec.tile.block_n)
@@ -419,11 +438,12 @@ class _Plan:
 
 class ForwardPlan(_Plan):
     """The FA2 forward of one call's layouts and options: the kernel (the wgmma kernel on sm_90 where the tile table
-    has a row, the mma.sync one otherwise, the SIMT one for float32), its grid and packed arguments. :meth:`run`
+    has a row, the mma.sync one otherwise; for float32 the mma.sync one on TF32 fragments, or the SIMT one:
+    :func:`_f32_forward_spec`), its grid and packed arguments. :meth:`run`
     takes q, k, v and :class:`VariantArrays` of the planned layouts (the caller checks them: the front door keys its
     plans by layout) and returns ``(out, lse)``."""
 
-    def __init__(self, q, k, v, *, scale: float, variant: Variant, block_q, block_k):
+    def __init__(self, q, k, v, *, scale: float, variant: Variant, block_q, block_k, fp32_precision="tf32x3"):
         super().__init__()
         shp = shape_of(q, k, variant)
         dtype, dv = np.dtype(q.dtype).name, v.shape[-1]
@@ -432,9 +452,8 @@ class ForwardPlan(_Plan):
         pads = d != shp.head_dim or d != dv
         vtype = variant_type(variant, pads_head_dim=pads)
         assert shp.heads_q % shp.heads_kv == 0 and (d in HEAD_DIMS or dtype in CTYPES) and (not pads or dtype in CTYPES)
-        self._aligned = dtype != "float32"  # the 16-bit kernels copy tiles with 16-byte cp.async
         if dtype == "float32":
-            spec = kernel_spec("fwd_f32", dtype, d, TILES[("fwd", "f32", d)], vtype)
+            spec = _f32_forward_spec(d, vtype, fp32_precision, block_q, block_k)
         else:
             assert dtype in CTYPES, dtype
             t = _hopper_tile("fwd", d, block_q, block_k, SM90A_FORWARD and not pads)
@@ -443,6 +462,7 @@ class ForwardPlan(_Plan):
             else:
                 spec = kernel_spec("fwd", dtype, d, plan_tile("fwd", d, block_q, block_k), vtype)
         check_smem(spec)
+        self._aligned = spec.family != "fwd_f32"  # the tensor-core kernels copy tiles with 16-byte cp.async
         self.dtype, self.out_shape = q.dtype, (*q.shape[:-1], dv)
         self.lse_shape = (shp.heads_q, shp.rows_q) if variant.is_varlen else (shp.batch, shp.heads_q, shp.rows_q)
         self._variant = _VariantArgs(variant, scale, shp, spec, head_dims=(shp.head_dim, dv) if pads else (0, 0))
@@ -479,7 +499,7 @@ def launch_params(variant: Variant, scale: float, shp: Shape, spec=None, dbias=N
     referenced until the launch is queued). With a mask_mod, the block lists of the spec's tiles: per query
     tile the key tiles to visit, or (``transposed``, the dK/dV pass) per key tile the query tiles."""
     tiles = None  # (the float32 kernels evaluate a mask_mod score by score and read no lists)
-    if spec is not None and variant.mods is not None and variant.mods.has_mask_mod and spec.dtype != "float32":
+    if spec is not None and variant.mods is not None and variant.mods.has_mask_mod and spec.reads_block_lists:
         tiles = block_lists(variant, shp, spec.tile.block_m, spec.tile.block_n, transposed)
     extra = extra_params(variant, dbias, tiles)
     return variant_params(variant, scale, shp.rows_q, shp.rows_k, extra, head_dims), (extra, tiles)

@@ -24,6 +24,7 @@ __all__ = [
     "Tile", "TILES", "HEAD_DIMS", "BWD_HEAD_DIMS", "Family", "FAMILIES", "KernelSpec", "NVRTC_OPTIONS",
     "SM90A_OPTIONS", "FA1_HEAD_DIMS", "VARIANT_PARAMS_DTYPE", "EXTRA_PARAMS_DTYPE", "variant_type", "has_dropout", "extra_params", "extra_record", "device_record",
     "VARIANT_POINTER_FIELDS", "EXTRA_POINTER_FIELDS", "prelude_of", "mask_policy", "variant_params", "instantiations", "spec", "DENSE", "CTYPES",
+    "TF32_FAMILIES", "TF32_HEAD_DIMS",
 ]
 
 # Options given to NVRTC (CuPy appends the -arch of the current device).
@@ -40,6 +41,11 @@ DECODE_HEAD_DIMS = (32, 64, 96, 128, 256)  # head_dim == head_dim_v (256: flash_
 # rope dims, one key/value head (flash_decode_wide_kernel with V read from the K tile).
 DECODE_MLA_DIMS = (576, 512)
 CTYPES = {"float16": "cuflash::fp16", "bfloat16": "cuflash::bf16"}
+# float32 on the tensor cores (flash_fwd_kernel on TF32 fragments, tf32_tiles.cuh): fp32_precision -> the family and
+# its element tag. Head dims up to 128 (float32 tiles are twice the 16-bit ones; above, the SIMT kernel runs).
+TF32_FAMILIES = {"tf32x3": "fwd_tf32x3", "tf32": "fwd_tf32"}
+TF32_TAGS = {"fwd_tf32x3": "cuflash::tf32x3", "fwd_tf32": "cuflash::tf32"}
+TF32_HEAD_DIMS = (32, 64, 96, 128)
 
 
 class Tile(NamedTuple):
@@ -50,6 +56,24 @@ class Tile(NamedTuple):
     warps: int
     stages: int
 
+
+# flash_fwd_kernel on float32 inputs (3xTF32 and one TF32 product alike), (arch class, head dim) -> Tile: block_m = 16
+# query rows per warp; float32 tiles, 4 * d * (block_m + 2 * stages * block_n) bytes of shared memory. First version,
+# not yet tuned on a GPU (at 32 rows per warp the 3xTF32 fragments, and even one product's, spill).
+_TF32_TILES: dict[tuple[str, int], Tile] = {
+    ("sm90", 32): Tile(128, 128, 8, 2),
+    ("sm90", 64): Tile(128, 64, 8, 2),
+    ("sm90", 96): Tile(128, 64, 8, 2),
+    ("sm90", 128): Tile(128, 64, 8, 2),   # 192 KiB
+    ("sm80", 32): Tile(128, 128, 8, 2),
+    ("sm80", 64): Tile(128, 64, 8, 2),
+    ("sm80", 96): Tile(128, 64, 8, 2),    # 144 KiB
+    ("sm80", 128): Tile(128, 32, 8, 2),   # 128 KiB
+    ("sm86", 32): Tile(128, 64, 8, 2),
+    ("sm86", 64): Tile(64, 64, 4, 2),
+    ("sm86", 96): Tile(64, 32, 4, 2),
+    ("sm86", 128): Tile(64, 32, 4, 2),    # 96 KiB
+}
 
 # The tile table: (direction, arch class, head dim) -> Tile, shared by float16 and bfloat16.
 # direction "fwd": flash_fwd_kernel (block_m = 16 or 32 query rows per warp).
@@ -142,6 +166,8 @@ TILES: dict[tuple[str, str, int], Tile] = {
     # the keys of S and the columns of O (d 256: one group of 4 warps, 64 columns each; MLA: 4 groups of 2
     # warps, 256 of V's 512 columns each; 225 KiB of shared memory, so sm_90 only).
     ("decode_mla", "sm90", 576): Tile(64, 64, 8, 2),
+    # direction "fwd_tf32x3" / "fwd_tf32": flash_fwd_kernel on float32 inputs with TF32 fragments (_TF32_TILES).
+    **{(fam, arch, d): t for fam in TF32_FAMILIES.values() for (arch, d), t in _TF32_TILES.items()},
     # Arch class "f32": the FA1 float32 kernels (fa1_fwd_f32_kernel, fa1_bwd_f32_kernel; any GPU), 4 warps,
     # block_m = 1 query row per warp step; block_n key rows (forward: one lane per key, at most 32;
     # backward: block_n / 4 key rows per warp, their dK and dV in registers).
@@ -345,6 +371,15 @@ def _t16(s: "KernelSpec") -> str:  # <T, d, block_m, block_n, warps, stages, V>
     return f"{CTYPES[s.dtype]}, {s.head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, {s.variant}"
 
 
+def _t32(s: "KernelSpec") -> str:  # flash_fwd_kernel on float32: <tf32 or tf32x3, d, block_m, block_n, warps, stages, V>
+    t = s.tile
+    return f"{TF32_TAGS[s.family]}, {s.head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, {s.variant}"
+
+
+def _tf32_smem(d: int, t: Tile) -> int:  # float32 Q, stages x (K, V), rows of d floats (a multiple of 32)
+    return 4 * d * (t.block_m + 2 * t.stages * t.block_n)
+
+
 def _dkdv_smem(d: int, t: Tile) -> int:
     tiles = 2 * t.block_n * d + 2 * t.stages * t.block_m * d + 2 * t.block_n * t.block_m  # K, V; Q, dO; P^T, dS^T
     return 2 * tiles + 4 * 2 * t.stages * t.block_m  # 16-bit tiles + float32 lse and D per stage
@@ -395,6 +430,9 @@ FAMILIES: dict[str, Family] = {
         "forward_sm90.cu", "flash_fwd_sm90_kernel", _t16,
         # + 1024: the kernel aligns its base to 1024 bytes; + 128: the mbarriers of the warp-specialized variant
         lambda d, t: 2 * d * (t.block_m + 2 * t.stages * t.block_n) + 1024 + 128, SM90A_OPTIONS),
+    # The same kernel on float32 inputs, TF32 fragments (tf32_tiles.cuh): 3xTF32, or one TF32 product.
+    "fwd_tf32x3": Family("forward.cu", "flash_fwd_kernel", _t32, _tf32_smem),
+    "fwd_tf32": Family("forward.cu", "flash_fwd_kernel", _t32, _tf32_smem),
     "fwd_f32": Family(
         "forward.cu", "flash_fwd_f32_kernel", lambda s: f"{s.head_dim}, {s.tile.block_m}, {s.tile.block_n}, {s.variant}",
         lambda d, t: 4 * (t.block_n * (2 * d + 1) + t.block_m * d)),  # K (rows padded by one float), V; queries
@@ -511,6 +549,12 @@ class KernelSpec:
     def threads(self) -> int:
         return self.fam.threads or 32 * self.tile.warps
 
+    @property
+    def reads_block_lists(self) -> bool:
+        """Whether a mask_mod reaches this kernel as block lists of its tiles (the tensor-core FA2 kernels, 16-bit and
+        TF32), not score by score (the SIMT float32 kernels, which read no lists)."""
+        return not self.family.endswith("_f32")
+
 
 # The block lists' compaction (block_map.cu): one kernel for every mask and tiling.
 BLOCK_COMPACT = KernelSpec("block_compact", "float32", 0, arch="f32")
@@ -545,6 +589,7 @@ _SHOWCASE = (
 
 _FA2_FAMILIES = {  # tile direction, arch class -> families that take that row
     ("fwd", "sm90a"): ("fwd_sm90",), ("fwd", "f32"): ("fwd_f32",), ("bwd", "sm90a"): ("bwd_dkdv_sm90",),
+    ("fwd_tf32x3", None): ("fwd_tf32x3",), ("fwd_tf32", None): ("fwd_tf32",),
     ("bwd", "f32"): ("bwd_dkdv_f32",), ("fwd", None): ("fwd",), ("bwd", None): ("bwd_dkdv",),
     ("bwd_dq", None): ("bwd_dq",),
 }
@@ -553,7 +598,14 @@ _FA2_FAMILIES = {  # tile direction, arch class -> families that take that row
 _SHOWCASE_ROWS = {  # FA2 family -> the tile-table row (direction, arch class) it is shown at
     "fwd": ("fwd", "sm80"), "fwd_sm90": ("fwd", "sm90a"), "fwd_f32": ("fwd", "f32"), "bwd_dkdv": ("bwd", "sm80"),
     "bwd_dkdv_sm90": ("bwd", "sm90a"), "bwd_dkdv_f32": ("bwd", "f32"), "bwd_dq": ("bwd_dq", "sm80"),
+    "fwd_tf32x3": ("fwd_tf32x3", "sm90"), "fwd_tf32": ("fwd_tf32", "sm90"),
 }
+
+
+def _float32_only(family: str, arch: str) -> bool:
+    """Whether a family's instantiations are float32 only (the SIMT and the TF32 kernels)."""
+    return arch == "f32" or family in TF32_TAGS
+
 
 
 def _row_families(direction: str, arch: str) -> tuple[str, ...]:
@@ -574,7 +626,7 @@ def instantiations() -> list[KernelSpec]:
         if direction.startswith("decode"):  # below, with its paged / contiguous variants
             continue
         for fam in _row_families(direction, arch):
-            dtypes = ("float32",) if arch == "f32" else tuple(CTYPES)
+            dtypes = ("float32",) if _float32_only(fam, arch) else tuple(CTYPES)
             is_fa1 = fam.startswith("fa1")
             variants = ("false", "true") if is_fa1 else (DENSE, variant_type(Variant(causal=True)))
             for dtype in dtypes:
@@ -584,7 +636,7 @@ def instantiations() -> list[KernelSpec]:
     # Every variant flag in every FA2 family, once each, at the H100's head-dim-128 tile (bf16; float32 for
     # the SIMT kernels), the register-heaviest common case.
     for fam, row in _SHOWCASE_ROWS.items():
-        dtype = "float32" if row[1] == "f32" else "bfloat16"
+        dtype = "float32" if _float32_only(fam, row[1]) else "bfloat16"
         for v in _SHOWCASE:
             add(KernelSpec(fam, dtype, 128, TILES[(*row, 128)], _policy(v), fam.startswith("bwd_dkdv"), row[1]))
     for d in HEAD_DIMS:
@@ -603,7 +655,7 @@ def instantiations() -> list[KernelSpec]:
                      {"prefix": np.zeros(1, np.int32), "doc": np.zeros(1, np.int32)})
     causal_mod = _policy((False, True, False, False, False, False, False, False), mods)
     for fam, row in _SHOWCASE_ROWS.items():
-        dtype = "float32" if row[1] == "f32" else "bfloat16"
+        dtype = "float32" if _float32_only(fam, row[1]) else "bfloat16"
         add(KernelSpec(fam, dtype, 128, TILES[(*row, 128)], causal_mod, fam.startswith("bwd_dkdv"), row[1]))
     add(KernelSpec("bwd_dq_f32", "float32", 128, variant=causal_mod))
     # [variant head dim] head dims read in place below the kernel's (d 80 on the 96 kernel; 200 on 224), causal.
