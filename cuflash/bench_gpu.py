@@ -3,6 +3,11 @@ same inputs, the FlashAttention FLOP convention of ANCHORS.md.
 
     python -m cuflash bench-gpu [--quick] [--dtypes bfloat16,float16] [--dims 64,128] [--seqlens ...]
                                 [--no-extras] [--json FILE]
+    python -m cuflash bench-gpu --float32 [--dims 64,128] [--seqlens 1024,4096] [--json FILE]
+
+``--float32``: float32 inputs at batch 2, 16 heads instead of the grid: cuflash's forward at each
+``fp32_precision`` ("tf32x3", "tf32", "ieee") and PyTorch SDPA's EFFICIENT_ATTENTION and MATH backends (the
+FLASH and cuDNN ones take no float32), each first checked against torch's MATH on float64 inputs (max|error| printed).
 
 Grid: batch * seqlen = 16384, heads * head_dim = 2048. FLOPs: forward 4 B H N^2 d (halved when causal),
 forward + backward 3.5x that. Each cuflash cell is first checked against torch-flash's output. Timing:
@@ -122,6 +127,79 @@ def run_grid(dtypes, dims, seqlens, rep_ms=200, log=print, fa1=True):
     return rows
 
 
+# The float32 comparison: (system, max|out - float64 truth| it must meet before it is timed).
+FLOAT32_SYSTEMS = (("cuflash tf32x3", 1e-4), ("cuflash tf32", 2e-2), ("cuflash ieee", 1e-4),
+                   ("torch efficient", 2e-2), ("torch math", 1e-4))
+
+
+def run_float32(dims=(128,), seqlens=(4096,), batch=2, heads=16, rep_ms=200, log=print):
+    """Forward TFLOP/s of float32 attention, cuflash at each fp32_precision and torch SDPA's float32 backends, side
+    by side (same inputs, same stream); each output first checked against torch's MATH backend in float64."""
+    import cupy as cp
+    import torch
+    import torch.nn.functional as F
+    import triton.testing as tt
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import cuflash
+
+    rows = []
+    for d in dims:
+        for causal in (False, True):
+            for n in seqlens:
+                g = torch.Generator(device="cuda").manual_seed(n + d)
+                q, k, v = (torch.randn(batch, heads, n, d, device="cuda", dtype=torch.float32, generator=g)
+                           for _ in range(3))
+                with sdpa_kernel(SDPBackend.MATH):
+                    truth = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
+                qc, kc, vc = (cp.from_dlpack(x.transpose(1, 2)) for x in (q, k, v))
+                stream = cp.cuda.Stream.from_external(torch.cuda.current_stream())
+
+                def cuflash_fwd(precision):
+                    def fwd():
+                        with stream:
+                            return torch.from_dlpack(cuflash.attention(qc, kc, vc, causal=causal,
+                                                                       fp32_precision=precision)).transpose(1, 2)
+                    return fwd
+
+                def torch_fwd(backend):
+                    def fwd():
+                        with sdpa_kernel(backend):
+                            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                    return fwd
+
+                fns = {"cuflash tf32x3": cuflash_fwd("tf32x3"), "cuflash tf32": cuflash_fwd("tf32"),
+                       "cuflash ieee": cuflash_fwd("ieee"), "torch efficient": torch_fwd(SDPBackend.EFFICIENT_ATTENTION),
+                       "torch math": torch_fwd(SDPBackend.MATH)}
+                flops = 4 * batch * heads * n * n * d / (2 if causal else 1)
+                row = {"dtype": "float32", "d": d, "causal": causal, "N": n}
+                for system, tolerance in FLOAT32_SYSTEMS:
+                    try:
+                        err = float((fns[system]().double() - truth).abs().max())
+                        row[f"{system} maxerr"] = err
+                        if not err < tolerance:
+                            raise AssertionError(f"{system}: max|out - truth| = {err:.3e} >= {tolerance}")
+                        ms = tt.do_bench(fns[system], warmup=10, rep=rep_ms, return_mode="median")
+                        row[f"{system} fwd"] = flops / ms / 1e9
+                    except Exception as exc:  # e.g. a backend not available for this shape, or memory
+                        row[f"{system} fwd"] = float("nan")
+                        row[f"{system} error"] = str(exc)[:200]
+                rows.append(row)
+                log(json.dumps(row))
+    return rows
+
+
+def format_float32_table(rows) -> str:
+    names = [name for name, _ in FLOAT32_SYSTEMS]
+    lines = ["forward TFLOP/s (max|out - float64 truth|), float32, batch 2, 16 heads",
+             "   d causal      N | " + " | ".join(f"{name:>24}" for name in names)]
+    for r in rows:
+        cells = [f"{r.get(name + ' fwd', float('nan')):8.1f} ({r.get(name + ' maxerr', float('nan')):.1e})"
+                 for name in names]
+        lines.append(f"{r['d']:4d} {str(r['causal']):>6} {r['N']:6d} | " + " | ".join(f"{c:>24}" for c in cells))
+    return "\n".join(lines)
+
+
 def format_table(rows) -> str:
     lines = ["| dtype | d | causal | pass | N | cuflash | torch-flash | torch-cudnn | cuflash / torch-flash "
              "| cuflash-fa1 | cuflash / cuflash-fa1 |",
@@ -221,18 +299,22 @@ def main(argv=None, prog: str = "python -m cuflash bench-gpu"):
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="bfloat16, seqlens 512, 2048, 8192, short timing")
     ap.add_argument("--dtypes", default="bfloat16,float16")
-    ap.add_argument("--dims", default="64,128")
-    ap.add_argument("--seqlens", default=",".join(map(str, DEFAULT_SEQLENS)))
+    ap.add_argument("--dims", default=None, help="head dims (default 64,128; --float32: 128)")
+    ap.add_argument("--seqlens", default=None, help="sequence lengths (default the grid's; --float32: 4096)")
     ap.add_argument("--rep-ms", type=int, default=200, help="milliseconds of timed repeats per cell (default 200)")
     ap.add_argument("--no-fa1", action="store_true", help="leave out the FA1 kernels (slow at long seqlens)")
     ap.add_argument("--no-extras", action="store_true")
     ap.add_argument("--json", default=None, help="write all numbers to this file")
+    ap.add_argument("--float32", action="store_true",
+                    help="float32 at batch 2, 16 heads: cuflash tf32x3 / tf32 / ieee vs torch SDPA efficient / math "
+                         "(--dims default 128, --seqlens default 4096)")
     ap.add_argument("--plot", metavar="DIR", default=None,
                     help="write throughput.png (TFLOP/s vs seqlen, peers included) and memory.png "
                          "(peak memory vs seqlen, cuflash vs naive) to DIR (needs matplotlib)")
     args = ap.parse_args(argv)
     dtypes = args.dtypes.split(",")
-    seqlens = [int(x) for x in args.seqlens.split(",")]
+    dims = [int(x) for x in (args.dims or ("128" if args.float32 else "64,128")).split(",")]
+    seqlens = [int(x) for x in args.seqlens.split(",")] if args.seqlens else list(DEFAULT_SEQLENS)
     rep = args.rep_ms
     if args.quick:
         dtypes, seqlens, rep = ["bfloat16"], [512, 2048, 8192], 100
@@ -240,7 +322,14 @@ def main(argv=None, prog: str = "python -m cuflash bench-gpu"):
 
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     print(f"device: {props['name'].decode()}")
-    rows = run_grid(dtypes, [int(x) for x in args.dims.split(",")], seqlens, rep, fa1=not args.no_fa1)
+    if args.float32:
+        rows = run_float32(dims, seqlens if args.seqlens else [4096], rep_ms=rep)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"rows": rows}, f, indent=1)
+        print(format_float32_table(rows))
+        return 0
+    rows = run_grid(dtypes, dims, seqlens, rep, fa1=not args.no_fa1)
     ext = {} if args.no_extras else extras()
     memory = memory_sweep() if args.plot else []
     if args.json:

@@ -91,15 +91,25 @@ __device__ __forceinline__ void mma_m16n8k8_tf32(float (&d)[4], const u32 (&a)[4
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// d += a b in TF32 (3xTF32: the two small cross terms first, then big * big). b: elements (b0, b1) of frag b at i, i + 1.
+// d += a b in TF32. b: elements (b0, b1) of frag b at i, i + 1. 3xTF32: the two small cross terms first, then big * big,
+// summed from zero and added to d in float32 (round to nearest): the tensor cores truncate every sum they return (round
+// toward zero), so d taken as the accumulator would shrink by up to an ulp of itself three times per k8 step, a bias
+// that grows with the head dim (S) and the sequence (O: 4x float32's error at 333 keys, 100x at 4096, in a NumPy model
+// of that rounding; summed per step, within 2x of naive float32 attention). One TF32 product accumulates in d: its
+// operands' rounding dominates.
 template <int kProducts, int kNB>
 __device__ __forceinline__ void mma_tf32(float (&d)[4], const Tf32Frag<kProducts, 4>& a, const Tf32Frag<kProducts, kNB>& b,
                                          int i) {
     if constexpr (kProducts == 3) {
-        mma_m16n8k8_tf32(d, a.small, b.big[i], b.big[i + 1]);
-        mma_m16n8k8_tf32(d, a.big, b.small[i], b.small[i + 1]);
+        float t[4] = {0.f, 0.f, 0.f, 0.f};
+        mma_m16n8k8_tf32(t, a.small, b.big[i], b.big[i + 1]);
+        mma_m16n8k8_tf32(t, a.big, b.small[i], b.small[i + 1]);
+        mma_m16n8k8_tf32(t, a.big, b.big[i], b.big[i + 1]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) d[e] += t[e];
+    } else {
+        mma_m16n8k8_tf32(d, a.big, b.big[i], b.big[i + 1]);
     }
-    mma_m16n8k8_tf32(d, a.big, b.big[i], b.big[i + 1]);
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from cuflash._cuda.spec import prelude_of
 
 TARGETS = ("sm_80", "sm_90a")
 SOURCES = ("forward.cu", "backward.cu", "forward_sm90.cu", "backward_sm90.cu", "fa1.cu", "block_map.cu", "decode.cu")
-FA2_FAMILIES = ("fwd", "fwd_sm90", "fwd_f32", "bwd_dkdv", "bwd_dkdv_sm90", "bwd_dkdv_f32", "bwd_dq", "bwd_dq_f32")
+FA2_FAMILIES = ("fwd", "fwd_sm90", "fwd_f32", "fwd_tf32x3", "fwd_tf32", "bwd_dkdv", "bwd_dkdv_sm90", "bwd_dkdv_f32",
+                "bwd_dq", "bwd_dq_f32")
 
 _RESOURCE_RE = re.compile(
     r"Compiling entry function '(?P<fn>[^']+)' for '(?P<arch>sm_\w+)'.*?"
@@ -84,7 +85,11 @@ KNOWN_SPILLS = {("flash_bwd_dkdv_sm90_kernel", "softcap"): 64, ("flash_fwd_sm90_
                 ("flash_bwd_dq_kernel", "dropout"): 32,
                 # a user score_mod / mask_mod: user code in the score loop
                 **{(kernel, "user_mod"): 64 for kernel in ("flash_fwd_kernel", "flash_fwd_sm90_kernel", "flash_bwd_dq_kernel",
-                                                           "flash_bwd_dkdv_kernel", "flash_bwd_dkdv_sm90_kernel")}}
+                                                           "flash_bwd_dkdv_kernel", "flash_bwd_dkdv_sm90_kernel")},
+                # the 3xTF32 forward (first version) at d 96 / 128: big and small fragments and each k8 step's sum from zero
+                # beside S and O; spills with ALiBi in a window, a bias, dropout, user mods, and in sm_80 code at the
+                # sm_86 tiles (64 x 32, 4 warps), up to 176 bytes (docs/performance.md, "float32 on the tensor cores")
+                ("flash_fwd_kernel", "tf32x3"): 192}
 _VARIANT_FLAGS = ("left", "right", "varlen", "seqused", "softcap", "alibi", "bias", "dropout")
 
 
@@ -95,6 +100,8 @@ def _known_spill(row) -> bool:
     flags = {f for f, bit in zip(_VARIANT_FLAGS, re.findall(r"Lb([01])E", m.group(2))) if bit == "1"}
     if "UserMod_" in row["fn"]:
         flags.add("user_mod")
+    if "kernelINS_6tf32x3E" in row["fn"]:
+        flags.add("tf32x3")
     return any(kernel == m.group(1) and flag in flags and row["stores"] <= limit
                for (kernel, flag), limit in KNOWN_SPILLS.items())
 

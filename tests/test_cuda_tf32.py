@@ -1,0 +1,209 @@
+"""The float32 forward on the tensor cores (flash_fwd_kernel on TF32 fragments, ``fp32_precision``) against the
+float64 truth, through the public API.
+
+``"tf32x3"`` (the default) and ``"ieee"`` (the SIMT kernel) are held to float32's error budget (STYLE.md): outputs
+within 2x the error of naive attention computed in float32, plus the floor of rounding the truth to float32.
+``"tf32"`` (one TF32 product) is held to its stated budget: 2x the error of naive attention whose matrix-product
+operands (q and k; P and v) are rounded to TF32, plus the same floor. Outputs come from a NaN-poisoned pool, so an
+element the kernel never wrote fails. Skips without CuPy and a GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cuflash
+
+from _gpu_helpers import poison
+from _helpers import assert_within_budget, float64_truth, max_abs_error, random_inputs, rounding_floor
+from test_cuda_variants import PADDED_CASES, _resolve
+
+pytestmark = pytest.mark.gpu
+
+PRECISE = ["tf32x3", "ieee"]
+
+
+def _forward(cp, q, k, v, *, fp32_precision, views=False, **opts):
+    """cuflash.attention on the device (poisoned outputs): (out, lse) on the host. ``views``: q, k, v as views that
+    start one float into a wider allocation (not 16-byte aligned: the launcher copies them)."""
+    def dev(val):
+        if isinstance(val, dict):
+            return {name: cp.asarray(a) for name, a in val.items()}
+        return cp.asarray(val) if isinstance(val, np.ndarray) else val
+
+    def shifted(x):
+        flat = cp.empty(x.size + 1, dtype=x.dtype)
+        flat[1:] = cp.asarray(x).ravel()
+        return flat[1:].reshape(x.shape)
+
+    cq, ck, cv = (shifted(x) if views else cp.asarray(x) for x in (q, k, v))
+    poison(cp)
+    out, lse = cuflash.attention(cq, ck, cv, return_lse=True, fp32_precision=fp32_precision,
+                                 **{key: dev(val) for key, val in opts.items()})
+    return cp.asnumpy(out), cp.asnumpy(lse)
+
+
+def check_float32(cp, q, k, v, *, fp32_precision="tf32x3", views=False, **opts):
+    """The forward within float32's budget (the float64 truth and naive float32 attention: the NumPy oracle)."""
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    opts64 = dict(opts, **({"bias": opts["bias"].astype(np.float64)} if "bias" in opts else {}))
+    out_t, lse_t = cuflash.attention(q64, k64, v64, algorithm="naive", return_lse=True, **opts64)
+    out_n, _ = cuflash.attention(q, k, v, algorithm="naive", return_lse=True, **opts)
+    out, lse = _forward(cp, q, k, v, fp32_precision=fp32_precision, views=views, **opts)
+    assert out.dtype == np.float32 and not np.isnan(out).any(), "forward left unwritten (NaN) elements"
+    assert_within_budget(out, out_t, out_n, 2, rounding_floor(out_t, np.float32), f"{fp32_precision} out")
+    lse_err = max_abs_error(lse, lse_t)
+    assert lse_err < 5e-5, f"lse: max|err| = {lse_err:.3e}"
+    return out, lse
+
+
+@pytest.mark.parametrize("fp32_precision", PRECISE)
+@pytest.mark.parametrize("d", [32, 64, 96, 128])
+@pytest.mark.parametrize("causal", [None, "br", "tl"])
+def test_awkward_lengths_every_head_dim(requires_gpu, fp32_precision, d, causal):
+    q, k, v, _ = random_inputs(2, 113, 203, 4, 2, d, np.float32, seed=d, with_do=False)
+    opts = {} if causal is None else dict(causal=True, causal_align="bottom-right" if causal == "br" else "top-left")
+    check_float32(requires_gpu, q, k, v, fp32_precision=fp32_precision, **opts)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 257, 2, 2), (1, 257, 1, 2, 1), (1, 1023, 1024, 2, 2), (2, 203, 113, 8, 1)])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_shapes_and_gqa(requires_gpu, shape, d, causal):
+    q, k, v, _ = random_inputs(*shape, d, np.float32, seed=shape[1], with_do=False)
+    check_float32(requires_gpu, q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("label", list(PADDED_CASES))
+@pytest.mark.parametrize("d", [64, 128])
+def test_padded_batch_variants(requires_gpu, label, d):
+    """Every variant of the 16-bit kernels' list (windows, softcap, ALiBi, seqused_k, bias and masks, dropout, user
+    mods) through the same hooks, in float32's budget."""
+    rng = np.random.default_rng(abs(hash((label, d, "tf32"))) % 2**32)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((2, 300, 4, d), (2, 333, 2, d), (2, 333, 2, d)))
+    check_float32(requires_gpu, q, k, v, **_resolve(PADDED_CASES[label], rng, 2, 4))
+
+
+@pytest.mark.parametrize("label", ["plain", "causal", "causal-window-softcap", "dropout"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_packed_variable_length(requires_gpu, label, d):
+    """Four sequences of uneven lengths (one query row; one sequence of 1 key), GQA, one launch."""
+    rng = np.random.default_rng(len(label) + d)
+    lens_q, lens_k = [100, 257, 1, 130], [150, 300, 100, 1]
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q = rng.standard_normal((cu_q[-1], 4, d)).astype(np.float32)
+    k, v = (rng.standard_normal((cu_k[-1], 2, d)).astype(np.float32) for _ in range(2))
+    opts = {"plain": {}, "causal": dict(causal=True), "causal-window-softcap": dict(causal=True, window_size=(50, 0),
+            softcap=10.0), "dropout": dict(dropout_p=0.25, dropout_seed=3)}[label]
+    check_float32(requires_gpu, q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
+                  max_seqlen_k=max(lens_k), **opts)
+
+
+def test_unaligned_views_and_bhnd_layout(requires_gpu):
+    """Inputs whose base is not 16-byte aligned run on aligned copies; (B, H, N, d) arrays seen as (B, N, H, d)
+    (non-contiguous, 16-byte strides) are read in place."""
+    cp = requires_gpu
+    q, k, v, _ = random_inputs(2, 300, 300, 8, 2, 128, np.float32, seed=4, with_do=False)
+    check_float32(cp, q, k, v, causal=True, views=True)
+    out_t, _ = float64_truth(q, k, v, scale=128 ** -0.5)
+    bhnd = [cp.asarray(np.ascontiguousarray(x.transpose(0, 2, 1, 3))).transpose(0, 2, 1, 3) for x in (q, k, v)]
+    out = cp.asnumpy(cuflash.attention(*bhnd))
+    contiguous = cp.asnumpy(cuflash.attention(*(cp.asarray(x) for x in (q, k, v))))
+    assert np.array_equal(out, contiguous) and max_abs_error(out, out_t) < 1e-5
+
+
+def test_rows_that_see_no_key(requires_gpu):
+    cp = requires_gpu
+    q, k, v, _ = random_inputs(1, 200, 50, 2, 1, 64, np.float32, seed=3, with_do=False)
+    out, lse = _forward(cp, q, k, v, fp32_precision="tf32x3", causal=True)  # rows i < 150 see no key
+    assert np.abs(out[:, :150]).max() == 0.0 and np.all(lse[:, :, :150] == -np.inf)
+    assert not np.isnan(out).any()
+
+
+def test_backward_after_the_tf32x3_forward(requires_gpu):
+    """The backward (SIMT float32 kernels) on the tensor-core forward's out and lse: gradients in float32's budget."""
+    cp = requires_gpu
+    q, k, v, do = random_inputs(2, 150, 203, 4, 2, 128, np.float32, seed=9)
+    scale = 128 ** -0.5
+    from cuflash._variant import Variant
+
+    _, _, grads_t = float64_truth(q, k, v, do, scale=scale, variant=Variant(causal=True))
+    out_n, lse_n = cuflash.attention(q, k, v, causal=True, algorithm="naive", return_lse=True)
+    grads_n = cuflash.attention_backward(do, q, k, v, out_n, lse_n, causal=True, algorithm="naive")
+    cq, ck, cv, cdo = (cp.asarray(x) for x in (q, k, v, do))
+    out, lse = cuflash.attention(cq, ck, cv, causal=True, return_lse=True)
+    grads = cuflash.attention_backward(cdo, cq, ck, cv, out, lse, causal=True)
+    for name, g, gt, gn in zip(("dq", "dk", "dv"), grads, grads_t, grads_n):
+        assert_within_budget(cp.asnumpy(g), gt, gn, 3, rounding_floor(gt, np.float32) + 1e-4, name)
+
+
+# -- fp32_precision="tf32": one TF32 product, its stated budget
+
+
+def _tf32(x):
+    """x rounded to TF32 (10 explicit mantissa bits; to nearest, ties away from zero: cvt.rna), as float64."""
+    bits = np.asarray(x, dtype=np.float32).view(np.uint32)
+    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)
+
+
+def naive_tf32(q, k, v, *, scale, causal):
+    """Naive attention (float64 arithmetic) whose matrix-product operands are rounded to TF32 as the kernel rounds
+    them: q and k for the scores, P = exp(s - max) (before the division by the row sum) and v for the output.
+    Bottom-right causal alignment; GQA."""
+    group = q.shape[2] // k.shape[2]
+    kk, vv = (np.repeat(x, group, axis=2) for x in (k, v))
+    s = np.einsum("bihd,bjhd->bhij", _tf32(q), _tf32(kk)) * scale
+    if causal:
+        nq, nk = q.shape[1], k.shape[1]
+        s = np.where(np.arange(nk)[None, :] <= np.arange(nq)[:, None] + nk - nq, s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    p = np.exp(s - m)
+    return np.einsum("bhij,bjhd->bihd", _tf32(p), _tf32(vv)) / p.sum(-1)[..., None].transpose(0, 2, 1, 3)
+
+
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tf32_within_its_stated_budget(requires_gpu, d, causal):
+    cp = requires_gpu
+    q, k, v, _ = random_inputs(2, 300, 333, 4, 2, d, np.float32, seed=d, with_do=False)
+    scale = d ** -0.5
+    from cuflash._variant import Variant
+
+    out_t, lse_t = float64_truth(q, k, v, scale=scale, variant=Variant(causal=causal))
+    out, lse = _forward(cp, q, k, v, fp32_precision="tf32", causal=causal)
+    assert not np.isnan(out).any()
+    budget_ref = naive_tf32(q, k, v, scale=scale, causal=causal)
+    assert_within_budget(out, out_t, budget_ref, 2, rounding_floor(out_t, np.float32), "tf32 out")
+    assert max_abs_error(lse, lse_t) < 1e-2
+    # and it is TF32: further from the truth than the 3xTF32 forward
+    out3, _ = _forward(cp, q, k, v, fp32_precision="tf32x3", causal=causal)
+    assert max_abs_error(out3, out_t) < max_abs_error(out, out_t)
+
+
+def test_tf32_variants(requires_gpu):
+    """A window, softcap, ALiBi and dropout on one TF32 product: within 1e-2 of the truth (the variants' hooks are
+    tf32x3's; the budget test above states the accuracy)."""
+    cp = requires_gpu
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((2, 300, 4, 128), (2, 333, 2, 128), (2, 333, 2, 128)))
+    opts = _resolve(dict(window_size=(60, 20), softcap=5.0, alibi_slopes="heads", dropout_p=0.1, dropout_seed=4),
+                    rng, 2, 4)
+    out_t = cuflash.attention(*(x.astype(np.float64) for x in (q, k, v)), algorithm="naive", **opts)
+    out, _ = _forward(cp, q, k, v, fp32_precision="tf32", **opts)
+    assert max_abs_error(out, out_t) < 1e-2
+
+
+def test_float32_kernels_by_precision(requires_gpu):
+    """Which kernel a float32 call runs: TF32 fragments (3xTF32 or one product) on sm_80+ up to head dim 128, the
+    SIMT kernel for "ieee" and above 128."""
+    from cuflash._cuda.attention import _f32_forward_spec
+    from cuflash._cuda.compile import device_info
+    from cuflash._cuda.spec import DENSE
+
+    tensor_cores = device_info()[0] >= 80
+    for d, precision, family in [(128, "tf32x3", "fwd_tf32x3"), (64, "tf32", "fwd_tf32"), (128, "ieee", "fwd_f32"),
+                                 (256, "tf32x3", "fwd_f32")]:
+        spec = _f32_forward_spec(d, DENSE, precision, None, None)
+        assert spec.family == (family if tensor_cores else "fwd_f32"), (d, precision)
