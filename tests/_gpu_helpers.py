@@ -52,13 +52,13 @@ def as_float32(cp, x):
 
 
 def run(cp, q, k, v, do, causal, *, algorithm="fa2", deterministic=False, layout="bnhd",
-        block_q=None, block_k=None):
+        block_q=None, block_k=None, fp32_precision="tf32x3"):
     """Forward (poisoned outputs) then backward (poisoned gradients) through the front door."""
     is_causal, align = ALIGN[causal]
     cq, ck, cv, cdo = (to_device(cp, x, layout) for x in (q, k, v, do))
     opts = dict(causal=is_causal, causal_align=align, algorithm=algorithm, block_q=block_q, block_k=block_k)
     poison(cp)
-    out, lse = cuflash.attention(cq, ck, cv, return_lse=True, **opts)
+    out, lse = cuflash.attention(cq, ck, cv, return_lse=True, fp32_precision=fp32_precision, **opts)
     poison(cp)
     grads = cuflash.attention_backward(cdo, cq, ck, cv, out, lse, deterministic=deterministic, **opts)
     return out, lse, grads

@@ -69,12 +69,13 @@ def test_rows_that_see_no_key(requires_gpu, algorithm):
 @pytest.mark.parametrize("causal", [None, "br"])
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_float32_simt_path(requires_gpu, algorithm, d, causal):
+    """The SIMT float32 kernels (fp32_precision="ieee"; the tensor-core forward: test_cuda_tf32.py)."""
     cp = requires_gpu
     q, k, v, do = random_inputs(2, 113, 203, 4, 2, d, np.float32, seed=d)
     scale = 1.0 / np.sqrt(d)
     variant = variant_of(causal)
     out_t, _, grads_t = float64_truth(q, k, v, do, scale=scale, variant=variant)
-    out, _, grads = run(cp, q, k, v, do, causal, algorithm=algorithm)
+    out, _, grads = run(cp, q, k, v, do, causal, algorithm=algorithm, fp32_precision="ieee")
     assert max_abs_error(cp.asnumpy(out), out_t) < 2e-5
     for g, gt in zip(grads, grads_t):
         assert max_abs_error(cp.asnumpy(g), gt) < 1e-4
@@ -90,12 +91,12 @@ def _shipped_tiles(d, dtname):
     """(forward tile, backward dK/dV tile) the launcher picks for this GPU with default block sizes."""
     from cuflash import _cuda
 
-    if dtname == "float32":
-        return _cuda.TILES[("fwd", "f32", d)], None
     from cuflash._cuda import compile as cuda_compile
 
     cc, _ = cuda_compile.device_info()
     arch = cuda_compile.arch_class(cc)
+    if dtname == "float32":  # the 3xTF32 forward (sm_80+, d <= 128), else the SIMT one
+        return (_cuda.TILES.get(("fwd_tf32x3", arch, d)) if cc >= 80 else None) or _cuda.TILES[("fwd", "f32", d)], None
     fwd = _cuda.TILES.get(("fwd", "sm90a", d)) if cc == 90 and _cuda.attention.SM90A_FORWARD else None
     bwd = _cuda.TILES.get(("bwd", "sm90a", d)) if cc == 90 and _cuda.attention.SM90A_BACKWARD else None
     return fwd or _cuda.TILES[("fwd", arch, d)], bwd or _cuda.TILES[("bwd", arch, d)]
