@@ -137,6 +137,7 @@ def install(monkeypatch):
     monkeypatch.setattr(attention, "_RUNTIME", Runtime())
     monkeypatch.setattr(spec, "_EXTRA_CACHE", {})  # (device copies: the stand-in's must not outlive the test)
     monkeypatch.setattr(attention, "_LISTS_CACHE", {})
+    monkeypatch.setattr(attention, "_LSE_SINKS", {})
     monkeypatch.setattr(_api, "_planners", {})
     monkeypatch.setattr(_api, "_checked_calls", _api.CallMemo(_api._checked_calls.size))
     return module, recorder

@@ -135,6 +135,26 @@ def test_a_remembered_call_launches_what_a_fresh_call_launches(fake):
     assert len(_api._checked_calls) == remembered  # (every call above was a remembered one)
 
 
+def test_a_call_without_lse_writes_it_into_a_buffer_of_the_stream(fake):
+    cp, recorder = fake
+    from cuflash._cuda import attention
+
+    q = cp.zeros((2, 64, 4, 64), np.float16)
+    for _ in range(2):  # planned, then remembered
+        result = cuflash.attention(q, q, q, causal=True, return_lse=True)
+        with_lse = _normalized(recorder.take(), result)
+    for _ in range(2):
+        out = cuflash.attention(q, q, q, causal=True)
+        sink = attention._LSE_SINKS[(0, 0)]
+        assert _normalized(recorder.take(), (out, sink)) == with_lse
+        assert sink.size == 2 * 4 * 64
+    big = cp.zeros((2, 128, 4, 64), np.float16)
+    cuflash.attention(big, big, big, causal=True)
+    cuflash.attention(q, q, q, causal=True)
+    assert attention._LSE_SINKS[(0, 0)].size == 2 * 4 * 128  # (grown for the larger call, kept for the smaller)
+    assert len(attention._LSE_SINKS) == 1
+
+
 def _error(call):
     with pytest.raises(Exception) as info:
         call()

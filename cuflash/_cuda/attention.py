@@ -127,7 +127,11 @@ def strides(a) -> tuple[np.int64, np.int64, np.int64]:
 
 def _is_aligned(a) -> bool:
     """Whether ``a``'s tiles can be copied with 16-byte cp.async: base and every stride a multiple of 16 bytes."""
-    return a.data.ptr % 16 == 0 and all((s % 16 == 0) or n == 1 for s, n in zip(a.strides[:-1], a.shape[:-1]))
+    return a.data.ptr % 16 == 0 and _strides_aligned(a)
+
+
+def _strides_aligned(a) -> bool:
+    return all((s % 16 == 0) or n == 1 for s, n in zip(a.strides[:-1], a.shape[:-1]))
 
 
 def aligned(a):
@@ -308,8 +312,9 @@ def runtime():
 
 
 def call_context() -> tuple:
-    """What decides a plan besides the call's arguments: the current device and stream (a plan's ExtraParams copy
-    and block lists are made on one), and the benchmarks' switches of the Hopper kernels."""
+    """What decides a plan besides the call's arguments: the current device and stream's pointer (a plan's
+    ExtraParams copy and block lists are made on one; its run takes the pointer), and the benchmarks' switches of
+    the Hopper kernels."""
     rt = runtime()
     return rt.get_device(), rt.current_stream().ptr, SM90A_FORWARD, SM90A_BACKWARD
 
@@ -398,19 +403,21 @@ class _Plan:
         rt = runtime()
         self._rt = rt
         self._empty, self._zeros, self._stream = rt.empty, rt.zeros, rt.current_stream
+        self._device = rt.get_device()
         self._lock = threading.Lock()
         self._threads: set = set()
 
     def _enter(self) -> None:
-        if threading.get_ident() not in self._threads:
-            self._rt.make_context_current()
-            self._threads.add(threading.get_ident())
+        """On a thread's first run (a run tests ``threading.get_ident() in self._threads`` first)."""
+        self._rt.make_context_current()
+        self._threads.add(threading.get_ident())
 
-    @staticmethod
-    def _write(launch: PackedLaunch, words: tuple, ptrs: tuple) -> None:
-        w = launch.words
-        for index, ptr in zip(words, ptrs):
-            w[index] = ptr
+
+# A forward called without return_lse writes its lse into a buffer of its device and stream, grown to the largest
+# asked for and never read (no allocation per call): the launches that write one are ordered by their stream, and
+# one freed when it grows is reused by CuPy's pool only on its own stream. At most _LSE_SINKS_SIZE streams.
+_LSE_SINKS: dict = {}
+_LSE_SINKS_SIZE = 16
 
 
 class ForwardPlan(_Plan):
@@ -447,26 +454,44 @@ class ForwardPlan(_Plan):
                 self._variant.params)
         self._launch = PackedLaunch(self._rt, spec, (cdiv(shp.max_q, spec.tile.block_m), shp.heads_q, shp.batch), args)
         vp = len(args) - 1
-        self._words = tuple(self._launch.word(i) for i in range(5))
-        if not self._variant.constant:
-            self._words += tuple(self._launch.word(vp, offset) for offset in VARIANT_POINTER_FIELDS)
+        self._write = self._launch.writer(tuple(self._launch.word(i) for i in range(5)))  # q, k, v, out, lse
+        self._write_variant = None if self._variant.constant else self._launch.writer(
+            tuple(self._launch.word(vp, offset) for offset in VARIANT_POINTER_FIELDS))
+        self._lse_size = int(np.prod(self.lse_shape))
 
-    def run(self, q, k, v, arrays: VariantArrays = VariantArrays()):
-        """``(out, lse)``, or None when a 16-bit input's base address is not a multiple of 16 bytes (the caller
-        runs it unplanned, on an aligned copy)."""
+    def run(self, q, k, v, arrays: VariantArrays = VariantArrays(), stream: int | None = None, lse: bool = True):
+        """``(out, lse)`` (``lse`` False: ``(out, None)``, the lse written into a buffer of the stream's), or None when
+        a 16-bit input's base address is not a multiple of 16 bytes (the caller runs it unplanned, on an aligned
+        copy). ``stream``: the current stream's pointer, when the caller has it (:func:`call_context`)."""
         pq, pk, pv = q.data.ptr, k.data.ptr, v.data.ptr
         if self._aligned and (pq | pk | pv) & 15:
             return None
-        self._enter()
+        if threading.get_ident() not in self._threads:
+            self._enter()
+        if stream is None:
+            stream = self._stream().ptr
         out = self._empty(self.out_shape, dtype=self.dtype)
-        lse = self._empty(self.lse_shape, dtype=np.float32)
+        if lse:
+            lse = self._empty(self.lse_shape, dtype=np.float32)
+            lse_ptr = lse.data.ptr
+        else:
+            sink = _LSE_SINKS.get((self._device, stream))
+            lse, lse_ptr = None, (sink.data.ptr if sink is not None and sink.size >= self._lse_size else
+                                  self._lse_sink(stream))
         with self._lock:
-            ptrs = (pq, pk, pv, out.data.ptr, lse.data.ptr)
-            if not self._variant.constant:
-                ptrs += self._variant.pointers(arrays)
-            self._write(self._launch, self._words, ptrs)
-            self._launch.run(self._stream().ptr)
+            self._write(pq, pk, pv, out.data.ptr, lse_ptr)
+            if self._write_variant is not None:
+                self._write_variant(*self._variant.pointers(arrays))
+            self._launch.run(stream)
         return out, lse
+
+    def _lse_sink(self, stream: int) -> int:
+        """The address of a new lse buffer of the stream's, large enough for this plan's (:data:`_LSE_SINKS`)."""
+        key = (self._device, stream)
+        if key not in _LSE_SINKS and len(_LSE_SINKS) >= _LSE_SINKS_SIZE:
+            _LSE_SINKS.pop(next(iter(_LSE_SINKS), None), None)
+        sink = _LSE_SINKS[key] = self._empty((self._lse_size,), dtype=np.float32)
+        return sink.data.ptr
 
 
 def launch_params(variant: Variant, scale: float, shp: Shape, spec=None, dbias=None, transposed=False,
@@ -565,20 +590,23 @@ def plan_backward(do, q, k, v, out, lse, *, scale, variant: Variant, algorithm, 
     if variant.bias is not None:
         return None
     options = dict(scale=scale, algorithm=algorithm, block_q=block_q, block_k=block_k, order=order)
-    if _packs_backward(do, q, k, v, lse, algorithm):
-        return BackwardPlan(do, q, k, v, out, lse, variant=variant, **options)
-    return CheckedBackward(variant=variant, **options)
+    if not _packs_backward(do, q, k, v, lse, algorithm):
+        return CheckedBackward(variant=variant, **options)
+    if any(a.data.ptr % 16 for a in (q, k, v, do)):  # (this call's addresses need an aligned copy; a later one's may not)
+        return None
+    return BackwardPlan(do, q, k, v, out, lse, variant=variant, **options)
 
 
 def _packs_backward(do, q, k, v, lse, algorithm) -> bool:
-    """Whether :func:`backward` runs this call as the 16-bit FA2 launches on the arrays as given: a head dim of
-    BWD_HEAD_DIMS (or below one, read in place), q, k, v and do aligned for cp.async, lse contiguous."""
+    """Whether :func:`backward` runs calls of these layouts as the 16-bit FA2 launches on the arrays as given: a
+    head dim of BWD_HEAD_DIMS (or below one, read in place), q's, k's, v's and do's strides aligned for cp.async
+    (their addresses are a run's), lse contiguous."""
     if algorithm != "fa2" or np.dtype(q.dtype).name not in CTYPES:
         return False
     kd = _needs_padding(q, v, algorithm)
     if (kd or q.shape[-1]) not in BWD_HEAD_DIMS or (kd and not _reads_in_place(q, v, algorithm)):
         return False
-    return all(_is_aligned(a) for a in (q, k, v, do)) and lse.flags.c_contiguous
+    return all(_strides_aligned(a) for a in (q, k, v, do)) and lse.flags.c_contiguous
 
 
 class CheckedBackward:
@@ -589,7 +617,7 @@ class CheckedBackward:
         self._variant = variant.with_arrays(VariantArrays())  # (keeps none of the caller's arrays alive)
         self._options = options
 
-    def run(self, do, q, k, v, out, lse, arrays: VariantArrays = VariantArrays()):
+    def run(self, do, q, k, v, out, lse, arrays: VariantArrays = VariantArrays(), stream: int | None = None):
         return backward(do, q, k, v, out, lse, variant=self._variant.with_arrays(arrays), **self._options)
 
 
@@ -686,24 +714,26 @@ class BackwardPlan(_Plan):
                     variant_args = None
                 else:
                     words += tuple(launch.word(len(args) - 1, offset) for offset in VARIANT_POINTER_FIELDS)
-            self._steps.append((launch, words, slots, variant_args))
+            self._steps.append((launch, launch.writer(words), slots, variant_args))
         assert not variants
         self.dtypes = (q.dtype, k.dtype, v.dtype)
         self.shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
         self._zero_grads = variant.seqused_k is not None  # (dk, dv past a sequence's used keys: never written)
 
-    def run(self, do, q, k, v, out, lse, arrays: VariantArrays = VariantArrays()):
+    def run(self, do, q, k, v, out, lse, arrays: VariantArrays = VariantArrays(), stream: int | None = None):
         """``(dq, dk, dv)``, or None when a 16-bit input's base address is not a multiple of 16 bytes (the caller
-        runs it unplanned, on an aligned copy)."""
+        runs it unplanned, on an aligned copy). ``stream``: the current stream's pointer, when the caller has it."""
         pq, pk, pv, pdo = q.data.ptr, k.data.ptr, v.data.ptr, do.data.ptr
         if (pq | pk | pv | pdo) & 15:
             return None
-        self._enter()
+        if threading.get_ident() not in self._threads:
+            self._enter()
         empty = self._empty
         (sq, sk, sv), (tq, tk, tv) = self.shapes, self.dtypes
         dq, dk, dv = empty(sq, dtype=tq), empty(sk, dtype=tk), empty(sv, dtype=tv)
         ws = empty((self._ws_bytes,), dtype=np.uint8)
-        stream = self._stream().ptr
+        if stream is None:
+            stream = self._stream().ptr
         base = ws.data.ptr
         if self._zero_bytes:
             self._memset(base, 0, self._zero_bytes, stream)
@@ -713,11 +743,11 @@ class BackwardPlan(_Plan):
         addresses = (pq, pk, pv, pdo, out.data.ptr, lse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr,
                      *(None if offset is None else base + offset for offset in self._offsets))
         with self._lock:
-            for launch, words, slots, variant_args in self._steps:
+            for launch, write, slots, variant_args in self._steps:
                 ptrs = [addresses[s] for s in slots]
                 if variant_args is not None:
                     ptrs += variant_args.pointers(arrays)
-                self._write(launch, words, ptrs)
+                write(*ptrs)
                 launch.run(stream)
         return dq, dk, dv
 
