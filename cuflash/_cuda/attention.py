@@ -455,15 +455,18 @@ class ForwardPlan(_Plan):
         if not self._variant.constant:
             self._words += tuple(self._launch.word(vp, offset) for offset in VARIANT_POINTER_FIELDS)
 
-    def run(self, q, k, v, arrays: VariantArrays = VariantArrays()):
+    def run(self, q, k, v, arrays: VariantArrays = VariantArrays(), out=None, lse=None):
         """``(out, lse)``, or None when a 16-bit input's base address is not a multiple of 16 bytes (the caller
-        runs it unplanned, on an aligned copy)."""
+        runs it unplanned, on an aligned copy). ``out``, ``lse``: C-contiguous arrays of :attr:`out_shape` (q's
+        dtype) and :attr:`lse_shape` (float32) to write into instead of new ones (the caller checks them)."""
         pq, pk, pv = q.data.ptr, k.data.ptr, v.data.ptr
         if self._aligned and (pq | pk | pv) & 15:
             return None
         self._enter()
-        out = self._empty(self.out_shape, dtype=self.dtype)
-        lse = self._empty(self.lse_shape, dtype=np.float32)
+        if out is None:
+            out = self._empty(self.out_shape, dtype=self.dtype)
+        if lse is None:
+            lse = self._empty(self.lse_shape, dtype=np.float32)
         with self._lock:
             ptrs = (pq, pk, pv, out.data.ptr, lse.data.ptr)
             if not self._variant.constant:
