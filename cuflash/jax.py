@@ -210,7 +210,10 @@ class _GpuCall:
         self._planned = _UNPLANNED
 
     def _view(self, slot: int, buf):
-        ptr = _data_ptr(buf)
+        try:
+            ptr = buf.__cuda_array_interface__["data"][0]
+        except Exception:  # (a dtype without a type string)
+            ptr = _dlpack_ptr(buf)
         views = self._views[slot]
         view = views.get(ptr)
         if view is None:
@@ -235,16 +238,13 @@ class _GpuCall:
 _UNPLANNED = object()
 
 
-def _data_ptr(buf) -> int:
-    """The device address of an XLA FFI buffer: from ``__cuda_array_interface__``, or (a dtype it has no
-    type string for) from the DLPack capsule, whose DLTensor's first field is the data pointer."""
-    try:
-        return int(buf.__cuda_array_interface__["data"][0])
-    except Exception:
-        capsule = buf.__dlpack__()
-        get = ctypes.pythonapi.PyCapsule_GetPointer
-        get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-        return ctypes.c_void_p.from_address(get(capsule, b"dltensor")).value or 0
+def _dlpack_ptr(buf) -> int:
+    """The device address of an XLA FFI buffer from its DLPack capsule, whose DLTensor's first field is the data
+    pointer (for the dtypes that ``__cuda_array_interface__`` has no type string for)."""
+    capsule = buf.__dlpack__()
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    return ctypes.c_void_p.from_address(get(capsule, b"dltensor")).value or 0
 
 
 def _cupy_view(ordinal: int, ptr: int, shape: tuple, dtype: np.dtype):
