@@ -8,9 +8,10 @@ two routes (:func:`callback_route`):
 - ``"buffer"`` (where ``jax.experimental.buffer_callback`` exists): XLA hands the callback its device
   buffers and, on a GPU, its CUDA stream. The buffers are seen as CuPy arrays in place and the kernels are
   queued on XLA's stream: no host round trip, no synchronization, nothing for ``jax.transfer_guard`` to
-  refuse. The results are written into XLA's output buffers (one device-to-device copy each, queued on the
-  same stream: cuflash allocates its results itself). On the CPU the same callback runs the NumPy
-  algorithm on the buffers.
+  refuse. The call is checked and planned once (its first run); the forward's kernel then writes into XLA's
+  output buffers, while the backward's gradients and the results of calls the launcher does not plan are
+  copied into them (a device-to-device copy each, on the same stream). On the CPU the same callback runs the
+  NumPy algorithm on the buffers.
 - ``"pure"`` (older JAX, or ``CUFLASH_JAX_CALLBACK=pure``): ``jax.pure_callback`` to the host
   implementation, correct everywhere, but on a GPU a copy through host memory each way.
 

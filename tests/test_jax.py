@@ -671,6 +671,40 @@ def test_jit_on_gpu_makes_no_host_transfer():
 
 
 @pytest.mark.gpu
+def test_jit_on_gpu_forward_writes_into_xla_s_buffers():
+    """After its first call (which checks and plans), a jitted forward takes no memory from CuPy's allocator: the
+    kernel writes out and lse into XLA's output buffers. Its values are cuflash.attention's on the same arrays,
+    bit for bit, as are those of a call the launcher does not plan (ALiBi slopes: the front door at every call,
+    its results copied into XLA's buffers)."""
+    import cupy
+
+    import cuflash
+
+    gpu = _jax_gpu()
+    _buffer_route_or_skip()
+    q, k, v = (jax.device_put(x, gpu) for x in _inputs((2, 200, 200, 8, 2, 64), jnp.float16, seed=12))
+    slopes = jax.device_put(jnp.linspace(0.1, 0.8, 8, dtype=jnp.float32), gpu)
+    planned = jax.jit(lambda q, k, v: cfj.attention(q, k, v, causal=True))
+    unplanned = jax.jit(lambda q, k, v: cfj.attention(q, k, v, causal=True, alibi_slopes=slopes))
+    first = jax.block_until_ready(planned(q, k, v))
+    jax.block_until_ready(unplanned(q, k, v))
+    pool = cupy.get_default_memory_pool()
+    taken = []
+    cupy.cuda.set_allocator(lambda nbytes: (taken.append(nbytes), pool.malloc(nbytes))[1])
+    try:
+        again = jax.block_until_ready([planned(q, k, v) for _ in range(3)])
+    finally:
+        cupy.cuda.set_allocator(pool.malloc)
+    assert taken == []
+    cq, ck, cv = (cupy.from_dlpack(x) for x in (q, k, v))
+    want = cupy.asnumpy(cuflash.attention(cq, ck, cv, causal=True))
+    want_alibi = cupy.asnumpy(cuflash.attention(cq, ck, cv, causal=True, alibi_slopes=cupy.from_dlpack(slopes)))
+    for out in (first, *again):
+        np.testing.assert_array_equal(np.asarray(out), want)
+    np.testing.assert_array_equal(np.asarray(unplanned(q, k, v)), want_alibi)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("route", ["buffer", "pure"])
 def test_vmap_on_gpu_matches_a_loop(route, monkeypatch):
     """jit(vmap) of the forward and of a deterministic backward on the GPU against a loop of jit calls (the
