@@ -202,7 +202,7 @@ class _GpuCall:
         import cupy
 
         self._op, self._tree, self._layouts, self._ordinal = op, tree, layouts, ordinal
-        self._device = cupy.cuda.Device(ordinal)
+        self._device = cupy.cuda.Device  # (a new one per run: a Device keeps the device it replaced until it is left)
         key = (ordinal, stream)
         self._stream = _streams.get(key)
         if self._stream is None:
@@ -224,7 +224,7 @@ class _GpuCall:
         return view
 
     def __call__(self, leaves, outs) -> None:
-        with self._device, self._stream:
+        with self._device(self._ordinal), self._stream:
             ins = [self._view(i, b) for i, b in enumerate(leaves)]
             dsts = [self._view(i, b) for i, b in enumerate(outs, len(leaves))]
             if self._planned is _UNPLANNED:
