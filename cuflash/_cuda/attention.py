@@ -459,10 +459,13 @@ class ForwardPlan(_Plan):
             tuple(self._launch.word(vp, offset) for offset in VARIANT_POINTER_FIELDS))
         self._lse_size = int(np.prod(self.lse_shape))
 
-    def run(self, q, k, v, arrays: VariantArrays = VariantArrays(), stream: int | None = None, lse: bool = True):
+    def run(self, q, k, v, arrays: VariantArrays = VariantArrays(), stream: int | None = None, lse: bool = True,
+            out=None, lse_out=None):
         """``(out, lse)`` (``lse`` False: ``(out, None)``, the lse written into a buffer of the stream's), or None when
         a 16-bit input's base address is not a multiple of 16 bytes (the caller runs it unplanned, on an aligned
-        copy). ``stream``: the current stream's pointer, when the caller has it (:func:`call_context`)."""
+        copy). ``stream``: the current stream's pointer, when the caller has it (:func:`call_context`). ``out``,
+        ``lse_out``: C-contiguous arrays of :attr:`out_shape` (q's dtype) and :attr:`lse_shape` (float32) to write
+        into instead of new ones (the caller checks them; JAX's buffers)."""
         pq, pk, pv = q.data.ptr, k.data.ptr, v.data.ptr
         if self._aligned and (pq | pk | pv) & 15:
             return None
@@ -470,8 +473,11 @@ class ForwardPlan(_Plan):
             self._enter()
         if stream is None:
             stream = self._stream().ptr
-        out = self._empty(self.out_shape, dtype=self.dtype)
-        if lse:
+        if out is None:
+            out = self._empty(self.out_shape, dtype=self.dtype)
+        if lse_out is not None:
+            lse, lse_ptr = lse_out, lse_out.data.ptr
+        elif lse:
             lse = self._empty(self.lse_shape, dtype=np.float32)
             lse_ptr = lse.data.ptr
         else:
