@@ -12,7 +12,6 @@ import dataclasses
 import importlib
 import numbers
 import weakref
-from collections import OrderedDict
 from collections.abc import Mapping
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -69,20 +68,19 @@ class _Unkeyed(Exception):
 
 
 class CallMemo:
-    """Checked calls, least recently used first, at most ``size`` of them: key -> what the checks concluded."""
+    """Checked calls, oldest first, at most ``size`` of them: key -> what the checks concluded. (Oldest, not least
+    recently used: a hit hashes its key once and reorders nothing. A working set of more than ``size`` signatures
+    would be checked again under either order.)"""
 
     def __init__(self, size: int):
         self.size = size
-        self._entries: OrderedDict = OrderedDict()
+        self._entries: dict = {}
 
     def get(self, key):
         try:
-            entry = self._entries.get(key)
-            if entry is not None:
-                self._entries.move_to_end(key)
-        except (TypeError, KeyError):  # an unhashable option (checked, then refused); a race with put's eviction
+            return self._entries.get(key)
+        except TypeError:  # an unhashable option (checked, then refused)
             return None
-        return entry
 
     def put(self, key, entry) -> None:
         try:
@@ -91,8 +89,8 @@ class CallMemo:
             return
         while len(self._entries) > self.size:
             try:
-                self._entries.popitem(last=False)
-            except KeyError:  # emptied by another thread meanwhile
+                del self._entries[next(iter(self._entries))]
+            except (KeyError, StopIteration, RuntimeError):  # changed by another thread meanwhile
                 break
 
     def clear(self) -> None:
@@ -126,6 +124,19 @@ def _array_key(a, kind):
     return a.shape, a.strides, a.dtype, a.data.device_id
 
 
+def _arrays_key(arrays: tuple, kind) -> tuple:
+    """:func:`_array_key` of each of ``arrays`` (in one Python call: a front-door call keys up to ten)."""
+    keys = []
+    for a in arrays:
+        if a is None:
+            keys.append(None)
+        elif type(a) is kind:
+            keys.append((a.shape, a.strides, a.dtype, a.data.device_id))
+        else:
+            raise _Unkeyed
+    return tuple(keys)
+
+
 def _dict_key(arrays, kind):
     if type(arrays) is not dict:
         raise _Unkeyed
@@ -144,13 +155,14 @@ def _mods_key(mask_mod, mod_arrays, kind):
 
 
 def _call_key(planner, arrays: tuple, options: tuple, mask_mod, mod_arrays, window_size):
-    """The memory's key of a call: ``arrays`` (q first, None where not given), the options (with their types),
-    mask_mod, mod_arrays and window_size (a tuple of two ints); None where the call is not remembered."""
+    """The memory's key of a call: the backend's ``call_context()`` first (the device, the stream's pointer that a
+    plan's run takes, ...), ``arrays`` (q first, None where not given), the options (with their types), mask_mod,
+    mod_arrays and window_size (a tuple of two ints); None where the call is not remembered."""
     kind = type(arrays[0])
     if type(window_size) is not tuple:
         return None
     try:
-        return (planner.call_context(), tuple([None if a is None else _array_key(a, kind) for a in arrays]), options,
+        return (planner.call_context(), _arrays_key(arrays, kind), options,
                 tuple(map(type, options)), tuple(map(type, window_size)),
                 None if mask_mod is None and mod_arrays is None else _mods_key(mask_mod, mod_arrays, kind))
     except _Unkeyed:
@@ -401,7 +413,9 @@ def attention(
     lse : array, shape (batch, heads_q, seqlen_q), or (heads_q, total_q) packed; only with ``return_lse=True``
         Natural-log logsumexp, float32 (float64 for float64 inputs); ``-inf`` for a row that sees no key.
     """
-    planner = _planner(q)
+    planner = _planners.get(type(q), _NOT_PLANNED)
+    if planner is _NOT_PLANNED:
+        planner = _planner(q)
     key = None
     if planner is not None and bias is None and attn_mask is None:  # (a bias is converted at every call)
         key = _call_key(planner, (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k), (
@@ -415,9 +429,9 @@ def attention(
                 max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, alibi_slopes=alibi_slopes, mask_mod=mask_mod,
                 mod_arrays=mod_arrays)
             if arrays is not None:
-                if _validate.finite_checks(check_finite):
+                if check_finite is True or _validate.finite_checks(check_finite):
                     _validate.check_finite({"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes})
-                result = call.plan.run(q, k, v, arrays)
+                result = call.plan.run(q, k, v, arrays, key[0][1], return_lse)
                 if result is not None:  # (None: an input's address needs an aligned copy; the call below makes it)
                     return result if return_lse else result[0]
     variant_options = _variant_options(locals())
@@ -439,7 +453,7 @@ def attention(
         if key is not None and kernel_q is q:  # (a call whose q is mapped to a positive scale is not remembered)
             plan = planner.plan_forward(q, k, v, **options)
         if plan is not None:
-            out, lse = plan.run(q, k, v, options["variant"].arrays)
+            out, lse = plan.run(q, k, v, options["variant"].arrays, key[0][1], return_lse)
             _checked_calls.put(key, _checked(plan, _validate.check_qkv(q, k, v, varlen=problem.is_varlen), problem,
                                              options["variant"], mask_mod, _namespace(q)))
         else:
@@ -516,7 +530,9 @@ def attention_backward(
         The gradient of the scaled, modified score (after softcap and ALiBi) at each query and key, zero
         where masked, summed over the axes ``bias`` broadcasts over. ``attn_mask`` gets no gradient.
     """
-    planner = _planner(q)
+    planner = _planners.get(type(q), _NOT_PLANNED)
+    if planner is _NOT_PLANNED:
+        planner = _planner(q)
     key = None
     if planner is not None and bias is None and attn_mask is None:  # (a bias is converted at every call)
         key = _call_key(planner, (q, do, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k), (
@@ -531,10 +547,12 @@ def attention_backward(
                 max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, alibi_slopes=alibi_slopes, mask_mod=mask_mod,
                 mod_arrays=mod_arrays)
             if arrays is not None:
-                if _validate.finite_checks(check_finite):
+                if check_finite is True or _validate.finite_checks(check_finite):
                     _validate.check_finite({"do": do, "q": q, "k": k, "v": v, "out": out, "lse": lse,
                                             "alibi_slopes": alibi_slopes}, allow_neginf=("lse",))
-                return call.plan.run(do, q, k, v, out, lse, arrays)
+                grads = call.plan.run(do, q, k, v, out, lse, arrays, key[0][1])
+                if grads is not None:  # (None: an input's address needs an aligned copy; the call below makes it)
+                    return grads
     variant_options = _variant_options(locals())
     library, problem, options = _prepare(
         q, k, v, softmax_scale=softmax_scale, algorithm=algorithm, block_q=block_q, block_k=block_k,
@@ -556,10 +574,11 @@ def attention_backward(
     if key is not None and kernel_q is q and not want_dbias:
         plan = planner.plan_backward(do, q, k, v, out, lse, **options)
     if plan is not None:
-        grads = plan.run(do, q, k, v, out, lse, options["variant"].arrays)
         _checked_calls.put(key, _checked(plan, _validate.check_qkv(q, k, v, varlen=problem.is_varlen), problem,
                                          options["variant"], mask_mod, _namespace(q)))
-        return grads
+        grads = plan.run(do, q, k, v, out, lse, options["variant"].arrays, key[0][1])
+        if grads is not None:  # (None: an input's address needs an aligned copy, made below)
+            return grads
     q = kernel_q
     if not want_dbias:  # the keyword only when asked: the backend interface without a bias is unchanged
         dq, dk, dv = backend.backward(do, q, k, v, out, lse, **options)

@@ -699,7 +699,7 @@ def device_value_checks() -> bool:
     """Whether the values of device-resident (CuPy) index arrays of a decode call are checked: only in the debug
     mode ``CUFLASH_CHECK_DEVICE_VALUES=1``, since reading them is a device-to-host copy and a synchronization
     that a decode step must not pay. NumPy arrays are always checked."""
-    return os.environ.get(DEVICE_CHECKS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return _environment_flag(DEVICE_CHECKS_ENV)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -722,9 +722,36 @@ def finite_checks(check_finite) -> bool:
     """Whether the inputs of an attention call are scanned for NaN and infinities: ``check_finite=True``, or
     the environment variable ``CUFLASH_CHECK_FINITE=1`` (read at each call, so that a whole program, or a
     framework front end that has no such keyword, can turn it on)."""
-    if not isinstance(check_finite, (bool, np.bool_)):
+    if check_finite is False and _ENVIRON_DATA is not None:  # (the common case, in one Python call)
+        raw = _ENVIRON_DATA.get(_ENVIRON_KEYS[FINITE_CHECK_ENV])
+        return bool(raw) and _environment_flag(FINITE_CHECK_ENV)
+    if check_finite is True:
+        return True
+    if check_finite is not False and not isinstance(check_finite, (bool, np.bool_)):
         raise TypeError(f"check_finite must be a bool; got {type(check_finite).__name__} {check_finite!r}")
-    return bool(check_finite) or os.environ.get(FINITE_CHECK_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return bool(check_finite) or _environment_flag(FINITE_CHECK_ENV)
+
+
+def _environment_flag(name: str) -> bool:
+    """Whether the environment variable ``name`` is on ("1", "true", "yes", "on"), as ``os.environ`` holds it now.
+    Read through the mapping's own dict where it has one (a front-door call reads it at every call: one lookup
+    instead of os.environ.get's four Python calls)."""
+    raw = _ENVIRON_DATA.get(_ENVIRON_KEYS[name]) if _ENVIRON_DATA is not None else os.environ.get(name)
+    if not raw:
+        return False
+    if isinstance(raw, bytes):
+        raw = raw.decode(errors="replace")
+    return raw.strip().lower() in ("1", "true", "yes", "on")
+
+
+# os.environ's dict (POSIX: encoded keys and values; the mapping updates it at every assignment), when it has one.
+_ENVIRON_DATA = getattr(os.environ, "_data", None)
+try:
+    _ENVIRON_KEYS = {name: os.environ.encodekey(name) for name in (FINITE_CHECK_ENV, DEVICE_CHECKS_ENV)}
+except AttributeError:
+    _ENVIRON_KEYS = {}
+if not isinstance(_ENVIRON_DATA, dict) or not _ENVIRON_KEYS:
+    _ENVIRON_DATA = None
 
 
 def float_bits(a):

@@ -29,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cache", type=int, nargs="+", default=None, help="cached tokens (default: 4096 16384 65536)")
     p.add_argument("--heads", type=int, nargs=2, default=(32, 8), metavar=("HQ", "HKV"))
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--num-splits", type=int, nargs="+", default=None, metavar="S",
+                   help="also time each row's plan (and its paged rows) at these split counts")
     p.add_argument("--page-size", type=int, nargs="+", default=None, metavar="P",
                    help="also time paged caches of these page sizes (a shuffled page pool) beside each contiguous row")
     p.add_argument("--mla", action="store_true",
@@ -356,10 +358,21 @@ def _gpu_rows(args) -> list[dict]:
                 row[f"paged{page}_vs_contiguous"] = paged["ratio"]
                 print(f"    paged, page {page:3d}: plan {paged['us']:8.1f} us {nbytes / paged['us'] / 1e6:5.2f} TB/s "
                       f"= {paged['ratio']:.2f}x contiguous | max |paged - contiguous| {paged['diff']:.1e}")
+            for splits in args.num_splits or ():  # the split rule's choice against others, contiguous and paged
+                with stream:
+                    other = cuflash.plan_kvcache(cq, ck, cv, cache_seqlens=lens, num_splits=splits)
+                    s_other = timed(lambda: other.run(cq, ck, cv, cache_seqlens=lens, out=out, lse=lse))
+                    line = f"    {splits:3d} splits: plan {s_other * 1e6:8.1f} us {nbytes / s_other / 1e12:5.2f} TB/s"
+                    row[f"splits{splits}_us"] = s_other * 1e6
+                    for page in args.page_size or ():
+                        paged = _paged_row(cupy, timed, cq, ck, cv, lens, page, s_other, splits)
+                        row[f"splits{splits}_paged{page}_us"] = paged["us"]
+                        line += f" | page {page}: {paged['us']:8.1f} us = {paged['ratio']:.2f}x"
+                print(line)
     return rows
 
 
-def _paged_row(cupy, timed, q, k, v, lens, page: int, contiguous_s: float) -> dict:
+def _paged_row(cupy, timed, q, k, v, lens, page: int, contiguous_s: float, num_splits: int = 0) -> dict:
     """The same step over a paged copy of the cache (a shuffled pool of pages of ``page`` slots, the block table
     mapping each sequence's slots to them) through a plan: its time, its ratio to the contiguous plan's and the
     largest difference of the outputs (none is expected: the same keys in the same order)."""
@@ -377,7 +390,7 @@ def _paged_row(cupy, timed, q, k, v, lens, page: int, contiguous_s: float) -> di
         full[:, :cache] = src
         dst[table.reshape(-1)] = full.reshape(batch * pages, page, heads_kv, d)
         del full
-    plan = cuflash.plan_kvcache(q, pool_k, pool_v, cache_seqlens=lens, block_table=table)
+    plan = cuflash.plan_kvcache(q, pool_k, pool_v, cache_seqlens=lens, block_table=table, num_splits=num_splits)
     out, lse = cupy.empty(plan.out_shape, dtype=q.dtype), cupy.empty(plan.lse_shape, dtype=cupy.float32)
     plan.run(q, pool_k, pool_v, cache_seqlens=lens, block_table=table, out=out, lse=lse)
     want = cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lens)

@@ -8,9 +8,10 @@ two routes (:func:`callback_route`):
 - ``"buffer"`` (where ``jax.experimental.buffer_callback`` exists): XLA hands the callback its device
   buffers and, on a GPU, its CUDA stream. The buffers are seen as CuPy arrays in place and the kernels are
   queued on XLA's stream: no host round trip, no synchronization, nothing for ``jax.transfer_guard`` to
-  refuse. The results are written into XLA's output buffers (one device-to-device copy each, queued on the
-  same stream: cuflash allocates its results itself). On the CPU the same callback runs the NumPy
-  algorithm on the buffers.
+  refuse. The call is checked and planned once (its first run); the forward's kernel then writes into XLA's
+  output buffers, while the backward's gradients and the results of calls the launcher does not plan are
+  copied into them (a device-to-device copy each, on the same stream). On the CPU the same callback runs the
+  NumPy algorithm on the buffers.
 - ``"pure"`` (older JAX, or ``CUFLASH_JAX_CALLBACK=pure``): ``jax.pure_callback`` to the host
   implementation, correct everywhere, but on a GPU a copy through host memory each way.
 
@@ -97,11 +98,15 @@ class _Op(NamedTuple):
     ``run`` takes the op's arguments as NumPy or CuPy arrays (pytrees of them; None leaves stay None) and
     returns a tuple of results; ``shapes`` gives the results' ``jax.ShapeDtypeStruct`` from the arguments'
     shapes; ``fold(axis_size, in_batched, args)`` is the vmap rule's plan: None (one call per mapped element), or
-    the arguments of one folded call and the function that unfolds each of its results."""
+    the arguments of one folded call and the function that unfolds each of its results. ``plan`` takes the
+    arguments of a first call on CuPy arrays and returns, for the buffer route's later calls with the same
+    layouts, ``launch(arrays, results)``, which runs the call with the launcher's plan on the flattened arguments
+    and writes the results into ``results``; or None where the launcher does not plan the call."""
 
     run: Callable
     shapes: Callable
     fold: Callable
+    plan: Callable
 
 
 def _apply(op: _Op, *args):
@@ -133,8 +138,9 @@ def _callback(op: _Op, *args):
     """``op`` as a callback in a traced function (one call per mapped element under a plain ``jax.vmap``)."""
     shapes = op.shapes(*args)
     if callback_route() == "buffer":
-        return tuple(_buffer_callback(functools.partial(_into_buffers, op.run), shapes,
-                                      vmap_method="sequential")(*args))
+        leaves, tree = jax.tree_util.tree_flatten(args)  # (None leaves drop out: the callback gets arrays only)
+        call = _BufferCall(op, tree, tuple(leaves), shapes)
+        return tuple(_buffer_callback(call, shapes, vmap_method="sequential")(*leaves))
     return tuple(jax.pure_callback(_host(op.run), shapes, *args, vmap_method="sequential"))
 
 
@@ -149,80 +155,140 @@ def _host(fn):
 
 # ---------------------------------------------------------------------------------------------------
 # The buffer route: XLA's buffers seen in place, the kernels queued on XLA's stream.
+#
+# Everything a call's launches depend on but the buffers' addresses is static under jit (shapes, dtypes,
+# options), so the work of the front door is done once per traced call and device stream: the first run checks
+# the call as cuflash.attention does and keeps the CUDA launcher's plan; every later run only looks up the
+# buffers' CuPy views by address and runs the plan, which writes the forward's out and lse into XLA's output
+# buffers. Calls the launcher does not plan (a bias, variant arrays whose values are checked at each call, head
+# dims run on padded copies, ...) and the backward's gradients (the launcher allocates them) go through the
+# front door and are copied into XLA's buffers.
 
 _KDL_CPU = 1
 _streams: dict = {}  # (device, XLA stream pointer) -> cupy.cuda.ExternalStream (XLA's streams live long)
 
 
-def _into_buffers(run, ctx, outs, *args) -> None:
-    """The ``buffer_callback`` body: ``run`` on the input buffers, its results written into ``outs``."""
-    leaves = jax.tree_util.tree_leaves(args)
-    kind, ordinal = leaves[0].__dlpack_device__()
-    if kind == _KDL_CPU:
-        results = run(*jax.tree_util.tree_map(np.asarray, args))
-        for buf, r in zip(outs, results):
-            np.asarray(buf)[...] = r
-        return
-    import cupy
+class _BufferCall:
+    """The ``buffer_callback`` body of one traced call: ``op`` on the input buffers (``leaves``, the flattened
+    arguments: ``tree`` rebuilds them), its results written into the output buffers (``shapes``)."""
 
-    with cupy.cuda.Device(ordinal):
-        key = (ordinal, ctx.stream)
-        stream = _streams.get(key)
-        if stream is None:
-            stream = _streams[key] = cupy.cuda.ExternalStream(ctx.stream)
-        with stream:
-            results = run(*jax.tree_util.tree_map(functools.partial(_cupy_view, ordinal), args))
+    def __init__(self, op: _Op, tree, leaves: tuple, shapes: tuple):
+        self._op, self._tree = op, tree
+        self._layouts = tuple((tuple(a.shape), np.dtype(a.dtype)) for a in (*leaves, *shapes))
+        self._gpu: dict = {}  # (device, XLA stream pointer) -> _GpuCall
+
+    def __call__(self, ctx, outs, *leaves) -> None:
+        kind, ordinal = leaves[0].__dlpack_device__()
+        if kind == _KDL_CPU:
+            results = self._op.run(*self._tree.unflatten([np.asarray(b) for b in leaves]))
             for buf, r in zip(outs, results):
-                _write(_cupy_view(ordinal, buf), r, stream)
+                np.asarray(buf)[...] = r
+            return
+        key = (ordinal, ctx.stream)
+        call = self._gpu.get(key)
+        if call is None:
+            call = self._gpu[key] = _GpuCall(self._op, self._tree, self._layouts, *key)
+        call(leaves, outs)
 
 
-def _data_ptr(buf) -> int:
-    """The device address of an XLA FFI buffer: from ``__cuda_array_interface__``, or (a dtype it has no
-    type string for) from the DLPack capsule, whose DLTensor's first field is the data pointer."""
-    try:
-        return int(buf.__cuda_array_interface__["data"][0])
-    except Exception:
-        capsule = buf.__dlpack__()
-        get = ctypes.pythonapi.PyCapsule_GetPointer
-        get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-        return ctypes.c_void_p.from_address(get(capsule, b"dltensor")).value or 0
+class _GpuCall:
+    """A traced call on one device and XLA stream: CuPy views of the buffers by slot and address (XLA hands out
+    the same addresses call after call; a view only names an address, owning nothing), and the launcher's plan
+    once the first run has made it (None: the front door at each run)."""
+
+    _VIEWS_PER_SLOT = 64  # addresses kept per argument or result (cleared when full)
+
+    def __init__(self, op: _Op, tree, layouts: tuple, ordinal: int, stream: int):
+        import cupy
+
+        self._op, self._tree, self._layouts, self._ordinal = op, tree, layouts, ordinal
+        self._device = cupy.cuda.Device  # (a new one per run: a Device keeps the device it replaced until it is left)
+        key = (ordinal, stream)
+        self._stream = _streams.get(key)
+        if self._stream is None:
+            self._stream = _streams[key] = cupy.cuda.ExternalStream(stream)
+        self._views = tuple({} for _ in layouts)
+        self._planned = _UNPLANNED
+
+    def _view(self, slot: int, buf):
+        try:
+            ptr = buf.__cuda_array_interface__["data"][0]
+        except Exception:  # (a dtype without a type string)
+            ptr = _dlpack_ptr(buf)
+        views = self._views[slot]
+        view = views.get(ptr)
+        if view is None:
+            if len(views) >= self._VIEWS_PER_SLOT:
+                views.clear()
+            view = views[ptr] = _cupy_view(self._ordinal, ptr, *self._layouts[slot])
+        return view
+
+    def __call__(self, leaves, outs) -> None:
+        with self._device(self._ordinal), self._stream:
+            ins = [self._view(i, b) for i, b in enumerate(leaves)]
+            dsts = [self._view(i, b) for i, b in enumerate(outs, len(leaves))]
+            if self._planned is _UNPLANNED:
+                self._planned = self._op.plan(*self._tree.unflatten(ins))
+            if self._planned is not None and not _validate.finite_checks(False) and self._planned(ins, dsts):
+                return
+            results = self._op.run(*self._tree.unflatten(ins))
+            for dst, r in zip(dsts, results):
+                _write(dst, r)
 
 
-# CuPy views of XLA's buffers by (device, address, shape, dtype): XLA hands out the same addresses call after
-# call, and a view is only an address with a shape (it owns nothing), so building it once saves the per-call
-# construction. Cleared when full.
-_views: dict = {}
-_VIEWS_SIZE = 256
+_UNPLANNED = object()
 
 
-def _cupy_view(ordinal: int, buf):
-    """A CuPy array over an XLA FFI buffer (C-contiguous, as XLA gives them to callbacks), no copy."""
+def _dlpack_ptr(buf) -> int:
+    """The device address of an XLA FFI buffer from its DLPack capsule, whose DLTensor's first field is the data
+    pointer (for the dtypes that ``__cuda_array_interface__`` has no type string for)."""
+    capsule = buf.__dlpack__()
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    return ctypes.c_void_p.from_address(get(capsule, b"dltensor")).value or 0
+
+
+def _cupy_view(ordinal: int, ptr: int, shape: tuple, dtype: np.dtype):
+    """A C-contiguous CuPy array of ``shape`` and ``dtype`` at device address ``ptr`` (memory it does not own)."""
     import cupy
 
-    shape, dtype, ptr = buf.shape, buf.dtype, _data_ptr(buf)
-    key = (ordinal, ptr, shape, dtype)
-    view = _views.get(key)
-    if view is None:
-        dtype = np.dtype(dtype)
-        nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes == 0:
-            return cupy.empty(shape, dtype)
-        if len(_views) >= _VIEWS_SIZE:
-            _views.clear()
-        mem = cupy.cuda.UnownedMemory(ptr, nbytes, None, ordinal)
-        view = _views[key] = cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
-    return view
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return cupy.empty(shape, dtype)
+    mem = cupy.cuda.UnownedMemory(ptr, nbytes, None, ordinal)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
 
 
-def _write(dst, src, stream) -> None:
-    """``dst[...] = src`` on ``stream``: a device-to-device copy where both are contiguous alike, else CuPy's
-    elementwise copy (which casts)."""
+def _write(dst, src) -> None:
+    """``dst[...] = src`` on the current stream: a device-to-device copy where both are contiguous alike, else
+    CuPy's elementwise copy (which casts)."""
     if src.data.ptr == dst.data.ptr or dst.size == 0:
         return
     if src.dtype == dst.dtype and src.shape == dst.shape and src.flags.c_contiguous:
-        dst.data.copy_from_device_async(src.data, dst.nbytes, stream)
+        dst.data.copy_from_device_async(src.data, dst.nbytes)
     else:
         dst[...] = src
+
+
+def _planned_options(q, k, v, keywords: dict, extra=None):
+    """``(planner, options)`` of a call on CuPy arrays by cuflash's checks, as the front door makes them before it
+    plans a call (:func:`cuflash._api.attention`), or None where it would not plan it: a variant array (checked by
+    value at each call), an empty problem, a scale it runs as a positive one on a copy of q."""
+    planner = _api._planner(q)
+    if planner is None or any(keywords[name] is not None for name in (*_api.ARRAY_OPTIONS, "bias")) \
+            or keywords["mod_arrays"] or not isinstance(keywords["mask_mod"], (str, type(None))):
+        return None
+    library, problem, options = _api._prepare(
+        q, k, v, softmax_scale=keywords["softmax_scale"], algorithm=keywords["algorithm"],
+        block_q=keywords["block_q"], block_k=keywords["block_k"], variant_options=_api._variant_options(keywords),
+        extra=extra)
+    if extra is not None:
+        _validate.check_backward_tensors(problem, extra["do"], extra["out"], extra["lse"])
+    if problem.is_empty:
+        return None
+    _api._check_supported(_api._backend(library), problem, options["algorithm"], options["variant"])
+    kernel_q, options["scale"], _ = _api._kernel_scale(library, q, options["scale"])
+    return None if kernel_q is not q else (planner, options)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -376,7 +442,20 @@ def _forward_op(options) -> _Op:
                   _fold_arrays(arrays, barr, n, batch))
         return folded, _unfold(n)
 
-    return _Op(run, shapes, fold)
+    def plan(q, k, v, bias, arrays):
+        checked = _planned_options(q, k, v, {**_keywords(options, arrays), "bias": bias})
+        forward = None if checked is None else checked[0].plan_forward(q, k, v, **checked[1])
+        if forward is None:
+            return None
+
+        def launch(arrays, results):  # (a planned call's arrays are q, k, v; its results out and lse)
+            q, k, v = arrays
+            out, lse = results
+            return forward.run(q, k, v, out=out, lse_out=lse) is not None  # (False: an unaligned input)
+
+        return launch
+
+    return _Op(run, shapes, fold, plan)
 
 
 def _backward_op(options) -> _Op:
@@ -398,7 +477,25 @@ def _backward_op(options) -> _Op:
                   _fold_arrays(args[7], batched[7], n, batch))
         return folded, _unfold(n)
 
-    return _Op(run, shapes, fold)
+    def plan(do, q, k, v, out, lse, bias, arrays):
+        checked = _planned_options(q, k, v, {**_keywords(options, arrays), "bias": bias},
+                                   extra={"do": do, "out": out, "lse": lse})
+        if checked is None:
+            return None
+        planner, planned = checked
+        backward = planner.plan_backward(do, q, k, v, out, lse, order=_validate.backward_order(None, deterministic),
+                                         **planned)
+        if backward is None:
+            return None
+
+        def launch(arrays, results):  # (a planned call's arrays are do, q, k, v, out, lse; its results dq, dk, dv)
+            for dst, grad in zip(results, backward.run(*arrays)):  # (the launcher allocates the gradients)
+                _write(dst, grad)
+            return True
+
+        return launch
+
+    return _Op(run, shapes, fold, plan)
 
 
 def _forward(q, k, v, bias, arrays, options):

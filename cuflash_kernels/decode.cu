@@ -308,13 +308,55 @@ struct DecodeConfig {
     static_assert(kNWarps * kRows * (kHeadDim + 2) * 4 <= 2 * 2 * 2 * kTile, "the warp states fit in the K/V ring");
 };
 
+// [decode page] The page and the place in it of each cache slot a thread copies for a tile of kBlockN rows of
+// kChunks 16-byte chunks (its copies i = tid + it * kThreads, row i / kChunks): read for one tile ahead, so that
+// the block-table reads (dependent loads before the copies' addresses) are in flight while the previous tile is
+// computed, all of a tile's at once instead of one round trip per row.
+template <int kBlockN, int kChunks, int kThreads>
+struct PageSlots {
+    static constexpr int kIters = (kBlockN * kChunks + kThreads - 1) / kThreads;
+    int page[kIters], pos[kIters];
+
+    // The slots of rows [n0, n0 + kBlockN) of the sequence (cache slots slot0 + n0, ...); rows past len_k get
+    // page 0 (never read).
+    __device__ __forceinline__ void fetch(const DecodeParams& p, const int* pages, int slot0, int n0, int len_k,
+                                          int tid) {
+#pragma unroll
+        for (int it = 0; it < kIters; ++it) {
+            const int i = tid + it * kThreads, r = i / kChunks;
+            const int slot = slot0 + n0 + r;
+            const int index = slot / p.page_size;
+            const bool used = (kBlockN * kChunks % kThreads == 0 || i < kBlockN * kChunks) && n0 + r < len_k;
+            page[it] = used ? __ldg(pages + index) : 0;
+            pos[it] = slot - index * p.page_size;
+        }
+    }
+    // The page and place of copy `it` (of cache slot `slot`, fetched above).
+    __device__ __forceinline__ void locate(const DecodeParams&, int it, int, int& pg, int& ps) const {
+        pg = page[it];
+        ps = pos[it];
+    }
+};
+
+// [decode page] The block table read where each copy needs it (the wide kernel: no registers to hold a tile's).
+struct InlinePages {
+    const int* pages;
+    __device__ __forceinline__ void locate(const DecodeParams& p, int, int slot, int& pg, int& ps) const {
+        pg = pages[slot / p.page_size];
+        ps = slot % p.page_size;
+    }
+};
+
 // K or V rows [n0, n0 + kBlockN) of the sequence (cache slots leftpad + n0, ...) into a swizzled tile; keys past
-// len_k as zeros. [decode guard] A slot whose page id is out of range reads as zeros and sets page_fault. base: the cache with the key/value head's offset applied. kUnroll: how many of a thread's
-// 16-byte copies are unrolled (all by default; the wide kernel issues its 576-wide tiles with fewer, so that the
-// addresses of the next tile do not compete for registers with its O accumulator).
-template <int kBlockN, int kHeadDim, int kThreads, bool kPaged, int kUnroll = (kBlockN * kHeadDim / 8 + kThreads - 1) / kThreads>
+// len_k as zeros. [decode page] Paged: the slots' pages from `slots` (PageSlots::fetch of the same rows).
+// [decode guard] A slot whose page id is out of range reads as zeros and sets page_fault. base: the cache with the
+// key/value head's offset applied. kUnroll: how many of a thread's 16-byte copies are unrolled (all by default;
+// the wide kernel issues its 576-wide tiles with fewer, so that the addresses of the next tile do not compete for
+// registers with its O accumulator).
+template <int kBlockN, int kHeadDim, int kThreads, bool kPaged, int kUnroll = (kBlockN * kHeadDim / 8 + kThreads - 1) / kThreads,
+          class Slots>
 __device__ __forceinline__ void load_cache_tile(u16* tile, const u16* base, i64 sb, i64 ss, const DecodeParams& p,
-                                                const int* pages, int cache_row, int slot0, int n0, int len_k, int tid,
+                                                const Slots& slots, int cache_row, int slot0, int n0, int len_k, int tid,
                                                 bool& page_fault) {
     constexpr int kChunks = kHeadDim / 8;
     constexpr int kTotal = kBlockN * kChunks;
@@ -325,19 +367,16 @@ __device__ __forceinline__ void load_cache_tile(u16* tile, const u16* base, i64 
         const int r = i / kChunks, c = i % kChunks;
         bool valid = n0 + r < len_k;
         const u16* src = base;
-        if (valid) {
-            const int slot = slot0 + n0 + r;
-            if constexpr (kPaged) {
-                const int page = pages[slot / p.page_size];
-                if (static_cast<unsigned>(page) < static_cast<unsigned>(p.cache_rows)) {
-                    src = base + (i64)page * sb + (i64)(slot % p.page_size) * ss + c * 8;
-                } else {
-                    valid = false;
-                    page_fault = true;
-                }
-            } else {
-                src = base + (i64)cache_row * sb + (i64)slot * ss + c * 8;
+        if constexpr (kPaged) {
+            int page = 0, pos = 0;
+            if (valid) slots.locate(p, it, slot0 + n0 + r, page, pos);
+            if (valid && static_cast<unsigned>(page) >= static_cast<unsigned>(p.cache_rows)) {
+                valid = false;
+                page_fault = true;
             }
+            if (valid) src = base + (i64)page * sb + (i64)pos * ss + c * 8;
+        } else {
+            if (valid) src = base + (i64)cache_row * sb + (i64)(slot0 + n0 + r) * ss + c * 8;
         }
         cp_async_16(smem_u32(tile + Swizzle<kHeadDim>::offset(r, c)), src, valid);
     }
@@ -384,11 +423,18 @@ flash_decode_kernel(const DecodeParams p) {
     const u16* vbase = p.v_cache + (i64)h_kv * p.v_sh;
 
     load_packed_q<kRows, kHeadDim, kThreads>(sQ, p, b, h_kv, r0, packed, tid);
+    PageSlots<kBlockN, kHeadDim / 8, kThreads> slots;  // [decode page] of the next tile to load
+    if constexpr (kPaged) {
+        if (part_first < part_end) slots.fetch(p, pages, leftpad, part_first * kBlockN, len_k, tid);
+    }
     if (part_first < part_end) {
-        load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged>(sK, kbase, p.k_sb, p.k_ss, p, pages, cache_row, leftpad,
+        load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged>(sK, kbase, p.k_sb, p.k_ss, p, slots, cache_row, leftpad,
                                                              part_first * kBlockN, len_k, tid, page_fault);
-        load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged>(sV, vbase, p.v_sb, p.v_ss, p, pages, cache_row, leftpad,
+        load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged>(sV, vbase, p.v_sb, p.v_ss, p, slots, cache_row, leftpad,
                                                              part_first * kBlockN, len_k, tid, page_fault);
+        if constexpr (kPaged) {
+            if (part_first + 1 < part_end) slots.fetch(p, pages, leftpad, (part_first + 1) * kBlockN, len_k, tid);
+        }
     }
     cp_async_commit();
 
@@ -405,12 +451,15 @@ flash_decode_kernel(const DecodeParams p) {
     for (int j = part_first; j < part_end; ++j) {
         const int buf = (j - part_first) & 1;
         if (j + 1 < part_end) {  // the next tile into the other buffer (freed at the end of the last iteration)
-            load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged>(sK + (buf ^ 1) * kTile, kbase, p.k_sb, p.k_ss, p, pages,
+            load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged>(sK + (buf ^ 1) * kTile, kbase, p.k_sb, p.k_ss, p, slots,
                                                                  cache_row, leftpad, (j + 1) * kBlockN, len_k, tid,
                                                                  page_fault);
-            load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged>(sV + (buf ^ 1) * kTile, vbase, p.v_sb, p.v_ss, p, pages,
+            load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged>(sV + (buf ^ 1) * kTile, vbase, p.v_sb, p.v_ss, p, slots,
                                                                  cache_row, leftpad, (j + 1) * kBlockN, len_k, tid,
                                                                  page_fault);
+            if constexpr (kPaged) {  // the pages of tile j + 2, in flight while tile j is computed
+                if (j + 2 < part_end) slots.fetch(p, pages, leftpad, (j + 2) * kBlockN, len_k, tid);
+            }
         }
         cp_async_commit();
         cp_async_wait<1>();  // Q and tile j have landed
@@ -586,11 +635,12 @@ flash_decode_wide_kernel(const DecodeParams p) {
     const u16* kbase = p.k_cache + (i64)h_kv * p.k_sh;
     const u16* vbase = p.v_cache + (i64)h_kv * p.v_sh;
     auto load_tiles = [&](int j, int buf) {
-        load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged, 1>(sK + buf * kTileK, kbase, p.k_sb, p.k_ss, p, pages,
+        const InlinePages slots{pages};  // [decode page] (the 576-wide rows leave no registers for a tile's pages)
+        load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged, 1>(sK + buf * kTileK, kbase, p.k_sb, p.k_ss, p, slots,
                                                                 cache_row, leftpad, j * kBlockN, len_k, tid,
                                                                 page_fault);
         if constexpr (!kSharedKV) {
-            load_cache_tile<kBlockN, kDV, kThreads, kPaged, 1>(sV + buf * kTileV, vbase, p.v_sb, p.v_ss, p, pages,
+            load_cache_tile<kBlockN, kDV, kThreads, kPaged, 1>(sV + buf * kTileV, vbase, p.v_sb, p.v_ss, p, slots,
                                                             cache_row, leftpad, j * kBlockN, len_k, tid, page_fault);
         }
     };

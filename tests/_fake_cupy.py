@@ -52,14 +52,20 @@ class _Stream:
 
 class Recorder:
     """The launches since the last :meth:`take`: ``(kernel name, grid, block, shared memory, stream, [bytes of each
-    argument])`` for launches through the driver (planned), ``(spec name, grid, args)`` for CuPy launches."""
+    argument])`` for launches through the driver (planned), ``(spec name, grid, args)`` for CuPy launches; and the
+    memory zeroed since the last :meth:`take_zeroed`."""
 
     def __init__(self):
         self.launches = []
         self.names = {}  # function handle -> kernel name
+        self.zeroed = []  # (address, bytes) of what cupy.zeros allocated and memsetAsync zeroed
 
     def take(self):
         out, self.launches = self.launches, []
+        return out
+
+    def take_zeroed(self):
+        out, self.zeroed = self.zeroed, []
         return out
 
 
@@ -67,7 +73,7 @@ def install(monkeypatch):
     """Put a stand-in ``cupy`` in ``sys.modules`` and make the CUDA backend use it: its planned launches go to a
     :class:`Recorder` (returned), a fixed sm_90 device, the front door's and the launcher's caches emptied."""
     from cuflash import _api
-    from cuflash._cuda import attention, compile, decode, spec
+    from cuflash._cuda import attention, compile, decode, fa1, spec
 
     recorder = Recorder()
     module = types.ModuleType("cupy")
@@ -76,6 +82,16 @@ def install(monkeypatch):
     module.ndarray = ndarray
     for name in ("empty", "zeros", "ones", "full", "zeros_like", "empty_like", "arange", "where", "concatenate"):
         setattr(module, name, (lambda fn: lambda *a, **k: _wrap(fn(*a, **k)))(getattr(np, name)))
+    def zeros(*args, **kwargs):
+        a = _wrap(np.zeros(*args, **kwargs))
+        recorder.zeroed.append((a.data.ptr, a.nbytes))
+        return a
+
+    def memset(ptr, value, size, stream):
+        ctypes.memset(ptr, value, size)
+        recorder.zeroed.append((ptr, size))
+
+    module.zeros = zeros
     module.ascontiguousarray = lambda a, dtype=None: _wrap(np.ascontiguousarray(a, dtype=dtype))
     module.asarray = lambda a, dtype=None: _wrap(np.array(a, dtype=dtype)) if not isinstance(a, ndarray) or (
         dtype is not None and a.dtype != dtype) else a
@@ -89,7 +105,8 @@ def install(monkeypatch):
         recorder.launches.append((spec["name"], (gx, gy, gz), (bx, by, bz), smem, stream_ptr, args))
 
     module.cuda = types.SimpleNamespace(
-        runtime=types.SimpleNamespace(getDevice=lambda: 0, memGetInfo=lambda: (0, 0), getDeviceCount=lambda: 1),
+        runtime=types.SimpleNamespace(getDevice=lambda: 0, memGetInfo=lambda: (0, 0), getDeviceCount=lambda: 1,
+                                      memsetAsync=memset),
         get_current_stream=lambda: stream,
         driver=types.SimpleNamespace(launchKernel=launch_kernel),
     )
@@ -115,10 +132,12 @@ def install(monkeypatch):
     monkeypatch.setattr(compile.PackedLaunch, "__init__", packed_init)
     monkeypatch.setattr(attention, "launch", cupy_launch)
     monkeypatch.setattr(compile, "launch", cupy_launch)
+    monkeypatch.setattr(fa1, "launch", cupy_launch)
     monkeypatch.setitem(compile._device_cache, 0, (90, 227 * 1024))
     monkeypatch.setattr(attention, "_RUNTIME", Runtime())
     monkeypatch.setattr(spec, "_EXTRA_CACHE", {})  # (device copies: the stand-in's must not outlive the test)
     monkeypatch.setattr(attention, "_LISTS_CACHE", {})
+    monkeypatch.setattr(attention, "_LSE_SINKS", {})
     monkeypatch.setattr(_api, "_planners", {})
     monkeypatch.setattr(_api, "_checked_calls", _api.CallMemo(_api._checked_calls.size))
     return module, recorder

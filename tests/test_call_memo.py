@@ -135,6 +135,26 @@ def test_a_remembered_call_launches_what_a_fresh_call_launches(fake):
     assert len(_api._checked_calls) == remembered  # (every call above was a remembered one)
 
 
+def test_a_call_without_lse_writes_it_into_a_buffer_of_the_stream(fake):
+    cp, recorder = fake
+    from cuflash._cuda import attention
+
+    q = cp.zeros((2, 64, 4, 64), np.float16)
+    for _ in range(2):  # planned, then remembered
+        result = cuflash.attention(q, q, q, causal=True, return_lse=True)
+        with_lse = _normalized(recorder.take(), result)
+    for _ in range(2):
+        out = cuflash.attention(q, q, q, causal=True)
+        sink = attention._LSE_SINKS[(0, 0)]
+        assert _normalized(recorder.take(), (out, sink)) == with_lse
+        assert sink.size == 2 * 4 * 64
+    big = cp.zeros((2, 128, 4, 64), np.float16)
+    cuflash.attention(big, big, big, causal=True)
+    cuflash.attention(q, q, q, causal=True)
+    assert attention._LSE_SINKS[(0, 0)].size == 2 * 4 * 128  # (grown for the larger call, kept for the smaller)
+    assert len(attention._LSE_SINKS) == 1
+
+
 def _error(call):
     with pytest.raises(Exception) as info:
         call()
@@ -271,3 +291,192 @@ def test_a_remembered_backward_launches_what_a_fresh_one_launches(fake):
     assert len(_api._checked_calls) == remembered
     with pytest.raises(ValueError, match=r"do must have the shape of q"):
         cuflash.attention_backward(do[:, :32], q, k, v, out, lse, causal=True)
+
+
+def _backward_launches(launches, grads, inputs):
+    """The backward's launches, planned (packed bytes) or through CuPy (array and scalar arguments), in one form:
+    ``(kernel name, grid, [each argument's 8-byte-padded bytes])`` with the arrays' addresses named (the inputs and
+    gradients by name, other buffers, the workspaces, by order of first appearance) and each VariantParams'
+    ExtraParams by content (its new buffers, dbias and the block lists, zeroed). Block-list launches are left out."""
+    names = {a.data.ptr: name for name, a in inputs.items() if a is not None}
+    names.update((g.data.ptr, name) for g, name in zip(grads, ("dq", "dk", "dv", "dbias")))
+    workspaces = {}
+
+    def name_of(value: bytes):
+        ptr = int.from_bytes(value, "little")
+        if ptr in names:
+            return names[ptr]
+        if ptr >= 2**32:  # (an address: host memory stands in for the device's)
+            return workspaces.setdefault(ptr, f"workspace {len(workspaces)}")
+        return value
+
+    normal = []
+    for launch in launches:
+        if len(launch) == 3:  # through CuPy: (spec name, grid, args)
+            name, grid, args = launch
+            args = [np.uint64(a.data.ptr).tobytes() if hasattr(a, "data") and hasattr(a.data, "ptr") else
+                    np.asarray(a).tobytes() for a in args]
+            args = [a + bytes(-len(a) % 8) for a in args]
+        else:
+            name, grid, _, _, _, args = launch
+        if "block_" in name:
+            continue
+        args = [name_of(a) if len(a) == 8 else a for a in args]
+        if len(args[-1]) == VARIANT_PARAMS_DTYPE.itemsize:
+            params = np.frombuffer(args[-1], VARIANT_PARAMS_DTYPE)[0].copy()
+            extra = None
+            if params["extra"]:
+                extra = np.frombuffer(ctypes.string_at(int(params["extra"]), EXTRA_PARAMS_DTYPE.itemsize),
+                                      EXTRA_PARAMS_DTYPE).copy()
+                extra["tile_count"] = extra["tile_list"] = extra["dbias"] = 0
+                extra = extra.tobytes()
+            pointers = [name_of(params[field].tobytes()) for field in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k",
+                                                                        "alibi_slopes")]
+            params["extra"] = params["cu_seqlens_q"] = params["cu_seqlens_k"] = params["seqused_k"] = 0
+            params["alibi_slopes"] = 0
+            args[-1] = (params.tobytes(), pointers, extra)
+        normal.append((name, tuple(int(g) for g in grid), args))
+    return normal, {ptr: name for ptr, name in [*names.items(), *workspaces.items()]}
+
+
+def _zeroed(zeroed, names):
+    """The named buffers that start in zeroed memory, with the bytes zeroed from their start."""
+    return {names[ptr]: start + size - ptr for ptr in names for start, size in zeroed if start <= ptr < start + size}
+
+
+def _backward_signatures(cp):
+    """name -> (the backward call, its inputs by name, whether the front door packs its launches)."""
+    rng = np.random.default_rng(3)
+
+    def array(shape, dtype=np.float16):
+        return cp.asarray(rng.standard_normal(shape).astype(np.float32).astype(dtype))
+
+    b, n, h, d = 2, 96, 4, 64
+    q, k, v, do = (array((b, n, h, d)) for _ in range(4))
+    out, lse = array((b, n, h, d)), array((b, h, n), np.float32)
+    kg, vg = array((b, n, 2, d)), array((b, n, 2, d))
+    qt = array((b, h, n, d)).transpose(0, 2, 1, 3)
+    qb, kb, vb, dob, outb = (a.astype(ml_dtypes.bfloat16) for a in (q, k, v, do, out))
+    q32, k32, v32, do32, out32 = (a.astype(np.float32) for a in (q, k, v, do, out))
+    q80, k80, v80, do80, out80 = (array((b, n, h, 80)) for _ in range(5))
+    q200, k200, v200, do200, out200 = (array((1, 32, 2, 200)) for _ in range(5))
+    lse200 = array((1, 2, 32), np.float32)
+    doc = cp.asarray(np.repeat(np.arange(4), n // 4).astype(np.int32))
+    mask = cuflash.BlockMask("doc[q_idx] == doc[kv_idx]", {"doc": doc})
+    slopes = cp.asarray(np.linspace(0.1, 0.5, h).astype(np.float32))
+    cu = cp.asarray(np.array([0, 50, 96, 96 + 70, 2 * n], np.int32))
+    packed = [a.reshape(b * n, h, d) for a in (do, q, k, v, out)]
+    lse_packed = array((h, b * n), np.float32)
+    used = cp.asarray(np.array([40, 96], np.int32))
+    bias = array((h, n, n), np.float32)
+    base = {"q": q, "k": k, "v": v, "do": do, "out": out, "lse": lse}
+
+    def call(inputs=base, packs=True, **options):
+        x = {**base, **inputs}
+        return (lambda: cuflash.attention_backward(x["do"], x["q"], x["k"], x["v"], x["out"], x["lse"], **options),
+                x, packs)
+
+    return {
+        "dense": call(),
+        "causal": call(causal=True),
+        "scale": call(causal=True, softmax_scale=0.3),
+        "gqa": call({"k": kg, "v": vg}, causal=True),
+        "gqa split": call({"k": kg, "v": vg}, causal=True, deterministic=True),
+        "split": call(causal=True, order="split"),
+        "strides": call({"q": qt}, causal=True),
+        "bfloat16": call({"q": qb, "k": kb, "v": vb, "do": dob, "out": outb}, causal=True),
+        "window softcap alibi": call(window_size=(8, 0), softcap=20.0, alibi_slopes=slopes),
+        "dropout": call(dropout_p=0.1, dropout_seed=7),
+        "dropout split": call(dropout_p=0.1, dropout_seed=7, deterministic=True),
+        "score_mod": call(causal=True, score_mod="score * 0.5f"),
+        "BlockMask": call(causal=True, mask_mod=mask),
+        "BlockMask split": call(causal=True, mask_mod=mask, deterministic=True),
+        "mask_mod array": call(mask_mod="doc[q_idx] == doc[kv_idx]", mod_arrays={"doc": doc}),
+        "varlen": call(dict(zip(("do", "q", "k", "v", "out"), packed), lse=lse_packed), cu_seqlens_q=cu,
+                       cu_seqlens_k=cu, max_seqlen_q=96, max_seqlen_k=96, causal=True),
+        "seqused_k": call(seqused_k=used),
+        "seqused_k gqa": call({"k": kg, "v": vg}, seqused_k=used),
+        "head dim 80": call({"q": q80, "k": k80, "v": v80, "do": do80, "out": out80}, causal=True),
+        "head dim 200": call({"q": q200, "k": k200, "v": v200, "do": do200, "out": out200, "lse": lse200},
+                             False, causal=True),
+        "float32": call({"q": q32, "k": k32, "v": v32, "do": do32, "out": out32}, False, causal=True),
+        "fa1": call({}, False, causal=True, algorithm="fa1"),
+        "bias dbias": call({}, False, bias=bias),
+        "bias no dbias": call({}, False, bias=bias, return_dbias=False),
+    }
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # (the upcast paths cast uninitialized memory)
+def test_a_planned_backward_launches_what_the_unplanned_backward_launches(fake, monkeypatch):
+    cp, recorder = fake
+    from cuflash import _cuda
+    from cuflash._cuda.attention import BackwardPlan
+
+    signatures = _backward_signatures(cp)
+
+    def launched(call, inputs):
+        recorder.take()
+        recorder.take_zeroed()
+        grads = call()
+        launches = recorder.take()
+        normal, names = _backward_launches(launches, grads, inputs)
+        return normal, _zeroed(recorder.take_zeroed(), names), launches
+
+    unplanned = {}
+    with monkeypatch.context() as m:
+        m.setattr(_cuda, "plan_backward", lambda *args, **kwargs: None)
+        for name, (call, inputs, _) in signatures.items():
+            unplanned[name] = launched(call, inputs)[:2]
+            assert unplanned[name][0], name
+            assert not len(_api._checked_calls), name
+    for name, (call, inputs, packs) in signatures.items():  # the first call (plans), then a remembered one
+        for _ in range(2):
+            normal, zeroed, launches = launched(call, inputs)
+            assert normal == unplanned[name][0], name
+            # What starts zeroed (the float32 dQ accumulator; dK, dV and GQA's accumulator with seqused_k): zeroed,
+            # from its start over at least its size (D, also in the planned workspace, is not).
+            assert zeroed.keys() == unplanned[name][1].keys(), name
+            assert all(zeroed[buffer] >= size for buffer, size in unplanned[name][1].items()), name
+            if packs:
+                assert all(len(launch) == 6 for launch in launches if "block_" not in launch[0]), name
+    plans = [type(entry.plan) for entry in _api._checked_calls._entries.values()]
+    assert plans.count(BackwardPlan) == sum(packs for _, _, packs in signatures.values())
+    assert len(plans) == len(signatures) - 2  # (a bias is never remembered)
+
+
+def test_bad_backward_calls_after_a_good_one_raise_what_they_raise_without_the_memory(fake):
+    cp, _ = fake
+    rng = np.random.default_rng(4)
+    q, k, v, do, out = (cp.asarray(rng.standard_normal((2, 64, 4, 64)).astype(np.float16)) for _ in range(5))
+    lse = cp.asarray(rng.standard_normal((2, 4, 64)).astype(np.float32))
+    nan_do = do.copy()
+    nan_do[1, 2, 3, 4] = np.nan
+    packed = [a.reshape(128, 4, 64) for a in (do, q, k, v, out)]
+    lse_packed = lse.reshape(4, 128)
+    good_cu = cp.asarray(np.array([0, 64, 128], np.int32))
+    bad_cu = cp.asarray(np.array([0, 100, 64], np.int32))
+    goods_and_bads = [
+        (lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=True), [
+            lambda: cuflash.attention_backward(do[:, :32], q, k, v, out, lse, causal=True),
+            lambda: cuflash.attention_backward(do, q, k, v, out[:, :32], lse, causal=True),
+            lambda: cuflash.attention_backward(do, q, k, v, out, lse[:, :2], causal=True),
+            lambda: cuflash.attention_backward(do, q, k, v, out, lse.astype(np.float16), causal=True),
+            lambda: cuflash.attention_backward(do, q, k.astype(np.float32), v, out, lse, causal=True),
+            lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=1),
+            lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=True, order="sideways"),
+            lambda: cuflash.attention_backward(do, q, k, v, out, np.asarray(lse), causal=True),
+            lambda: cuflash.attention_backward(nan_do, q, k, v, out, lse, causal=True, check_finite=True),
+        ]),
+        (lambda: cuflash.attention_backward(*packed, lse_packed, cu_seqlens_q=good_cu, cu_seqlens_k=good_cu,
+                                            max_seqlen_q=64, max_seqlen_k=64), [
+            lambda: cuflash.attention_backward(*packed, lse_packed, cu_seqlens_q=bad_cu, cu_seqlens_k=good_cu,
+                                               max_seqlen_q=64, max_seqlen_k=64),
+        ]),
+    ]
+    for good, bads in goods_and_bads:
+        for bad in bads:
+            _api._checked_calls.clear()
+            without = _error(bad)
+            good()
+            good()  # (remembered)
+            assert _error(bad) == without

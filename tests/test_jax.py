@@ -421,6 +421,175 @@ def test_vmap_runs_one_call_per_element_where_the_batch_index_matters(jit, calls
 
 
 # ---------------------------------------------------------------------------------------------------
+# The buffer route's GPU side on the CPU: a stand-in CuPy (tests/_fake_cupy.py: launches recorded, nothing
+# computed) and JAX's CPU buffers presented to the callback as CUDA buffers on an XLA stream
+# ---------------------------------------------------------------------------------------------------
+
+_XLA_STREAM = 0x5A
+
+
+@pytest.fixture
+def cuda_buffers(monkeypatch):
+    """``(recorder, seen, copies)``: the stand-in's recorded launches; the addresses of the input and output
+    buffers of each callback run (``[(ins, outs)]``); the device-to-device copies queued (``[(dst, src)]``)."""
+    import ctypes
+    import types
+
+    from conftest import gpu_skip_reason
+
+    gpu_skip_reason()  # (decided before the stand-in is in sys.modules)
+    if cfj._buffer_callback is None:
+        pytest.skip(f"JAX {jax.__version__} has no jax.experimental.buffer_callback")
+    from _fake_cupy import _Memory, install
+
+    from cuflash._cuda import attention
+
+    module, recorder = install(monkeypatch)
+    streams = [types.SimpleNamespace(ptr=0)]
+
+    class Stream:
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+        def __enter__(self):
+            streams.append(self)
+
+        def __exit__(self, *exc):
+            streams.pop()
+
+    class Device:
+        def __init__(self, ordinal):
+            assert ordinal == 0
+
+        def __enter__(self):
+            pass
+
+        def __exit__(self, *exc):
+            pass
+
+    copies = []
+
+    def copy(dst, src, nbytes, stream=None):
+        copies.append((dst.ptr, src.ptr))
+        ctypes.memmove(dst.ptr, src.ptr, nbytes)
+
+    module.cuda.Device, module.cuda.ExternalStream = Device, Stream
+    module.cuda.UnownedMemory = lambda ptr, size, owner, ordinal: types.SimpleNamespace(ptr=ptr, size=size)
+    module.cuda.MemoryPointer = lambda mem, offset: (ctypes.c_char * mem.size).from_address(mem.ptr + offset)
+    module.cuda.get_current_stream = lambda: streams[-1]
+    monkeypatch.setattr(attention._RUNTIME, "current_stream", module.cuda.get_current_stream)
+    monkeypatch.setattr(_Memory, "copy_from_device_async", copy, raising=False)
+    monkeypatch.setattr(cfj, "_streams", {})
+
+    class Buffer:  # what the callback reads of an XLA FFI buffer on a GPU
+        def __init__(self, buf):
+            self.shape, self.dtype = buf.shape, buf.dtype
+            self.__cuda_array_interface__ = {"data": (np.asarray(buf).__array_interface__["data"][0], False)}
+
+        def __dlpack_device__(self):
+            return 2, 0  # (kDLCUDA, device 0)
+
+    seen = []
+    buffer_callback = cfj._buffer_callback
+
+    def as_cuda(callback, shapes, **kwargs):
+        def call(ctx, outs, *args):
+            outs, args = (jax.tree_util.tree_map(Buffer, x) for x in (outs, args))
+            seen.append(tuple([b.__cuda_array_interface__["data"][0] for b in jax.tree_util.tree_leaves(x)]
+                              for x in (args, outs)))
+            return callback(types.SimpleNamespace(stream=_XLA_STREAM), outs, *args)
+        return buffer_callback(call, shapes, **kwargs)
+
+    monkeypatch.setattr(cfj, "_buffer_callback", as_cuda)
+    monkeypatch.setenv("CUFLASH_JAX_CALLBACK", "buffer")
+    return recorder, seen, copies
+
+
+def _named(launches, names):
+    """Planned launches (kernel, grid, stream, arguments) with the 8-byte arguments that are addresses in
+    ``names`` replaced by their names; CuPy launches (kernel, grid, arguments) with arrays by shape and strides."""
+    named = []
+    for launch in launches:
+        if len(launch) == 3:
+            spec, grid, args = launch
+            named.append((spec, grid, [a.tobytes() if isinstance(a, np.generic) else names.get(
+                a.data.ptr, (a.shape, a.strides)) if hasattr(a, "shape") else a for a in args]))
+            continue
+        kernel, grid, _, _, stream, args = launch
+        named.append((kernel, grid, stream, [names.get(int.from_bytes(a, "little"), a) if len(a) == 8 else a
+                                             for a in args]))
+    return named
+
+
+def test_buffer_route_runs_the_launcher_s_plan_on_xla_s_buffers(cuda_buffers, calls):
+    """Under jit on a GPU, the forward's kernel writes out and lse into XLA's output buffers (no copy) and the
+    backward's gradients are copied into XLA's, on XLA's stream; the front door's checks run once per traced
+    call (its first run plans it) and the launches are those cuflash.attention makes on the same arrays."""
+    import cupy
+
+    import cuflash
+
+    recorder, seen, copies = cuda_buffers
+    rng = np.random.default_rng(11)
+    q, k, v, do = (jnp.asarray(rng.standard_normal((2, 64, 4, 64)), jnp.bfloat16) for _ in range(4))
+    f = jax.jit(lambda q, k, v: cfj.attention(q, k, v, causal=True, window_size=(32, 0)))
+    step = jax.jit(lambda q, k, v, do: jax.vjp(lambda *a: cfj.attention(*a, causal=True, window_size=(32, 0)),
+                                              q, k, v)[1](do))
+    cq, ck, cv, cdo = (cupy.asarray(np.asarray(x)) for x in (q, k, v, do))
+    recorder.take()
+    out, lse = cuflash.attention(cq, ck, cv, causal=True, window_size=(32, 0), return_lse=True)
+    names = {a.data.ptr: name for a, name in zip((cq, ck, cv, out, lse), ("q", "k", "v", "out", "lse"))}
+    want = _named(recorder.take(), names)
+    grads = cuflash.attention_backward(cdo, cq, ck, cv, out, lse, causal=True, window_size=(32, 0))
+    names.update({cdo.data.ptr: "do", **{g.data.ptr: name for g, name in zip(grads, ("dq", "dk", "dv"))}})
+    want_bwd = _named(recorder.take(), names)
+    calls["forward"] = calls["backward"] = 0
+    for _ in range(3):
+        jax.block_until_ready(f(q, k, v))
+        (ins, outs), = seen[-1:]
+        launches = recorder.take()
+        assert len(launches) == 1 and launches[0][4] == _XLA_STREAM  # one planned launch, on XLA's stream
+        assert _named(launches, dict(zip((*ins, *outs), ("q", "k", "v", "out", "lse")))) == \
+            [(kernel, grid, _XLA_STREAM, args) for kernel, grid, _, args in want]
+    assert copies == [] and calls == {"forward": 0, "backward": 0}
+
+    for _ in range(2):
+        before = len(copies)
+        jax.block_until_ready(step(q, k, v, do))
+        (_, fwd_outs), (ins, outs) = seen[-2:]
+        assert ins[4:] == fwd_outs  # (the backward reads the forward's out and lse where XLA had them written)
+        launches, new = recorder.take(), copies[before:]
+        assert len(launches[0]) == 6 and launches[0][4] == _XLA_STREAM  # the forward, planned
+        assert [dst for dst, _ in new] == list(outs)  # dq, dk, dv: the launcher's, copied into XLA's buffers
+        names = dict(zip((*ins, *(src for _, src in new)), ("do", "q", "k", "v", "out", "lse", "dq", "dk", "dv")))
+        # the backward's launches: the same kernels and grids as attention_backward's, reading and writing the same
+        # arrays in the same argument slots (its workspaces are allocated at each call: other addresses), on XLA's
+        # stream
+        got_bwd = _named(launches[1:], names)
+        assert all(stream == _XLA_STREAM for _, _, stream, _ in got_bwd)
+        assert [(kernel, grid, [a for a in args if isinstance(a, str)]) for kernel, grid, _, args in got_bwd] == \
+            [(kernel, grid, [a for a in args if isinstance(a, str)]) for kernel, grid, _, args in want_bwd]
+    assert calls == {"forward": 0, "backward": 0}
+
+
+def test_buffer_route_goes_through_the_front_door_where_nothing_is_planned(cuda_buffers, calls):
+    """Variant arrays (their values are checked at each call) and a bias: cuflash.attention at every run, its
+    results copied into XLA's buffers."""
+    recorder, seen, copies = cuda_buffers
+    rng = np.random.default_rng(12)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 32, 4, 64)), jnp.float16) for _ in range(3))
+    slopes = jnp.asarray(rng.uniform(0, 0.5, 4), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal((32, 32)), jnp.float32)
+    for n, f in enumerate((jax.jit(lambda q, k, v: cfj.attention(q, k, v, alibi_slopes=slopes)),
+                           jax.jit(lambda q, k, v: cfj.attention(q, k, v, bias=bias)))):
+        for i in range(2):
+            jax.block_until_ready(f(q, k, v))
+            assert calls["forward"] == 2 * n + i + 1
+            assert [dst for dst, _ in copies[-2:]] == list(seen[-1][1])  # out, lse
+    assert recorder.take()
+
+
+# ---------------------------------------------------------------------------------------------------
 # On the GPU under jit: the kernels on XLA's stream (buffer_callback), no host transfer, vmap, the overhead
 # ---------------------------------------------------------------------------------------------------
 
@@ -505,6 +674,40 @@ def test_jit_on_gpu_makes_no_host_transfer():
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=0, atol=2e-2)
     np.testing.assert_allclose(np.asarray(got_vmap[0][1], np.float32), np.asarray(want[0], np.float32), rtol=0,
                                atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_jit_on_gpu_forward_writes_into_xla_s_buffers():
+    """After its first call (which checks and plans), a jitted forward takes no memory from CuPy's allocator: the
+    kernel writes out and lse into XLA's output buffers. Its values are cuflash.attention's on the same arrays,
+    bit for bit, as are those of a call the launcher does not plan (ALiBi slopes: the front door at every call,
+    its results copied into XLA's buffers)."""
+    import cupy
+
+    import cuflash
+
+    gpu = _jax_gpu()
+    _buffer_route_or_skip()
+    q, k, v = (jax.device_put(x, gpu) for x in _inputs((2, 200, 200, 8, 2, 64), jnp.float16, seed=12))
+    slopes = jax.device_put(jnp.linspace(0.1, 0.8, 8, dtype=jnp.float32), gpu)
+    planned = jax.jit(lambda q, k, v: cfj.attention(q, k, v, causal=True))
+    unplanned = jax.jit(lambda q, k, v: cfj.attention(q, k, v, causal=True, alibi_slopes=slopes))
+    first = jax.block_until_ready(planned(q, k, v))
+    jax.block_until_ready(unplanned(q, k, v))
+    pool = cupy.get_default_memory_pool()
+    taken = []
+    cupy.cuda.set_allocator(lambda nbytes: (taken.append(nbytes), pool.malloc(nbytes))[1])
+    try:
+        again = jax.block_until_ready([planned(q, k, v) for _ in range(3)])
+    finally:
+        cupy.cuda.set_allocator(pool.malloc)
+    assert taken == []
+    cq, ck, cv = (cupy.from_dlpack(x) for x in (q, k, v))
+    want = cupy.asnumpy(cuflash.attention(cq, ck, cv, causal=True))
+    want_alibi = cupy.asnumpy(cuflash.attention(cq, ck, cv, causal=True, alibi_slopes=cupy.from_dlpack(slopes)))
+    for out in (first, *again):
+        np.testing.assert_array_equal(np.asarray(out), want)
+    np.testing.assert_array_equal(np.asarray(unplanned(q, k, v)), want_alibi)
 
 
 @pytest.mark.gpu

@@ -3,6 +3,7 @@ steady state: the same shapes, dtypes and options called again and again, as a m
 
     PYTHONPATH=. python3 tools/host_profile.py [--n 512] [--cases causal,document] [--profile causal]
     PYTHONPATH=. python3 tools/host_profile.py --emulator /path/to/emulated/cupy   # no GPU
+    PYTHONPATH=. python3 tools/host_profile.py --count   # and the function calls per call (cProfile)
 
 On a GPU: the CPU time of each call, from ``cupyx.profiler.benchmark`` (which synchronizes after the timed call,
 so the GPU's own time is not in it; printed apart), median and min over ``--calls * --repeats`` calls. With ``--emulator`` (a
@@ -42,6 +43,7 @@ def _stub_launches():
     cupy.ndarray.data = property(lambda self: self._memory)
 
     compile._device_cache[0] = (90, 227 * 1024)
+    cupy.cuda.runtime.memsetAsync = lambda ptr, value, size, stream: None  # (the backward plan's zeroed workspace)
 
     def no_launch(*args, **kwargs):
         return None
@@ -62,6 +64,20 @@ def _stub_launches():
         stand_in = StandIn()
         stand_in.launch = no_launch
         attention._RUNTIME = stand_in
+
+
+def _calls_per_call(call, n: int) -> str:
+    """Function calls per call of ``call`` as cProfile counts them (Python functions and the built-in ones they call;
+    with --emulator, the stand-in's too): a measure of host work that the machine's load does not blur."""
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(n):
+        call()
+    profile.disable()
+    stats = pstats.Stats(profile).stats
+    total = sum(calls for (_, _, _), (_, calls, _, _, _) in stats.items())
+    own = sum(calls for (path, _, _), (_, calls, _, _, _) in stats.items() if "/cuflash/" in path)
+    return f"{total / n:.0f} function calls per call, {own / n:.0f} of them cuflash's Python functions"
 
 
 def cases(cp, n: int, b: int, hq: int, d: int, dtype):
@@ -97,6 +113,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=5, help="timed loops per case (the median is printed)")
     ap.add_argument("--cases", default="", help="comma-separated substrings of the case names")
     ap.add_argument("--profile", default="", help="print the cProfile of this case's loop")
+    ap.add_argument("--count", action="store_true",
+                    help="print the function calls per call (cProfile's count: all, and cuflash's own Python functions)")
     args = ap.parse_args()
     if args.emulator:
         sys.path.insert(0, args.emulator)
@@ -135,6 +153,8 @@ def main():
             cpu, gpu = np.asarray(r.cpu_times) * 1e6, np.asarray(r.gpu_times).ravel() * 1e6
             print(f"{name:22s} {np.median(cpu):8.1f} us/call host (min {cpu.min():.1f})  GPU {np.median(gpu):8.1f} us",
                   flush=True)
+        if args.count:
+            print(f"{'':22s} {_calls_per_call(call, args.calls)}", flush=True)
         if args.profile and args.profile in name:
             profile = cProfile.Profile()
             profile.enable()

@@ -557,6 +557,24 @@ def head_dims_bench(args, rows):
         rows.append(dict(case=f"head-dim-{d}", d=d, fwd_ms=t, fwd_tflops=flops / t * 1e-9))
         log(f"head dim {d:3d} (kernel {cuda.attention.kernel_head_dim(d, d, in_place=True)}): fwd {t:.3f} ms, "
             f"{flops / t * 1e-9:6.1f} TFLOP/s of its own FLOPs, {t / flops * 1e12:.3f} ps/FLOP")
+    # Tiles other than the table's for the in-place head dims between rows (block_q x block_k; warps follow)
+    for d in args.tile_sweep:
+        q, k, v = (cp.from_dlpack(torch.randn(b, n, hq, d, device="cuda", dtype=torch.bfloat16)) for _ in range(3))
+        flops = 4 * b * hq * n * n * d / 2
+        for bq, bk in ((128, 64), (128, 32), (64, 64), (64, 32), (128, 128)):
+            opts = dict(scale=d ** -0.5, variant=Variant(causal=True), algorithm="fa2", block_q=bq, block_k=bk)
+
+            def fwd():
+                with stream:
+                    cuda.forward(q, k, v, **opts)
+
+            try:
+                fwd()
+            except Exception as exc:  # (a tile whose shared memory does not fit)
+                log(f"head dim {d:3d} tile {bq}x{bk}: {type(exc).__name__}: {str(exc)[:80]}")
+                continue
+            t = tt.do_bench(fwd, rep=args.rep_ms, warmup=10)
+            log(f"head dim {d:3d} tile {bq}x{bk}: fwd {t:.3f} ms, {t / flops * 1e12:.3f} ps/FLOP")
     per_flop = {r["d"]: r["fwd_ms"] / (4 * b * hq * n * n * r["d"] / 2) for r in rows if r["case"].startswith("head-dim")}
     for d, ref in ((80, 96), (200, 256)):  # the pairs: <= 1.10 is the target
         log(f"head dim {d} / {ref}: time per FLOP ratio {per_flop[d] / per_flop[ref]:.3f} (target <= 1.10)")
@@ -569,6 +587,8 @@ def main():
     ap.add_argument("--flex", action="store_true")
     ap.add_argument("--bias", action="store_true", help="bias against PyTorch SDPA with an additive mask")
     ap.add_argument("--head-dims", action="store_true", help="forward time per FLOP at head dims 64..256")
+    ap.add_argument("--tile-sweep", type=int, nargs="*", default=[], metavar="D",
+                    help="with --head-dims: forward time of head dims D at other tiles than the table's")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--cases", default="", help="comma-separated words: check only the cases whose label has one")
     ap.add_argument("--rep-ms", type=int, default=100)

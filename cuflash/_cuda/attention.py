@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -28,7 +28,7 @@ from .spec import (BLOCK_COMPACT, BWD_HEAD_DIMS, CTYPES, EXTRA_POINTER_FIELDS, F
 from .spec import spec as kernel_spec
 
 __all__ = ["forward", "backward", "check_supported", "plan_forward", "ForwardPlan", "plan_backward", "BackwardPlan",
-           "call_context"]
+           "CheckedBackward", "call_context"]
 
 # On sm_90 devices the forward runs flash_fwd_sm90_kernel where TILES has a ("fwd", "sm90a", d) row, and the
 # backward flash_bwd_dkdv_sm90_kernel where it has a ("bwd", "sm90a", d) row (switches for benchmarks).
@@ -127,7 +127,11 @@ def strides(a) -> tuple[np.int64, np.int64, np.int64]:
 
 def _is_aligned(a) -> bool:
     """Whether ``a``'s tiles can be copied with 16-byte cp.async: base and every stride a multiple of 16 bytes."""
-    return a.data.ptr % 16 == 0 and all((s % 16 == 0) or n == 1 for s, n in zip(a.strides[:-1], a.shape[:-1]))
+    return a.data.ptr % 16 == 0 and _strides_aligned(a)
+
+
+def _strides_aligned(a) -> bool:
+    return all((s % 16 == 0) or n == 1 for s, n in zip(a.strides[:-1], a.shape[:-1]))
 
 
 def aligned(a):
@@ -327,8 +331,9 @@ def runtime():
 
 
 def call_context() -> tuple:
-    """What decides a plan besides the call's arguments: the current device and stream (a plan's ExtraParams copy
-    and block lists are made on one), and the benchmarks' switches of the Hopper kernels."""
+    """What decides a plan besides the call's arguments: the current device and stream's pointer (a plan's
+    ExtraParams copy and block lists are made on one; its run takes the pointer), and the benchmarks' switches of
+    the Hopper kernels."""
     rt = runtime()
     return rt.get_device(), rt.current_stream().ptr, SM90A_FORWARD, SM90A_BACKWARD
 
@@ -339,11 +344,7 @@ def _ptr(a) -> int:
 
 def _element_strides(shape) -> tuple[np.int64, np.int64, np.int64]:
     """:func:`strides` of a C-contiguous array of ``shape`` (the outputs a run allocates)."""
-    steps, step = [], 1
-    for n in reversed(shape):
-        steps.append(step)
-        step *= max(int(n), 1)
-    s = steps[:0:-1]  # every axis's but the last, outermost first
+    s = _c_strides(shape)[:-1]
     if len(s) == 2:
         s = [0, *s]
     return tuple(np.int64(x) for x in s)
@@ -421,19 +422,21 @@ class _Plan:
         rt = runtime()
         self._rt = rt
         self._empty, self._zeros, self._stream = rt.empty, rt.zeros, rt.current_stream
+        self._device = rt.get_device()
         self._lock = threading.Lock()
         self._threads: set = set()
 
     def _enter(self) -> None:
-        if threading.get_ident() not in self._threads:
-            self._rt.make_context_current()
-            self._threads.add(threading.get_ident())
+        """On a thread's first run (a run tests ``threading.get_ident() in self._threads`` first)."""
+        self._rt.make_context_current()
+        self._threads.add(threading.get_ident())
 
-    @staticmethod
-    def _write(launch: PackedLaunch, words: tuple, ptrs: tuple) -> None:
-        w = launch.words
-        for index, ptr in zip(words, ptrs):
-            w[index] = ptr
+
+# A forward called without return_lse writes its lse into a buffer of its device and stream, grown to the largest
+# asked for and never read (no allocation per call): the launches that write one are ordered by their stream, and
+# one freed when it grows is reused by CuPy's pool only on its own stream. At most _LSE_SINKS_SIZE streams.
+_LSE_SINKS: dict = {}
+_LSE_SINKS_SIZE = 16
 
 
 class ForwardPlan(_Plan):
@@ -471,26 +474,50 @@ class ForwardPlan(_Plan):
                 self._variant.params)
         self._launch = PackedLaunch(self._rt, spec, (cdiv(shp.max_q, spec.tile.block_m), shp.heads_q, shp.batch), args)
         vp = len(args) - 1
-        self._words = tuple(self._launch.word(i) for i in range(5))
-        if not self._variant.constant:
-            self._words += tuple(self._launch.word(vp, offset) for offset in VARIANT_POINTER_FIELDS)
+        self._write = self._launch.writer(tuple(self._launch.word(i) for i in range(5)))  # q, k, v, out, lse
+        self._write_variant = None if self._variant.constant else self._launch.writer(
+            tuple(self._launch.word(vp, offset) for offset in VARIANT_POINTER_FIELDS))
+        self._lse_size = int(np.prod(self.lse_shape))
 
-    def run(self, q, k, v, arrays: VariantArrays = VariantArrays()):
-        """``(out, lse)``, or None when a 16-bit input's base address is not a multiple of 16 bytes (the caller
-        runs it unplanned, on an aligned copy)."""
+    def run(self, q, k, v, arrays: VariantArrays = VariantArrays(), stream: int | None = None, lse: bool = True,
+            out=None, lse_out=None):
+        """``(out, lse)`` (``lse`` False: ``(out, None)``, the lse written into a buffer of the stream's), or None when
+        a 16-bit input's base address is not a multiple of 16 bytes (the caller runs it unplanned, on an aligned
+        copy). ``stream``: the current stream's pointer, when the caller has it (:func:`call_context`). ``out``,
+        ``lse_out``: C-contiguous arrays of :attr:`out_shape` (q's dtype) and :attr:`lse_shape` (float32) to write
+        into instead of new ones (the caller checks them; JAX's buffers)."""
         pq, pk, pv = q.data.ptr, k.data.ptr, v.data.ptr
         if self._aligned and (pq | pk | pv) & 15:
             return None
-        self._enter()
-        out = self._empty(self.out_shape, dtype=self.dtype)
-        lse = self._empty(self.lse_shape, dtype=np.float32)
+        if threading.get_ident() not in self._threads:
+            self._enter()
+        if stream is None:
+            stream = self._stream().ptr
+        if out is None:
+            out = self._empty(self.out_shape, dtype=self.dtype)
+        if lse_out is not None:
+            lse, lse_ptr = lse_out, lse_out.data.ptr
+        elif lse:
+            lse = self._empty(self.lse_shape, dtype=np.float32)
+            lse_ptr = lse.data.ptr
+        else:
+            sink = _LSE_SINKS.get((self._device, stream))
+            lse, lse_ptr = None, (sink.data.ptr if sink is not None and sink.size >= self._lse_size else
+                                  self._lse_sink(stream))
         with self._lock:
-            ptrs = (pq, pk, pv, out.data.ptr, lse.data.ptr)
-            if not self._variant.constant:
-                ptrs += self._variant.pointers(arrays)
-            self._write(self._launch, self._words, ptrs)
-            self._launch.run(self._stream().ptr)
+            self._write(pq, pk, pv, out.data.ptr, lse_ptr)
+            if self._write_variant is not None:
+                self._write_variant(*self._variant.pointers(arrays))
+            self._launch.run(stream)
         return out, lse
+
+    def _lse_sink(self, stream: int) -> int:
+        """The address of a new lse buffer of the stream's, large enough for this plan's (:data:`_LSE_SINKS`)."""
+        key = (self._device, stream)
+        if key not in _LSE_SINKS and len(_LSE_SINKS) >= _LSE_SINKS_SIZE:
+            _LSE_SINKS.pop(next(iter(_LSE_SINKS), None), None)
+        sink = _LSE_SINKS[key] = self._empty((self._lse_size,), dtype=np.float32)
+        return sink.data.ptr
 
 
 def launch_params(variant: Variant, scale: float, shp: Shape, spec=None, dbias=None, transposed=False,
@@ -582,25 +609,173 @@ def block_lists(variant: Variant, shp: Shape, block_m: int, block_n: int, transp
 
 
 def plan_backward(do, q, k, v, out, lse, *, scale, variant: Variant, algorithm, block_q, block_k, order):
-    """A :class:`BackwardPlan` for repeated backward calls with these layouts and options (the front door keeps
-    it), or None for a bias (converted at every call, and its gradient)."""
+    """A plan for repeated backward calls with these layouts and options (the front door keeps it), or None for a
+    bias (converted at every call, and its gradient): a :class:`BackwardPlan` (its launches packed once) where the
+    call runs the 16-bit FA2 backward on the arrays as given, else a :class:`CheckedBackward` (float32, FA1, naive,
+    head dims run on padded or upcast copies, inputs that need an aligned or contiguous copy)."""
     if variant.bias is not None:
         return None
-    return BackwardPlan(scale=scale, variant=variant, algorithm=algorithm, block_q=block_q, block_k=block_k,
-                        order=order)
+    options = dict(scale=scale, algorithm=algorithm, block_q=block_q, block_k=block_k, order=order)
+    if not _packs_backward(do, q, k, v, lse, algorithm):
+        return CheckedBackward(variant=variant, **options)
+    if any(a.data.ptr % 16 for a in (q, k, v, do)):  # (this call's addresses need an aligned copy; a later one's may not)
+        return None
+    return BackwardPlan(do, q, k, v, out, lse, variant=variant, **options)
 
 
-class BackwardPlan:
-    """A backward call's checked options, without its arrays: :meth:`run` runs :func:`backward` with a run's arrays.
-    (The backward's launches are still worked out at each call and launched through CuPy; packing them once, as
-    :class:`ForwardPlan` does, is the next step for its host time.)"""
+def _packs_backward(do, q, k, v, lse, algorithm) -> bool:
+    """Whether :func:`backward` runs calls of these layouts as the 16-bit FA2 launches on the arrays as given: a
+    head dim of BWD_HEAD_DIMS (or below one, read in place), q's, k's, v's and do's strides aligned for cp.async
+    (their addresses are a run's), lse contiguous."""
+    if algorithm != "fa2" or np.dtype(q.dtype).name not in CTYPES:
+        return False
+    kd = _needs_padding(q, v, algorithm)
+    if (kd or q.shape[-1]) not in BWD_HEAD_DIMS or (kd and not _reads_in_place(q, v, algorithm)):
+        return False
+    return all(_strides_aligned(a) for a in (q, k, v, do)) and lse.flags.c_contiguous
+
+
+class CheckedBackward:
+    """A backward call's checked options, without its arrays: :meth:`run` runs :func:`backward` with a run's arrays
+    (its launches worked out at each call and launched through CuPy)."""
 
     def __init__(self, *, variant: Variant, **options):
         self._variant = variant.with_arrays(VariantArrays())  # (keeps none of the caller's arrays alive)
         self._options = options
 
-    def run(self, do, q, k, v, out, lse, arrays: VariantArrays = VariantArrays()):
+    def run(self, do, q, k, v, out, lse, arrays: VariantArrays = VariantArrays(), stream: int | None = None):
         return backward(do, q, k, v, out, lse, variant=self._variant.with_arrays(arrays), **self._options)
+
+
+class _Layout(NamedTuple):
+    """A buffer of a planned launch as :func:`strides` reads it (shape, byte strides, item size), and its index in
+    a run's addresses (written into the packed arguments at each run)."""
+
+    shape: tuple
+    strides: tuple
+    itemsize: int
+    slot: int
+
+    @staticmethod
+    def of(a, slot: int) -> _Layout:
+        return _Layout(tuple(a.shape), tuple(a.strides), a.itemsize, slot)
+
+    @staticmethod
+    def contiguous(shape, itemsize: int, slot: int) -> _Layout:
+        return _Layout(tuple(shape), tuple(int(s) * itemsize for s in _c_strides(shape)), itemsize, slot)
+
+
+def _c_strides(shape) -> list[int]:
+    """Element strides of a C-contiguous array of ``shape``, every axis."""
+    steps, step = [], 1
+    for n in reversed(shape):
+        steps.append(step)
+        step *= max(int(n), 1)
+    return steps[::-1]
+
+
+class BackwardPlan(_Plan):
+    """The 16-bit FA2 backward of one call's layouts and options (:func:`_backward_launches`: D, dK/dV with dQ, or
+    dQ's own pass for the split order, dQ's conversion, GQA's sum), each launch packed once. :meth:`run` takes the
+    arrays of the planned layouts (the caller checks them: the front door keys its plans by layout) and returns
+    ``(dq, dk, dv)``. A run allocates the gradients and one workspace (D, the float32 dQ and GQA accumulators:
+    zeroed where the kernels accumulate, by a memset on the stream), writes the addresses and launches."""
+
+    # A run's addresses, in this order: the inputs, the gradients, the workspace's parts.
+    _SLOTS = ("q", "k", "v", "do", "out", "lse", "dq", "dk", "dv", "delta", "dq_accum", "dkv_accum")
+
+    def __init__(self, do, q, k, v, out, lse, *, scale: float, variant: Variant, algorithm, block_q, block_k,
+                 order):
+        super().__init__()
+        import cupy
+
+        self._memset = cupy.cuda.runtime.memsetAsync
+        shp = shape_of(q, k, variant)
+        kd = _needs_padding(q, v, algorithm)
+        head_dims = (q.shape[-1], v.shape[-1]) if kd else (0, 0)  # [variant head dim] read in place
+        d, dtype = kd or shp.head_dim, np.dtype(q.dtype).name
+        assert d in BWD_HEAD_DIMS and dtype in CTYPES and variant.bias is None, (d, dtype)
+        split = order in ("split", "q_outer")
+        vtype = variant_type(variant, pads_head_dim=bool(kd))
+        spec, spec_q = _backward_specs(dtype, d, q, v, vtype, split, block_q, block_k)
+        slot = self._SLOTS.index
+        f32 = np.dtype(np.float32).itemsize
+        # The workspace: the accumulators the kernels add into first (zeroed), then D. 256-byte aligned parts.
+        parts = {"dq_accum": None if split else (shp.ws_batch, shp.heads_q, shp.rows_q, d),
+                 "dkv_accum": (2, shp.ws_batch, shp.heads_q, shp.rows_k, d) if shp.group > 1 else None,
+                 "delta": (shp.ws_batch, shp.heads_q, shp.rows_q)}
+        zeroed = {"dq_accum": True, "dkv_accum": variant.seqused_k is not None, "delta": False}
+        offsets, size, self._zero_bytes = {}, 0, 0
+        for name, shape in sorted(parts.items(), key=lambda item: not zeroed[item[0]]):
+            if shape is None:
+                continue
+            offsets[name] = size
+            size += -(-int(np.prod(shape)) * f32 // 256) * 256
+            if zeroed[name]:
+                self._zero_bytes = size
+        self._ws_bytes, self._offsets = max(size, 256), tuple(offsets.get(name) for name in self._SLOTS[9:])
+        itemsize = q.dtype.itemsize
+        buffers = _BackwardBuffers(
+            *(_Layout.of(a, slot(name)) for a, name in zip((q, k, v, do, out, lse), self._SLOTS)),
+            *(_Layout.contiguous(a.shape, itemsize, slot(name)) for a, name in zip((q, k, v), ("dq", "dk", "dv"))),
+            *(None if parts[name] is None else _Layout.contiguous(parts[name], f32, slot(name))
+              for name in ("delta", "dq_accum", "dkv_accum")))
+        variants = []
+
+        def params(launch_spec, transposed=False):
+            variants.append(_VariantArgs(variant, scale, shp, launch_spec, transposed, head_dims))
+            return variants[-1].params
+
+        self._steps = []
+        for launch_spec, grid, args in _backward_launches(buffers, shp, d, dtype, spec, spec_q, np.float32(scale),
+                                                          params):
+            launch = PackedLaunch(self._rt, launch_spec, grid,
+                                  tuple(None if isinstance(a, _Layout) else a for a in args))
+            words = tuple(launch.word(i) for i, a in enumerate(args) if isinstance(a, _Layout))
+            slots = tuple(a.slot for a in args if isinstance(a, _Layout))
+            variant_args = None
+            if isinstance(args[-1], np.void):  # its VariantParams: the launch's _VariantArgs
+                variant_args = variants.pop(0)
+                if variant_args.constant:  # (no pointer in it to write)
+                    variant_args = None
+                else:
+                    words += tuple(launch.word(len(args) - 1, offset) for offset in VARIANT_POINTER_FIELDS)
+            self._steps.append((launch, launch.writer(words), slots, variant_args))
+        assert not variants
+        self.dtypes = (q.dtype, k.dtype, v.dtype)
+        self.shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
+        self._zero_grads = variant.seqused_k is not None  # (dk, dv past a sequence's used keys: never written)
+
+    def run(self, do, q, k, v, out, lse, arrays: VariantArrays = VariantArrays(), stream: int | None = None):
+        """``(dq, dk, dv)``, or None when a 16-bit input's base address is not a multiple of 16 bytes (the caller
+        runs it unplanned, on an aligned copy). ``stream``: the current stream's pointer, when the caller has it."""
+        pq, pk, pv, pdo = q.data.ptr, k.data.ptr, v.data.ptr, do.data.ptr
+        if (pq | pk | pv | pdo) & 15:
+            return None
+        if threading.get_ident() not in self._threads:
+            self._enter()
+        empty = self._empty
+        (sq, sk, sv), (tq, tk, tv) = self.shapes, self.dtypes
+        dq, dk, dv = empty(sq, dtype=tq), empty(sk, dtype=tk), empty(sv, dtype=tv)
+        ws = empty((self._ws_bytes,), dtype=np.uint8)
+        if stream is None:
+            stream = self._stream().ptr
+        base = ws.data.ptr
+        if self._zero_bytes:
+            self._memset(base, 0, self._zero_bytes, stream)
+        if self._zero_grads:
+            self._memset(dk.data.ptr, 0, dk.nbytes, stream)
+            self._memset(dv.data.ptr, 0, dv.nbytes, stream)
+        addresses = (pq, pk, pv, pdo, out.data.ptr, lse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr,
+                     *(None if offset is None else base + offset for offset in self._offsets))
+        with self._lock:
+            for launch, write, slots, variant_args in self._steps:
+                ptrs = [addresses[s] for s in slots]
+                if variant_args is not None:
+                    ptrs += variant_args.pointers(arrays)
+                write(*ptrs)
+                launch.run(stream)
+        return dq, dk, dv
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -621,10 +796,13 @@ def _preprocess(spec_family, dtype, d, do, out, shp: Shape):
     import cupy
 
     delta = cupy.empty((shp.ws_batch, shp.heads_q, shp.rows_q), dtype=cupy.float32)
-    spec = kernel_spec(spec_family, dtype, d)
-    launch(spec, (cdiv(shp.rows_q, 4), shp.heads_q, shp.ws_batch), (
-        do, out, delta, i32(shp.rows_q), i32(shp.heads_q), *strides(do), *strides(out)))
+    launch(*_preprocess_launch(spec_family, dtype, d, do, out, delta, shp))
     return delta
+
+
+def _preprocess_launch(spec_family, dtype, d, do, out, delta, shp: Shape):
+    return (kernel_spec(spec_family, dtype, d), (cdiv(shp.rows_q, 4), shp.heads_q, shp.ws_batch), (
+        do, out, delta, i32(shp.rows_q), i32(shp.heads_q), *strides(do), *strides(out)))
 
 
 def _kernel_ready(variant: Variant) -> Variant:
@@ -703,54 +881,108 @@ def _backward(do, q, k, v, out, lse, shp: Shape, d, variant, vtype, params, fsca
         return _backward_f32(do, q, k, v, out, lse, shp, variant, vtype, vp, fscale, split)
 
     q, k, v, do = aligned(q), aligned(k), aligned(v), aligned(do)
-    delta = _preprocess("bwd_pre", dtype, do.shape[-1], do, out, shp)  # (elementwise: at the arrays' own dims)
+    spec, spec_q = _backward_specs(dtype, d, q, v, vtype, split, block_q, block_k)
+    delta = cupy.empty((shp.ws_batch, shp.heads_q, shp.rows_q), dtype=cupy.float32)
     dq, dk, dv = _grad_buffers(q, k, v, variant)
+    dq_accum = None if split else cupy.zeros((shp.ws_batch, shp.heads_q, shp.rows_q, d), dtype=cupy.float32)
+    dkv_accum = None
+    if shp.group > 1:
+        alloc = cupy.zeros if variant.seqused_k is not None else cupy.empty
+        dkv_accum = alloc((2, shp.ws_batch, shp.heads_q, shp.rows_k, d), dtype=cupy.float32)
+    keep = []  # the device buffers each VariantParams points to, alive until the launches are queued
+
+    def launch_vp(launch_spec, transposed=False):
+        vp, kept = params(launch_spec, transposed)
+        keep.append(kept)
+        return vp
+
+    buffers = _BackwardBuffers(q, k, v, do, out, lse, dq, dk, dv, delta, dq_accum, dkv_accum)
+    for launch_spec, grid, args in _backward_launches(buffers, shp, d, dtype, spec, spec_q, fscale, launch_vp):
+        launch(launch_spec, grid, args)
+    return dq, dk, dv
+
+
+class _BackwardBuffers(NamedTuple):
+    """The arrays of the 16-bit backward's launches (or a plan's :class:`_Layout` of each); the accumulators None
+    where the call has none (dq_accum: the split order; dkv_accum: no GQA)."""
+
+    q: Any
+    k: Any
+    v: Any
+    do: Any
+    out: Any
+    lse: Any
+    dq: Any
+    dk: Any
+    dv: Any
+    delta: Any
+    dq_accum: Any
+    dkv_accum: Any
+
+
+def _backward_specs(dtype: str, d: int, q, v, vtype: str, split: bool, block_q, block_k):
+    """The dK/dV (+ dQ) kernel's spec (the wgmma one on sm_90 where the table has a row and the arrays have the
+    kernel's head dims), and the dQ pass's for the split order (else None)."""
     t = _hopper_tile("bwd", d, block_q, block_k, SM90A_BACKWARD and d == q.shape[-1] == v.shape[-1])
     if t is not None:
         spec = kernel_spec("bwd_dkdv_sm90", dtype, d, t, vtype, not split)
     else:
         spec = kernel_spec("bwd_dkdv", dtype, d, plan_tile("bwd", d, block_q, block_k), vtype, not split)
     check_smem(spec)
-    dq_accum = None if split else cupy.zeros((shp.ws_batch, shp.heads_q, shp.rows_q, d), dtype=cupy.float32)
-    dkv_accum = None
-    if shp.group > 1:
-        alloc = cupy.zeros if variant.seqused_k is not None else cupy.empty
-        dkv_accum = alloc((2, shp.ws_batch, shp.heads_q, shp.rows_k, d), dtype=cupy.float32)
-    null = np.uintp(0)
-    grid_k = (cdiv(shp.max_k, spec.tile.block_n), shp.heads_q, shp.batch)
-    vp, _keep = params(spec, transposed=True)
-    launch(spec, grid_k, (
-        q, k, v, do, lse, delta,
-        dq_accum if dq_accum is not None else null, dk, dv, dkv_accum if dkv_accum is not None else null,
-        i32(shp.rows_q), i32(shp.rows_k), i32(shp.heads_q), i32(shp.group),
-        *strides(q), *strides(k), *strides(v), *strides(do), *strides(dk), *strides(dv), fscale, vp))
-
+    spec_q = None
     if split:
         spec_q = kernel_spec("bwd_dq", dtype, d, plan_tile("bwd_dq", d, None, None), vtype)
         check_smem(spec_q)
-        vp, _keep_q = params(spec_q)
-        launch(spec_q, (cdiv(shp.max_q, spec_q.tile.block_m), shp.heads_q, shp.batch), (
-            q, k, v, do, lse, delta, dq, i32(shp.rows_q), i32(shp.rows_k), i32(shp.heads_q), i32(shp.group),
-            *strides(q), *strides(k), *strides(v), *strides(do), *strides(dq), fscale, vp))
+    return spec, spec_q
+
+
+def _backward_launches(a: _BackwardBuffers, shp: Shape, d: int, dtype: str, spec, spec_q, fscale, params) -> list:
+    """The 16-bit backward's launches at kernel head dim ``d``, in order, as ``(spec, grid, args)``: [bwd 0] D; dK,
+    dV (and dQ into the float32 dq_accum, atomically) by key tiles; dQ by query tiles (split order) or dq_accum's
+    conversion; GQA's sum of dK, dV over each group. ``params(spec, transposed)``: a launch's VariantParams.
+    The one description of these launches: :func:`_backward` launches it through CuPy, :class:`BackwardPlan`
+    packs it once."""
+    null = np.uintp(0)
+    launches = [_preprocess_launch("bwd_pre", dtype, a.do.shape[-1], a.do, a.out, a.delta, shp)]
+    launches.append((spec, (cdiv(shp.max_k, spec.tile.block_n), shp.heads_q, shp.batch), (
+        a.q, a.k, a.v, a.do, a.lse, a.delta,
+        a.dq_accum if a.dq_accum is not None else null, a.dk, a.dv, a.dkv_accum if a.dkv_accum is not None else null,
+        i32(shp.rows_q), i32(shp.rows_k), i32(shp.heads_q), i32(shp.group),
+        *strides(a.q), *strides(a.k), *strides(a.v), *strides(a.do), *strides(a.dk), *strides(a.dv), fscale,
+        params(spec, True))))
+    if spec_q is not None:
+        launches.append((spec_q, (cdiv(shp.max_q, spec_q.tile.block_m), shp.heads_q, shp.batch), (
+            a.q, a.k, a.v, a.do, a.lse, a.delta, a.dq, i32(shp.rows_q), i32(shp.rows_k), i32(shp.heads_q),
+            i32(shp.group), *strides(a.q), *strides(a.k), *strides(a.v), *strides(a.do), *strides(a.dq), fscale,
+            params(spec_q))))
     else:
-        convert_dq(dq_accum, dq, dtype, d, shp, fscale)
+        launches.append(_convert_dq_launch(a.dq_accum, a.dq, dtype, d, shp, fscale))
     if shp.group > 1:
-        reduce_dkv(dkv_accum, dk, dv, dtype, d, shp)
-    return dq, dk, dv
+        launches.append(_reduce_dkv_launch(a.dkv_accum, a.dk, a.dv, dtype, d, shp))
+    return launches
 
 
 def convert_dq(dq_accum, dq, dtype: str, d: int, shp: Shape, fscale) -> None:
     """dQ = scale * dq_accum, cast, written with dq's strides (one batch of all rows when packed); the workspace
     is ``d`` columns wide, dq may have fewer ([variant head dim])."""
-    launch(kernel_spec("bwd_convert_dq", dtype, d), (cdiv(shp.rows_q * d // 2, 256), shp.heads_q, shp.ws_batch),
-           (dq_accum, dq, i32(shp.rows_q), i32(shp.heads_q), *strides(dq), fscale, i32(dq.shape[-1])))
+    launch(*_convert_dq_launch(dq_accum, dq, dtype, d, shp, fscale))
+
+
+def _convert_dq_launch(dq_accum, dq, dtype: str, d: int, shp: Shape, fscale):
+    return (kernel_spec("bwd_convert_dq", dtype, d), (cdiv(shp.rows_q * d // 2, 256), shp.heads_q, shp.ws_batch),
+            (dq_accum, dq, i32(shp.rows_q), i32(shp.heads_q), *strides(dq), fscale, i32(dq.shape[-1])))
 
 
 def reduce_dkv(dkv_accum, dk, dv, dtype: str, d: int, shp: Shape) -> None:
     """GQA/MQA: dK, dV of each key/value head = the sum over its query heads, in a fixed order."""
-    launch(kernel_spec("bwd_reduce_dkv", dtype, d), (cdiv(shp.rows_k * d // 2, 256), shp.heads_kv, shp.ws_batch), (
-        dkv_accum, dk, dv, i32(shp.rows_k), i32(shp.group), np.int64(dkv_accum[0].size), *strides(dk), *strides(dv),
-        i32(dk.shape[-1]), i32(dv.shape[-1])))
+    launch(*_reduce_dkv_launch(dkv_accum, dk, dv, dtype, d, shp))
+
+
+def _reduce_dkv_launch(dkv_accum, dk, dv, dtype: str, d: int, shp: Shape):
+    half = np.int64(shp.ws_batch * shp.heads_q * shp.rows_k * d)  # (the elements of dkv_accum[0])
+    return (kernel_spec("bwd_reduce_dkv", dtype, d), (cdiv(shp.rows_k * d // 2, 256), shp.heads_kv, shp.ws_batch), (
+        dkv_accum, dk, dv, i32(shp.rows_k), i32(shp.group), half, *strides(dk), *strides(dv), i32(dk.shape[-1]),
+        i32(dv.shape[-1])))
 
 
 def _backward_f32(do, q, k, v, out, lse, shp: Shape, variant, vtype, vp, fscale, split):

@@ -7,8 +7,10 @@ process and on disk by CuPy, so a kernel costs a compile only the first time any
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
 import re
+import struct
 import threading
 
 import numpy as np
@@ -150,6 +152,25 @@ class PackedLaunch:
         offset = self.offsets[index] + field_offset
         assert offset % 8 == 0, offset
         return offset // 8
+
+    def writer(self, words: tuple[int, ...]):
+        """``write(*values)``: writes a run's 64-bit values (pointers), one for each of ``words`` (indices in
+        :attr:`words`), into the packed arguments, with one ``struct.pack_into`` per stretch of consecutive words.
+        One stretch (a forward's array pointers): a single C call."""
+        stretches, start = [], 0
+        for i in range(1, len(words) + 1):
+            if i == len(words) or words[i] != words[i - 1] + 1:
+                stretches.append((struct.Struct(f"<{i - start}Q").pack_into, 8 * words[start], start, i))
+                start = i
+        buffer = self._buffer
+        if len(stretches) == 1:  # (a C callable: no Python frame)
+            pack, offset, _, _ = stretches[0]
+            return functools.partial(pack, buffer, offset)
+
+        def write(*values):
+            for pack, offset, first, stop in stretches:
+                pack(buffer, offset, *values[first:stop])
+        return write
 
     def run(self, stream: int) -> None:
         gx, gy, gz = self.grid
