@@ -30,69 +30,19 @@ namespace cuflash {
 
 // What the element type T changes in flash_fwd_kernel: the storage, the tile copies, the two matrix products and
 // the output store (everything between them, scores, variants and online softmax, is T's C fragments in float32).
-// float16 / bfloat16: mma.sync m16n8k16 on ldmatrix fragments (cuflash_tiles.cuh); tf32 / tf32x3 below.
+// float16 / bfloat16: mma.sync m16n8k16 on ldmatrix fragments (cuflash_tiles.cuh), written inline in the kernel
+// (kTf32 false): as member functions NVVM placed a few address computations differently (same registers, not the
+// same PTX); inline, the 16-bit PTX is the PTX from before FwdMma. tf32 / tf32x3: Tf32FwdMma's qk, pv, store_row.
 template <class T>
 struct FwdMma {
     using Storage = u16;
     static constexpr int kHeadDimStep = 16;    // head dims the tiles take
     static constexpr bool kExactMods = false;  // softcap with tanh_exp2 (~3e-7 absolute: the 16-bit budget)
+    static constexpr bool kTf32 = false;       // the products and the store: inline in the kernel
 
     template <int kRows, int kW, int kThreads, int kCols, bool kIsV>
     __device__ __forceinline__ static void load(u16* tile, const u16* g, i64 stride, int row0, int nrows, int tid, int cols8) {
         load_tile_async<kRows, kW, kThreads, kCols>(tile, g, stride, row0, nrows, tid, cols8);
-    }
-
-    // [fa2-fwd 2] s[mt] += Q[row0 + 16 mt ..] K^T (k16 steps; each K fragment feeds the kMT query tiles).
-    template <int kMT, int kNT, int kHeadDim, int kW>
-    __device__ __forceinline__ static void qk(float (&s)[kMT][kNT][4], const u16* sQ, const u16* tK, int row0, int lane) {
-#pragma unroll
-        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-            u32 a[kMT][4];
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt) load_a<kW>(a[mt], sQ, row0 + mt * 16, kk, lane);
-#pragma unroll
-            for (int np = 0; np < kNT / 2; ++np) {
-                u32 bf[4];
-                load_b_nk<kW>(bf, tK, np * 16, kk, lane);
-#pragma unroll
-                for (int mt = 0; mt < kMT; ++mt) {
-                    Elem<T>::mma(s[mt][2 * np], a[mt], bf[0], bf[1]);
-                    Elem<T>::mma(s[mt][2 * np + 1], a[mt], bf[2], bf[3]);
-                }
-            }
-        }
-    }
-
-    // [fa2-fwd 5] acc[mt] += P V, P cast to the input dtype and used straight from registers.
-    template <int kMT, int kNT, int kDT, int kW>
-    __device__ __forceinline__ static void pv(float (&acc)[kMT][kDT][4], const float (&s)[kMT][kNT][4], const u16* tV,
-                                              int lane) {
-#pragma unroll
-        for (int kk = 0; kk < kNT / 2; ++kk) {
-            u32 a[kMT][4];
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt) c_to_a<T, kNT>(a[mt], s[mt], kk);
-#pragma unroll
-            for (int np = 0; np < kDT / 2; ++np) {
-                u32 bf[4];
-                load_b_kn<kW>(bf, tV, kk * 16, np, lane);
-#pragma unroll
-                for (int mt = 0; mt < kMT; ++mt) {
-                    Elem<T>::mma(acc[mt][2 * np], a[mt], bf[0], bf[1]);
-                    Elem<T>::mma(acc[mt][2 * np + 1], a[mt], bf[2], bf[3]);
-                }
-            }
-        }
-    }
-
-    // [fa2-fwd 6] Row g + 8 hh of one 16-row tile, times inv (kPads: the output's v8 chunks only).
-    template <bool kPads, int kDT>
-    __device__ __forceinline__ static void store_row(u16* orow, const float (&acc)[kDT][4], int hh, float inv, int t, int v8) {
-#pragma unroll
-        for (int dt = 0; dt < kDT; ++dt) {
-            if (kPads && dt >= v8) break;  // [variant head dim] the output's columns only
-            *reinterpret_cast<u32*>(orow + dt * 8 + 2 * t) = Elem<T>::pack(acc[dt][2 * hh] * inv, acc[dt][2 * hh + 1] * inv);
-        }
     }
 };
 template <> struct FwdMma<tf32> : Tf32FwdMma<1> {};
@@ -188,7 +138,26 @@ flash_fwd_kernel(const typename FwdMma<T>::Storage* __restrict__ q, const typena
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
         }
-        Mma::template qk<kMT, kNT, kHeadDim, kW>(s, sQ, tK, warp * kMT * 16, lane);
+        if constexpr (Mma::kTf32) {
+            Mma::template qk<kMT, kNT, kHeadDim, kW>(s, sQ, tK, warp * kMT * 16, lane);
+        } else {  // (16-bit: m16n8k16 inline, as this kernel had it before FwdMma; the PTX stays what it was)
+#pragma unroll
+            for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+                u32 a[kMT][4];
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) load_a<kW>(a[mt], sQ, (warp * kMT + mt) * 16, kk, lane);
+#pragma unroll
+                for (int np = 0; np < kNT / 2; ++np) {
+                    u32 bf[4];
+                    load_b_nk<kW>(bf, tK, np * 16, kk, lane);
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt) {
+                        Elem<T>::mma(s[mt][2 * np], a[mt], bf[0], bf[1]);
+                        Elem<T>::mma(s[mt][2 * np + 1], a[mt], bf[2], bf[3]);
+                    }
+                }
+            }
+        }
         const int n0 = n_shift + tile_row(j);  // the tile's first key in the sequence
         // (kExactMods: mod_scores applies mask_mod on a partial tile already, with the float32 math)
         const bool mask_mod = !Mma::kExactMods && keys.mask_mod_in_mask(j);
@@ -207,7 +176,26 @@ flash_fwd_kernel(const typename FwdMma<T>::Storage* __restrict__ q, const typena
         __syncthreads();
 
         // [fa2-fwd 5] acc += P V
-        Mma::template pv<kMT, kNT, kDT, kW>(acc, s, tV, lane);
+        if constexpr (Mma::kTf32) {
+            Mma::template pv<kMT, kNT, kDT, kW>(acc, s, tV, lane);
+        } else {  // P cast to the input dtype and used straight from registers
+#pragma unroll
+            for (int kk = 0; kk < kBlockN / 16; ++kk) {
+                u32 a[kMT][4];
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) c_to_a<T, kNT>(a[mt], s[mt], kk);
+#pragma unroll
+                for (int np = 0; np < kDT / 2; ++np) {
+                    u32 bf[4];
+                    load_b_kn<kW>(bf, tV, kk * 16, np, lane);
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt) {
+                        Elem<T>::mma(acc[mt][2 * np], a[mt], bf[0], bf[1]);
+                        Elem<T>::mma(acc[mt][2 * np + 1], a[mt], bf[2], bf[3]);
+                    }
+                }
+            }
+        }
         __syncthreads();  // every warp is done with buffer j % kStages before it is refilled
     }
     cp_async_wait<0>();
@@ -223,7 +211,17 @@ flash_fwd_kernel(const typename FwdMma<T>::Storage* __restrict__ q, const typena
             const float inv = l > 0.f ? (V::Has_dropout ? bi.keep_scale : 1.f) / l : 0.f;  // [variant dropout] 1 / (1 - p)
             const int row = row_base + mt * 16 + g + 8 * hh;
             if (row < bi.len_q) {
-                Mma::template store_row<V::Pads_head_dim, kDT>(og + (i64)row * o_ss, acc[mt], hh, inv, t, v8);
+                E* orow = og + (i64)row * o_ss;
+                if constexpr (Mma::kTf32) {
+                    Mma::template store_row<V::Pads_head_dim, kDT>(orow, acc[mt], hh, inv, t, v8);
+                } else {
+#pragma unroll
+                    for (int dt = 0; dt < kDT; ++dt) {
+                        if (V::Pads_head_dim && dt >= v8) break;  // [variant head dim] the output's columns only
+                        *reinterpret_cast<u32*>(orow + dt * 8 + 2 * t) =
+                            Elem<T>::pack(acc[mt][dt][2 * hh] * inv, acc[mt][dt][2 * hh + 1] * inv);
+                    }
+                }
                 if (t == 0) {
                     lse[bi.row_index(h, heads_q, seqlen_q, row)] = l > 0.f ? (sm[mt].m[hh] + __log2f(l)) * kLn2 : -CUFLASH_INF;
                 }

@@ -120,6 +120,7 @@ struct Tf32FwdMma {
     using Storage = float;
     static constexpr int kHeadDimStep = 32;   // head dims the tiles take (rows of whole 8-chunk swizzle groups)
     static constexpr bool kExactMods = true;  // softcap and score_mod with tanhf: float32's budget
+    static constexpr bool kTf32 = true;       // the kernel takes qk, pv and store_row from here
 
     template <int kRows, int kW, int kThreads, int kCols, bool kIsV>
     __device__ __forceinline__ static void load(float* tile, const float* g, i64 stride, int row0, int nrows, int tid, int) {

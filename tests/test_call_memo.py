@@ -412,6 +412,7 @@ def test_a_planned_backward_launches_what_the_unplanned_backward_launches(fake, 
     from cuflash import _cuda
     from cuflash._cuda.attention import BackwardPlan
 
+    recorder.keep_zeroed = True  # (else a result copied after the call's zeroing may reuse zeroed memory: see Recorder)
     signatures = _backward_signatures(cp)
 
     def launched(call, inputs):
