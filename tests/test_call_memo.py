@@ -434,9 +434,12 @@ def test_a_planned_backward_launches_what_the_unplanned_backward_launches(fake, 
             normal, zeroed, launches = launched(call, inputs)
             assert normal == unplanned[name][0], name
             # What starts zeroed (the float32 dQ accumulator; dK, dV and GQA's accumulator with seqused_k): zeroed,
-            # from its start over at least its size (D, also in the planned workspace, is not).
-            assert zeroed.keys() == unplanned[name][1].keys(), name
-            assert all(zeroed[buffer] >= size for buffer, size in unplanned[name][1].items()), name
+            # from its start over at least its size (D, also in the planned workspace, is not). Only where the plan
+            # allocates: the other paths run the unplanned launcher itself, whose temporaries (upcast and padded
+            # copies) free host memory that a later buffer may reuse, so that buffers are named by chance there.
+            if packs:
+                assert zeroed.keys() == unplanned[name][1].keys(), name
+                assert all(zeroed[buffer] >= size for buffer, size in unplanned[name][1].items()), name
             if packs:
                 assert all(len(launch) == 6 for launch in launches if "block_" not in launch[0]), name
     plans = [type(entry.plan) for entry in _api._checked_calls._entries.values()]
