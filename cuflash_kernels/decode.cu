@@ -85,7 +85,13 @@ struct DecodeParams {
     float scale_log2;            // softmax_scale * log2(e)
     float softcap_a, softcap_b;  // softcap in raw-score units (0: none): s -> b tanh(a s)
     float inv_scale;             // 1 / softmax_scale (ALiBi slopes in raw-score units)
+    int page_shift;              // log2(page_size) for a power of two, else -1 (a division)
 };
+
+// [decode page] A slot's page index: a shift for page sizes that are powers of two, else a division.
+__device__ __forceinline__ int page_index(const DecodeParams& p, int slot) {
+    return p.page_shift >= 0 ? slot >> p.page_shift : slot / p.page_size;
+}
 
 // [decode guard] Whether sequence b's index values are in range: cache_seqlens[b] (seqlen) in [0, capacity -
 // seqlen_new], cache_leftpad[b] in [0, seqlen] and, for a contiguous cache, its row in [0, cache_rows). Then every
@@ -325,7 +331,7 @@ struct PageSlots {
         for (int it = 0; it < kIters; ++it) {
             const int i = tid + it * kThreads, r = i / kChunks;
             const int slot = slot0 + n0 + r;
-            const int index = slot / p.page_size;
+            const int index = page_index(p, slot);
             const bool used = (kBlockN * kChunks % kThreads == 0 || i < kBlockN * kChunks) && n0 + r < len_k;
             page[it] = used ? __ldg(pages + index) : 0;
             pos[it] = slot - index * p.page_size;
@@ -342,8 +348,9 @@ struct PageSlots {
 struct InlinePages {
     const int* pages;
     __device__ __forceinline__ void locate(const DecodeParams& p, int, int slot, int& pg, int& ps) const {
-        pg = pages[slot / p.page_size];
-        ps = slot % p.page_size;
+        const int index = page_index(p, slot);
+        pg = pages[index];
+        ps = slot - index * p.page_size;
     }
 };
 

@@ -697,3 +697,20 @@ def test_decode_step_paths_timing_cuda():
             rows.append(f"batch {batch:2d} context {context:6d}  {name:38s} host {host * 1e6:8.1f} us  "
                         f"wall {wall * 1e6:8.1f} us")
     print("\n" + "\n".join(rows))
+
+
+def test_the_benchmark_script_runs_on_the_cpu(capsys):
+    """tools/transformers_bench.py --smoke (tiny float32 models, the NumPy backend): every implementation prefills
+    with the reference's logits and generates, and a cufa-over-best-sdpa line per model and measure is printed."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "transformers_bench.py"
+    spec = importlib.util.spec_from_file_location("transformers_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("speed / best") == 4 and "refused" not in out
+    diffs = [float(line.rsplit(" ", 1)[1].rstrip(")")) for line in out.splitlines() if "max |logits" in line]
+    assert len(diffs) == 4 and max(diffs) < 1e-4

@@ -59,10 +59,10 @@ DECODE_PARAMS_DTYPE = np.dtype(
      *((name, np.int32) for name in ("capacity", "cache_rows", "batch", "seqlen_q", "seqlen_new", "heads_q", "heads_kv", "group", "head_dim",
                                       "head_dim_v", "page_size", "num_splits", "row_tiles", "has_left", "window_left",
                                       "has_right", "window_right")),
-     *((name, np.float32) for name in ("scale_log2", "softcap_a", "softcap_b", "inv_scale"))],
+     *((name, np.float32) for name in ("scale_log2", "softcap_a", "softcap_b", "inv_scale")), ("page_shift", np.int32)],
     align=True,
 )
-assert DECODE_PARAMS_DTYPE.itemsize == 368
+assert DECODE_PARAMS_DTYPE.itemsize == 368  # (page_shift took the tail padding)
 # Each step pointer's byte offset in the record, in _STEP_POINTERS order.
 _STEP_OFFSETS = tuple(DECODE_PARAMS_DTYPE.fields[name][1] for name in _STEP_POINTERS)
 
@@ -250,6 +250,8 @@ class DecodeLaunch:
         r["batch"], r["seqlen_q"], r["seqlen_new"], r["heads_q"] = batch, seqlen_q, cache.seqlen_new, heads_q
         r["heads_kv"], r["group"], r["head_dim"], r["head_dim_v"] = heads_kv, group, d, dv
         r["page_size"], r["num_splits"], r["row_tiles"] = cache.page_size or 1, self.num_splits, row_tiles
+        page = cache.page_size or 1
+        r["page_shift"] = page.bit_length() - 1 if page & (page - 1) == 0 else -1  # [decode page]
         # A band edge past every key is no edge: clamped so that t + offset +- window stays inside int32.
         reach = cache.capacity + seqlen_q
         left = None if variant.window_left is None else min(variant.window_left, reach)
