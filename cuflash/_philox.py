@@ -20,7 +20,7 @@ _M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)   # round multipliers
 _W0, _W1 = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)   # Weyl key increments (golden ratio, sqrt(3) - 1)
 _MASK32 = np.uint64(0xFFFFFFFF)
 _SHIFT32 = np.uint64(32)
-_U1, _U2, _U3, _U4, _U7 = np.uint64(1), np.uint64(2), np.uint64(3), np.uint64(4), np.uint64(7)
+_U1, _U2, _U3, _U4, _U5, _U7 = (np.uint64(n) for n in (1, 2, 3, 4, 5, 7))
 ROUNDS = 10
 
 
@@ -44,14 +44,15 @@ def philox4x32(counter, key, rounds: int = ROUNDS):
     return tuple(c.astype(np.uint32) for c in (c0, c1, c2, c3))
 
 
-KEEP_BITS = 16                 # each Philox word serves two scores, a 16-bit half each
+KEEP_BITS = 8                  # each Philox word serves four scores, an 8-bit quarter each
 THRESHOLD_ONE = 1 << KEEP_BITS  # keep_threshold of p = 0 (every score kept)
 
 
 def keep_threshold(dropout_p: float) -> int:
-    """``T = floor((1 - p) * 2**16)``, computed in float64: a score is kept iff its uniform 16-bit half-word
-    ``r < T``. So ``p`` is quantized to a multiple of ``2**-16`` (the kept fraction is ``T / 2**16``, at most
-    ``2**-16`` below ``1 - p``); ``T`` is ``2**16`` only when ``1 - p`` rounds to 1 (no dropout)."""
+    """``T = floor((1 - p) * 2**8)``, computed in float64: a score is kept iff its uniform 8-bit quarter-word
+    ``r < T``. So ``p`` is quantized to a multiple of ``2**-8`` (the kept fraction is ``T / 256``, at most
+    ``2**-8`` below ``1 - p``; flash-attention's 8-bit threshold quantizes ``p`` as finely); ``T`` is 256 only
+    when ``1 - p`` rounds to 1 (no dropout)."""
     return int(np.floor((1.0 - float(dropout_p)) * float(THRESHOLD_ONE)))
 
 
@@ -59,25 +60,26 @@ def dropout_keep(seed: int, offset: int, dropout_p: float, b, h, i, j) -> np.nda
     """The keep decision of score ``(b, h, i, j)``: a boolean array, the broadcast of the index arrays.
 
     key = ``(seed mod 2**32, seed >> 32)``; counter = ``(c0, c1, lo32(W), hi32(W))`` with
-    ``c0 = (i >> 4) * 8 + (i & 7)``, ``c1 = (j >> 4) * 4 + ((j >> 1) & 3)`` and the 64-bit
+    ``c0 = (i >> 4) * 8 + (i & 7)``, ``c1 = (j >> 5) * 4 + ((j >> 1) & 3)`` and the 64-bit
     ``W = (b * 2**32 + h + offset) mod 2**64``; of that call's word ``2 * ((i >> 3) & 1) + ((j >> 3) & 1)``,
-    the low 16 bits for an even ``j`` and the high 16 for an odd one are ``r``, and the score is kept iff
+    the byte ``2 * ((j >> 4) & 1) + (j & 1)`` (byte 0 the lowest) is ``r``, and the score is kept iff
     ``r < keep_threshold(p)``. A pure function of ``(seed, offset, b, h, i, j)``.
 
-    One call thus serves the eight scores ``(i, i + 8) x (j, j + 1, j + 8, j + 9)`` (``i & 8 == 0``,
-    ``j & 9 == 0``) of a 16 x 16 block: the eight accumulator entries that one lane of an mma holds in the
+    One call thus serves the sixteen scores ``(i, i + 8) x (j + 8c + e)``, ``c < 4``, ``e < 2`` (``i & 8 == 0``,
+    ``j & 25 == 0``) of a 16 x 32 block: the sixteen accumulator entries that one lane of an mma holds in the
     normal (forward) layout (``docs/variants.md``, "Dropout").
     """
     b, h, i, j = (np.asarray(x, dtype=np.uint64) for x in (b, h, i, j))
     with np.errstate(over="ignore"):  # the 64-bit word wraps mod 2**64 by definition
         w = (b << _SHIFT32) + h + np.uint64(offset)
     c0 = ((i >> _U4) << _U3) + (i & _U7)
-    c1 = ((j >> _U4) << _U2) + ((j >> _U1) & _U3)
+    c1 = ((j >> _U5) << _U2) + ((j >> _U1) & _U3)
     words = philox4x32((c0, c1, w & _MASK32, w >> _SHIFT32), (seed & 0xFFFFFFFF, seed >> 32))
     lane = ((((i >> _U3) & _U1) << _U1) + ((j >> _U3) & _U1)).astype(np.intp)
     shape = np.broadcast_shapes(*(x.shape for x in words), lane.shape, j.shape)
     r = np.choose(np.broadcast_to(lane, shape), [np.broadcast_to(x, shape) for x in words])
-    r = (r >> ((j & _U1) * np.uint32(16)).astype(np.uint32)) & np.uint32(0xFFFF)
+    quarter = (((j >> _U4) & _U1) << _U1) + (j & _U1)
+    r = (r >> (quarter * np.uint64(8)).astype(np.uint32)) & np.uint32(0xFF)
     threshold = keep_threshold(dropout_p)
     if threshold >= THRESHOLD_ONE:
         return np.ones(shape, bool)

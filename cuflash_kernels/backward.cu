@@ -294,10 +294,11 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
         // P^T in the input dtype, as A fragments: to shared memory for dV, and kept (16 bits, half the
         // registers of float32) for dS^T. [variant dropout] dV takes P^T dropped and times 1 / (1 - p).
         u32 pt[2][kQN8 / 2][4];
+        // [variant dropout] The keep bits of both 16-key tiles in one draw (a Philox call covers 32 keys).
         u32 keep_bits[V::Has_dropout ? 2 : 1][(4 * kQN8 + 31) / 32];
+        if constexpr (V::Has_dropout) dropout_bits_tiles<true, kQN8, 2>(keep_bits, bi, key_base, m0 + wm * kQW, lane);
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            if constexpr (V::Has_dropout) dropout_bits<true, kQN8>(keep_bits[i], bi, key_base + 16 * i, m0 + wm * kQW, lane);
 #pragma unroll
             for (int kk = 0; kk < kQN8 / 2; ++kk) {
                 c_to_a<T, kQN8>(pt[i][kk], st[i], kk);

@@ -15,9 +15,9 @@
 //     bias's gradient is dS itself, store_dbias);
 //   - [variant mask] visible(i, j): the key lies inside the sequence's used keys and the band;
 //   - [variant dropout] keep(i, j) / dropout_bits: the Philox keep decision of cuflash/_philox.py, one call
-//     per 8 scores (i, i + 8) x (j, j + 1, j + 8, j + 9), a 16-bit half-word each: the 8 scores of a 16 x 16
-//     block that one lane holds in the normal mma accumulator layout (the transposed one swaps halves
-//     between lane pairs).
+//     per 16 scores (i, i + 8) x (j, j + 1, j + 8, j + 9, ..., j + 24, j + 25), an 8-bit quarter-word each:
+//     the 16 scores of a 16 x 32 block that one lane holds in the normal mma accumulator layout (the
+//     transposed one swaps quarters between lane pairs).
 // A dense call is `Variant<false, ..., false>`: every hook folds to the dense code.
 // Header-only, free of CUDA toolkit headers; include after cuflash_tiles.cuh.
 #pragma once
@@ -34,7 +34,7 @@ struct ExtraParams {
     i64 dsb, dsh, dsm;
     u64 dropout_seed;   // Philox key (seed mod 2^32, seed >> 32)
     u64 dropout_offset; // W = b * 2^32 + h + offset
-    u32 keep_threshold; // a score is kept iff its 16-bit Philox half-word < keep_threshold = floor((1 - p) 2^16)
+    u32 keep_threshold; // a score is kept iff its 8-bit Philox quarter-word < keep_threshold = floor((1 - p) 2^8)
     float keep_scale;   // 1 / (1 - p)
     ModArrays mods;     // the arrays user mods read (user_mods.cuh)
     // mask_mod's block sparsity for this launch's tiles (cuflash/_mods.py:BlockMap, compacted): for each row
@@ -411,75 +411,148 @@ struct BlockInfo {
         return ep.tile_list + r * ep.tile_cols;
     }
 
-    // [variant dropout] The Philox call of the 8 scores (i0 + 8a, j0 + 8c + h), a, c, h in {0, 1} (i0 % 16 < 8;
-    // j0 % 16 < 8, even): word 2a + c, its 16-bit half h (h = 0: the low half). Counter (c0, c1, W lo, W hi)
-    // with c0 = (i0 >> 4) * 8 + i0 % 8 (the query: a warp's constant in the forward, where the compiler
-    // hoists the rounds that see only c0, c2, c3 out of the key loop) and c1 = (j0 >> 4) * 4 + (j0 >> 1) % 4.
+    // [variant dropout] The Philox call of the 16 scores (i0 + 8a, j0 + 8c + h), a, h in {0, 1}, c in {0, 1, 2,
+    // 3} (i0 % 16 < 8; j0 % 32 < 8, even): word 2a + (c & 1), its 8-bit quarter 2 (c >> 1) + h (quarter 0: the
+    // low byte). Counter (c0, c1, W lo, W hi) with c0 = (i0 >> 4) * 8 + i0 % 8 (the query: a warp's constant in
+    // the forward, where the compiler hoists the rounds that see only c0, c2, c3 out of the key loop) and
+    // c1 = (j0 >> 5) * 4 + (j0 >> 1) % 4.
     __device__ __forceinline__ uint4 dropout_words(int i0, int j0) const {
-        return dropout_call(((u32)i0 >> 4) * 8 + (i0 & 7), ((u32)j0 >> 4) * 4 + ((j0 >> 1) & 3));
+        return dropout_call(((u32)i0 >> 4) * 8 + (i0 & 7), ((u32)j0 >> 5) * 4 + ((j0 >> 1) & 3));
     }
     __device__ __forceinline__ uint4 dropout_call(u32 c0, u32 c1) const {
         return philox4x32_10(make_uint4(c0, c1, drop_w0, drop_w1), drop_k0, drop_k1);
     }
     // Whether score (i, j) is kept (one Philox call for one score: the float32 kernels).
     __device__ __forceinline__ bool keep(int i, int j) const {
-        const uint4 w = dropout_words(i & ~8, j & ~9);
+        const uint4 w = dropout_words(i & ~8, j & ~25);
         const int word = ((i >> 2) & 2) | ((j >> 3) & 1);
+        const int quarter = ((j >> 3) & 2) | (j & 1);
         const u32 r = word == 0 ? w.x : word == 1 ? w.y : word == 2 ? w.z : w.w;
-        return ((j & 1) ? r >> 16 : r & 0xffffu) < keep_threshold;
+        return ((r >> (8 * quarter)) & 0xffu) < keep_threshold;
     }
 };
 
-// [variant dropout] The keep bits of one lane's scores of a block of 16-row mma tiles, bit 4 nt + e for
-// element e of n8 tile nt (the for_each_score layout; kTransposed: rows are keys). row_base and col_base
-// are multiples of 16. A lane holds 8 scores of each 16 x 16 block: rows (g, g + 8) x columns (2t, 2t + 1,
-// 2t + 8, 2t + 9). In the normal layout (rows are queries) they are exactly one Philox call's 8 half-words.
-// In the transposed layout a lane's 8 are half of each of two calls (queries 2t and 2t + 1 of keys g, g + 8),
-// so lanes g and g ^ 1 (lane ^ 4) each make one of the two calls and swap the halves the other needs: one
-// Philox call per 8 scores either way, and one shuffle per 32 bits.
+// [variant dropout] Whether quarter q (byte q) of a Philox word is below the keep threshold T (T < 256, the
+// kernels run dropout only then), given t24 = T << 24: (x << (24 - 8 q)) < t24, the quarter moved to the top
+// byte (the bytes below it cannot change the outcome of a comparison with a multiple of 2^24).
+__device__ __forceinline__ bool quarter_kept(u32 x, int q, u32 t24) { return (x << (24 - 8 * q)) < t24; }
+
+// [variant dropout] The keep bits of one lane's scores of kRowTiles 16-row mma tiles (rows row_base + 16 r),
+// bits[r], bit 4 nt + e for element e of n8 tile nt (the for_each_score layout; kTransposed: rows are keys).
+// A lane holds, of each 16-row x 32-column block, rows (g, g + 8) x columns (2t, 2t + 1) + 8 c, c < 4.
+//   Normal layout (rows are queries; kRowTiles = 1): those 16 are exactly one Philox call's 16 quarters, so
+//   one call per 16 scores and no shuffle. With kNT % 4 == 0, col_base is a multiple of 32 (every caller's
+//   is a multiple of 8 kNT); otherwise (a user's tile of 16 x an odd number of keys) each 16 columns make
+//   their own call and use half of it.
+//   Transposed (rows are keys): a lane's scores of a 32-key x 16-query block are a quarter of each of two calls
+//   (queries 2t and 2t + 1 with + 8, keys of its parity g & 1): lanes g and g ^ 1 (lane ^ 4) each make one
+//   of the two and swap the quarters of the other key parity (one shuffle per 32 keep bits). kRowTiles = 2
+//   (row_base a multiple of 32: the mma.sync dK/dV kernel's 32 keys per warp) uses every quarter: one call
+//   per 16 scores. kRowTiles = 1 (row_base a multiple of 16: the wgmma kernel's 16 keys per warp) uses the
+//   half of each call that its 16 keys own (the other warp of the 32 makes the same call): one per 8 scores.
+template <bool kTransposed, int kNT, int kRowTiles, class V>
+__device__ __forceinline__ void dropout_bits_tiles(u32 (&bits)[kRowTiles][(4 * kNT + 31) / 32], const BlockInfo<V>& bi,
+                                                   int row_base, int col_base, int lane) {
+    static_assert(kNT % 2 == 0, "whole 16-column blocks");
+    static_assert(kTransposed ? (kRowTiles == 1 || kRowTiles == 2) : kRowTiles == 1, "row tiles");
+    constexpr int kWords = (4 * kNT + 31) / 32;
+    const int g = lane >> 2, t = lane & 3;
+    const u32 t24 = bi.keep_threshold << 24;
+#pragma unroll
+    for (int r = 0; r < kRowTiles; ++r) {
+#pragma unroll
+        for (int w = 0; w < kWords; ++w) bits[r][w] = 0u;
+    }
+    if constexpr (!kTransposed) {
+        // The call of query i0 = row_base + g and keys j0 = col_base + 32 nq + 2t (+ 1, + 8, ..., + 25).
+        const u32 c0 = ((u32)row_base >> 1) + g;
+        if constexpr (kNT % 4 == 0) {
+            const u32 c1 = ((u32)col_base >> 3) + t;
+#pragma unroll
+            for (int nq = 0; nq < kNT / 4; ++nq) {
+                const uint4 w4 = bi.dropout_call(c0, c1 + 4 * nq);
+                const u32 words[4] = {w4.x, w4.y, w4.z, w4.w};
+#pragma unroll
+                for (int wd = 0; wd < 4; ++wd) {  // word 2a + c % 2: query + 8a; quarter 2 (c / 2) + h: key + 8c + h
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        const int a = wd >> 1, c = (wd & 1) + 2 * (q >> 1), h = q & 1;
+                        const int pos = 4 * (4 * nq + c) + 2 * a + h;  // element 2a + h of n8 tile 4 nq + c
+                        if (quarter_kept(words[wd], q, t24)) bits[0][pos >> 5] |= 1u << (pos & 31);
+                    }
+                }
+            }
+        } else {
+#pragma unroll
+            for (int np = 0; np < kNT / 2; ++np) {
+                const int col = col_base + 16 * np;
+                const uint4 w4 = bi.dropout_call(c0, ((u32)col >> 5) * 4 + t);
+                const u32 words[4] = {w4.x, w4.y, w4.z, w4.w};
+                const int sh = 16 * ((col >> 4) & 1);  // this 16-column block's half of each word
+#pragma unroll
+                for (int wd = 0; wd < 4; ++wd) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int pos = 4 * (2 * np + (wd & 1)) + 2 * (wd >> 1) + h;
+                        if (((words[wd] >> sh) << (24 - 8 * h)) < t24) bits[0][pos >> 5] |= 1u << (pos & 31);
+                    }
+                }
+            }
+        }
+    } else {
+        // The call of this lane's queries of parity s = g & 1, i0 = col_base + 16 np + 2t + s, and keys j0 =
+        // (row_base & ~31) + (g & 6) (+ 1, + 8, ..., + 25); the other parity is lane ^ 4's call. lo / hi: the
+        // quarters of even / odd keys (h = 0 / 1), at the element of query parity 0. Counter words as dropout_words.
+        const int s = g & 1;
+        const u32 c0 = ((u32)col_base >> 1) + 2 * t + s;
+        const u32 c1 = (((u32)row_base >> 3) & ~3u) + (g >> 1);
+        const int sh = kRowTiles == 2 ? 0 : 16 * ((row_base >> 4) & 1);  // kRowTiles = 1: its 16 keys' half
+        u32 lo[kRowTiles][kWords], hi[kRowTiles][kWords];
+#pragma unroll
+        for (int r = 0; r < kRowTiles; ++r) {
+#pragma unroll
+            for (int w = 0; w < kWords; ++w) lo[r][w] = hi[r][w] = 0u;
+        }
+#pragma unroll
+        for (int np = 0; np < kNT / 2; ++np) {
+            const uint4 w4 = bi.dropout_call(c0 + 8 * np, c1);
+            const u32 words[4] = {w4.x, w4.y, w4.z, w4.w};
+#pragma unroll
+            for (int wd = 0; wd < 4; ++wd) {  // word 2a + (c & 1): query + 8a, key + 8 (c & 1) (+ 16 r)
+                const int pos = 4 * (2 * np + (wd >> 1)) + 2 * (wd & 1);
+#pragma unroll
+                for (int r = 0; r < kRowTiles; ++r) {  // quarters 2 ch (even key) and 2 ch + 1 (odd key)
+                    const u32 x = words[wd];
+                    const bool even = kRowTiles == 2 ? quarter_kept(x, 2 * r, t24) : (x << (24 - sh)) < t24;
+                    const bool odd = kRowTiles == 2 ? quarter_kept(x, 2 * r + 1, t24) : (x << (16 - sh)) < t24;
+                    if (even) lo[r][pos >> 5] |= 1u << (pos & 31);
+                    if (odd) hi[r][pos >> 5] |= 1u << (pos & 31);
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < kRowTiles; ++r) {
+#pragma unroll
+            for (int w = 0; w < kWords; ++w) {
+                // Own: the quarters of this lane's key parity s, at query parity s; sent: the other parity's,
+                // which lane ^ 4 (key parity 1 - s) needs at the same query parity s (its 1 - its own).
+                const u32 own = s ? hi[r][w] : lo[r][w], send = s ? lo[r][w] : hi[r][w];
+                const u32 got = __shfl_xor_sync(0xffffffffu, send, 4);
+                bits[r][w] = (own << s) | (got << (1 - s));
+            }
+        }
+    }
+}
+
+// The same for one 16-row tile.
 template <bool kTransposed, int kNT, class V>
 __device__ __forceinline__ void dropout_bits(u32 (&bits)[(4 * kNT + 31) / 32], const BlockInfo<V>& bi, int row_base,
                                              int col_base, int lane) {
-    static_assert(kNT % 2 == 0, "whole 16-column blocks");
     constexpr int kWords = (4 * kNT + 31) / 32;
-    const int g = lane >> 2, t = lane & 3;
-    const u32 threshold = bi.keep_threshold, threshold_hi = bi.keep_threshold << 16;
-    // Normal: both halves of a word go to bits (bit 0 of the key is bit 0 of the element). Transposed: the
-    // low and high halves (keys g & ~1 and g | 1) to lo and hi, at the element of query parity 0.
-    u32 lo[kWords], hi[kWords];
+    u32 tiles[1][kWords];
+    dropout_bits_tiles<kTransposed, kNT, 1>(tiles, bi, row_base, col_base, lane);
 #pragma unroll
-    for (int w = 0; w < kWords; ++w) lo[w] = hi[w] = 0u;
-    // The call of query i0, keys j0, j0 + 1 (+ 8 each): normal, this lane's own (i0 = row_base + g, j0 =
-    // col_base + 16 np + 2t); transposed, that of its queries of parity g & 1 (i0 = col_base + 16 np + 2t +
-    // (g & 1), j0 = row_base + (g & 6); the other parity is lane ^ 4's call). Counter words as dropout_words.
-    const u32 c0 = kTransposed ? ((u32)col_base >> 1) + 2 * t + (g & 1) : ((u32)row_base >> 1) + g;
-    const u32 c1 = kTransposed ? ((u32)row_base >> 2) + (g >> 1) : ((u32)col_base >> 2) + t;
-#pragma unroll
-    for (int np = 0; np < kNT / 2; ++np) {
-        const uint4 w4 = kTransposed ? bi.dropout_call(c0 + 8 * np, c1) : bi.dropout_call(c0, c1 + 4 * np);
-        const u32 words[4] = {w4.x, w4.y, w4.z, w4.w};
-#pragma unroll
-        for (int wd = 0; wd < 4; ++wd) {  // word 2a + c: query + 8a, key + 8c
-            const int qa = wd >> 1, kc = wd & 1;
-            // element e = 2 (row + 8) + (column parity) of n8 tile 2 np + (column + 8)
-            const int pos = kTransposed ? 4 * (2 * np + qa) + 2 * kc : 4 * (2 * np + kc) + 2 * qa;
-            if ((words[wd] & 0xffffu) < threshold) lo[pos >> 5] |= 1u << (pos & 31);
-            if (words[wd] < threshold_hi) hi[pos >> 5] |= 1u << (pos & 31);
-        }
-    }
-#pragma unroll
-    for (int w = 0; w < kWords; ++w) {
-        if constexpr (kTransposed) {
-            // Own: the half of this lane's key parity s, at query parity s; sent: the other half, which lane ^ 4
-            // (key parity 1 - s) needs at the same query parity s (its 1 - its own).
-            const int s = g & 1;
-            const u32 own = s ? hi[w] : lo[w], send = s ? lo[w] : hi[w];
-            const u32 got = __shfl_xor_sync(0xffffffffu, send, 4);
-            bits[w] = (own << s) | (got << (1 - s));
-        } else {
-            bits[w] = lo[w] | (hi[w] << 1);
-        }
-    }
+    for (int w = 0; w < kWords; ++w) bits[w] = tiles[0][w];
 }
 
 // [variant dropout] Keep bits drawn here, before the next statement: the Hopper kernels draw them while their

@@ -33,17 +33,18 @@ def _philox_scalar(counter, key, rounds=10):
 
 
 def _layout(i, j):
-    """The documented counter words c0, c1, the word index and the half of score (i, j): 16 x 16 blocks, one
-    call per (i, i + 8) x (j, j + 1, j + 8, j + 9) octuple, a 16-bit half-word per score."""
-    return (i >> 4) * 8 + (i & 7), (j >> 4) * 4 + ((j >> 1) & 3), 2 * ((i >> 3) & 1) + ((j >> 3) & 1), j & 1
+    """The documented counter words c0, c1, the word index and the quarter of score (i, j): 16 x 32 blocks, one
+    call per (i, i + 8) x (j + 8c + e, c < 4, e < 2) block of 16 scores, an 8-bit quarter-word per score."""
+    return ((i >> 4) * 8 + (i & 7), (j >> 5) * 4 + ((j >> 1) & 3), 2 * ((i >> 3) & 1) + ((j >> 3) & 1),
+            2 * ((j >> 4) & 1) + (j & 1))
 
 
 def _keep_scalar(seed, offset, p, b, h, i, j):
     """The documented keep decision, on Python integers."""
     w = ((b << 32) + h + offset) % 2**64
-    c0, c1, word, half = _layout(i, j)
+    c0, c1, word, quarter = _layout(i, j)
     words = _philox_scalar((c0, c1, w & 0xFFFFFFFF, w >> 32), (seed & 0xFFFFFFFF, seed >> 32))
-    return (words[word] >> (16 * half)) & 0xFFFF < int(np.floor((1.0 - p) * 2.0**16))
+    return (words[word] >> (8 * quarter)) & 0xFF < int(np.floor((1.0 - p) * 2.0**8))
 
 
 @pytest.mark.parametrize("counter, key, expected", PHILOX4X32_10_KAT)
@@ -66,7 +67,7 @@ def test_philox_vectorized_matches_scalar():
 def test_keep_decision_matches_its_definition():
     """cuflash.dropout_mask entry by entry against the scalar definition, with a seed and an offset that
     use both 32-bit halves and an offset that carries from the head word into the batch word."""
-    shape = (2, 3, 18, 20)  # past 8 and 16 on both axes: every word and counter step of the layout
+    shape = (2, 3, 18, 36)  # past 8 and 16 (and 32 for keys): every word, quarter and counter step
     for seed, offset in ((0x0123456789ABCDEF, 0), (7, 2**32 - 2), (2**64 - 1, 2**64 - 1)):
         mask = cuflash.dropout_mask(shape, 0.4, seed, offset)
         assert mask.shape == shape and mask.dtype == bool
@@ -77,106 +78,176 @@ def test_keep_decision_matches_its_definition():
 
 
 def test_counter_layout_against_scalar_philox():
-    """dropout_keep at chosen (i, j) equals the threshold test of half j & 1 of word 2 * ((i >> 3) & 1) +
-    ((j >> 3) & 1) of one scalar Philox call at counter ((i >> 4) * 8 + (i & 7), (j >> 4) * 4 + ((j >> 1) & 3),
-    lo32(W), hi32(W)), written out by hand here; p = 0.5 makes the half-word's top bit the decision."""
+    """dropout_keep at chosen (i, j) equals the threshold test of quarter 2 * ((j >> 4) & 1) + (j & 1) of word
+    2 * ((i >> 3) & 1) + ((j >> 3) & 1) of one scalar Philox call at counter ((i >> 4) * 8 + (i & 7),
+    (j >> 5) * 4 + ((j >> 1) & 3), lo32(W), hi32(W)), written out by hand here; p = 0.5 makes the quarter's top
+    bit the decision."""
     seed, offset, b, h = 0x0123456789ABCDEF, 5, 1, 2
     w = (b << 32) + h + offset
     key = (seed & 0xFFFFFFFF, seed >> 32)
-    cases = {  # (i, j): (c0, c1, word, half)
+    cases = {  # (i, j): (c0, c1, word, quarter)
         (0, 0): (0, 0, 0, 0), (0, 1): (0, 0, 0, 1), (0, 8): (0, 0, 1, 0), (8, 0): (0, 0, 2, 0), (8, 9): (0, 0, 3, 1),
-        (5, 13): (5, 2, 1, 1), (13, 5): (5, 2, 2, 1), (16, 16): (8, 4, 0, 0), (23, 31): (15, 7, 1, 1),
-        (100, 37): (52, 10, 0, 1), (1000, 2047): (496, 511, 3, 1),
+        (0, 16): (0, 0, 0, 2), (0, 17): (0, 0, 0, 3), (8, 25): (0, 0, 3, 3), (5, 13): (5, 2, 1, 1),
+        (13, 5): (5, 2, 2, 1), (16, 16): (8, 0, 0, 2), (23, 31): (15, 3, 1, 3), (16, 32): (8, 4, 0, 0),
+        (100, 37): (52, 6, 0, 1), (1000, 2047): (496, 255, 3, 3),
     }
-    for (i, j), (c0, c1, word, half) in cases.items():
-        assert _layout(i, j) == (c0, c1, word, half), (i, j)
-        r = (_philox_scalar((c0, c1, w & 0xFFFFFFFF, w >> 32), key)[word] >> (16 * half)) & 0xFFFF
-        assert bool(_philox.dropout_keep(seed, offset, 0.5, b, h, i, j)) == (r < 2**15), (i, j)
-    # the eight scores (i, i + 8) x (j, j + 1, j + 8, j + 9) of a 16 x 16 block read the eight half-words of
-    # one call, in order: word 2a + c, low half for the even key
-    i0, j0 = 16 * 3 + 5, 16 * 7 + 2
-    words = _philox_scalar(((i0 >> 4) * 8 + (i0 & 7), (j0 >> 4) * 4 + ((j0 >> 1) & 3), w & 0xFFFFFFFF, w >> 32), key)
-    halves = [(x >> (16 * hb)) & 0xFFFF for x in words for hb in (0, 1)]
-    octet = [(i0 + 8 * a, j0 + 8 * c + hb) for a in (0, 1) for c in (0, 1) for hb in (0, 1)]
+    for (i, j), (c0, c1, word, quarter) in cases.items():
+        assert _layout(i, j) == (c0, c1, word, quarter), (i, j)
+        r = (_philox_scalar((c0, c1, w & 0xFFFFFFFF, w >> 32), key)[word] >> (8 * quarter)) & 0xFF
+        assert bool(_philox.dropout_keep(seed, offset, 0.5, b, h, i, j)) == (r < 2**7), (i, j)
+    # the sixteen scores (i, i + 8) x (j + 8c + e) of a 16 x 32 block read the sixteen quarters of one call, in
+    # order: word 2a + (c & 1), quarter 2 (c >> 1) + e
+    i0, j0 = 16 * 3 + 5, 32 * 7 + 2
+    words = _philox_scalar(((i0 >> 4) * 8 + (i0 & 7), (j0 >> 5) * 4 + ((j0 >> 1) & 3), w & 0xFFFFFFFF, w >> 32), key)
+    quarters = [(x >> (8 * q)) & 0xFF for x in words for q in range(4)]
+    block = [(i0 + 8 * (wd >> 1), j0 + 8 * ((wd & 1) + 2 * (q >> 1)) + (q & 1)) for wd in range(4) for q in range(4)]
     threshold = _philox.keep_threshold(0.3)
-    for n, (i, j) in enumerate(octet):
-        assert bool(_philox.dropout_keep(seed, offset, 0.3, b, h, i, j)) == (halves[n] < threshold), (i, j)
-    # distinct scores of a sequence never share (counter, word, half): the layout is a bijection
-    seen = {_layout(i, j) for i in range(64) for j in range(48)}
-    assert len(seen) == 64 * 48
+    for n, (i, j) in enumerate(block):
+        assert bool(_philox.dropout_keep(seed, offset, 0.3, b, h, i, j)) == (quarters[n] < threshold), (i, j)
+    # distinct scores of a sequence never share (counter, word, quarter): the layout is a bijection
+    seen = {_layout(i, j) for i in range(64) for j in range(96)}
+    assert len(seen) == 64 * 96
 
 
-def test_threshold_quantizes_p_to_a_multiple_of_2_to_the_minus_16():
-    """T = floor((1 - p) 2**16): the kept fraction T / 2**16 is 1 - p rounded down to a multiple of 2**-16."""
-    assert _philox.KEEP_BITS == 16 and _philox.THRESHOLD_ONE == 2**16
-    for p in (0.1, 0.25, 0.5, 0.9, 1e-9, 1 - 2**-16, 0.999999):
+def test_threshold_quantizes_p_to_a_multiple_of_2_to_the_minus_8():
+    """T = floor((1 - p) 2**8): the kept fraction T / 256 is 1 - p rounded down to a multiple of 2**-8."""
+    assert _philox.KEEP_BITS == 8 and _philox.THRESHOLD_ONE == 2**8
+    for p in (0.1, 0.25, 0.5, 0.9, 1e-9, 1 - 2**-8, 0.999999, 2**-9):
         t = _philox.keep_threshold(p)
-        assert t == int(np.floor((1 - p) * 65536)) and 0 <= t < 2**16
-        assert 0 <= (1 - p) - t / 2**16 < 2**-16
-    assert _philox.keep_threshold(0.0) == 2**16
-    assert _philox.keep_threshold(0.1) == 58982 and _philox.keep_threshold(0.25) == 49152
+        assert t == int(np.floor((1 - p) * 256)) and 0 <= t < 2**8
+        assert 0 <= (1 - p) - t / 2**8 < 2**-8
+    assert _philox.keep_threshold(0.0) == 2**8
+    assert _philox.keep_threshold(0.1) == 230 and _philox.keep_threshold(0.25) == 192
+    assert _philox.keep_threshold(1e-9) == 255  # any p > ~1e-16 drops at least 1/256
 
 
-def _lane_bits(seed, offset, p, b, h, row_base, col_base, n_tiles, transposed):
-    """The CUDA kernels' dropout_bits (cuflash_kernels/variants.cuh) for all 32 lanes of a warp, written out in
-    Python: bit 4 nt + e of lane (g, t) is the keep bit of element e of n8 tile nt of the mma accumulator
-    (rows row_base + g + 8 (e >> 1), columns col_base + 8 nt + 2t + (e & 1); rows are keys when transposed).
-    Transposed, lane pairs g, g ^ 1 each make one Philox call and swap the halves the other needs."""
-    threshold = _philox.keep_threshold(p)
+def _quarter_kept(x, q, t24):
+    """variants.cuh's quarter_kept: (x << (24 - 8 q)) mod 2**32 < T << 24."""
+    return ((x << (24 - 8 * q)) & 0xFFFFFFFF) < t24
+
+
+def _lane_bits(seed, offset, p, b, h, row_base, col_base, n_tiles, transposed, row_tiles=1, mutation=None):
+    """The CUDA kernels' dropout_bits_tiles (cuflash_kernels/variants.cuh) for all 32 lanes of a warp, written
+    out in Python statement by statement: bits[r][lane] bit 4 nt + e is the keep bit of element e of n8 tile nt
+    of row tile r of the mma accumulator (rows row_base + 16 r + g + 8 (e >> 1), columns col_base + 8 nt + 2t +
+    (e & 1); rows are keys when transposed). Transposed, lane pairs g, g ^ 1 each make one Philox call and swap
+    the quarters the other needs. ``mutation`` breaks one step on purpose (the test must then fail)."""
+    t24 = _philox.keep_threshold(p) << 24
     w = ((b << 32) + h + offset) % 2**64
     key = (seed & 0xFFFFFFFF, seed >> 32)
-    lo, hi = [0] * 32, [0] * 32  # Python integers: bits 0 .. 4 n_tiles - 1
+
+    def call(c0, c1):
+        return _philox_scalar((c0 & 0xFFFFFFFF, c1 & 0xFFFFFFFF, w & 0xFFFFFFFF, w >> 32), key)
+
+    bits = [[0] * 32 for _ in range(row_tiles)]  # Python integers: bits 0 .. 4 n_tiles - 1
+    if not transposed:
+        assert row_tiles == 1
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            c0 = (row_base >> 1) + g
+            if n_tiles % 4 == 0:
+                assert col_base % 32 == 0
+                for nq in range(n_tiles // 4):
+                    words = call(c0, (col_base >> 3) + t + 4 * nq)
+                    for wd in range(4):
+                        for q in range(4):
+                            a, c, e = wd >> 1, (wd & 1) + 2 * (q >> 1), q & 1
+                            if mutation == "quarter":
+                                c, e = (wd & 1) + 2 * (q & 1), q >> 1
+                            pos = 4 * (4 * nq + c) + 2 * a + e
+                            bits[0][lane] |= int(_quarter_kept(words[wd], q, t24)) << pos
+            else:  # one call per 16 columns, the half of each word that their 32-column block gives them
+                for np_ in range(n_tiles // 2):
+                    col = col_base + 16 * np_
+                    words = call(c0, (col >> 5) * 4 + t)
+                    sh = 16 * ((col >> 4) & 1)
+                    if mutation == "half":
+                        sh = 16 - sh
+                    for wd in range(4):
+                        for e in range(2):
+                            pos = 4 * (2 * np_ + (wd & 1)) + 2 * (wd >> 1) + e
+                            bits[0][lane] |= int(_quarter_kept(words[wd] >> sh, e, t24)) << pos
+        return bits
+    lo = [[0] * 32 for _ in range(row_tiles)]
+    hi = [[0] * 32 for _ in range(row_tiles)]
     for lane in range(32):
         g, t = lane >> 2, lane & 3
-        if transposed:
-            c0, c1 = (col_base >> 1) + 2 * t + (g & 1), (row_base >> 2) + (g >> 1)
-        else:
-            c0, c1 = (row_base >> 1) + g, (col_base >> 2) + t
+        s = g & 1
+        c0, c1 = (col_base >> 1) + 2 * t + s, ((row_base >> 3) & ~3) + (g >> 1)
+        sh = 0 if row_tiles == 2 else 16 * ((row_base >> 4) & 1)
+        if mutation == "half":
+            sh = 16 - sh
         for np_ in range(n_tiles // 2):
-            cc0, cc1 = (c0 + 8 * np_, c1) if transposed else (c0, c1 + 4 * np_)
-            words = _philox_scalar((cc0, cc1, w & 0xFFFFFFFF, w >> 32), key)
+            words = call(c0 + 8 * np_, c1)
             for wd in range(4):
-                qa, kc = wd >> 1, wd & 1
-                pos = 4 * (2 * np_ + qa) + 2 * kc if transposed else 4 * (2 * np_ + kc) + 2 * qa
-                lo[lane] |= int((words[wd] & 0xFFFF) < threshold) << pos
-                hi[lane] |= int((words[wd] >> 16) < threshold) << pos
-    if not transposed:
-        return [x | (y << 1) for x, y in zip(lo, hi)]
-    bits = [0] * 32
-    for lane in range(32):
-        s, partner = (lane >> 2) & 1, lane ^ 4
-        own = hi[lane] if s else lo[lane]
-        got = lo[partner] if (partner >> 2) & 1 else hi[partner]  # what the partner sends: its other half
-        bits[lane] = (own << s) | (got << (1 - s))
+                pos = 4 * (2 * np_ + (wd >> 1)) + 2 * (wd & 1)
+                for r in range(row_tiles):
+                    x = words[wd] >> (16 * (r if mutation != "tiles" else 1 - r) if row_tiles == 2 else sh)
+                    lo[r][lane] |= int(_quarter_kept(x, 0, t24)) << pos
+                    hi[r][lane] |= int(_quarter_kept(x, 1, t24)) << pos
+    for r in range(row_tiles):
+        for lane in range(32):
+            s, partner = (lane >> 2) & 1, lane ^ 4
+            own = hi[r][lane] if s else lo[r][lane]
+            send_partner = lo[r][partner] if (partner >> 2) & 1 else hi[r][partner]  # the partner's other parity
+            if mutation == "swap":  # no exchange: the lane's own call for both query parities
+                send_partner = lo[r][lane] if s else hi[r][lane]
+            bits[r][lane] = (own << s) | (send_partner << (1 - s))
     return bits
+
+
+# (row_base, col_base, n8 tiles, row tiles) per layout: the kernels' shapes (wgmma forward 16 x 128, mma.sync
+# 16 x 32 and 16 x 64; a user's 16 x 48 tile; wgmma dK/dV 16 keys x 64 queries at both halves of a 32-key
+# block; mma.sync dK/dV 32 keys x 32 and x 16 queries)
+_LANE_CASES = {
+    False: ((0, 0, 16, 1), (48, 96, 4, 1), (1024, 2048, 8, 1), (32, 48, 6, 1), (16, 16, 2, 1)),
+    True: ((0, 0, 8, 1), (48, 96, 8, 1), (1040, 2048, 4, 1), (0, 0, 4, 2), (64, 80, 2, 2), (1024, 2048, 8, 2)),
+}
+
+
+def _lane_mismatches(transposed, mutation=None):
+    """How many keep bits of the emulated lanes differ from the reference's mask (0: the layout is right)."""
+    seed, offset, p, b, h = 2**40 + 12345, 2**33 + 5, 0.3, 1, 3
+    bad = 0
+    for row_base, col_base, n_tiles, row_tiles in _LANE_CASES[transposed]:
+        bits = _lane_bits(seed, offset, p, b, h, row_base, col_base, n_tiles, transposed, row_tiles, mutation)
+        for r in range(row_tiles):
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                for nt in range(n_tiles):
+                    for e in range(4):
+                        rr, cc = row_base + 16 * r + g + 8 * (e >> 1), col_base + 8 * nt + 2 * t + (e & 1)
+                        i, j = (cc, rr) if transposed else (rr, cc)
+                        want = bool(_philox.dropout_keep(seed, offset, p, b, h, i, j))
+                        bad += bool((bits[r][lane] >> (4 * nt + e)) & 1) != want
+    return bad
 
 
 @pytest.mark.parametrize("transposed", [False, True])
 def test_kernel_lane_layout_gives_the_reference_mask(transposed):
-    """Every lane's keep bits, as the kernels draw them (one call per 8 scores in both layouts), are the
-    reference's keep decisions of the scores that lane holds."""
-    seed, offset, p, b, h = 2**40 + 12345, 2**33 + 5, 0.3, 1, 3
-    for row_base, col_base, n_tiles in ((0, 0, 8), (48, 96, 16), (1024, 2048, 4)):
-        bits = _lane_bits(seed, offset, p, b, h, row_base, col_base, n_tiles, transposed)
-        for lane in range(32):
-            g, t = lane >> 2, lane & 3
-            for nt in range(n_tiles):
-                for e in range(4):
-                    r, c = row_base + g + 8 * (e >> 1), col_base + 8 * nt + 2 * t + (e & 1)
-                    i, j = (c, r) if transposed else (r, c)
-                    want = bool(_philox.dropout_keep(seed, offset, p, b, h, i, j))
-                    assert bool((bits[lane] >> (4 * nt + e)) & 1) == want, (transposed, lane, nt, e)
+    """Every lane's keep bits, as the kernels draw them (normal: one call per 16 scores, or per 8 on 16-column
+    leftovers; transposed: one per 16 scores over 32 keys, one per 8 over 16 keys), are the reference's keep
+    decisions of the scores that lane holds."""
+    assert _lane_mismatches(transposed) == 0
 
 
-# The keep mask of one 16 x 16 block, (b, h) = (1, 3), seed 2024, offset 7, p = 0.5: bit j of row i is
+@pytest.mark.parametrize("transposed, mutation", [(False, "quarter"), (False, "half"), (True, "half"),
+                                                  (True, "tiles"), (True, "swap")])
+def test_lane_layout_check_catches_a_wrong_layout(transposed, mutation):
+    """The check above can fail: a wrong quarter order, the wrong half of a word, swapped row tiles or a missing
+    lane exchange each give many wrong bits."""
+    assert _lane_mismatches(transposed, mutation) > 100
+
+
+# The keep mask of one 16 x 32 block, (b, h) = (1, 3), seed 2024, offset 7, p = 0.5: bit j of row i is
 # keep(i, j), computed once from the scalar definition above (a pin for the CUDA kernels' tests)
-KNOWN_BLOCK = (0x8B22, 0x05D0, 0x87E5, 0xC5AE, 0x45FC, 0x575E, 0xEB65, 0xA56A,
-               0x2996, 0xCC38, 0xC312, 0x7266, 0xFAE1, 0xB416, 0xD893, 0x4605)
+KNOWN_BLOCK = (0xCA235715, 0x04D51EF5, 0x96E41B9E, 0xD5BEDA18, 0x40A99AED, 0x525BEBAD, 0xBB60D7CF, 0xB43F4AC1,
+               0x69D70629, 0xD97DC820, 0xD757C260, 0x7336B0DC, 0xAAB5F0D3, 0xB5126C29, 0xC8D3E533, 0x07408C1B)
 
 
 def test_known_block_mask():
-    mask = cuflash.dropout_mask((2, 4, 16, 16), 0.5, seed=2024, offset=7)[1, 3]
-    rows = tuple(int((mask[i].astype(np.int64) << np.arange(16)).sum()) for i in range(16))
+    mask = cuflash.dropout_mask((2, 4, 16, 32), 0.5, seed=2024, offset=7)[1, 3]
+    rows = tuple(int((mask[i].astype(np.int64) << np.arange(32)).sum()) for i in range(16))
     assert rows == KNOWN_BLOCK, [hex(r) for r in rows]
 
 

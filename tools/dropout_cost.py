@@ -5,7 +5,7 @@
 Compiles with NVRTC (CPU only) and counts instructions two ways:
 
 1. Probes: a small kernel per score layout that runs ``dropout_scores`` (the forward's normal layout) or
-   ``dropout_bits`` plus two uses of ``kept`` (the backward's transposed layout: P^T and dP^T) on one
+   ``dropout_bits_tiles`` plus two uses of ``kept`` (the backward's transposed layout: P^T and dP^T) on one
    lane's fragment of a tile, in a loop over column tiles like the kernels' (row index fixed per warp,
    column index moving), once with ``Has_dropout`` and once without. The loop body's instruction count,
    dropout minus dense, is the dropout cost per tile per lane; divided by the lane's scores it is the cost
@@ -41,52 +41,64 @@ from cuflash._cuda.spec import TILES, KernelSpec, _policy  # noqa: E402
 CAUSAL = (False, True, False, False, False, False, False, False)
 CAUSAL_DROPOUT = (False, True, False, False, False, False, False, True)
 
-# The probes: kNT n8 tiles of 16 rows per lane, as the kernels hold them (label, transposed, kNT, arch).
+# The probes: kRows 16-row tiles of kNT n8 tiles per lane, as the kernels hold them (label, transposed, kNT,
+# kRows, arch). The mma.sync dK/dV kernel draws the bits of its two 16-key tiles at once (one Philox call
+# covers 32 keys); the wgmma one has 16 keys per warp.
 PROBES = (
-    ("fwd sm90 (wgmma 16 x 128 per warp)", False, 16, "sm_90a"),
-    ("fwd mma.sync (16 x 32, A100 d 128)", False, 4, "sm_80"),
-    ("bwd sm90 dK/dV (S^T 16 x 64 per warp)", True, 8, "sm_90a"),
-    ("bwd mma.sync dK/dV (S^T 16 x 32 per m tile)", True, 4, "sm_80"),
+    ("fwd sm90 (wgmma 16 x 128 per warp)", False, 16, 1, "sm_90a"),
+    ("fwd mma.sync (16 x 32, A100 d 128)", False, 4, 1, "sm_80"),
+    ("bwd sm90 dK/dV (S^T 16 x 64 per warp)", True, 8, 1, "sm_90a"),
+    ("bwd mma.sync dK/dV (S^T 32 x 32 per warp)", True, 4, 2, "sm_80"),
 )
 
 PROBE_SOURCE = r"""
 namespace cuflash {
 // One lane's fragment of kNT n8 tiles (16 rows), dropout applied n_tiles times as the kernels do: the rows
 // stay (a warp's queries in the forward, its keys in the backward), the columns move by one tile.
-template <class V, bool kTransposed, int kNT>
+template <class V, bool kTransposed, int kNT, int kRows>
 __global__ void dropout_probe(float* out, const VariantParams vp, int row_base, int col_base, int n_tiles) {
     const BlockInfo<V> bi(vp, blockIdx.z, blockIdx.y, 1 << 20, 1 << 20);
     const int lane = threadIdx.x & 31;
     float acc = 0.f;
     for (int it = 0; it < n_tiles; ++it) {
-        float s[kNT][4], dp[kNT][4];
+        float s[kRows][kNT][4], dp[kRows][kNT][4];
 #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
+        for (int r = 0; r < kRows; ++r) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[nt][e] = fmaf((float)(4 * nt + e), 0.25f, (float)(lane + it));  // float arithmetic: the
-                dp[nt][e] = fmaf((float)(4 * nt + e), 0.5f, (float)(lane - it));  // selects stay FSEL
+            for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {  // float arithmetic: the selects stay FSEL
+                    s[r][nt][e] = fmaf((float)(4 * nt + e + 64 * r), 0.25f, (float)(lane + it));
+                    dp[r][nt][e] = fmaf((float)(4 * nt + e + 64 * r), 0.5f, (float)(lane - it));
+                }
             }
         }
         const int col = col_base + it * 8 * kNT;
         if constexpr (!kTransposed) {  // the forward: P dropped after the row sum
-            dropout_scores<false>(s, bi, row_base, col, lane, 1.f);
+            static_assert(kRows == 1, "one row tile");
+            dropout_scores<false>(s[0], bi, row_base, col, lane, 1.f);
         } else if constexpr (V::Has_dropout) {  // the backward: keep bits once, used for P^T and dP^T
-            u32 bits[(4 * kNT + 31) / 32];
-            dropout_bits<true, kNT>(bits, bi, row_base, col, lane);
+            u32 bits[kRows][(4 * kNT + 31) / 32];
+            dropout_bits_tiles<true, kNT, kRows>(bits, bi, row_base, col, lane);
 #pragma unroll
-            for (int nt = 0; nt < kNT; ++nt) {
+            for (int r = 0; r < kRows; ++r) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    s[nt][e] = kept<kNT>(bits, nt, e) ? s[nt][e] * bi.keep_scale : 0.f;
-                    dp[nt][e] = kept<kNT>(bits, nt, e) ? dp[nt][e] * bi.keep_scale : 0.f;
+                for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        s[r][nt][e] = kept<kNT>(bits[r], nt, e) ? s[r][nt][e] * bi.keep_scale : 0.f;
+                        dp[r][nt][e] = kept<kNT>(bits[r], nt, e) ? dp[r][nt][e] * bi.keep_scale : 0.f;
+                    }
                 }
             }
         }
 #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
+        for (int r = 0; r < kRows; ++r) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc += s[nt][e] * dp[nt][e];
+            for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc += s[r][nt][e] * dp[r][nt][e];
+            }
         }
     }
     out[blockIdx.x * 32 + lane] = acc;
@@ -255,9 +267,9 @@ def variants_text() -> str:
 def run_probes(nvdisasm: str | None, use_sass: bool) -> list[dict]:
     rows = []
     text = variants_text()
-    for label, transposed, nt, arch in PROBES:
-        names = {flag: f"cuflash::dropout_probe<{_policy((False,) * 7 + (flag,))}, {str(transposed).lower()}, {nt}>"
-                 for flag in (False, True)}
+    for label, transposed, nt, row_tiles, arch in PROBES:
+        names = {flag: f"cuflash::dropout_probe<{_policy((False,) * 7 + (flag,))}, {str(transposed).lower()}, {nt}, "
+                       f"{row_tiles}>" for flag in (False, True)}
         options = _cuda.NVRTC_OPTIONS + (("-arch=sm_90a",) if arch == "sm_90a" else ())
         options = tuple(o for o in options if not o.startswith("-arch"))
         out = nvrtc_compile(text, list(names.values()), options, arch)
@@ -270,7 +282,7 @@ def run_probes(nvdisasm: str | None, use_sass: bool) -> list[dict]:
             else:
                 body[flag] = ptx_largest_loop(ptx_functions(out["ptx"])[fn])
         c_drop, c_dense = count(body[True], use_sass), count(body[False], use_sass)
-        scores = 4 * nt
+        scores = 4 * nt * row_tiles
         n = sum(c_drop.values()) - sum(c_dense.values())
         rows.append(dict(probe=label, arch=arch, scores_per_lane=scores, instructions=n, per_score=n / scores,
                          classes=diff(c_drop, c_dense),

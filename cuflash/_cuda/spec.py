@@ -225,7 +225,7 @@ PRELUDES: dict[str, str] = {}
 
 
 def has_dropout(variant: Variant) -> bool:
-    """Whether the kernels apply dropout: p > 0 with a keep threshold below 2**16 (for p < ~1e-16, 1 - p
+    """Whether the kernels apply dropout: p > 0 with a keep threshold below 2**8 (for p < ~1e-16, 1 - p
     rounds to 1: every score is kept and scaled by 1, which is no dropout)."""
     return bool(variant.dropout_p) and keep_threshold(variant.dropout_p) < THRESHOLD_ONE
 
