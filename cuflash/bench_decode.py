@@ -85,8 +85,16 @@ def _host_times(cupy, cuflash, hq: int, hkv: int, d: int, calls: int) -> dict:
     out = cupy.empty((batch, 1, hq, d), dtype=dtype)
     lse = cupy.empty((batch, hq, 1), dtype=cupy.float32)
     stream = cupy.cuda.Stream(non_blocking=True)
+    from ._cuda import decode
+
     with stream:
         plan = cuflash.plan_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, causal=True, out=out)
+        fused, decode.FUSE_APPEND = decode.FUSE_APPEND, False
+        try:  # the same step with the append kernel first (two launches), for comparison
+            plan_two = cuflash.plan_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, causal=True, out=out)
+        finally:
+            decode.FUSE_APPEND = fused
+        plan_two.run(q, k_cache, v_cache, k, v, cache_seqlens=lens, out=out, lse=lse)
         plan.run(q, k_cache, v_cache, k, v, cache_seqlens=lens, out=out, lse=lse)
         stream.synchronize()
         stream.begin_capture()
@@ -95,10 +103,13 @@ def _host_times(cupy, cuflash, hq: int, hkv: int, d: int, calls: int) -> dict:
         news = [(dev(batch, 1, hq, d), dev(batch, 1, hkv, d), dev(batch, 1, hkv, d)) for _ in range(2)]
         turn = [0]
 
-        def new_qkv():
+        def new_qkv(plan=plan):
             turn[0] ^= 1
             nq, nk, nv = news[turn[0]]
             plan.run(nq, k_cache, v_cache, nk, nv, cache_seqlens=lens, out=out, lse=lse)
+
+        launches = plan._runner.__self__.launches_per_step
+        launches_two = plan_two._runner.__self__.launches_per_step
 
         cases = {
             "front door (allocating out, lse)":
@@ -108,7 +119,8 @@ def _host_times(cupy, cuflash, hq: int, hkv: int, d: int, calls: int) -> dict:
                                                        out=out),
             "plan.run with out=, lse=":
                 lambda: plan.run(q, k_cache, v_cache, k, v, cache_seqlens=lens, out=out, lse=lse),
-            "plan.run, new q, k, v every step": new_qkv,
+            f"plan.run, new q, k, v every step ({launches} launch{'es' if launches > 1 else ''})": new_qkv,
+            f"the same, append kernel first ({launches_two} launches)": lambda: new_qkv(plan_two),
             "CUDA graph of plan.run: graph.launch()": lambda: graph.launch(stream),
         }
         steps = plan._runner.__self__._steps  # the launches of the plan's DecodeLaunch, for their share alone
@@ -131,7 +143,8 @@ def _host_times(cupy, cuflash, hq: int, hkv: int, d: int, calls: int) -> dict:
             stream.synchronize()
             times[name] = host * 1e6
     print(f"host time per call (batch {batch}, cache {cache}, {hq}/{hkv} heads, d {d}, one token appended, "
-          f"{plan.num_splits} splits: append + attention merging its splits; {calls} calls without synchronizing):")
+          f"{plan.num_splits} splits; a step is {launches} launch{'es' if launches > 1 else ''}: "
+          f"{_STEP_WORDS[launches]}; {calls} calls without synchronizing):")
     for name, us in times.items():
         print(f"  {name:40s} {us:7.1f} us")
     return times
@@ -232,7 +245,7 @@ def host_path_cases(*, hq: int = 32, hkv: int = 8, d: int = 128, launch=None) ->
             lambda i: plan.run(q, k_cache, v_cache, k, v, cache_seqlens=lens_d, out=outs[i & 1][0],
                                lse=outs[i & 1][1]),
     }
-    cases["launches per step"] = len(launch_._steps)
+    cases["launches per step"] = launch_.launches_per_step
     return cases
 
 
@@ -257,10 +270,15 @@ def host_path_times(calls: int = 20000, *, hq: int = 32, hkv: int = 8, d: int = 
     return times
 
 
+# What a decode step with one new token launches, by its number of launches (cuflash._cuda.decode.DecodeLaunch).
+_STEP_WORDS = {1: "the split kernel appending the new tokens and merging its splits",
+               2: "the append kernel, then the split kernel merging its splits"}
+
+
 def _print_host_path(times: dict) -> None:
     launches = times.pop("launches per step")
     print(f"host time of the launcher's Python path per step (stand-in runtime, launches not made; a step is "
-          f"{launches} launches: append + attention merging its splits):")
+          f"{launches} launch{'es' if launches > 1 else ''}: {_STEP_WORDS[launches]}):")
     for name, us in times.items():
         print(f"  {name:40s} {us:7.2f} us")
 

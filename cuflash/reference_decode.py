@@ -164,7 +164,8 @@ def _append(k_cache, v_cache, k, v, cache: KVCache, host: dict, in_range: np.nda
     """``[decode append]`` new token ``i`` of sequence ``b`` into slot ``cache_seqlens[b] + i`` of both caches, in
     place. v is written first, then k: where the two caches share memory (MLA's ``v_cache = k_cache[..., :dv]``)
     the cache holds k's values. ``[decode guard]`` a sequence out of range appends nothing, a slot without a page
-    is not written."""
+    is not written. (The GPU fuses this step into the split kernel, which reads the new tokens from ``k``, ``v``
+    and writes the same slots: the same caches and the same result as appending first, as here.)"""
     for b in np.flatnonzero(in_range):
         start = int(host["seqlens"][b])
         slots = _Slots(cache, host, b, k_cache.shape[0])

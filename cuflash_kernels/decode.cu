@@ -1,10 +1,14 @@
 // cuflash decode kernels (KV-cache attention, split-KV), mirroring cuflash/reference_decode.py:forward_kvcache.
 //
-// One decode call is one or two launches on one stream, both reading one DecodeParams (by value; the launcher,
-// cuflash/_cuda/decode.py:DecodeLaunch, fills it once per planned shape and rewrites only its pointers per step):
+// One decode call is one launch (two where the append is not fused) on one stream, reading one DecodeParams (by
+// value; the launcher, cuflash/_cuda/decode.py:DecodeLaunch, fills it once per planned shape and rewrites only its
+// pointers per step):
 //
-// decode_append_kernel [decode append]: one block per new token (b, i), its threads over (key/value head, column),
-// writes k and v into slot cache_seqlens[b] + i of both caches before the attention reads them.
+// [decode append] fused (fuse_new): the split kernel reads the new tokens' keys and values from k_new / v_new
+// (NewRows) and block (key/value head, row tile 0, split 0) of each sequence writes them into their cache slots
+// (append_head); no block reads those slots from the cache in that launch.
+// decode_append_kernel [decode append] otherwise: one block per new token (b, i), its threads over (key/value
+// head, column), writes k and v into slot cache_seqlens[b] + i of both caches before the attention reads them.
 //
 // The split kernel, one thread block per (key/value head x packed-row tile, split, sequence). GQA packing
 // [decode pack]: the rows of a block are packed rows r = t * group + g (query token t, query head
@@ -86,6 +90,7 @@ struct DecodeParams {
     float softcap_a, softcap_b;  // softcap in raw-score units (0: none): s -> b tanh(a s)
     float inv_scale;             // 1 / softmax_scale (ALiBi slopes in raw-score units)
     int page_shift;              // log2(page_size) for a power of two, else -1 (a division)
+    int fuse_new;                // [decode append] fused: the split kernel appends and reads new keys from k_new
 };
 
 // [decode page] A slot's page index: a shift for page sizes that are powers of two, else a division.
@@ -354,8 +359,57 @@ struct InlinePages {
     }
 };
 
+// [decode append] fused (DecodeParams.fuse_new): the new tokens' rows of K or V, keys [first, len_k) of the
+// sequence (slots cache_seqlens[b] + i), read from k_new / v_new (base: the sequence's and head's row 0, ss: the
+// token stride) instead of the cache slots that this launch writes; first = len_k when not fused (none).
+struct NewRows {
+    const u16* base;
+    i64 ss;
+    int first;
+};
+
+// [decode append] fused into the split kernel: block (h_kv, row tile 0, split 0) of an in-range sequence b writes
+// head h_kv of its new tokens into slots cache_seqlens[b] + i of both caches, 16 bytes per copy (the caches' and,
+// when fused, k_new's and v_new's rows and strides are multiples of 16 bytes). No block of the launch reads those
+// slots from the cache (NewRows: they read k_new / v_new), so the write races with nothing; the next launch on the
+// stream sees it. [decode guard] as decode_append_kernel: a sequence out of range appends nothing (the caller
+// checks), a slot whose page id is out of range is not written (and the blocks that read that key, from k_new,
+// set page_fault there, as if they had read the cache: its rows NaN). kSharedKV (MLA, v_cache = k_cache[..., :dv]):
+// k's columns alone, which cover v's (the two-launch append writes v, then k over it: the same bits).
+template <int kHeadDim, int kHeadDimV, bool kSharedKV, bool kPaged, int kThreads>
+__device__ __forceinline__ void append_head(const DecodeParams& p, int b, int h_kv, int seqlen, int cache_row,
+                                            int tid) {
+    constexpr int kK = kHeadDim / 8, kV = kHeadDimV / 8;
+    constexpr int kWidth = kSharedKV ? kK : (kK > kV ? kK : kV);  // 16-byte chunks of a token's row
+    const u16* ksrc = p.k_new + b * p.kn_sb + (i64)h_kv * p.kn_sh;
+    const u16* vsrc = p.v_new + b * p.vn_sb + (i64)h_kv * p.vn_sh;
+    for (int e = tid; e < p.seqlen_new * kWidth; e += kThreads) {
+        const int i = e / kWidth, c = e % kWidth;
+        const int slot = seqlen + i;
+        i64 row, pos;  // [decode page] the slot's page (or cache row) and its place in it
+        if constexpr (kPaged) {
+            const int index = page_index(p, slot);
+            const int page = p.block_table[b * p.bt_sb + index];
+            if (static_cast<unsigned>(page) >= static_cast<unsigned>(p.cache_rows)) continue;
+            row = page;
+            pos = slot - index * p.page_size;
+        } else {
+            row = cache_row;
+            pos = slot;
+        }
+        if (!kSharedKV && c < kV) {
+            *reinterpret_cast<uint4*>(p.v_cache + row * p.v_sb + pos * p.v_ss + (i64)h_kv * p.v_sh + c * 8) =
+                *reinterpret_cast<const uint4*>(vsrc + (i64)i * p.vn_ss + c * 8);
+        }
+        if (c < kK) {
+            *reinterpret_cast<uint4*>(p.k_cache + row * p.k_sb + pos * p.k_ss + (i64)h_kv * p.k_sh + c * 8) =
+                *reinterpret_cast<const uint4*>(ksrc + (i64)i * p.kn_ss + c * 8);
+        }
+    }
+}
+
 // K or V rows [n0, n0 + kBlockN) of the sequence (cache slots leftpad + n0, ...) into a swizzled tile; keys past
-// len_k as zeros. [decode page] Paged: the slots' pages from `slots` (PageSlots::fetch of the same rows).
+// len_k as zeros; keys from fresh.first on from k_new / v_new (fused append). [decode page] Paged: the slots' pages from `slots` (PageSlots::fetch of the same rows).
 // [decode guard] A slot whose page id is out of range reads as zeros and sets page_fault. base: the cache with the
 // key/value head's offset applied. kUnroll: how many of a thread's 16-byte copies are unrolled (all by default;
 // the wide kernel issues its 576-wide tiles with fewer, so that the addresses of the next tile do not compete for
@@ -364,7 +418,7 @@ template <int kBlockN, int kHeadDim, int kThreads, bool kPaged, int kUnroll = (k
           class Slots>
 __device__ __forceinline__ void load_cache_tile(u16* tile, const u16* base, i64 sb, i64 ss, const DecodeParams& p,
                                                 const Slots& slots, int cache_row, int slot0, int n0, int len_k, int tid,
-                                                bool& page_fault) {
+                                                bool& page_fault, const NewRows& fresh) {
     constexpr int kChunks = kHeadDim / 8;
     constexpr int kTotal = kBlockN * kChunks;
 #pragma unroll kUnroll
@@ -385,6 +439,8 @@ __device__ __forceinline__ void load_cache_tile(u16* tile, const u16* base, i64 
         } else {
             if (valid) src = base + (i64)cache_row * sb + (i64)(slot0 + n0 + r) * ss + c * 8;
         }
+        // [decode append] fused: a new token's row from k_new / v_new, not from its (not yet written) cache slot
+        if (valid && n0 + r >= fresh.first) src = fresh.base + (i64)(n0 + r - fresh.first) * fresh.ss + c * 8;
         cp_async_16(smem_u32(tile + Swizzle<kHeadDim>::offset(r, c)), src, valid);
     }
 }
@@ -428,6 +484,11 @@ flash_decode_kernel(const DecodeParams p) {
 
     const u16* kbase = p.k_cache + (i64)h_kv * p.k_sh;
     const u16* vbase = p.v_cache + (i64)h_kv * p.v_sh;
+    // [decode append] fused: keys from seqlen - leftpad on (the new tokens) read from k_new / v_new
+    const bool fuse = p.fuse_new != 0;
+    const int new_first = fuse ? seqlen - leftpad : len_k;
+    const NewRows knew{fuse ? p.k_new + b * p.kn_sb + (i64)h_kv * p.kn_sh : p.k_cache, p.kn_ss, new_first};
+    const NewRows vnew{fuse ? p.v_new + b * p.vn_sb + (i64)h_kv * p.vn_sh : p.v_cache, p.vn_ss, new_first};
 
     load_packed_q<kRows, kHeadDim, kThreads>(sQ, p, b, h_kv, r0, packed, tid);
     PageSlots<kBlockN, kHeadDim / 8, kThreads> slots;  // [decode page] of the next tile to load
@@ -436,14 +497,17 @@ flash_decode_kernel(const DecodeParams p) {
     }
     if (part_first < part_end) {
         load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged>(sK, kbase, p.k_sb, p.k_ss, p, slots, cache_row, leftpad,
-                                                             part_first * kBlockN, len_k, tid, page_fault);
+                                                             part_first * kBlockN, len_k, tid, page_fault, knew);
         load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged>(sV, vbase, p.v_sb, p.v_ss, p, slots, cache_row, leftpad,
-                                                             part_first * kBlockN, len_k, tid, page_fault);
+                                                             part_first * kBlockN, len_k, tid, page_fault, vnew);
         if constexpr (kPaged) {
             if (part_first + 1 < part_end) slots.fetch(p, pages, leftpad, (part_first + 1) * kBlockN, len_k, tid);
         }
     }
     cp_async_commit();
+    // [decode append] fused: one block per (sequence, key/value head) writes the new tokens, while the tiles land
+    if (fuse && in_range && rt == 0 && split == 0)
+        append_head<kHeadDim, kHeadDim, false, kPaged, kThreads>(p, b, h_kv, seqlen, cache_row, tid);
 
     int row_t[2];
     float slope[2];
@@ -460,10 +524,10 @@ flash_decode_kernel(const DecodeParams p) {
         if (j + 1 < part_end) {  // the next tile into the other buffer (freed at the end of the last iteration)
             load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged>(sK + (buf ^ 1) * kTile, kbase, p.k_sb, p.k_ss, p, slots,
                                                                  cache_row, leftpad, (j + 1) * kBlockN, len_k, tid,
-                                                                 page_fault);
+                                                                 page_fault, knew);
             load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged>(sV + (buf ^ 1) * kTile, vbase, p.v_sb, p.v_ss, p, slots,
                                                                  cache_row, leftpad, (j + 1) * kBlockN, len_k, tid,
-                                                                 page_fault);
+                                                                 page_fault, vnew);
             if constexpr (kPaged) {  // the pages of tile j + 2, in flight while tile j is computed
                 if (j + 2 < part_end) slots.fetch(p, pages, leftpad, (j + 2) * kBlockN, len_k, tid);
             }
@@ -641,20 +705,29 @@ flash_decode_wide_kernel(const DecodeParams p) {
 
     const u16* kbase = p.k_cache + (i64)h_kv * p.k_sh;
     const u16* vbase = p.v_cache + (i64)h_kv * p.v_sh;
+    // [decode append] fused: keys from seqlen - leftpad on (the new tokens) read from k_new / v_new
+    const bool fuse = p.fuse_new != 0;
+    const int new_first = fuse ? seqlen - leftpad : len_k;
     auto load_tiles = [&](int j, int buf) {
         const InlinePages slots{pages};  // [decode page] (the 576-wide rows leave no registers for a tile's pages)
+        const NewRows knew{p.k_new + b * p.kn_sb + (i64)h_kv * p.kn_sh, p.kn_ss, new_first};
         load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged, 1>(sK + buf * kTileK, kbase, p.k_sb, p.k_ss, p, slots,
                                                                 cache_row, leftpad, j * kBlockN, len_k, tid,
-                                                                page_fault);
+                                                                page_fault, knew);
         if constexpr (!kSharedKV) {
+            const NewRows vnew{p.v_new + b * p.vn_sb + (i64)h_kv * p.vn_sh, p.vn_ss, new_first};
             load_cache_tile<kBlockN, kDV, kThreads, kPaged, 1>(sV + buf * kTileV, vbase, p.v_sb, p.v_ss, p, slots,
-                                                            cache_row, leftpad, j * kBlockN, len_k, tid, page_fault);
+                                                            cache_row, leftpad, j * kBlockN, len_k, tid, page_fault,
+                                                            vnew);
         }
     };
 
     load_packed_q<kBlockM, kHeadDim, kThreads>(sQ, p, b, h_kv, r0, packed, tid);
     if (part_first < part_end) load_tiles(part_first, 0);
     cp_async_commit();
+    // [decode append] fused: one block per (sequence, key/value head) writes the new tokens, while the tiles land
+    if (fuse && in_range && rt == 0 && split == 0)
+        append_head<kHeadDim, kDV, kSharedKV, kPaged, kThreads>(p, b, h_kv, seqlen, cache_row, tid);
 
     int row_t[2];
     float slope[2];

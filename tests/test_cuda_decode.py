@@ -74,11 +74,9 @@ CASES = {  # label: (batch, heads_q, heads_kv, d, seqlen_q, seqlen_new, capacity
 }
 
 
-@pytest.mark.parametrize("label", list(CASES))
-@pytest.mark.parametrize("dtname", ["bfloat16", "float16"])
-@pytest.mark.parametrize("splits", [None, 1])
-def test_decode_against_the_truth(requires_gpu, label, dtname, splits):
-    cp = requires_gpu
+def _call_of(label, dtname, splits):
+    """The NumPy inputs of CASES[label]: q, the caches, k, v, the keyword arguments of the call (the lengths,
+    block table and options), dv (MLA) and the dtype."""
     batch, hq, hkv, d, sq, snew, cap, page, opts = CASES[label]
     rng = np.random.default_rng(len(label) * 31 + len(dtname))
     dtype = DTYPES[dtname]
@@ -107,6 +105,15 @@ def test_decode_against_the_truth(requires_gpu, label, dtname, splits):
         opts.update(rotary_cos=np.cos(angles).astype(np.float32), rotary_sin=np.sin(angles).astype(np.float32),
                     rotary_interleaved=interleaved)
     extra = dict(cache_seqlens=seqlens, block_table=table, return_lse=True, **opts)
+    return q, k_cache, v_cache, k, v, extra, dv, dtype
+
+
+@pytest.mark.parametrize("label", list(CASES))
+@pytest.mark.parametrize("dtname", ["bfloat16", "float16"])
+@pytest.mark.parametrize("splits", [None, 1])
+def test_decode_against_the_truth(requires_gpu, label, dtname, splits):
+    cp = requires_gpu
+    q, k_cache, v_cache, k, v, extra, dv, dtype = _call_of(label, dtname, splits)
 
     def host(x):
         return None if x is None else np.array(x, dtype=np.float64)
@@ -137,6 +144,99 @@ def test_decode_against_the_truth(requires_gpu, label, dtname, splits):
     # the append wrote the same slots with the same values as the reference's, and nothing else
     assert np.array_equal(cp.asnumpy(ck).view(np.uint16), kn.view(np.uint16))
     assert np.array_equal(cp.asnumpy(cv).view(np.uint16), vn.view(np.uint16))
+
+
+# [decode append] fused into the split kernel: the cases that append through the decode kernels
+FUSED_CASES = [label for label, case in CASES.items() if case[5] and not label.startswith("prefill")]
+
+
+@pytest.mark.parametrize("label", FUSED_CASES)
+@pytest.mark.parametrize("splits", [None, 1])
+def test_fused_append_matches_the_two_launches(requires_gpu, monkeypatch, label, splits):
+    """[decode append] fused (decode.cu: append_head, NewRows): the front door's step is one launch, the split
+    kernel reading the new tokens from k and v and writing them into the caches, and gives what the append kernel
+    followed by the split kernel gives (FUSE_APPEND off: two launches): out and lse bit for bit, and caches bit for
+    bit equal to the reference's after its append (the slots it appends, and nothing else). A k two bytes past a
+    multiple of 16 (of the planned layout) runs the two launches (rotary: its contiguous copy, fused)."""
+    from cuflash._cuda import decode
+
+    cp = requires_gpu
+    q, k_cache, v_cache, k, v, extra, dv, dtype = _call_of(label, "bfloat16", splits)
+    rotary = "rotary_cos" in extra
+
+    def caches(copy):  # its own copy of both (MLA: v_cache a view of the copy of k_cache)
+        kc = copy(k_cache)
+        return (kc, kc[..., :dv]) if dv is not None else (kc, copy(v_cache))
+
+    kn, vn = caches(np.copy)
+    cuflash.attention_with_kvcache(q, kn, vn, k, v, **extra)  # the reference's append
+    dev = {name: (cp.asarray(x) if isinstance(x, np.ndarray) else x) for name, x in extra.items()}
+    results = {}
+    for mode, launches in (("fused", 1), ("two", 2), ("odd-k", 1 if rotary else 2)):
+        monkeypatch.setattr(decode, "FUSE_APPEND", mode != "two")
+        decode._LAUNCHES.clear()
+        _api._kvcache_launches.clear()
+        ck, cv = caches(cp.asarray)
+        ck_new = cp.asarray(k)
+        if mode == "odd-k":
+            flat = cp.empty(k.size + 1, dtype=k.dtype)[1:]
+            flat[...] = ck_new.ravel()
+            ck_new = flat.reshape(k.shape)
+            assert ck_new.data.ptr % 16 == 2 and ck_new.strides == cp.asarray(k).strides
+        poison(cp)
+        out, lse = cuflash.attention_with_kvcache(cp.asarray(q), ck, cv, ck_new, cp.asarray(v), **dev)
+        (launch,) = decode._LAUNCHES.values()
+        assert launch.launches_per_step == launches, (mode, launch.launches_per_step)
+        assert int(launch._record[0]["fuse_new"]) == (launches == 1)
+        assert np.array_equal(cp.asnumpy(ck).view(np.uint16), kn.view(np.uint16)), mode
+        assert np.array_equal(cp.asnumpy(cv).view(np.uint16), vn.view(np.uint16)), mode
+        results[mode] = (cp.asnumpy(out).view(np.uint16), cp.asnumpy(lse))
+    for mode in ("two", "odd-k"):
+        assert np.array_equal(results[mode][0], results["fused"][0]), mode
+        np.testing.assert_array_equal(results[mode][1], results["fused"][1])
+    decode._LAUNCHES.clear()
+    _api._kvcache_launches.clear()
+
+
+def test_fused_append_steps_in_a_plan(requires_gpu):
+    """A plan's steps of one token each, fused (one launch), against the same steps with the append kernel first
+    (fuse_append=False), each over its own caches: after every step the same out and lse, bit for bit, and the
+    same caches; the fused step reads this step's token from k, v (not from the slot it writes)."""
+    from cuflash._cuda import decode
+
+    cp = requires_gpu
+    dtype = DTYPES["bfloat16"]
+    rng = np.random.default_rng(77)
+    q, k_cache, v_cache, seqlens, table = _steps_case(rng, dtype, paged=True)
+    batch, _, heads_q, d = q.shape
+    heads_kv = k_cache.shape[2]
+    lens = cp.asarray(seqlens)
+    runs = {}
+    for fused in (True, False):
+        decode.FUSE_APPEND, saved = fused, decode.FUSE_APPEND
+        try:
+            ck, cv = cp.asarray(k_cache), cp.asarray(v_cache)
+            cq, ck_new, cv_new = (cp.zeros(s, dtype) for s in (q.shape, (batch, 1, heads_kv, d),
+                                                                (batch, 1, heads_kv, d)))
+            plan = cuflash.plan_kvcache(cq, ck, cv, ck_new, cv_new, cache_seqlens=lens, causal=True,
+                                        block_table=cp.asarray(table), num_splits=3)
+        finally:
+            decode.FUSE_APPEND = saved
+        runs[fused] = (plan, cq, ck, cv, ck_new, cv_new, cp.asarray(seqlens), cp.asarray(table))
+    step_rng = np.random.default_rng(5)
+    for step in range(4):
+        qs = step_rng.standard_normal(q.shape).astype(dtype)
+        ks, vs = (step_rng.standard_normal((batch, 1, heads_kv, d)).astype(dtype) for _ in range(2))
+        got = {}
+        for fused, (plan, cq, ck, cv, ck_new, cv_new, lens_f, table_f) in runs.items():
+            cq[...], ck_new[...], cv_new[...] = cp.asarray(qs), cp.asarray(ks), cp.asarray(vs)
+            out, lse = plan.run(cq, ck, cv, ck_new, cv_new, cache_seqlens=lens_f, block_table=table_f)
+            assert plan._runner.__self__.launches_per_step == (1 if fused else 2)
+            got[fused] = (cp.asnumpy(out).view(np.uint16), cp.asnumpy(lse), cp.asnumpy(ck).view(np.uint16),
+                          cp.asnumpy(cv).view(np.uint16))
+            lens_f += 1
+        for a, b in zip(got[True], got[False]):
+            np.testing.assert_array_equal(a, b, err_msg=f"step {step}")
 
 
 @pytest.mark.parametrize("d", [64, 128])

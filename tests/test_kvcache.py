@@ -949,27 +949,40 @@ def test_the_cuda_launcher_checks_and_writes_only_new_arrays():
     out, lse = runtime.empty(launch.out_shape, np.float16), runtime.empty(launch.lse_shape, np.float32)
     launch.expect(layouts_of(q, kc, vc, k, v, seqlens, None, None, None, None, None, None), layouts_of(out)[0],
                   layouts_of(lse)[0], lambda *arrays: checked.append(arrays))
-    assert launch.num_splits == 3 and len(launch._steps) == 2  # the append, and the split kernel merging itself
+    # [decode append] fused: one launch, the split kernel appending and merging its splits itself
+    assert launch.num_splits == 3 and len(launch._steps) == 1 and launch.launches_per_step == 1
     record = launch._record[0]
+    assert record["fuse_new"] == 1
 
     def step(q=q, k=k, v=v, out=out):
         return launch.run(q, kc, vc, k, v, seqlens, None, None, None, None, None, None, out, lse)
 
-    assert step()[0] is out and not checked and len(launches) == 2
+    assert step()[0] is out and not checked and len(launches) == 1
     assert record["q"] == q.data.ptr and record["out"] == out.data.ptr and record["cache_seqlens"] == seqlens.data.ptr
     assert record["k_new"] == k.data.ptr and record["lse"] == lse.data.ptr and record["k_cache"] == kc.data.ptr
     assert record["o_part"] == launch.o_part.data.ptr and record["split_count"] == launch.split_count.data.ptr
     assert (record["batch"], record["num_splits"], record["heads_kv"]) == (1, 3, 2)
     assert (record["capacity"], record["cache_rows"]) == (256, 1)  # [decode guard]'s bounds
     step()
-    assert not checked and len(launches) == 4  # the same objects: launched
+    assert not checked and len(launches) == 2  # the same objects: launched
     q2, k2, v2 = (_HostArray(host[name].copy()) for name in ("q", "k", "v"))
     step(q2, k2, v2)
-    assert not checked and len(launches) == 6
+    assert not checked and len(launches) == 3
     assert (record["q"], record["k_new"], record["v_new"]) == (q2.data.ptr, k2.data.ptr, v2.data.ptr)
+    # a k whose address is not a multiple of 16 bytes (its layout the planned one): the append kernel first, then
+    # the split kernel not appending; an aligned k again: fused
+    odd = _HostArray(np.zeros(host["k"].size + 1, np.float16)[1:].reshape(host["k"].shape))
+    assert odd.data.ptr % 16 and (odd.shape, odd.strides) == (k2.shape, k2.strides)
+    step(q2, odd, v2)
+    assert not checked and len(launches) == 5 and record["fuse_new"] == 0 and launch.launches_per_step == 2
+    assert launches[-2][1:4] == (1, 1, 1) and launches[-1][1:4] == (2, 3, 1)  # the append's grid, the split's
+    step(q2, odd, v2)  # the same objects: the same two launches
+    assert len(launches) == 7 and record["fuse_new"] == 0
+    step(q2, k2, v2)
+    assert not checked and len(launches) == 8 and record["fuse_new"] == 1 and launch.launches_per_step == 1
     other = runtime.empty(launch.out_shape, np.float16)
     step(q2, k2, v2, other)
-    assert not checked and len(launches) == 8 and record["out"] == other.data.ptr
+    assert not checked and len(launches) == 9 and record["out"] == other.data.ptr
     # another layout: the full check (a DecodePlan's raises, naming it)
     wide = _HostArray(np.zeros((1, 1, 8, 64), np.float16)[..., :32])
     step(wide, k2, v2, other)
@@ -990,9 +1003,17 @@ def test_the_cuda_launcher_checks_and_writes_only_new_arrays():
     del first
     second = front.run(q, kc, vc, k, v, seqlens, None, None, None, None, None, None, out, None)[1]
     assert second is not None and front._record[0]["lse"] == second.data.ptr
+    # fuse_append=False: the two launches of every step
+    apart = DecodeLaunch(q, kc, vc, k, v, cache=cache, scale=scale, variant=variant, runtime=runtime,
+                         fuse_append=False)
+    assert apart.launches_per_step == 2 and apart._record[0]["fuse_new"] == 0
+    before = len(launches)
+    apart.run(q, kc, vc, k, v, seqlens, None, None, None, None, None, None, out, lse)
+    assert len(launches) == before + 2 and apart._record[0]["fuse_new"] == 0
     # every launch passes its record's address as the one kernel argument
     argv = {args[9] for args in launches}
-    assert argv == {launch._argv_ptr, front._argv_ptr} and launch._argv[0] == launch._record.ctypes.data
+    assert argv == {launch._argv_ptr, front._argv_ptr, apart._argv_ptr}
+    assert launch._argv[0] == launch._record.ctypes.data
     assert DECODE_PARAMS_DTYPE.itemsize == launch._record.itemsize
 
 

@@ -8,7 +8,9 @@ float32 workspace of the splits' partial results, and the ``DecodeParams`` recor
 Its :meth:`DecodeLaunch.run` writes the step's array pointers into that record and launches the kernels straight
 through the driver (``cuLaunchKernel`` with the record's address as the one argument): no allocation given ``out``
 and ``lse``, no host synchronization, nothing else on the host, so a step can be captured in a CUDA graph. A step
-is one launch, or two when it appends (the split kernel merges its splits itself). A step given the same array
+is one launch: the split kernel merges its splits itself and, when the step appends, appends the new tokens too
+([decode append] fused: it reads them from ``k``, ``v`` and writes them into their slots); two, the append kernel
+first, where the fused append does not apply (``DecodeLaunch._can_fuse``, and a step's ``k``, ``v`` addresses). A step given the same array
 objects as the step before finds their addresses in the record already and only launches.
 :func:`forward_kvcache` (the backend interface of ``docs/architecture.md``) keeps the launches of recent calls,
 keyed by everything they depend on, so the front door pays the planning once per batch shape too;
@@ -59,12 +61,19 @@ DECODE_PARAMS_DTYPE = np.dtype(
      *((name, np.int32) for name in ("capacity", "cache_rows", "batch", "seqlen_q", "seqlen_new", "heads_q", "heads_kv", "group", "head_dim",
                                       "head_dim_v", "page_size", "num_splits", "row_tiles", "has_left", "window_left",
                                       "has_right", "window_right")),
-     *((name, np.float32) for name in ("scale_log2", "softcap_a", "softcap_b", "inv_scale")), ("page_shift", np.int32)],
+     *((name, np.float32) for name in ("scale_log2", "softcap_a", "softcap_b", "inv_scale")), ("page_shift", np.int32),
+     ("fuse_new", np.int32)],
     align=True,
 )
-assert DECODE_PARAMS_DTYPE.itemsize == 368  # (page_shift took the tail padding)
+assert DECODE_PARAMS_DTYPE.itemsize == 376
+_FUSE_WORD = DECODE_PARAMS_DTYPE.fields["fuse_new"][1] // 4  # its index among the record's 32-bit words
 # Each step pointer's byte offset in the record, in _STEP_POINTERS order.
 _STEP_OFFSETS = tuple(DECODE_PARAMS_DTYPE.fields[name][1] for name in _STEP_POINTERS)
+
+# [decode append] fused into the split kernel (one launch a step) where it applies; False: the append kernel first
+# at every step (two launches), for comparison. Read when a DecodeLaunch is planned (the front door keeps its
+# launches: clear _LAUNCHES after changing it).
+FUSE_APPEND = True
 
 # The front door's launches: (everything a launch depends on) -> DecodeLaunch, least recently used first. A
 # launch holds its workspace (a few MB at most: splits are chosen only for grids that do not fill the GPU).
@@ -95,6 +104,12 @@ def _kv_shared(k_cache, v_cache) -> bool:
     strides, so that the kernels read V from the K tiles."""
     return (v_cache.data.ptr == k_cache.data.ptr and v_cache.strides == k_cache.strides
             and v_cache.shape[:3] == k_cache.shape[:3])
+
+
+def _rows_of_16(a) -> bool:
+    """Whether ``a`` (None: nothing to read) has a contiguous last axis and other strides of multiples of 16
+    bytes: rows that a kernel copies in 16-byte chunks, given a base address of a multiple of 16 bytes."""
+    return a is None or a.size == 0 or (a.strides[-1] == a.itemsize and not any(s % 16 for s in a.strides[:-1]))
 
 
 def check_decode_supported(q, k_cache, v_cache) -> None:
@@ -165,8 +180,10 @@ class DecodeLaunch:
     """The launches of one decode call's shapes, strides, dtype and options, planned once.
 
     Built from example arrays (the first step's) and the normalized options; :meth:`run` then takes any arrays of
-    the same shapes and strides. What it holds: the compiled kernels of the steps the call needs ([decode append]
-    when it appends, the split kernel, merging its own splits, unless q is empty), their grids, the float32
+    the same shapes and strides. What it holds: the compiled kernels of the steps the call needs (the split kernel,
+    merging its own splits and appending the new tokens, unless q is empty; the [decode append] kernel for the
+    steps where the fused append does not apply, ``fuse_append=False`` or :data:`FUSE_APPEND` off among them),
+    their grids, the float32
     workspace of the splits' partials with their per-block counters, and the DecodeParams record with every
     field that the shapes and options decide. One launch's workspace serves one step at a time: run it on one
     stream (or order the streams), as the front door does by keeping one launch per stream.
@@ -178,7 +195,7 @@ class DecodeLaunch:
     """
 
     def __init__(self, q, k_cache, v_cache, k, v, *, cache: KVCache, scale: float, variant: Variant, out=None,
-                 runtime=None):
+                 runtime=None, fuse_append: bool | None = None):
         rt = runtime if runtime is not None else CupyRuntime()
         rt.check_supported(q, k_cache, v_cache)
         self.device = rt.get_device()
@@ -204,7 +221,8 @@ class DecodeLaunch:
             keep.append(obj)
             steps.append((fn, *grid, spec.threads, spec.smem))
 
-        if cache.seqlen_new and batch:
+        appends = bool(cache.seqlen_new and batch)
+        if appends:
             step(kernel_spec("decode_append", dtype, 0, variant="true" if paged else "false"),
                  (batch * cache.seqlen_new, 1, 1))
         row_tiles = 0
@@ -220,10 +238,20 @@ class DecodeLaunch:
                 self.o_part = rt.empty((self.num_splits, batch, heads_q, seqlen_q, dv), dtype=np.float32)
                 self.lse_part = rt.empty((self.num_splits, batch, heads_q, seqlen_q), dtype=np.float32)
                 self.split_count = rt.zeros((batch, heads_kv * row_tiles), dtype=np.int32)
-        self._steps = tuple(steps)
         self._kernels = tuple(keep)
         self._reads_rows = row_tiles > 0  # the split kernel runs: it reads q and the caches in 16-byte chunks
         self._shared_kv = (d, dv) == DECODE_MLA_DIMS  # the MLA kernel reads V from the K tiles
+        # [decode append] fused into the split kernel (one launch a step; decode.cu: append_head, NewRows) where
+        # it reads the new rows in 16-byte chunks: k and v of such layouts (rotary's copies of k are contiguous),
+        # and caches that are not one array (but MLA's view, whose V the kernel takes from K). Else, or at a step
+        # whose k or v address is not a multiple of 16 bytes, the append kernel first (two launches).
+        self._two_launches = tuple(steps)
+        fuse_append = FUSE_APPEND if fuse_append is None else fuse_append
+        self._can_fuse = bool(fuse_append and appends and row_tiles and _rows_of_16(v)
+                              and (self.rotary is not None or _rows_of_16(k))
+                              and (self._shared_kv or not _kv_shared(k_cache, v_cache)))
+        self._fused = self._two_launches[1:] if self._can_fuse else self._two_launches
+        self._steps = self._fused
 
         # The record: every field but the step's pointers. Arrays that the rotary step replaces by rotated
         # copies (q, k) are read at the copies' (contiguous) strides.
@@ -264,8 +292,10 @@ class DecodeLaunch:
         if self.o_part is not None:
             r["o_part"], r["lse_part"] = self.o_part.data.ptr, self.lse_part.data.ptr
             r["split_count"] = self.split_count.data.ptr
+        r["fuse_new"] = int(self._can_fuse)
         # The step's pointers as 64-bit words of the record (a memoryview: the cheapest item assignment there is).
         self._words = memoryview(rec.view(np.uint8)).cast("Q")
+        self._ints = memoryview(rec.view(np.uint8)).cast("i")  # (fuse_new: _select)
         self._word_index = tuple(off // 8 for off in _STEP_OFFSETS)
         # Weak references to the last step's arrays (_none for None): a step with the same objects finds their
         # addresses in the record already. Weak: a launch kept by the front door must not keep a cache alive. (A
@@ -279,6 +309,19 @@ class DecodeLaunch:
         self._launch = rt.launch
         self._runtime = rt
         self._threads: set = set()  # threads that have made this device's context current
+
+    def _select(self, fused: bool) -> None:
+        """[decode append] fused or not (the step's k and v at multiples of 16 bytes: the fused kernel copies their
+        rows in 16-byte chunks): the launches and the record's fuse_new. Called with the lock held, before the
+        launches."""
+        self._steps = self._fused if fused else self._two_launches
+        self._ints[_FUSE_WORD] = int(fused)
+
+    @property
+    def launches_per_step(self) -> int:
+        """Kernel launches of a step as the last one was planned or run: 1 with the append fused into the split
+        kernel (or nothing to append), 2 with the append kernel first, 0 for an empty call."""
+        return len(self._steps)
 
     def expect(self, layouts: tuple, out_layout, lse_layout, validate) -> None:
         """Every step's arrays must have these layouts (``(type, shape, strides, dtype)`` or None for an array not
@@ -379,6 +422,10 @@ class DecodeLaunch:
                 return self._new_arrays(*_run_order(arrays, arrays[5:7]))
             for word, ptr in writes:
                 words[word] = ptr
+            if self._can_fuse and (3 in stale or 4 in stale):
+                fused = not ((words[index[3]] | words[index[4]]) & 15)
+                if fused is not (self._steps is self._fused):
+                    self._select(fused)
             for fn, gx, gy, gz, threads, smem in self._steps:
                 launch(fn, gx, gy, gz, threads, 1, 1, smem, stream, argv, 0)
             self._last = refs
@@ -439,6 +486,8 @@ class DecodeLaunch:
         with self._lock:
             for index, ptr in zip(self._word_index, ptrs):
                 words[index] = ptr
+            if self._can_fuse:
+                self._select(not ((ptrs[3] | ptrs[4]) & 15))
             # cuLaunchKernel copies the record when it is called: the next step may rewrite it at once.
             for fn, gx, gy, gz, threads, smem in self._steps:
                 launch(fn, gx, gy, gz, threads, 1, 1, smem, stream, argv, 0)
