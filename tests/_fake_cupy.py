@@ -59,13 +59,17 @@ class Recorder:
         self.launches = []
         self.names = {}  # function handle -> kernel name
         self.zeroed = []  # (address, bytes) of what cupy.zeros allocated and memsetAsync zeroed
+        # keep_zeroed: cupy.zeros' arrays kept alive until take_zeroed, so that a later allocation of the call (an upcast
+        # path's astype of its result) cannot reuse their memory and pass for zeroed memory (attributed by address)
+        self.keep_zeroed = False
+        self._zeroed_arrays = []
 
     def take(self):
         out, self.launches = self.launches, []
         return out
 
     def take_zeroed(self):
-        out, self.zeroed = self.zeroed, []
+        out, self.zeroed, self._zeroed_arrays = self.zeroed, [], []
         return out
 
 
@@ -85,6 +89,8 @@ def install(monkeypatch):
     def zeros(*args, **kwargs):
         a = _wrap(np.zeros(*args, **kwargs))
         recorder.zeroed.append((a.data.ptr, a.nbytes))
+        if recorder.keep_zeroed:
+            recorder._zeroed_arrays.append(a)
         return a
 
     def memset(ptr, value, size, stream):

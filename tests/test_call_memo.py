@@ -161,6 +161,17 @@ def _error(call):
     return type(info.value), str(info.value)
 
 
+def _assert_errors_unchanged_by_the_memory(goods_and_bads):
+    """Each bad call raises the same error after its good call was remembered as with an empty memory."""
+    for good, bads in goods_and_bads:
+        for bad in bads:
+            _api._checked_calls.clear()
+            without = _error(bad)
+            good()
+            good()  # (remembered)
+            assert _error(bad) == without
+
+
 def test_bad_calls_after_a_good_one_raise_what_they_raise_without_the_memory(fake):
     cp, _ = fake
     rng = np.random.default_rng(1)
@@ -193,13 +204,7 @@ def test_bad_calls_after_a_good_one_raise_what_they_raise_without_the_memory(fak
             lambda: cuflash.attention(q, k, v, seqused_k=cp.asarray(np.array([10, 65], np.int32))),
         ]),
     ]
-    for good, bads in goods_and_bads:
-        for bad in bads:
-            _api._checked_calls.clear()
-            without = _error(bad)
-            good()
-            good()  # (remembered)
-            assert _error(bad) == without
+    _assert_errors_unchanged_by_the_memory(goods_and_bads)
     # Options of other types than the remembered call's, but valid: checked (not remembered), and run.
     cuflash.attention(q, k, v, causal=np.bool_(True), window_size=[4, 0], softcap=np.float32(30.0))
 
@@ -412,6 +417,7 @@ def test_a_planned_backward_launches_what_the_unplanned_backward_launches(fake, 
     from cuflash import _cuda
     from cuflash._cuda.attention import BackwardPlan
 
+    recorder.keep_zeroed = True  # (else a result copied after the call's zeroing may reuse zeroed memory: see Recorder)
     signatures = _backward_signatures(cp)
 
     def launched(call, inputs):
@@ -434,12 +440,9 @@ def test_a_planned_backward_launches_what_the_unplanned_backward_launches(fake, 
             normal, zeroed, launches = launched(call, inputs)
             assert normal == unplanned[name][0], name
             # What starts zeroed (the float32 dQ accumulator; dK, dV and GQA's accumulator with seqused_k): zeroed,
-            # from its start over at least its size (D, also in the planned workspace, is not). Only where the plan
-            # allocates: the other paths run the unplanned launcher itself, whose temporaries (upcast and padded
-            # copies) free host memory that a later buffer may reuse, so that buffers are named by chance there.
-            if packs:
-                assert zeroed.keys() == unplanned[name][1].keys(), name
-                assert all(zeroed[buffer] >= size for buffer, size in unplanned[name][1].items()), name
+            # from its start over at least its size (D, also in the planned workspace, is not).
+            assert zeroed.keys() == unplanned[name][1].keys(), name
+            assert all(zeroed[buffer] >= size for buffer, size in unplanned[name][1].items()), name
             if packs:
                 assert all(len(launch) == 6 for launch in launches if "block_" not in launch[0]), name
     plans = [type(entry.plan) for entry in _api._checked_calls._entries.values()]
@@ -476,10 +479,4 @@ def test_bad_backward_calls_after_a_good_one_raise_what_they_raise_without_the_m
                                                max_seqlen_q=64, max_seqlen_k=64),
         ]),
     ]
-    for good, bads in goods_and_bads:
-        for bad in bads:
-            _api._checked_calls.clear()
-            without = _error(bad)
-            good()
-            good()  # (remembered)
-            assert _error(bad) == without
+    _assert_errors_unchanged_by_the_memory(goods_and_bads)

@@ -42,21 +42,10 @@ def _nvrtc():
 
 
 def compile_with_nvrtc(nvrtc, source_text: str, names: list[str], options: tuple[str, ...], arch: str):
-    """Compile ``names`` of ``source_text`` to a cubin for ``arch``; returns (ok, log)."""
-    err, prog = nvrtc.nvrtcCreateProgram(source_text.encode(), b"cuflash.cu", 0, [], [])
-    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
-    try:
-        for name in names:
-            (err,) = nvrtc.nvrtcAddNameExpression(prog, name.encode())
-            assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, (err, name)
-        opts = [o.encode() for o in options] + [f"-arch={arch}".encode(), b"--ptxas-options=-v"]
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * size
-        nvrtc.nvrtcGetProgramLog(prog, log)
-        return err == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace").rstrip("\x00")
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
+    """Compile ``names`` of ``source_text`` to a cubin for ``arch``; returns (ok, log). (``nvrtc``: the module
+    _nvrtc() found usable.)"""
+    out = _cuda.compile.nvrtc_offline(source_text, names, options, arch)
+    return out["ok"], out["log"]
 
 
 def parse_resources(log: str) -> list[dict]:

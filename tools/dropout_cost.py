@@ -35,6 +35,7 @@ from collections import Counter
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from cuflash import _cuda  # noqa: E402
+from cuflash._cuda.compile import nvrtc_offline  # noqa: E402
 from cuflash._cuda.spec import TILES, KernelSpec, _policy  # noqa: E402
 
 CAUSAL = (False, True, False, False, False, False, False, False)
@@ -118,35 +119,10 @@ def find_nvdisasm() -> str | None:
 
 def nvrtc_compile(text: str, names: list[str], options: tuple[str, ...], arch: str) -> dict:
     """PTX, cubin and ptxas's -v log of ``names`` compiled from ``text`` for ``arch`` (a real sm_XX)."""
-    from cuda.bindings import nvrtc
-
-    err, prog = nvrtc.nvrtcCreateProgram(text.encode(), b"cuflash.cu", 0, [], [])
-    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
-    try:
-        for name in names:
-            (err,) = nvrtc.nvrtcAddNameExpression(prog, name.encode())
-            assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, (err, name)
-        opts = [o.encode() for o in options] + [f"-arch={arch}".encode(), b"--ptxas-options=-v"]
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * size
-        nvrtc.nvrtcGetProgramLog(prog, log)
-        log = log.decode(errors="replace").rstrip("\x00")
-        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise RuntimeError(f"NVRTC failed:\n{log[-4000:]}")
-        lowered = {}
-        for name in names:
-            _, lowered[name] = nvrtc.nvrtcGetLoweredName(prog, name.encode())
-            lowered[name] = lowered[name].decode()
-        _, size = nvrtc.nvrtcGetPTXSize(prog)
-        ptx = b" " * size
-        nvrtc.nvrtcGetPTX(prog, ptx)
-        _, size = nvrtc.nvrtcGetCUBINSize(prog)
-        cubin = b" " * size
-        nvrtc.nvrtcGetCUBIN(prog, cubin)
-        return dict(ptx=ptx.decode().rstrip("\x00"), cubin=cubin, log=log, lowered=lowered)
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
+    out = nvrtc_offline(text, names, options, arch)
+    if not out["ok"]:
+        raise RuntimeError(f"NVRTC failed:\n{out['log'][-4000:]}")
+    return out
 
 
 def resources(log: str) -> dict[str, dict]:

@@ -17,7 +17,7 @@ import numpy as np
 
 from .spec import KernelSpec, prelude_of
 
-__all__ = ["compile_source_for_nvrtc", "kernel", "device_info", "arch_class", "check_smem", "launch", "PackedLaunch"]
+__all__ = ["compile_source_for_nvrtc", "nvrtc_offline", "kernel", "device_info", "arch_class", "check_smem", "launch", "PackedLaunch"]
 
 _INCLUDE_RE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
 
@@ -34,6 +34,38 @@ def compile_source_for_nvrtc(source: str) -> str:
         return f"// ---- begin {m.group(1)}\n{_read_kernel_file(m.group(1))}\n// ---- end {m.group(1)}"
 
     return _INCLUDE_RE.sub(expand, _read_kernel_file(source))
+
+
+def nvrtc_offline(text: str, names: list[str], options: tuple[str, ...], arch: str) -> dict:
+    """Compile the name expressions ``names`` of ``text`` with NVRTC for ``arch`` (a real sm_XX), no GPU needed
+    (cuda-bindings, the ``nvrtc`` extra): ``ok``, ptxas's ``-v`` ``log``, and when ok the ``lowered`` (mangled)
+    names, the ``ptx`` and the ``cubin``. For the compile tests and tools; the launcher compiles through CuPy."""
+    from cuda.bindings import nvrtc
+
+    err, prog = nvrtc.nvrtcCreateProgram(text.encode(), b"cuflash.cu", 0, [], [])
+    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
+    try:
+        for name in names:
+            (err,) = nvrtc.nvrtcAddNameExpression(prog, name.encode())
+            assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, (err, name)
+        opts = [o.encode() for o in options] + [f"-arch={arch}".encode(), b"--ptxas-options=-v"]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        out = dict(ok=err == nvrtc.nvrtcResult.NVRTC_SUCCESS, log=log.decode(errors="replace").rstrip("\x00"))
+        if out["ok"]:
+            out["lowered"] = {name: nvrtc.nvrtcGetLoweredName(prog, name.encode())[1].decode() for name in names}
+            _, size = nvrtc.nvrtcGetPTXSize(prog)
+            ptx = b" " * size
+            nvrtc.nvrtcGetPTX(prog, ptx)
+            _, size = nvrtc.nvrtcGetCUBINSize(prog)
+            cubin = b" " * size
+            nvrtc.nvrtcGetCUBIN(prog, cubin)
+            out.update(ptx=ptx.decode().rstrip("\x00"), cubin=cubin)
+        return out
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
 
 
 _lock = threading.Lock()
