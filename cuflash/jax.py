@@ -55,10 +55,13 @@ try:
 except ImportError:  # a JAX without it: jax.pure_callback only
     _buffer_callback = None
 
-__all__ = ["attention", "callback_route"]
+__all__ = ["attention", "callback_route", "command_buffer_enabled"]
 
 # CUFLASH_JAX_CALLBACK: "auto" (the default: "buffer" where JAX has it, else "pure"), "buffer" or "pure".
 _ROUTE_ENV = "CUFLASH_JAX_CALLBACK"
+# CUFLASH_JAX_COMMAND_BUFFER: "1" marks the buffer route's planned forward command-buffer compatible (XLA may
+# capture its launch into a CUDA graph and replay it without calling Python); "0" or unset: not (the default).
+_GRAPH_ENV = "CUFLASH_JAX_COMMAND_BUFFER"
 
 
 def callback_route() -> str:
@@ -77,6 +80,18 @@ def callback_route() -> str:
         usable = _buffer_callback is not None and (jax.default_backend() == "cpu" or _have_cupy())
         return "buffer" if usable else "pure"
     return want
+
+
+def command_buffer_enabled() -> bool:
+    """Whether the buffer route marks the calls it can run as one captured launch (the planned forward)
+    ``command_buffer_compatible`` (``CUFLASH_JAX_COMMAND_BUFFER=1``; read when a function is traced). XLA then
+    records the callback's launch into a command buffer (a CUDA graph) by stream capture and replays it while the
+    addresses of the buffers it uses stay the same, re-recording (calling the callback again) when one changes
+    (docs/integrations.md, JAX). Off by default: not yet verified on a GPU."""
+    want = os.environ.get(_GRAPH_ENV, "0")
+    if want not in ("0", "1", ""):
+        raise ValueError(f"{_GRAPH_ENV} must be '0' or '1'; got {want!r}")
+    return want == "1"
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,6 +122,7 @@ class _Op(NamedTuple):
     shapes: Callable
     fold: Callable
     plan: Callable
+    capturable: Callable = lambda *args: False  # (whether a call with these arguments may be recorded into a graph)
 
 
 def _apply(op: _Op, *args):
@@ -139,8 +155,10 @@ def _callback(op: _Op, *args):
     shapes = op.shapes(*args)
     if callback_route() == "buffer":
         leaves, tree = jax.tree_util.tree_flatten(args)  # (None leaves drop out: the callback gets arrays only)
-        call = _BufferCall(op, tree, tuple(leaves), shapes)
-        return tuple(_buffer_callback(call, shapes, vmap_method="sequential")(*leaves))
+        graph = command_buffer_enabled() and op.capturable(*args)
+        call = _BufferCall(op, tree, tuple(leaves), shapes, graph)
+        extra = {"command_buffer_compatible": True} if graph else {}
+        return tuple(_buffer_callback(call, shapes, vmap_method="sequential", **extra)(*leaves))
     return tuple(jax.pure_callback(_host(op.run), shapes, *args, vmap_method="sequential"))
 
 
@@ -172,8 +190,8 @@ class _BufferCall:
     """The ``buffer_callback`` body of one traced call: ``op`` on the input buffers (``leaves``, the flattened
     arguments: ``tree`` rebuilds them), its results written into the output buffers (``shapes``)."""
 
-    def __init__(self, op: _Op, tree, leaves: tuple, shapes: tuple):
-        self._op, self._tree = op, tree
+    def __init__(self, op: _Op, tree, leaves: tuple, shapes: tuple, graph: bool = False):
+        self._op, self._tree, self._graph = op, tree, graph
         self._layouts = tuple((tuple(a.shape), np.dtype(a.dtype)) for a in (*leaves, *shapes))
         self._gpu: dict = {}  # (device, XLA stream pointer) -> _GpuCall
 
@@ -187,7 +205,7 @@ class _BufferCall:
         key = (ordinal, ctx.stream)
         call = self._gpu.get(key)
         if call is None:
-            call = self._gpu[key] = _GpuCall(self._op, self._tree, self._layouts, *key)
+            call = self._gpu[key] = _GpuCall(self._op, self._tree, self._layouts, *key, graph=self._graph)
         call(leaves, outs)
 
 
@@ -198,10 +216,11 @@ class _GpuCall:
 
     _VIEWS_PER_SLOT = 64  # addresses kept per argument or result (cleared when full)
 
-    def __init__(self, op: _Op, tree, layouts: tuple, ordinal: int, stream: int):
+    def __init__(self, op: _Op, tree, layouts: tuple, ordinal: int, stream: int, graph: bool = False):
         import cupy
 
         self._op, self._tree, self._layouts, self._ordinal = op, tree, layouts, ordinal
+        self._graph = graph  # (marked command_buffer_compatible: under stream capture, the plan's launch only)
         self._device = cupy.cuda.Device  # (a new one per run: a Device keeps the device it replaced until it is left)
         key = (ordinal, stream)
         self._stream = _streams.get(key)
@@ -231,12 +250,30 @@ class _GpuCall:
                 self._planned = self._op.plan(*self._tree.unflatten(ins))
             if self._planned is not None and not _validate.finite_checks(False) and self._planned(ins, dsts):
                 return
+            if self._graph and _capturing(self._stream.ptr):
+                # XLA is recording this call into a CUDA graph: the front door's temporaries (CuPy's pool) and host
+                # reads cannot be captured (a replay would write into memory freed since). Refuse.
+                raise RuntimeError(
+                    f"cuflash.jax: a call marked command_buffer_compatible ({_GRAPH_ENV}=1) is being captured but "
+                    f"does not run as the launcher's planned launch (unplanned call, an unaligned buffer, or "
+                    f"CUFLASH_CHECK_FINITE=1); unset {_GRAPH_ENV}")
             results = self._op.run(*self._tree.unflatten(ins))
             for dst, r in zip(dsts, results):
                 _write(dst, r)
 
 
 _UNPLANNED = object()
+
+
+def _capturing(stream: int) -> bool:
+    """Whether CUDA stream ``stream`` is capturing (XLA recording a command buffer); False where CuPy cannot say."""
+    import cupy
+
+    query = getattr(cupy.cuda.runtime, "streamIsCapturing", None)
+    try:
+        return bool(query(stream)) if query is not None else False
+    except Exception:
+        return False
 
 
 def _dlpack_ptr(buf) -> int:
@@ -455,7 +492,28 @@ def _forward_op(options) -> _Op:
 
         return launch
 
-    return _Op(run, shapes, fold, plan)
+    def capturable(q, k, v, bias, arrays):
+        return _capturable_forward(options, q, v, bias, arrays)
+
+    return _Op(run, shapes, fold, plan, capturable)
+
+
+def _capturable_forward(options, q, v, bias, arrays) -> bool:
+    """Whether a forward call may be recorded into a command buffer: one that the launcher plans as one launch on
+    XLA's buffers with no device record (FA2, no bias, no variant array, no dropout, no score_mod / mask_mod, a
+    positive or default scale, head dims the kernel reads in place), by what is known when it is traced. (The
+    callback still refuses, under capture, a call that turns out unplanned: :class:`_GpuCall`.)"""
+    opts = dict(options)
+    if (opts["algorithm"] != "fa2" or bias is not None or any(a is not None for a in arrays[:-1]) or arrays[-1]
+            or opts["dropout_p"] or opts["score_mod"] is not None or opts["mask_mod"] is not None
+            or (opts["softmax_scale"] is not None and not opts["softmax_scale"] > 0)):
+        return False
+    from cuflash._cuda.spec import HEAD_DIMS  # (no CuPy import)
+
+    dtype, d, dv = np.dtype(q.dtype), q.shape[-1], v.shape[-1]
+    if dtype.itemsize == 2:
+        return d % 8 == 0 and dv % 8 == 0 and max(d, dv) <= HEAD_DIMS[-1]
+    return dtype == np.float32 and d == dv and d in HEAD_DIMS
 
 
 def _backward_op(options) -> _Op:

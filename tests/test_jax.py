@@ -781,3 +781,192 @@ def test_jit_overhead_on_gpu_is_printed():
           "microseconds per call")
     for shape, what, t_cupy, t_jax in rows:
         print(f"  {str(shape):28s} {what:8s} cupy {t_cupy:9.1f}  jax.jit {t_jax:9.1f}  overhead {t_jax - t_cupy:+8.1f}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# CUFLASH_JAX_COMMAND_BUFFER: the planned forward marked command_buffer_compatible (XLA may capture its launch).
+
+
+def test_command_buffer_setting_is_checked(monkeypatch):
+    monkeypatch.delenv("CUFLASH_JAX_COMMAND_BUFFER", raising=False)
+    assert cfj.command_buffer_enabled() is False
+    monkeypatch.setenv("CUFLASH_JAX_COMMAND_BUFFER", "1")
+    assert cfj.command_buffer_enabled() is True
+    monkeypatch.setenv("CUFLASH_JAX_COMMAND_BUFFER", "0")
+    assert cfj.command_buffer_enabled() is False
+    monkeypatch.setenv("CUFLASH_JAX_COMMAND_BUFFER", "yes")
+    with pytest.raises(ValueError, match="CUFLASH_JAX_COMMAND_BUFFER must be '0' or '1'; got 'yes'"):
+        cfj.command_buffer_enabled()
+
+
+@pytest.fixture
+def marked(monkeypatch):
+    """The command_buffer_compatible flag of each buffer_callback made while tracing, in order."""
+    if cfj._buffer_callback is None:
+        pytest.skip(f"JAX {jax.__version__} has no jax.experimental.buffer_callback")
+    seen, real = [], cfj._buffer_callback
+
+    def spy(callback, shapes, **kwargs):
+        seen.append(kwargs.get("command_buffer_compatible", False))
+        return real(callback, shapes, **kwargs)
+
+    monkeypatch.setattr(cfj, "_buffer_callback", spy)
+    monkeypatch.setenv("CUFLASH_JAX_CALLBACK", "buffer")
+    return seen
+
+
+@pytest.mark.parametrize("setting", ["0", "1"])
+def test_command_buffer_marks_the_planned_forward_only(setting, marked, monkeypatch):
+    """With the switch on, the forward of a call the launcher plans as one launch is marked (the backward, which
+    allocates, never is); results are unchanged (on the CPU the flag does not change the target:
+    jax/_src/buffer_callback.py adds ``_cmd_buffer`` for cuda and rocm only)."""
+    monkeypatch.setenv("CUFLASH_JAX_COMMAND_BUFFER", setting)
+    q, k, v = _inputs((1, 16, 16, 2, 2, 32), jnp.float32, seed=8)
+    loss = lambda q, k, v: jnp.sum(cfj.attention(q, k, v, causal=True) ** 2)  # noqa: E731
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    text = grad.lower(q, k, v).as_text()
+    assert marked == [setting == "1", False]  # the forward, then the backward
+    assert "xla_buffer_python_cpu_callback_cmd_buffer" not in text
+    want = jax.grad(lambda q, k, v: jnp.sum(_plain(q, k, v, True) ** 2), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(grad(q, k, v), want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw, dims, dtype, want", [
+    ({}, (64, 64), jnp.bfloat16, True),
+    ({}, (72, 72), jnp.float16, True),  # (read in place by the 16-bit kernel)
+    ({}, (64, 64), jnp.float32, True),
+    ({}, (72, 72), jnp.float32, False),  # (float32 runs on padded copies)
+    ({}, (36, 36), jnp.bfloat16, False),
+    ({"softmax_scale": 0.5}, (64, 64), jnp.bfloat16, True),
+    ({"softmax_scale": -0.5}, (64, 64), jnp.bfloat16, False),
+    ({"algorithm": "fa1"}, (64, 64), jnp.bfloat16, False),
+    ({"dropout_p": 0.1, "dropout_seed": 3}, (64, 64), jnp.bfloat16, False),
+    ({"score_mod": "score * 0.5f"}, (64, 64), jnp.bfloat16, False),
+    ({"alibi_slopes": np.ones(2, np.float32)}, (64, 64), jnp.bfloat16, False),
+    ({"bias": np.zeros((1, 2, 8, 8), np.float32)}, (64, 64), jnp.bfloat16, False),
+], ids=["bf16", "f16-d72", "f32", "f32-d72", "d36", "scale", "negative-scale", "fa1", "dropout", "score_mod",
+        "alibi", "bias"])
+def test_command_buffer_marks_only_capturable_forwards(kw, dims, dtype, want, marked, monkeypatch):
+    monkeypatch.setenv("CUFLASH_JAX_COMMAND_BUFFER", "1")
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((1, 8, 2, dims[0])), dtype)
+    v = jnp.asarray(rng.standard_normal((1, 8, 2, dims[1])), dtype)
+    jax.jit(lambda q, k, v: cfj.attention(q, k, v, **kw)).lower(q, q, v)
+    assert marked == [want]
+
+
+# On the GPU. XLA builds a command buffer only from a run of at least xla_gpu_graph_min_graph_size (default 5)
+# consecutive command-compatible ops, so these functions chain four attention calls with fusions between them.
+
+
+def _chained(q, k, v):
+    x = q
+    for i in range(4):
+        x = cfj.attention(x, k, v, causal=True) * jnp.asarray(1.5 + i, x.dtype) + q
+    return x
+
+
+def _chained_cupy(q, k, v):
+    import cupy
+
+    import cuflash
+
+    x = q
+    for i in range(4):
+        x = cuflash.attention(x, k, v, causal=True) * cupy.asarray(1.5 + i, x.dtype) + q
+    return x
+
+
+@pytest.mark.gpu
+def test_command_buffer_forward_matches_on_fresh_inputs_and_replays(monkeypatch):
+    """CUFLASH_JAX_COMMAND_BUFFER=1: the compiled function's results on inputs at new addresses (which make XLA
+    re-record the command buffer: the callback runs again under capture) and on the same inputs again (a replay,
+    no Python) equal the unmarked function's, call after call, alternating inputs (a stale address baked into the
+    graph would show); prints how many runs of the function entered cuflash's callback."""
+    gpu = _jax_gpu()
+    _buffer_route_or_skip()
+    entered = []
+    real = cfj._GpuCall.__call__
+    monkeypatch.setattr(cfj._GpuCall, "__call__", lambda self, *a: (entered.append(self._graph), real(self, *a))[1])
+    plain = jax.jit(_chained)
+    monkeypatch.setenv("CUFLASH_JAX_COMMAND_BUFFER", "1")
+    graphed = jax.jit(_chained)
+    inputs = [tuple(jax.device_put(x, gpu) for x in _inputs((1, 128, 128, 8, 8, 64), jnp.bfloat16, seed=s))
+              for s in range(3)]
+    compiled = graphed.lower(*inputs[0]).compile().as_text()
+    print(f"\ncommand_buffer in the compiled HLO: {'command_buffer' in compiled}")
+    wants = [np.asarray(plain(*x)) for x in inputs]
+    del entered[:]
+    runs = 0
+    for _ in range(3):
+        for x, want in zip(inputs + inputs[:1], wants + wants[:1]):
+            for _ in range(2):  # (the second: the same addresses, a replay where XLA captured)
+                np.testing.assert_array_equal(np.asarray(graphed(*x)), want)
+                runs += 1
+    fresh = tuple(jax.device_put(x, gpu) for x in _inputs((1, 128, 128, 8, 8, 64), jnp.bfloat16, seed=9))
+    count = len(entered)
+    want_fresh = np.asarray(plain(*fresh))
+    del entered[count:]  # (the plain function's run)
+    np.testing.assert_array_equal(np.asarray(graphed(*fresh)), want_fresh)
+    runs += 1
+    print(f"{runs} runs of the marked function entered cuflash's callback {len(entered)} times (4 calls a run "
+          f"without a command buffer: {4 * runs})")
+
+
+@pytest.mark.gpu
+def test_command_buffer_forward_equals_cupy_bit_for_bit(monkeypatch):
+    """The marked chain's output equals the same chain of cuflash.attention on CuPy views of the inputs."""
+    import cupy
+
+    gpu = _jax_gpu()
+    _buffer_route_or_skip()
+    monkeypatch.setenv("CUFLASH_JAX_COMMAND_BUFFER", "1")
+    f = jax.jit(_chained)
+    for seed in range(3):
+        q, k, v = (jax.device_put(x, gpu) for x in _inputs((2, 200, 200, 8, 2, 64), jnp.float16, seed=20 + seed))
+        got = np.asarray(f(q, k, v))
+        want = cupy.asnumpy(_chained_cupy(*(cupy.from_dlpack(x) for x in (q, k, v))))
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.gpu
+def test_command_buffer_overhead_is_printed(monkeypatch):
+    """Time per run of the four-call chain under jit with the switch off and on, on the same inputs (a replay
+    where XLA captured) and on alternating inputs (a re-record each run), beside the CuPy chain (printed: -s)."""
+    import time
+
+    import cupy
+
+    gpu = _jax_gpu()
+    _buffer_route_or_skip()
+    rows = []
+    for shape in [(1, 128, 128, 8, 8, 64), (2, 2048, 2048, 16, 16, 128)]:
+        a = tuple(jax.device_put(x, gpu) for x in _inputs(shape, jnp.bfloat16, seed=1))
+        b = tuple(jax.device_put(x, gpu) for x in _inputs(shape, jnp.bfloat16, seed=2))
+        ca = tuple(cupy.from_dlpack(x) for x in a)
+        monkeypatch.setenv("CUFLASH_JAX_COMMAND_BUFFER", "0")
+        off = jax.jit(_chained)
+        monkeypatch.setenv("CUFLASH_JAX_COMMAND_BUFFER", "1")
+        on = jax.jit(_chained)
+
+        def per_run(fn, sync, n=100):
+            sync(fn(0))
+            sync(fn(1))
+            start = time.perf_counter()
+            for i in range(n):
+                r = fn(i)
+            sync(r)
+            return (time.perf_counter() - start) / n * 1e6
+
+        cu_sync = lambda *_: cupy.cuda.get_current_stream().synchronize()  # noqa: E731
+        t_cupy = per_run(lambda i: _chained_cupy(*ca), cu_sync)
+        for name, fn in (("off", off), ("on", on)):
+            same = per_run(lambda i: fn(*a), jax.block_until_ready)
+            alternating = per_run(lambda i: fn(*(a if i % 2 else b)), jax.block_until_ready)
+            rows.append((shape, name, t_cupy, same, alternating))
+    print(f"\nfour chained forwards under jit, CUFLASH_JAX_COMMAND_BUFFER off/on (JAX {jax.__version__}, "
+          f"{gpu.device_kind}): microseconds per run")
+    for shape, name, t_cupy, same, alternating in rows:
+        print(f"  {str(shape):28s} {name:3s} cupy {t_cupy:9.1f}  same inputs {same:9.1f} ({same - t_cupy:+8.1f})  "
+              f"alternating {alternating:9.1f} ({alternating - t_cupy:+8.1f})")
