@@ -52,7 +52,12 @@ def check_float32(cp, q, k, v, *, fp32_precision="tf32x3", views=False, **opts):
     out_n, _ = cuflash.attention(q, k, v, algorithm="naive", return_lse=True, **opts)
     out, lse = _forward(cp, q, k, v, fp32_precision=fp32_precision, views=views, **opts)
     assert out.dtype == np.float32 and not np.isnan(out).any(), "forward left unwritten (NaN) elements"
-    assert_within_budget(out, out_t, out_n, 2, rounding_floor(out_t, np.float32), f"{fp32_precision} out")
+    # The floor: storing the truth in float32, or one float32 spacing at the output's magnitude, whichever is more.
+    # The second is flash-attention's floor ((out + 0.3 - 0.3) - out); it counts here where the truth is a float32
+    # value itself (one visible key: out = v), which naive float32 attention returns exactly but 3xTF32 cannot (the
+    # split carries 22 of float32's 24 significant bits of V: one spacing off, measured on the H100).
+    floor = max(rounding_floor(out_t, np.float32), float(np.spacing(np.float32(np.abs(out_t).max()))))
+    assert_within_budget(out, out_t, out_n, 2, floor, f"{fp32_precision} out")
     lse_err = max_abs_error(lse, lse_t)
     assert lse_err < 5e-5, f"lse: max|err| = {lse_err:.3e}"
     return out, lse

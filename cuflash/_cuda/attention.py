@@ -136,10 +136,11 @@ def _strides_aligned(a) -> bool:
 
 def aligned(a):
     """``a`` itself when its tiles can be copied with 16-byte cp.async (:func:`_is_aligned`); otherwise a
-    contiguous copy (rare: views with odd offsets or strides)."""
+    contiguous copy in a new allocation (rare: views with odd offsets or strides; a contiguous view at an odd offset
+    too, which ``ascontiguousarray`` would return as it is)."""
     import cupy
 
-    return a if _is_aligned(a) else cupy.ascontiguousarray(a)
+    return a if _is_aligned(a) else cupy.array(a, copy=True, order="C")
 
 
 def i32(x) -> np.int32:
