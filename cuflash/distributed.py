@@ -202,7 +202,10 @@ def _block_bwd(dout, q, k, v, out, lse, call: _Call, opts):
 # array API it uses, in torch's spelling, so that the ring merges with the same code on any device.
 _TORCH_XP = types.SimpleNamespace(
     inf=math.inf,
-    asarray=lambda x, dtype: torch.tensor(x, dtype=dtype),
+    # a Python number, not a CPU tensor: torch.where would copy a CPU tensor to the GPU with a synchronous copy, which
+    # made the host wait for the step's attention kernel (found in an H200 profile: the ring's host time was its GPU
+    # time)
+    asarray=lambda x, dtype: float(x),
     max=lambda a, axis: torch.amax(a, dim=axis),
     sum=lambda a, axis: torch.sum(a, dim=axis),
     where=torch.where, exp=torch.exp, log=torch.log,
@@ -404,6 +407,7 @@ def _ring_forward(q, k, v, ring: _Ring, layout: str, opts):
     lse = torch.full((batch, heads, local_len), -math.inf, dtype=acc, device=q.device)
     q_chunks = _chunks(layout, ring.world, ring.rank, local_len)
     k, v = k.contiguous(), v.contiguous()
+    written: list[slice] = []  # the rows that hold a partial result (the others: nothing to merge with yet)
     for step in range(ring.world):
         # [ring-fwd 1] start moving the K/V in hand to the next rank; receive the previous rank's
         pending = ring.start([k, v]) if step + 1 < ring.world else None
@@ -411,7 +415,13 @@ def _ring_forward(q, k, v, ring: _Ring, layout: str, opts):
         src = (ring.rank - step) % ring.world
         for call in _plan(q_chunks, _chunks(layout, ring.world, src, local_len), opts):
             out_b, lse_b = _block_fwd(q, k, v, call, opts)
-            _merge_into(out, lse, call.q_rows, out_b, lse_b)
+            rows = call.q_rows
+            if any(rows.start < w.stop and w.start < rows.stop for w in written):
+                _merge_into(out, lse, rows, out_b, lse_b)
+            else:  # the rows' first part: merging it with the empty accumulator would give it back, at two passes' cost
+                out[:, rows] = out_b
+                lse[:, :, rows] = lse_b
+            written.append(rows)
         # [ring-fwd 3] the next step's K/V
         if pending is not None:
             requests, (k, v) = pending
