@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _blocks, _cascade, _decode_plan, _merge, _mods, _validate
+from . import _blocks, _cascade, _decode_plan, _kvcache, _merge, _mods, _validate
 from ._decode_plan import DecodePlan
 from ._variant import Variant, VariantArrays
 
@@ -755,7 +755,7 @@ def attention_with_kvcache(
     launch = _kvcache_launches.get(key) if key is not None else None
     if launch is not None:  # the same layouts and options as a call already checked: its launch, at once
         if type(cache_seqlens) is int:
-            cache_seqlens = _namespace(q).full((q.shape[0],), cache_seqlens, dtype=np.int32)
+            cache_seqlens = _kvcache.uniform_seqlens(_namespace(q), q.shape[0], cache_seqlens)
         result, lse = launch.run(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx, block_table,
                                  alibi_slopes, rotary_cos, rotary_sin, out, None)
         return (result, lse) if return_lse else result

@@ -14,6 +14,8 @@ from typing import Callable
 
 import numpy as np
 
+from ._kvcache import uniform_seqlens
+
 __all__ = ["DecodePlan"]
 
 # The arrays of a step, in the order of DecodeLaunch.run's arguments.
@@ -86,7 +88,7 @@ class DecodePlan:
         arrays every step only launch; a model's new q, k, v cost three comparisons.
         """
         if type(cache_seqlens) is int:
-            cache_seqlens = self._xp.full((self.lse_shape[0],), cache_seqlens, dtype=np.int32)
+            cache_seqlens = uniform_seqlens(self._xp, self.lse_shape[0], cache_seqlens)
         if self._check_each_step:
             self._check(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx, block_table,
                         alibi_slopes, rotary_cos, rotary_sin, out, lse)

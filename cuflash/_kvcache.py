@@ -97,3 +97,23 @@ class KVCache:
     @property
     def paged(self) -> bool:
         return self.block_table is not None
+
+
+# One int ``cache_seqlens`` for every sequence becomes an int32 array (batch,) for the kernels. A decode loop passes a
+# new int every step (transformers' caches: the length so far): rather than fill a new device array each time (a
+# kernel launch and an allocation), CuPy reads a row of a table whose row v holds v (batch,) times, kept per
+# (device, batch) and grown by doubling; tables above 4 Mi elements are not kept (a plain fill instead).
+_SEQLEN_TABLES: dict = {}
+_TABLE_LIMIT = 1 << 22
+
+
+def uniform_seqlens(xp, batch: int, value: int):
+    """An int32 array ``(batch,)`` of ``value`` (not to be written: on CuPy, a view of a shared table)."""
+    if xp.__name__ != "cupy" or (value + 1) * batch > _TABLE_LIMIT:
+        return xp.full((batch,), value, dtype="int32")
+    key = (xp.cuda.runtime.getDevice(), batch)
+    table = _SEQLEN_TABLES.get(key)
+    if table is None or table.shape[0] <= value:
+        rows = min(max(2 * value + 2, 1024), _TABLE_LIMIT // batch)
+        table = _SEQLEN_TABLES[key] = xp.broadcast_to(xp.arange(rows, dtype="int32")[:, None], (rows, batch)).copy()
+    return table[value]

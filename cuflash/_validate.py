@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _mods
+from ._kvcache import uniform_seqlens
 from ._variant import Variant
 
 ALGORITHMS = ("fa2", "fa1", "naive")
@@ -993,7 +994,7 @@ def kvcache(q, k_cache, v_cache, k, v, *, cache_seqlens, rotary_cos, rotary_sin,
                              f"{seqlen_q}); got seqlen_ro {seqlen_ro}")
 
     if seqlens_int is not None:  # checked above: it fits int32
-        cache_seqlens = xp.full((batch,), seqlens_int, dtype=np.int32)
+        cache_seqlens = uniform_seqlens(xp, batch, seqlens_int)
     problem = Problem(batch, seqlen_q, capacity, heads_q, heads_kv, head_dim, dtype, head_dim_v=head_dim_v)
     cache = KVCache(cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, cache_batch_idx=cache_batch_idx,
                     block_table=block_table, page_size=page_size, capacity=capacity, seqlen_new=seqlen_new,

@@ -1154,3 +1154,22 @@ def test_chunked_prefill_composition_in_float32():
     np.testing.assert_array_equal(k_cache, k_decode)
     np.testing.assert_allclose(out, out_ref, rtol=0, atol=2e-6)
     np.testing.assert_allclose(lse, lse_ref, rtol=0, atol=2e-6)
+
+
+def test_uniform_seqlens_reads_rows_of_a_growing_table(monkeypatch):
+    """An int cache_seqlens on CuPy: a row of a table kept per (device, batch), grown by doubling (a NumPy-backed
+    stand-in for the module here); NumPy arrays get a plain fill."""
+    import types
+
+    from cuflash import _kvcache
+
+    monkeypatch.setattr(_kvcache, "_SEQLEN_TABLES", {})
+    fake = types.SimpleNamespace(__name__="cupy", cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(
+        getDevice=lambda: 0)), arange=np.arange, broadcast_to=np.broadcast_to, full=np.full)
+    for value in (0, 5, 1023, 1024, 5000, 3):
+        row = _kvcache.uniform_seqlens(fake, 3, value)
+        assert row.dtype == np.int32 and row.tolist() == [value] * 3
+    assert len(_kvcache._SEQLEN_TABLES) == 1 and _kvcache._SEQLEN_TABLES[(0, 3)].shape[0] >= 5001
+    big = _kvcache.uniform_seqlens(fake, 4096, 2000)  # past the table limit: a fill
+    assert big.shape == (4096,) and (0, 4096) not in _kvcache._SEQLEN_TABLES
+    assert _kvcache.uniform_seqlens(np, 2, 9).tolist() == [9, 9]
