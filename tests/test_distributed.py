@@ -488,3 +488,24 @@ def test_two_gpus_over_nccl(tmp_path):
     while not context.join(timeout=1):
         assert time.monotonic() < deadline, f"the 2 NCCL processes did not finish within {DEADLINE_S} s"
 
+
+
+def test_cp_bench_runs_on_cpu_processes(tmp_path):
+    """tools/cp_bench.py (issue 15's benchmark, run on two GPUs in docs/distributed.md) on two CPU processes over
+    gloo: it runs ring and all-gather against the one-device call and writes its rows, errors within float32's
+    reach of the one-device output. Its times mean nothing here."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, os.path.join(root, "tools", "cp_bench.py"), "--cpu", "--seqlens", "64",
+                           "--heads", "2", "--heads-kv", "1", "--head-dim", "16", "--reps", "1", "--deadline", "120",
+                           "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [r for r in json.loads((tmp_path / "cp_bench.json").read_text()) if "mode" in r]
+    assert {r["mode"] for r in rows} == {"ring", "all-gather"} and {r["rank"] for r in rows} == {0, 1}
+    assert all(r["max_err"] < 1e-5 and r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows), rows
+    assert "| 64 | ring |" in done.stdout

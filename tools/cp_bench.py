@@ -42,45 +42,54 @@ def _say(rank: int, *args) -> None:
         print(*args, flush=True)
 
 
-def _time_cuda(torch, fn, reps: int) -> tuple[float, float]:
-    """(median GPU ms, median host ms per call) of ``fn`` after one warm-up call."""
+def _sync(torch) -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _time(torch, fn, reps: int, cuda: bool) -> tuple[float, float]:
+    """(median device ms, median host ms per call) of ``fn`` after one warm-up call (CPU: both the wall time)."""
     fn()
-    torch.cuda.synchronize()
-    gpu, host = [], []
+    _sync(torch)
+    dev, host = [], []
     for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
         t0 = time.perf_counter()
         fn()
         host.append((time.perf_counter() - t0) * 1e3)
-        end.record()
-        torch.cuda.synchronize()
-        gpu.append(start.elapsed_time(end))
-    return statistics.median(gpu), statistics.median(host)
+        if cuda:
+            end.record()
+            torch.cuda.synchronize()
+            dev.append(start.elapsed_time(end))
+        else:
+            dev.append(host[-1])
+    return statistics.median(dev), statistics.median(host)
 
 
-def _slowest(torch, dist, value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device="cuda")
+def _slowest(torch, dist, value: float, device: str) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
 
-def _link_bandwidth(torch, dist, rank: int, nbytes: int, reps: int = 10) -> float:
-    """GB/s of one NCCL send from rank 0 to rank 1 of ``nbytes`` (the other ranks idle)."""
-    buf = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+def _link_bandwidth(torch, dist, rank: int, nbytes: int, device: str, reps: int = 10) -> float:
+    """GB/s of one send from rank 0 to rank 1 of ``nbytes`` (the other ranks idle)."""
+    buf = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
     times = []
     for i in range(reps + 1):
         dist.barrier()
-        torch.cuda.synchronize()
+        _sync(torch)
         t0 = time.perf_counter()
         if rank == 0:
             dist.send(buf, 1)
         elif rank == 1:
             dist.recv(buf, 0)
-        torch.cuda.synchronize()
+        _sync(torch)
         if i:
             times.append(time.perf_counter() - t0)
-    sec = _slowest(torch, dist, statistics.median(times))
+    sec = _slowest(torch, dist, statistics.median(times), device)
     return nbytes / sec / 1e9
 
 
@@ -120,20 +129,24 @@ def _worker(rank: int, world: int, store_path: str, args: argparse.Namespace) ->
     import cuflash.torch as cft
     from cuflash import distributed as cd
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+    cuda = not args.cpu
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=args.deadline))
     rows = []
     try:
         hq, hkv, d = args.heads, args.heads_kv, args.head_dim
         nbytes = 2 * (args.seqlens[0] // world) * hkv * d * 2  # one K/V shard, bf16
-        bw = _link_bandwidth(torch, dist, rank, nbytes) if world > 1 else 0.0
-        _say(rank, f"{world} x {torch.cuda.get_device_name()}; NCCL send of one K/V shard ({nbytes / 2**20:.0f} MiB) "
+        bw = _link_bandwidth(torch, dist, rank, nbytes, device) if world > 1 else 0.0
+        name = torch.cuda.get_device_name() if cuda else "CPU processes over gloo"
+        _say(rank, f"{world} x {name}; send of one K/V shard ({nbytes / 2**20:.0f} MiB) "
                    f"from rank 0 to 1: {bw:.1f} GB/s")
         for n in args.seqlens:
-            gen = torch.Generator(device="cuda").manual_seed(n)
-            q, dout = (torch.randn((1, n, hq, d), generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-            k, v = (torch.randn((1, n, hkv, d), generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            gen = torch.Generator(device=device).manual_seed(n)
+            q, dout = (torch.randn((1, n, hq, d), generator=gen, device=device, dtype=dtype) for _ in range(2))
+            k, v = (torch.randn((1, n, hkv, d), generator=gen, device=device, dtype=dtype) for _ in range(2))
             full = [t.clone().requires_grad_() for t in (q, k, v)]
             flops_fwd = 4 * n * n * hq * d / 2  # causal
 
@@ -146,16 +159,17 @@ def _worker(rank: int, world: int, store_path: str, args: argparse.Namespace) ->
                 out.backward(dout)
 
             ref = single_fwd()
-            one_f, _ = _time_cuda(torch, single_fwd, args.reps)
-            one_fb, _ = _time_cuda(torch, single_fwd_bwd, args.reps)
-            one_f, one_fb = _slowest(torch, dist, one_f), _slowest(torch, dist, one_fb)
+            one_f, _ = _time(torch, single_fwd, args.reps, cuda)
+            one_fb, _ = _time(torch, single_fwd_bwd, args.reps, cuda)
+            one_f, one_fb = _slowest(torch, dist, one_f, device), _slowest(torch, dist, one_fb, device)
             for t in full:
                 t.grad = None
-            torch.cuda.empty_cache()
+            if cuda:
+                torch.cuda.empty_cache()
             local = [cd.shard(t, layout=args.layout).detach().clone().requires_grad_() for t in (q, k, v)]
             dlocal = cd.shard(dout, layout=args.layout).contiguous()
             want = cd.shard(ref, layout=args.layout).float()
-            spacing = float(torch.finfo(torch.bfloat16).eps) * float(want.abs().max())
+            spacing = float(torch.finfo(dtype).eps) * float(want.abs().max())
             for name, fn in (("ring", cd.ring_attention), ("all-gather", cd.all_gather_attention)):
                 def fwd():
                     with torch.no_grad():
@@ -166,11 +180,11 @@ def _worker(rank: int, world: int, store_path: str, args: argparse.Namespace) ->
                     out.backward(dlocal)
 
                 err = float((fwd().float() - want).abs().max())
-                err = _slowest(torch, dist, err)
-                f_ms, f_host = _time_cuda(torch, fwd, args.reps)
-                fb_ms, fb_host = _time_cuda(torch, fwd_bwd, args.reps)
-                f_ms, fb_ms = _slowest(torch, dist, f_ms), _slowest(torch, dist, fb_ms)
-                f_host, fb_host = _slowest(torch, dist, f_host), _slowest(torch, dist, fb_host)
+                err = _slowest(torch, dist, err, device)
+                f_ms, f_host = _time(torch, fwd, args.reps, cuda)
+                fb_ms, fb_host = _time(torch, fwd_bwd, args.reps, cuda)
+                f_ms, fb_ms = _slowest(torch, dist, f_ms, device), _slowest(torch, dist, fb_ms, device)
+                f_host, fb_host = _slowest(torch, dist, f_host, device), _slowest(torch, dist, fb_host, device)
                 for t in local:
                     t.grad = None
                 row = dict(N=n, mode=name, world=world, heads=hq, heads_kv=hkv, d=d, layout=args.layout,
@@ -182,10 +196,11 @@ def _worker(rank: int, world: int, store_path: str, args: argparse.Namespace) ->
                 _say(rank, f"N {n:7d} {name:10s} one GPU fwd {one_f:9.2f} ms fwd+bwd {one_fb:9.2f} | {world} GPUs fwd "
                            f"{f_ms:8.2f} ms (eff {row['eff_fwd']:.3f}) fwd+bwd {fb_ms:9.2f} ms "
                            f"(eff {row['eff_fwd_bwd']:.3f}) | host per call fwd {f_host:.2f} ms fwd+bwd "
-                           f"{fb_host:.2f} ms | max|err| vs one GPU {err:.2e} (bf16 spacing {spacing:.2e})")
+                           f"{fb_host:.2f} ms | max|err| vs one GPU {err:.2e} (spacing of the dtype there {spacing:.2e})")
             q = k = v = dout = full = ref = local = dlocal = want = None  # free before the next length
-            torch.cuda.empty_cache()
-        if args.profile:
+            if cuda:
+                torch.cuda.empty_cache()
+        if args.profile and cuda:
             n = args.seqlens[0]
             gen = torch.Generator(device="cuda").manual_seed(1)
             local = [torch.randn((1, n // world, h, d), generator=gen, device="cuda", dtype=torch.bfloat16)
@@ -238,6 +253,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--world", type=int, default=None, help="processes (default: every visible GPU)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--cpu", action="store_true",
+                    help="CPU processes over gloo, float32, the NumPy reference (a check of the script; times mean nothing)")
     ap.add_argument("--deadline", type=int, default=540, help="seconds before the run is given up")
     ap.add_argument("--out", default=os.environ.get("OUT", tempfile.gettempdir()))
     ap.add_argument("--json", default=None, help="write every rank's rows here (default: OUT/cp_bench.json)")
@@ -246,8 +263,8 @@ def main(argv=None) -> int:
     import torch
     import torch.multiprocessing as mp
 
-    world = args.world or torch.cuda.device_count()
-    if world < 2:
+    world = args.world or (2 if args.cpu else torch.cuda.device_count())
+    if world < 2 and not args.cpu:
         print(f"needs 2 or more GPUs; this machine has {torch.cuda.device_count()}", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
