@@ -837,12 +837,12 @@ def _staged_bias_spec(family: str, dtype: str, d: int, t: Tile, variant: Variant
     return None
 
 
-def _dbias_dtype(bias) -> str:
+def _dbias_dtype(bias) -> np.dtype:
     """The dtype of the backend's dbias (docs/architecture.md): the bias's own, written once per element as PyTorch's
     SDPA does, or float32 where the bias broadcasts over batch or heads (stride 0), whose gradient the front door sums
     over those axes (in float32, then rounded once)."""
     broadcast = any(s == 0 and n > 1 for s, n in zip(bias.strides[:2], bias.shape[:2]))
-    return "float32" if broadcast else np.dtype(bias.dtype).name
+    return np.dtype(np.float32) if broadcast else np.dtype(bias.dtype)
 
 
 def _writes_every_score(variant: Variant) -> bool:
@@ -894,9 +894,9 @@ def backward(do, q, k, v, out, lse, *, scale, variant: Variant, algorithm, block
     variant = _kernel_ready(variant)
     dbias = dbias_dtype = None
     if want_dbias and variant.bias is not None:  # [variant grad]: tiles no query visits stay 0
-        dbias_dtype = _dbias_dtype(variant.bias)
         alloc = cupy.empty if dtype in CTYPES and _writes_every_score(variant) else cupy.zeros
-        dbias = alloc((shp.batch, shp.heads_q, shp.rows_q, shp.rows_k), dtype=dbias_dtype)
+        dbias = alloc((shp.batch, shp.heads_q, shp.rows_q, shp.rows_k), dtype=_dbias_dtype(variant.bias))
+        dbias_dtype = dbias.dtype.name
     vtype = variant_type(variant, pads_head_dim=bool(kd), dbias_dtype=dbias_dtype)
     fscale = np.float32(scale)
     def params(spec=None, transposed=False):  # one launch's VariantParams (and what it points to)
