@@ -224,7 +224,7 @@ BIAS_CASES = {
     "causal-softcap-alibi-window": dict(causal=True, softcap=5.0, alibi_slopes="heads", window_size=(200, 40)),
     "seqused": dict(seqused_k=[336, 201]),
     "deterministic": dict(deterministic=True),
-    "mma-sync-kernels": dict(kernel_opts=dict(block_q=128, block_k=64)),
+    "mma-sync-kernels": dict(kernel_opts=dict(block_q=64, block_k=64)),
 }
 
 
@@ -236,7 +236,7 @@ def test_bias_in_its_own_dtype(requires_gpu, label, d, dtname):
     from global memory, full or broadcast, with ragged tiles, a mask, other variants, both backward orders and the
     mma.sync kernels; dbias in the bias's dtype, against the float64 truth's budget."""
     case = dict(BIAS_CASES[label])
-    rng = np.random.default_rng(abs(hash((label, d, dtname))) % 2**32)
+    rng = np.random.default_rng([d, *label.encode(), *dtname.encode()])  # (fixed: str hashes vary by process)
     nq, nk = 300, case.pop("nk", 336)
     dtype = DTYPES[dtname]
     q, k, v, do = _inputs(rng, (2, nq, 4, d), (2, nk, 2, d), dtype)
