@@ -624,7 +624,12 @@ def _reduce_dbias(dbias, bias):
     axes = tuple(axis for axis in range(2) if shape[axis] == 1 and dbias.shape[axis] != 1)
     if axes:
         dbias = dbias.sum(axis=axes, keepdims=True)
-    return dbias.reshape(bias.shape).astype(bias.dtype, copy=False)
+    dbias = dbias.reshape(bias.shape)
+    if dbias.dtype == bias.dtype:  # (the CUDA backend writes a bias's own dtype where nothing is summed)
+        return dbias
+    if isinstance(dbias, np.ndarray):
+        return dbias.astype(bias.dtype)
+    return _cascade._from_acc(dbias, bias.dtype, _namespace(dbias))  # (to bfloat16 through the bits on CuPy)
 
 
 def _empty_backward(q, k, v):

@@ -481,6 +481,23 @@ def _compact(a):
     return a[tuple(slice(0, 1) if n > 1 and stride == 0 else slice(None) for n, stride in zip(a.shape, a.strides))]
 
 
+# The biases whose own dtype the CUDA kernels read for float16 / bfloat16 inputs (the policy's BiasArray element).
+_KERNEL_BIAS_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def _neg_inf_bits(dtype):
+    """The bits of -inf in ``dtype``, a scalar of the unsigned integer type of its size (selections through the bits)."""
+    return np.array(-np.inf, dtype).view(f"u{np.dtype(dtype).itemsize}")[()]
+
+
+def _widen(value, acc, xp):
+    """``value`` in the accumulation dtype ``acc``; bfloat16 through its bits (exact, and without arithmetic on
+    bfloat16 arrays, which CuPy before its bfloat16 support lacks)."""
+    if np.dtype(value.dtype).name == "bfloat16" and np.dtype(acc) == np.float32:
+        return (value.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return value.astype(acc)
+
+
 def attention_bias(bias, attn_mask, problem: Problem, xp):
     """The additive ``bias`` (floating) and the boolean ``attn_mask`` (True: the key is seen) as one
     ``(batch, heads_q, seqlen_q, seqlen_k)`` array for the backends, or None when neither is given.
@@ -489,6 +506,11 @@ def attention_bias(bias, attn_mask, problem: Problem, xp):
     0 / -inf and is added to ``bias``. Each array is converted once, over its own (compact) shape, and
     broadcast as a view: a bias that already has that dtype reaches the backend without a copy (stride 0
     on its broadcast axes). Not with cu_seqlens: a packed batch has no (seqlen_q, seqlen_k) grid of scores.
+
+    CuPy arrays of float16 / bfloat16 inputs (the CUDA kernels, which read a bias in its own dtype): a float16,
+    bfloat16 or float32 ``bias`` stays as it is (no copy); ``attn_mask`` alone becomes 0 / -inf in q's dtype; both
+    together are selected through the bits in the bias's dtype (``bias`` where the mask is True, -inf where not:
+    exactly ``bias + mask``) where the mask broadcasts at least as far as the bias, else added in float32.
     """
     given = {name: a for name, a in (("bias", bias), ("attn_mask", attn_mask)) if a is not None}
     if not given:
@@ -500,7 +522,9 @@ def attention_bias(bias, attn_mask, problem: Problem, xp):
             f"(with seqused_k for key padding)"
         )
     acc = lse_dtype(problem.dtype)
+    own = getattr(xp, "__name__", "") == "cupy" and np.dtype(problem.dtype).name in ("float16", "bfloat16")
     total = None
+    compact = {}
     for name, value in given.items():
         dtype = np.dtype(value.dtype)
         if name == "bias" and dtype.name not in _FLOAT_DTYPES:
@@ -515,13 +539,26 @@ def attention_bias(bias, attn_mask, problem: Problem, xp):
             )
         _bias_shape(name, value, problem)
         _check_contiguous_last_axis(name, value)
-        value = _compact(value[(None,) * (4 - value.ndim)])
+        compact[name] = _compact(value[(None,) * (4 - value.ndim)])
+    full = (problem.batch, problem.heads_q, problem.seqlen_q, problem.seqlen_k)
+    bias, mask = compact.get("bias"), compact.get("attn_mask")
+    if own and (bias is None or np.dtype(bias.dtype).name in _KERNEL_BIAS_DTYPES):
+        if mask is None:
+            return xp.broadcast_to(bias, full)
+        if bias is None:
+            dtype = np.dtype(problem.dtype)
+            bits = _neg_inf_bits(dtype)
+            return xp.broadcast_to(((~mask).astype(bits.dtype) * bits).view(dtype), full)
+        if np.broadcast_shapes(bias.shape, mask.shape) == bias.shape:
+            bits = _neg_inf_bits(bias.dtype)
+            return xp.broadcast_to(xp.where(mask, bias.view(bits.dtype), bits).view(bias.dtype), full)
+    for name, value in compact.items():
         if name == "bias":
-            term = value if np.dtype(value.dtype) == acc else value.astype(acc)
+            term = value if np.dtype(value.dtype) == acc else _widen(value, acc, xp)
         else:
             term = xp.where(value, xp.zeros((), acc), xp.full((), -np.inf, acc))
         total = term if total is None else total + term
-    return xp.broadcast_to(total, (problem.batch, problem.heads_q, problem.seqlen_q, problem.seqlen_k))
+    return xp.broadcast_to(total, full)
 
 
 def _uint64(name: str, value) -> int:

@@ -82,11 +82,12 @@ class Variant:
         int32 ``(batch,)``: sequence ``b`` uses only its first ``seqused_k[b]`` keys (the rest are padding),
         in the padded ``(batch, seqlen, heads, d)`` layout or with cu_seqlens_k.
     bias : array or None
-        Shape ``(batch, heads_q, seqlen_q, seqlen_k)``, float32 (float64 for float64 inputs), same array
+        Shape ``(batch, heads_q, seqlen_q, seqlen_k)``, float32 (float64 for float64 inputs; on CuPy with
+        float16 / bfloat16 inputs also float16 or bfloat16, which the kernels read as such), same array
         library as q, padded layout only: added to the scaled score of query ``i`` and key ``j`` after
         softcap and ALiBi, before the masks. It is the user's ``bias`` and ``attn_mask`` (``False`` as
         ``-inf``) in one array; ``-inf`` entries mask. Any strides on the first three axes (0 on the axes
-        the user's array broadcasts over: no copy of a float32 bias), a contiguous last axis.
+        the user's array broadcasts over: no copy of a bias of such a dtype), a contiguous last axis.
     dropout_p : float
         In ``[0, 1)``; 0 for no dropout. Probabilities are zeroed with this probability after the softmax.
     dropout_seed : int or None

@@ -499,8 +499,11 @@ def _scores(q_i, k_j, mods: _ScoreMods, q_start, q_stop, k_start, k_stop):
         distance = np.abs(rows - np.arange(k_start, k_stop)[None, :]).astype(s.dtype)
         s -= mods.slopes * distance
     if mods.bias is not None:
+        # [variant bias tile] the bias of this tile of scores, rows [q_start, q_stop) x keys [k_start, k_stop) (the
+        # wgmma kernels copy it into shared memory with the tile's K/V, or Q/dO, and read it there)
+        tile = mods.bias[..., q_start:q_stop, k_start:k_stop]
         # [variant mod] bias: t += bias[b, h, i, j] (attn_mask's False is -inf there)
-        s += mods.bias[..., q_start:q_stop, k_start:k_stop]
+        s += tile
     user, dmod = mods.user, None
     if user is not None:
         rows = np.arange(q_start, q_stop).reshape(1, 1, 1, -1, 1)

@@ -174,6 +174,7 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
     constexpr int kDW = kHeadDim / kWM;      // head-dim columns of dK, dV per warp
     static_assert(kBlockM % 32 == 0 && kQW % 16 == 0 && kDW % 16 == 0, "tile shape");
     static_assert(kStages >= 2, "the next query tile is loaded while this one is used");
+    static_assert(!V::Bias::kStaged, "reads the bias from global memory (the wgmma kernels stage it)");
     constexpr int kQN8 = kQW / 8, kDN8 = kDW / 8;
     constexpr int kQTile = kBlockM * kHeadDim;
     // dQ phase: the kBlockM x d tile of dS K over a kWQM x kWQD warp grid of kQMW x kQDW warp tiles
@@ -469,6 +470,7 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
                     i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale, const VariantParams vp) {
     static_assert(kBlockM == 16 * kNWarps, "each warp owns 16 query rows");
     static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shape");
+    static_assert(!V::Bias::kStaged, "reads the bias from global memory (the wgmma kernels stage it)");
     constexpr int kThreads = kNWarps * 32;
     constexpr int kNT = kBlockN / 8;
     constexpr int kDT = kHeadDim / 8;

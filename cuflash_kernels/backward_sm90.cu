@@ -30,10 +30,17 @@
 // Rows past seqlen_q are zero-filled (dO = 0, D = 0, lse = 0: they add nothing); rows that see no key
 // (lse = -inf) meet only masked tiles, so their P is 0, never NaN.
 //
+// [variant bias tile] A staged bias (V::Bias::kStaged): the bias of each query tile's scores (kBlockM queries x
+// kBlockN keys, its own dtype) is copied with cp.async with the tile's Q and dO, into the tile's buffer, and the
+// recomputation of P^T reads it from there (16-bit: one transposed ldmatrix per 16 queries). dbias = dS is written
+// straight from the fragments: for each element a warp writes 4 query rows x 8 consecutive keys, whole 32-byte
+// sectors (float32) or halves that the same thread's next store completes (16-bit).
+//
 // Grid: (ceil(seqlen_k / kBlockN), heads_q, batch), 32 * kNWarps threads; key/value head = query head / group.
 // Shared memory (16-bit tiles, each 1024-byte aligned): K, V kBlockN x d; 2 x (Q, dO) kBlockM x d;
 // dS^T kBlockN x kBlockM; float32 lse, D 2 x kBlockM each; + 1024 for alignment (Sm90BwdConfig::kSmemBytes):
-// d = 128, kBlockN = 128: 146 KiB (one block per SM); d = 64, kBlockN = 128: 82 KiB.
+// d = 128, kBlockN = 128: 146 KiB (one block per SM); d = 64, kBlockN = 128: 82 KiB. A staged bias adds
+// 2 x kBlockM x kBlockN entries (d = 128, bf16: + 32 KiB; float32: + 64 KiB).
 #include "cuflash_tiles.cuh"
 #include "hopper_tiles.cuh"
 #include "user_mods.cuh"
@@ -88,6 +95,11 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
     u16* sdSt = sdO + 2 * kQTile;                                       // dS^T, kBlockN x kBlockM
     float* sLse = reinterpret_cast<float*>(sdSt + kBlockN * kBlockM);  // 2 x kBlockM, raw lse
     float* sD = sLse + 2 * kBlockM;                                     // 2 x kBlockM, D
+    // [variant bias tile] 2 x (kBlockM x kBlockN) bias entries (V::Bias::kStaged)
+    using BiasT = typename BlockInfo<V>::BiasT;
+    constexpr bool kStagedBias = V::Bias::kStaged;
+    constexpr int kBiasTile = kBlockM * kBlockN;
+    BiasT* sBias = reinterpret_cast<BiasT*>(sD + 2 * kBlockM);
 
     const int n_block = blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
@@ -115,6 +127,9 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
         load_tile_sw128<kBlockM, kHeadDim, kThreads>(sdO + buf * kQTile, dog, do_ss, mi * kBlockM, len_q, tid);
         load_row_stats_async<kBlockM, kThreads>(sLse + buf * kBlockM, sD + buf * kBlockM, lse_row, delta_row,
                                                 mi * kBlockM, len_q, tid);
+        if constexpr (kStagedBias) {  // [variant bias tile] the tile's bias, queries x this block's keys
+            load_bias_tile<V, kBlockM, kBlockN, kThreads>(sBias + buf * kBiasTile, bi, mi * kBlockM, n0, seqlen_k, tid);
+        }
     };
 
     load_tile_sw128<kBlockN, kHeadDim, kThreads>(sK, k + b * k_sb + h_kv * k_sh + (i64)bi.k0 * k_ss, k_ss, n0, len_k, tid);
@@ -192,7 +207,14 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
         wgmma_wait<1>();
         fence_regs(st);
         u32 dmod[V::Has_grad ? kNT : 1][2];  // [variant grad] d mod / d s
-        if constexpr (V::Has_grad) {
+        if constexpr (kStagedBias) {  // [variant mod] with the staged bias ([variant bias tile])
+            const BiasTile<V, kBlockN> bt{sBias + buf * kBiasTile, m0, n0};
+            if constexpr (V::Has_grad) {
+                mod_scores_grad<true>(st, dmod, bi, key_base, m0, lane, queries.partial(it), bt);
+            } else {
+                mod_scores<true>(st, bi, key_base, m0, lane, queries.partial(it), bt);
+            }
+        } else if constexpr (V::Has_grad) {
             mod_scores_grad<true>(st, dmod, bi, key_base, m0, lane, queries.partial(it));
         } else {
             mod_scores<true>(st, bi, key_base, m0, lane, queries.partial(it));  // [variant mod]

@@ -62,6 +62,7 @@ flash_fwd_kernel(const typename FwdMma<T>::Storage* __restrict__ q, const typena
     static_assert(kBlockM % (16 * kNWarps) == 0, "each warp owns kMT x 16 query rows");
     static_assert(kBlockN % 16 == 0 && kHeadDim % Mma::kHeadDimStep == 0, "tile shape");
     static_assert(kStages >= 1, "at least one key/value buffer");
+    static_assert(!V::Bias::kStaged, "reads the bias from global memory (the wgmma kernels stage it)");
     constexpr int kThreads = kNWarps * 32;
     constexpr int kMT = kBlockM / (16 * kNWarps);  // 16-row mma tiles per warp: B fragments read once, used kMT times
     constexpr int kNT = kBlockN / 8;     // n8 tiles of a score row block

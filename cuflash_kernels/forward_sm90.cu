@@ -17,10 +17,15 @@
 // Causal: key tiles wholly above the diagonal are skipped; only tiles that cross it (or the end of K)
 // are masked element by element. Rows that see no key: O = 0, lse = -inf.
 //
+// [variant bias tile] A staged bias (V::Bias::kStaged): the bias of score tile j (kBlockM x kBlockN, its own
+// dtype) is copied with cp.async in the commit group of K_j, one tile ahead, into one of two buffers, and the mod
+// of S_j reads it from there (16-bit: one ldmatrix per 16 keys) instead of every thread reading global memory.
+//
 // Grid: (ceil(seqlen_q / kBlockM), heads_q, batch), query tiles last-first (longest causal tiles start
 // first); key/value head = query head / group.
 // Shared memory: 2 * d * (kBlockM + 4 * kBlockN) bytes + 1024 for alignment + 128 for mbarriers, e.g.
-// d = 128, 128 x 128: 161 KiB; d = 64, 128 x 64: 49 KiB (two blocks per SM).
+// d = 128, 128 x 128: 161 KiB; d = 64, 128 x 64: 49 KiB (two blocks per SM); a staged bias adds two tiles,
+// 2 * kBlockM * kBlockN * sizeof(element) bytes (d = 128, 128 x 128, bf16: + 64 KiB = 225 KiB).
 #include "cuflash_tiles.cuh"
 #include "hopper_tiles.cuh"
 #include "user_mods.cuh"
@@ -97,6 +102,8 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
     static_assert(kNWarps % 4 == 0 && kNWarps >= 4 && kNWarps <= 16, "one to four warpgroups");
     static_assert(kBlockM % 64 == 0 && (kBlockM == 16 * kNWarps || kWS), "each computing warpgroup owns 64 query rows");
     static_assert(kStages == 2, "two K/V buffers (the loop loads one tile ahead)");
+    constexpr bool kStagedBias = V::Bias::kStaged;  // [variant bias tile]
+    static_assert(!kStagedBias || !kWS, "a staged bias runs without a producer warpgroup (all threads load)");
     constexpr int kLoaders = kWS ? 128 : kNWarps * 32;  // threads that issue the loads
     constexpr int kNT = kBlockN / 8;    // n8 fragments of a score row block
     constexpr int kDT = kHeadDim / 8;   // n8 fragments of an output row block
@@ -113,6 +120,10 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
     // mbarriers of the warp-specialized variant: Q landed, K/V buffer landed, K/V buffer free.
     const u32 bar = smem_u32(sV + 2 * kKVTile);
     const u32 full_q = bar, full_k = bar + 8, full_v = bar + 24, free_k = bar + 40, free_v = bar + 56;
+    // [variant bias tile] 2 buffers of kBlockM x kBlockN bias entries, after the mbarriers' 128 bytes.
+    using BiasT = typename BlockInfo<V>::BiasT;
+    BiasT* sBias = reinterpret_cast<BiasT*>(reinterpret_cast<unsigned char*>(sV + 2 * kKVTile) + 128);
+    constexpr int kBiasTile = kBlockM * kBlockN;
 
     const int m_block = gridDim.x - 1 - blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
@@ -147,6 +158,14 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
             load_tile_sw128_lean<kBlockN, kHeadDim, kLoaders>(sV + (j & 1) * kKVTile, vg, v_ss, tile_row(j), len_k, ltid);
         } else {
             load_tile_sw128<kBlockN, kHeadDim, kLoaders>(sV + (j & 1) * kKVTile, vg, v_ss, tile_row(j), len_k, ltid);
+        }
+    };
+
+    // [variant bias tile] The bias of key tile j into buffer j % 2 (all threads; the caller commits).
+    auto load_bias = [&](int j) {
+        if constexpr (kStagedBias) {
+            load_bias_tile<V, kBlockM, kBlockN, kLoaders>(sBias + (j & 1) * kBiasTile, bi, m0, n_shift + tile_row(j),
+                                                          seqlen_k, tid);
         }
     };
 
@@ -214,7 +233,12 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
         // [variant mod] and [variant mask] of key tile j (counted from n_begin).
         auto mask = [&](int j) {
             const int n0 = n_shift + tile_row(j);
-            mod_scores<false>(s, bi, row_base, n0, lane, keys.partial(j));
+            if constexpr (kStagedBias) {
+                mod_scores<false>(s, bi, row_base, n0, lane, keys.partial(j),
+                                  BiasTile<V, kBlockN>{sBias + (j & 1) * kBiasTile, m0, n0});
+            } else {
+                mod_scores<false>(s, bi, row_base, n0, lane, keys.partial(j));
+            }
             const bool mask_mod = keys.mask_mod_in_mask(j);
             if (bi.needs_mask(m0, kBlockM, n0, kBlockN) || mask_mod) {
                 mask_block<false>(s, bi, row_base, n0, lane, -CUFLASH_INF, mask_mod);
@@ -265,13 +289,17 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
             } else {
                 load_tile_sw128<kBlockM, kHeadDim, kLoaders>(sQ, qg, q_ss, m0, len_q, tid);
                 load_k(0, tid);
+                load_bias(0);
                 cp_async_commit();
                 landed_all();
             }
             wgmma_fence();
             scores(0);
             if constexpr (!kWS) {
-                if (1 < n_end) load_k(1, tid);
+                if (1 < n_end) {
+                    load_k(1, tid);
+                    load_bias(1);
+                }
                 load_v(0, tid);
                 cp_async_commit();
             }
@@ -296,7 +324,11 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
                 scores(j & 1);
                 pv((j - 1) & 1);
                 if constexpr (!kWS) {  // loads for the next iteration while the tensor cores work
-                    if (j + 1 < n_end) load_k(j + 1, tid);
+                    // (bias buffer (j + 1) % 2 was last read by mask(j - 1), before landed_all's barrier)
+                    if (j + 1 < n_end) {
+                        load_k(j + 1, tid);
+                        load_bias(j + 1);
+                    }
                     load_v(j, tid);
                     cp_async_commit();
                 }

@@ -12,7 +12,10 @@
 //   - [variant mod]  mod(s, i, j): the raw score q.k with softcap, ALiBi and the bias applied, in raw-score
 //     units (so every kernel's scale * log2(e) and softmax stay as they are); with softcap it also gives
 //     the derivative d mod / d s for [variant grad] (dS is multiplied by it in the backward; the
-//     bias's gradient is dS itself, store_dbias);
+//     bias's gradient is dS itself, store_dbias). The bias is a policy of its own (BiasArray): its element
+//     type (float32, or float16 / bfloat16 read as such), and where a kernel reads it: straight from global
+//     memory, or from the tile of the bias that it stages in shared memory with its K/V or Q/dO tiles
+//     ([variant bias tile]: load_bias_tile, mod_scores with a BiasTile);
 //   - [variant mask] visible(i, j): the key lies inside the sequence's used keys and the band;
 //   - [variant dropout] keep(i, j) / dropout_bits: the Philox keep decision of cuflash/_philox.py, one call
 //     per 16 scores (i, i + 8) x (j, j + 1, j + 8, j + 9, ..., j + 24, j + 25), an 8-bit quarter-word each:
@@ -28,10 +31,10 @@ namespace cuflash {
 // that VariantParams points to (a bigger by-value argument moved ptxas's register allocation of the dense
 // kernels). Layout mirrored by cuflash/_cuda/spec.py: EXTRA_PARAMS_DTYPE.
 struct ExtraParams {
-    const float* bias;  // (batch, heads_q, seqlen_q, seqlen_k) float32, any strides (0 on broadcast axes)
-    i64 sb, sh, sm;
-    float* dbias;       // its gradient, float32, zeroed by the launcher; null when not wanted
-    i64 dsb, dsh, dsm;
+    const void* bias;   // (batch, heads_q, seqlen_q, seqlen_k) of the policy's BiasArray::Elem, any strides (0 on
+    i64 sb, sh, sm;     //   broadcast axes; 16-byte aligned rows where the policy stages it), in elements
+    void* dbias;        // its gradient (BiasArray::Grad), where the launcher did not zero it every element written;
+    i64 dsb, dsh, dsm;  //   null when not wanted
     u64 dropout_seed;   // Philox key (seed mod 2^32, seed >> 32)
     u64 dropout_offset; // W = b * 2^32 + h + offset
     u32 keep_threshold; // a score is kept iff its 8-bit Philox quarter-word < keep_threshold = floor((1 - p) 2^8)
@@ -82,8 +85,41 @@ struct VariantParams {
     const ExtraParams* extra;   // (Has_bias, Has_dropout) in device memory
 };
 
+// [variant mod] The element types of a bias and of its gradient: float (float32), or fp16 / bf16 stored as 16 bits
+// and read as such (no float32 copy).
+template <class E> struct BiasElem {  // fp16, bf16
+    using Storage = u16;
+    __device__ __forceinline__ static float to_float(u16 x) { return Elem<E>::to_float(x); }
+    __device__ __forceinline__ static u16 from_float(float x) { return static_cast<u16>(Elem<E>::pack(x, 0.f) & 0xffffu); }
+};
+template <> struct BiasElem<float> {
+    using Storage = float;
+    __device__ __forceinline__ static float to_float(float x) { return x; }
+    __device__ __forceinline__ static float from_float(float x) { return x; }
+};
+
+// The bias policy of a Variant: NoBias, or BiasArray<E, kStaged, G>, an additive (batch, heads_q, seqlen_q,
+// seqlen_k) bias of element type E whose gradient, when wanted, is written in G (E, or float32 where the front
+// door sums it over broadcast axes). kStaged: the kernel copies the bias of each score tile into shared memory with
+// cp.async, in the pipeline of its K/V (forward) or Q/dO (backward) tiles, and reads it there ([variant bias tile];
+// the launcher stages only rows of 16-byte multiples, 16-byte aligned, in the kernels that implement it: the wgmma
+// kernels); otherwise every thread reads its scores' entries from global memory.
+struct NoBias {
+    static constexpr bool kOn = false;
+    static constexpr bool kStaged = false;
+    using Elem = float;
+    using Grad = float;
+};
+template <class E, bool kStaged_, class G = E>
+struct BiasArray {
+    static constexpr bool kOn = true;
+    static constexpr bool kStaged = kStaged_;
+    using Elem = E;
+    using Grad = G;
+};
+
 template <bool Has_left_, bool Has_right_, bool Is_varlen_, bool Has_seqused_, bool Has_softcap_, bool Has_alibi_,
-          bool Has_bias_, bool Has_dropout_ = false, class Mod_ = NoMod, bool Pads_head_dim_ = false>
+          class Bias_, bool Has_dropout_ = false, class Mod_ = NoMod, bool Pads_head_dim_ = false>
 struct Variant {
     static constexpr bool Has_left = Has_left_;        // a sliding window's left edge
     static constexpr bool Has_right = Has_right_;      // causal, or a window's right edge
@@ -91,7 +127,8 @@ struct Variant {
     static constexpr bool Has_seqused = Has_seqused_;  // per-sequence key counts (key padding)
     static constexpr bool Has_softcap = Has_softcap_;
     static constexpr bool Has_alibi = Has_alibi_;
-    static constexpr bool Has_bias = Has_bias_;         // an additive bias (and boolean masks, as -inf)
+    using Bias = Bias_;                                // NoBias or BiasArray<...>
+    static constexpr bool Has_bias = Bias::kOn;        // an additive bias (and boolean masks, as -inf)
     static constexpr bool Has_dropout = Has_dropout_;
     static constexpr bool Has_band = Has_left || Has_right;
     // [variant head dim] q, k (and v) have fewer columns than the kernel's head dim (multiples of 8): loads read
@@ -109,8 +146,8 @@ struct Variant {
     static constexpr bool Mask_mod_in_mod = Mod::Has_mask_mod && Has_grad;
 };
 
-using DenseVariant = Variant<false, false, false, false, false, false, false>;
-template <bool Is_causal> using CausalVariant = Variant<false, Is_causal, false, false, false, false, false>;
+using DenseVariant = Variant<false, false, false, false, false, false, NoBias>;
+template <bool Is_causal> using CausalVariant = Variant<false, Is_causal, false, false, false, false, NoBias>;
 
 // A block list entry's flag: every score of the tile that the lengths and the band leave visible passes
 // mask_mod (block_map.cu), so the tile needs no mask_mod evaluation (FlexAttention's "full" blocks).
@@ -158,9 +195,11 @@ struct BlockInfo {
     float cap_a, cap_b;
     float inv_scale;
     float scale;        // softmax_scale (Has_user_mod: score_mod sees scaled scores)
-    const float* bias;  // this (batch, head)'s bias rows (Has_bias), rows bias_sm apart (a plane of < 2^31
+    using BiasT = typename BiasElem<typename V::Bias::Elem>::Storage;
+    using DBiasT = typename BiasElem<typename V::Bias::Grad>::Storage;
+    const BiasT* bias;  // this (batch, head)'s bias rows (Has_bias), rows bias_sm apart (a plane of < 2^31
     int bias_sm;        // elements: the launcher checks)
-    float* dbias;       // and its gradient's (null when not wanted)
+    DBiasT* dbias;      // and its gradient's (null when not wanted)
     int dbias_sm;
     u32 drop_k0, drop_k1, drop_w0, drop_w1;  // [variant dropout] Philox key and counter words 2, 3
     u32 keep_threshold;
@@ -201,9 +240,9 @@ struct BlockInfo {
         if constexpr (V::Mod::Has_score_mod) scale = 1.f / p.inv_scale;  // once per block, not per score
         if constexpr (V::Has_bias) {
             const ExtraParams& bp = *p.extra;
-            bias = bp.bias + b * bp.sb + h * bp.sh;
+            bias = static_cast<const BiasT*>(bp.bias) + b * bp.sb + h * bp.sh;
             bias_sm = (int)bp.sm;
-            dbias = bp.dbias ? bp.dbias + b * bp.dsb + h * bp.dsh : nullptr;
+            dbias = bp.dbias ? static_cast<DBiasT*>(bp.dbias) + b * bp.dsb + h * bp.dsh : nullptr;
             dbias_sm = (int)bp.dsm;
         }
         if constexpr (V::Has_user_mod) {
@@ -348,6 +387,12 @@ struct BlockInfo {
     // (Mask_mod_in_mod variants and the float32 kernels; the others apply mask_mod in mask_block).
     template <bool kFloat32 = false, bool kWantGrad = true>
     __device__ __forceinline__ float mod(float s, int i, int j, float& grad, bool with_mask_mod = true) const {
+        return mod_biased<kFloat32, kWantGrad>(s, i, j, grad, with_mask_mod, V::Has_bias ? bias_raw(i, j) : 0.f);
+    }
+    // The same with bias entry (i, j) given in raw-score units (bias / scale; read from a staged tile: [variant bias
+    // tile]).
+    template <bool kFloat32 = false, bool kWantGrad = true>
+    __device__ __forceinline__ float mod_biased(float s, int i, int j, float& grad, bool with_mask_mod, float bias_ij) const {
         if constexpr (!V::Has_softcap) grad = 1.f;
         if constexpr (V::Has_softcap) {
             const float th = kFloat32 ? tanhf(cap_a * s) : tanh_exp2(cap_a * s);
@@ -355,8 +400,7 @@ struct BlockInfo {
             grad = 1.f - th * th;
         }
         if constexpr (V::Has_alibi) s -= slope * fabsf((float)(i + offset - j));
-        // (rows and keys past the sequence have no bias; they are masked or never stored)
-        if constexpr (V::Has_bias) s += i < len_q && j < len_k ? bias[i * bias_sm + j] * inv_scale : 0.f;
+        if constexpr (V::Has_bias) s += bias_ij;
         // user mods: score_mod last (on the scaled score, FlexAttention's convention), mask_mod as -inf. With a
         // derivative (the backward, the float32 kernels) only inside the sequence: a NaN derivative at a
         // position past it would make 0 * NaN of its zero P; the 16-bit forward masks those scores afterwards
@@ -388,10 +432,21 @@ struct BlockInfo {
         return mod<kFloat32, false>(s, i, j, unused, with_mask_mod);
     }
 
+    // [variant mod] bias entry (i, j) from global memory, in raw-score units (rows and keys past the sequence have
+    // no bias: they are masked or never stored).
+    __device__ __forceinline__ float bias_raw(int i, int j) const {
+        if constexpr (V::Has_bias) {
+            return i < len_q && j < len_k ? BiasElem<typename V::Bias::Elem>::to_float(bias[i * bias_sm + j]) * inv_scale
+                                          : 0.f;
+        } else {
+            return 0.f;
+        }
+    }
+
     // [variant grad] of the bias: dbias[i, j] = dS (the gradient of the biased scaled score), where wanted.
     __device__ __forceinline__ void store_dbias(int i, int j, float ds) const {
         if constexpr (V::Has_bias) {
-            if (dbias != nullptr && i < len_q && j < len_k) dbias[i * dbias_sm + j] = ds;
+            if (dbias != nullptr && i < len_q && j < len_k) dbias[i * dbias_sm + j] = BiasElem<typename V::Bias::Grad>::from_float(ds);
         }
     }
 
@@ -629,6 +684,162 @@ __device__ __forceinline__ void mod_scores_grad(float (&s)[kNT][4], u32 (&grad)[
     float g[kNT][4];
     for_each_score<kTransposed>(s, row_base, col_base, lane, [&](float& x, int i, int j, int nt, int e) {
         x = bi.mod(x, i, j, g[nt][e], with_mask_mod);
+    });
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+        grad[nt][0] = Elem<fp16>::pack(g[nt][0], g[nt][1]);
+        grad[nt][1] = Elem<fp16>::pack(g[nt][2], g[nt][3]);
+    }
+}
+
+// [variant bias tile] The layout of a bias tile staged in shared memory: kRows x kCols entries of kBytes each,
+// rows of kCols * kBytes bytes in 16-byte chunks, chunk c of row r stored at chunk c ^ x(r) of its row, so that the
+// fragment reads of bias_fragment are conflict-free in both score layouts: 16-bit entries, x(r) = r % 8 (the
+// operand tiles' Swizzle: ldmatrix reads one chunk from each of 8 rows); float32 entries, x(r) = 2 ((r / 2) % 4),
+// the same for rows 2u and 2u + 1 and for rows 8 apart (a lane's entries of the transposed layout, queries 2t and
+// 2t + 1, are one row apart at one chunk offset: one address), distinct for the 4 row pairs a warp reads at once.
+template <int kBytes, int kCols>
+struct BiasLayout {
+    static constexpr int kChunks = kCols * kBytes / 16;  // 16-byte chunks per row
+    static_assert(kBytes == 2 || kBytes == 4, "16-bit or float32 entries");
+    static_assert(kChunks % 8 == 0, "whole groups of 8 chunks per row (the swizzle stays inside them)");
+    __device__ __forceinline__ static int chunk(int r, int c) { return kBytes == 2 ? c ^ (r & 7) : c ^ (((r >> 1) & 3) << 1); }
+    // Byte offset of chunk c of row r.
+    __device__ __forceinline__ static int offset(int r, int c) { return (r * kChunks + chunk(r, c)) * 16; }
+};
+
+// [variant bias tile] The bias of one tile of scores, staged in shared memory by load_bias_tile (BiasLayout): entries
+// of queries q0.. x keys k0.. of the bias's element type.
+template <class V, int kCols>
+struct BiasTile {
+    using T = typename BlockInfo<V>::BiasT;
+    using Layout = BiasLayout<(int)sizeof(T), kCols>;
+    const T* tile;
+    int q0, k0;
+};
+
+// [variant bias tile] Copy the bias of queries [q0, q0 + kRows) x keys [k0, k0 + kCols) of this (batch, head) into a
+// BiasTile's buffer with 16-byte cp.async (the caller commits; consecutive threads take consecutive chunks of a row:
+// coalesced reads): rows past the sequence's queries and chunks past the bias's `cols` columns become zeros (the
+// launcher stages only biases whose rows are 16-byte aligned and hold a multiple of 16 bytes). Keys past the used
+// ones (seqused_k) are read as they are: their scores are masked.
+template <class V, int kRows, int kCols, int kThreads>
+__device__ __forceinline__ void load_bias_tile(typename BlockInfo<V>::BiasT* buf, const BlockInfo<V>& bi, int q0, int k0,
+                                               int cols, int tid) {
+    using T = typename BlockInfo<V>::BiasT;
+    using Layout = BiasLayout<(int)sizeof(T), kCols>;
+    static_assert(V::Bias::kStaged, "a staged bias policy");
+    constexpr int kPer = 16 / (int)sizeof(T);  // entries per chunk
+    constexpr int kTotal = kRows * Layout::kChunks;
+    const int chunks = min(max((cols - k0) / kPer, 0), Layout::kChunks);
+    const T* g = bi.bias + k0;
+    const u32 base = smem_u32(buf);
+#pragma unroll
+    for (int it = 0; it < (kTotal + kThreads - 1) / kThreads; ++it) {
+        const int i = tid + it * kThreads;
+        if (kTotal % kThreads != 0 && i >= kTotal) break;
+        const int r = i / Layout::kChunks, c = i % Layout::kChunks;
+        const bool valid = q0 + r < bi.len_q && c < chunks;
+        cp_async_16(base + Layout::offset(r, c), valid ? g + (i64)(q0 + r) * bi.bias_sm + c * kPer : g, valid);
+    }
+}
+
+// [variant bias tile] The bias of the 8 scores a lane holds in n8 tiles 2 kk, 2 kk + 1 of a score block (the
+// for_each_score layout: b[hn][e] of s[2 kk + hn][e]), read from a staged tile. 16-bit entries: one ldmatrix.x4,
+// whose fragment is the mma C layout in the forward's layout (rows = queries) and, transposed (.trans), in the
+// backward's (rows = keys, S^T); float32: 64-bit pairs along the keys, or single words.
+template <bool kTransposed, class V, int kCols>
+__device__ __forceinline__ void bias_fragment(float (&bv)[2][4], const BiasTile<V, kCols>& bt, int row_base, int col_base,
+                                              int kk, int lane) {
+    using BT = BiasTile<V, kCols>;
+    using L = typename BT::Layout;
+    using E = BiasElem<typename V::Bias::Elem>;
+    const int g = lane >> 2, t = lane & 3;
+    if constexpr (sizeof(typename BT::T) == 2) {
+        const u32 base = smem_u32(bt.tile);
+        u32 a[4];
+        if constexpr (kTransposed) {  // row_base: keys (16 of the warp), col_base: queries
+            const int r = col_base - bt.q0 + 16 * kk + (lane & 7) + ((lane >> 4) << 3);
+            const int c = ((row_base - bt.k0) >> 3) + ((lane >> 3) & 1);
+            ldsm_x4_trans(a, base + L::offset(r, c));
+        } else {
+            const int r = row_base - bt.q0 + (lane & 15);
+            const int c = ((col_base - bt.k0) >> 3) + 2 * kk + (lane >> 4);
+            ldsm_x4(a, base + L::offset(r, c));
+        }
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {  // a[x]: elements 2 (x % 2), + 1 of n8 tile 2 kk + x / 2
+            bv[x >> 1][2 * (x & 1)] = E::to_float(static_cast<u16>(a[x] & 0xffffu));
+            bv[x >> 1][2 * (x & 1) + 1] = E::to_float(static_cast<u16>(a[x] >> 16));
+        }
+    } else {
+        const auto at = [&](int r, int c) {  // float (r, c) of the tile: word c % 4 of chunk c / 4
+            return reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(bt.tile) + L::offset(r, c >> 2)) +
+                   (c & 3);
+        };
+#pragma unroll
+        for (int hn = 0; hn < 2; ++hn) {
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const int row = row_base + g + 8 * hh;                 // query, or key (transposed)
+                const int col = col_base + 8 * (2 * kk + hn) + 2 * t;  // key, or query (transposed)
+                if constexpr (kTransposed) {  // queries col, col + 1: rows one apart, the same chunk (BiasLayout)
+                    bv[hn][2 * hh] = *at(col - bt.q0, row - bt.k0);
+                    bv[hn][2 * hh + 1] = *at(col + 1 - bt.q0, row - bt.k0);
+                } else {
+                    const float2 p = *reinterpret_cast<const float2*>(at(row - bt.q0, col - bt.k0));
+                    bv[hn][2 * hh] = p.x;
+                    bv[hn][2 * hh + 1] = p.y;
+                }
+            }
+        }
+    }
+}
+
+// [variant mod] with the bias from a staged tile ([variant bias tile]): f(score, i, j, nt, e, bias_ij) for every
+// score of the block, 16 columns (one bias_fragment) at a time.
+template <bool kTransposed, class V, int kNT, int kCols, class F>
+__device__ __forceinline__ void for_each_biased_score(float (&s)[kNT][4], const BiasTile<V, kCols>& bt, int row_base,
+                                                      int col_base, int lane, F&& f) {
+    static_assert(kNT % 2 == 0, "whole 16-column blocks");
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int kk = 0; kk < kNT / 2; ++kk) {
+        float bv[2][4];
+        bias_fragment<kTransposed>(bv, bt, row_base, col_base, kk, lane);
+#pragma unroll
+        for (int hn = 0; hn < 2; ++hn) {
+            const int nt = 2 * kk + hn;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = row_base + g + 8 * (e >> 1);
+                const int col = col_base + nt * 8 + 2 * t + (e & 1);
+                if constexpr (kTransposed) {
+                    f(s[nt][e], col, row, nt, e, bv[hn][e]);
+                } else {
+                    f(s[nt][e], row, col, nt, e, bv[hn][e]);
+                }
+            }
+        }
+    }
+}
+
+// mod_scores and mod_scores_grad with the bias read from a staged tile.
+template <bool kTransposed, class V, int kNT, int kCols>
+__device__ __forceinline__ void mod_scores(float (&s)[kNT][4], const BlockInfo<V>& bi, int row_base, int col_base,
+                                           int lane, bool with_mask_mod, const BiasTile<V, kCols>& bt) {
+    for_each_biased_score<kTransposed>(s, bt, row_base, col_base, lane, [&](float& x, int i, int j, int, int, float b) {
+        float unused;
+        x = bi.template mod_biased<false, false>(x, i, j, unused, with_mask_mod, b * bi.inv_scale);
+    });
+}
+template <bool kTransposed, class V, int kNT, int kCols>
+__device__ __forceinline__ void mod_scores_grad(float (&s)[kNT][4], u32 (&grad)[kNT][2], const BlockInfo<V>& bi,
+                                                int row_base, int col_base, int lane, bool with_mask_mod,
+                                                const BiasTile<V, kCols>& bt) {
+    float g[kNT][4];
+    for_each_biased_score<kTransposed>(s, bt, row_base, col_base, lane, [&](float& x, int i, int j, int nt, int e, float b) {
+        x = bi.template mod_biased<false, true>(x, i, j, g[nt][e], with_mask_mod, b * bi.inv_scale);
     });
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {

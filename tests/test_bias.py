@@ -400,3 +400,134 @@ def test_low_precision_within_error_budget(dtype_name, label):
         lambda out, lse, order: cuflash.attention_backward(do, q, k, v, out, lse, order=order, **sizes, **options),
         ORDERS,
     )
+
+
+# ---------------------------------------------------------------------------------------------------
+# The CUDA launcher's view of a bias, on the CPU (tests/_fake_cupy.py: a stand-in CuPy records the launches)
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    from _fake_cupy import install
+    from conftest import gpu_skip_reason
+
+    gpu_skip_reason()  # (decided before the stand-in is in sys.modules)
+    return install(monkeypatch)
+
+
+def _launched(recorder):
+    """``[(kernel name expression, shared memory or None, ExtraParams or None)]`` of the recorded launches (planned
+    ones through the driver and those through CuPy); block-list launches left out."""
+    import ctypes
+
+    from cuflash._cuda.spec import EXTRA_PARAMS_DTYPE, VARIANT_PARAMS_DTYPE
+
+    out = []
+    for launch in recorder.take():
+        if len(launch) == 3:  # through CuPy: (spec name, grid, args)
+            name, smem, params = launch[0], None, launch[2][-1]
+            params = params if isinstance(params, np.void) and params.dtype == VARIANT_PARAMS_DTYPE else None
+        else:
+            name, smem, raw = launch[0], launch[3], launch[5][-1]
+            params = np.frombuffer(raw, VARIANT_PARAMS_DTYPE)[0] if len(raw) == VARIANT_PARAMS_DTYPE.itemsize else None
+        extra = None
+        if params is not None and int(params["extra"]):
+            extra = np.frombuffer(ctypes.string_at(int(params["extra"]), EXTRA_PARAMS_DTYPE.itemsize),
+                                  EXTRA_PARAMS_DTYPE)[0]
+        if "block_" not in name:
+            out.append((name, smem, extra))
+    return out
+
+
+def _device_inputs(cp, b, nq, nk, h, d, dtype=ml_dtypes.bfloat16, seed=0):
+    rng = np.random.default_rng(seed)
+    q, do = (cp.asarray(rng.standard_normal((b, nq, h, d)).astype(dtype)) for _ in range(2))
+    k, v = (cp.asarray(rng.standard_normal((b, nk, h, d)).astype(dtype)) for _ in range(2))
+    return q, k, v, do, rng
+
+
+@pytest.mark.parametrize(("bias_dtype", "d", "nk", "policy", "tile", "staged_in_backward"), [
+    # [variant bias tile] 16-byte rows: staged by the wgmma kernels with their table tiles
+    (ml_dtypes.bfloat16, 128, 136, "cuflash::BiasArray<cuflash::bf16, true>", "128, 128, 8, 2", True),
+    (np.float16, 64, 200, "cuflash::BiasArray<cuflash::fp16, true>", "128, 64, 8, 2", True),
+    # float32 at d 128: two 128 x 128 float32 tiles do not fit beside K and V: half the keys (the backward reads a
+    # float32 bias from global memory)
+    (np.float32, 128, 136, "cuflash::BiasArray<float, true>", "128, 64, 8, 2", False),
+    # float32 at d 64: its tiles would leave room for one block per SM of the two: read from global memory
+    (np.float32, 64, 136, "cuflash::BiasArray<float, false>", "128, 64, 8, 2", False),
+    # rows of 333 16-bit entries are not 16-byte aligned: read from global memory, in their dtype
+    (ml_dtypes.bfloat16, 128, 333, "cuflash::BiasArray<cuflash::bf16, false>", "128, 128, 8, 2", False),
+])
+def test_the_kernels_read_a_bias_in_its_own_dtype(fake_cupy, bias_dtype, d, nk, policy, tile, staged_in_backward):
+    """A float16, bfloat16 or float32 bias of 16-bit inputs reaches the kernels as the caller's array (no copy),
+    its element type in the kernel's policy, staged in shared memory where its rows allow (and the shared memory
+    of the staged tiles counted); the gradient in the bias's dtype, not zeroed where every element is written."""
+    cp, recorder = fake_cupy
+    q, k, v, do, rng = _device_inputs(cp, 2, 100, nk, 4, d)
+    bias = cp.asarray(rng.standard_normal((2, 4, 100, nk)).astype(bias_dtype))
+    out, lse = cuflash.attention(q, k, v, bias=bias, return_lse=True)
+    (name, smem, extra), = _launched(recorder)
+    assert name.startswith(f"cuflash::flash_fwd_sm90_kernel<cuflash::bf16, {d}, {tile}, cuflash::Variant<") and policy in name
+    staged = ", true" in policy
+    m, n = (int(x) for x in tile.split(", ")[:2])
+    base = 2 * d * (m + 4 * n) + 1024 + 128
+    assert smem == base + (2 * m * n * np.dtype(bias_dtype).itemsize if staged else 0)
+    assert int(extra["bias"]) == bias.data.ptr and int(extra["sm"]) == nk  # (the caller's array, no copy)
+    recorder.take_zeroed()
+    dq, dk, dv, dbias = cuflash.attention_backward(do, q, k, v, out, lse, bias=bias)
+    assert dbias.dtype == np.dtype(bias_dtype) and dbias.shape == bias.shape
+    launches = _launched(recorder)
+    dkdv = [(n_, s, e) for n_, s, e in launches if "flash_bwd_dkdv" in n_]
+    assert len(dkdv) == 1 and "flash_bwd_dkdv_sm90_kernel" in dkdv[0][0]
+    bwd_policy = (policy.replace(", false>", ", true>") if staged_in_backward else policy.replace(", true>", ", false>"))
+    assert bwd_policy in dkdv[0][0]
+    assert int(dkdv[0][2]["dbias"]) == dbias.data.ptr  # (written in place: nothing summed, no conversion)
+    assert not any(ptr == dbias.data.ptr for ptr, _ in recorder.take_zeroed())
+
+
+def test_a_broadcast_bias_gets_a_float32_gradient_and_the_split_order_reads_it_directly(fake_cupy):
+    """A bias broadcast over the batch: the kernels write its gradient per batch entry in float32, which the front door
+    sums and rounds once to the bias's dtype. The split order's dQ kernel (mma.sync) reads the bias from global
+    memory; the dK/dV kernel stages it. Causal: the tiles above the diagonal are never visited, so dbias is zeroed."""
+    cp, recorder = fake_cupy
+    q, k, v, do, rng = _device_inputs(cp, 2, 64, 128, 4, 128)
+    bias = cp.asarray(rng.standard_normal((4, 64, 128)).astype(ml_dtypes.bfloat16))
+    out, lse = cuflash.attention(q, k, v, bias=bias, causal=True, return_lse=True)
+    recorder.take(), recorder.take_zeroed()
+    dq, dk, dv, dbias = cuflash.attention_backward(do, q, k, v, out, lse, bias=bias, causal=True, deterministic=True)
+    assert dbias.dtype == ml_dtypes.bfloat16 and dbias.shape == (4, 64, 128)
+    names = [name for name, _, _ in _launched(recorder)]
+    dkdv = next(name for name in names if "flash_bwd_dkdv_sm90_kernel" in name)
+    dq_pass = next(name for name in names if "flash_bwd_dq_kernel" in name)
+    assert "cuflash::BiasArray<cuflash::bf16, true, float>" in dkdv
+    assert "cuflash::BiasArray<cuflash::bf16, false, float>" in dq_pass
+    zeroed = recorder.take_zeroed()
+    assert any(size == 2 * 4 * 64 * 128 * 4 for _, size in zeroed)  # the float32 (batch, heads, 64, 128) dbias
+
+
+def test_attn_mask_on_the_gpu_path_stays_in_16_bits(fake_cupy, monkeypatch):
+    """CuPy arrays of 16-bit inputs: a mask alone becomes 0 / -inf in q's dtype; a bias with a mask that broadcasts
+    no further than it keeps the bias's dtype, -inf selected through the bits where the mask is False; a mask over
+    more axes than the bias adds them in float32 (as the NumPy path does). A float32 bias stays float32."""
+    cp, _ = fake_cupy
+    seen = spy_on_backend(monkeypatch)
+    q, k, v, _, rng = _device_inputs(cp, 2, 16, 24, 2, 64)
+    bias = rng.standard_normal((2, 16, 24)).astype(ml_dtypes.bfloat16)
+    mask = rng.random((16, 24)) < 0.7
+    cuflash.attention(q, k, v, attn_mask=cp.asarray(mask))
+    got = seen[-1].bias
+    assert got.dtype == ml_dtypes.bfloat16 and got.shape == (2, 2, 16, 24) and got.strides[:2] == (0, 0)
+    np.testing.assert_array_equal(np.asarray(got[1, 1]).astype(np.float32), np.where(mask, 0, -np.inf))
+    cuflash.attention(q, k, v, bias=cp.asarray(bias), attn_mask=cp.asarray(mask))
+    got = seen[-1].bias
+    assert got.dtype == ml_dtypes.bfloat16 and got.strides[0] == 0
+    np.testing.assert_array_equal(np.asarray(got[0]).astype(np.float32),
+                                  np.where(mask, bias.astype(np.float32), -np.inf))
+    wide = rng.random((2, 1, 16, 24)) < 0.7
+    cuflash.attention(q, k, v, bias=cp.asarray(bias), attn_mask=cp.asarray(wide))
+    got = seen[-1].bias
+    assert got.dtype == np.float32 and got.shape == (2, 2, 16, 24)
+    np.testing.assert_array_equal(np.asarray(got), np.where(wide, bias.astype(np.float32), -np.inf))
+    cuflash.attention(q, k, v, bias=cp.asarray(bias.astype(np.float32)))
+    assert seen[-1].bias.dtype == np.float32

@@ -34,9 +34,22 @@ def _nan_padded(cp, x):
     return wide[..., :x.shape[-1]]
 
 
-def check_variant(cp, q, k, v, do, *, deterministic=False, views=False, **opts):
+def _bias_view(cp, bias, layout):
+    """``bias`` on the device as a view of a NaN-filled wider array: "padded" 8 more rows and 16 more columns
+    (16-byte aligned rows: the wgmma kernels stage it; a tile load past its rows or columns poisons the output),
+    "unaligned" also starting one element in (rows not 16-byte aligned: read from global memory)."""
+    shape = bias.shape
+    start = 1 if layout == "unaligned" else 0
+    wide = cp.full((*shape[:-2], shape[-2] + 8, shape[-1] + 16 + start), np.nan, dtype=bias.dtype)
+    view = wide[..., :shape[-2], start:start + shape[-1]]
+    view[...] = cp.asarray(bias)
+    return view
+
+
+def check_variant(cp, q, k, v, do, *, deterministic=False, views=False, bias_layout=None, kernel_opts=None, **opts):
     """Forward and backward on the GPU against the float64 truth with the error budget (``views``: the inputs
-    as views of wider arrays with NaN past their head dims)."""
+    as views of wider arrays with NaN past their head dims; ``bias_layout``: the bias as such a view,
+    :func:`_bias_view`; ``kernel_opts``: keywords of the GPU calls only, block sizes say)."""
     dtype = q.dtype
     q64, k64, v64, do64 = (x.astype(np.float64) for x in (q, k, v, do))
     opts64 = dict(opts, **({"bias": opts["bias"].astype(np.float64)} if "bias" in opts else {}))
@@ -51,6 +64,9 @@ def check_variant(cp, q, k, v, do, *, deterministic=False, views=False, **opts):
         return cp.asarray(val) if isinstance(val, np.ndarray) else val
 
     dev = {key: to_dev(val) for key, val in opts.items()}
+    if bias_layout is not None:
+        dev["bias"] = _bias_view(cp, opts["bias"], bias_layout)
+    dev.update(kernel_opts or {})
     cq, ck, cv, cdo = (_nan_padded(cp, x) if views else cp.asarray(x) for x in (q, k, v, do))
     poison(cp)
     out, lse = cuflash.attention(cq, ck, cv, return_lse=True, **dev)
@@ -67,6 +83,8 @@ def check_variant(cp, q, k, v, do, *, deterministic=False, views=False, **opts):
     # D): each element carries D's rounding, |dO| . |O| times the dtype's unit roundoff, which the oracle
     # (D = rowsum(P * dP) in float32) does not have. Added to that gradient's floor.
     d_rounding = float(ml_dtypes.finfo(dtype).eps) / 2 * float(np.abs(do64 * out_t).sum(-1).max())
+    if "bias" in opts:
+        assert grads[3].dtype == opts["bias"].dtype and grads[3].shape == opts["bias"].shape
     for name, g, gt, gn in zip(("dq", "dk", "dv", "dbias"), grads, grads_t, grads_n):
         gh = cp.asnumpy(g)
         assert not np.isnan(gh.astype(np.float32)).any(), f"{name}: unwritten (NaN) elements"
@@ -189,6 +207,51 @@ def test_deterministic_order_and_float32(requires_gpu, label):
     q, k, v, do = _inputs(rng, (2, 100, 4, 64), (2, 333, 2, 64), np.float32)
     check_variant(requires_gpu, q, k, v, do, **opts)
     check_variant(requires_gpu, q, k, v, do, deterministic=True, **opts)
+
+
+# [variant bias tile] Biases in their own dtype (issue 11): (label, (bias dtype or None for q's, bias shape of
+# (batch, heads, nq, nk) with None for the full axis, options, GPU-only options)). On (B, Nq, Nk, Hq, Hkv) =
+# (2, 300, 336, 4, 2) unless "nk" says: 336 keys of 16 bits are 16-byte rows, staged by the wgmma kernels, ragged
+# last tiles of 128 queries and 128 (d 128) or 64 keys; 333 keys are not, and are read from global memory.
+BIAS_CASES = {
+    "own-dtype-staged": dict(bias_layout="padded"),
+    "own-dtype-ragged-333": dict(nk=333),
+    "own-dtype-unaligned-view": dict(bias_layout="unaligned"),
+    "float32-bias": dict(bias_dtype=np.float32, bias_layout="padded"),
+    "broadcast-batch": dict(shape=(1, None, None, None)),
+    "broadcast-2d-causal": dict(shape=(None, None), causal=True),
+    "with-mask": dict(attn_mask="per-batch"),
+    "causal-softcap-alibi-window": dict(causal=True, softcap=5.0, alibi_slopes="heads", window_size=(200, 40)),
+    "seqused": dict(seqused_k=[336, 201]),
+    "deterministic": dict(deterministic=True),
+    "mma-sync-kernels": dict(kernel_opts=dict(block_q=64, block_k=64)),
+}
+
+
+@pytest.mark.parametrize("label", list(BIAS_CASES))
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtname", ["bfloat16", "float16"])
+def test_bias_in_its_own_dtype(requires_gpu, label, d, dtname):
+    """A float16 / bfloat16 bias (or float32) read by the kernels in its own dtype, staged in shared memory or read
+    from global memory, full or broadcast, with ragged tiles, a mask, other variants, both backward orders and the
+    mma.sync kernels; dbias in the bias's dtype, against the float64 truth's budget."""
+    case = dict(BIAS_CASES[label])
+    rng = np.random.default_rng([d, *label.encode(), *dtname.encode()])  # (fixed: str hashes vary by process)
+    nq, nk = 300, case.pop("nk", 336)
+    dtype = DTYPES[dtname]
+    q, k, v, do = _inputs(rng, (2, nq, 4, d), (2, nk, 2, d), dtype)
+    shape = [n if m is None else m for n, m in zip((2, 4, nq, nk)[-len(case.get("shape", (0,) * 4)):],
+                                                  case.pop("shape", (None,) * 4))]
+    opts = dict(bias=rng.standard_normal(shape).astype(case.pop("bias_dtype", dtype)))
+    if case.pop("attn_mask", None) == "per-batch":  # a batch entry's padding keys, and a row that sees none
+        mask = np.ones((2, 1, nq, nk), bool)
+        mask[1, :, :, 250:] = False
+        mask[0, :, 7] = False
+        opts["attn_mask"] = mask
+    opts.update(_resolve({key: case.pop(key) for key in ("alibi_slopes",) if key in case}, rng, 2, 4, nq, nk))
+    if "seqused_k" in case:
+        opts["seqused_k"] = np.asarray(case.pop("seqused_k"), np.int32)
+    check_variant(requires_gpu, q, k, v, do, **case, **opts)
 
 
 VARLEN_CASES = {

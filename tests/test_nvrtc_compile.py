@@ -16,7 +16,7 @@ from collections import defaultdict
 import pytest
 
 from cuflash import _cuda
-from cuflash._cuda.spec import prelude_of
+from cuflash._cuda.spec import policy_args, prelude_of
 
 TARGETS = ("sm_80", "sm_90a")
 SOURCES = ("forward.cu", "backward.cu", "forward_sm90.cu", "backward_sm90.cu", "fa1.cu", "block_map.cu", "decode.cu")
@@ -61,10 +61,13 @@ def parse_resources(log: str) -> list[dict]:
 
 # Known spills, each bounded (bytes of spill stores; docs/variants.md, "On the GPU"); anything larger fails:
 # the wgmma backward with softcap keeps S^T, dP^T, dK, dV and the tanh derivative live at once; the wgmma
-# forward at d 128 spills only with softcap, ALiBi, a window and packed sequences all at once; a bias is read
-# from global memory straight into the score fragments (one float per score, loads hoisted by the compiler)
-# until it goes through shared memory with the K/V tiles.
+# forward at d 128 spills only with softcap, ALiBi, a window and packed sequences all at once; a bias read
+# from global memory straight into the score fragments (one value per score, loads hoisted by the compiler:
+# the mma.sync kernels, and the wgmma ones where its rows are not 16-byte aligned); a staged bias ("bias tile":
+# read from shared memory, [variant bias tile]) only in the d 64 wgmma forward, built for two blocks per SM (128
+# registers, of which the dense kernel takes 126): 32 to 40 bytes, where reading global memory spilled 84 to 104.
 KNOWN_SPILLS = {("flash_bwd_dkdv_sm90_kernel", "softcap"): 64, ("flash_fwd_sm90_kernel", "softcap"): 32,
+                ("flash_fwd_sm90_kernel", "bias tile"): 48,
                 **{(kernel, "bias"): 256 for kernel in ("flash_fwd_kernel", "flash_fwd_sm90_kernel", "flash_bwd_dq_kernel",
                                                         "flash_bwd_dkdv_kernel", "flash_bwd_dkdv_sm90_kernel")},
                 # dropout's keep bits and dropped P beside dK, dV; the larger bounds are for its
@@ -82,15 +85,39 @@ KNOWN_SPILLS = {("flash_bwd_dkdv_sm90_kernel", "softcap"): 64, ("flash_fwd_sm90_
 _VARIANT_FLAGS = ("left", "right", "varlen", "seqused", "softcap", "alibi", "bias", "dropout")
 
 
-def _known_spill(row) -> bool:
-    m = re.search(r"cuflash\d+(\w+?_kernel)I.*?7VariantI((?:Lb[01]E){8})", row["fn"])
-    if not m:
-        return False
-    flags = {f for f, bit in zip(_VARIANT_FLAGS, re.findall(r"Lb([01])E", m.group(2))) if bit == "1"}
-    if "UserMod_" in row["fn"]:
+def variant_flags(name: str) -> set[str]:
+    """The policy flags that are on in a kernel's name expression (``_VARIANT_FLAGS``; "bias" for a bias read from
+    global memory, "bias tile" for a staged one; "user_mod" for a generated user-mod type)."""
+    if "cuflash::Variant<" not in name:
+        return set()
+    policy = name[name.index("cuflash::Variant<"):]
+    args = policy_args(policy[:_closing(policy, policy.index("<")) + 1])
+    flags = {f for f, arg in zip(_VARIANT_FLAGS, args) if arg == "true"}
+    if args[6].startswith("cuflash::BiasArray<"):
+        flags.add("bias tile" if policy_args(args[6])[1] == "true" else "bias")
+    if "UserMod_" in name:
         flags.add("user_mod")
-    if "kernelINS_6tf32x3E" in row["fn"]:
+    if "cuflash::tf32x3" in name:
         flags.add("tf32x3")
+    return flags
+
+
+def _closing(text: str, open_at: int) -> int:
+    depth = 0
+    for i in range(open_at, len(text)):
+        depth += text[i] == "<"
+        depth -= text[i] == ">"
+        if depth == 0:
+            return i
+    raise ValueError(text)
+
+
+def _known_spill(row, names: dict[str, str]) -> bool:
+    """Whether ``row``'s spill is a bounded KNOWN_SPILLS one (``names``: mangled name -> name expression)."""
+    m = re.search(r"cuflash\d+(\w+?_kernel)I", row["fn"])
+    if not m or row["fn"] not in names:
+        return False
+    flags = variant_flags(names[row["fn"]])
     return any(kernel == m.group(1) and flag in flags and row["stores"] <= limit
                for (kernel, flag), limit in KNOWN_SPILLS.items())
 
@@ -98,11 +125,13 @@ def _known_spill(row) -> bool:
 def assert_compiles_without_spills(nvrtc, text, names, options, arch, label):
     """Compile ``names`` from ``text``; fail on a compile error, a missing resource line or any spill
     (beyond the bounded KNOWN_SPILLS)."""
-    ok, log = compile_with_nvrtc(nvrtc, text, names, options, arch)
+    out = _cuda.compile.nvrtc_offline(text, names, options, arch)
+    ok, log = out["ok"], out["log"]
     assert ok, f"NVRTC failed for {label}:\n{log[-6000:]}"
     rows = parse_resources(log)
     assert len(rows) >= len(names), f"expected a resource line per kernel; log:\n{log[-3000:]}"
-    spills = [r for r in rows if (r["stores"] or r["loads"]) and not _known_spill(r)]
+    by_mangled = {mangled: name for name, mangled in out["lowered"].items()}
+    spills = [r for r in rows if (r["stores"] or r["loads"]) and not _known_spill(r, by_mangled)]
     assert not spills, "register spills:\n" + "\n".join(
         f"{r['fn']}: {r['regs']} regs, {r['stores']} B spill stores, {r['loads']} B spill loads" for r in spills
     )
@@ -138,10 +167,16 @@ def test_instantiation_list_covers_the_tile_table_and_every_policy():
     keys = {(s.family, s.dtype, s.head_dim, s.tile) for s in specs}
     for (direction, arch, d), t in _cuda.TILES.items():
         assert any(k[2:] == (d, t) and k[0].startswith(direction.split("_")[0]) for k in keys), (direction, arch, d)
-    # Every variant policy flag is compiled on in every FA2 family.
+    # Every variant policy flag is compiled on in every FA2 family; the bias in its three dtypes, and staged
+    # ([variant bias tile]) in the wgmma families.
     for fam in FA2_FAMILIES:
-        flags = [s.variant.removeprefix("cuflash::Variant<").rstrip(">").split(", ") for s in specs if s.family == fam]
-        assert flags and all(any(f[i] == "true" for f in flags) for i in range(7)), fam
+        flags = [variant_flags(s.name) for s in specs if s.family == fam]
+        assert flags and all(any(flag in f for f in flags) for flag in _VARIANT_FLAGS if flag != "bias"), fam
+        assert any("bias" in f for f in flags), fam
+        biases = {policy_args(policy_args(s.variant)[6])[0] for s in specs
+                  if s.family == fam and "BiasArray" in s.variant}
+        assert biases == {"float", "cuflash::fp16", "cuflash::bf16"}, (fam, biases)
+        assert any("bias tile" in f for f in flags) == fam.endswith("sm90"), fam
 
 
 def test_source_text_is_self_contained():

@@ -22,9 +22,9 @@ import numpy as np
 from .._variant import Variant, VariantArrays
 from . import fa1, naive
 from .compile import PackedLaunch, arch_class, check_smem, device_info, launch
-from .spec import (BLOCK_COMPACT, BWD_HEAD_DIMS, CTYPES, EXTRA_POINTER_FIELDS, FA1_HEAD_DIMS, HEAD_DIMS, TF32_FAMILIES,
-                   TF32_HEAD_DIMS, TILES, VARIANT_POINTER_FIELDS, Tile, device_record, extra_params, extra_record,
-                   has_dropout, mask_policy, variant_params, variant_type)
+from .spec import (BIAS_CTYPES, BLOCK_COMPACT, BWD_HEAD_DIMS, CTYPES, EXTRA_POINTER_FIELDS, FA1_HEAD_DIMS, HEAD_DIMS,
+                   TF32_FAMILIES, TF32_HEAD_DIMS, TILES, VARIANT_POINTER_FIELDS, Tile, device_record, extra_params,
+                   extra_record, has_dropout, mask_policy, variant_params, variant_type)
 from .spec import spec as kernel_spec
 
 __all__ = ["forward", "backward", "check_supported", "plan_forward", "ForwardPlan", "plan_backward", "BackwardPlan",
@@ -462,7 +462,8 @@ class ForwardPlan(_Plan):
             assert dtype in CTYPES, dtype
             t = _hopper_tile("fwd", d, block_q, block_k, SM90A_FORWARD and not pads)
             if t is not None:
-                spec = kernel_spec("fwd_sm90", dtype, d, t, vtype)
+                spec = _staged_bias_spec("fwd_sm90", dtype, d, t, variant, pads) or kernel_spec("fwd_sm90", dtype, d, t,
+                                                                                               vtype)
             else:
                 spec = kernel_spec("fwd", dtype, d, plan_tile("fwd", d, block_q, block_k), vtype)
         check_smem(spec)
@@ -807,7 +808,8 @@ def _preprocess_launch(spec_family, dtype, d, do, out, delta, shp: Shape):
 
 
 def _kernel_ready(variant: Variant) -> Variant:
-    """The variant with a bias the kernels can index (float32 with a contiguous last axis; others copied)."""
+    """The variant with a bias the kernels can index: float16, bfloat16 or float32 (read in its own dtype, the
+    policy's BiasArray element) with a contiguous last axis, as it is; others copied to float32."""
     import cupy
 
     bias = variant.bias
@@ -816,14 +818,65 @@ def _kernel_ready(variant: Variant) -> Variant:
     if bias.shape[2] * max(bias.shape[3], bias.strides[2] // bias.itemsize) >= 2**31:
         raise ValueError(f"bias of shape {tuple(bias.shape)}: the CUDA kernels index one (seqlen_q, seqlen_k) plane "
                          "with 32-bit offsets, so seqlen_q * seqlen_k must stay below 2**31")
-    if bias.dtype == cupy.float32 and bias.strides[-1] == 4:
+    if np.dtype(bias.dtype).name in BIAS_CTYPES and bias.strides[-1] == bias.itemsize:
         return variant
     return dataclasses.replace(variant, bias=cupy.ascontiguousarray(bias, dtype=cupy.float32))
 
 
+def _bias_aligned(bias) -> bool:
+    """[variant bias tile] Whether a bias's tiles can be staged with 16-byte cp.async: its base address and the
+    start of every row a multiple of 16 bytes (the strides of the axes with more than one entry; a broadcast axis
+    has stride 0), each row (seqlen_k entries) a whole number of 16-byte chunks. Otherwise the kernels read it
+    from global memory (a 16-bit bias with seqlen_k not a multiple of 8, say)."""
+    return (bias.data.ptr % 16 == 0 and bias.shape[3] * bias.itemsize % 16 == 0
+            and all(s % 16 == 0 for s, n in zip(bias.strides[:3], bias.shape[:3]) if n > 1))
+
+
+def _staged_bias_spec(family: str, dtype: str, d: int, t: Tile, variant: Variant, pads: bool = False,
+                      dbias_dtype: str | None = None):
+    """[variant bias tile] The spec of the wgmma kernel ``family`` that stages the bias in shared memory, at tile
+    ``t`` or, where its two bias tiles do not fit the device's shared memory (a float32 bias beside the forward's
+    128 x 128 tile at d 128), at ``t`` with half the keys (not below 64; the backward's key tile is its
+    warpgroups' rows and stays); None where the bias is not staged (none, rows not aligned, or no tile fits the
+    blocks per SM the kernel is built for: a float32 bias beside the forward's two d 64 blocks)."""
+    if variant.bias is None or not _bias_aligned(variant.bias):
+        return None
+    if family == "bwd_dkdv_sm90" and variant.bias.itemsize == 4:
+        # (a float32 bias in the backward's transposed layout is one 4-byte read per score: beside dK, dV and dQ at
+        # d 128, ptxas spills 28 bytes where the global-memory reads spill 4: those stay)
+        return None
+    vtype = variant_type(variant, pads_head_dim=pads, staged_bias=True, dbias_dtype=dbias_dtype)
+    _, optin = device_info()
+    while t.block_n >= 64:
+        spec = kernel_spec(family, dtype, d, t, vtype)
+        blocks = spec.fam.min_blocks(d, t)  # (each block also holds 1 KiB the system reserves; an SM, optin + 1 KiB)
+        if spec.smem <= optin and blocks * (spec.smem + 1024) <= optin + 1024:
+            return spec
+        if family != "fwd_sm90":
+            break
+        t = t._replace(block_n=t.block_n // 2)
+    return None
+
+
+def _dbias_dtype(bias) -> np.dtype:
+    """The dtype of the backend's dbias (docs/architecture.md): the bias's own, written once per element as PyTorch's
+    SDPA does, or float32 where the bias broadcasts over batch or heads (stride 0), whose gradient the front door sums
+    over those axes (in float32, then rounded once)."""
+    broadcast = any(s == 0 and n > 1 for s, n in zip(bias.strides[:2], bias.shape[:2]))
+    return np.dtype(np.float32) if broadcast else np.dtype(bias.dtype)
+
+
+def _writes_every_score(variant: Variant) -> bool:
+    """Whether the 16-bit backward writes every dbias element of the sequences' (len_q, len_k) grid: no band, no
+    used keys, no mask_mod's block lists, padded batches (every key tile visits every query tile once), so its
+    dbias needs no zeroing."""
+    return (variant.window_left is None and variant.right is None and variant.seqused_k is None
+            and not variant.is_varlen and (variant.mods is None or not variant.mods.has_mask_mod))
+
+
 def backward(do, q, k, v, out, lse, *, scale, variant: Variant, algorithm, block_q, block_k, order, want_dbias=False):
-    """``(dq, dk, dv)`` of one call, and ``dbias`` (float32, (batch, heads_q, seqlen_q, seqlen_k)) when
-    ``want_dbias`` and the variant has a bias."""
+    """``(dq, dk, dv)`` of one call, and ``dbias`` ((batch, heads_q, seqlen_q, seqlen_k), :func:`_dbias_dtype`:
+    the bias's dtype, float32 where it broadcasts) when ``want_dbias`` and the variant has a bias."""
     import cupy
 
     if want_dbias and variant.softcap and variant.bias is not None and variant.mods is not None \
@@ -860,19 +913,25 @@ def backward(do, q, k, v, out, lse, *, scale, variant: Variant, algorithm, block
         return (*(g.astype(q.dtype) for g in grads[:3]), *grads[3:])
 
     variant = _kernel_ready(variant)
-    dbias = None
+    dbias = dbias_dtype = None
     if want_dbias and variant.bias is not None:  # [variant grad]: tiles no query visits stay 0
-        dbias = cupy.zeros((shp.batch, shp.heads_q, shp.rows_q, shp.rows_k), dtype=cupy.float32)
-    vtype, fscale = variant_type(variant, pads_head_dim=bool(kd)), np.float32(scale)
+        alloc = cupy.empty if dtype in CTYPES and _writes_every_score(variant) else cupy.zeros
+        dbias = alloc((shp.batch, shp.heads_q, shp.rows_q, shp.rows_k), dtype=_dbias_dtype(variant.bias))
+        dbias_dtype = dbias.dtype.name
+    vtype = variant_type(variant, pads_head_dim=bool(kd), dbias_dtype=dbias_dtype)
+    fscale = np.float32(scale)
     def params(spec=None, transposed=False):  # one launch's VariantParams (and what it points to)
         return launch_params(variant, scale, shp, spec, dbias, transposed, head_dims)
 
-    grads = _backward(do, q, k, v, out, lse, shp, d, variant, vtype, params, fscale, order, block_q, block_k, dtype)
+    grads = _backward(do, q, k, v, out, lse, shp, d, variant, vtype, params, fscale, order, block_q, block_k, dtype,
+                      dbias_dtype)
     return grads if dbias is None else (*grads, dbias)
 
 
-def _backward(do, q, k, v, out, lse, shp: Shape, d, variant, vtype, params, fscale, order, block_q, block_k, dtype):
-    """The backward's launches at kernel head dim ``d`` (the arrays' own, or above them: [variant head dim])."""
+def _backward(do, q, k, v, out, lse, shp: Shape, d, variant, vtype, params, fscale, order, block_q, block_k, dtype,
+              dbias_dtype=None):
+    """The backward's launches at kernel head dim ``d`` (the arrays' own, or above them: [variant head dim]);
+    ``dbias_dtype``: the dtype of the dbias its launches write, where they write one."""
     import cupy
 
     split = order in ("split", "q_outer")
@@ -882,7 +941,10 @@ def _backward(do, q, k, v, out, lse, shp: Shape, d, variant, vtype, params, fsca
         return _backward_f32(do, q, k, v, out, lse, shp, variant, vtype, vp, fscale, split)
 
     q, k, v, do = aligned(q), aligned(k), aligned(v), aligned(do)
-    spec, spec_q = _backward_specs(dtype, d, q, v, vtype, split, block_q, block_k)
+    # (the wgmma kernel runs only the arrays' own head dims: its policy never pads them)
+    spec, spec_q = _backward_specs(dtype, d, q, v, vtype, split, block_q, block_k,
+                                   staged=lambda t: _staged_bias_spec("bwd_dkdv_sm90", dtype, d, t, variant,
+                                                                      dbias_dtype=dbias_dtype))
     delta = cupy.empty((shp.ws_batch, shp.heads_q, shp.rows_q), dtype=cupy.float32)
     dq, dk, dv = _grad_buffers(q, k, v, variant)
     dq_accum = None if split else cupy.zeros((shp.ws_batch, shp.heads_q, shp.rows_q, d), dtype=cupy.float32)
@@ -921,12 +983,15 @@ class _BackwardBuffers(NamedTuple):
     dkv_accum: Any
 
 
-def _backward_specs(dtype: str, d: int, q, v, vtype: str, split: bool, block_q, block_k):
+def _backward_specs(dtype: str, d: int, q, v, vtype: str, split: bool, block_q, block_k, staged=None):
     """The dK/dV (+ dQ) kernel's spec (the wgmma one on sm_90 where the table has a row and the arrays have the
-    kernel's head dims), and the dQ pass's for the split order (else None)."""
+    kernel's head dims), and the dQ pass's for the split order (else None). ``staged(tile)``: the wgmma kernel's spec
+    with a staged bias ([variant bias tile], :func:`_staged_bias_spec`), or None."""
     t = _hopper_tile("bwd", d, block_q, block_k, SM90A_BACKWARD and d == q.shape[-1] == v.shape[-1])
     if t is not None:
-        spec = kernel_spec("bwd_dkdv_sm90", dtype, d, t, vtype, not split)
+        spec = staged(t) if staged is not None else None
+        spec = (kernel_spec(spec.family, dtype, d, spec.tile, spec.variant, not split) if spec is not None
+                else kernel_spec("bwd_dkdv_sm90", dtype, d, t, vtype, not split))
     else:
         spec = kernel_spec("bwd_dkdv", dtype, d, plan_tile("bwd", d, block_q, block_k), vtype, not split)
     check_smem(spec)

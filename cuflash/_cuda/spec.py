@@ -24,7 +24,7 @@ __all__ = [
     "Tile", "TILES", "HEAD_DIMS", "BWD_HEAD_DIMS", "Family", "FAMILIES", "KernelSpec", "NVRTC_OPTIONS",
     "SM90A_OPTIONS", "FA1_HEAD_DIMS", "VARIANT_PARAMS_DTYPE", "EXTRA_PARAMS_DTYPE", "variant_type", "has_dropout", "extra_params", "extra_record", "device_record",
     "VARIANT_POINTER_FIELDS", "EXTRA_POINTER_FIELDS", "prelude_of", "mask_policy", "variant_params", "instantiations", "spec", "DENSE", "CTYPES",
-    "TF32_FAMILIES", "TF32_HEAD_DIMS",
+    "TF32_FAMILIES", "TF32_HEAD_DIMS", "BIAS_CTYPES", "NO_BIAS", "bias_policy", "policy_args", "staged_bias_bytes",
 ]
 
 # Options given to NVRTC (CuPy appends the -arch of the current device).
@@ -230,20 +230,44 @@ def has_dropout(variant: Variant) -> bool:
     return bool(variant.dropout_p) and keep_threshold(variant.dropout_p) < THRESHOLD_ONE
 
 
-def variant_type(variant: Variant, pads_head_dim: bool = False) -> str:
+# [variant mod] The C++ element types of a bias and of its gradient (variants.cuh: BiasElem).
+BIAS_CTYPES = {"float32": "float", "float16": "cuflash::fp16", "bfloat16": "cuflash::bf16"}
+NO_BIAS = "cuflash::NoBias"
+
+
+def bias_policy(dtype: str, staged: bool = False, grad_dtype: str | None = None) -> str:
+    """The bias policy ``cuflash::BiasArray<Elem, kStaged, Grad>`` (variants.cuh) of a bias of ``dtype`` whose
+    gradient is written in ``grad_dtype`` (default: ``dtype``); ``staged``: the kernel copies each score tile's bias
+    into shared memory with its K/V or Q/dO tiles ([variant bias tile]) instead of reading it from global memory."""
+    elem = BIAS_CTYPES[dtype]
+    grad = "" if grad_dtype in (None, dtype) else f", {BIAS_CTYPES[grad_dtype]}"
+    return f"cuflash::BiasArray<{elem}, {_b(staged)}{grad}>"
+
+
+def variant_type(variant: Variant, pads_head_dim: bool = False, staged_bias: bool = False,
+                 dbias_dtype: str | None = None) -> str:
     """The C++ policy type ``cuflash::Variant<Has_left, Has_right, Is_varlen, Has_seqused, Has_softcap,
-    Has_alibi, Has_bias, Has_dropout, Mod, Pads_head_dim>`` of a variant: only what changes the compiled code
+    Has_alibi, Bias, Has_dropout, Mod, Pads_head_dim>`` of a variant: only what changes the compiled code
     (values travel in VariantParams and ExtraParams). ``pads_head_dim``: the arrays' head dims are below the
-    kernel's (``[variant head dim]``; their column counts travel in VariantParams)."""
+    kernel's (``[variant head dim]``; their column counts travel in VariantParams). ``Bias``: NoBias, or
+    :func:`bias_policy` of the variant's bias with ``staged_bias`` and the gradient's dtype ``dbias_dtype``."""
+    bias = variant.bias
     flags = (variant.window_left is not None, variant.right is not None, variant.is_varlen,
              variant.seqused_k is not None, bool(variant.softcap), variant.alibi_slopes is not None,
-             variant.bias is not None, has_dropout(variant))
+             NO_BIAS if bias is None else bias_policy(np.dtype(bias.dtype).name, staged_bias, dbias_dtype),
+             has_dropout(variant))
     return _policy(flags, variant.mods, pads_head_dim)
+
+
+def _bias_arg(x) -> str:
+    """A policy's bias argument: a policy string, or a flag (True: a float32 bias read from global memory)."""
+    return x if isinstance(x, str) else (bias_policy("float32") if x else NO_BIAS)
 
 
 @functools.lru_cache(maxsize=1024)  # (every launch names its policy: the string once per flags and mods)
 def _policy(flags, mods=None, pads_head_dim: bool = False) -> str:
-    args = ", ".join(map(_b, flags))
+    """``cuflash::Variant<...>`` of 8 flags (the seventh, the bias, a flag or a :func:`bias_policy` string)."""
+    args = ", ".join(_bias_arg(x) if i == 6 else _b(x) for i, x in enumerate(flags))
     if mods is not None:
         PRELUDES.setdefault(mods.type_name, mods.source)
         args += f", cuflash::{mods.type_name}"
@@ -257,6 +281,32 @@ def mask_policy(variant: Variant) -> str:
     flags = (variant.window_left is not None, variant.right is not None, variant.is_varlen,
              variant.seqused_k is not None, False, False, False, False)
     return _policy(flags, variant.mods)
+
+
+def policy_args(policy: str) -> list[str]:
+    """The template arguments of a ``cuflash::Variant<...>`` policy string, split at its top-level commas."""
+    inner = policy[policy.index("<") + 1:policy.rindex(">")]
+    args, depth, start = [], 0, 0
+    for i, ch in enumerate(inner):
+        depth += ch == "<"
+        depth -= ch == ">"
+        if ch == "," and depth == 0:
+            args.append(inner[start:i].strip())
+            start = i + 1
+    args.append(inner[start:].strip())
+    return args
+
+
+@functools.lru_cache(maxsize=1024)
+def staged_bias_bytes(policy: str) -> int:
+    """The element size of a staged bias in a ``cuflash::Variant<...>`` policy string ([variant bias tile]: the
+    shared memory of its tiles), 0 where the policy stages none."""
+    if not policy.startswith("cuflash::Variant<"):
+        return 0
+    bias = policy_args(policy)[6]
+    if not bias.startswith("cuflash::BiasArray<") or policy_args(bias)[1] != "true":
+        return 0
+    return 4 if policy_args(bias)[0] == "float" else 2
 
 
 def prelude_of(*names: str) -> str:
@@ -277,8 +327,8 @@ def _strides_of(a, n: int) -> tuple[int, ...]:
 
 def extra_record(variant: Variant, dbias=None, tiles=None) -> np.ndarray | None:
     """``struct ExtraParams`` (variants.cuh) on the host, or None when the variant needs none: the bias
-    ((batch, heads_q, seqlen_q, seqlen_k) float32 with a contiguous last axis) and its gradient buffer
-    ``dbias`` (or None), the dropout seed, offset, keep threshold and 1 / (1 - p), the user mods' arrays,
+    ((batch, heads_q, seqlen_q, seqlen_k) float16, bfloat16 or float32, the policy's BiasArray element, with a
+    contiguous last axis) and its gradient buffer ``dbias`` (or None; the policy's BiasArray gradient type), the dropout seed, offset, keep threshold and 1 / (1 - p), the user mods' arrays,
     and ``tiles``, mask_mod's compacted block lists for one launch: ``(count, list)``, int32 arrays
     ``(Bm, Hm, rows)`` and ``(Bm, Hm, rows, cols)`` (Bm, Hm: 1 where the map broadcasts). A 0-d record; its
     pointer fields are :data:`EXTRA_POINTER_FIELDS`."""
@@ -364,6 +414,9 @@ class Family:
     smem: Callable[[int, Tile], int]
     options: tuple[str, ...] = NVRTC_OPTIONS
     threads: int = 0  # a fixed block size (the small elementwise kernels); 0: 32 x the tile's warps
+    bias_tiles: int = 0  # [variant bias tile] block_m x block_n bias tiles it stages for a staged bias (0: none)
+    # blocks per SM the kernel is built for (its __launch_bounds__), where a staged bias must leave them room
+    min_blocks: Callable[[int, Tile], int] = lambda d, t: 1
 
 
 def _t16(s: "KernelSpec") -> str:  # <T, d, block_m, block_n, warps, stages, V>
@@ -429,7 +482,9 @@ FAMILIES: dict[str, Family] = {
     "fwd_sm90": Family(
         "forward_sm90.cu", "flash_fwd_sm90_kernel", _t16,
         # + 1024: the kernel aligns its base to 1024 bytes; + 128: the mbarriers of the warp-specialized variant
-        lambda d, t: 2 * d * (t.block_m + 2 * t.stages * t.block_n) + 1024 + 128, SM90A_OPTIONS),
+        lambda d, t: 2 * d * (t.block_m + 2 * t.stages * t.block_n) + 1024 + 128, SM90A_OPTIONS, bias_tiles=2,
+        # Sm90Config::kMinBlocks: two 8-warp blocks where S, O and P fit 128 registers (no producer warpgroup)
+        min_blocks=lambda d, t: 2 if t.warps == 8 and t.block_m == 16 * t.warps and t.block_n + d <= 128 else 1),
     # The same kernel on float32 inputs, TF32 fragments (tf32_tiles.cuh): 3xTF32, or one TF32 product.
     "fwd_tf32x3": Family("forward.cu", "flash_fwd_kernel", _t32, _tf32_smem),
     "fwd_tf32": Family("forward.cu", "flash_fwd_kernel", _t32, _tf32_smem),
@@ -441,7 +496,7 @@ FAMILIES: dict[str, Family] = {
         "backward_sm90.cu", "flash_bwd_dkdv_sm90_kernel", lambda s: f"{_t16(s)}, {_b(s.has_dq)}",
         # Sm90BwdConfig::kSmemBytes: K, V; 2 x (Q, dO); dS^T (16-bit); 2 x (lse, D) float32; + 1024 alignment
         lambda d, t: 2 * (2 * t.block_n * d + 4 * t.block_m * d + t.block_n * t.block_m) + 16 * t.block_m + 1024,
-        SM90A_OPTIONS),
+        SM90A_OPTIONS, bias_tiles=2),
     "bwd_dkdv_f32": Family(
         "backward.cu", "flash_bwd_dkdv_f32_kernel",
         lambda s: f"{s.head_dim}, {s.tile.block_n}, {s.variant}, {_b(s.has_dq)}", _bwd_f32_smem),
@@ -543,7 +598,8 @@ class KernelSpec:
     @property
     def smem(self) -> int:
         """Dynamic shared memory in bytes."""
-        return self.fam.smem(self.head_dim, self.tile)
+        t = self.tile
+        return self.fam.smem(self.head_dim, t) + self.fam.bias_tiles * t.block_m * t.block_n * staged_bias_bytes(self.variant)
 
     @property
     def threads(self) -> int:
@@ -648,6 +704,32 @@ def instantiations() -> list[KernelSpec]:
                 add(KernelSpec(fam, dtype, d))
     for v in _SHOWCASE:
         add(KernelSpec("bwd_dq_f32", "float32", 128, variant=_policy(v)))
+    # [variant mod] 16-bit biases read as such (from global memory in every family), and [variant bias tile] biases
+    # staged in shared memory by the wgmma kernels, in each dtype, at the tiles the launcher runs them with
+    # (attention._staged_bias_spec: a float32 bias halves the forward's key tile at d 128), not causal (issue 11's
+    # benchmark) and with every flag of padded batches.
+    plain, every = (False,) * 6, (True, True, False, True, True, True)
+
+    def biased(flags, bias, dropout=False):
+        return _policy((*flags, bias, dropout))
+
+    for fam, row in _SHOWCASE_ROWS.items():
+        dtype = "float32" if row[1] == "f32" else "bfloat16"
+        for bias in (bias_policy("bfloat16"), bias_policy("float16", grad_dtype="float32")):
+            add(KernelSpec(fam, dtype, 128, TILES[(*row, 128)], biased(plain, bias), fam.startswith("bwd_dkdv"), row[1]))
+    for bias in (bias_policy("bfloat16"), bias_policy("float16", grad_dtype="float32")):
+        add(KernelSpec("bwd_dq_f32", "float32", 128, variant=biased(plain, bias)))
+    for fam, direction in (("fwd_sm90", "fwd"), ("bwd_dkdv_sm90", "bwd")):
+        for d in (64, 128):
+            t = TILES[(direction, "sm90a", d)]
+            for bias in (bias_policy("bfloat16", True), bias_policy("float16", True, "float32"),
+                         bias_policy("float32", True)):
+                if bias == bias_policy("float32", True) and (fam, d) != ("fwd_sm90", 128):
+                    continue  # (read from global memory: attention._staged_bias_spec)
+                tile = t._replace(block_n=64) if (fam, d, bias) == ("fwd_sm90", 128, bias_policy("float32", True)) else t
+                for flags, dropout in ((plain, False), (every, True)):
+                    for has_dq in ((True, False) if fam.startswith("bwd") and flags is plain else (fam.startswith("bwd"),)):
+                        add(KernelSpec(fam, "bfloat16", d, tile, biased(flags, bias, dropout), has_dq, "sm90a"))
     # A user score_mod and mask_mod reading an array (the generated policy type), causal, in every FA2 family.
     from .._mods import user_mods
 
