@@ -714,3 +714,39 @@ def test_the_benchmark_script_runs_on_the_cpu(capsys):
     assert out.count("speed / best") == 4 and "refused" not in out
     diffs = [float(line.rsplit(" ", 1)[1].rstrip(")")) for line in out.splitlines() if "max |logits" in line]
     assert len(diffs) == 4 and max(diffs) < 1e-4
+
+
+def _tool(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_profile_script_runs_on_the_cpu(capsys):
+    """tools/transformers_profile.py --smoke (a tiny float32 Llama, the NumPy backend): the synchronizations of cufa
+    and sdpa, cProfile's tables of the decode loop, torch.profiler's attention operators for both; decode steps run
+    the read-only decode operator."""
+    assert _tool("transformers_profile").main(["--smoke", "--top", "6"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("(a) ") == 4 and out.count("(b) cProfile") == 1 and out.count("(c) ") == 4, out
+    assert "cuflash::attention_with_kvcache_readonly" in out and "aten::scaled_dot_product_attention" in out
+    assert len(out.splitlines()) < 60  # (compact: read in a log)
+
+
+def test_the_host_profile_of_a_decode_call_runs_without_a_gpu(capsys):
+    """tools/transformers_profile.py --host: a decode step's attention call at three entry points, the CUDA path
+    emulated with the stand-in CuPy; it leaves cuflash as it found it."""
+    import cuflash.torch as cft
+    from cuflash import _api
+
+    before = cft._to_array, cft._backend_call, _api._kvcache_launches
+    assert _tool("transformers_profile").main(["--host", "--steps", "3", "--top", "4"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.strip().startswith(("transformers ", "cuflash."))]
+    assert len(rows) == 3 and all(line.rstrip().split()[-1].isdigit() for line in rows), out
+    assert (cft._to_array, cft._backend_call, _api._kvcache_launches) == before
