@@ -162,9 +162,28 @@ def _backend_call(t: torch.Tensor):
     index = t.device.index
     memory = _TorchMemory(t.device)
     with torch.cuda.device(index), cupy.cuda.Device(index):
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(index).cuda_stream, index)
-        with stream, cupy.cuda.using_allocator(memory):
+        with _cupy_stream(cupy, index, torch.cuda.current_stream(index).cuda_stream), \
+                cupy.cuda.using_allocator(memory):
             yield memory
+
+
+# (device, stream pointer) -> CuPy's view of one of torch's streams, made once: CuPy 14 warns (DeprecationWarning)
+# at every cupy.cuda.ExternalStream made, which a decode step would otherwise pay at every layer. A view holds only the
+# pointer (it never destroys the stream). At most _STREAMS_SIZE, the oldest dropped first.
+_streams: dict = {}
+_STREAMS_SIZE = 64
+
+
+def _cupy_stream(cupy, index: int, ptr: int):
+    stream = _streams.get((index, ptr))
+    if stream is None:
+        stream = _streams[index, ptr] = cupy.cuda.ExternalStream(ptr, index)
+        while len(_streams) > _STREAMS_SIZE:
+            try:
+                del _streams[next(iter(_streams))]
+            except (KeyError, StopIteration, RuntimeError):  # changed by another thread meanwhile
+                break
+    return stream
 
 
 def _output(a, memory: _TorchMemory | None) -> torch.Tensor:
