@@ -755,7 +755,7 @@ def attention_with_kvcache(
                        cache_batch_idx, cache_leftpad, block_table, causal, window_size, softcap, alibi_slopes,
                        softmax_scale, num_splits, out, grows=grows)
     launch = _kvcache_launches.get(key) if key is not None else None
-    if launch is not None and grows and not _fits(k_cache, v_cache, cache_seqlens):
+    if launch is not None and not _fits(k_cache, v_cache, k, block_table, cache_seqlens, grows):
         launch = key = None  # (the checks below say what is wrong with this call's caches or lengths)
     if launch is not None:  # the same layouts and options as a call already checked: its launch, at once
         if type(cache_seqlens) is int:
@@ -796,10 +796,10 @@ def attention_with_kvcache(
 # A call over a cache that grows (a transformers DynamicCache, which concatenates each new token into a new tensor:
 # a new slot count, and new strides for its (batch, heads, slots, d) layout seen as (batch, slots, heads, d), at
 # every step) would miss at every step: checks, a new launch, its workspace. Such a call, one that appends nothing
-# into a contiguous cache (_grows), is keyed without the caches' slot count and strides but the last (and, for an
-# int cache_seqlens, without its value); what the checks read of those (_fits) is checked at each call, and its
-# launch (a DecodeLaunch with splits_for) writes the slot count, the strides and the split count they give into its
-# parameters when they change.
+# into a contiguous cache (_grows), is keyed without the caches' slot count and strides but the last; what the
+# checks read of those (_fits) is checked at each call, and its launch (a DecodeLaunch with splits_for) writes the
+# slot count, the strides and the split count they give into its parameters when they change. An int cache_seqlens
+# (a new value at every step of a loop that appends) is keyed without its value, checked at each call (_fits).
 _kvcache_launches = CallMemo(64)
 
 
@@ -823,17 +823,22 @@ def _slots_key(a, kind):
     return shape[0], shape[2], shape[3], a.strides[3], a.dtype, a.data.device_id
 
 
-def _fits(k_cache, v_cache, cache_seqlens) -> bool:
-    """Whether a growing call (_grows) whose key is remembered passes the checks that read what the key leaves out: a
-    slot count of at least 1, the same in both caches; strides of multiples of 16 bytes (the decode kernels read
-    16-byte rows); an int cache_seqlens within the slots. Otherwise the checks run and say what is wrong."""
-    slots = k_cache.shape[1]
-    if not (slots > 0 and v_cache.shape[1] == slots):
-        return False
-    ks, vs = k_cache.strides, v_cache.strides
-    if (ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]) & 15:
-        return False
-    return type(cache_seqlens) is not int or 0 <= cache_seqlens <= slots
+def _fits(k_cache, v_cache, k, block_table, cache_seqlens, grows: bool) -> bool:
+    """Whether a call whose key is remembered passes the checks that read what the key leaves out: for a growing call
+    (_grows), a slot count of at least 1, the same in both caches, and strides of multiples of 16 bytes (the decode
+    kernels read 16-byte rows); for every call, an int cache_seqlens that leaves room for k's tokens in the slots.
+    Otherwise the checks run and say what is wrong."""
+    if grows:
+        slots = k_cache.shape[1]
+        if not (slots > 0 and v_cache.shape[1] == slots):
+            return False
+        ks, vs = k_cache.strides, v_cache.strides
+        if (ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]) & 15:
+            return False
+    if type(cache_seqlens) is not int:
+        return True
+    capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+    return 0 <= cache_seqlens <= capacity - (0 if k is None else k.shape[1])
 
 
 def _kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx,
@@ -841,8 +846,9 @@ def _kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_si
                  grows: bool = False):
     """The key of a CuPy decode call in :data:`_kvcache_launches`, or None: NumPy arrays (their index values are
     checked at every call), options of unusual types (an int for a bool, a list for the window: the checks judge
-    them), the debug mode ``CUFLASH_CHECK_DEVICE_VALUES=1``. ``grows`` (:func:`_grows`): the caches keyed without
-    their slot count and strides (:func:`_slots_key`), an int ``cache_seqlens`` without its value."""
+    them), the debug mode ``CUFLASH_CHECK_DEVICE_VALUES=1``. An int ``cache_seqlens`` is keyed without its value
+    (:func:`_fits` checks it at each call), but with rotary (whose table's rows the checks measure against it).
+    ``grows`` (:func:`_grows`): the caches keyed without their slot count and strides (:func:`_slots_key`)."""
     kind = type(q)
     if _validate._library(q) != "cupy" or _validate.device_value_checks():
         return None
@@ -857,7 +863,8 @@ def _kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_si
             lens = ("int",) if type(cache_seqlens) is int else _array_key(cache_seqlens, kind)
         else:
             caches = (_array_key(k_cache, kind), _array_key(v_cache, kind))
-            lens = ("int", cache_seqlens) if type(cache_seqlens) is int else _array_key(cache_seqlens, kind)
+            lens = (("int",) if rotary_cos is None and rotary_sin is None else ("int", cache_seqlens)) \
+                if type(cache_seqlens) is int else _array_key(cache_seqlens, kind)
         arrays = (_array_key(q, kind), *caches, _array_key(k, kind),
                   _array_key(v, kind), lens, _array_key(rotary_cos, kind), _array_key(rotary_sin, kind),
                   _array_key(cache_batch_idx, kind), _array_key(cache_leftpad, kind), _array_key(block_table, kind),

@@ -624,3 +624,56 @@ def test_the_layers_of_a_step_share_the_lengths_of_an_int_cache_seqlens(fake):
     for n in range(2 * _api._LENGTHS_SIZE):  # bounded
         cuflash.attention_with_kvcache(q, caches[0], caches[0], cache_seqlens=n % 41)
     assert len(_api._lengths) <= _api._LENGTHS_SIZE
+
+
+def test_an_int_cache_seqlens_that_changes_reuses_the_launch(fake, monkeypatch):
+    """A decode loop that appends with an int cache_seqlens (a new value at every step), contiguous or paged: one
+    remembered launch, checked once, launching what a fresh call launches; a value that leaves no room for the new
+    tokens raises what it raises with the memory emptied. With rotary the value stays in the key (the checks measure
+    the table's rows against it)."""
+    cp, recorder = fake
+    from cuflash._cuda import decode
+
+    rng = np.random.default_rng(71)
+
+    def array(*shape, dtype=np.float16):
+        return cp.asarray(rng.standard_normal(shape).astype(dtype))
+
+    q, k, v = array(2, 1, 8, 64), array(2, 1, 2, 64), array(2, 1, 2, 64)
+    contiguous = (array(2, 300, 2, 64), array(2, 300, 2, 64))
+    pool = (array(12, 32, 2, 64), array(12, 32, 2, 64))
+    table = cp.asarray(rng.permutation(12).reshape(2, 6).astype(np.int32))
+    layouts = {"contiguous": (contiguous, {}), "paged": (pool, dict(block_table=table))}
+    checked = []
+    real_check = _api._kvcache_call
+    monkeypatch.setattr(_api, "_kvcache_call", lambda *a, **kw: checked.append(1) or real_check(*a, **kw))
+    for name, ((k_cache, v_cache), extra) in layouts.items():
+        lengths = [0, 1, 31, 32, 100, 191]
+
+        def step(n):
+            recorder.take()
+            cuflash.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=n, causal=True, **extra)
+            return _decode_step(recorder.take(), 2)
+
+        fresh = []
+        for n in lengths:
+            _api._kvcache_launches.clear()
+            decode._LAUNCHES.clear()
+            fresh.append(step(n))
+        _api._kvcache_launches.clear()
+        checked.clear()
+        assert [step(n) for n in lengths] == fresh, name
+        assert len(checked) == 1 and len(_api._kvcache_launches) == 1, name
+        bad = 300 if name == "contiguous" else 192
+        with pytest.raises(ValueError, match=r"cache_seqlens\[b\] \+ seqlen_new must fit the cache"):
+            cuflash.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=bad, **extra)
+    cos, sin = (cp.asarray(rng.standard_normal((40, 16)).astype(np.float32)) for _ in range(2))
+    k_cache, v_cache = contiguous
+
+    def key(n, rotary):
+        return _api._kvcache_key(q, k_cache, v_cache, k, v, n, *((cos, sin) if rotary else (None, None)), True, None,
+                                 None, None, True, (-1, -1), 0.0, None, None, 0, None)
+
+    assert key(3, False) == key(4, False) and key(3, True) != key(4, True)
+    with pytest.raises(ValueError, match="rotary_cos and rotary_sin must have a row for every rotated position"):
+        cuflash.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=40, rotary_cos=cos, rotary_sin=sin)
