@@ -750,3 +750,39 @@ def test_the_host_profile_of_a_decode_call_runs_without_a_gpu(capsys):
     rows = [line for line in out.splitlines() if line.strip().startswith(("transformers ", "cuflash."))]
     assert len(rows) == 3 and all(line.rstrip().split()[-1].isdigit() for line in rows), out
     assert (cft._to_array, cft._backend_call, _api._kvcache_launches) == before
+
+
+def test_the_profile_script_names_the_cuflash_frame_of_a_synchronization():
+    """(a)'s bookkeeping: a synchronization warning is counted under the innermost frame in cuflash's package (not
+    the script's, whatever the repository's directory is called), a host read of a CuPy-like array through
+    cuflash's _validate._to_host too, a NumPy one not; and the patched functions are restored."""
+    import collections
+    import os
+    import warnings
+
+    import numpy as np
+
+    import cuflash
+    from cuflash import _validate
+
+    tool = _tool("transformers_profile")
+    where = os.path.join(os.path.dirname(cuflash.__file__), "_sync_example.py")
+    namespace = {"warnings": warnings}
+    exec(compile("def step():\n    warnings.warn('called a synchronizing CUDA operation')\n", where, "exec"), namespace)
+
+    class DeviceArray:
+        def get(self):
+            return np.zeros(2)
+
+    found = collections.Counter()
+    to_host = _validate._to_host
+    with tool._synchronizations(torch, found):
+        namespace["step"]()
+        namespace["step"]()
+        _validate._to_host(DeviceArray())
+        _validate._to_host(np.zeros(2))
+    assert _validate._to_host is to_host
+    (what, culprit), count = found.most_common(1)[0]
+    assert count == 2 and "synchronizing" in what and culprit.startswith("cuflash/_sync_example.py:2 step"), found
+    reads = [(key, n) for key, n in found.items() if "_to_host" in key[0]]
+    assert len(reads) == 1 and reads[0][1] == 1 and "test_transformers.py" in reads[0][0][1], found

@@ -48,20 +48,31 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # (torch.profiler's start and st
 # (a) host synchronizations
 # ---------------------------------------------------------------------------------------------------
 
+def _package_dirs() -> tuple[str, ...]:
+    import cuflash
+    import transformers
+
+    return tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (cuflash, transformers))
+
+
 def _culprit(stack) -> str:
-    """The innermost frame of ``stack`` in cuflash, else in transformers, else the innermost one."""
-    for marker in (f"{os.sep}cuflash{os.sep}", f"{os.sep}transformers{os.sep}"):
+    """The innermost frame of ``stack`` in cuflash's package, else in transformers', else the innermost one."""
+    for package in _package_dirs():
         for frame in reversed(stack):
-            if marker in frame.filename and "warnings.py" not in frame.filename:
+            if os.path.abspath(frame.filename).startswith(package):
                 return f"{_short(frame.filename)}:{frame.lineno} {frame.name}: {(frame.line or '').strip()[:70]}"
     frame = stack[-1]
     return f"{_short(frame.filename)}:{frame.lineno} {frame.name}"
 
 
 def _short(path: str) -> str:
-    for marker in ("site-packages" + os.sep, os.sep + "cuflash" + os.sep):
+    """A path from its package's directory on (cuflash/torch.py, transformers/generation/utils.py, torch/...)."""
+    for marker in ("site-packages" + os.sep, "dist-packages" + os.sep):
         if marker in path:
-            return path.split(marker, 1)[1] if marker.startswith("site") else "cuflash/" + path.split(marker, 1)[1]
+            return path.split(marker, 1)[1]
+    parts = os.path.abspath(path).split(os.sep)
+    if "cuflash" in parts:
+        return os.sep.join(parts[len(parts) - parts[::-1].index("cuflash") - 1:])
     return os.path.basename(path)
 
 
