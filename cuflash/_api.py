@@ -9,6 +9,7 @@ backends never see unchecked user input.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import numbers
 import weakref
@@ -18,7 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _blocks, _cascade, _decode_plan, _kvcache, _merge, _mods, _validate
+from . import _blocks, _cascade, _chunked_prefill, _decode_plan, _kvcache, _merge, _mods, _validate
 from ._decode_plan import DecodePlan
 from ._variant import Variant, VariantArrays
 
@@ -754,17 +755,20 @@ def attention_with_kvcache(
     out : array (batch, seqlen_q, heads_q, head_dim_v), like q
     lse : only with ``return_lse=True``
     """
+    grows = _grows(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table)
     key = _kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved,
                        cache_batch_idx, cache_leftpad, block_table, causal, window_size, softcap, alibi_slopes,
-                       softmax_scale, num_splits, out)
+                       softmax_scale, num_splits, out, grows=grows)
     launch = _kvcache_launches.get(key) if key is not None else None
+    if launch is not None and not _fits(k_cache, v_cache, k, block_table, cache_seqlens, grows):
+        launch = key = None  # (the checks below say what is wrong with this call's caches or lengths)
     if launch is not None:  # the same layouts and options as a call already checked: its launch, at once
         if type(cache_seqlens) is int:
             cache_seqlens = _kvcache.uniform_seqlens(_namespace(q), q.shape[0], cache_seqlens)
         result, lse = launch.run(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx, block_table,
                                  alibi_slopes, rotary_cos, rotary_sin, out, None)
         return (result, lse) if return_lse else result
-    library, _, cache, scale, variant = _kvcache_call(
+    library, problem, cache, scale, variant = _kvcache_call(
         q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
         rotary_interleaved=rotary_interleaved, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
         block_table=block_table, causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -775,6 +779,14 @@ def attention_with_kvcache(
         raise NotImplementedError(f"attention_with_kvcache has no decode backend for {library} arrays")
     kernel_q, scale, _ = _kernel_scale(library, q, scale)
     if key is not None and kernel_q is q:  # (a call whose q is mapped to a positive scale is not remembered)
+        if grows:  # a launch of its own, which follows the caches' slot count from call to call
+            launch = backend.plan_kvcache(q, k_cache, v_cache, k, v, cache=cache, scale=scale, variant=variant, out=out,
+                                          splits_for=functools.partial(_decode_splits, problem, num_splits))
+            _kvcache_launches.put(key, launch)
+            result, lse = launch.run(q, k_cache, v_cache, k, v, cache.cache_seqlens, cache.cache_leftpad,
+                                     cache.cache_batch_idx, cache.block_table, variant.alibi_slopes, None, None, out,
+                                     None)
+            return (result, lse) if return_lse else result
         _kvcache_launches.put(key, backend.plan_kvcache(q, k_cache, v_cache, k, v, cache=cache, scale=scale,
                                                         variant=variant, out=out, shared=True))
     result, lse = forward_kvcache(kernel_q, k_cache, v_cache, k, v, cache=cache, scale=scale, variant=variant, out=out)
@@ -785,14 +797,63 @@ def attention_with_kvcache(
 # strides, dtype and device; the options, with their types; the current device and stream) -> the backend's launch.
 # A call with the same key would pass the same checks (CuPy index values are not read outside the debug mode), so
 # it runs the launch at once: a decode step's host time is the launch's, not the checks' (~150 us of Python).
+#
+# A call over a cache that grows (a transformers DynamicCache, which concatenates each new token into a new tensor:
+# a new slot count, and new strides for its (batch, heads, slots, d) layout seen as (batch, slots, heads, d), at
+# every step) would miss at every step: checks, a new launch, its workspace. Such a call, one that appends nothing
+# into a contiguous cache (_grows), is keyed without the caches' slot count and strides but the last; what the
+# checks read of those (_fits) is checked at each call, and its launch (a DecodeLaunch with splits_for) writes the
+# slot count, the strides and the split count they give into its parameters when they change. An int cache_seqlens
+# (a new value at every step of a loop that appends) is keyed without its value, checked at each call (_fits).
 _kvcache_launches = CallMemo(64)
 
 
+def _grows(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table) -> bool:
+    """Whether a decode call is remembered without its caches' slot count: nothing appended, no rotary, a contiguous
+    cache of CuPy-like arrays, one to 63 query tokens (the decode kernels, not the forward over the cache), v's head
+    dim q's (not MLA)."""
+    kind = type(q)
+    return (k is None and v is None and rotary_cos is None and rotary_sin is None and block_table is None
+            and type(k_cache) is kind and type(v_cache) is kind and q.ndim == 4 and k_cache.ndim == 4
+            and v_cache.ndim == 4 and q.shape[0] > 0 and 0 < q.shape[1] < _chunked_prefill.MIN_SEQLEN_Q
+            and q.shape[2] > 0 and k_cache.shape[3] == v_cache.shape[3])
+
+
+def _slots_key(a, kind):
+    """What the key of a growing call (_grows) holds of a cache: its shape but the slot axis, its last stride, dtype
+    and device."""
+    if type(a) is not kind:
+        raise _Unkeyed
+    shape = a.shape
+    return shape[0], shape[2], shape[3], a.strides[3], a.dtype, a.data.device_id
+
+
+def _fits(k_cache, v_cache, k, block_table, cache_seqlens, grows: bool) -> bool:
+    """Whether a call whose key is remembered passes the checks that read what the key leaves out: for a growing call
+    (_grows), a slot count of at least 1, the same in both caches, and strides of multiples of 16 bytes (the decode
+    kernels read 16-byte rows); for every call, an int cache_seqlens that leaves room for k's tokens in the slots.
+    Otherwise the checks run and say what is wrong."""
+    if grows:
+        slots = k_cache.shape[1]
+        if not (slots > 0 and v_cache.shape[1] == slots):
+            return False
+        ks, vs = k_cache.strides, v_cache.strides
+        if (ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]) & 15:
+            return False
+    if type(cache_seqlens) is not int:
+        return True
+    capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+    return 0 <= cache_seqlens <= capacity - (0 if k is None else k.shape[1])
+
+
 def _kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx,
-                 cache_leftpad, block_table, causal, window_size, softcap, alibi_slopes, softmax_scale, num_splits, out):
+                 cache_leftpad, block_table, causal, window_size, softcap, alibi_slopes, softmax_scale, num_splits, out,
+                 grows: bool = False):
     """The key of a CuPy decode call in :data:`_kvcache_launches`, or None: NumPy arrays (their index values are
     checked at every call), options of unusual types (an int for a bool, a list for the window: the checks judge
-    them), the debug mode ``CUFLASH_CHECK_DEVICE_VALUES=1``."""
+    them), the debug mode ``CUFLASH_CHECK_DEVICE_VALUES=1``. An int ``cache_seqlens`` is keyed without its value
+    (:func:`_fits` checks it at each call), but with rotary (whose table's rows the checks measure against it).
+    ``grows`` (:func:`_grows`): the caches keyed without their slot count and strides (:func:`_slots_key`)."""
     kind = type(q)
     if _validate._library(q) != "cupy" or _validate.device_value_checks():
         return None
@@ -802,8 +863,14 @@ def _kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_si
             and (softmax_scale is None or type(softmax_scale) in (float, int))):
         return None
     try:
-        lens = ("int", cache_seqlens) if type(cache_seqlens) is int else _array_key(cache_seqlens, kind)
-        arrays = (_array_key(q, kind), _array_key(k_cache, kind), _array_key(v_cache, kind), _array_key(k, kind),
+        if grows:
+            caches = (_slots_key(k_cache, kind), _slots_key(v_cache, kind))
+            lens = ("int",) if type(cache_seqlens) is int else _array_key(cache_seqlens, kind)
+        else:
+            caches = (_array_key(k_cache, kind), _array_key(v_cache, kind))
+            lens = (("int",) if rotary_cos is None and rotary_sin is None else ("int", cache_seqlens)) \
+                if type(cache_seqlens) is int else _array_key(cache_seqlens, kind)
+        arrays = (_array_key(q, kind), *caches, _array_key(k, kind),
                   _array_key(v, kind), lens, _array_key(rotary_cos, kind), _array_key(rotary_sin, kind),
                   _array_key(cache_batch_idx, kind), _array_key(cache_leftpad, kind), _array_key(block_table, kind),
                   _array_key(alibi_slopes, kind), _array_key(out, kind))
@@ -812,7 +879,7 @@ def _kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_si
     import cupy
 
     return (cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr, arrays, rotary_interleaved, causal,
-            window_size, type(softcap), softcap, type(softmax_scale), softmax_scale, num_splits)
+            window_size, type(softcap), softcap, type(softmax_scale), softmax_scale, num_splits, grows)
 
 
 def _kvcache_call(q, k_cache, v_cache, k, v, *, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved,
@@ -856,16 +923,23 @@ def _plan_kvcache(problem: _validate.Problem, cache):
     """The tiles and the split count of a decode call, from its shapes alone (never from device values), so that
     every backend, and a graph captured for a batch shape, makes the same choice (``docs/decoding.md``)."""
     block_m, block_n = _blocks.decode_block_sizes(problem.head_dim, problem.head_dim_v)
-    splits = cache.num_splits
-    if splits == 0:
-        group = problem.heads_q // problem.heads_kv
-        m_tiles = _blocks.num_blocks(max(problem.seqlen_q, 1) * group, block_m)
-        work_units = problem.batch * problem.heads_kv * m_tiles
-        key = (work_units, _blocks.num_blocks(problem.seqlen_k, block_n))
-        splits = _auto_splits.get(key)
-        if splits is None:
-            splits = _auto_splits[key] = _blocks.decode_num_splits(*key)
+    splits = _decode_splits(problem, cache.num_splits, problem.seqlen_k)
     return dataclasses.replace(cache, num_splits=splits, block_m=block_m, block_n=block_n)
+
+
+def _decode_splits(problem: _validate.Problem, requested: int, capacity: int) -> int:
+    """The split count of a decode call of ``problem``'s batch, heads, query length and head dims over ``capacity``
+    slots: ``requested``, or (0) the automatic rule's, remembered per (work units, key tiles)."""
+    if requested:
+        return requested
+    block_m, block_n = _blocks.decode_block_sizes(problem.head_dim, problem.head_dim_v)
+    group = problem.heads_q // problem.heads_kv
+    m_tiles = _blocks.num_blocks(max(problem.seqlen_q, 1) * group, block_m)
+    key = (problem.batch * problem.heads_kv * m_tiles, _blocks.num_blocks(capacity, block_n))
+    splits = _auto_splits.get(key)
+    if splits is None:
+        splits = _auto_splits[key] = _blocks.decode_num_splits(*key)
+    return splits
 
 
 def plan_kvcache(

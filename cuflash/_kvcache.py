@@ -107,9 +107,19 @@ _SEQLEN_TABLES: dict = {}
 _TABLE_LIMIT = 1 << 22
 
 
+def _capturing(xp) -> bool:
+    """Whether the current stream is capturing a CUDA graph (a runtime that cannot tell: as if it were). A table
+    made or grown during a capture would hold its rows only in the graph's replays, and one grown later would free
+    the rows a graph reads: a capture gets an array of its own."""
+    try:
+        return bool(xp.cuda.get_current_stream().is_capturing())
+    except Exception:
+        return True
+
+
 def uniform_seqlens(xp, batch: int, value: int):
     """An int32 array ``(batch,)`` of ``value`` (not to be written: on CuPy, a view of a shared table)."""
-    if xp.__name__ != "cupy" or (value + 1) * batch > _TABLE_LIMIT:
+    if xp.__name__ != "cupy" or (value + 1) * batch > _TABLE_LIMIT or _capturing(xp):
         return xp.full((batch,), value, dtype="int32")
     key = (xp.cuda.runtime.getDevice(), batch)
     table = _SEQLEN_TABLES.get(key)

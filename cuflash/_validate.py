@@ -301,7 +301,8 @@ def causal_options(causal, causal_align: str) -> tuple[bool, bool]:
 
 
 def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+    # (a plain int first: the ABC check costs microseconds, and a decode step makes several)
+    return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)))
 
 
 def window_size(value) -> tuple[int | None, int | None]:
@@ -321,7 +322,7 @@ def window_size(value) -> tuple[int | None, int | None]:
 
 def softcap(value) -> float:
     """The softcap: 0.0 for none, else a finite positive float."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+    if type(value) is not float and (isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real)):
         raise TypeError(f"softcap must be a real number (0 for none); got {type(value).__name__} {value!r}")
     cap = float(value)
     if not math.isfinite(cap) or cap < 0.0:

@@ -1,6 +1,6 @@
 """PyTorch front end: :func:`attention`, over the custom operators ``cuflash::attention_fwd`` and
 ``cuflash::attention_bwd``, and :func:`attention_with_kvcache`, over ``cuflash::attention_with_kvcache``
-(``torch.library``).
+(``cuflash::attention_with_kvcache_readonly`` when nothing is appended) (``torch.library``).
 
 Tensors cross into cuflash without copies: CPU tensors as NumPy views (the NumPy block algorithm), CUDA
 tensors as CuPy arrays over their memory (the kernels). A CUDA call runs on PyTorch's current stream, and every
@@ -162,9 +162,28 @@ def _backend_call(t: torch.Tensor):
     index = t.device.index
     memory = _TorchMemory(t.device)
     with torch.cuda.device(index), cupy.cuda.Device(index):
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(index).cuda_stream, index)
-        with stream, cupy.cuda.using_allocator(memory):
+        with _cupy_stream(cupy, index, torch.cuda.current_stream(index).cuda_stream), \
+                cupy.cuda.using_allocator(memory):
             yield memory
+
+
+# (device, stream pointer) -> CuPy's view of one of torch's streams, made once: CuPy 14 warns (DeprecationWarning)
+# at every cupy.cuda.ExternalStream made, which a decode step would otherwise pay at every layer. A view holds only the
+# pointer (it never destroys the stream). At most _STREAMS_SIZE, the oldest dropped first.
+_streams: dict = {}
+_STREAMS_SIZE = 64
+
+
+def _cupy_stream(cupy, index: int, ptr: int):
+    stream = _streams.get((index, ptr))
+    if stream is None:
+        stream = _streams[index, ptr] = cupy.cuda.ExternalStream(ptr, index)
+        while len(_streams) > _STREAMS_SIZE:
+            try:
+                del _streams[next(iter(_streams))]
+            except (KeyError, StopIteration, RuntimeError):  # changed by another thread meanwhile
+                break
+    return stream
 
 
 def _output(a, memory: _TorchMemory | None) -> torch.Tensor:
@@ -414,7 +433,8 @@ _attention_bwd.register_autograd(_no_double_backward, setup_context=lambda ctx, 
 
 
 # ---------------------------------------------------------------------------------------------------
-# Decoding with a KV cache: the custom operator cuflash::attention_with_kvcache
+# Decoding with a KV cache: the custom operators cuflash::attention_with_kvcache and
+# cuflash::attention_with_kvcache_readonly
 # ---------------------------------------------------------------------------------------------------
 #
 # cuflash.attention_with_kvcache as an operator that mutates k_cache and v_cache: when k and v are given, the new
@@ -424,17 +444,30 @@ _attention_bwd.register_autograd(_no_double_backward, setup_context=lambda ctx, 
 # CUDA tensors the decode kernels, on torch's stream with out, lse and the split workspace from torch's allocator.
 # cache_seqlens is a tensor, or (cache_seqlens None) the int cache_seqlens_int for every sequence, which the front
 # door checks against the caches' capacity.
+#
+# A call without k and v writes nothing: it runs cuflash::attention_with_kvcache_readonly, the same operator without
+# k, v and without the mutation. Why two: an eager call of an operator that declares mutated arguments goes through
+# torch's ADInplaceOrView kernel for custom operators, which bumps the mutated tensors' version counters after
+# torch._library.utils.fill_defaults(schema, ...), whose cost grows with the square of the schema's arguments (it
+# reads schema.arguments, a new list, once per argument): ~150 us per call on a 2-vCPU VM for these 20 arguments,
+# against ~30 us for the whole dispatch of an operator without mutation. A transformers decode step (the cache
+# appended by transformers itself) pays it at every layer otherwise.
 
 
-def _kvcache_impl(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
-    v: Optional[torch.Tensor], cache_seqlens: Optional[torch.Tensor], cache_seqlens_int: int,
-    rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],
-    cache_leftpad: Optional[torch.Tensor], block_table: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
-    rotary_interleaved: bool, causal: bool, window_left: int, window_right: int, softcap: float,
-    softmax_scale: Optional[float], num_splits: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of :func:`cuflash.attention_with_kvcache`, after it appended ``k`` and ``v`` to the caches."""
+def _runs_eagerly(*tensors) -> bool:
+    """Whether a call may run the operator's implementation directly: plain tensors, no tracing, no dispatch or
+    torch-function mode that the operator's dispatch would honour. The dispatch of a Python custom operator costs
+    about 0.3 ms on the host (measured on the H100 in generation: 1.06 ms per decode call through the operator,
+    0.75 inside it), which a decode step of a few microseconds of GPU time cannot hide."""
+    return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+            and not torch._C._is_torch_function_mode_enabled()
+            and all(t is None or type(t) is torch.Tensor for t in tensors))
+
+
+def _kvcache_backend(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, rotary_cos, rotary_sin,
+                     cache_batch_idx, cache_leftpad, block_table, alibi_slopes, rotary_interleaved, causal, window_left,
+                     window_right, softcap, softmax_scale, num_splits):
+    """The body of both decode operators: ``(out, lse)`` of :func:`cuflash.attention_with_kvcache`."""
     arrays = dict(rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
                   cache_leftpad=cache_leftpad, block_table=block_table, alibi_slopes=alibi_slopes)
     _check_devices(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens, **arrays)
@@ -454,23 +487,8 @@ def _kvcache_impl(
         return _output(out, memory), _output(lse, memory)
 
 
-_attention_with_kvcache = torch.library.custom_op("cuflash::attention_with_kvcache",
-                                                  mutates_args=("k_cache", "v_cache"))(_kvcache_impl)
-
-
-def _runs_eagerly(*tensors) -> bool:
-    """Whether a call may run the operator's implementation directly: plain tensors, no tracing, no dispatch or
-    torch-function mode that the operator's dispatch would honour. The dispatch of a Python custom operator costs
-    about 0.3 ms on the host (measured on the H100 in generation: 1.06 ms per decode call through the operator,
-    0.75 inside it), which a decode step of a few microseconds of GPU time cannot hide."""
-    return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
-            and not torch._C._is_torch_function_mode_enabled()
-            and all(t is None or type(t) is torch.Tensor for t in tensors))
-
-
-@_attention_with_kvcache.register_fake
-def _attention_with_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, rotary_cos, rotary_sin,
-                                 cache_batch_idx, cache_leftpad, block_table, alibi_slopes, *scalars):
+def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
+                  block_table, alibi_slopes):
     _check_devices(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens, rotary_cos=rotary_cos,
                    rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                    block_table=block_table, alibi_slopes=alibi_slopes)
@@ -478,6 +496,50 @@ def _attention_with_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return (q.new_empty((batch, seqlen_q, heads_q, v_cache.shape[-1])),
             q.new_empty((batch, heads_q, seqlen_q), dtype=lse_dtype))
+
+
+@torch.library.custom_op("cuflash::attention_with_kvcache", mutates_args=("k_cache", "v_cache"))
+def _attention_with_kvcache(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
+    v: Optional[torch.Tensor], cache_seqlens: Optional[torch.Tensor], cache_seqlens_int: int,
+    rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],
+    cache_leftpad: Optional[torch.Tensor], block_table: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+    rotary_interleaved: bool, causal: bool, window_left: int, window_right: int, softcap: float,
+    softmax_scale: Optional[float], num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of :func:`cuflash.attention_with_kvcache`, after it appended ``k`` and ``v`` to the caches."""
+    return _kvcache_backend(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, rotary_cos, rotary_sin,
+                            cache_batch_idx, cache_leftpad, block_table, alibi_slopes, rotary_interleaved, causal,
+                            window_left, window_right, softcap, softmax_scale, num_splits)
+
+
+@_attention_with_kvcache.register_fake
+def _attention_with_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, rotary_cos, rotary_sin,
+                                 cache_batch_idx, cache_leftpad, block_table, alibi_slopes, *scalars):
+    return _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
+                         cache_leftpad, block_table, alibi_slopes)
+
+
+@torch.library.custom_op("cuflash::attention_with_kvcache_readonly", mutates_args=())
+def _attention_with_kvcache_readonly(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: Optional[torch.Tensor],
+    cache_seqlens_int: int, rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor],
+    cache_batch_idx: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
+    alibi_slopes: Optional[torch.Tensor], rotary_interleaved: bool, causal: bool, window_left: int, window_right: int,
+    softcap: float, softmax_scale: Optional[float], num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of :func:`cuflash.attention_with_kvcache` without ``k`` and ``v``: nothing is written."""
+    return _kvcache_backend(q, k_cache, v_cache, None, None, cache_seqlens, cache_seqlens_int, rotary_cos, rotary_sin,
+                            cache_batch_idx, cache_leftpad, block_table, alibi_slopes, rotary_interleaved, causal,
+                            window_left, window_right, softcap, softmax_scale, num_splits)
+
+
+@_attention_with_kvcache_readonly.register_fake
+def _attention_with_kvcache_readonly_fake(q, k_cache, v_cache, cache_seqlens, cache_seqlens_int, rotary_cos,
+                                          rotary_sin, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
+                                          *scalars):
+    return _kvcache_fake(q, k_cache, v_cache, None, None, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
+                         cache_leftpad, block_table, alibi_slopes)
 
 
 def _optional_int(name: str, value):
@@ -657,7 +719,8 @@ def attention_with_kvcache(
     tensors on q's device: ``cache_seqlens`` an int32 tensor ``(batch,)`` or one int for every sequence,
     ``cache_leftpad``, ``cache_batch_idx`` and ``block_table`` int32 tensors. Runs the custom operator
     ``torch.ops.cuflash.attention_with_kvcache`` (declared to mutate ``k_cache`` and ``v_cache``; traced by
-    ``torch.compile``); CPU tensors run the NumPy reference, CUDA tensors the decode kernels (float16 and bfloat16,
+    ``torch.compile``), or without ``k`` and ``v`` ``torch.ops.cuflash.attention_with_kvcache_readonly`` (the same
+    without them, mutating nothing: cheaper to dispatch); CPU tensors run the NumPy reference, CUDA tensors the decode kernels (float16 and bfloat16,
     head dims 32, 64, 96, 128; anything else raises ``NotImplementedError`` before the caches are touched), on
     torch's current stream with the output from torch's allocator. Not differentiable (the result never requires
     grad), as flash-attention's ``flash_attn_with_kvcache``.
@@ -697,14 +760,18 @@ def attention_with_kvcache(
                             f"{num_splits!r}")
     # no gradient: detached views (the caches' share their version counters, which the operator bumps)
     arrays = {name: None if t is None else t.detach() for name, t in arrays.items()}
-    eager = _runs_eagerly(q, k_cache, v_cache, seqlens, *arrays.values())
-    op = _kvcache_impl if eager else _attention_with_kvcache
-    new_k = arrays["k"]
-    out, lse = op(
-        q.detach(), k_cache.detach(), v_cache.detach(), arrays.pop("k"), arrays.pop("v"), seqlens, seqlens_int,
-        **arrays, rotary_interleaved=rotary_interleaved, causal=causal, window_left=left, window_right=right,
-        softcap=softcap, softmax_scale=softmax_scale, num_splits=int(num_splits),
-    )
-    if eager and new_k is not None:  # what the operator's dispatch does for its mutated arguments
-        torch.autograd.graph.increment_version((k_cache, v_cache))
+    k, v = arrays.pop("k"), arrays.pop("v")
+    scalars = dict(rotary_interleaved=rotary_interleaved, causal=causal, window_left=left, window_right=right,
+                   softcap=softcap, softmax_scale=softmax_scale, num_splits=int(num_splits))
+    if _runs_eagerly(q, k_cache, v_cache, seqlens, k, v, *arrays.values()):  # no operator dispatch (~0.3 ms)
+        out, lse = _kvcache_backend(q.detach(), k_cache.detach(), v_cache.detach(), k, v, seqlens, seqlens_int,
+                                    **arrays, **scalars)
+        if k is not None:  # what the operator's dispatch does for its mutated arguments
+            torch.autograd.graph.increment_version((k_cache, v_cache))
+    elif k is None and v is None:  # nothing to append: the operator that mutates nothing (much cheaper to dispatch)
+        out, lse = _attention_with_kvcache_readonly(q.detach(), k_cache.detach(), v_cache.detach(), seqlens,
+                                                    seqlens_int, **arrays, **scalars)
+    else:
+        out, lse = _attention_with_kvcache(q.detach(), k_cache.detach(), v_cache.detach(), k, v, seqlens, seqlens_int,
+                                           **arrays, **scalars)
     return (out, lse) if return_lse else out

@@ -48,6 +48,10 @@ def _wrap(x):
 class _Stream:
     def __init__(self, ptr):
         self.ptr = ptr
+        self.capturing = False  # (a test may pretend a CUDA graph capture)
+
+    def is_capturing(self):
+        return self.capturing
 
 
 class Recorder:
@@ -75,8 +79,9 @@ class Recorder:
 
 def install(monkeypatch):
     """Put a stand-in ``cupy`` in ``sys.modules`` and make the CUDA backend use it: its planned launches go to a
-    :class:`Recorder` (returned), a fixed sm_90 device, the front door's and the launcher's caches emptied."""
-    from cuflash import _api
+    :class:`Recorder` (returned; the decode launcher's too), a fixed sm_90 device, the front door's and the launchers'
+    caches emptied."""
+    from cuflash import _api, _kvcache
     from cuflash._cuda import attention, compile, decode, fa1, spec
 
     recorder = Recorder()
@@ -125,6 +130,11 @@ def install(monkeypatch):
             self._last = handle
             return handle, None
 
+    def decode_function(self, spec):  # the decode launcher's kernels, which take one argument: the DecodeParams record
+        handle = 0x1000 + len(recorder.names)
+        recorder.names[handle] = {"name": spec.name, "sizes": [decode.DECODE_PARAMS_DTYPE.itemsize]}
+        return handle, None
+
     original_init = compile.PackedLaunch.__init__
 
     def packed_init(self, runtime, spec, grid, args):
@@ -146,4 +156,8 @@ def install(monkeypatch):
     monkeypatch.setattr(attention, "_LSE_SINKS", {})
     monkeypatch.setattr(_api, "_planners", {})
     monkeypatch.setattr(_api, "_checked_calls", _api.CallMemo(_api._checked_calls.size))
+    monkeypatch.setattr(decode.CupyRuntime, "function", decode_function)
+    monkeypatch.setattr(decode, "_LAUNCHES", type(decode._LAUNCHES)())
+    monkeypatch.setattr(_api, "_kvcache_launches", _api.CallMemo(_api._kvcache_launches.size))
+    monkeypatch.setattr(_kvcache, "_SEQLEN_TABLES", {})
     return module, recorder

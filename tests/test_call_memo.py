@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _api
+from cuflash import _api, _kvcache
 from cuflash._cuda.spec import EXTRA_PARAMS_DTYPE, VARIANT_PARAMS_DTYPE
 
 from _fake_cupy import install
@@ -480,3 +480,200 @@ def test_bad_backward_calls_after_a_good_one_raise_what_they_raise_without_the_m
         ]),
     ]
     _assert_errors_unchanged_by_the_memory(goods_and_bads)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Decode calls over a cache that grows (a transformers DynamicCache: a new, longer tensor at every step)
+# ---------------------------------------------------------------------------------------------------
+
+def _decode_step(launches, batch):
+    """A decode call's launches as comparable values: the kernel, its grid, block and shared memory, and its
+    DecodeParams record with the addresses taken out (the outputs are new at every call; the workspace is the
+    launch's), the lengths it reads by value, and with more than one split whether the workspace addresses are set
+    (with one, the kernel reads none of them)."""
+    from cuflash._cuda.decode import _POINTERS, DECODE_PARAMS_DTYPE
+
+    steps = []
+    for name, grid, block, smem, stream, (record,) in launches:
+        r = np.frombuffer(record, DECODE_PARAMS_DTYPE)[0].copy()
+        lens = np.frombuffer(ctypes.string_at(int(r["cache_seqlens"]), 4 * batch), np.int32).tolist()
+        workspace = r["num_splits"] > 1 and all(r[f] for f in ("o_part", "lse_part", "split_count"))
+        for field in _POINTERS:
+            r[field] = 0
+        steps.append((name, grid, block, smem, r.tobytes(), lens, workspace))
+    return steps
+
+
+def _growing_calls(cp):
+    """Decode calls whose caches grow (and shrink, as a new generate call's), by name: (batch, query heads,
+    key/value heads, head dim, arguments, the slot counts of the steps). The caches are transposed views of new
+    (batch, heads, slots, d) arrays, as transformers hands them over."""
+    rng = np.random.default_rng(70)
+    leftpad = cp.asarray(np.array([0, 3], np.int32))
+    slots = [1, 2, 63, 64, 65, 127, 128, 129, 700, 5000, 5001, 90, 4096]
+    return {
+        "gqa causal int lengths": (1, 16, 4, 128, dict(causal=True), slots),
+        "window softcap scale": (2, 8, 2, 64, dict(causal=True, window_size=(100, 0), softcap=30.0,
+                                                   softmax_scale=0.3), slots),
+        "leftpad array lengths": (2, 8, 8, 64, dict(causal=True, cache_leftpad=leftpad, lengths="array"), slots[3:]),
+        "splits 3": (1, 4, 1, 32, dict(num_splits=3), slots),
+        "mha not causal": (1, 4, 4, 96, dict(), slots),
+    }, rng
+
+
+def _growing_call(cp, rng, batch, hq, hkv, d, options, n):
+    options = dict(options)
+    q = cp.asarray(rng.standard_normal((batch, hq, 1, d)).astype(np.float16)).transpose(0, 2, 1, 3)
+    k, v = (cp.asarray(rng.standard_normal((batch, hkv, n, d)).astype(np.float16)).transpose(0, 2, 1, 3)
+            for _ in range(2))
+    lengths = n
+    if options.pop("lengths", None) == "array":
+        lengths = cp.asarray(np.full(batch, n, np.int32))
+    return lambda: cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lengths, **options)
+
+
+def test_a_growing_cache_launches_what_fresh_calls_launch(fake, monkeypatch):
+    """A decode call over a cache of a new slot count (new strides too) reuses the launch of the call before (one
+    memory entry, no checks, no new workspace but where a larger split count needs one) and launches exactly what a
+    call with every memory emptied launches: the same kernel, grid and record (slot count, strides, window edges,
+    split count), lengths and workspace."""
+    cp, recorder = fake
+    from cuflash._cuda import decode
+
+    calls, rng = _growing_calls(cp)
+    checked = []
+    real_check = _api._kvcache_call
+    monkeypatch.setattr(_api, "_kvcache_call", lambda *a, **k: checked.append(1) or real_check(*a, **k))
+    for name, (batch, hq, hkv, d, options, slots) in calls.items():
+        fresh = []
+        for n in slots:
+            _api._kvcache_launches.clear()
+            decode._LAUNCHES.clear()
+            recorder.take()
+            _growing_call(cp, rng, batch, hq, hkv, d, options, n)()
+            fresh.append(_decode_step(recorder.take(), batch))
+        _api._kvcache_launches.clear()
+        decode._LAUNCHES.clear()
+        checked.clear()
+        for n, want in zip(slots, fresh):
+            recorder.take()
+            _growing_call(cp, rng, batch, hq, hkv, d, options, n)()
+            assert _decode_step(recorder.take(), batch) == want, (name, n)
+        assert len(checked) == 1 and len(_api._kvcache_launches) == 1, name  # checked once, one launch
+        assert not decode._LAUNCHES, name
+        assert any(step[0][1][1] > 1 for step in fresh), name  # (the steps crossed split counts)
+
+
+def test_a_growing_cache_call_the_remembered_launch_cannot_take_is_checked(fake):
+    """What the growing key leaves out (the slot count, the strides, an int cache_seqlens's value) is checked at each
+    call: a call it does not fit raises what it raises with the memory emptied."""
+    cp, _ = fake
+    q = cp.zeros((1, 1, 8, 64), np.float16)
+
+    def cache(n, heads=2, d=64, order=(0, 2, 1, 3)):
+        return cp.zeros((1, heads, n, d), np.float16).transpose(*order)
+
+    good = cache(40)
+    cuflash.attention_with_kvcache(q, good, good, cache_seqlens=40, causal=True)
+    odd = cp.zeros((1, 2, 41, 65), np.float16)[..., :64].transpose(0, 2, 1, 3)  # rows of 130 bytes
+    cases = [
+        ((q, cache(40), cache(40)), dict(cache_seqlens=41), ValueError, r"cache_seqlens\[b\] \+ seqlen_new must fit"),
+        ((q, cache(40), cache(40)), dict(cache_seqlens=-1), ValueError, "cache_seqlens must be >= 0"),
+        ((q, cache(40), cache(41)), dict(cache_seqlens=40), ValueError, "k_cache and v_cache must have the same shape"),
+        ((q, odd, odd), dict(cache_seqlens=41), NotImplementedError, "16-byte rows"),
+    ]
+    for args, kwargs, error, match in cases:
+        with pytest.raises(error, match=match):
+            cuflash.attention_with_kvcache(*args, causal=True, **kwargs)
+        _api._kvcache_launches.clear()
+        with pytest.raises(error, match=match):
+            cuflash.attention_with_kvcache(*args, causal=True, **kwargs)
+        cuflash.attention_with_kvcache(q, good, good, cache_seqlens=40, causal=True)
+
+
+def test_the_layers_of_a_step_share_the_lengths_of_an_int_cache_seqlens(fake):
+    """An int cache_seqlens becomes a row of a kept int32 table per (device, batch), shared by the calls that use
+    it (the layers of a decode step), not one allocated and filled per call; never during a CUDA graph capture,
+    where a table grown later could free the row the graph reads, and one made inside holds its rows only in the
+    graph's replays."""
+    cp, recorder = fake
+    from cuflash._cuda.decode import DECODE_PARAMS_DTYPE
+
+    q = cp.zeros((1, 1, 8, 64), np.float16)
+    caches = [cp.zeros((1, 2, 40, 64), np.float16).transpose(0, 2, 1, 3) for _ in range(3)]
+
+    def lengths_address():
+        (*_, (record,)), = recorder.take()
+        return int(np.frombuffer(record, DECODE_PARAMS_DTYPE)[0]["cache_seqlens"])
+
+    cuflash.attention_with_kvcache(q, caches[0], caches[0], cache_seqlens=40)  # (checked: its own array)
+    recorder.take()
+    addresses = []
+    for c in caches:
+        cuflash.attention_with_kvcache(q, c, c, cache_seqlens=40)
+        addresses.append(lengths_address())
+    assert len(set(addresses)) == 1 and len(_kvcache._SEQLEN_TABLES) == 1
+    cuflash.attention_with_kvcache(q, caches[0], caches[0], cache_seqlens=39)
+    assert lengths_address() == addresses[0] - 4 * 1 and len(_kvcache._SEQLEN_TABLES) == 1  # the row above
+    cp.cuda.get_current_stream().capturing = True
+    try:
+        cuflash.attention_with_kvcache(q, caches[1], caches[1], cache_seqlens=40)
+        address = lengths_address()
+        assert address != addresses[0] and len(_kvcache._SEQLEN_TABLES) == 1
+        table = _kvcache._SEQLEN_TABLES[(0, 1)]
+        assert not table.data.ptr <= address < table.data.ptr + table.nbytes
+    finally:
+        cp.cuda.get_current_stream().capturing = False
+
+
+def test_an_int_cache_seqlens_that_changes_reuses_the_launch(fake, monkeypatch):
+    """A decode loop that appends with an int cache_seqlens (a new value at every step), contiguous or paged: one
+    remembered launch, checked once, launching what a fresh call launches; a value that leaves no room for the new
+    tokens raises what it raises with the memory emptied. With rotary the value stays in the key (the checks measure
+    the table's rows against it)."""
+    cp, recorder = fake
+    from cuflash._cuda import decode
+
+    rng = np.random.default_rng(71)
+
+    def array(*shape, dtype=np.float16):
+        return cp.asarray(rng.standard_normal(shape).astype(dtype))
+
+    q, k, v = array(2, 1, 8, 64), array(2, 1, 2, 64), array(2, 1, 2, 64)
+    contiguous = (array(2, 300, 2, 64), array(2, 300, 2, 64))
+    pool = (array(12, 32, 2, 64), array(12, 32, 2, 64))
+    table = cp.asarray(rng.permutation(12).reshape(2, 6).astype(np.int32))
+    layouts = {"contiguous": (contiguous, {}), "paged": (pool, dict(block_table=table))}
+    checked = []
+    real_check = _api._kvcache_call
+    monkeypatch.setattr(_api, "_kvcache_call", lambda *a, **kw: checked.append(1) or real_check(*a, **kw))
+    for name, ((k_cache, v_cache), extra) in layouts.items():
+        lengths = [0, 1, 31, 32, 100, 191]
+
+        def step(n):
+            recorder.take()
+            cuflash.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=n, causal=True, **extra)
+            return _decode_step(recorder.take(), 2)
+
+        fresh = []
+        for n in lengths:
+            _api._kvcache_launches.clear()
+            decode._LAUNCHES.clear()
+            fresh.append(step(n))
+        _api._kvcache_launches.clear()
+        checked.clear()
+        assert [step(n) for n in lengths] == fresh, name
+        assert len(checked) == 1 and len(_api._kvcache_launches) == 1, name
+        bad = 300 if name == "contiguous" else 192
+        with pytest.raises(ValueError, match=r"cache_seqlens\[b\] \+ seqlen_new must fit the cache"):
+            cuflash.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=bad, **extra)
+    cos, sin = (cp.asarray(rng.standard_normal((40, 16)).astype(np.float32)) for _ in range(2))
+    k_cache, v_cache = contiguous
+
+    def key(n, rotary):
+        return _api._kvcache_key(q, k_cache, v_cache, k, v, n, *((cos, sin) if rotary else (None, None)), True, None,
+                                 None, None, True, (-1, -1), 0.0, None, None, 0, None)
+
+    assert key(3, False) == key(4, False) and key(3, True) != key(4, True)
+    with pytest.raises(ValueError, match="rotary_cos and rotary_sin must have a row for every rotated position"):
+        cuflash.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=40, rotary_cos=cos, rotary_sin=sin)

@@ -280,13 +280,13 @@ def test_with_kvcache_runs_the_decode_operator_and_has_no_gradient(monkeypatch):
     k_cache, v_cache = _randn(g, 1, 6, 1, 8), _randn(g, 1, 6, 1, 8)
     q = _randn(g, 1, 2, 2, 8).requires_grad_()
     seen = []
-    real = cft._kvcache_impl
+    real = cft._kvcache_backend
 
     def spy(*args, **kwargs):
         seen.append(args)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cft, "_kvcache_impl", spy)
+    monkeypatch.setattr(cft, "_kvcache_backend", spy)
     version = k_cache._version
     out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, _randn(g, 1, 1, 1, 8), _randn(g, 1, 1, 1, 8),
                                      cache_seqlens=3)

@@ -1165,7 +1165,8 @@ def test_uniform_seqlens_reads_rows_of_a_growing_table(monkeypatch):
 
     monkeypatch.setattr(_kvcache, "_SEQLEN_TABLES", {})
     fake = types.SimpleNamespace(__name__="cupy", cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(
-        getDevice=lambda: 0)), arange=np.arange, broadcast_to=np.broadcast_to, full=np.full)
+        getDevice=lambda: 0), get_current_stream=lambda: types.SimpleNamespace(is_capturing=lambda: False)),
+        arange=np.arange, broadcast_to=np.broadcast_to, full=np.full)
     for value in (0, 5, 1023, 1024, 5000, 3):
         row = _kvcache.uniform_seqlens(fake, 3, value)
         assert row.dtype == np.int32 and row.tolist() == [value] * 3

@@ -403,3 +403,59 @@ def test_kvcache_operator_matches_the_front_door():
         softmax_scale=0.3, num_splits=2, return_lse=True)
     assert torch.equal(out, torch.from_numpy(want)) and torch.equal(lse, torch.from_numpy(want_lse))
     assert torch.equal(k_cache, torch.from_numpy(host[0])) and torch.equal(v_cache, torch.from_numpy(host[1]))
+
+
+KVCACHE_READONLY = torch.ops.cuflash.attention_with_kvcache_readonly.default
+
+
+def test_opcheck_kvcache_readonly():
+    """The read-only operator (no k, v: nothing appended, nothing mutated): cuflash::attention_with_kvcache's
+    arguments without k and v."""
+    args = list(_kvcache_args("read-paged-alibi-int-lengths"))
+    del args[3:5]
+    torch.library.opcheck(KVCACHE_READONLY, tuple(args))
+    out, lse = KVCACHE_READONLY(*args)
+    want, want_lse = KVCACHE(*_kvcache_args("read-paged-alibi-int-lengths"))
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+def test_a_call_without_new_tokens_runs_the_readonly_operator(monkeypatch):
+    """cuflash.torch.attention_with_kvcache without k and v runs cuflash::attention_with_kvcache_readonly, which
+    declares no mutation (an eager call of an operator that declares one pays for torch's version-counter bump, whose
+    cost grows with the square of the schema's arguments) and leaves the caches' versions alone; with k and v, the
+    mutating operator, which bumps them. (Plain tensors outside tracing call the implementation directly, without
+    either operator: that path, too, bumps the versions only when it appends.)"""
+    g = torch.Generator().manual_seed(61)
+    q, k_cache, v_cache = _randn(g, 1, 1, 4, 8), _randn(g, 1, 9, 2, 8), _randn(g, 1, 9, 2, 8)
+    versions = k_cache._version, v_cache._version
+    cft.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=9, causal=True)
+    assert (k_cache._version, v_cache._version) == versions
+    cft.attention_with_kvcache(q, k_cache, v_cache, _randn(g, 1, 1, 2, 8), _randn(g, 1, 1, 2, 8), cache_seqlens=8)
+    assert k_cache._version > versions[0] and v_cache._version > versions[1]
+    monkeypatch.setattr(cft, "_runs_eagerly", lambda *tensors: False)  # as when tracing
+    seen = []
+    for name in ("_attention_with_kvcache", "_attention_with_kvcache_readonly"):
+        real = getattr(cft, name)
+        monkeypatch.setattr(cft, name, lambda *a, _real=real, _name=name, **kw: seen.append(_name) or _real(*a, **kw))
+    g = torch.Generator().manual_seed(60)
+    q, k_cache, v_cache = _randn(g, 1, 1, 4, 8), _randn(g, 1, 9, 2, 8), _randn(g, 1, 9, 2, 8)
+    versions = k_cache._version, v_cache._version
+    out = cft.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=9, causal=True)
+    assert seen == ["_attention_with_kvcache_readonly"] and (k_cache._version, v_cache._version) == versions
+    k, v = _randn(g, 1, 1, 2, 8), _randn(g, 1, 1, 2, 8)
+    appended = cft.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=8, causal=True)
+    assert seen[1] == "_attention_with_kvcache" and k_cache._version > versions[0]
+    assert appended.shape == out.shape and torch.equal(k_cache[:, 8:], k)
+    with pytest.raises(ValueError, match="k and v .* must be given together"):  # (the mutating operator's check)
+        cft.attention_with_kvcache(q, k_cache, v_cache, k, cache_seqlens=8)
+
+
+def test_readonly_kvcache_compiles_with_no_graph_break():
+    g = torch.Generator().manual_seed(61)
+    q, k_cache, v_cache = _randn(g, 2, 1, 4, 8), _randn(g, 2, 11, 2, 8), _randn(g, 2, 11, 2, 8)
+
+    def fn(q, k_cache, v_cache):
+        return cft.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=k_cache.shape[1], causal=True) * 2
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(q, k_cache, v_cache), fn(q, k_cache, v_cache))

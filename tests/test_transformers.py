@@ -714,3 +714,75 @@ def test_the_benchmark_script_runs_on_the_cpu(capsys):
     assert out.count("speed / best") == 4 and "refused" not in out
     diffs = [float(line.rsplit(" ", 1)[1].rstrip(")")) for line in out.splitlines() if "max |logits" in line]
     assert len(diffs) == 4 and max(diffs) < 1e-4
+
+
+def _tool(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_profile_script_runs_on_the_cpu(capsys):
+    """tools/transformers_profile.py --smoke (a tiny float32 Llama, the NumPy backend): the synchronizations of cufa
+    and sdpa, cProfile's tables of the decode loop, torch.profiler's attention operators for both; decode steps on
+    plain tensors call the implementation directly (no cuflash operator in the profile of the decode loop)."""
+    assert _tool("transformers_profile").main(["--smoke", "--top", "6"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("(a) ") == 4 and out.count("(b) cProfile") == 1 and out.count("(c) ") == 4, out
+    assert "cuflash::attention_with_kvcache" not in out and "aten::scaled_dot_product_attention" in out
+    assert len(out.splitlines()) < 60  # (compact: read in a log)
+
+
+def test_the_host_profile_of_a_decode_call_runs_without_a_gpu(capsys):
+    """tools/transformers_profile.py --host: a decode step's attention call at three entry points, the CUDA path
+    emulated with the stand-in CuPy; it leaves cuflash as it found it."""
+    import cuflash.torch as cft
+    from cuflash import _api
+
+    before = cft._to_array, cft._backend_call, _api._kvcache_launches
+    assert _tool("transformers_profile").main(["--host", "--steps", "3", "--top", "4"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.strip().startswith(("transformers ", "cuflash."))]
+    assert len(rows) == 3 and all(line.rstrip().split()[-1].isdigit() for line in rows), out
+    assert (cft._to_array, cft._backend_call, _api._kvcache_launches) == before
+
+
+def test_the_profile_script_names_the_cuflash_frame_of_a_synchronization():
+    """(a)'s bookkeeping: a synchronization warning is counted under the innermost frame in cuflash's package (not
+    the script's, whatever the repository's directory is called), a host read of a CuPy-like array through
+    cuflash's _validate._to_host too, a NumPy one not; and the patched functions are restored."""
+    import collections
+    import os
+    import warnings
+
+    import numpy as np
+
+    import cuflash
+    from cuflash import _validate
+
+    tool = _tool("transformers_profile")
+    where = os.path.join(os.path.dirname(cuflash.__file__), "_sync_example.py")
+    namespace = {"warnings": warnings}
+    exec(compile("def step():\n    warnings.warn('called a synchronizing CUDA operation')\n", where, "exec"), namespace)
+
+    class DeviceArray:
+        def get(self):
+            return np.zeros(2)
+
+    found = collections.Counter()
+    to_host = _validate._to_host
+    with tool._synchronizations(torch, found):
+        namespace["step"]()
+        namespace["step"]()
+        _validate._to_host(DeviceArray())
+        _validate._to_host(np.zeros(2))
+    assert _validate._to_host is to_host
+    (what, culprit), count = found.most_common(1)[0]
+    assert count == 2 and "synchronizing" in what and culprit.startswith("cuflash/_sync_example.py:2 step"), found
+    reads = [(key, n) for key, n in found.items() if "_to_host" in key[0]]
+    assert len(reads) == 1 and reads[0][1] == 1 and "test_transformers.py" in reads[0][0][1], found

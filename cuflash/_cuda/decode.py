@@ -28,6 +28,7 @@ import dataclasses
 import threading
 import weakref
 from collections import OrderedDict
+from typing import Callable
 
 import numpy as np
 
@@ -195,7 +196,7 @@ class DecodeLaunch:
     """
 
     def __init__(self, q, k_cache, v_cache, k, v, *, cache: KVCache, scale: float, variant: Variant, out=None,
-                 runtime=None, fuse_append: bool | None = None):
+                 runtime=None, fuse_append: bool | None = None, splits_for: Callable[[int], int] | None = None):
         rt = runtime if runtime is not None else CupyRuntime()
         rt.check_supported(q, k_cache, v_cache)
         self.device = rt.get_device()
@@ -225,18 +226,19 @@ class DecodeLaunch:
         if appends:
             step(kernel_spec("decode_append", dtype, 0, variant="true" if paged else "false"),
                  (batch * cache.seqlen_new, 1, 1))
-        row_tiles = 0
+        row_tiles = tile_n = 0
         if batch and seqlen_q and heads_q:
             family, tile, _ = decode_family(d, dv)
             spec = kernel_spec(family, dtype, d, tile, "true" if paged else "false")
             assert spec.tile.block_m % 16 == 0 and spec.tile.stages == 2, "decode.cu's packed-row tiles and ring"
             # Splits past the number of key tiles would be empty: at most one per tile (and grid y's 65535).
             self.num_splits = max(1, min(int(cache.num_splits), -(-cache.capacity // spec.tile.block_n), 65535))
-            row_tiles = -(-(seqlen_q * group) // spec.tile.block_m)
+            row_tiles, tile_n = -(-(seqlen_q * group) // spec.tile.block_m), spec.tile.block_n
             step(spec, (heads_kv * row_tiles, self.num_splits, batch))
             if self.num_splits > 1:  # [decode merge] in the split kernel: partials, and a counter per block column
                 self.o_part = rt.empty((self.num_splits, batch, heads_q, seqlen_q, dv), dtype=np.float32)
                 self.lse_part = rt.empty((self.num_splits, batch, heads_q, seqlen_q), dtype=np.float32)
+            if self.num_splits > 1 or splits_for is not None:  # (a growing launch may split later: zeroed now)
                 self.split_count = rt.zeros((batch, heads_kv * row_tiles), dtype=np.int32)
         self._kernels = tuple(keep)
         self._reads_rows = row_tiles > 0  # the split kernel runs: it reads q and the caches in 16-byte chunks
@@ -291,11 +293,13 @@ class DecodeLaunch:
             r["softcap_a"], r["softcap_b"] = scale / variant.softcap, variant.softcap / scale
         if self.o_part is not None:
             r["o_part"], r["lse_part"] = self.o_part.data.ptr, self.lse_part.data.ptr
+        if self.split_count is not None:
             r["split_count"] = self.split_count.data.ptr
         r["fuse_new"] = int(self._can_fuse)
         # The step's pointers as 64-bit words of the record (a memoryview: the cheapest item assignment there is).
         self._words = memoryview(rec.view(np.uint8)).cast("Q")
-        self._ints = memoryview(rec.view(np.uint8)).cast("i")  # (fuse_new: _select)
+        self._ints = memoryview(rec.view(np.uint8)).cast("i")  # (fuse_new: _select; a growing launch's _fit)
+        self._longs = memoryview(rec.view(np.uint8)).cast("q")  # (a growing launch's _fit: the caches' strides)
         self._word_index = tuple(off // 8 for off in _STEP_OFFSETS)
         # Weak references to the last step's arrays (_none for None): a step with the same objects finds their
         # addresses in the record already. Weak: a launch kept by the front door must not keep a cache alive. (A
@@ -310,12 +314,55 @@ class DecodeLaunch:
         self._runtime = rt
         self._threads: set = set()  # threads that have made this device's context current
 
+        # A growing launch (splits_for, the front door's for calls over a cache that grows from call to call, as a
+        # transformers DynamicCache, which concatenates each new token into a new tensor): a step over caches of
+        # another slot count or other strides than the last writes what they decide (_fit) before it launches.
+        self._splits_for = splits_for
+        self._fit_key = (cache.capacity, k_cache.strides, v_cache.strides)
+        if splits_for is not None:
+            assert not (appends or paged or self.rotary or self._shared_kv) and self._steps == self._two_launches
+            self._tile_n, self._window, self._seqlen_q = tile_n, (variant.window_left, variant.right), seqlen_q
+            self._split_step = self._steps[-1] if self._steps else None
     def _select(self, fused: bool) -> None:
         """[decode append] fused or not (the step's k and v at multiples of 16 bytes: the fused kernel copies their
         rows in 16-byte chunks): the launches and the record's fuse_new. Called with the lock held, before the
         launches."""
         self._steps = self._fused if fused else self._two_launches
         self._ints[_FUSE_WORD] = int(fused)
+
+    def _fit(self, k_cache, v_cache) -> None:
+        """A growing launch's parameters for caches of this slot count and these strides, written when they changed
+        (called with the lock held, before the launch): the caches' strides, the capacity ([decode guard]), the
+        window's edges clamped to it, the split count (``splits_for``'s, at most one per key tile) with the split
+        kernel's grid, and a larger workspace for the partials when the count outgrows it. The front door checked
+        the rest (``cuflash._api._fits``); everything else the launch holds is the same for every slot count."""
+        slots = k_cache.shape[1]
+        fit = (slots, k_cache.strides, v_cache.strides)
+        if fit == self._fit_key:
+            return
+        longs, ints, words, fields = self._longs, self._ints, self._words, DECODE_PARAMS_DTYPE.fields
+        for prefix, a in (("k", k_cache), ("v", v_cache)):
+            for axis, name in enumerate(("sb", "ss", "sh")):
+                longs[fields[f"{prefix}_{name}"][1] // 8] = a.strides[axis] // a.itemsize
+        ints[fields["capacity"][1] // 4] = slots
+        reach = slots + self._seqlen_q  # (as when planning: a band edge past every key is no edge)
+        for name, edge in zip(("window_left", "window_right"), self._window):
+            if edge is not None:
+                ints[fields[name][1] // 4] = min(edge, reach)
+        if self._split_step is not None:
+            splits = max(1, min(int(self._splits_for(slots)), -(-slots // self._tile_n), 65535))
+            if splits > 1 and (self.o_part is None or self.o_part.shape[0] < splits):
+                batch, seqlen_q, heads_q, dv = self.out_shape
+                self.o_part = self._empty((splits, batch, heads_q, seqlen_q, dv), dtype=self._float32)
+                self.lse_part = self._empty((splits, batch, heads_q, seqlen_q), dtype=self._float32)
+                words[fields["o_part"][1] // 8] = self.o_part.data.ptr
+                words[fields["lse_part"][1] // 8] = self.lse_part.data.ptr
+            if splits != self.num_splits:
+                fn, gx, _, gz, threads, smem = self._split_step
+                self._split_step = (fn, gx, splits, gz, threads, smem)
+                self._steps = self._fused = self._two_launches = (self._split_step,)
+                ints[fields["num_splits"][1] // 4] = self.num_splits = splits
+        self._fit_key = fit
 
     @property
     def launches_per_step(self) -> int:
@@ -366,7 +413,9 @@ class DecodeLaunch:
                 or (last[8] is not _none if cache_leftpad is None else last[8]() is not cache_leftpad)
                 or (last[9] is not _none if cache_batch_idx is None else last[9]() is not cache_batch_idx)
                 or (last[10] is not _none if block_table is None else last[10]() is not block_table)
-                or (last[11] is not _none if alibi_slopes is None else last[11]() is not alibi_slopes)):
+                or (last[11] is not _none if alibi_slopes is None else last[11]() is not alibi_slopes)
+                or (self._splits_for is not None
+                    and self._fit_key != (k_cache.shape[1], k_cache.strides, v_cache.strides))):
             # (with rotary, never: q and k are new rotated copies)
             if self.rotary is not None or rotary_cos is not None or rotary_sin is not None:
                 return self._new_arrays(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx,
@@ -382,7 +431,8 @@ class DecodeLaunch:
                                                cache_batch_idx, block_table, alibi_slopes), given)
         stream, launch, argv = self._current_stream().ptr, self._launch, self._argv_ptr
         with self._lock:
-            if self._last is last:  # (not rewritten by another thread meanwhile)
+            if self._last is last and (self._splits_for is None or self._fit_key == (
+                    k_cache.shape[1], k_cache.strides, v_cache.strides)):  # (not rewritten by another thread meanwhile)
                 for fn, gx, gy, gz, threads, smem in self._steps:
                     launch(fn, gx, gy, gz, threads, 1, 1, smem, stream, argv, 0)
                 return out, lse
@@ -420,6 +470,8 @@ class DecodeLaunch:
         with self._lock:
             if self._last is not last:  # another thread's step wrote the record meanwhile: write every address
                 return self._new_arrays(*_run_order(arrays, arrays[5:7]))
+            if self._splits_for is not None:
+                self._fit(arrays[1], arrays[2])
             for word, ptr in writes:
                 words[word] = ptr
             if self._can_fuse and (3 in stale or 4 in stale):
@@ -484,6 +536,8 @@ class DecodeLaunch:
         stream, launch, argv = self._current_stream().ptr, self._launch, self._argv_ptr
         words = self._words
         with self._lock:
+            if self._splits_for is not None:
+                self._fit(k_cache, v_cache)
             for index, ptr in zip(self._word_index, ptrs):
                 words[index] = ptr
             if self._can_fuse:
@@ -647,13 +701,19 @@ def merge_partials(o_part, lse_part, out, lse) -> None:
 
 
 def plan_kvcache(q, k_cache, v_cache, k, v, *, cache: KVCache, scale: float, variant: Variant, out=None,
-                 shared: bool = False) -> DecodeLaunch:
+                 shared: bool = False, splits_for: Callable[[int], int] | None = None) -> DecodeLaunch:
     """The launches of a decode call with these arrays' shapes and strides and these options: compiles the kernels
     and allocates the workspace now. ``shared=False`` (:func:`cuflash.plan_kvcache`): a launch of the caller's
     own; True: the one that :func:`forward_kvcache` keeps for these arguments on the current stream (the front
     door's repeated calls). A call of at least ``cuflash._chunked_prefill.MIN_SEQLEN_Q`` query tokens over a
     contiguous cache without ``cache_leftpad`` or ``cache_batch_idx`` gets a :class:`ChunkedPrefillLaunch` (the
-    forward kernels over the cache), any other a :class:`DecodeLaunch`."""
+    forward kernels over the cache), any other a :class:`DecodeLaunch`. ``splits_for`` (the front door's calls over
+    a cache that grows, which append nothing and run the decode kernels over a contiguous cache: ``cuflash._api.
+    _grows``): a :class:`DecodeLaunch` of the caller's own that takes caches of any slot count and strides, with the
+    split count ``splits_for(slots)`` (before the launch's limit of one split per key tile)."""
+    if splits_for is not None:
+        return DecodeLaunch(q, k_cache, v_cache, k, v, cache=cache, scale=scale, variant=variant, out=out,
+                            splits_for=splits_for)
     if not shared:
         return _launch_of(q, k_cache, v_cache, k, v, cache=cache, scale=scale, variant=variant, out=out)
     key = _launch_key(q, k_cache, v_cache, k, v, cache, scale, variant, out)
