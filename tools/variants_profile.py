@@ -39,7 +39,18 @@ def cases(n: int, b: int, hq: int):
         "mask-causal": dict(mask_mod="kv_idx <= q_idx"),
         "score-mod-softcap-causal": dict(causal=True, score_mod="30.0f * tanhf(score / 30.0f)"),
         "score-mod-identity-causal": dict(causal=True, score_mod="score"),
+        "window-1024-causal": dict(causal=True, window_size=(1024, 0)),
+        # the same documents as document-causal, packed: each (batch entry, document) a sequence of its own
+        "varlen-documents-causal": dict(causal=True, cu_seqlens=documents_cu_seqlens(n, b)),
     }
+
+
+def documents_cu_seqlens(n: int, b: int):
+    """cu_seqlens (int32) of the b x n tokens of :func:`documents` packed: b times its 8 documents."""
+    import cupy as cp
+
+    lengths = np.tile(np.bincount(documents(n)), b)
+    return cp.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
 
 
 def main():
@@ -64,10 +75,17 @@ def main():
         if args.cases and not any(w in name for w in args.cases.split(",")):
             continue
 
-        def fwd():
+        arrays = (q, k, v, do)
+        if "cu_seqlens" in opts:  # packed: (total tokens, heads, d), max_seqlen of the longest sequence
+            cu = opts.pop("cu_seqlens")
+            longest = int(cp.diff(cu).max())
+            opts.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
+            arrays = tuple(a.reshape(b * n, hq, d) for a in arrays)
+
+        def fwd(q=arrays[0], k=arrays[1], v=arrays[2], opts=opts):
             return cuflash.attention(q, k, v, **opts)
 
-        def fb():
+        def fb(q=arrays[0], k=arrays[1], v=arrays[2], do=arrays[3], opts=opts):
             o, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
             return cuflash.attention_backward(do, q, k, v, o, lse, **opts)
 
