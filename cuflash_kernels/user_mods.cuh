@@ -185,10 +185,12 @@ __device__ __forceinline__ Dual max(Dual a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ Dual max(float a, Dual b) { return fmaxf(a, b); }
 __device__ __forceinline__ Dual abs(Dual a) { return fabsf(a); }
 
-// Element i of a user array of n >= 1 elements, the index clamped to [0, n - 1].
+// Element i of a user array of n >= 1 elements, the index clamped to [0, n - 1]. Read through the read-only
+// cache (the arrays do not change during a launch): loads of the same element in one tile merge, and the
+// compiler may issue a tile's loads together, ahead of their use.
 template <class T>
 __device__ __forceinline__ T load(const T* p, int n, int i) {
-    return p[i < 0 ? 0 : (i >= n ? n - 1 : i)];
+    return __ldg(p + (i < 0 ? 0 : (i >= n ? n - 1 : i)));
 }
 
 }  // namespace modmath

@@ -462,7 +462,7 @@ struct BlockInfo {
     __device__ __forceinline__ const int* tile_list(int row, int& count) const {
         const ExtraParams& ep = *extra;
         const i64 r = b * ep.tiles_sb + h * ep.tiles_sh + row;
-        count = ep.tile_count[r];
+        count = __ldg(ep.tile_count + r);
         return ep.tile_list + r * ep.tile_cols;
     }
 
@@ -860,12 +860,20 @@ __device__ __forceinline__ float grad_at(const u32 (&grad)[kNT][2], int nt, int 
 template <bool kTransposed, class V, int kNT>
 __device__ __forceinline__ void mask_block(float (&s)[kNT][4], const BlockInfo<V>& bi, int row_base, int col_base,
                                            int lane, float fill, bool with_mask_mod = false) {
-    for_each_score<kTransposed>(s, row_base, col_base, lane, [&](float& x, int i, int j, int, int) {
-        bool seen = bi.visible(i, j);
-        if constexpr (V::Mod::Has_mask_mod && !V::Mask_mod_in_mod) {
-            seen = seen && (!with_mask_mod || i >= bi.len_q || V::Mod::mask(bi.b, bi.h, i, j, *bi.mods));
+    if constexpr (V::Mod::Has_mask_mod && !V::Mask_mod_in_mod) {
+        if (with_mask_mod) {  // (uniform over the tile) mask_mod on every score, its loads unconditional: the
+            // expression reads the arrays through clamped indices, so evaluating it at a score that the band or
+            // the lengths hide reads nothing out of bounds; its value there is discarded.
+            const ModArrays arrays = *bi.mods;
+            for_each_score<kTransposed>(s, row_base, col_base, lane, [&](float& x, int i, int j, int, int) {
+                const bool user = V::Mod::mask(bi.b, bi.h, i, j, arrays);
+                if (!(bi.visible(i, j) && (i >= bi.len_q || user))) x = fill;
+            });
+            return;
         }
-        if (!seen) x = fill;
+    }
+    for_each_score<kTransposed>(s, row_base, col_base, lane, [&](float& x, int i, int j, int, int) {
+        if (!bi.visible(i, j)) x = fill;
     });
 }
 
