@@ -863,13 +863,10 @@ def _kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_si
             and (softmax_scale is None or type(softmax_scale) in (float, int))):
         return None
     try:
-        if grows:
-            caches = (_slots_key(k_cache, kind), _slots_key(v_cache, kind))
-            lens = ("int",) if type(cache_seqlens) is int else _array_key(cache_seqlens, kind)
-        else:
-            caches = (_array_key(k_cache, kind), _array_key(v_cache, kind))
-            lens = (("int",) if rotary_cos is None and rotary_sin is None else ("int", cache_seqlens)) \
-                if type(cache_seqlens) is int else _array_key(cache_seqlens, kind)
+        cache_key = _slots_key if grows else _array_key  # (a growing call has no rotary)
+        caches = (cache_key(k_cache, kind), cache_key(v_cache, kind))
+        lens = (("int",) if rotary_cos is None and rotary_sin is None else ("int", cache_seqlens)) \
+            if type(cache_seqlens) is int else _array_key(cache_seqlens, kind)
         arrays = (_array_key(q, kind), *caches, _array_key(k, kind),
                   _array_key(v, kind), lens, _array_key(rotary_cos, kind), _array_key(rotary_sin, kind),
                   _array_key(cache_batch_idx, kind), _array_key(cache_leftpad, kind), _array_key(block_table, kind),

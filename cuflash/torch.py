@@ -169,20 +169,15 @@ def _backend_call(t: torch.Tensor):
 
 # (device, stream pointer) -> CuPy's view of one of torch's streams, made once: CuPy 14 warns (DeprecationWarning)
 # at every cupy.cuda.ExternalStream made, which a decode step would otherwise pay at every layer. A view holds only the
-# pointer (it never destroys the stream). At most _STREAMS_SIZE, the oldest dropped first.
-_streams: dict = {}
-_STREAMS_SIZE = 64
+# pointer (it never destroys the stream). At most 64, the oldest dropped first.
+_streams = _api.CallMemo(64)
 
 
 def _cupy_stream(cupy, index: int, ptr: int):
     stream = _streams.get((index, ptr))
     if stream is None:
-        stream = _streams[index, ptr] = cupy.cuda.ExternalStream(ptr, index)
-        while len(_streams) > _STREAMS_SIZE:
-            try:
-                del _streams[next(iter(_streams))]
-            except (KeyError, StopIteration, RuntimeError):  # changed by another thread meanwhile
-                break
+        stream = cupy.cuda.ExternalStream(ptr, index)
+        _streams.put((index, ptr), stream)
     return stream
 
 
