@@ -161,7 +161,7 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
                       const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
                       float* __restrict__ dq_accum, u16* __restrict__ dk, u16* __restrict__ dv,
                       float* __restrict__ dkv_accum,
-                      int seqlen_q, int seqlen_k, int heads_q, int group,
+                      int seqlen_q, int seqlen_k, int heads_q, int group, int interleave,
                       i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                       i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
                       i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
@@ -195,6 +195,8 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
     float* sLse = reinterpret_cast<float*>(sdSt + kBlockN * kBlockM);  // kStages x kBlockM, raw lse
     float* sD = sLse + kStages * kBlockM;                               // kStages x kBlockM, D
 
+    // (interleave: the sm_90a kernel's block order; here the plain order, whose coordinates cost no registers:
+    // this kernel has none to spare)
     const int n_block = blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;

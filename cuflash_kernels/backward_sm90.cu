@@ -36,7 +36,9 @@
 // straight from the fragments: for each element a warp writes 4 query rows x 8 consecutive keys, whole 32-byte
 // sectors (float32) or halves that the same thread's next store completes (16-bit).
 //
-// Grid: (ceil(seqlen_k / kBlockN), heads_q, batch), 32 * kNWarps threads; key/value head = query head / group.
+// Grid: (ceil(seqlen_k / kBlockN), heads_q, batch), 32 * kNWarps threads, in the order of interleaved_block
+// (cuflash_tiles.cuh: under a causal mask the launcher interleaves the key tiles of 4 (batch, head) pairs, the
+// longest blocks first); key/value head = query head / group.
 // Shared memory (16-bit tiles, each 1024-byte aligned): K, V kBlockN x d; 2 x (Q, dO) kBlockM x d;
 // dS^T kBlockN x kBlockM; float32 lse, D 2 x kBlockM each; + 1024 for alignment (Sm90BwdConfig::kSmemBytes):
 // d = 128, kBlockN = 128: 146 KiB (one block per SM); d = 64, kBlockN = 128: 82 KiB. A staged bias adds
@@ -64,7 +66,7 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
                            const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
                            float* __restrict__ dq_accum, u16* __restrict__ dk, u16* __restrict__ dv,
                            float* __restrict__ dkv_accum,
-                           int seqlen_q, int seqlen_k, int heads_q, int group,
+                           int seqlen_q, int seqlen_k, int heads_q, int group, int interleave,
                            i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                            i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
                            i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
@@ -101,8 +103,9 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
     constexpr int kBiasTile = kBlockM * kBlockN;
     BiasT* sBias = reinterpret_cast<BiasT*>(sD + 2 * kBlockM);
 
-    const int n_block = blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
+    int n_block, h, b;
+    interleaved_block(interleave, n_block, h, b);
+    const int h_kv = h / group;
     const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, warp_in_wg = (tid >> 5) & 3;
     const int g = lane >> 2, t = lane & 3;
     const int n0 = n_block * kBlockN;

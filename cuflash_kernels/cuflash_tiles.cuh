@@ -122,6 +122,23 @@ template <int kWidth> struct Swizzle {
     __device__ __forceinline__ static int offset(int row, int c) { return row * kWidth + chunk(row, c) * 8; }
 };
 
+// Block order of the backward's key-tile grid (nx key tiles, ny heads, nz sequences): the GPU starts blocks in
+// linear blockIdx order. ``interleave`` (batch, head) pairs at a time have their key tiles interleaved, the tile
+// index outermost: under causal masking key tile 0 sees the most queries, so the longest blocks of those pairs
+// start first and the short ones fill the end of the wave (longest-processing-time order), while only that many
+// heads' Q, dO and dQ accumulator share the L2 cache at once. interleave = 1: plain (tile, head, sequence) order.
+__device__ __forceinline__ void interleaved_block(int interleave, int& x, int& y, int& z) {
+    const int nx = gridDim.x, pairs = gridDim.y * gridDim.z;
+    const int linear = blockIdx.x + nx * (blockIdx.y + gridDim.y * blockIdx.z);
+    const int first = linear / (nx * interleave) * interleave;  // the group's first pair
+    const int size = min(interleave, pairs - first);
+    const int r = linear - first * nx;
+    x = r / size;
+    const int pair = first + r % size;
+    y = pair % gridDim.y;
+    z = pair / gridDim.y;
+}
+
 __device__ __forceinline__ u32 smem_u32(const void* p) {
     return static_cast<u32>(__cvta_generic_to_shared(p));
 }

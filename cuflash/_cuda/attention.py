@@ -34,6 +34,9 @@ __all__ = ["forward", "backward", "check_supported", "plan_forward", "ForwardPla
 # backward flash_bwd_dkdv_sm90_kernel where it has a ("bwd", "sm90a", d) row (switches for benchmarks).
 SM90A_FORWARD = True
 SM90A_BACKWARD = True
+# The 16-bit backward's block order (interleaved_block, cuflash_tiles.cuh): how many (batch, head) pairs have their
+# key tiles interleaved, longest first, when the tiles' work differs (causal masks, windows); None: from the shape.
+BWD_INTERLEAVE: int | None = None
 _LOG2E = 1.4426950408889634
 
 
@@ -730,7 +733,7 @@ class BackwardPlan(_Plan):
 
         self._steps = []
         for launch_spec, grid, args in _backward_launches(buffers, shp, d, dtype, spec, spec_q, np.float32(scale),
-                                                          params):
+                                                          params, backward_interleave(variant, shp)):
             launch = PackedLaunch(self._rt, launch_spec, grid,
                                   tuple(None if isinstance(a, _Layout) else a for a in args))
             words = tuple(launch.word(i) for i, a in enumerate(args) if isinstance(a, _Layout))
@@ -960,7 +963,8 @@ def _backward(do, q, k, v, out, lse, shp: Shape, d, variant, vtype, params, fsca
         return vp
 
     buffers = _BackwardBuffers(q, k, v, do, out, lse, dq, dk, dv, delta, dq_accum, dkv_accum)
-    for launch_spec, grid, args in _backward_launches(buffers, shp, d, dtype, spec, spec_q, fscale, launch_vp):
+    for launch_spec, grid, args in _backward_launches(buffers, shp, d, dtype, spec, spec_q, fscale, launch_vp,
+                                                      backward_interleave(variant, shp)):
         launch(launch_spec, grid, args)
     return dq, dk, dv
 
@@ -1002,7 +1006,20 @@ def _backward_specs(dtype: str, d: int, q, v, vtype: str, split: bool, block_q, 
     return spec, spec_q
 
 
-def _backward_launches(a: _BackwardBuffers, shp: Shape, d: int, dtype: str, spec, spec_q, fscale, params) -> list:
+def backward_interleave(variant: Variant, shp: Shape) -> int:
+    """The (batch, head) pairs whose key tiles the wgmma dK/dV kernel interleaves (``interleave`` of
+    interleaved_block): 1 (each pair's tiles in turn) where every key tile sees the same queries; 4 under a causal
+    mask, whose first key tiles see the most queries. Measured with ``tools/bwd_order.py`` (H100 and H200, bf16,
+    16 heads x 16384 tokens): 4 takes 4-6 % off the causal backward at N 4096-8192 and moves N 2048 and 16384, the
+    windows and dense attention by less than the noise (1-2 %); interleaving more pairs spreads the blocks in flight
+    over more heads' Q, dO and dQ in L2 (64: slower than 1)."""
+    if BWD_INTERLEAVE is not None:
+        return BWD_INTERLEAVE
+    return 4 if variant.causal else 1
+
+
+def _backward_launches(a: _BackwardBuffers, shp: Shape, d: int, dtype: str, spec, spec_q, fscale, params,
+                       interleave: int = 1) -> list:
     """The 16-bit backward's launches at kernel head dim ``d``, in order, as ``(spec, grid, args)``: [bwd 0] D; dK,
     dV (and dQ into the float32 dq_accum, atomically) by key tiles; dQ by query tiles (split order) or dq_accum's
     conversion; GQA's sum of dK, dV over each group. ``params(spec, transposed)``: a launch's VariantParams.
@@ -1013,7 +1030,7 @@ def _backward_launches(a: _BackwardBuffers, shp: Shape, d: int, dtype: str, spec
     launches.append((spec, (cdiv(shp.max_k, spec.tile.block_n), shp.heads_q, shp.batch), (
         a.q, a.k, a.v, a.do, a.lse, a.delta,
         a.dq_accum if a.dq_accum is not None else null, a.dk, a.dv, a.dkv_accum if a.dkv_accum is not None else null,
-        i32(shp.rows_q), i32(shp.rows_k), i32(shp.heads_q), i32(shp.group),
+        i32(shp.rows_q), i32(shp.rows_k), i32(shp.heads_q), i32(shp.group), i32(interleave),
         *strides(a.q), *strides(a.k), *strides(a.v), *strides(a.do), *strides(a.dk), *strides(a.dv), fscale,
         params(spec, True))))
     if spec_q is not None:
