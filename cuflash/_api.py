@@ -808,6 +808,18 @@ def attention_with_kvcache(
 _kvcache_launches = CallMemo(64)
 
 
+def kvcache_launch(q, k_cache, v_cache, *, cache_seqlens, cache_leftpad, alibi_slopes, rotary_interleaved, causal,
+                   window_size, softcap, softmax_scale, num_splits):
+    """The launch this memory holds for a decode call on CuPy arrays without ``k``, ``v``, rotary, ``cache_batch_idx``,
+    pages or ``out`` (one the front door has run, in the same device and stream context), or None. ``cuflash.torch``
+    keeps it under its own key of the tensors, to run such calls without crossing into CuPy."""
+    grows = _grows(q, k_cache, v_cache, None, None, None, None, None)
+    key = _kvcache_key(q, k_cache, v_cache, None, None, cache_seqlens, None, None, rotary_interleaved, None,
+                       cache_leftpad, None, causal, window_size, softcap, alibi_slopes, softmax_scale, num_splits, None,
+                       grows=grows)
+    return None if key is None else _kvcache_launches.get(key)
+
+
 def _grows(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table) -> bool:
     """Whether a decode call is remembered without its caches' slot count: nothing appended, no rotary, a contiguous
     cache of CuPy-like arrays, one to 63 query tokens (the decode kernels, not the forward over the cache), v's head
@@ -846,6 +858,14 @@ def _fits(k_cache, v_cache, k, block_table, cache_seqlens, grows: bool) -> bool:
     return 0 <= cache_seqlens <= capacity - (0 if k is None else k.shape[1])
 
 
+def plain_decode_options(causal, rotary_interleaved, num_splits, window_size, softcap, softmax_scale) -> bool:
+    """Whether a decode call's options have the types a remembered call may have (others: the checks judge them)."""
+    return (type(causal) is bool and type(rotary_interleaved) is bool and type(num_splits) is int
+            and type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int
+            and type(window_size[1]) is int and type(softcap) in (float, int)
+            and (softmax_scale is None or type(softmax_scale) in (float, int)))
+
+
 def _kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx,
                  cache_leftpad, block_table, causal, window_size, softcap, alibi_slopes, softmax_scale, num_splits, out,
                  grows: bool = False):
@@ -857,10 +877,7 @@ def _kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_si
     kind = type(q)
     if _validate._library(q) != "cupy" or _validate.device_value_checks():
         return None
-    if not (type(causal) is bool and type(rotary_interleaved) is bool and type(num_splits) is int
-            and type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int
-            and type(window_size[1]) is int and type(softcap) in (float, int)
-            and (softmax_scale is None or type(softmax_scale) in (float, int))):
+    if not plain_decode_options(causal, rotary_interleaved, num_splits, window_size, softcap, softmax_scale):
         return None
     try:
         cache_key = _slots_key if grows else _array_key  # (a growing call has no rotary)

@@ -117,6 +117,15 @@ def _capturing(xp) -> bool:
         return True
 
 
+def uniform_seqlens_address(device: int, batch: int, value: int) -> int | None:
+    """The device address of :func:`uniform_seqlens`' row for ``value`` where the kept table of ``(device, batch)``
+    holds it already; None otherwise (the caller's other way makes or grows it)."""
+    table = _SEQLEN_TABLES.get((device, batch))
+    if table is None or not 0 <= value < table.shape[0]:
+        return None
+    return table.data.ptr + value * batch * 4
+
+
 def uniform_seqlens(xp, batch: int, value: int):
     """An int32 array ``(batch,)`` of ``value`` (not to be written: on CuPy, a view of a shared table)."""
     if xp.__name__ != "cupy" or (value + 1) * batch > _TABLE_LIMIT or _capturing(xp):

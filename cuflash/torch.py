@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 import cuflash
-from cuflash import _api, _validate
+from cuflash import _api, _kvcache, _validate
 
 __all__ = ["attention", "attention_with_kvcache", "draw_dropout_seed"]
 
@@ -459,10 +459,127 @@ def _runs_eagerly(*tensors) -> bool:
             and all(t is None or type(t) is torch.Tensor for t in tensors))
 
 
+# ---------------------------------------------------------------------------------------------------
+# A decode step like one already run: straight to its launch
+# ---------------------------------------------------------------------------------------------------
+#
+# An eager call on CUDA tensors crosses into CuPy: CuPy arrays over the tensors, CuPy's device, stream and allocator
+# switched to torch's, the front door's key of the CuPy arrays, the results wrapped back as tensors (in a
+# transformers generation on the H100 machine, ~0.35 ms of host time per call and layer, where sdpa's whole call
+# takes ~0.12 ms). A call without k, v, rotary, cache_batch_idx or pages, with fewer query tokens than a chunked
+# prefill and v's head dim q's (what a transformers decode step makes), whose layouts and options are those of a call
+# already run, runs the launch that call left in the front door's memory (a growing one: it follows the caches' slot
+# count), directly: the tensors' addresses into its record (_Address), out and lse from torch.empty, launched on
+# torch's current stream. The key (_decode_key) is the front door's for a cache that grows: the caches without
+# their slot count and their strides but the last; what it leaves out is checked at each call (_decode_run), as the
+# front door checks it (cuflash._api._fits).
+_decode_launches = _api.CallMemo(64)
+DIRECT_DECODE = True  # (False: every call crosses into CuPy, for comparison)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # (absent from CPU builds)
+
+
+class _Address:
+    """What a decode launch reads of an array it neither allocates nor rotates: ``data.ptr``, and of the caches
+    their ``shape``, ``strides`` in bytes and ``itemsize``."""
+
+    __slots__ = ("data", "ptr", "shape", "strides", "itemsize", "__weakref__")
+
+    def __init__(self, ptr: int, t: torch.Tensor | None = None, itemsize: int = 0):
+        self.data, self.ptr = self, ptr
+        if t is not None:
+            self.shape, self.itemsize = tuple(t.shape), itemsize
+            self.strides = tuple(s * itemsize for s in t.stride())
+
+
+def _gpu_index(t: torch.Tensor) -> int:
+    """t's CUDA device, or -1 (``tools/transformers_profile.py --host`` poses CPU tensors as CUDA ones here)."""
+    return t.get_device() if t.is_cuda else -1
+
+
+def _stream_address(index: int) -> int:
+    return _raw_stream(index) if _raw_stream is not None else torch.cuda.current_stream(index).cuda_stream
+
+
+def _layout(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
+
+
+def _decode_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, alibi_slopes, rotary_interleaved, causal,
+                window_size, softcap, softmax_scale, num_splits):
+    """The key of a decode call without k, v, rotary, cache_batch_idx or pages in :data:`_decode_launches`, or None:
+    not plain CUDA tensors run eagerly, not the decode kernels' kind of call, options of unusual types (the checks
+    judge them), a CUDA graph capture (an int cache_seqlens needs an array of its own there), the debug mode."""
+    if not _runs_eagerly(q, k_cache, v_cache, cache_leftpad, alibi_slopes):
+        return None
+    index = _gpu_index(q)
+    if index < 0 or q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
+        return None
+    qs, ks, vs = q.shape, k_cache.shape, v_cache.shape
+    if not (0 < qs[1] < _chunked_prefill_rows() and ks[3] == vs[3]):
+        return None
+    if not _api.plain_decode_options(causal, rotary_interleaved, num_splits, window_size, softcap, softmax_scale):
+        return None
+    if type(cache_seqlens) is int:
+        lens = None
+    elif type(cache_seqlens) is torch.Tensor:
+        lens = _layout(cache_seqlens)
+    else:
+        return None
+    if _validate.device_value_checks() or torch.cuda.is_current_stream_capturing():
+        return None
+    return (index, _stream_address(index), qs, q.stride(), q.dtype, ks[0], ks[2], ks[3], k_cache.stride(3),
+            k_cache.dtype, k_cache.get_device(), vs[0], vs[2], v_cache.stride(3), v_cache.dtype, v_cache.get_device(),
+            lens, _layout(cache_leftpad), _layout(alibi_slopes), rotary_interleaved, causal, window_size,
+            type(softcap), softcap, type(softmax_scale), softmax_scale, num_splits)
+
+
+def _chunked_prefill_rows() -> int:
+    from cuflash import _chunked_prefill
+
+    return _chunked_prefill.MIN_SEQLEN_Q
+
+
+def _decode_run(key, q, k_cache, v_cache, cache_seqlens, cache_leftpad, alibi_slopes):
+    """``(out, lse)`` of a call whose key :data:`_decode_launches` holds, run by that launch; None where there is
+    none, or where the caches or an int ``cache_seqlens`` need the front door's checks (a slot count of 0 or two
+    different ones, strides not multiples of 16 bytes, a length outside the slots), or where the current device is
+    not the tensors' (the front door switches it)."""
+    launch = _decode_launches.get(key)
+    if launch is None:
+        return None
+    index = key[0]
+    slots, itemsize = k_cache.shape[1], k_cache.element_size()
+    ks, vs = k_cache.stride(), v_cache.stride()
+    if slots <= 0 or v_cache.shape[1] != slots or ((ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]) * itemsize) & 15:
+        return None
+    if type(cache_seqlens) is int:
+        ptr = _kvcache.uniform_seqlens_address(index, q.shape[0], cache_seqlens) if 0 <= cache_seqlens <= slots else None
+        if ptr is None:
+            return None
+        lens = _Address(ptr)
+    else:
+        lens = _Address(cache_seqlens.data_ptr())
+    if index != _current_device():
+        return None
+    out = torch.empty(launch.out_shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(launch.lse_shape, dtype=torch.float32, device=q.device)
+    launch.run(_Address(q.data_ptr()), _Address(k_cache.data_ptr(), k_cache, itemsize),
+               _Address(v_cache.data_ptr(), v_cache, itemsize), None, None, lens,
+               None if cache_leftpad is None else _Address(cache_leftpad.data_ptr()), None, None,
+               None if alibi_slopes is None else _Address(alibi_slopes.data_ptr()), None, None,
+               _Address(out.data_ptr()), _Address(lse.data_ptr()), stream=key[1])
+    return out, lse
+
+
+def _current_device() -> int:
+    return torch.cuda.current_device()
+
+
 def _kvcache_backend(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, rotary_cos, rotary_sin,
                      cache_batch_idx, cache_leftpad, block_table, alibi_slopes, rotary_interleaved, causal, window_left,
-                     window_right, softcap, softmax_scale, num_splits):
-    """The body of both decode operators: ``(out, lse)`` of :func:`cuflash.attention_with_kvcache`."""
+                     window_right, softcap, softmax_scale, num_splits, remember=None):
+    """The body of both decode operators: ``(out, lse)`` of :func:`cuflash.attention_with_kvcache`. ``remember``: the
+    call's :func:`_decode_key`, under which the launch the front door ran is kept (a CUDA call)."""
     arrays = dict(rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
                   cache_leftpad=cache_leftpad, block_table=block_table, alibi_slopes=alibi_slopes)
     _check_devices(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens, **arrays)
@@ -471,14 +588,19 @@ def _kvcache_backend(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int
             raise NotImplementedError(
                 f"{_validate.DEVICE_CHECKS_ENV}=1 cannot be captured in a CUDA graph: it reads the index arrays on the "
                 "host at every call; unset it while capturing")
+        qa, ka, va = _to_array(q), _to_array(k_cache), _to_array(v_cache)
+        lens = cache_seqlens_int if cache_seqlens is None else _to_array(cache_seqlens)
+        given = {name: None if a is None else _to_array(a) for name, a in arrays.items()}
+        options = dict(rotary_interleaved=rotary_interleaved, causal=causal, window_size=(window_left, window_right),
+                       softcap=softcap, softmax_scale=softmax_scale, num_splits=num_splits)
         out, lse = cuflash.attention_with_kvcache(
-            _to_array(q), _to_array(k_cache), _to_array(v_cache), None if k is None else _to_array(k),
-            None if v is None else _to_array(v),
-            cache_seqlens=cache_seqlens_int if cache_seqlens is None else _to_array(cache_seqlens),
-            **{name: None if a is None else _to_array(a) for name, a in arrays.items()},
-            rotary_interleaved=rotary_interleaved, causal=causal, window_size=(window_left, window_right),
-            softcap=softcap, softmax_scale=softmax_scale, num_splits=num_splits, return_lse=True,
-        )
+            qa, ka, va, None if k is None else _to_array(k), None if v is None else _to_array(v), cache_seqlens=lens,
+            **given, **options, return_lse=True)
+        if remember is not None and memory is not None:
+            launch = _api.kvcache_launch(qa, ka, va, cache_seqlens=lens, cache_leftpad=given["cache_leftpad"],
+                                         alibi_slopes=given["alibi_slopes"], **options)
+            if getattr(launch, "grows", False):
+                _decode_launches.put(remember, launch)
         return _output(out, memory), _output(lse, memory)
 
 
@@ -723,6 +845,15 @@ def attention_with_kvcache(
     Returns ``out`` ``(batch, seqlen_q, heads_q, head_dim_v)``, and with ``return_lse=True`` also ``lse``
     ``(batch, heads_q, seqlen_q)`` (float32; float64 for float64).
     """
+    key = None
+    if (k is None and v is None and rotary_cos is None and rotary_sin is None and cache_batch_idx is None
+            and block_table is None and DIRECT_DECODE):  # a decode step like one already run: its launch, at once
+        key = _decode_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, alibi_slopes, rotary_interleaved, causal,
+                          window_size, softcap, softmax_scale, num_splits)
+        done = None if key is None else _decode_run(key, q, k_cache, v_cache, cache_seqlens, cache_leftpad,
+                                                    alibi_slopes)
+        if done is not None:
+            return done if return_lse else done[0]
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
             got = "None" if t is None else f"{type(t).__module__}.{type(t).__name__}"
@@ -760,7 +891,7 @@ def attention_with_kvcache(
                    softcap=softcap, softmax_scale=softmax_scale, num_splits=int(num_splits))
     if _runs_eagerly(q, k_cache, v_cache, seqlens, k, v, *arrays.values()):  # no operator dispatch (~0.3 ms)
         out, lse = _kvcache_backend(q.detach(), k_cache.detach(), v_cache.detach(), k, v, seqlens, seqlens_int,
-                                    **arrays, **scalars)
+                                    **arrays, **scalars, remember=key)
         if k is not None:  # what the operator's dispatch does for its mutated arguments
             torch.autograd.graph.increment_version((k_cache, v_cache))
     elif k is None and v is None:  # nothing to append: the operator that mutates nothing (much cheaper to dispatch)

@@ -752,6 +752,76 @@ def test_the_host_profile_of_a_decode_call_runs_without_a_gpu(capsys):
     assert (cft._to_array, cft._backend_call, _api._kvcache_launches) == before
 
 
+def test_a_decode_step_like_one_already_run_goes_straight_to_its_launch(monkeypatch):
+    """cuflash.torch on (stand-in) CUDA tensors: the first decode call of a layout runs the front door and keeps its
+    launch; the next ones, over caches one token longer each (a DynamicCache's new tensors, seen transposed), run
+    that launch directly, without crossing into CuPy: one launch each on torch's stream, whose parameter record holds
+    this call's addresses (q, the caches, the lengths, out and lse, which come back), slot count and strides. Another
+    option, another stream or a length past the slots goes through the front door (which refuses the last)."""
+    import numpy as np
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _fake_cupy import install
+
+    from cuflash import _kvcache
+    from cuflash._cuda.decode import DECODE_PARAMS_DTYPE
+
+    cp, recorder = install(monkeypatch)
+    _tool("transformers_profile").pose_cpu_as_cuda(monkeypatch, cp)
+    ct = cuflash.torch
+    through_front_door = []
+    real_backend = ct._kvcache_backend
+
+    def backend(*args, **kwargs):
+        through_front_door.append(kwargs.get("remember"))
+        return real_backend(*args, **kwargs)
+
+    monkeypatch.setattr(ct, "_kvcache_backend", backend)
+    batch, heads_q, heads_kv, d = 2, 8, 2, 64
+    q = torch.randn(batch, 1, heads_q, d).to(torch.bfloat16)
+
+    def caches(n):  # (batch, heads, slots, d) tensors as transformers keeps them, seen as (batch, slots, heads, d)
+        return tuple(torch.randn(batch, heads_kv, n, d).to(torch.bfloat16).transpose(1, 2) for _ in range(2))
+
+    def step(n, **kw):
+        k_cache, v_cache = caches(n)
+        recorder.take()
+        kw.setdefault("cache_seqlens", n)
+        out, lse = ct.attention_with_kvcache(q, k_cache, v_cache, causal=True, return_lse=True, **kw)
+        return k_cache, v_cache, out, lse, recorder.take()
+
+    step(40)
+    assert len(through_front_door) == 1 and len(ct._decode_launches) == 1
+    for n in (41, 43):
+        k_cache, v_cache, out, lse, launches = step(n)
+        assert len(through_front_door) == 1, "a step like the first one went through the front door"
+        assert out.shape == (batch, 1, heads_q, d) and out.dtype == torch.bfloat16
+        assert lse.shape == (batch, heads_q, 1) and lse.dtype == torch.float32
+        assert len(launches) == 1 and launches[0][4] == 0  # one launch, on the (posed) device's current stream
+        record = np.frombuffer(launches[0][5][0], dtype=DECODE_PARAMS_DTYPE)[0]
+        rows = _kvcache._SEQLEN_TABLES[(0, batch)]
+        assert (record["q"], record["k_cache"], record["v_cache"], record["out"], record["lse"]) == (
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), lse.data_ptr())
+        assert record["cache_seqlens"] == rows[n].data.ptr and (np.asarray(rows[n]) == n).all()
+        assert (record["capacity"], record["k_sb"], record["k_ss"], record["k_sh"]) == (n, *k_cache.stride()[:3])
+        assert (record["v_sb"], record["v_ss"], record["v_sh"]) == v_cache.stride()[:3]
+    lens = torch.tensor([30, 44], dtype=torch.int32)
+    step(44, cache_seqlens=lens)
+    _, _, _, _, launches = step(45, cache_seqlens=lens)
+    assert len(through_front_door) == 2  # (a tensor cache_seqlens: a key of its own, then direct)
+    assert np.frombuffer(launches[0][5][0], dtype=DECODE_PARAMS_DTYPE)[0]["cache_seqlens"] == lens.data_ptr()
+    step(46, window_size=(8, 0))
+    assert len(through_front_door) == 3
+    monkeypatch.setattr(ct, "_stream_address", lambda index: 7)
+    step(47)
+    assert len(through_front_door) == 4
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        step(48, cache_seqlens=49)
+    assert len(through_front_door) == 5
+
+
 def test_the_profile_script_names_the_cuflash_frame_of_a_synchronization():
     """(a)'s bookkeeping: a synchronization warning is counted under the innermost frame in cuflash's package (not
     the script's, whatever the repository's directory is called), a host read of a CuPy-like array through

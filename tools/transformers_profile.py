@@ -279,26 +279,19 @@ def _profile_model(args) -> int:
 # --host: the Python host path of one decode-step attention call, without a GPU
 # ---------------------------------------------------------------------------------------------------
 
-def _host_path(args) -> int:
-    """Per-call host time of a decode step's attention at three entry points, the CUDA path emulated on the CPU."""
+def pose_cpu_as_cuda(patch, cp):
+    """CPU tensors as CUDA ones for ``cuflash.torch``'s CUDA path over the stand-in CuPy ``cp``
+    (``tests/_fake_cupy.py``, installed): they cross into it as a CUDA tensor crosses into CuPy (a view, no copy),
+    the results come back as tensors, and a decode step like one already run takes the direct path
+    (``cuflash.torch._decode_run``) on device 0's null stream. Returns the crossing (tensor -> stand-in array)."""
     import ml_dtypes
     import numpy as np
     import torch
-    from _pytest.monkeypatch import MonkeyPatch
 
-    torch.set_num_threads(1)  # (the thread pool's spinning would count as this process's time)
-    sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "tests"))
-    from _fake_cupy import install
-
-    patch = MonkeyPatch()
-    cp, _ = install(patch)  # (a stand-in cupy; the front door's and the launchers' memories emptied)
-    import cuflash
-    import cuflash.integrations.transformers as cti
     import cuflash.torch as ct
 
     patch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
 
-    # CPU tensors cross into the stand-in CuPy as a CUDA tensor crosses into CuPy (a view, no copy)
     def to_array(t):
         t = t.detach()
         a = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
@@ -316,6 +309,27 @@ def _host_path(args) -> int:
     patch.setattr(ct, "_to_array", to_array)
     patch.setattr(ct, "_backend_call", backend_call)
     patch.setattr(ct, "_output", output)
+    patch.setattr(ct, "_gpu_index", lambda t: 0)
+    patch.setattr(ct, "_stream_address", lambda index: 0)
+    patch.setattr(ct, "_current_device", lambda: 0)
+    return to_array
+
+
+def _host_path(args) -> int:
+    """Per-call host time of a decode step's attention at three entry points, the CUDA path emulated on the CPU."""
+    import torch
+    from _pytest.monkeypatch import MonkeyPatch
+
+    torch.set_num_threads(1)  # (the thread pool's spinning would count as this process's time)
+    sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "tests"))
+    from _fake_cupy import install
+
+    patch = MonkeyPatch()
+    cp, _ = install(patch)  # (a stand-in cupy; the front door's and the launchers' memories emptied)
+    to_array = pose_cpu_as_cuda(patch, cp)
+    import cuflash
+    import cuflash.integrations.transformers as cti
+    import cuflash.torch as ct
 
     class Layer(torch.nn.Module):
         is_causal = True
