@@ -419,10 +419,10 @@ def attention(
         planner = _planner(q)
     key = None
     if planner is not None and bias is None and attn_mask is None:  # (a bias is converted at every call)
-        key = _call_key(planner, (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k), (
-            "attention", causal, softmax_scale, causal_align, window_size, softcap, max_seqlen_q, max_seqlen_k,
-            dropout_p, dropout_seed, dropout_offset, score_mod, algorithm, block_q, block_k, fp32_precision,
-        ), mask_mod, mod_arrays, window_size)
+        key = _attention_key(planner, q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, causal,
+                             softmax_scale, causal_align, window_size, softcap, max_seqlen_q, max_seqlen_k, dropout_p,
+                             dropout_seed, dropout_offset, score_mod, algorithm, block_q, block_k, fp32_precision,
+                             mask_mod, mod_arrays)
         call = _checked_calls.get(key) if key is not None else None
         if call is not None:  # the same signature as a call already checked: its plan, at once
             arrays = _NO_ARRAYS if call.plain else _rechecked_arrays(
@@ -460,6 +460,34 @@ def attention(
         else:
             out, lse = backend.forward(kernel_q, k, v, **options)
     return (out, lse) if return_lse else out
+
+
+def _attention_key(planner, q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, causal, softmax_scale,
+                   causal_align, window_size, softcap, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed,
+                   dropout_offset, score_mod, algorithm, block_q, block_k, fp32_precision, mask_mod, mod_arrays):
+    """The key of an :func:`attention` call without bias or attn_mask in :data:`_checked_calls`, or None."""
+    return _call_key(planner, (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k), (
+        "attention", causal, softmax_scale, causal_align, window_size, softcap, max_seqlen_q, max_seqlen_k,
+        dropout_p, dropout_seed, dropout_offset, score_mod, algorithm, block_q, block_k, fp32_precision,
+    ), mask_mod, mod_arrays, window_size)
+
+
+def attention_plan(q, k, v, *, causal=False, softmax_scale=None, causal_align="bottom-right", window_size=(-1, -1),
+                   softcap=0.0, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0, dropout_seed=None,
+                   dropout_offset=0, score_mod=None, algorithm="fa2", block_q=None, block_k=None,
+                   fp32_precision="tf32x3", **arrays):
+    """The plan this memory holds for an :func:`attention` call on arrays of a planning backend (CuPy) with no array
+    but q, k and v (``arrays``: the other array keywords, all None), one the front door has run in the same device
+    and stream context; None otherwise. ``cuflash.torch`` keeps it under its own key of the tensors, to run such calls
+    without crossing into CuPy."""
+    planner = _planners.get(type(q))
+    if planner is None or any(a is not None for a in arrays.values()):
+        return None
+    key = _attention_key(planner, q, k, v, None, None, None, None, causal, softmax_scale, causal_align, window_size,
+                         softcap, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed, dropout_offset, score_mod,
+                         algorithm, block_q, block_k, fp32_precision, None, None)
+    call = _checked_calls.get(key) if key is not None else None
+    return call.plan if call is not None and call.plain else None
 
 
 def attention_backward(

@@ -35,6 +35,7 @@ and the backward reuses the forward's seed and offset.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import weakref
 from collections.abc import Mapping
 from typing import Optional
@@ -329,19 +330,32 @@ def _fwd_impl(
     block_q: Optional[int], block_k: Optional[int], deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of :func:`cuflash.attention` (``deterministic`` is the backward's, kept for autograd)."""
-    _check_devices(q=q, k=k, v=v, bias=bias, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
-                   cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, attn_mask=attn_mask,
-                   **{f"mod_arrays[{i}]": a for i, a in enumerate(mod_arrays)})
-    args = locals()
+    return _forward_backend(locals())
+
+
+def _forward_backend(args: dict, remember=None):
+    """The body of :func:`_fwd_impl`, whose arguments ``args`` holds by name. ``remember``: the call's
+    :func:`_forward_key`, under which the front door's plan of it is kept (a CUDA call)."""
+    q, k, v, bias = args["q"], args["k"], args["v"], args["bias"]
+    _check_devices(q=q, k=k, v=v, bias=bias, alibi_slopes=args["alibi_slopes"], cu_seqlens_q=args["cu_seqlens_q"],
+                   cu_seqlens_k=args["cu_seqlens_k"], seqused_k=args["seqused_k"], attn_mask=args["attn_mask"],
+                   **{f"mod_arrays[{i}]": a for i, a in enumerate(args["mod_arrays"])})
     with _backend_call(q) as memory:  # CUDA: torch's stream and allocator (out, lse and workspaces from torch)
         if memory is not None:
             _refuse_in_capture(args)
-        out, lse = cuflash.attention(_to_array(q), _to_array(k), _to_array(v), return_lse=True,
-                                     bias=None if bias is None else _to_array(bias), **_front_door_options(args))
+        qa, ka, va = _to_array(q), _to_array(k), _to_array(v)
+        options = _front_door_options(args)
+        out, lse = cuflash.attention(qa, ka, va, return_lse=True, bias=None if bias is None else _to_array(bias),
+                                     **options)
+        if remember is not None and memory is not None:
+            plan = _api.attention_plan(qa, ka, va, **options)
+            if plan is not None:
+                _forward_plans.put(remember, plan)
         return _output(out, memory), _output(lse, memory)
 
 
 _attention_fwd = torch.library.custom_op("cuflash::attention_fwd", mutates_args=())(_fwd_impl)
+_FWD_PARAMS = tuple(inspect.signature(_fwd_impl).parameters)
 
 
 @_attention_fwd.register_fake
@@ -460,21 +474,24 @@ def _runs_eagerly(*tensors) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------
-# A decode step like one already run: straight to its launch
+# Calls like ones already run: straight to their plans
 # ---------------------------------------------------------------------------------------------------
 #
 # An eager call on CUDA tensors crosses into CuPy: CuPy arrays over the tensors, CuPy's device, stream and allocator
-# switched to torch's, the front door's key of the CuPy arrays, the results wrapped back as tensors (in a
-# transformers generation on the H100 machine, ~0.35 ms of host time per call and layer, where sdpa's whole call
-# takes ~0.12 ms). A call without k, v, rotary, cache_batch_idx or pages, with fewer query tokens than a chunked
-# prefill and v's head dim q's (what a transformers decode step makes), whose layouts and options are those of a call
-# already run, runs the launch that call left in the front door's memory (a growing one: it follows the caches' slot
-# count), directly: the tensors' addresses into its record (_Address), out and lse from torch.empty, launched on
-# torch's current stream. The key (_decode_key) is the front door's for a cache that grows: the caches without
-# their slot count and their strides but the last; what it leaves out is checked at each call (_decode_run), as the
-# front door checks it (cuflash._api._fits).
+# switched to torch's, the front door's key of the CuPy arrays, the results wrapped back as tensors (on the H200
+# machine ~0.3 ms of host time per decode call, where the decode kernel takes 5-20 us and sdpa's whole call ~0.1 ms).
+# Two kinds of calls skip it once a call with the same layouts and options has run (DIRECT_CALLS):
+#
+# - a decode step (attention_with_kvcache) without k, v, rotary, cache_batch_idx or pages, with fewer query tokens
+#   than a chunked prefill and v's head dim q's (what a transformers decode step makes): the launch that call left in
+#   the front door's memory (a growing one: it follows the caches' slot count) runs with the tensors' addresses in its
+#   record (_Address), out and lse from torch.empty, on torch's current stream. The key (_decode_key) is the front
+#   door's for a cache that grows: the caches without their slot count and their strides but the last; what it
+#   leaves out is checked at each call (_decode_run), as the front door checks it (cuflash._api._fits);
+# - an inference call of attention (no gradient wanted) on q, k and v alone without dropout: the front door's plan
+#   of the call (_forward_key, _forward_run).
 _decode_launches = _api.CallMemo(64)
-DIRECT_DECODE = True  # (False: every call crosses into CuPy, for comparison)
+DIRECT_CALLS = True  # (False: every call crosses into CuPy, for comparison)
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # (absent from CPU builds)
 
 
@@ -502,6 +519,56 @@ def _stream_address(index: int) -> int:
 
 def _layout(t):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
+
+
+# attention's inference calls: the front door's plan (a ForwardPlan) under the tensors' layouts and options.
+_forward_plans = _api.CallMemo(64)
+
+
+def _hopper_switches() -> tuple:
+    """The launcher's switches of the Hopper kernels, which decide a plan too (benchmarks flip them)."""
+    from cuflash._cuda import attention as launcher
+
+    return launcher.SM90A_FORWARD, launcher.SM90A_BACKWARD
+
+
+def _forward_key(q, k, v, causal, softmax_scale, causal_align, window_size, softcap, max_seqlen_q, max_seqlen_k,
+                 dropout_p, dropout_seed, dropout_offset, algorithm, block_q, block_k):
+    """The key of an attention call on q, k and v alone in :data:`_forward_plans`, or None: a gradient wanted, not
+    plain CUDA tensors run eagerly, dropout, options of unusual types (the checks judge them), the finite checks."""
+    if not _runs_eagerly(q, k, v) or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                                   or v.requires_grad)):
+        return None
+    index = _gpu_index(q)
+    if index < 0:
+        return None
+    if not (type(causal) is bool and (softmax_scale is None or type(softmax_scale) in (float, int))
+            and type(causal_align) is str and type(window_size) is tuple and len(window_size) == 2
+            and type(window_size[0]) is int and type(window_size[1]) is int and type(softcap) in (float, int)
+            and (max_seqlen_q is None or type(max_seqlen_q) is int)
+            and (max_seqlen_k is None or type(max_seqlen_k) is int) and type(dropout_p) in (float, int)
+            and dropout_p == 0 and dropout_seed is None and type(dropout_offset) is int and dropout_offset == 0
+            and type(algorithm) is str and (block_q is None or type(block_q) is int)
+            and (block_k is None or type(block_k) is int)):
+        return None
+    if _validate.finite_checks(False):
+        return None
+    return (index, _stream_address(index), _hopper_switches(), _layout(q), _layout(k), _layout(v), causal,
+            type(softmax_scale), softmax_scale, causal_align, window_size, type(softcap), softcap, max_seqlen_q,
+            max_seqlen_k, algorithm, block_q, block_k)
+
+
+def _forward_run(key, q, k, v):
+    """``(out, lse)`` of a call whose key :data:`_forward_plans` holds, run by that plan; None where there is none,
+    where the current device is not the tensors', or where an input's address needs the front door's aligned copy."""
+    plan = _forward_plans.get(key)
+    if plan is None or key[0] != _current_device():
+        return None
+    out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
+    done = plan.run(_Address(q.data_ptr()), _Address(k.data_ptr()), _Address(v.data_ptr()), stream=key[1],
+                    out=_Address(out.data_ptr()), lse_out=_Address(lse.data_ptr()))
+    return None if done is None else (out, lse)
 
 
 def _decode_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, alibi_slopes, rotary_interleaved, causal,
@@ -754,6 +821,14 @@ def attention(
     environment scans them when the operator runs (eager or compiled), raising ``ValueError`` with the tensor's
     name and the first bad index.
     """
+    key = None
+    if (bias is None and alibi_slopes is None and cu_seqlens_q is None and cu_seqlens_k is None and seqused_k is None
+            and attn_mask is None and score_mod is None and mask_mod is None and mod_arrays is None and DIRECT_CALLS):
+        key = _forward_key(q, k, v, causal, softmax_scale, causal_align, window_size, softcap, max_seqlen_q,
+                           max_seqlen_k, dropout_p, dropout_seed, dropout_offset, algorithm, block_q, block_k)
+        done = None if key is None else _forward_run(key, q, k, v)
+        if done is not None:  # inference like a call already run: its plan, at once
+            return done if return_lse else done[0]
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             got = "None" if t is None else f"{type(t).__module__}.{type(t).__name__}"
@@ -798,12 +873,13 @@ def attention(
     # inference on plain tensors (nothing to differentiate, nothing tracing): the implementation directly, without
     # the operator's dispatch (about 0.3 ms of host time a call; see _runs_eagerly)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
-    op = _fwd_impl if not needs_grad and _runs_eagerly(q, k, v, bias, seed, *arrays.values(), *mods) else _attention_fwd
-    out, lse = op(
-        q, k, v, bias, *arrays.values(), mods, seed, causal, softmax_scale, causal_align, left, right, softcap,
-        max_seqlen_q, max_seqlen_k, dropout_p, _signed64(dropout_offset), score_mod, mask_mod, names, algorithm,
-        block_q, block_k, bool(deterministic),
-    )
+    op_args = (q, k, v, bias, *arrays.values(), mods, seed, causal, softmax_scale, causal_align, left, right, softcap,
+               max_seqlen_q, max_seqlen_k, dropout_p, _signed64(dropout_offset), score_mod, mask_mod, names, algorithm,
+               block_q, block_k, bool(deterministic))
+    if not needs_grad and _runs_eagerly(q, k, v, bias, seed, *arrays.values(), *mods):
+        out, lse = _forward_backend(dict(zip(_FWD_PARAMS, op_args)), remember=key)
+    else:
+        out, lse = _attention_fwd(*op_args)
     return (out, lse.detach()) if return_lse else out
 
 
@@ -847,7 +923,7 @@ def attention_with_kvcache(
     """
     key = None
     if (k is None and v is None and rotary_cos is None and rotary_sin is None and cache_batch_idx is None
-            and block_table is None and DIRECT_DECODE):  # a decode step like one already run: its launch, at once
+            and block_table is None and DIRECT_CALLS):  # a decode step like one already run: its launch, at once
         key = _decode_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, alibi_slopes, rotary_interleaved, causal,
                           window_size, softcap, softmax_scale, num_splits)
         done = None if key is None else _decode_run(key, q, k_cache, v_cache, cache_seqlens, cache_leftpad,

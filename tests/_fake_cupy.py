@@ -165,5 +165,6 @@ def install(monkeypatch):
     except ImportError:
         pass
     else:
-        monkeypatch.setattr(cuflash_torch, "_decode_launches", _api.CallMemo(cuflash_torch._decode_launches.size))
+        for name in ("_decode_launches", "_forward_plans"):
+            monkeypatch.setattr(cuflash_torch, name, _api.CallMemo(getattr(cuflash_torch, name).size))
     return module, recorder

@@ -752,6 +752,29 @@ def test_the_host_profile_of_a_decode_call_runs_without_a_gpu(capsys):
     assert (cft._to_array, cft._backend_call, _api._kvcache_launches) == before
 
 
+def _posed_cuda(monkeypatch, backend: str):
+    """The stand-in CuPy installed and CPU tensors posed as CUDA ones (tools/transformers_profile.py), and a list
+    that the ``remember`` argument of each call of ``cuflash.torch``'s ``backend`` (the calls that go through the front
+    door) is appended to: ``(recorder of the launches, that list)``."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _fake_cupy import install
+
+    cp, recorder = install(monkeypatch)
+    _tool("transformers_profile").pose_cpu_as_cuda(monkeypatch, cp)
+    through_front_door = []
+    real = getattr(cuflash.torch, backend)
+
+    def spy(*args, **kwargs):
+        through_front_door.append(kwargs.get("remember"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cuflash.torch, backend, spy)
+    return recorder, through_front_door
+
+
 def test_a_decode_step_like_one_already_run_goes_straight_to_its_launch(monkeypatch):
     """cuflash.torch on (stand-in) CUDA tensors: the first decode call of a layout runs the front door and keeps its
     launch; the next ones, over caches one token longer each (a DynamicCache's new tensors, seen transposed), run
@@ -759,26 +782,12 @@ def test_a_decode_step_like_one_already_run_goes_straight_to_its_launch(monkeypa
     this call's addresses (q, the caches, the lengths, out and lse, which come back), slot count and strides. Another
     option, another stream or a length past the slots goes through the front door (which refuses the last)."""
     import numpy as np
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _fake_cupy import install
 
     from cuflash import _kvcache
     from cuflash._cuda.decode import DECODE_PARAMS_DTYPE
 
-    cp, recorder = install(monkeypatch)
-    _tool("transformers_profile").pose_cpu_as_cuda(monkeypatch, cp)
+    recorder, through_front_door = _posed_cuda(monkeypatch, "_kvcache_backend")
     ct = cuflash.torch
-    through_front_door = []
-    real_backend = ct._kvcache_backend
-
-    def backend(*args, **kwargs):
-        through_front_door.append(kwargs.get("remember"))
-        return real_backend(*args, **kwargs)
-
-    monkeypatch.setattr(ct, "_kvcache_backend", backend)
     batch, heads_q, heads_kv, d = 2, 8, 2, 64
     q = torch.randn(batch, 1, heads_q, d).to(torch.bfloat16)
 
@@ -819,6 +828,45 @@ def test_a_decode_step_like_one_already_run_goes_straight_to_its_launch(monkeypa
     assert len(through_front_door) == 4
     with pytest.raises(ValueError, match="cache_seqlens"):
         step(48, cache_seqlens=49)
+    assert len(through_front_door) == 5
+
+
+def test_an_inference_call_like_one_already_run_goes_straight_to_its_plan(monkeypatch):
+    """cuflash.torch.attention on (stand-in) CUDA tensors with no gradient wanted: the first call of a layout runs the
+    front door and keeps its plan; the next ones with new tensors of that layout run the plan directly, one launch
+    whose arguments hold this call's addresses (q, k, v, and out and lse, which come back). A gradient wanted,
+    another option, a bias or another stream goes through the front door."""
+    import numpy as np
+
+    recorder, through_front_door = _posed_cuda(monkeypatch, "_forward_backend")
+    ct = cuflash.torch
+
+    def qkv(requires_grad=False):
+        return tuple(torch.randn(2, 64, 4, 64).to(torch.bfloat16).requires_grad_(requires_grad) for _ in range(3))
+
+    def call(tensors, **kw):
+        recorder.take()
+        out, lse = ct.attention(*tensors, return_lse=True, **{"causal": True, **kw})
+        return out, lse, recorder.take()
+
+    call(qkv())
+    assert len(through_front_door) == 1 and len(ct._forward_plans) == 1
+    for _ in range(2):
+        tensors = qkv()
+        out, lse, launches = call(tensors)
+        assert len(through_front_door) == 1, "an inference call like the first one went through the front door"
+        assert out.shape == (2, 64, 4, 64) and out.dtype == torch.bfloat16 and lse.shape == (2, 4, 64)
+        assert len(launches) == 1 and launches[0][4] == 0  # one launch, on the (posed) device's current stream
+        words = {int(x) for arg in launches[0][5] if len(arg) == 8 for x in np.frombuffer(arg, np.uint64)}
+        assert {t.data_ptr() for t in (*tensors, out, lse)} <= words
+    call(qkv(requires_grad=True))  # (a gradient wanted: the operator, which does not remember)
+    assert len(through_front_door) == 2 and through_front_door[-1] is None and len(ct._forward_plans) == 1
+    call(qkv(), causal=False)
+    assert len(through_front_door) == 3 and len(ct._forward_plans) == 2
+    call(qkv(), bias=torch.zeros(2, 4, 64, 64).to(torch.bfloat16))
+    assert len(through_front_door) == 4 and through_front_door[-1] is None  # (a bias: not remembered)
+    monkeypatch.setattr(ct, "_stream_address", lambda index: 7)
+    call(qkv())
     assert len(through_front_door) == 5
 
 
