@@ -485,27 +485,23 @@ def _runs_eagerly(*tensors) -> bool:
 # - a decode step (attention_with_kvcache) without k, v, rotary, cache_batch_idx or pages, with fewer query tokens
 #   than a chunked prefill and v's head dim q's (what a transformers decode step makes): the launch that call left in
 #   the front door's memory (a growing one: it follows the caches' slot count) runs with the tensors' addresses in its
-#   record (_Address), out and lse from torch.empty, on torch's current stream. The key (_decode_key) is the front
+#   record (DecodeLaunch.run_addresses), out and lse from torch.empty, on torch's current stream. The key (_decode_key) is the front
 #   door's for a cache that grows: the caches without their slot count and their strides but the last; what it
 #   leaves out is checked at each call (_decode_run), as the front door checks it (cuflash._api._fits);
 # - an inference call of attention (no gradient wanted) on q, k and v alone without dropout: the front door's plan
-#   of the call (_forward_key, _forward_run).
+#   of the call (_forward_key, _forward_run), the tensors' addresses passed as _Address.
 _decode_launches = _api.CallMemo(64)
 DIRECT_CALLS = True  # (False: every call crosses into CuPy, for comparison)
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # (absent from CPU builds)
 
 
 class _Address:
-    """What a decode launch reads of an array it neither allocates nor rotates: ``data.ptr``, and of the caches
-    their ``shape``, ``strides`` in bytes and ``itemsize``."""
+    """What a plan reads of an array it does not allocate: ``data.ptr``."""
 
-    __slots__ = ("data", "ptr", "shape", "strides", "itemsize", "__weakref__")
+    __slots__ = ("data", "ptr")
 
-    def __init__(self, ptr: int, t: torch.Tensor | None = None, itemsize: int = 0):
+    def __init__(self, ptr: int):
         self.data, self.ptr = self, ptr
-        if t is not None:
-            self.shape, self.itemsize = tuple(t.shape), itemsize
-            self.strides = tuple(s * itemsize for s in t.stride())
 
 
 def _gpu_index(t: torch.Tensor) -> int:
@@ -620,21 +616,22 @@ def _decode_run(key, q, k_cache, v_cache, cache_seqlens, cache_leftpad, alibi_sl
     if slots <= 0 or v_cache.shape[1] != slots or ((ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]) * itemsize) & 15:
         return None
     if type(cache_seqlens) is int:
-        ptr = _kvcache.uniform_seqlens_address(index, q.shape[0], cache_seqlens) if 0 <= cache_seqlens <= slots else None
-        if ptr is None:
+        lens = _kvcache.uniform_seqlens_address(index, q.shape[0], cache_seqlens) if 0 <= cache_seqlens <= slots else None
+        if lens is None:
             return None
-        lens = _Address(ptr)
     else:
-        lens = _Address(cache_seqlens.data_ptr())
+        lens = cache_seqlens.data_ptr()
     if index != _current_device():
         return None
     out = torch.empty(launch.out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(launch.lse_shape, dtype=torch.float32, device=q.device)
-    launch.run(_Address(q.data_ptr()), _Address(k_cache.data_ptr(), k_cache, itemsize),
-               _Address(v_cache.data_ptr(), v_cache, itemsize), None, None, lens,
-               None if cache_leftpad is None else _Address(cache_leftpad.data_ptr()), None, None,
-               None if alibi_slopes is None else _Address(alibi_slopes.data_ptr()), None, None,
-               _Address(out.data_ptr()), _Address(lse.data_ptr()), stream=key[1])
+    # (the record's slots: q, k_cache, v_cache, k, v, out, lse, cache_seqlens, cache_leftpad, cache_batch_idx,
+    # block_table, alibi_slopes)
+    launch.run_addresses(
+        (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), 0, 0, out.data_ptr(), lse.data_ptr(), lens,
+         0 if cache_leftpad is None else cache_leftpad.data_ptr(), 0, 0,
+         0 if alibi_slopes is None else alibi_slopes.data_ptr()),
+        slots, tuple(s * itemsize for s in ks), tuple(s * itemsize for s in vs), itemsize, key[1])
     return out, lse
 
 

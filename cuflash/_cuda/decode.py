@@ -336,14 +336,17 @@ class DecodeLaunch:
         window's edges clamped to it, the split count (``splits_for``'s, at most one per key tile) with the split
         kernel's grid, and a larger workspace for the partials when the count outgrows it. The front door checked
         the rest (``cuflash._api._fits``); everything else the launch holds is the same for every slot count."""
-        slots = k_cache.shape[1]
-        fit = (slots, k_cache.strides, v_cache.strides)
+        self._fit_layout(k_cache.shape[1], k_cache.strides, v_cache.strides, k_cache.itemsize)
+
+    def _fit_layout(self, slots: int, k_strides: tuple, v_strides: tuple, itemsize: int) -> None:
+        """:meth:`_fit` for caches of ``slots`` slots and these byte strides."""
+        fit = (slots, k_strides, v_strides)
         if fit == self._fit_key:
             return
         longs, ints, words, fields = self._longs, self._ints, self._words, DECODE_PARAMS_DTYPE.fields
-        for prefix, a in (("k", k_cache), ("v", v_cache)):
+        for prefix, strides in (("k", k_strides), ("v", v_strides)):
             for axis, name in enumerate(("sb", "ss", "sh")):
-                longs[fields[f"{prefix}_{name}"][1] // 8] = a.strides[axis] // a.itemsize
+                longs[fields[f"{prefix}_{name}"][1] // 8] = strides[axis] // itemsize
         ints[fields["capacity"][1] // 4] = slots
         reach = slots + self._seqlen_q  # (as when planning: a band edge past every key is no edge)
         for name, edge in zip(("window_left", "window_right"), self._window):
@@ -447,6 +450,27 @@ class DecodeLaunch:
                 return out, lse
         return self._new_arrays(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx,
                                 block_table, alibi_slopes, rotary_cos, rotary_sin, out, lse, stream)
+
+    def run_addresses(self, ptrs: tuple, slots: int, k_strides: tuple, v_strides: tuple, itemsize: int,
+                      stream: int) -> None:
+        """One step of a launch without rotary from addresses alone (``cuflash.torch``'s direct path): ``ptrs`` the
+        step's 12 addresses in record slot order (``_STEP_POINTERS``, 0 for an array not given; out and lse given),
+        ``slots`` and the byte strides of the caches (a growing launch follows them), launched on ``stream``. The
+        caller guarantees the layouts this launch was planned for (its key of the call); the addresses of q and the
+        caches are checked as :meth:`run` checks them."""
+        if self._get_device() != self.device or threading.get_ident() not in self._threads:
+            self._ensure_context()
+        if self._reads_rows and (ptrs[0] | ptrs[1] | ptrs[2]) & 15 or self._shared_kv:
+            self._check_addresses({0: ptrs[0], 1: ptrs[1], 2: ptrs[2]})
+        launch, argv, words = self._launch, self._argv_ptr, self._words
+        with self._lock:
+            if self._splits_for is not None:
+                self._fit_layout(slots, k_strides, v_strides, itemsize)
+            for word, ptr in zip(self._word_index, ptrs):
+                words[word] = ptr
+            for fn, gx, gy, gz, threads, smem in self._steps:
+                launch(fn, gx, gy, gz, threads, 1, 1, smem, stream, argv, 0)
+            self._last = _FORGOTTEN
 
     def _changed_arrays(self, last, arrays, given, stream=None):
         """A step without rotary some of whose arrays (``arrays``, in record slot order, ``out`` and ``lse``
