@@ -164,6 +164,45 @@ def test_matches_sdpa_cuda(dtype, causal):
         _compare_with_budget(shape, causal, dtype, device="cuda")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_inference_calls_like_one_already_run_cuda(dtype, monkeypatch):
+    """Inference calls (no gradient) of one layout: the first goes through the front door, the next ones with new
+    tensors run its plan directly (cuflash.torch._forward_plans); each result, poisoned memory around it reused by
+    torch's allocator, equals the full path's bit for bit and is within the budget of SDPA's against the float64
+    truth; a call with grad wanted still differentiates."""
+    pytest.importorskip("cupy")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    batch, n, heads_q, heads_kv, d = 2, 300, 8, 2, 128
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    through_front_door = []
+    real = cft._forward_backend
+    monkeypatch.setattr(cft, "_forward_backend", lambda *a, **kw: through_front_door.append(1) or real(*a, **kw))
+    for step in range(3):
+        q = torch.randn(batch, n, heads_q, d, device="cuda", generator=gen).to(dtype)
+        k, v = (torch.randn(batch, n, heads_kv, d, device="cuda", generator=gen).to(dtype) for _ in range(2))
+        torch.full((batch, n, heads_q, d), float("nan"), device="cuda", dtype=dtype)  # (freed: poison for the next)
+        with torch.no_grad():
+            direct = cft.attention(q, k, v, causal=True)
+            cft.DIRECT_CALLS = False
+            try:
+                full = cft.attention(q, k, v, causal=True)
+            finally:
+                cft.DIRECT_CALLS = True
+        assert len(through_front_door) == step + 2  # (the full path's call each step, and the first direct one)
+        assert torch.equal(direct, full), f"step {step}: the direct path differs from the full one"
+        truth = F.scaled_dot_product_attention(*(t.double().transpose(1, 2) for t in (q, k, v)), is_causal=True,
+                                               enable_gqa=True).transpose(1, 2)
+        theirs = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True,
+                                                enable_gqa=True).transpose(1, 2)
+        floor = torch.finfo(dtype).eps * truth.abs().max().item()
+        assert (direct.double() - truth).abs().max().item() <= 2 * (theirs.double() - truth).abs().max().item() + floor
+    q.requires_grad_()
+    cft.attention(q, k, v, causal=True).sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
 def _forward_backward(fn, q, k, v, do):
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     out = fn(q, k, v)
