@@ -485,9 +485,10 @@ def _runs_eagerly(*tensors) -> bool:
 # - a decode step (attention_with_kvcache) without k, v, rotary, cache_batch_idx or pages, with fewer query tokens
 #   than a chunked prefill and v's head dim q's (what a transformers decode step makes): the launch that call left in
 #   the front door's memory (a growing one: it follows the caches' slot count) runs with the tensors' addresses in its
-#   record (DecodeLaunch.run_addresses), out and lse from torch.empty, on torch's current stream. The key (_decode_key) is the front
-#   door's for a cache that grows: the caches without their slot count and their strides but the last; what it
-#   leaves out is checked at each call (_decode_run), as the front door checks it (cuflash._api._fits);
+#   record (DecodeLaunch.run_addresses), out and lse from torch.empty, on torch's current stream. The key
+#   (_decode_key) is the front door's for a cache that grows: the caches without their slot count and their strides
+#   but the last; what it leaves out is checked at each call (_decode_run), as the front door checks it
+#   (cuflash._api._fits);
 # - an inference call of attention (no gradient wanted) on q, k and v alone without dropout: the front door's plan
 #   of the call (_forward_key, _forward_run), the tensors' addresses passed as _Address.
 _decode_launches = _api.CallMemo(64)
@@ -532,8 +533,8 @@ def _forward_key(q, k, v, causal, softmax_scale, causal_align, window_size, soft
                  dropout_p, dropout_seed, dropout_offset, algorithm, block_q, block_k):
     """The key of an attention call on q, k and v alone in :data:`_forward_plans`, or None: a gradient wanted, not
     plain CUDA tensors run eagerly, dropout, options of unusual types (the checks judge them), the finite checks."""
-    if not _runs_eagerly(q, k, v) or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                                                   or v.requires_grad)):
+    if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor and _runs_eagerly()) or (
+            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         return None
     index = _gpu_index(q)
     if index < 0:
@@ -572,7 +573,8 @@ def _decode_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, alibi_slopes,
     """The key of a decode call without k, v, rotary, cache_batch_idx or pages in :data:`_decode_launches`, or None:
     not plain CUDA tensors run eagerly, not the decode kernels' kind of call, options of unusual types (the checks
     judge them), a CUDA graph capture (an int cache_seqlens needs an array of its own there), the debug mode."""
-    if not _runs_eagerly(q, k_cache, v_cache, cache_leftpad, alibi_slopes):
+    if not (type(q) is torch.Tensor and type(k_cache) is torch.Tensor and type(v_cache) is torch.Tensor
+            and _runs_eagerly(cache_leftpad, alibi_slopes)):
         return None
     index = _gpu_index(q)
     if index < 0 or q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
@@ -616,7 +618,8 @@ def _decode_run(key, q, k_cache, v_cache, cache_seqlens, cache_leftpad, alibi_sl
     if slots <= 0 or v_cache.shape[1] != slots or ((ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]) * itemsize) & 15:
         return None
     if type(cache_seqlens) is int:
-        lens = _kvcache.uniform_seqlens_address(index, q.shape[0], cache_seqlens) if 0 <= cache_seqlens <= slots else None
+        lens = (_kvcache.uniform_seqlens_address(index, q.shape[0], cache_seqlens)
+                if 0 <= cache_seqlens <= slots else None)
         if lens is None:
             return None
     else:

@@ -90,6 +90,18 @@ def test_torch_none_for_an_array(name):
         cft.attention(*arrays.values())
 
 
+@pytest.mark.parametrize("name", ["q", "k_cache", "v_cache"])
+def test_torch_none_for_an_array_of_attention_with_kvcache(name):
+    torch = _torch()
+    import cuflash.torch as cft
+
+    arrays = dict(q=torch.zeros(1, 1, 2, 8), k_cache=torch.zeros(1, 4, 2, 8), v_cache=torch.zeros(1, 4, 2, 8))
+    arrays[name] = None
+    with pytest.raises(TypeError, match=re.escape(f"{name} must be a torch.Tensor (CPU: the NumPy reference, CUDA: "
+                                                  "the kernels); got None")):
+        cft.attention_with_kvcache(*arrays.values(), cache_seqlens=1)
+
+
 def _device_message(first, first_device, name, device):
     return re.escape(f"{first} and {name} must be on the same device (cuflash copies nothing between devices: CPU "
                      f"tensors run the NumPy reference, CUDA tensors the kernels); got {first} on {first_device} and "
