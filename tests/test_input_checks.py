@@ -78,28 +78,22 @@ def _torch():
     return pytest.importorskip("torch")
 
 
-@pytest.mark.parametrize("name", ["q", "k", "v"])
-def test_torch_none_for_an_array(name):
+@pytest.mark.parametrize("call, name", [("attention", "q"), ("attention", "k"), ("attention", "v"),
+                                        ("attention_with_kvcache", "q"), ("attention_with_kvcache", "k_cache"),
+                                        ("attention_with_kvcache", "v_cache")])
+def test_torch_none_for_an_array(call, name):
     torch = _torch()
     import cuflash.torch as cft
 
-    arrays = dict(q=torch.zeros(1, 4, 2, 8), k=torch.zeros(1, 4, 2, 8), v=torch.zeros(1, 4, 2, 8))
+    if call == "attention":
+        arrays, options = dict(q=torch.zeros(1, 4, 2, 8), k=torch.zeros(1, 4, 2, 8), v=torch.zeros(1, 4, 2, 8)), {}
+    else:
+        arrays = dict(q=torch.zeros(1, 1, 2, 8), k_cache=torch.zeros(1, 4, 2, 8), v_cache=torch.zeros(1, 4, 2, 8))
+        options = dict(cache_seqlens=1)
     arrays[name] = None
     with pytest.raises(TypeError, match=re.escape(f"{name} must be a torch.Tensor (CPU: the NumPy reference, CUDA: "
                                                   "the kernels); got None")):
-        cft.attention(*arrays.values())
-
-
-@pytest.mark.parametrize("name", ["q", "k_cache", "v_cache"])
-def test_torch_none_for_an_array_of_attention_with_kvcache(name):
-    torch = _torch()
-    import cuflash.torch as cft
-
-    arrays = dict(q=torch.zeros(1, 1, 2, 8), k_cache=torch.zeros(1, 4, 2, 8), v_cache=torch.zeros(1, 4, 2, 8))
-    arrays[name] = None
-    with pytest.raises(TypeError, match=re.escape(f"{name} must be a torch.Tensor (CPU: the NumPy reference, CUDA: "
-                                                  "the kernels); got None")):
-        cft.attention_with_kvcache(*arrays.values(), cache_seqlens=1)
+        getattr(cft, call)(*arrays.values(), **options)
 
 
 def _device_message(first, first_device, name, device):
