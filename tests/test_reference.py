@@ -505,9 +505,14 @@ def _traced_peak(function, *args, **kwargs):
         tracemalloc.stop()
 
 
-def test_blocked_peak_memory_is_far_below_naive():
+def test_blocked_peak_memory_is_far_below_naive(monkeypatch):
     """At seqlen 2048 the naive path holds one (forward) or four (backward) 2048 x 2048 matrices per head;
-    the blocked paths, at their default block sizes, hold tiles and O(seqlen x head_dim) arrays."""
+    the blocked paths, at their default block sizes, hold tiles and O(seqlen x head_dim) arrays. The FA2
+    forward's default tiles follow the machine's L2 cache and it holds one tile per thread: both are fixed here
+    (a 512 KiB L2, the docs' machine, and one thread), so that the bound means the same on every machine (a 1 MiB
+    L2's 448-row tiles in two threads hold a quarter of naive's matrices already at this length)."""
+    monkeypatch.setattr(reference, "_l2_bytes", lambda: _blocks.DEFAULT_CACHE_BYTES)
+    monkeypatch.setenv(reference.THREADS_ENV, "1")
     q, k, v, do = random_inputs(1, 2048, 2048, 2, 2, 32, np.float32, seed=12)
     options = dict(scale=32**-0.5, variant=Variant())
     out, lse = reference.naive_forward(q, k, v, **options)
