@@ -1,6 +1,7 @@
 """The 16-bit backward's block order on the GPU: dK/dV kernel time for each ``interleave`` (how many (batch, head)
-pairs have their key tiles interleaved, longest first; ``cuflash/_cuda/attention.py:BWD_INTERLEAVE``), causal and
-windowed, bf16, 16 heads x 16384 tokens, with FlexAttention's causal backward in the same process for reference.
+pairs have their key tiles interleaved, longest first; ``cuflash/_cuda/attention.py:BWD_INTERLEAVE``), dense,
+causal and windowed, bf16, 16 heads x 16384 tokens, with FlexAttention's backward of the same masks in the same
+process for reference (``--flex``).
 Checks first that every order gives the gradients of interleave 1 (within float32 summation order).
 
     PYTHONPATH=. python3 tools/bwd_order.py [--interleave 1,2,4,8,16,64] [--flex] [--json out.json]
@@ -8,7 +9,6 @@ Checks first that every order gives the gradients of interleave 1 (within float3
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 
@@ -23,8 +23,6 @@ def main() -> None:
     ap.add_argument("--seqlens", default="2048,4096,8192,16384")
     ap.add_argument("--head-dims", default="128,64")
     ap.add_argument("--flex", action="store_true")
-    ap.add_argument("--dq-modes", default="bulk", help="bulk (the bulk engine's reduce-add), redg (per-element reds: "
-                    "-DCUFLASH_DQ_REDG), or both, compared")
     ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -35,14 +33,7 @@ def main() -> None:
 
     from cuflash import _cuda as cuda
     from cuflash._cuda import attention as att
-    from cuflash._cuda import spec as spec_mod
     from cuflash._variant import Variant
-
-    family = spec_mod.FAMILIES["bwd_dkdv_sm90"]
-
-    def dq_mode(mode):
-        extra = ("-DCUFLASH_DQ_REDG",) if mode == "redg" else ()
-        spec_mod.FAMILIES["bwd_dkdv_sm90"] = dataclasses.replace(family, options=family.options + extra)
 
     sys.path.insert(0, "tools")
     from variants_check import _warm_gpu
@@ -71,8 +62,7 @@ def main() -> None:
                 with stream:
                     o, lse = cuda.forward(q, k, v, **opts)
                 ref = None
-                for mode, il in ((m, i) for m in args.dq_modes.split(",") for i in orders):
-                    dq_mode(mode)
+                for il in orders:
                     att.BWD_INTERLEAVE = il
                     with stream:
                         grads = cuda.backward(do, q, k, v, o, lse, order="kv_outer", **opts)
@@ -94,9 +84,9 @@ def main() -> None:
                     tb = tt.do_bench(bwd, rep=args.rep, warmup=20)
                     tfb = tt.do_bench(fb, rep=args.rep, warmup=20)
                     ok = err <= 2e-2 * scale_
-                    rows.append(dict(d=d, n=n, case=name, dq=mode, interleave=il, bwd_ms=tb, fb_ms=tfb, max_diff=err, ok=ok,
+                    rows.append(dict(d=d, n=n, case=name, interleave=il, bwd_ms=tb, fb_ms=tfb, max_diff=err, ok=ok,
                                      bwd_tflops=2.5 * flops / tb * 1e-9, fb_tflops=3.5 * flops / tfb * 1e-9))
-                    log(f"d {d:3d} N {n:6d} {name:20s} {mode:4s} interleave {il:3d}  bwd {tb:7.3f} ms ({2.5 * flops / tb * 1e-9:5.1f}"
+                    log(f"d {d:3d} N {n:6d} {name:20s} interleave {il:3d}  bwd {tb:7.3f} ms ({2.5 * flops / tb * 1e-9:5.1f}"
                         f" TFLOP/s)  fwd+bwd {tfb:7.3f} ms  diff to 1st {err:.2e}{'' if ok else '  MISMATCH'}")
                 att.BWD_INTERLEAVE = None
                 if args.flex:
@@ -107,7 +97,7 @@ def main() -> None:
                     def mask(b_, h, qi, ki, w=w):
                         return (qi >= ki) & (qi - ki <= w) if w is not None else qi >= ki
 
-                    bm = create_block_mask(mask, b, None, n, n, device="cuda")
+                    bm = create_block_mask(mask, b, None, n, n, device="cuda") if variant.causal else None
 
                     def ffb():
                         out = fa(tqf, tkf, tvf, block_mask=bm)
