@@ -1010,7 +1010,7 @@ def backward_interleave(variant: Variant, shp: Shape) -> int:
     """The (batch, head) pairs whose key tiles the wgmma dK/dV kernel interleaves (``interleave`` of
     interleaved_block): 1 (each pair's tiles in turn) where every key tile sees the same queries; 4 under a causal
     mask, whose first key tiles see the most queries. Measured with ``tools/bwd_order.py`` (H100 and H200, bf16,
-    16 heads x 16384 tokens): 4 takes 4-6 % off the causal backward at N 4096-8192 and moves N 2048 and 16384, the
+    16 heads x 16384 tokens): 4 takes 2-6 % off the causal backward at N 4096-8192 and moves N 2048 and 16384, the
     windows and dense attention by less than the noise (1-2 %); interleaving more pairs spreads the blocks in flight
     over more heads' Q, dO and dQ in L2 (64: slower than 1)."""
     if BWD_INTERLEAVE is not None:
