@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 import cuflash
-from cuflash import _api, _kvcache, _validate
+from cuflash import _api, _chunked_prefill, _kvcache, _validate
 
 __all__ = ["attention", "attention_with_kvcache", "draw_dropout_seed"]
 
@@ -580,7 +580,7 @@ def _decode_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, alibi_slopes,
     if index < 0 or q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
         return None
     qs, ks, vs = q.shape, k_cache.shape, v_cache.shape
-    if not (0 < qs[1] < _chunked_prefill_rows() and ks[3] == vs[3]):
+    if not (0 < qs[1] < _chunked_prefill.MIN_SEQLEN_Q and ks[3] == vs[3]):
         return None
     if not _api.plain_decode_options(causal, rotary_interleaved, num_splits, window_size, softcap, softmax_scale):
         return None
@@ -596,12 +596,6 @@ def _decode_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, alibi_slopes,
             k_cache.dtype, k_cache.get_device(), vs[0], vs[2], v_cache.stride(3), v_cache.dtype, v_cache.get_device(),
             lens, _layout(cache_leftpad), _layout(alibi_slopes), rotary_interleaved, causal, window_size,
             type(softcap), softcap, type(softmax_scale), softmax_scale, num_splits)
-
-
-def _chunked_prefill_rows() -> int:
-    from cuflash import _chunked_prefill
-
-    return _chunked_prefill.MIN_SEQLEN_Q
 
 
 def _decode_run(key, q, k_cache, v_cache, cache_seqlens, cache_leftpad, alibi_slopes):

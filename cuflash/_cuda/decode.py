@@ -398,14 +398,12 @@ class DecodeLaunch:
         self._threads.add(threading.get_ident())
 
     def run(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad=None, cache_batch_idx=None,
-            block_table=None, alibi_slopes=None, rotary_cos=None, rotary_sin=None, out=None, lse=None, stream=None):
+            block_table=None, alibi_slopes=None, rotary_cos=None, rotary_sin=None, out=None, lse=None):
         """One step: ``(out, lse)``, appending ``k``, ``v`` first. The arrays must have the planned shapes, strides
         and dtype and lie on the plan's device (compared here after :meth:`expect`, else the caller's guarantee:
         the front door's). ``out`` and ``lse`` are allocated when not given; with both given the step allocates
-        nothing (without rotary) and does no host synchronization: the work is the launches, enqueued on
-        ``stream`` (a stream's address; None: CuPy's current stream). The arrays may be any objects with CuPy's
-        ``shape``, ``strides``, ``itemsize`` and ``data.ptr`` where none is allocated or rotated here (``out`` and
-        ``lse`` given, no rotary): ``cuflash.torch`` passes its tensors' so."""
+        nothing (without rotary) and does no host synchronization: the work is the launches, enqueued on the
+        current stream."""
         if self._get_device() != self.device or threading.get_ident() not in self._threads:
             self._ensure_context()
         last = self._last
@@ -429,7 +427,7 @@ class DecodeLaunch:
             # (with rotary, never: q and k are new rotated copies)
             if self.rotary is not None or rotary_cos is not None or rotary_sin is not None:
                 return self._new_arrays(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx,
-                                        block_table, alibi_slopes, rotary_cos, rotary_sin, out, lse, stream)
+                                        block_table, alibi_slopes, rotary_cos, rotary_sin, out, lse)
             # A model's decode loop (new q, k, v objects: its projections; the same caches and lengths), or the
             # front door's call (a new lse): the arrays that changed
             given = out, lse
@@ -438,10 +436,8 @@ class DecodeLaunch:
             if lse is None:
                 lse = self._empty(self.lse_shape, dtype=self._float32)
             return self._changed_arrays(last, (q, k_cache, v_cache, k, v, out, lse, cache_seqlens, cache_leftpad,
-                                               cache_batch_idx, block_table, alibi_slopes), given, stream)
-        launch, argv = self._launch, self._argv_ptr
-        if stream is None:
-            stream = self._current_stream().ptr
+                                               cache_batch_idx, block_table, alibi_slopes), given)
+        stream, launch, argv = self._current_stream().ptr, self._launch, self._argv_ptr
         with self._lock:
             if self._last is last and (self._splits_for is None or self._fit_key == (
                     k_cache.shape[1], k_cache.strides, v_cache.strides)):  # (not rewritten by another thread meanwhile)
@@ -449,7 +445,7 @@ class DecodeLaunch:
                     launch(fn, gx, gy, gz, threads, 1, 1, smem, stream, argv, 0)
                 return out, lse
         return self._new_arrays(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx,
-                                block_table, alibi_slopes, rotary_cos, rotary_sin, out, lse, stream)
+                                block_table, alibi_slopes, rotary_cos, rotary_sin, out, lse)
 
     def run_addresses(self, ptrs: tuple, slots: int, k_strides: tuple, v_strides: tuple, itemsize: int,
                       stream: int) -> None:
@@ -460,7 +456,7 @@ class DecodeLaunch:
         caches are checked as :meth:`run` checks them."""
         if self._get_device() != self.device or threading.get_ident() not in self._threads:
             self._ensure_context()
-        if self._reads_rows and (ptrs[0] | ptrs[1] | ptrs[2]) & 15 or self._shared_kv:
+        if (self._reads_rows and (ptrs[0] | ptrs[1] | ptrs[2]) & 15) or self._shared_kv:
             self._check_addresses({0: ptrs[0], 1: ptrs[1], 2: ptrs[2]})
         launch, argv, words = self._launch, self._argv_ptr, self._words
         with self._lock:
@@ -472,7 +468,7 @@ class DecodeLaunch:
                 launch(fn, gx, gy, gz, threads, 1, 1, smem, stream, argv, 0)
             self._last = _FORGOTTEN
 
-    def _changed_arrays(self, last, arrays, given, stream=None):
+    def _changed_arrays(self, last, arrays, given):
         """A step without rotary some of whose arrays (``arrays``, in record slot order, ``out`` and ``lse``
         allocated where ``given`` has None) are not the last step's objects: only those are compared with the
         expected layouts, checked for alignment and written into the record. Where one differs from its layout,
@@ -484,12 +480,12 @@ class DecodeLaunch:
             a = arrays[i]
             if a is None:
                 if layouts is not None and layouts[i] is not None:
-                    return self._new_arrays(*_run_order(arrays, given), stream)  # validate names it, raising
+                    return self._new_arrays(*_run_order(arrays, given))  # validate names it, raising
                 refs[i] = _none
                 writes.append((index[i], 0))
                 continue
             if layouts is not None and (type(a), a.shape, a.strides, a.dtype) != layouts[i]:
-                return self._new_arrays(*_run_order(arrays, given), stream)  # validate names it, raising
+                return self._new_arrays(*_run_order(arrays, given))  # validate names it, raising
             ptr = a.data.ptr
             if i < 3 and ptr & 15 and self._reads_rows:  # q and the caches (layouts were checked when planning)
                 self._check_addresses({i: ptr})
@@ -498,13 +494,11 @@ class DecodeLaunch:
         if self._shared_kv and stale and stale[0] <= 2:
             self._check_addresses({i: p for i, (_, p) in zip(stale, writes) if i in (1, 2)})
         refs = tuple(refs)
-        launch, argv = self._launch, self._argv_ptr
-        if stream is None:
-            stream = self._current_stream().ptr
+        stream, launch, argv = self._current_stream().ptr, self._launch, self._argv_ptr
         words = self._words
         with self._lock:
             if self._last is not last:  # another thread's step wrote the record meanwhile: write every address
-                return self._new_arrays(*_run_order(arrays, arrays[5:7]), stream)
+                return self._new_arrays(*_run_order(arrays, arrays[5:7]))
             if self._splits_for is not None:
                 self._fit(arrays[1], arrays[2])
             for word, ptr in writes:
@@ -537,7 +531,7 @@ class DecodeLaunch:
                                           f"planned; got a v_cache at another address")
 
     def _new_arrays(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx, block_table,
-                    alibi_slopes, rotary_cos, rotary_sin, out, lse, stream=None):
+                    alibi_slopes, rotary_cos, rotary_sin, out, lse):
         """A step whose arrays are not (all) the last step's: validated, rotated, allocated, their addresses
         written into the record, then launched."""
         if self.validate is not None:
@@ -568,9 +562,7 @@ class DecodeLaunch:
         self._check_addresses(dict(enumerate(ptrs)))
         refs = (*(_none if a is None else _weak(a) for a in given), *(_none if a is None else _weak(a)
                                                                        for a in arrays[5:]))
-        launch, argv = self._launch, self._argv_ptr
-        if stream is None:
-            stream = self._current_stream().ptr
+        stream, launch, argv = self._current_stream().ptr, self._launch, self._argv_ptr
         words = self._words
         with self._lock:
             if self._splits_for is not None:
