@@ -7,24 +7,25 @@ memory-bound"). The decode kernels are built for few query rows (64 packed rows 
 forward kernels for many (128-row tiles, the Hopper wgmma kernels at head dims 64 and 128). So, for a contiguous
 cache, after the in-place append the call is the forward over the cache arrays, each sequence using its first
 ``cache_seqlens[b] + seqlen_new`` keys (``seqused_k``), causal masking, windows and ALiBi bottom-right aligned, as
-in the decode call:
+in the decode call. :func:`forward_over_cache` composes it of array operations, step tag by step tag as the CUDA
+launch (:class:`cuflash._cuda.decode.ChunkedPrefillLaunch`) runs it in three kernels:
 
 1. ``[decode rotary]`` q and the new keys rotated at their positions
-   (:func:`cuflash.reference_decode.apply_rotary`, in the array module of the inputs);
+   (:func:`cuflash.reference_decode.apply_rotary`, in the array module of the inputs; on CuPy the same operations);
 2. ``[decode append]`` the new keys and values written into slots ``cache_seqlens[b] ..`` of cache row ``b`` (an
-   indexed assignment, v first, then k);
-3. the forward (``forward``: the backend's, :func:`cuflash._cuda.attention.forward` on CuPy, or
-   :func:`cuflash.reference.forward` on NumPy), ``seqused_k = cache_seqlens + seqlen_new``, over ``k_cache[:batch]``.
-
-``[decode guard]`` as in the decode kernels: a sequence whose ``cache_seqlens[b]`` is negative or leaves no room
-for the new tokens (a device value, not checked before the call on CuPy) appends nothing (its slots are written
-with the values they hold), reads no key (``seqused_k`` 0) and gets NaN in its output rows and lse.
+   indexed assignment, v first, then k), and ``[prefill lengths]`` each sequence's key count ``seqused_k =
+   cache_seqlens + seqlen_new`` (CUDA: ``decode_append_kernel``, one launch for both);
+3. the forward (``forward``: the backend's, :func:`cuflash.reference.forward` on NumPy; CUDA: the launch's
+   ``ForwardPlan``), ``seqused_k``, over ``k_cache[:batch]``;
+4. ``[decode guard]`` as in the decode kernels: a sequence whose ``cache_seqlens[b]`` is negative or leaves no
+   room for the new tokens (a device value, not checked before the call on CuPy) appends nothing (its slots are
+   written with the values they hold), reads no key (``seqused_k`` 0) and gets NaN in its output rows and lse
+   (CUDA: ``prefill_guard_kernel``).
 
 When it applies (:func:`eligible`): ``seqlen_q >= MIN_SEQLEN_Q``, a contiguous cache (no ``block_table``), no
 ``cache_leftpad`` (the forward's keys start at slot 0) and no ``cache_batch_idx`` (row ``b`` of the cache is batch
-entry ``b``), ``head_dim_v == head_dim``. The CUDA backend dispatches to it (:class:`cuflash._cuda.decode.
-ChunkedPrefillLaunch`); the NumPy backend keeps its decode reference (the step tags of the decode kernels), and the
-tests run this composition on NumPy against it.
+entry ``b``), ``head_dim_v == head_dim``. The CUDA backend dispatches to it; the NumPy backend keeps its decode
+reference (the step tags of the decode kernels), and the tests run this composition on NumPy against it.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def forward_over_cache(q, k_cache, v_cache, k, v, cache_seqlens, *, rotary: Rota
         keep = ~in_range[:, None, None, None]  # [decode guard] those slots get the values they hold
         bits(v_cache)[rows, slots] = xp.where(keep, bits(v_cache)[rows, slots], bits(v))
         bits(k_cache)[rows, slots] = xp.where(keep, bits(k_cache)[rows, slots], bits(k))
+    # [prefill lengths] the keys the forward reads of each sequence
     seqused_k = xp.where(in_range, seqlens + seqlen_new, 0).astype(xp.int32)
     variant = dataclasses.replace(variant, seqused_k=seqused_k)
     out, lse = forward(q, k_cache[:batch], v_cache[:batch], scale=scale, variant=variant, algorithm="fa2",

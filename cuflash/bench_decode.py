@@ -311,6 +311,16 @@ def _timer(torch, rep_ms: float):
     return timed
 
 
+def _side_by_side(timed, *fns, rounds: int = 5) -> list[float]:
+    """Seconds per call of each function: ``timed`` of each in turn, ``rounds`` times, the median of each (a slow
+    moment of the machine falls on one round of every function, not on all of one)."""
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for spent, fn in zip(times, fns):
+            spent.append(timed(fn))
+    return [float(np.median(t)) for t in times]
+
+
 def _gpu_rows(args) -> list[dict]:
     import cupy
     import torch
@@ -648,8 +658,8 @@ def _cascade_rows_gpu(args) -> list[dict]:
                 c = _cascade_case(cupy, rng, ml_dtypes.bfloat16, batch, prefix, _SUFFIX_RANGE, hq, hkv, d)
                 cascade, unshared = _cascade_calls(cuflash, c)
                 err = float(cupy.abs(cascade().astype(cupy.float32) - unshared().astype(cupy.float32)).max())
-                row = _cascade_row(batch, prefix, float(c["lens"].mean()), hq, hkv, d, 2, timed(cascade),
-                                   timed(unshared), err)
+                row = _cascade_row(batch, prefix, float(c["lens"].mean()), hq, hkv, d, 2,
+                                   *_side_by_side(timed, cascade, unshared), err)
                 rows.append(row)
                 _print_cascade(row, "" if err <= 2e-2 else "  MISMATCH")
                 del c
@@ -766,7 +776,7 @@ def _prefill_rows_gpu(args) -> list[dict]:
                     c = _prefill_case(cupy, rng, ml_dtypes.bfloat16, batch, cache, new, hq, hkv, d)
                     chunked, dense = _prefill_calls(cuflash, c)
                     err = float(cupy.abs(chunked().astype(cupy.float32) - dense().astype(cupy.float32)).max())
-                    chunked_s, dense_s = timed(chunked), timed(dense)
+                    chunked_s, dense_s = _side_by_side(timed, chunked, dense)
                     with _decode_kernels_forced():
                         decode_s = timed(chunked)
                     row = _prefill_row(batch, cache, new, hq, hkv, d, chunked_s, dense_s, decode_s, err)

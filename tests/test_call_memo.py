@@ -500,7 +500,7 @@ def _decode_step(launches, batch):
         workspace = r["num_splits"] > 1 and all(r[f] for f in ("o_part", "lse_part", "split_count"))
         for field in _POINTERS:
             r[field] = 0
-        steps.append((name, grid, block, smem, r.tobytes(), lens, workspace))
+        steps.append((name, grid, block, smem, r.item(), lens, workspace))  # (its fields: padding bytes are any)
     return steps
 
 

@@ -71,6 +71,8 @@ CASES = {  # label: (batch, heads_q, heads_kv, d, seqlen_q, seqlen_new, capacity
     "prefill-rotary-window-alibi": (2, 8, 2, 64, 96, 96, 600, None,
                                     dict(causal=True, window_size=(200, 0), rotary="neox", alibi_slopes="batch")),
     "prefill-softcap-no-append": (2, 8, 8, 64, 64, 0, 400, None, dict(softcap=20.0)),
+    "prefill-gptj-alibi-heads": (3, 8, 4, 128, 80, 80, 500, None, dict(causal=True, rotary="gptj",
+                                                                      alibi_slopes="heads")),
 }
 
 
@@ -270,6 +272,26 @@ def test_chunked_prefill_matches_the_decode_kernels(requires_gpu, monkeypatch, d
                                                                                       v2.view(cp.uint16))
     decode._LAUNCHES.clear()
     _api._kvcache_launches.clear()
+
+
+def test_chunked_prefill_writes_an_out_of_other_strides(requires_gpu):
+    """Chunked prefill given an ``out=`` that is not C-contiguous (a view into a wider buffer): the result lands in
+    it, bit for bit what a call without ``out`` returns, and nothing else of the buffer changes."""
+    cp = requires_gpu
+    rng = np.random.default_rng(5)
+    dtype = DTYPES["bfloat16"]
+    q, k_cache, v_cache, k, v, seqlens, _ = _case(rng, batch=2, heads_q=8, heads_kv=2, d=64, seqlen_q=100,
+                                                  seqlen_new=100, capacity=700, page_size=None, dtype=dtype)
+    args = dict(cache_seqlens=cp.asarray(seqlens), causal=True)
+    want = cuflash.attention_with_kvcache(cp.asarray(q), cp.asarray(k_cache), cp.asarray(v_cache), cp.asarray(k),
+                                         cp.asarray(v), **args)
+    wide = cp.full((2, 100, 8, 80), 7, dtype=dtype)
+    out = wide[..., 8:72]
+    got = cuflash.attention_with_kvcache(cp.asarray(q), cp.asarray(k_cache), cp.asarray(v_cache), cp.asarray(k),
+                                        cp.asarray(v), out=out, **args)
+    assert got is out
+    assert cp.array_equal(out.view(cp.uint16), want.view(cp.uint16))
+    assert bool((wide[..., :8] == 7).all()) and bool((wide[..., 72:] == 7).all())
 
 
 @pytest.mark.parametrize("dtname", ["bfloat16", "float16"])
@@ -512,12 +534,12 @@ def test_merge_kernel_against_merge_stacked(requires_gpu, dtname, d, splits):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _steps_case(rng, dtype, *, paged: bool, batch=3, heads_q=8, heads_kv=2, d=64, capacity=300):
+def _steps_case(rng, dtype, *, paged: bool, batch=3, heads_q=8, heads_kv=2, d=64, capacity=300, seqlen_q=1):
     page = 16 if paged else None
     q, k_cache, v_cache, _, _, seqlens, table = _case(rng, batch=batch, heads_q=heads_q, heads_kv=heads_kv, d=d,
-                                                     seqlen_q=1, seqlen_new=1, capacity=capacity, page_size=page,
-                                                     dtype=dtype)
-    seqlens = np.minimum(seqlens, capacity - 8).astype(np.int32)  # room for the steps' appends
+                                                     seqlen_q=seqlen_q, seqlen_new=seqlen_q, capacity=capacity,
+                                                     page_size=page, dtype=dtype)
+    seqlens = np.minimum(seqlens, capacity - 8 * seqlen_q).astype(np.int32)  # room for the steps' appends
     return q, k_cache, v_cache, seqlens, table
 
 
@@ -604,17 +626,20 @@ def test_plan_checks_device_values_in_the_debug_mode(requires_gpu, monkeypatch):
         plan.run(cq, ck, cv, cache_seqlens=lens)
 
 
-def _graph_inputs(cp, rng, dtype, *, paged):
-    q, k_cache, v_cache, seqlens, table = _steps_case(rng, dtype, paged=paged, batch=2, capacity=600)
+def _graph_inputs(cp, rng, dtype, *, paged, seqlen_q=1):
+    capacity = 600 if seqlen_q == 1 else 2048
+    q, k_cache, v_cache, seqlens, table = _steps_case(rng, dtype, paged=paged, batch=2, capacity=capacity,
+                                                      seqlen_q=seqlen_q)
     batch, _, heads_q, d = q.shape
     heads_kv = k_cache.shape[2]
-    k, v = (rng.standard_normal((batch, 1, heads_kv, d)).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal((batch, seqlen_q, heads_kv, d)).astype(dtype) for _ in range(2))
 
     def fresh():  # one copy of everything a step reads and writes
         return dict(q=cp.asarray(q), k_cache=cp.asarray(k_cache), v_cache=cp.asarray(v_cache), k=cp.asarray(k),
                     v=cp.asarray(v), cache_seqlens=cp.asarray(seqlens),
                     block_table=None if table is None else cp.asarray(table),
-                    out=cp.empty((batch, 1, heads_q, d), dtype=dtype), lse=cp.empty((batch, heads_q, 1), cp.float32))
+                    out=cp.empty((batch, seqlen_q, heads_q, d), dtype=dtype),
+                    lse=cp.empty((batch, heads_q, seqlen_q), cp.float32))
     return fresh
 
 
@@ -623,20 +648,24 @@ def _run(plan, a):
                     block_table=a["block_table"], out=a["out"], lse=a["lse"])
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged16"])
-def test_plan_run_in_a_cupy_graph(requires_gpu, paged):
-    """plan.run captured by CuPy's stream capture (append, attention, merge) and replayed for three steps gives
-    what eager runs give, bit for bit; the caller advances the lengths on the device between steps."""
+@pytest.mark.parametrize("paged, seqlen_q", [(False, 1), (True, 1), (False, 96)],
+                         ids=["contiguous", "paged16", "chunked-prefill"])
+def test_plan_run_in_a_cupy_graph(requires_gpu, paged, seqlen_q):
+    """plan.run captured by CuPy's stream capture (append, attention, merge; chunked prefill's append, forward and
+    guard) and replayed for three steps gives what eager runs give, bit for bit; the caller advances the lengths on
+    the device between steps."""
     cp = requires_gpu
     rng = np.random.default_rng(8)
-    fresh = _graph_inputs(cp, rng, DTYPES["bfloat16"], paged=paged)
+    fresh = _graph_inputs(cp, rng, DTYPES["bfloat16"], paged=paged, seqlen_q=seqlen_q)
     eager, captured = fresh(), fresh()
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         plan = cuflash.plan_kvcache(eager["q"], eager["k_cache"], eager["v_cache"], eager["k"], eager["v"],
                                     cache_seqlens=eager["cache_seqlens"], block_table=eager["block_table"],
                                     causal=True, out=eager["out"])
-        assert plan.num_splits > 1  # batch 2 x 2 heads: the split kernel merges (its counters reset each replay)
+        # batch 2 x 2 heads: the split kernel merges (its counters reset each replay); chunked prefill's forward
+        assert plan.num_splits > 1 or seqlen_q > 1
+        assert (type(plan._runner.__self__).__name__ == "ChunkedPrefillLaunch") == (seqlen_q > 1)
         graph_plan = cuflash.plan_kvcache(captured["q"], captured["k_cache"], captured["v_cache"], captured["k"],
                                           captured["v"], cache_seqlens=captured["cache_seqlens"],
                                           block_table=captured["block_table"], causal=True, out=captured["out"])
@@ -653,8 +682,8 @@ def test_plan_run_in_a_cupy_graph(requires_gpu, paged):
             graph.launch(stream)
             for name in ("out", "lse", "k_cache", "v_cache"):
                 assert cp.array_equal(eager[name].view(cp.uint8), captured[name].view(cp.uint8)), (name, step)
-            eager["cache_seqlens"] += 1
-            captured["cache_seqlens"] += 1
+            eager["cache_seqlens"] += seqlen_q
+            captured["cache_seqlens"] += seqlen_q
         stream.synchronize()
     assert not np.isnan(cp.asnumpy(eager["lse"])).any()
 

@@ -33,7 +33,7 @@ from typing import Callable
 import numpy as np
 
 from .. import _chunked_prefill
-from .._kvcache import KVCache, Rotary
+from .._kvcache import KVCache
 from .._variant import Variant
 from ..reference_decode import apply_rotary
 from .compile import check_smem, device_info, kernel, launch
@@ -51,7 +51,7 @@ _STEP_POINTERS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "ca
                   "cache_batch_idx", "block_table", "alibi_slopes")
 # The pointer fields in struct order (the workspace's, planned, among them).
 _POINTERS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "o_part", "lse_part", "split_count",
-             "cache_seqlens", "cache_leftpad", "cache_batch_idx", "block_table", "alibi_slopes")
+             "seqused_k", "cache_seqlens", "cache_leftpad", "cache_batch_idx", "block_table", "alibi_slopes")
 
 # Layout of `struct DecodeParams` (decode.cu), passed by value to every decode kernel.
 DECODE_PARAMS_DTYPE = np.dtype(
@@ -66,7 +66,7 @@ DECODE_PARAMS_DTYPE = np.dtype(
      ("fuse_new", np.int32)],
     align=True,
 )
-assert DECODE_PARAMS_DTYPE.itemsize == 376
+assert DECODE_PARAMS_DTYPE.itemsize == 384
 _FUSE_WORD = DECODE_PARAMS_DTYPE.fields["fuse_new"][1] // 4  # its index among the record's 32-bit words
 # Each step pointer's byte offset in the record, in _STEP_POINTERS order.
 _STEP_OFFSETS = tuple(DECODE_PARAMS_DTYPE.fields[name][1] for name in _STEP_POINTERS)
@@ -145,6 +145,47 @@ def check_decode_supported(q, k_cache, v_cache) -> None:
         if a.data.ptr % 16 or any(s % 16 for s in a.strides[:-1]) or a.strides[-1] != a.itemsize:
             raise NotImplementedError(f"{name}: the decode kernel reads 16-byte rows; its base and strides must be "
                                       f"multiples of 16 bytes (got strides {a.strides})")
+
+
+def decode_record(q, k_cache, v_cache, k, v, *, out, cache: KVCache, scale: float, variant: Variant, rotary: bool,
+                  num_splits: int = 1, row_tiles: int = 0) -> np.ndarray:
+    """A ``DecodeParams`` record (one element of :data:`DECODE_PARAMS_DTYPE`) with every field that a call's shapes,
+    strides and options decide; the pointers 0 (a step writes its arrays', a plan its workspace's). ``out``: the
+    output array a step writes into, or None for a C-contiguous one. Arrays that the rotary step replaces by rotated
+    copies (q, k) are read at the copies' (contiguous) strides."""
+    batch, seqlen_q, heads_q, d = q.shape
+    heads_kv, dv = k_cache.shape[2], v_cache.shape[3]
+    rec = np.zeros(1, DECODE_PARAMS_DTYPE)
+    r = rec[0]  # a structured scalar: a view of the record
+    planned = {"q": q, "k": k_cache, "v": v_cache, "kn": k, "vn": v}
+    for prefix, a in planned.items():
+        if a is None:
+            continue
+        strides = _contiguous_strides(a.shape) if rotary and prefix in ("q", "kn") else \
+            tuple(s // a.itemsize for s in a.strides)
+        r[f"{prefix}_sb"], r[f"{prefix}_ss"], r[f"{prefix}_sh"] = strides[:3]
+    r["o_sb"], r["o_ss"], r["o_sh"] = (_contiguous_strides((batch, seqlen_q, heads_q, dv)) if out is None else
+                                       tuple(s // out.itemsize for s in out.strides))[:3]
+    slopes = variant.alibi_slopes
+    r["alibi_sb"] = 0 if slopes is None or slopes.ndim == 1 else _el(slopes, 0)
+    r["bt_sb"] = 0 if cache.block_table is None else _el(cache.block_table, 0)
+    # [decode guard] the bounds the kernels check the device's index values against
+    r["capacity"], r["cache_rows"] = cache.capacity, k_cache.shape[0]
+    r["batch"], r["seqlen_q"], r["seqlen_new"], r["heads_q"] = batch, seqlen_q, cache.seqlen_new, heads_q
+    r["heads_kv"], r["group"], r["head_dim"], r["head_dim_v"] = heads_kv, heads_q // max(heads_kv, 1), d, dv
+    r["page_size"], r["num_splits"], r["row_tiles"] = cache.page_size or 1, num_splits, row_tiles
+    page = cache.page_size or 1
+    r["page_shift"] = page.bit_length() - 1 if page & (page - 1) == 0 else -1  # [decode page]
+    # A band edge past every key is no edge: clamped so that t + offset +- window stays inside int32.
+    reach = cache.capacity + seqlen_q
+    left = None if variant.window_left is None else min(variant.window_left, reach)
+    right = None if variant.right is None else min(variant.right, reach)
+    r["has_left"], r["window_left"] = left is not None, left or 0
+    r["has_right"], r["window_right"] = right is not None, right or 0
+    r["scale_log2"], r["inv_scale"] = scale * _LOG2E, 1.0 / scale
+    if variant.softcap:
+        r["softcap_a"], r["softcap_b"] = scale / variant.softcap, variant.softcap / scale
+    return rec
 
 
 class CupyRuntime:
@@ -255,42 +296,15 @@ class DecodeLaunch:
         self._fused = self._two_launches[1:] if self._can_fuse else self._two_launches
         self._steps = self._fused
 
-        # The record: every field but the step's pointers. Arrays that the rotary step replaces by rotated
-        # copies (q, k) are read at the copies' (contiguous) strides.
-        rec = self._record = np.zeros(1, DECODE_PARAMS_DTYPE)
+        # The record: every field but the step's pointers.
+        rec = self._record = decode_record(q, k_cache, v_cache, k, v, out=out, cache=cache, scale=scale,
+                                           variant=variant, rotary=self.rotary is not None,
+                                           num_splits=self.num_splits, row_tiles=row_tiles)
+        self.out_strides = None if out is None else tuple(out.strides)
         self._argv = np.array([rec.ctypes.data], dtype=np.uint64)  # void* args[1] = {&record}
         self._argv_ptr = int(self._argv.ctypes.data)
         self._lock = threading.Lock()  # one step at a time writes the record and launches from it
         r = rec[0]  # a structured scalar: a view of the record
-        planned = {"q": q, "k": k_cache, "v": v_cache, "kn": k, "vn": v}
-        for prefix, a in planned.items():
-            if a is None:
-                continue
-            strides = _contiguous_strides(a.shape) if self.rotary and prefix in ("q", "kn") else \
-                tuple(s // a.itemsize for s in a.strides)
-            r[f"{prefix}_sb"], r[f"{prefix}_ss"], r[f"{prefix}_sh"] = strides[:3]
-        r["o_sb"], r["o_ss"], r["o_sh"] = (_contiguous_strides(self.out_shape) if out is None else
-                                           tuple(s // out.itemsize for s in out.strides))[:3]
-        self.out_strides = None if out is None else tuple(out.strides)
-        slopes = variant.alibi_slopes
-        r["alibi_sb"] = 0 if slopes is None or slopes.ndim == 1 else _el(slopes, 0)
-        r["bt_sb"] = 0 if cache.block_table is None else _el(cache.block_table, 0)
-        # [decode guard] the bounds the kernels check the device's index values against
-        r["capacity"], r["cache_rows"] = cache.capacity, k_cache.shape[0]
-        r["batch"], r["seqlen_q"], r["seqlen_new"], r["heads_q"] = batch, seqlen_q, cache.seqlen_new, heads_q
-        r["heads_kv"], r["group"], r["head_dim"], r["head_dim_v"] = heads_kv, group, d, dv
-        r["page_size"], r["num_splits"], r["row_tiles"] = cache.page_size or 1, self.num_splits, row_tiles
-        page = cache.page_size or 1
-        r["page_shift"] = page.bit_length() - 1 if page & (page - 1) == 0 else -1  # [decode page]
-        # A band edge past every key is no edge: clamped so that t + offset +- window stays inside int32.
-        reach = cache.capacity + seqlen_q
-        left = None if variant.window_left is None else min(variant.window_left, reach)
-        right = None if variant.right is None else min(variant.right, reach)
-        r["has_left"], r["window_left"] = left is not None, left or 0
-        r["has_right"], r["window_right"] = right is not None, right or 0
-        r["scale_log2"], r["inv_scale"] = scale * _LOG2E, 1.0 / scale
-        if variant.softcap:
-            r["softcap_a"], r["softcap_b"] = scale / variant.softcap, variant.softcap / scale
         if self.o_part is not None:
             r["o_part"], r["lse_part"] = self.o_part.data.ptr, self.lse_part.data.ptr
         if self.split_count is not None:
@@ -517,11 +531,7 @@ class DecodeLaunch:
         caches at multiples of 16 bytes (read in 16-byte rows; layouts were checked when planning), and, for MLA,
         v_cache at k_cache's address."""
         if self._reads_rows:
-            for slot, name in ((0, "q"), (1, "k_cache"), (2, "v_cache")):
-                ptr = ptrs.get(slot, 0)
-                if ptr & 15:
-                    raise NotImplementedError(f"{name}: the decode kernel reads 16-byte rows; its base address must "
-                                              f"be a multiple of 16 bytes (got one {ptr % 16} bytes past a multiple)")
+            _check_row_addresses(ptrs)
         if self._shared_kv and (1 in ptrs or 2 in ptrs):
             k_ptr = ptrs[1] if 1 in ptrs else self._words[self._word_index[1]]
             v_ptr = ptrs[2] if 2 in ptrs else self._words[self._word_index[2]]
@@ -539,17 +549,7 @@ class DecodeLaunch:
                           alibi_slopes, rotary_cos, rotary_sin, out, lse)
         given = (q, k_cache, v_cache, k, v)
         if self.rotary is not None:  # [decode rotary] in CuPy array operations, into contiguous copies
-            import cupy
-
-            interleaved, consecutive_q = self.rotary
-            base = cache_seqlens.astype(cupy.int64)[:, None]
-            seqlen_q = q.shape[1]
-            steps = cupy.arange(seqlen_q) if consecutive_q else cupy.zeros(seqlen_q, cupy.int64)
-            q = cupy.ascontiguousarray(apply_rotary(q, rotary_cos, rotary_sin, base + steps[None, :], interleaved,
-                                                    xp=cupy))
-            if k is not None:
-                positions = base + cupy.arange(k.shape[1])[None, :]
-                k = cupy.ascontiguousarray(apply_rotary(k, rotary_cos, rotary_sin, positions, interleaved, xp=cupy))
+            q, k = _rotated(q, k, cache_seqlens, rotary_cos, rotary_sin, *self.rotary)
         if out is None:
             out = self._empty(self.out_shape, dtype=self.dtype)
         if lse is None:
@@ -580,71 +580,136 @@ class DecodeLaunch:
 
 
 class ChunkedPrefillLaunch:
-    """A decode call with many query tokens over a contiguous cache (chunked prefill), run as the FlashAttention-2
-    forward over the cache arrays after the append (:mod:`cuflash._chunked_prefill`): the forward kernels' large
-    tiles where the decode kernels' small ones would be compute-bound. The interface of :class:`DecodeLaunch`
-    (``run``, ``num_splits``, ``expect``, ``out_shape``, ``lse_shape``), so that the front door's memory and
-    :class:`cuflash.DecodePlan` take either; unlike it, a step allocates (the forward's output, ``seqused_k``,
-    rotary's copies, the append's indices) and is not capturable in a CUDA graph.
+    """A decode call with many query tokens over a contiguous cache (chunked prefill), planned once and run as
+    three launches on the current stream (:mod:`cuflash._chunked_prefill`; ``decode.cu``):
 
-    Runs the same head dims and dtypes as the decode kernels (:func:`check_decode_supported`), checked before
-    anything is appended. Holds no array of the planned call (the ALiBi slopes and rotary tables come with each
-    step). Not yet run on a GPU: composed of the GPU-verified forward (``seqused_k``, bottom-right causal masks,
-    windows, GQA) and CuPy array operations.
+    1. ``decode_append_kernel`` ([decode append] and [prefill lengths]): the new keys and values into their slots,
+       and each sequence's key count ``cache_seqlens[b] + seqlen_new`` (0 out of range) into the launch's
+       ``seqused_k`` workspace;
+    2. the FlashAttention-2 forward over the cache arrays (its :class:`.attention.ForwardPlan`, with ``seqused_k``,
+       bottom-right causal masks, windows, softcap, ALiBi): the forward kernels' large tiles where the decode
+       kernels' small ones would be compute-bound;
+    3. ``prefill_guard_kernel`` ([decode guard]): the rows of sequences out of range NaN.
+
+    The interface of :class:`DecodeLaunch` (``run``, ``num_splits``, ``expect``, ``out_shape``, ``lse_shape``), so
+    that the front door's memory and :class:`cuflash.DecodePlan` take either. A step writes its arrays' addresses
+    into the two launches' records and launches: with ``out`` and ``lse`` given (C-contiguous) and no rotary it
+    allocates nothing and can be captured in a CUDA graph. Rotary embedding rotates copies of q and the new k first
+    (CuPy array operations, as :class:`DecodeLaunch`); an ``out`` that is not C-contiguous receives a copy. Holds no
+    array of the planned call (the ALiBi slopes and rotary tables come with each step).
     """
 
-    def __init__(self, q, k_cache, v_cache, k, v, *, cache: KVCache, scale: float, variant: Variant, out=None):
-        import cupy
-
+    def __init__(self, q, k_cache, v_cache, k, v, *, cache: KVCache, scale: float, variant: Variant, out=None,
+                 runtime=None):
         from . import attention
         from .._validate import Problem
+        from .._variant import VariantArrays
 
-        check_decode_supported(q, k_cache, v_cache)
+        rt = runtime if runtime is not None else CupyRuntime()
+        rt.check_supported(q, k_cache, v_cache)
         batch, seqlen_q, heads_q, d = q.shape
         attention.check_supported(Problem(batch, seqlen_q, cache.capacity, heads_q, k_cache.shape[2], d, q.dtype),
                                   "fa2", variant)
-        self.device = cupy.cuda.runtime.getDevice()
+        dtype = np.dtype(q.dtype).name
+        self.device = rt.get_device()
+        self.dtype = q.dtype
         self.out_shape = (batch, seqlen_q, heads_q, v_cache.shape[3])
         self.lse_shape = (batch, heads_q, seqlen_q)
         self.num_splits = 1
         self.validate = None
-        self._scale = scale
-        self._variant = dataclasses.replace(variant, alibi_slopes=None)
         self._rotary = None if cache.rotary is None else (cache.rotary.interleaved, cache.rotary.consecutive_q)
-        self._forward = attention.forward
+        # [prefill lengths] the forward's key counts, written by the append kernel at every step
+        self._seqused = rt.empty((batch,), dtype=np.int32)
+        self._append = rt.function(kernel_spec("decode_append", dtype, 0, variant="false"))
+        self._guard = rt.function(kernel_spec("prefill_guard", dtype, 0))
+        self._append_grid = batch * max(cache.seqlen_new, 1)
+        # The forward, planned over the caches' first batch rows: ALiBi slopes of one row per head read at batch
+        # stride 0; q and k at the rotated copies' contiguous strides under rotary.
+        slopes = variant.alibi_slopes
+        if slopes is not None and slopes.ndim == 1:
+            import cupy
 
-    def expect(self, layouts: tuple, out_layout, lse_layout, validate) -> None:
-        """As :meth:`DecodeLaunch.expect`; here every step is validated in full (``validate``)."""
-        self.validate = validate
+            slopes = cupy.broadcast_to(slopes, (batch, heads_q))
+        forward_variant = dataclasses.replace(variant, alibi_slopes=slopes, seqused_k=self._seqused)
+        q_planned = q if self._rotary is None else rt.empty(q.shape, dtype=q.dtype)
+        self._forward = attention.ForwardPlan(q_planned, k_cache[:batch], v_cache[:batch], scale=scale,
+                                              variant=forward_variant, block_q=None, block_k=None)
+        self._arrays = VariantArrays
+        rec = self._record = decode_record(q, k_cache, v_cache, k, v, out=None, cache=cache, scale=scale,
+                                           variant=variant, rotary=self._rotary is not None)
+        rec[0]["seqused_k"] = self._seqused.data.ptr
+        self._argv = np.array([rec.ctypes.data], dtype=np.uint64)  # void* args[1] = {&record}
+        self._argv_ptr = int(self._argv.ctypes.data)
+        self._words = memoryview(rec.view(np.uint8)).cast("Q")
+        self._word_index = tuple(off // 8 for off in _STEP_OFFSETS)
+        self._lock = threading.Lock()  # one step at a time writes the records and launches
+        self._empty, self._float32 = rt.empty, rt.float32
+        self._current_stream, self._get_device, self._launch = rt.current_stream, rt.get_device, rt.launch
+        self._runtime = rt
+        self._threads: set = set()
+
+    expect = DecodeLaunch.expect
+    _ensure_context = DecodeLaunch._ensure_context
 
     def run(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad=None, cache_batch_idx=None,
             block_table=None, alibi_slopes=None, rotary_cos=None, rotary_sin=None, out=None, lse=None):
-        """One step: ``(out, lse)``, appending ``k``, ``v`` first; ``out`` and ``lse``, when given, receive copies
-        of the forward's results."""
-        import cupy
-
+        """One step: ``(out, lse)``, appending ``k``, ``v`` first. The arrays must have the planned layouts (the
+        caller's guarantee, or ``validate``'s after :meth:`expect`); ``out`` and ``lse`` are allocated when not
+        given."""
         if self.validate is not None:
             self.validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx, block_table,
                           alibi_slopes, rotary_cos, rotary_sin, out, lse)
-        device = cupy.cuda.runtime.getDevice()
-        if device != self.device:
-            raise ValueError(f"this decode plan was made on cuda:{self.device}; the current device is cuda:{device} "
-                             f"(use `with cupy.cuda.Device({self.device}):`)")
-        variant = self._variant
-        if alibi_slopes is not None:  # the forward's slopes: (batch, heads_q), a (heads_q,) array broadcast
-            slopes = alibi_slopes if alibi_slopes.ndim == 2 else cupy.broadcast_to(alibi_slopes, self.lse_shape[:2])
-            variant = dataclasses.replace(variant, alibi_slopes=slopes)
-        rotary = None if self._rotary is None else Rotary(rotary_cos, rotary_sin, *self._rotary)
-        result, lse_run = _chunked_prefill.forward_over_cache(q, k_cache, v_cache, k, v, cache_seqlens, rotary=rotary,
-                                                              scale=self._scale, variant=variant,
-                                                              forward=self._forward, xp=cupy)
-        if out is not None:
-            _chunked_prefill.bits(out)[...] = _chunked_prefill.bits(result)
-            result = out
-        if lse is not None:
-            lse[...] = lse_run
-            lse_run = lse
-        return result, lse_run
+        if self._get_device() != self.device or threading.get_ident() not in self._threads:
+            self._ensure_context()
+        _check_row_addresses({0: q.data.ptr, 1: k_cache.data.ptr, 2: v_cache.data.ptr})
+        if self._rotary is not None:  # [decode rotary] in CuPy array operations, into contiguous copies
+            q, k = _rotated(q, k, cache_seqlens, rotary_cos, rotary_sin, *self._rotary)
+        given = out
+        if out is not None and not out.flags.c_contiguous:
+            out = None
+        if out is None:
+            out = self._empty(self.out_shape, dtype=self.dtype)
+        if lse is None:
+            lse = self._empty(self.lse_shape, dtype=self._float32)
+        ptrs = (q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, 0 if k is None else k.data.ptr,
+                0 if v is None else v.data.ptr, out.data.ptr, lse.data.ptr, cache_seqlens.data.ptr)
+        arrays = self._arrays(seqused_k=self._seqused, alibi_slopes=alibi_slopes)
+        stream, launch, argv, words = self._current_stream().ptr, self._launch, self._argv_ptr, self._words
+        with self._lock:
+            for index, ptr in zip(self._word_index, ptrs):
+                words[index] = ptr
+            launch(self._append[0], self._append_grid, 1, 1, 128, 1, 1, 0, stream, argv, 0)
+            self._forward.run(q, k_cache, v_cache, arrays, stream, out=out, lse_out=lse)
+            launch(self._guard[0], self.out_shape[0], 1, 1, 128, 1, 1, 0, stream, argv, 0)
+        if given is not None and given is not out:  # an out= of other strides: a copy of the result
+            _chunked_prefill.bits(given)[...] = _chunked_prefill.bits(out)
+            out = given
+        return out, lse
+
+
+def _check_row_addresses(ptrs: dict) -> None:
+    """q and the caches (record slots 0, 1, 2 -> address) at multiples of 16 bytes: the decode kernels and the
+    forward read them in 16-byte rows (their layouts were checked when planning)."""
+    for slot, name in ((0, "q"), (1, "k_cache"), (2, "v_cache")):
+        ptr = ptrs.get(slot, 0)
+        if ptr & 15:
+            raise NotImplementedError(f"{name}: the decode kernel reads 16-byte rows; its base address must "
+                                      f"be a multiple of 16 bytes (got one {ptr % 16} bytes past a multiple)")
+
+
+def _rotated(q, k, cache_seqlens, rotary_cos, rotary_sin, interleaved: bool, consecutive_q: bool):
+    """[decode rotary]: contiguous rotated copies of q (query token i at ``cache_seqlens[b] + i``, or every token at
+    ``cache_seqlens[b]``) and of the new k (new key i at ``cache_seqlens[b] + i``), in CuPy array operations."""
+    import cupy
+
+    base = cache_seqlens.astype(cupy.int64)[:, None]
+    seqlen_q = q.shape[1]
+    steps = cupy.arange(seqlen_q) if consecutive_q else cupy.zeros(seqlen_q, cupy.int64)
+    q = cupy.ascontiguousarray(apply_rotary(q, rotary_cos, rotary_sin, base + steps[None, :], interleaved, xp=cupy))
+    if k is not None:
+        positions = base + cupy.arange(k.shape[1])[None, :]
+        k = cupy.ascontiguousarray(apply_rotary(k, rotary_cos, rotary_sin, positions, interleaved, xp=cupy))
+    return q, k
 
 
 def _runs_as_prefill(q, k_cache, v_cache, cache: KVCache) -> bool:

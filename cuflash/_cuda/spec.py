@@ -543,6 +543,8 @@ FAMILIES: dict[str, Family] = {
     "decode_append": Family("decode.cu", "decode_append_kernel", lambda s: s.variant, _no_smem, threads=128),
     "decode_merge": Family(
         "decode.cu", "decode_merge_kernel", lambda s: f"{CTYPES[s.dtype]}, {s.head_dim}", _no_smem, threads=128),
+    # Chunked prefill's [decode guard] after its forward over the cache: NaN rows of the sequences out of range.
+    "prefill_guard": Family("decode.cu", "prefill_guard_kernel", lambda s: CTYPES[s.dtype], _no_smem, threads=128),
     # FlashAttention-1 order: dense or causal only (the variant slot holds Is_causal).
     "fa1_fwd": Family(
         "fa1.cu", "fa1_fwd_kernel", _t16,
@@ -757,6 +759,8 @@ def instantiations() -> list[KernelSpec]:
             add(KernelSpec("decode_merge", dtype, dv, arch="any"))
     for paged in ("false", "true"):
         add(KernelSpec("decode_append", "bfloat16", 0, variant=paged, arch="any"))
+    for dtype in CTYPES:
+        add(KernelSpec("prefill_guard", dtype, 0, arch="any"))
     for fam, t in (("block_lists", TILES[("fwd", "sm90a", 128)]), ("block_lists_t", TILES[("bwd", "sm90a", 128)])):
         add(KernelSpec(fam, "float32", 0, t, causal_mod, arch="f32"))
     add(BLOCK_COMPACT)
