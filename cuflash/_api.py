@@ -1105,7 +1105,9 @@ def cascade_attention(
 
     Runs as :func:`attention` of the whole batch's queries (GQA-packed rows) against the prefix, cut into
     ``prefix_splits`` chunks, then :func:`attention_with_kvcache` with ``return_lse=True``, then the exact merge of
-    :func:`merge_states`: NumPy and CuPy arrays, with the dtypes and head dims those two calls take on each.
+    :func:`merge_states`: NumPy and CuPy arrays, with the dtypes and head dims those two calls take on each. On CuPy
+    the call is planned at its first run with these layouts and options (``cuflash._cuda.cascade``: a packing
+    kernel, one forward launch over the chunks, the decode launch, a merge kernel) and later calls only launch.
     Not supported here: rotary embedding, ALiBi and sliding windows (they measure positions across the prefix
     boundary, differently for each sequence): rotate q and k before the call.
 
@@ -1130,7 +1132,25 @@ def cascade_attention(
     out : array (batch, seqlen_q, heads_q, head_dim_v), q's dtype
     lse : array (batch, heads_q, seqlen_q); only with ``return_lse=True``
     """
-    prefix_splits = _cascade.check_prefix(q, k_prefix, v_prefix, k_cache, v_cache, prefix_splits)
+    key = _cascade_key(q, k_prefix, v_prefix, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
+                       block_table, causal, softcap, softmax_scale, num_splits, prefix_splits)
+    launch = _cascade_launches.get(key) if key is not None else None
+    if launch is not None and not _fits(k_cache, v_cache, k, block_table, cache_seqlens, False):
+        launch = key = None  # (the checks below say what is wrong with this call's lengths)
+    if launch is None:
+        prefix_splits = _cascade.check_prefix(q, k_prefix, v_prefix, k_cache, v_cache, prefix_splits)
+        launch = _plan_cascade(q, k_prefix, v_prefix, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                               cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
+                               causal=causal, softcap=softcap, softmax_scale=softmax_scale, num_splits=num_splits,
+                               prefix_splits=prefix_splits) if key is not None else None
+        if launch is not None:
+            _cascade_launches.put(key, launch)
+    if launch is not None:  # CuPy: the planned launches (cuflash._cuda.cascade)
+        if type(cache_seqlens) is int:
+            cache_seqlens = _kvcache.uniform_seqlens(_namespace(q), q.shape[0], cache_seqlens)
+        out, lse = launch.run(q, k_prefix, v_prefix, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad,
+                              cache_batch_idx, block_table)
+        return (out, lse) if return_lse else out
 
     def suffix():
         return attention_with_kvcache(
@@ -1141,6 +1161,48 @@ def cascade_attention(
     out, lse = _cascade.cascade(q, k_prefix, v_prefix, suffix, prefix_splits=prefix_splits, softcap=softcap,
                                 softmax_scale=softmax_scale, attention=attention, xp=_namespace(q))
     return (out, lse) if return_lse else out
+
+
+# The front door's memory of CuPy cascade calls it has checked and planned (as _kvcache_launches for decode calls):
+# the decode call's key with the prefix's arrays and split -> a cuflash._cuda.cascade.CascadeLaunch.
+_cascade_launches = CallMemo(16)
+
+
+def _cascade_key(q, k_prefix, v_prefix, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
+                 block_table, causal, softcap, softmax_scale, num_splits, prefix_splits):
+    """The key of a CuPy cascade call in :data:`_cascade_launches`, or None (as :func:`_kvcache_key`)."""
+    if type(prefix_splits) is not int:
+        return None
+    suffix = _kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, None, None, True, cache_batch_idx, cache_leftpad,
+                          block_table, causal, (-1, -1), softcap, None, softmax_scale, num_splits, None)
+    if suffix is None:
+        return None
+    try:
+        prefix = (_array_key(k_prefix, type(q)), _array_key(v_prefix, type(q)))
+    except _Unkeyed:
+        return None
+    return suffix, prefix, prefix_splits
+
+
+def _plan_cascade(q, k_prefix, v_prefix, k_cache, v_cache, k, v, *, cache_seqlens, cache_batch_idx, cache_leftpad,
+                  block_table, causal, softcap, softmax_scale, num_splits, prefix_splits):
+    """A checked CuPy cascade call's launches (:class:`cuflash._cuda.cascade.CascadeLaunch`), or None where the
+    composition of public operations runs it (:func:`cuflash._cuda.cascade.eligible`, a scale the kernels take)."""
+    library, problem, cache, scale, variant = _kvcache_call(
+        q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, rotary_cos=None, rotary_sin=None,
+        rotary_interleaved=True, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
+        causal=causal, window_size=(-1, -1), softcap=softcap, alibi_slopes=None, softmax_scale=softmax_scale,
+        num_splits=num_splits, out=None)
+    from ._cuda import cascade as cuda_cascade
+
+    if library != "cupy" or scale <= 0 or not cuda_cascade.eligible(q, k_prefix, v_prefix, k_cache, v_cache):
+        return None
+    if problem.heads_kv == 0 or problem.heads_q % problem.heads_kv:
+        return None
+    rows = problem.batch * problem.seqlen_q * (problem.heads_q // problem.heads_kv)
+    chunks = prefix_splits or _cascade.prefix_chunks(k_prefix.shape[0], rows, problem.heads_kv)
+    return cuda_cascade.CascadeLaunch(q, k_prefix, v_prefix, k_cache, v_cache, k, v, cache=cache, scale=scale,
+                                      variant=variant, chunks=chunks)
 
 
 def merge_states(o_a, lse_a, o_b, lse_b):

@@ -117,7 +117,7 @@ __device__ __forceinline__ bool sequence_in_range(const DecodeParams& p, int seq
 // its threads take (key/value head, column) elements. Each thread writes v's element before k's: where v_cache
 // is a view of k_cache (MLA: v_cache = k_cache[..., :dv]) an overlapping element is one address written by one
 // thread, and k's value stays, as in the reference (v first, then k). Elements are copied as their 16 bits
-// (float16 and bfloat16 alike). [decode guard] A sequence out of range appends nothing, a slot whose page is out
+// (float16 and bfloat16 alike), 8 at a time where the rows are 16-byte aligned. [decode guard] A sequence out of range appends nothing, a slot whose page is out
 // of range is not written.
 template <bool kPaged>
 __global__ void __launch_bounds__(128) decode_append_kernel(const DecodeParams p) {
@@ -147,6 +147,21 @@ __global__ void __launch_bounds__(128) decode_append_kernel(const DecodeParams p
     const u16* ksrc = p.k_new + b * p.kn_sb + (i64)i * p.kn_ss;
     const u16* vsrc = p.v_new + b * p.vn_sb + (i64)i * p.vn_ss;
     const int width = max(p.head_dim, p.head_dim_v);
+    // 16-byte chunks where every row starts at a multiple of 16 bytes (the common layouts), else 16-bit elements
+    const bool chunks = ((p.head_dim | p.head_dim_v | p.k_sh | p.v_sh | p.kn_sh | p.vn_sh) & 7) == 0
+                        && ((reinterpret_cast<size_t>(kdst) | reinterpret_cast<size_t>(vdst)
+                             | reinterpret_cast<size_t>(ksrc) | reinterpret_cast<size_t>(vsrc)) & 15) == 0;
+    if (chunks) {
+        const int per_head = width / 8;
+        for (int e = threadIdx.x; e < p.heads_kv * per_head; e += blockDim.x) {
+            const int h = e / per_head, c = e % per_head * 8;
+            if (c < p.head_dim_v)
+                *reinterpret_cast<uint4*>(vdst + h * p.v_sh + c) = *reinterpret_cast<const uint4*>(vsrc + h * p.vn_sh + c);
+            if (c < p.head_dim)
+                *reinterpret_cast<uint4*>(kdst + h * p.k_sh + c) = *reinterpret_cast<const uint4*>(ksrc + h * p.kn_sh + c);
+        }
+        return;
+    }
     for (int e = threadIdx.x; e < p.heads_kv * width; e += blockDim.x) {
         const int h = e / width, c = e % width;
         if (c < p.head_dim_v) vdst[h * p.v_sh + c] = vsrc[h * p.vn_sh + c];
@@ -167,6 +182,24 @@ __device__ __forceinline__ float4 ld_cg4(const float4* ptr) {
     return v;
 }
 
+// [decode merge] lse = log sum_s exp(lse_s) of one row's parts (lse_of(s) for s < parts), the warp's lanes over the
+// parts: the largest part sets the scale (no overflow). Returns (lse, the value the parts' weights subtract: 0 for
+// a row that saw no key). A NaN part (fmaxf passes it over) makes the total, the lse and so every weight NaN
+// ([decode guard]).
+template <class LseOf>
+__device__ __forceinline__ float2 merged_lse(LseOf lse_of, int parts, int lane) {
+    float top = -CUFLASH_INF;
+    for (int s = lane; s < parts; s += 32) top = fmaxf(top, lse_of(s));
+    top = warp_max(top);
+    const float top_safe = top == -CUFLASH_INF ? 0.f : top;  // a row of only empty parts: exp(-inf - 0) = 0
+    float total = 0.f;
+    for (int s = lane; s < parts; s += 32) total += expf(lse_of(s) - top_safe);
+    total = warp_sum(total);
+    const bool seen = total > 0.f;
+    const float lse = seen ? top_safe + logf(total) : (total == 0.f ? -CUFLASH_INF : CUFLASH_NAN);
+    return make_float2(lse, total == 0.f ? 0.f : lse);
+}
+
 // [decode merge] The splits' partial rows of one query row combined exactly (cuflash/_merge.py:merge_stacked):
 // lse = top + log sum_s exp(lse_s - top) with top the largest lse_s (0 when every part is empty), then
 // o = sum_s exp(lse_s - lse) o_s, written in the input dtype at out's strides, lse in float32. A part with
@@ -182,18 +215,8 @@ __device__ __forceinline__ void merge_row(const DecodeParams& p, i64 row, int la
     const int splits = p.num_splits;
     const float* lse_s = p.lse_part + row;  // part s at lse_s[s * rows]
 
-    // [decode merge] lse = log sum_s exp(lse_s): the largest part sets the scale (no overflow)
-    float top = -CUFLASH_INF;
-    for (int s = lane; s < splits; s += 32) top = fmaxf(top, ld_cg(lse_s + s * rows));
-    top = warp_max(top);
-    const float top_safe = top == -CUFLASH_INF ? 0.f : top;  // a row of only empty parts: exp(-inf - 0) = 0
-    float total = 0.f;
-    for (int s = lane; s < splits; s += 32) total += expf(ld_cg(lse_s + s * rows) - top_safe);
-    total = warp_sum(total);
-    // total is NaN when a part is ([decode guard]: fmaxf passed it over): the row's lse, and so every weight, NaN
-    const bool seen = total > 0.f;
-    const float lse = seen ? top_safe + logf(total) : (total == 0.f ? -CUFLASH_INF : CUFLASH_NAN);
-    const float lse_use = total == 0.f ? 0.f : lse;
+    const float2 merged = merged_lse([&](int s) { return ld_cg(lse_s + s * rows); }, splits, lane);
+    const float lse = merged.x, lse_use = merged.y;
 
     // [decode merge] o = sum_s exp(lse_s - lse) o_s
     float4 acc[kPerLane];
@@ -895,6 +918,94 @@ __global__ void __launch_bounds__(128) decode_merge_kernel(const DecodeParams p)
     const i64 rows = (i64)p.batch * p.heads_q * p.seqlen_q;
     const i64 row = (i64)blockIdx.x * 4 + (threadIdx.x >> 5);
     if (row < rows) merge_row<T, kHeadDimV>(p, row, threadIdx.x & 31);
+}
+
+}  // namespace cuflash
+
+// ---------------------------------------------------------------------------------------------------
+// Shared-prefix (cascade) attention on the GPU (cuflash/_cascade.py step for step; cuflash._cuda.cascade): the
+// batch's queries, GQA-packed, attend over the prefix chunks in one forward launch, each sequence over its own
+// keys in the decode launch, and these two kernels pack the queries before and merge the parts after.
+namespace cuflash {
+
+// Runtime values of one cascade call (strides in elements). The workspaces are the launch's; q, out and lse the
+// call's.
+struct CascadeParams {
+    const u16* q;               // (batch, seqlen_q, heads_q, d) at q_s*
+    u16* q_rows;                // (rows, heads_kv, d) contiguous: packed row (b, t, g) of key/value head h
+    const u16* o_prefix;        // (chunks, rows, heads_kv, dv) contiguous: the prefix chunks' outputs
+    const float* lse_prefix;    // (chunks, heads_kv, rows)
+    const u16* o_suffix;        // (batch, seqlen_q, heads_q, dv) contiguous: each sequence's own keys
+    const float* lse_suffix;    // (batch, heads_q, seqlen_q)
+    u16* out;                   // (batch, seqlen_q, heads_q, dv) at o_s*
+    float* lse;                 // (batch, heads_q, seqlen_q) contiguous
+    i64 q_sb, q_ss, q_sh;
+    i64 o_sb, o_ss, o_sh;
+    int batch, seqlen_q, heads_q, heads_kv, group, head_dim, head_dim_v, chunks;
+};
+
+// [cascade prefix] q in packed rows ([decode pack] order: row (b, t, g) of key/value head h is query head
+// h * group + g of token t of sequence b), one block per packed row, 16-byte chunks.
+__global__ void __launch_bounds__(128) cascade_pack_kernel(const CascadeParams p) {
+    const int r = blockIdx.x;
+    const int g = r % p.group, bt = r / p.group, t = bt % p.seqlen_q, b = bt / p.seqlen_q;
+    const int chunks = p.head_dim / 8;
+    for (int e = threadIdx.x; e < p.heads_kv * chunks; e += blockDim.x) {
+        const int h = e / chunks, c = e % chunks;
+        const uint4* src = reinterpret_cast<const uint4*>(p.q + b * p.q_sb + t * p.q_ss + (i64)(h * p.group + g) * p.q_sh);
+        reinterpret_cast<uint4*>(p.q_rows + ((i64)r * p.heads_kv + h) * p.head_dim)[c] = src[c];
+    }
+}
+
+// [cascade merge] the chunks + 1 parts of every output row (b, t, query head), merged exactly as [decode merge]
+// (cuflash/_merge.py:merge_stacked): one warp per row, 4 rows per block, the parts read in the input dtype.
+template <class T, int kHeadDimV>
+__global__ void __launch_bounds__(128) cascade_merge_kernel(const CascadeParams p) {
+    constexpr int kPairs = kHeadDimV / 2, kPerLane = (kPairs + 31) / 32;
+    const i64 row = (i64)blockIdx.x * 4 + (threadIdx.x >> 5);
+    if (row >= (i64)p.batch * p.seqlen_q * p.heads_q) return;
+    const int lane = threadIdx.x & 31;
+    const int hq = (int)(row % p.heads_q), h = hq / p.group, g = hq % p.group;
+    const i64 bt = row / p.heads_q;  // b * seqlen_q + t
+    const int t = (int)(bt % p.seqlen_q), b = (int)(bt / p.seqlen_q);
+    const i64 rows = (i64)p.batch * p.seqlen_q * p.group, r = bt * p.group + g;  // the packed row
+    const int parts = p.chunks + 1;
+    const float lse_suffix = p.lse_suffix[((i64)b * p.heads_q + hq) * p.seqlen_q + t];
+    auto lse_of = [&](int s) { return s < p.chunks ? p.lse_prefix[((i64)s * p.heads_kv + h) * rows + r] : lse_suffix; };
+
+    // [cascade merge] lse = log sum_s exp(lse_s), as [decode merge]
+    const float2 merged = merged_lse(lse_of, parts, lane);
+    const float lse = merged.x, lse_use = merged.y;
+
+    // [cascade merge] o = sum_s exp(lse_s - lse) o_s
+    float2 acc[kPerLane];
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) acc[i] = make_float2(0.f, 0.f);
+    for (int s = 0; s < parts; ++s) {
+        const float w = expf(lse_of(s) - lse_use);  // 0 for an empty part and a row that saw no key
+        if (w == 0.f) continue;
+        const u32* src = reinterpret_cast<const u32*>(
+            s < p.chunks ? p.o_prefix + (((i64)s * rows + r) * p.heads_kv + h) * kHeadDimV
+                         : p.o_suffix + (bt * p.heads_q + hq) * kHeadDimV);
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) {
+            const int c = lane + 32 * i;
+            if (kPairs % 32 != 0 && c >= kPairs) break;
+            const u32 x = src[c];
+            acc[i].x += w * Elem<T>::to_float(static_cast<u16>(x & 0xffffu));
+            acc[i].y += w * Elem<T>::to_float(static_cast<u16>(x >> 16));
+        }
+    }
+    u16* dst = p.out + b * p.o_sb + t * p.o_ss + hq * p.o_sh;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+        const int c = lane + 32 * i;
+        if (kPairs % 32 != 0 && c >= kPairs) break;
+        const u32 v = Elem<T>::pack(acc[i].x, acc[i].y);
+        dst[2 * c] = static_cast<u16>(v & 0xffffu);
+        dst[2 * c + 1] = static_cast<u16>(v >> 16);
+    }
+    if (lane == 0) p.lse[((i64)b * p.heads_q + hq) * p.seqlen_q + t] = lse;
 }
 
 }  // namespace cuflash

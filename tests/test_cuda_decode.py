@@ -294,22 +294,33 @@ def test_chunked_prefill_writes_an_out_of_other_strides(requires_gpu):
     assert bool((wide[..., :8] == 7).all()) and bool((wide[..., 72:] == 7).all())
 
 
+CASCADE_CASES = {  # label: (batch, heads_q, heads_kv, d, seqlen_q, prefix, capacity, page_size, options)
+    "decode-gqa4-chunks4": (16, 16, 4, 128, 1, 2048, 301, None, dict(causal=True, prefix_splits=4)),
+    "paged16-softcap-auto": (8, 8, 2, 64, 1, 4096, 400, 16, dict(causal=True, softcap=30.0)),
+    "spec3-mha-d96": (4, 4, 4, 96, 3, 512, 200, None, dict(causal=True, prefix_splits=2)),
+    "chunked-prefill-suffix": (2, 8, 2, 128, 80, 1024, 600, None, dict(causal=True)),
+}
+
+
+@pytest.mark.parametrize("label", list(CASCADE_CASES))
 @pytest.mark.parametrize("dtname", ["bfloat16", "float16"])
-def test_cascade_attention_on_the_gpu(requires_gpu, dtname):
-    """cuflash.cascade_attention on CuPy (batch 16, GQA 4, prefix 2048 in 4 chunks, suffixes 0..300 with one token
-    appended) against the same call on NumPy in float64 (the truth), within the error budget of the NumPy call in
-    the same dtype; the caches appended as the reference appends them."""
+def test_cascade_attention_on_the_gpu(requires_gpu, label, dtname):
+    """cuflash.cascade_attention on CuPy (its planned launches: pack, the forward over the prefix chunks, the decode
+    call over each suffix with the append, the merge) against the same call on NumPy in float64 (the truth),
+    within the error budget of the NumPy call in the same dtype; the caches appended as the reference appends them.
+    Suffix lengths from 0 to full; a second call with new arrays of the same layouts runs the same launch."""
+    from cuflash import _api
+
     cp = requires_gpu
     dtype = DTYPES[dtname]
-    rng = np.random.default_rng(21)
-    batch, hq, hkv, d, prefix, cap = 16, 16, 4, 128, 2048, 301
-    q = rng.standard_normal((batch, 1, hq, d)).astype(dtype)
+    batch, hq, hkv, d, sq, prefix, cap, page, opts = CASCADE_CASES[label]
+    rng = np.random.default_rng(sum(map(ord, label)) + len(dtname))
+    q = rng.standard_normal((batch, sq, hq, d)).astype(dtype)
     k_prefix, v_prefix = (rng.standard_normal((prefix, hkv, d)).astype(dtype) for _ in range(2))
-    k_cache, v_cache = (rng.standard_normal((batch, cap, hkv, d)).astype(dtype) for _ in range(2))
-    k, v = (rng.standard_normal((batch, 1, hkv, d)).astype(dtype) for _ in range(2))
-    lens = rng.integers(0, cap, batch).astype(np.int32)
-    lens[0] = 0
-    extra = dict(cache_seqlens=lens, causal=True, return_lse=True, prefix_splits=4)
+    _, k_cache, v_cache, k, v, lens, table = _case(rng, batch=batch, heads_q=hq, heads_kv=hkv, d=d, seqlen_q=sq,
+                                                   seqlen_new=sq, capacity=cap, page_size=page, dtype=dtype)
+    lens[0], lens[-1] = 0, cap - sq
+    extra = dict(cache_seqlens=lens, block_table=table, return_lse=True, **opts)
 
     def host(x):
         return np.array(x, dtype=np.float64)
@@ -317,14 +328,47 @@ def test_cascade_attention_on_the_gpu(requires_gpu, dtname):
     out_t, lse_t = cuflash.cascade_attention(*map(host, (q, k_prefix, v_prefix, k_cache, v_cache, k, v)), **extra)
     kn, vn = k_cache.copy(), v_cache.copy()
     out_n, _ = cuflash.cascade_attention(q, k_prefix, v_prefix, kn, vn, k, v, **extra)
+    dev = {name: (cp.asarray(val) if isinstance(val, np.ndarray) else val) for name, val in extra.items()}
+    _api._cascade_launches.clear()
+    for call in range(2):
+        ck, cv = cp.asarray(k_cache), cp.asarray(v_cache)
+        poison(cp)
+        out, lse = cuflash.cascade_attention(*map(cp.asarray, (q, k_prefix, v_prefix)), ck, cv, cp.asarray(k),
+                                             cp.asarray(v), **dev)
+        assert len(_api._cascade_launches) == 1, call  # planned, and the second call found the plan
+        assert_within_budget(cp.asnumpy(out), out_t, out_n, 2, rounding_floor(out_t, dtype), "out")
+        np.testing.assert_allclose(cp.asnumpy(lse), lse_t, rtol=0, atol=2e-3)
+        assert np.array_equal(cp.asnumpy(ck).view(np.uint16), kn.view(np.uint16))
+        assert np.array_equal(cp.asnumpy(cv).view(np.uint16), vn.view(np.uint16))
+
+
+def test_cascade_attention_guards_lengths_on_the_gpu(requires_gpu):
+    """A suffix length out of range (no room for the appended token), left on the device: that sequence's rows of
+    out and lse are NaN after the merge, the others' as the truth's, and it appends nothing."""
+    cp = requires_gpu
+    dtype = DTYPES["bfloat16"]
+    rng = np.random.default_rng(3)
+    batch, hq, hkv, d, prefix, cap = 3, 8, 2, 64, 1024, 200
+    q = rng.standard_normal((batch, 1, hq, d)).astype(dtype)
+    k_prefix, v_prefix = (rng.standard_normal((prefix, hkv, d)).astype(dtype) for _ in range(2))
+    k_cache, v_cache = (rng.standard_normal((batch, cap, hkv, d)).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal((batch, 1, hkv, d)).astype(dtype) for _ in range(2))
+    lens = np.array([50, cap, 120], np.int32)
     ck, cv = cp.asarray(k_cache), cp.asarray(v_cache)
-    dev = {**extra, "cache_seqlens": cp.asarray(lens)}
     out, lse = cuflash.cascade_attention(*map(cp.asarray, (q, k_prefix, v_prefix)), ck, cv, cp.asarray(k),
-                                         cp.asarray(v), **dev)
-    assert_within_budget(cp.asnumpy(out), out_t, out_n, 2, rounding_floor(out_t, dtype), "out")
-    np.testing.assert_allclose(cp.asnumpy(lse), lse_t, rtol=0, atol=2e-3)
-    assert np.array_equal(cp.asnumpy(ck).view(np.uint16), kn.view(np.uint16))
-    assert np.array_equal(cp.asnumpy(cv).view(np.uint16), vn.view(np.uint16))
+                                         cp.asarray(v), cache_seqlens=cp.asarray(lens), causal=True, return_lse=True)
+    out, lse = as_float32(cp, out).get(), lse.get()
+    assert np.isnan(out[1]).all() and np.isnan(lse[1]).all()
+    good = np.array([0, 2])
+    lens64 = lens[good]
+    kt, vt = k_cache[good].astype(np.float64), v_cache[good].astype(np.float64)
+    out_t, lse_t = cuflash.cascade_attention(q[good].astype(np.float64), k_prefix.astype(np.float64),
+                                             v_prefix.astype(np.float64), kt, vt, k[good].astype(np.float64),
+                                             v[good].astype(np.float64), cache_seqlens=lens64, causal=True,
+                                             return_lse=True)
+    np.testing.assert_allclose(out[good], out_t, rtol=0, atol=2e-2)
+    np.testing.assert_allclose(lse[good], lse_t, rtol=0, atol=2e-3)
+    assert np.array_equal(cp.asnumpy(ck)[1].view(np.uint16), k_cache[1].view(np.uint16))
 
 
 def test_mla_needs_v_as_a_view_of_k(requires_gpu):

@@ -198,8 +198,9 @@ def _layout_asserts(struct: str, dtype, rename=None) -> str:
 
 
 def test_parameter_structs_match_the_launchers_layouts():
-    """VariantParams, ExtraParams and DecodeParams are packed by NumPy structured dtypes: C++ must agree on
-    every offset, or a kernel would read one field as another."""
+    """VariantParams, ExtraParams, DecodeParams and CascadeParams are packed by NumPy structured dtypes: C++ must
+    agree on every offset, or a kernel would read one field as another."""
+    from cuflash._cuda.cascade import CASCADE_PARAMS_DTYPE
     from cuflash._cuda.decode import DECODE_PARAMS_DTYPE
     from cuflash._cuda.spec import EXTRA_PARAMS_DTYPE, VARIANT_PARAMS_DTYPE
 
@@ -209,5 +210,6 @@ def test_parameter_structs_match_the_launchers_layouts():
     ok, log = compile_with_nvrtc(nvrtc, text, [], _cuda.NVRTC_OPTIONS, "sm_80")
     assert ok, log[-3000:]
     text = _cuda.compile_source_for_nvrtc("decode.cu") + _layout_asserts("DecodeParams", DECODE_PARAMS_DTYPE)
+    text += _layout_asserts("CascadeParams", CASCADE_PARAMS_DTYPE)
     ok, log = compile_with_nvrtc(nvrtc, text, [], _cuda.NVRTC_OPTIONS, "sm_80")
     assert ok, log[-3000:]

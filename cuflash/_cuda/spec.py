@@ -545,6 +545,11 @@ FAMILIES: dict[str, Family] = {
         "decode.cu", "decode_merge_kernel", lambda s: f"{CTYPES[s.dtype]}, {s.head_dim}", _no_smem, threads=128),
     # Chunked prefill's [decode guard] after its forward over the cache: NaN rows of the sequences out of range.
     "prefill_guard": Family("decode.cu", "prefill_guard_kernel", lambda s: CTYPES[s.dtype], _no_smem, threads=128),
+    # Cascade attention's [cascade prefix] packing of q (16-bit words: no dtype in the name) and [cascade merge] of
+    # the prefix chunks and the suffix (head_dim = v's head dim).
+    "cascade_pack": Family("decode.cu", "cascade_pack_kernel", lambda s: "", _no_smem, threads=128),
+    "cascade_merge": Family(
+        "decode.cu", "cascade_merge_kernel", lambda s: f"{CTYPES[s.dtype]}, {s.head_dim}", _no_smem, threads=128),
     # FlashAttention-1 order: dense or causal only (the variant slot holds Is_causal).
     "fa1_fwd": Family(
         "fa1.cu", "fa1_fwd_kernel", _t16,
@@ -761,6 +766,9 @@ def instantiations() -> list[KernelSpec]:
         add(KernelSpec("decode_append", "bfloat16", 0, variant=paged, arch="any"))
     for dtype in CTYPES:
         add(KernelSpec("prefill_guard", dtype, 0, arch="any"))
+        for d in DECODE_HEAD_DIMS:
+            add(KernelSpec("cascade_merge", dtype, d, arch="any"))
+    add(KernelSpec("cascade_pack", "bfloat16", 0, arch="any"))
     for fam, t in (("block_lists", TILES[("fwd", "sm90a", 128)]), ("block_lists_t", TILES[("bwd", "sm90a", 128)])):
         add(KernelSpec(fam, "float32", 0, t, causal_mod, arch="f32"))
     add(BLOCK_COMPACT)
