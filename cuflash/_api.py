@@ -977,10 +977,11 @@ def _decode_splits(problem: _validate.Problem, requested: int, capacity: int) ->
     block_m, block_n = _blocks.decode_block_sizes(problem.head_dim, problem.head_dim_v)
     group = problem.heads_q // problem.heads_kv
     m_tiles = _blocks.num_blocks(max(problem.seqlen_q, 1) * group, block_m)
-    key = (problem.batch * problem.heads_kv * m_tiles, _blocks.num_blocks(capacity, block_n))
+    key = (problem.batch * problem.heads_kv * m_tiles, _blocks.num_blocks(capacity, block_n),
+           _blocks.decode_blocks_per_sm(problem.head_dim, problem.head_dim_v))
     splits = _auto_splits.get(key)
     if splits is None:
-        splits = _auto_splits[key] = _blocks.decode_num_splits(*key)
+        splits = _auto_splits[key] = _blocks.decode_num_splits(*key[:2], blocks_per_sm=key[2])
     return splits
 
 

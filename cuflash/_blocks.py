@@ -43,6 +43,7 @@ __all__ = [
     "NOMINAL_SM_COUNT",
     "decode_block_sizes",
     "decode_num_splits",
+    "decode_blocks_per_sm",
     "split_range",
 ]
 
@@ -273,6 +274,12 @@ def decode_block_sizes(head_dim: int, head_dim_v: int) -> tuple[int, int]:
     (each a query token and one query head of a key/value head's group: GQA packing), ``block_n`` keys per
     tile, 128 up to head dim 128 and 64 above (the K and V tiles of one step stay within the on-chip budget)."""
     return DECODE_BLOCK_M, (128 if max(head_dim, head_dim_v) <= 128 else 64)
+
+
+def decode_blocks_per_sm(head_dim: int, head_dim_v: int) -> int:
+    """Thread blocks of the decode kernel of these head dims that one SM holds: :data:`DECODE_BLOCKS_PER_SM`, but one
+    for MLA's 576 / 512 (its 64 x 576 tiles take 225 KiB of shared memory)."""
+    return 1 if max(head_dim, head_dim_v) > 256 else DECODE_BLOCKS_PER_SM
 
 
 def decode_num_splits(work_units: int, n_key_tiles: int, *, num_sms: int = NOMINAL_SM_COUNT,

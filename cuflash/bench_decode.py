@@ -46,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
                         "cuflash.attention on the same work and the decode kernels forced")
     p.add_argument("--new-tokens", type=int, nargs="+", default=None, help="--prefill: new tokens (default 512 2048)")
     p.add_argument("--seqlen-q", type=int, default=1, help="query tokens per sequence (--mla; 2: speculative)")
+    p.add_argument("--mla-heads", type=int, default=128,
+                   help="--mla: query heads (128: DeepSeek-V3's, compute-bound; 16: its share of 8 GPUs, memory-bound)")
     p.add_argument("--rep-ms", type=float, default=100.0, help="time budget per measurement (GPU)")
     p.add_argument("--host-calls", type=int, default=200,
                    help="calls per host-time measurement (GPU; batch 1, cache 256, no synchronization)")
@@ -450,7 +452,7 @@ def _mla_rows(args) -> list[dict]:
 
     dev = torch.device("cuda")
     timed = _timer(torch, args.rep_ms)
-    sq, heads = args.seqlen_q, MLA_HEADS
+    sq, heads = args.seqlen_q, args.mla_heads
     scale = 1.0 / (128 + 64) ** 0.5  # DeepSeek's: the unabsorbed head dim
     rows = []
     for batch in args.batch or (1, 8, 32, 64, 128):
@@ -477,7 +479,12 @@ def _mla_rows(args) -> list[dict]:
                     s = s.masked_fill(mask, float("-inf"))
                 return torch.matmul(torch.softmax(s, dim=-1).to(torch.bfloat16), kt[..., :MLA_DV])
             try:
-                want = torch_mla()
+                # the check's reference in float32 (torch_mla rounds S to bfloat16: errors of a few 1e-2)
+                s32 = torch.matmul(qf.float(), kt.float().transpose(1, 2)) * scale
+                if mask is not None:
+                    s32 = s32.masked_fill(mask, float("-inf"))
+                want = torch.matmul(torch.softmax(s32, dim=-1), kt[..., :MLA_DV].float())
+                del s32
                 row["torch_matmul_us"] = timed(torch_mla) * 1e6
             except torch.OutOfMemoryError:
                 want, row["torch_matmul_us"] = None, None
@@ -523,14 +530,26 @@ def _mla_rows(args) -> list[dict]:
                 vview = cpool[..., :MLA_DV]
                 s = timed(lambda: plan.run(cq, cpool, vview, cache_seqlens=lens, block_table=ctable, out=out,
                                            lse=lse))
+                # the same plan on the mma.sync kernel (sm_90 runs the wgmma one by default)
+                from ._cuda import spec as cuda_spec
+
+                cuda_spec.SM90A_DECODE = False
+                try:
+                    old = cuflash.plan_kvcache(cq, cpool, vview, cache_seqlens=lens, block_table=ctable,
+                                               softmax_scale=scale, causal=sq > 1)
+                finally:
+                    cuda_spec.SM90A_DECODE = True
+                s_old = timed(lambda: old.run(cq, cpool, vview, cache_seqlens=lens, block_table=ctable, out=out,
+                                              lse=lse))
             row.update(cuflash_us=s * 1e6, cuflash_tbs=nbytes / s / 1e12, cuflash_tflops=flops / s / 1e12,
-                       num_splits=plan.num_splits, max_abs_err=err)
+                       num_splits=plan.num_splits, max_abs_err=err, cuflash_mma_sync_us=s_old * 1e6)
             rows.append(row)
             flag = "" if err is None or err <= 3e-2 else f"  MISMATCH: max |cuflash - torch| = {err:.3g}"
             base_txt = (f"{best:13s} {best_us:8.1f} us {nbytes / best_us / 1e6:5.2f} TB/s "
                         f"{flops / best_us / 1e6:6.1f} TFLOP/s" if best_us else "no torch baseline ran")
             print(f"MLA batch {batch:3d} cache {cache:6d} q {sq}: cuflash {s * 1e6:8.1f} us {row['cuflash_tbs']:5.2f} "
-                  f"TB/s {row['cuflash_tflops']:6.1f} TFLOP/s ({plan.num_splits:2d} splits) | torch {base_txt} | "
+                  f"TB/s {row['cuflash_tflops']:6.1f} TFLOP/s ({plan.num_splits:2d} splits; mma.sync kernel "
+                  f"{s_old * 1e6:8.1f} us) | torch {base_txt} | "
                   f"err {err if err is None else f'{err:.1e}'}{flag}")
     return rows
 

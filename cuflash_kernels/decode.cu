@@ -203,7 +203,8 @@ __device__ __forceinline__ float2 merged_lse(LseOf lse_of, int parts, int lane) 
 // [decode merge] The splits' partial rows of one query row combined exactly (cuflash/_merge.py:merge_stacked):
 // lse = top + log sum_s exp(lse_s - top) with top the largest lse_s (0 when every part is empty), then
 // o = sum_s exp(lse_s - lse) o_s, written in the input dtype at out's strides, lse in float32. A part with
-// lse_s = -inf weighs 0 (and is not read); a row whose parts are all empty gets o = 0 and lse = -inf; a part
+// lse_s = -inf weighs 0 (every split writes its rows, empty or not); a row whose parts are all empty gets o = 0 and
+// lse = -inf; a part
 // with lse_s = NaN ([decode guard]) makes the row's o and lse NaN.
 // One warp per row (b, h, t) in lse's order; each lane holds kHeadDimV / 128 float4 chunks of the row. The
 // partials are read through L2 (ld.global.cg): in the fused merge other blocks of the same launch wrote them.
@@ -218,23 +219,39 @@ __device__ __forceinline__ void merge_row(const DecodeParams& p, i64 row, int la
     const float2 merged = merged_lse([&](int s) { return ld_cg(lse_s + s * rows); }, splits, lane);
     const float lse = merged.x, lse_use = merged.y;
 
-    // [decode merge] o = sum_s exp(lse_s - lse) o_s
+    // [decode merge] o = sum_s exp(lse_s - lse) o_s: the weights of parts s0 + lane computed by their lanes, the
+    // parts' rows read four at a time (their loads in flight together)
     float4 acc[kPerLane];
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s = 0; s < splits; ++s) {
-        const float w = expf(ld_cg(lse_s + s * rows) - lse_use);  // 0 for an empty part and a row that saw no key
-        if (w == 0.f) continue;
-        const float4* src = reinterpret_cast<const float4*>(p.o_part + (s * rows + row) * kHeadDimV);
+    for (int s0 = 0; s0 < splits; s0 += 32) {
+        const int n = min(32, splits - s0);
+        // 0 for an empty part and a row that saw no key
+        const float w_lane = lane < n ? expf(ld_cg(lse_s + (s0 + lane) * rows) - lse_use) : 0.f;
+        for (int k0 = 0; k0 < n; k0 += 4) {
+            float4 x[4][kPerLane];
 #pragma unroll
-        for (int i = 0; i < kPerLane; ++i) {
-            const int c = lane + 32 * i;
-            if (kChunks % 32 != 0 && c >= kChunks) break;
-            const float4 x = ld_cg4(src + c);
-            acc[i].x += w * x.x;
-            acc[i].y += w * x.y;
-            acc[i].z += w * x.z;
-            acc[i].w += w * x.w;
+            for (int u = 0; u < 4; ++u) {
+                const int s = s0 + min(k0 + u, n - 1);
+                const float4* src = reinterpret_cast<const float4*>(p.o_part + (s * rows + row) * kHeadDimV);
+#pragma unroll
+                for (int i = 0; i < kPerLane; ++i) {
+                    const int c = lane + 32 * i;
+                    x[u][i] = (kChunks % 32 == 0 || c < kChunks) ? ld_cg4(src + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const float w = __shfl_sync(0xffffffffu, w_lane, (k0 + u) & 31);
+                if (k0 + u >= n) break;
+#pragma unroll
+                for (int i = 0; i < kPerLane; ++i) {
+                    acc[i].x += w * x[u][i].x;
+                    acc[i].y += w * x[u][i].y;
+                    acc[i].z += w * x[u][i].z;
+                    acc[i].w += w * x[u][i].w;
+                }
+            }
         }
     }
     const int t = (int)(row % p.seqlen_q), h = (int)(row / p.seqlen_q % p.heads_q), b = (int)(row / p.seqlen_q / p.heads_q);
@@ -279,7 +296,7 @@ __device__ __forceinline__ void merge_tail(const DecodeParams& p, int r0, int ti
 }
 
 // [decode pack] the block's kRows packed rows of q, r0.., into a swizzled tile (rows past the packed ones as zeros).
-template <int kRows, int kHeadDim, int kThreads>
+template <int kRows, int kHeadDim, int kThreads, class Layout = Swizzle<kHeadDim>>
 __device__ __forceinline__ void load_packed_q(u16* sQ, const DecodeParams& p, int b, int h_kv, int r0, int packed,
                                               int tid) {
     const int group = p.group;
@@ -289,7 +306,7 @@ __device__ __forceinline__ void load_packed_q(u16* sQ, const DecodeParams& p, in
         const bool valid = pr < packed;
         const u16* src = valid ? p.q + b * p.q_sb + (i64)(pr / group) * p.q_ss + (i64)(h_kv * group + pr % group) * p.q_sh + c * 8
                                : p.q;
-        cp_async_16(smem_u32(sQ + Swizzle<kHeadDim>::offset(r, c)), src, valid);
+        cp_async_16(smem_u32(sQ + Layout::offset(r, c)), src, valid);
     }
 }
 
@@ -447,7 +464,7 @@ __device__ __forceinline__ void append_head(const DecodeParams& p, int b, int h_
 // the wide kernel issues its 576-wide tiles with fewer, so that the addresses of the next tile do not compete for
 // registers with its O accumulator).
 template <int kBlockN, int kHeadDim, int kThreads, bool kPaged, int kUnroll = (kBlockN * kHeadDim / 8 + kThreads - 1) / kThreads,
-          class Slots>
+          class Layout = Swizzle<kHeadDim>, class Slots>
 __device__ __forceinline__ void load_cache_tile(u16* tile, const u16* base, i64 sb, i64 ss, const DecodeParams& p,
                                                 const Slots& slots, int cache_row, int slot0, int n0, int len_k, int tid,
                                                 bool& page_fault, const NewRows& fresh) {
@@ -473,7 +490,7 @@ __device__ __forceinline__ void load_cache_tile(u16* tile, const u16* base, i64 
         }
         // [decode append] fused: a new token's row from k_new / v_new, not from its (not yet written) cache slot
         if (valid && n0 + r >= fresh.first) src = fresh.base + (i64)(n0 + r - fresh.first) * fresh.ss + c * 8;
-        cp_async_16(smem_u32(tile + Swizzle<kHeadDim>::offset(r, c)), src, valid);
+        cp_async_16(smem_u32(tile + Layout::offset(r, c)), src, valid);
     }
 }
 
@@ -662,6 +679,128 @@ flash_decode_kernel(const DecodeParams p) {
 }
 
 
+// What one block of the wide kernels knows of its place: grid (heads_kv x row tiles, splits, batch), its first
+// packed row, the sequence's lengths and [decode guard], its split's key tiles [part_first, part_end).
+template <int kBlockM, int kBlockN, bool kPaged>
+struct WideBlock {
+    int split, b, h_kv, rt, r0, packed, seqlen, leftpad, cache_row, len_k, offset, part_first, part_end;
+    bool in_range;
+    const int* pages;
+    __device__ __forceinline__ explicit WideBlock(const DecodeParams& p) {
+        split = blockIdx.y;
+        b = blockIdx.z;
+        h_kv = blockIdx.x / p.row_tiles;
+        rt = blockIdx.x % p.row_tiles;
+        r0 = rt * kBlockM;  // first packed row of the block
+        packed = p.seqlen_q * p.group;
+        // [decode guard] a sequence out of range reads no key (len_k 0) and writes NaN rows
+        seqlen = p.cache_seqlens[b];
+        leftpad = p.cache_leftpad ? p.cache_leftpad[b] : 0;
+        cache_row = kPaged ? 0 : (p.cache_batch_idx ? p.cache_batch_idx[b] : b);
+        in_range = sequence_in_range<kPaged>(p, seqlen, leftpad, cache_row);
+        len_k = in_range ? seqlen + p.seqlen_new - leftpad : 0;
+        offset = len_k - p.seqlen_q;
+        pages = kPaged ? p.block_table + b * p.bt_sb : nullptr;
+        split_part<kBlockM, kBlockN>(p, r0, packed, offset, len_k, split, part_first, part_end);
+    }
+};
+
+// [fa2-fwd 3] and [fa2-fwd 4] of the wide kernels for one key tile: this warp's scores s (rows rw + g, rw + g + 8;
+// kNT n8 tiles of keys cs * 8 kNT ..) give its row maxima, exchanged with the other kColSplit - 1 column parts
+// through sMax (kBlockM x kColSplit floats; a barrier inside), so that every warp rescales by the same new max m;
+// then P = exp2(S - m) into sP (the input dtype, as the reference casts P), l (this part's row sums) and acc
+// rescaled. The caller synchronizes before reading sP.
+template <class T, int kBlockN, int kColSplit, int kNT, int kDT>
+__device__ __forceinline__ void exchange_softmax(float (&s)[kNT][4], float (&m)[2], float (&l)[2], float (&acc)[kDT][4],
+                                                 float* sMax, u16* sP, int rw, int cs, int lane) {
+    const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        float mx = -CUFLASH_INF;
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * hh], s[nt][2 * hh + 1]));
+        mx = quad_max(mx);
+        if (t4 == 0) sMax[(rw + g + 8 * hh) * kColSplit + cs] = mx;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int r = rw + g + 8 * hh;
+        float mx = m[hh];
+#pragma unroll
+        for (int c = 0; c < kColSplit; ++c) mx = fmaxf(mx, sMax[r * kColSplit + c]);
+        // A row that has seen only masked keys keeps m = -inf; exp2(-inf - 0) = 0 and no NaN.
+        const float m_use = mx == -CUFLASH_INF ? 0.f : mx;
+        const float corr = fast_exp2(m[hh] - m_use);
+        m[hh] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+            const float p0 = fast_exp2(s[nt][2 * hh] - m_use), p1 = fast_exp2(s[nt][2 * hh + 1] - m_use);
+            sum += p0 + p1;
+            const int col = cs * kNT * 8 + nt * 8 + 2 * t4;
+            *reinterpret_cast<u32*>(sP + Swizzle<kBlockN>::offset(r, col / 8) + col % 8) = Elem<T>::pack(p0, p1);
+        }
+        l[hh] = l[hh] * corr + sum;
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt) {
+            acc[dt][2 * hh] *= corr;
+            acc[dt][2 * hh + 1] *= corr;
+        }
+    }
+}
+
+// [fa2-fwd 6] of the wide kernels: the row sums of the kColSplit column parts added through shared memory (sSum:
+// kBlockM x kColSplit floats), O / l and lse per row, written to out (one split) or to the split's partials, then
+// the fused merge ([decode merge]). This thread holds, in acc, columns cs * kDT * 8 + 8 dt + 2 t4 (+ 1) of block
+// rows rw + g and rw + g + 8; m and l are its rows' max and its column part's row sums. [decode guard] The block's
+// rows are NaN when its sequence is out of range or a page it read was (page_fault of any thread).
+template <class T, int kDV, int kBlockM, int kNWarps, int kColSplit, int kDT, class Block>
+__device__ __forceinline__ void finish_wide_rows(const DecodeParams& p, const Block& blk, float (&acc)[kDT][4],
+                                                 const float (&m)[2], const float (&l)[2], float* sSum,
+                                                 bool page_fault, int rw, int cs, int tid) {
+    const int lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    constexpr int kWV = kDT * 8;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const float lq = quad_sum(l[hh]);
+        if (t4 == 0) sSum[(rw + g + 8 * hh) * kColSplit + cs] = lq;
+    }
+    const bool poisoned = __syncthreads_or(page_fault) != 0 || !blk.in_range;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int r = rw + g + 8 * hh, pr = blk.r0 + r;
+        if (pr >= blk.packed) continue;
+        float lt = 0.f;
+#pragma unroll
+        for (int c = 0; c < kColSplit; ++c) lt += sSum[r * kColSplit + c];
+        const float m_use = m[hh] == -CUFLASH_INF ? 0.f : m[hh];
+        const float inv = poisoned ? CUFLASH_NAN : lt > 0.f ? 1.f / lt : 0.f;
+        const float lse = poisoned ? CUFLASH_NAN : lt > 0.f ? (m_use + log2f(lt)) * kLn2 : -CUFLASH_INF;
+        const int tq = pr / p.group, hq = blk.h_kv * p.group + pr % p.group;
+        if (p.num_splits == 1) {
+            u16* dst = p.out + blk.b * p.o_sb + (i64)tq * p.o_ss + (i64)hq * p.o_sh + cs * kWV + 2 * t4;
+#pragma unroll
+            for (int dt = 0; dt < kDT; ++dt) {
+                // element stores: out= may have any strides with a contiguous last axis (2-byte alignment)
+                const u32 v = Elem<T>::pack(acc[dt][2 * hh] * inv, acc[dt][2 * hh + 1] * inv);
+                dst[dt * 8] = static_cast<u16>(v & 0xffffu);
+                dst[dt * 8 + 1] = static_cast<u16>(v >> 16);
+            }
+            if (cs == 0 && t4 == 0) p.lse[((i64)blk.b * p.heads_q + hq) * p.seqlen_q + tq] = lse;
+        } else {
+            const i64 rowi = (((i64)blk.split * p.batch + blk.b) * p.heads_q + hq) * p.seqlen_q + tq;
+            float* dst = p.o_part + rowi * kDV + cs * kWV + 2 * t4;
+#pragma unroll
+            for (int dt = 0; dt < kDT; ++dt)
+                *reinterpret_cast<float2*>(dst + dt * 8) = make_float2(acc[dt][2 * hh] * inv, acc[dt][2 * hh + 1] * inv);
+            if (cs == 0 && t4 == 0) p.lse_part[rowi] = lse;
+        }
+    }
+    // (no counters: the launcher merges with decode_merge_kernel, many blocks over the rows; MLA's long rows)
+    if (p.num_splits > 1 && p.split_count) merge_tail<T, kDV, kBlockM, kNWarps>(p, blk.r0, tid);
+}
+
 // The cache a flash_decode_wide_kernel reads: V's head dim, whether V is the first kHeadDimV columns of the K
 // cache (MLA's v_cache = k_cache[..., :dv]: each K tile serves as the V tile, one load for both), paged or not.
 template <int kHeadDimV_, bool kSharedKV_, bool kPaged_>
@@ -711,29 +850,17 @@ flash_decode_wide_kernel(const DecodeParams p) {
     float* sMax = reinterpret_cast<float*>(sP + kBlockM * kBlockN);  // kBlockM x kColSplit
     float* sSum = sMax + kBlockM * kColSplit;
 
-    const int row_tiles = p.row_tiles;
-    const int split = blockIdx.y, b = blockIdx.z;
-    const int h_kv = blockIdx.x / row_tiles, rt = blockIdx.x % row_tiles;
+    const WideBlock<kBlockM, kBlockN, kPaged> blk(p);
+    const int b = blk.b, h_kv = blk.h_kv, rt = blk.rt, split = blk.split, r0 = blk.r0, packed = blk.packed;
+    const int seqlen = blk.seqlen, leftpad = blk.leftpad, cache_row = blk.cache_row, len_k = blk.len_k;
+    const int offset = blk.offset, part_first = blk.part_first, part_end = blk.part_end;
+    const bool in_range = blk.in_range;
+    const int* pages = blk.pages;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
     const int rg = warp / kColSplit, cs = warp % kColSplit;
-    const int group = p.group, seqlen_q = p.seqlen_q;
-    const int packed = seqlen_q * group;
-    const int r0 = rt * kBlockM;          // first packed row of the block
     const int rw = rg * 16;               // first row of this warp's row group within the block
-
-    // [decode guard] a sequence out of range reads no key (len_k 0) and writes NaN rows
-    const int seqlen = p.cache_seqlens[b];
-    const int leftpad = p.cache_leftpad ? p.cache_leftpad[b] : 0;
-    const int cache_row = kPaged ? 0 : (p.cache_batch_idx ? p.cache_batch_idx[b] : b);
-    const bool in_range = sequence_in_range<kPaged>(p, seqlen, leftpad, cache_row);
-    const int len_k = in_range ? seqlen + p.seqlen_new - leftpad : 0;
-    const int offset = len_k - seqlen_q;
-    const int* pages = kPaged ? p.block_table + b * p.bt_sb : nullptr;
     bool page_fault = false;  // [decode guard] a page id out of range among the slots this block loaded
-
-    int part_first, part_end;
-    split_part<kBlockM, kBlockN>(p, r0, packed, offset, len_k, split, part_first, part_end);
 
     const u16* kbase = p.k_cache + (i64)h_kv * p.k_sh;
     const u16* vbase = p.v_cache + (i64)h_kv * p.v_sh;
@@ -797,42 +924,7 @@ flash_decode_wide_kernel(const DecodeParams p) {
         }
         mod_mask_scale(s, p, j * kBlockN + cs * kWN, row_t, slope, offset, len_k, t4);
 
-        // [fa2-fwd 3] the row max over the whole tile: each warp's, exchanged through shared memory
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            float mx = -CUFLASH_INF;
-#pragma unroll
-            for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * hh], s[nt][2 * hh + 1]));
-            mx = quad_max(mx);
-            if (t4 == 0) sMax[(rw + g + 8 * hh) * kColSplit + cs] = mx;
-        }
-        __syncthreads();
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const int r = rw + g + 8 * hh;
-            float mx = m[hh];
-#pragma unroll
-            for (int c = 0; c < kColSplit; ++c) mx = fmaxf(mx, sMax[r * kColSplit + c]);
-            // A row that has seen only masked keys keeps m = -inf; exp2(-inf - 0) = 0 and no NaN.
-            const float m_use = mx == -CUFLASH_INF ? 0.f : mx;
-            const float corr = fast_exp2(m[hh] - m_use);
-            m[hh] = mx;
-            // [fa2-fwd 4] P = exp2(S - m) (to shared memory in the input dtype), l += rowsum(P) of this warp's keys
-            float sum = 0.f;
-#pragma unroll
-            for (int nt = 0; nt < kNT; ++nt) {
-                const float p0 = fast_exp2(s[nt][2 * hh] - m_use), p1 = fast_exp2(s[nt][2 * hh + 1] - m_use);
-                sum += p0 + p1;
-                const int col = cs * kWN + nt * 8 + 2 * t4;
-                *reinterpret_cast<u32*>(sP + Swizzle<kBlockN>::offset(r, col / 8) + col % 8) = Elem<T>::pack(p0, p1);
-            }
-            l[hh] = l[hh] * corr + sum;
-#pragma unroll
-            for (int dt = 0; dt < kDT; ++dt) {
-                acc[dt][2 * hh] *= corr;
-                acc[dt][2 * hh + 1] *= corr;
-            }
-        }
+        exchange_softmax<T, kBlockN, kColSplit>(s, m, l, acc, sMax, sP, rw, cs, lane);
         __syncthreads();  // P of every column part is in sP
 
         // [fa2-fwd 5] O[:, this warp's columns] += P V
@@ -851,45 +943,7 @@ flash_decode_wide_kernel(const DecodeParams p) {
     }
     cp_async_wait<0>();
 
-    // [fa2-fwd 6] the row sums of the column parts added; O / l and lse per row (lse = (m + log2 l) ln 2).
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const float lq = quad_sum(l[hh]);
-        if (t4 == 0) sSum[(rw + g + 8 * hh) * kColSplit + cs] = lq;
-    }
-    // [decode guard] the block's rows NaN when its sequence is out of range or a page it read was
-    const bool poisoned = __syncthreads_or(page_fault) != 0 || !in_range;
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const int r = rw + g + 8 * hh, pr = r0 + r;
-        if (pr >= packed) continue;
-        float lt = 0.f;
-#pragma unroll
-        for (int c = 0; c < kColSplit; ++c) lt += sSum[r * kColSplit + c];
-        const float m_use = m[hh] == -CUFLASH_INF ? 0.f : m[hh];
-        const float inv = poisoned ? CUFLASH_NAN : lt > 0.f ? 1.f / lt : 0.f;
-        const float lse = poisoned ? CUFLASH_NAN : lt > 0.f ? (m_use + log2f(lt)) * kLn2 : -CUFLASH_INF;
-        const int tq = pr / group, hq = h_kv * group + pr % group;
-        if (p.num_splits == 1) {
-            u16* dst = p.out + b * p.o_sb + (i64)tq * p.o_ss + (i64)hq * p.o_sh + cs * kWV + 2 * t4;
-#pragma unroll
-            for (int dt = 0; dt < kDT; ++dt) {
-                // element stores: out= may have any strides with a contiguous last axis (2-byte alignment)
-                const u32 v = Elem<T>::pack(acc[dt][2 * hh] * inv, acc[dt][2 * hh + 1] * inv);
-                dst[dt * 8] = static_cast<u16>(v & 0xffffu);
-                dst[dt * 8 + 1] = static_cast<u16>(v >> 16);
-            }
-            if (cs == 0 && t4 == 0) p.lse[((i64)b * p.heads_q + hq) * seqlen_q + tq] = lse;
-        } else {
-            const i64 rowi = (((i64)split * p.batch + b) * p.heads_q + hq) * seqlen_q + tq;
-            float* dst = p.o_part + rowi * kDV + cs * kWV + 2 * t4;
-#pragma unroll
-            for (int dt = 0; dt < kDT; ++dt)
-                *reinterpret_cast<float2*>(dst + dt * 8) = make_float2(acc[dt][2 * hh] * inv, acc[dt][2 * hh + 1] * inv);
-            if (cs == 0 && t4 == 0) p.lse_part[rowi] = lse;
-        }
-    }
-    if (p.num_splits > 1) merge_tail<T, kDV, kBlockM, kNWarps>(p, r0, tid);
+    finish_wide_rows<T, kDV, kBlockM, kNWarps, kColSplit, kDT>(p, blk, acc, m, l, sSum, page_fault, rw, cs, tid);
 }
 
 

@@ -137,12 +137,22 @@ template <int N> __device__ __forceinline__ void setmaxnreg_dec() {
 //   ss:    D (+)= A B^T, A (64 x 16) and B (N x 16) K-major in shared memory (descriptors da, db).
 //   rs_tb: D (+)= A B,   A (64 x 16) from registers (an mma.sync A fragment per warp), B (16 x N)
 //          MN-major in shared memory (transpose bit set).
-// scale_d = 0 overwrites D, 1 accumulates. Generated for N = 64, 128, 192, 256. The wrappers are written
-// once for the PTX type TY of A and B ("f16" or "bf16", the only difference between the two
+// scale_d = 0 overwrites D, 1 accumulates. Generated for N = 64, 128, 192, 256 (ss also 32: MLA decoding). The
+// wrappers are written once for the PTX type TY of A and B ("f16" or "bf16", the only difference between the two
 // specializations); a macro, because an asm string must be a literal.
 template <class T> struct Wgmma;
 
 #define CUFLASH_WGMMA_OPS(TY) \
+    __device__ __forceinline__ static void ss(float (&d)[4][4], u64 da, u64 db, int scale_d, Int<32>) { \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n" \
+                     "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " {" \
+                     "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15" \
+                     "}, %16, %17, p, 1, 1, 0, 0;\n}\n" \
+                     : \
+                     "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
+                     "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]) \
+                     : "l"(da), "l"(db), "r"(scale_d)); \
+    } \
     __device__ __forceinline__ static void ss(float (&d)[8][4], u64 da, u64 db, int scale_d, Int<64>) { \
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {" \

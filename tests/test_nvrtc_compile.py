@@ -19,7 +19,8 @@ from cuflash import _cuda
 from cuflash._cuda.spec import policy_args, prelude_of
 
 TARGETS = ("sm_80", "sm_90a")
-SOURCES = ("forward.cu", "backward.cu", "forward_sm90.cu", "backward_sm90.cu", "fa1.cu", "block_map.cu", "decode.cu")
+SOURCES = ("forward.cu", "backward.cu", "forward_sm90.cu", "backward_sm90.cu", "fa1.cu", "block_map.cu", "decode.cu",
+           "decode_sm90.cu")
 FA2_FAMILIES = ("fwd", "fwd_sm90", "fwd_f32", "fwd_tf32x3", "fwd_tf32", "bwd_dkdv", "bwd_dkdv_sm90", "bwd_dkdv_f32",
                 "bwd_dq", "bwd_dq_f32")
 

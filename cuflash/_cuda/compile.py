@@ -28,10 +28,16 @@ def _read_kernel_file(name: str) -> str:
 
 def compile_source_for_nvrtc(source: str) -> str:
     """The full text NVRTC compiles for ``source`` (e.g. "forward.cu"): the file with its local
-    ``#include "...cuh"`` lines replaced by the headers' text, so no include path is needed."""
+    ``#include "..."`` lines replaced by the files' text, recursively and each file once (a header included again
+    is left out, as its ``#pragma once`` would have it), so no include path is needed."""
+    seen = {source}
 
     def expand(m: re.Match) -> str:
-        return f"// ---- begin {m.group(1)}\n{_read_kernel_file(m.group(1))}\n// ---- end {m.group(1)}"
+        name = m.group(1)
+        if name in seen:
+            return f"// ---- {name} (included above)"
+        seen.add(name)
+        return f"// ---- begin {name}\n{_INCLUDE_RE.sub(expand, _read_kernel_file(name))}\n// ---- end {name}"
 
     return _INCLUDE_RE.sub(expand, _read_kernel_file(source))
 

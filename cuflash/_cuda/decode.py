@@ -134,7 +134,7 @@ def check_decode_supported(q, k_cache, v_cache) -> None:
                                   f"{DECODE_MLA_DIMS}); got {d}")
     if np.dtype(q.dtype).name not in CTYPES:
         raise NotImplementedError(f"decoding on the GPU runs float16 and bfloat16; got {np.dtype(q.dtype).name}")
-    family, tile, _ = decode_family(d, dv)
+    family, tile, _ = decode_family(d, dv, cc)
     need = kernel_spec(family, "bfloat16", d, tile, "false").smem
     if need > smem_optin:
         raise NotImplementedError(f"decoding at head dims {d} / {dv} needs {need} bytes of shared memory per block; "
@@ -206,6 +206,10 @@ class CupyRuntime:
     def check_supported(self, q, k_cache, v_cache) -> None:
         check_decode_supported(q, k_cache, v_cache)
 
+    def compute_capability(self) -> int:
+        """The current device's, as an int (90: H100 / H200): which MLA kernel runs (spec.decode_family)."""
+        return device_info()[0]
+
     def function(self, spec):
         """(function handle, the object that keeps its module loaded) of ``spec`` on the current device."""
         check_smem(spec)
@@ -269,18 +273,24 @@ class DecodeLaunch:
                  (batch * cache.seqlen_new, 1, 1))
         row_tiles = tile_n = 0
         if batch and seqlen_q and heads_q:
-            family, tile, _ = decode_family(d, dv)
+            family, tile, _ = decode_family(d, dv, rt.compute_capability() if (d, dv) == DECODE_MLA_DIMS else 0)
             spec = kernel_spec(family, dtype, d, tile, "true" if paged else "false")
             assert spec.tile.block_m % 16 == 0 and spec.tile.stages == 2, "decode.cu's packed-row tiles and ring"
             # Splits past the number of key tiles would be empty: at most one per tile (and grid y's 65535).
             self.num_splits = max(1, min(int(cache.num_splits), -(-cache.capacity // spec.tile.block_n), 65535))
             row_tiles, tile_n = -(-(seqlen_q * group) // spec.tile.block_m), spec.tile.block_n
             step(spec, (heads_kv * row_tiles, self.num_splits, batch))
-            if self.num_splits > 1:  # [decode merge] in the split kernel: partials, and a counter per block column
+            # [decode merge] in the split kernel (partials, and a counter per block column), but for MLA: its rows
+            # of 512 floats from many splits are merged by decode_merge_kernel, a launch of many blocks, not by the
+            # last split's block alone (no counters: the split kernel leaves the merge to it)
+            merge_apart = self.num_splits > 1 and (d, dv) == DECODE_MLA_DIMS
+            if self.num_splits > 1:
                 self.o_part = rt.empty((self.num_splits, batch, heads_q, seqlen_q, dv), dtype=np.float32)
                 self.lse_part = rt.empty((self.num_splits, batch, heads_q, seqlen_q), dtype=np.float32)
-            if self.num_splits > 1 or splits_for is not None:  # (a growing launch may split later: zeroed now)
+            if (self.num_splits > 1 and not merge_apart) or splits_for is not None:  # (growing: may split later)
                 self.split_count = rt.zeros((batch, heads_kv * row_tiles), dtype=np.int32)
+            if merge_apart:
+                step(kernel_spec("decode_merge", dtype, dv), (-(-(batch * heads_q * seqlen_q) // 4), 1, 1))
         self._kernels = tuple(keep)
         self._reads_rows = row_tiles > 0  # the split kernel runs: it reads q and the caches in 16-byte chunks
         self._shared_kv = (d, dv) == DECODE_MLA_DIMS  # the MLA kernel reads V from the K tiles
@@ -389,7 +399,8 @@ class DecodeLaunch:
     @property
     def launches_per_step(self) -> int:
         """Kernel launches of a step as the last one was planned or run: 1 with the append fused into the split
-        kernel (or nothing to append), 2 with the append kernel first, 0 for an empty call."""
+        kernel (or nothing to append), 2 with the append kernel first, 0 for an empty call; one more for MLA's
+        merge of several splits."""
         return len(self._steps)
 
     def expect(self, layouts: tuple, out_layout, lse_layout, validate) -> None:

@@ -33,6 +33,10 @@ NVRTC_OPTIONS = ("-std=c++17",)
 # and NVRTC keeps the architecture-specific sm_90a (hopper_tiles.cuh #errors otherwise).
 SM90A_OPTIONS = NVRTC_OPTIONS + ("-arch=sm_90a",)
 
+# MLA decoding on sm_90 runs the wgmma kernel (decode_sm90.cu); False: the mma.sync one, for comparisons (read when a
+# decode launch is planned: clear cuflash._cuda.decode._LAUNCHES and the front door's memory after changing it).
+SM90A_DECODE = True
+
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 FA1_HEAD_DIMS = (32, 64, 96, 128, 256)  # (the FA1 forward's per-warp query stages spill at 160..224)
 BWD_HEAD_DIMS = (32, 64, 96, 128)
@@ -466,11 +470,13 @@ def _wide_decode_smem(d: int, dv: int, shared_kv: bool, t: Tile) -> int:
     return 2 * tiles + 2 * 4 * t.block_m * col_split
 
 
-def decode_family(head_dim: int, head_dim_v: int) -> tuple[str, Tile, str]:
-    """The split kernel's family, tile and arch class for decoding at these head dims (the launcher and
-    :func:`instantiations` both ask here)."""
+def decode_family(head_dim: int, head_dim_v: int, cc: int = 0) -> tuple[str, Tile, str]:
+    """The split kernel's family, tile and arch class for decoding at these head dims on a GPU of compute capability
+    ``cc`` (0: any; the launcher and :func:`instantiations` both ask here). MLA runs the wgmma kernel on sm_90 (unless
+    :data:`SM90A_DECODE` is off), the mma.sync one elsewhere."""
     if (head_dim, head_dim_v) == DECODE_MLA_DIMS:
-        return "decode_mla", TILES[("decode_mla", "sm90", head_dim)], "sm90"
+        family = "decode_mla_sm90" if cc == 90 and SM90A_DECODE else "decode_mla"
+        return family, TILES[("decode_mla", "sm90", head_dim)], "sm90"
     return ("decode_wide" if head_dim > 128 else "decode"), TILES[("decode", "any", head_dim)], "any"
 
 
@@ -538,6 +544,11 @@ FAMILIES: dict[str, Family] = {
     "decode_mla": Family(
         "decode.cu", "flash_decode_wide_kernel", lambda s: _wide_decode_args(s, s.head_dim - 64, "true"),
         lambda d, t: _wide_decode_smem(d, d - 64, True, t)),
+    # The same on Hopper's wgmma (decode_sm90.cu: 2 warpgroups, S by key halves, O by column halves; the tile
+    # and shared memory of "decode_mla"; the variant slot holds kPaged).
+    "decode_mla_sm90": Family(
+        "decode_sm90.cu", "flash_decode_mla_sm90_kernel", lambda s: f"{CTYPES[s.dtype]}, {s.variant}",
+        lambda d, t: _wide_decode_smem(d, d - 64, True, t), SM90A_OPTIONS),
     # Its [decode append] (before it; the variant slot holds kPaged; the elements are copied as 16-bit words, so
     # the name has no dtype) and [decode merge] of the splits (after it; head_dim = v's head dim).
     "decode_append": Family("decode.cu", "decode_append_kernel", lambda s: s.variant, _no_smem, threads=128),
@@ -756,8 +767,8 @@ def instantiations() -> list[KernelSpec]:
         add(KernelSpec("bwd_dkdv", "bfloat16", 96, TILES[("bwd", "sm90", 96)], causal_pads, has_dq, "sm90"))
     add(KernelSpec("bwd_dq", "bfloat16", 96, TILES[("bwd_dq", "sm90", 96)], causal_pads, arch="sm90"))
     add(KernelSpec("bwd_pre", "bfloat16", 80))
-    for d, dv in [(d, d) for d in DECODE_HEAD_DIMS] + [DECODE_MLA_DIMS]:
-        fam, tile, arch = decode_family(d, dv)
+    for d, dv, cc in [(d, d, 0) for d in DECODE_HEAD_DIMS] + [(*DECODE_MLA_DIMS, 0), (*DECODE_MLA_DIMS, 90)]:
+        fam, tile, arch = decode_family(d, dv, cc)
         for dtype in CTYPES:
             for paged in ("false", "true"):
                 add(KernelSpec(fam, dtype, d, tile, paged, arch=arch))
