@@ -343,6 +343,19 @@ __device__ __forceinline__ void packed_rows(const DecodeParams& p, int b, int h_
 template <int kNT>
 __device__ __forceinline__ void mod_mask_scale(float (&s)[kNT][4], const DecodeParams& p, int key0, const int (&row_t)[2],
                                                const float (&slope)[2], int offset, int len_k, int t4) {
+    // A block of the warp that every row sees whole, with no softcap, ALiBi or left window edge (most tiles of a
+    // long cache): the scale alone (the same values as below, without their per-score tests)
+    const int key_last = key0 + kNT * 8 - 1;
+    const bool plain = p.softcap_a == 0.f && slope[0] == 0.f && slope[1] == 0.f && !p.has_left && key_last < len_k
+                       && (!p.has_right || key_last <= min(row_t[0], row_t[1]) + offset + p.window_right);
+    if (__all_sync(0xffffffffu, plain)) {
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[nt][e] *= p.scale_log2;
+        }
+        return;
+    }
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
@@ -742,10 +755,13 @@ __device__ __forceinline__ void exchange_softmax(float (&s)[kNT][4], float (&m)[
             *reinterpret_cast<u32*>(sP + Swizzle<kBlockN>::offset(r, col / 8) + col % 8) = Elem<T>::pack(p0, p1);
         }
         l[hh] = l[hh] * corr + sum;
+        // O rescaled unless no row of the warp has a new max (corr exactly 1: most tiles of a long cache)
+        if (__any_sync(0xffffffffu, corr != 1.f)) {
 #pragma unroll
-        for (int dt = 0; dt < kDT; ++dt) {
-            acc[dt][2 * hh] *= corr;
-            acc[dt][2 * hh + 1] *= corr;
+            for (int dt = 0; dt < kDT; ++dt) {
+                acc[dt][2 * hh] *= corr;
+                acc[dt][2 * hh + 1] *= corr;
+            }
         }
     }
 }
