@@ -54,10 +54,11 @@ __device__ __forceinline__ void load_latent_tile(u16* tile, const u16* base, con
         if (valid && key >= fresh.first) src = fresh.base + (i64)(key - fresh.first) * fresh.ss;
     }
     const u32 dst = smem_u32(tile) + 2 * (r * 64);
+    if (!valid) src = base;  // (copies of 0 bytes: any address in the cache, selected once, not per copy)
 #pragma unroll
     for (int k = 0; k < kChunks / 4; ++k) {
         const int c = q + 4 * k;
-        cp_async_16(dst + 2 * ((c >> 3) * (kRows * 64) + (((c & 7) ^ (r & 7)) << 3)), valid ? src + c * 8 : base, valid);
+        cp_async_16(dst + 2 * ((c >> 3) * (kRows * 64) + (((c & 7) ^ (r & 7)) << 3)), src + c * 8, valid);
     }
 }
 
