@@ -428,7 +428,7 @@ def bench(argv, which="auto") -> int:
     return int(code or 0)
 
 
-USAGE = """usage: python -m cuflash {demo,bench,bench-cpu,bench-gpu,bench-decode} [options]
+USAGE = """usage: python -m cuflash {demo,bench,bench-cpu,bench-gpu,bench-decode,tune} [options]
 
   demo       run attention forward and backward on the best backend, check against float64,
              print error, time and peak memory (python -m cuflash demo --help for options)
@@ -438,6 +438,8 @@ USAGE = """usage: python -m cuflash {demo,bench,bench-cpu,bench-gpu,bench-decode
   bench-gpu  the GPU side-by-side benchmark
   bench-decode  one decode step against a KV cache: bandwidth beside PyTorch SDPA and a device copy
              (NumPy reference at small sizes without a GPU; python -m cuflash bench-decode --help)
+  tune       time the candidate tiles of the CUDA kernels on this GPU and write its tile table, which
+             the launcher reads over the packaged one (--dry-run lists the candidates without a GPU)
 """
 
 
@@ -458,6 +460,10 @@ def main(argv=None) -> int:
             from .bench_decode import main as bench_decode
 
             return bench_decode(rest)
+        if command == "tune":
+            from ._cuda.tuning import main as tune
+
+            return tune(rest)
     except SystemExit as exc:  # argparse: --help or a bad option
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     print(f"cuflash: error: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")

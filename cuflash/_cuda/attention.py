@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._variant import Variant, VariantArrays
-from . import fa1, naive
+from . import fa1, naive, tuning
 from .compile import PackedLaunch, arch_class, check_smem, device_info, launch
 from .spec import (BIAS_CTYPES, BLOCK_COMPACT, BWD_HEAD_DIMS, CTYPES, EXTRA_POINTER_FIELDS, FA1_HEAD_DIMS, HEAD_DIMS,
                    TF32_FAMILIES, TF32_HEAD_DIMS, TILES, VARIANT_POINTER_FIELDS, Tile, device_record, extra_params,
@@ -189,7 +189,11 @@ def plan_tile(direction: str, d: int, block_q, block_k) -> Tile:
     """The table's tile for this device, or one with the user's block sizes."""
     cc, _ = device_info()
     # (a head dim between the table's rows, the in-place forward's: the next row's tile)
-    t = TILES.get((direction, arch_class(cc), next((x for x in HEAD_DIMS if x >= d), d)))
+    row_d = next((x for x in HEAD_DIMS if x >= d), d)
+    # this device's tuned table first (python -m cuflash tune), then the packaged one
+    t = tuning.tile_for(direction, row_d) if direction in tuning.TUNABLE else None
+    if t is None:
+        t = TILES.get((direction, arch_class(cc), row_d))
     assert t is not None, (direction, cc, d)
     if block_q is not None or block_k is not None:
         bm = block_q if block_q is not None else t.block_m
