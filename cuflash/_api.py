@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import importlib
 import numbers
+import threading
 import weakref
 from collections.abc import Mapping
 from types import ModuleType
@@ -920,8 +921,11 @@ def _kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_si
         return None
     import cupy
 
-    return (cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr, arrays, rotary_interleaved, causal,
-            window_size, type(softcap), softcap, type(softmax_scale), softmax_scale, num_splits, grows)
+    stream = cupy.cuda.get_current_stream().ptr
+    # cudaStreamPerThread (2) is one stream per thread under one handle: a launch's workspace per thread
+    owner = threading.get_ident() if stream == 2 else None
+    return (cupy.cuda.runtime.getDevice(), stream, owner, arrays, rotary_interleaved, causal, window_size,
+            type(softcap), softcap, type(softmax_scale), softmax_scale, num_splits, grows)
 
 
 def _kvcache_call(q, k_cache, v_cache, k, v, *, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved,
@@ -1138,6 +1142,8 @@ def cascade_attention(
     launch = _cascade_launches.get(key) if key is not None else None
     if launch is not None and not _fits(k_cache, v_cache, k, block_table, cache_seqlens, False):
         launch = key = None  # (the checks below say what is wrong with this call's lengths)
+    if launch is not None and (k_prefix.data.ptr | v_prefix.data.ptr) & 15:
+        launch = None  # a prefix off a multiple of 16 bytes: the composition (its forward copies it) runs the call
     if launch is None:
         prefix_splits = _cascade.check_prefix(q, k_prefix, v_prefix, k_cache, v_cache, prefix_splits)
         launch = _plan_cascade(q, k_prefix, v_prefix, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,

@@ -972,13 +972,13 @@ __global__ void __launch_bounds__(128) prefill_guard_kernel(const DecodeParams p
     const int b = blockIdx.x;
     if (sequence_in_range<false>(p, p.cache_seqlens[b], 0, b)) return;
     const u16 nan = static_cast<u16>(Elem<T>::pack(CUFLASH_NAN, CUFLASH_NAN) & 0xffffu);
-    const int width = p.heads_q * p.head_dim_v;
-    for (int e = threadIdx.x; e < p.seqlen_q * width; e += blockDim.x) {
-        const int t = e / width, h = e % width / p.head_dim_v, c = e % p.head_dim_v;
+    const i64 width = (i64)p.heads_q * p.head_dim_v;
+    for (i64 e = threadIdx.x; e < p.seqlen_q * width; e += blockDim.x) {
+        const i64 t = e / width, h = e % width / p.head_dim_v, c = e % p.head_dim_v;
         p.out[b * p.o_sb + t * p.o_ss + h * p.o_sh + c] = nan;
     }
     float* lse = p.lse + (i64)b * p.heads_q * p.seqlen_q;
-    for (int e = threadIdx.x; e < p.heads_q * p.seqlen_q; e += blockDim.x) lse[e] = CUFLASH_NAN;
+    for (i64 e = threadIdx.x; e < (i64)p.heads_q * p.seqlen_q; e += blockDim.x) lse[e] = CUFLASH_NAN;
 }
 
 // [decode merge] by itself: one warp per query row, 4 rows per block (cuflash._cuda.decode.merge_partials; the

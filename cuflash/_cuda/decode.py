@@ -678,6 +678,11 @@ class ChunkedPrefillLaunch:
         given = out
         if out is not None and not out.flags.c_contiguous:
             out = None
+        # (allocated before the append's launch: nothing that can fail comes after a step's append)
+        if out is None:
+            out = self._empty(self.out_shape, dtype=self.dtype)
+        if lse is None:
+            lse = self._empty(self.lse_shape, dtype=self._float32)
         ptrs = (q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, 0 if k is None else k.data.ptr,
                 0 if v is None else v.data.ptr)
         stream, launch, argv, words, index = (self._current_stream().ptr, self._launch, self._argv_ptr, self._words,
@@ -687,10 +692,6 @@ class ChunkedPrefillLaunch:
                 words[index[i]] = ptr
             words[index[7]] = cache_seqlens.data.ptr
             launch(self._append[0], self._append_grid, 1, 1, 128, 1, 1, 0, stream, argv, 0)  # (record copied now)
-            if out is None:  # (allocated after the first launch: the GPU starts meanwhile)
-                out = self._empty(self.out_shape, dtype=self.dtype)
-            if lse is None:
-                lse = self._empty(self.lse_shape, dtype=self._float32)
             self._forward.run(q, k_cache, v_cache, self._arrays(seqused_k=self._seqused, alibi_slopes=alibi_slopes),
                               stream, out=out, lse_out=lse)
             words[index[5]], words[index[6]] = out.data.ptr, lse.data.ptr
