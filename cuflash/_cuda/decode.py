@@ -692,8 +692,10 @@ class ChunkedPrefillLaunch:
                 words[index[i]] = ptr
             words[index[7]] = cache_seqlens.data.ptr
             launch(self._append[0], self._append_grid, 1, 1, 128, 1, 1, 0, stream, argv, 0)  # (record copied now)
-            self._forward.run(q, k_cache, v_cache, self._arrays(seqused_k=self._seqused, alibi_slopes=alibi_slopes),
-                              stream, out=out, lse_out=lse)
+            ran = self._forward.run(q, k_cache, v_cache, self._arrays(seqused_k=self._seqused,
+                                                                      alibi_slopes=alibi_slopes),
+                                    stream, out=out, lse_out=lse)
+            assert ran is not None  # (None: an address off 16 bytes, refused above by _check_row_addresses)
             words[index[5]], words[index[6]] = out.data.ptr, lse.data.ptr
             launch(self._guard[0], self.out_shape[0], 1, 1, 128, 1, 1, 0, stream, argv, 0)
         if given is not None and given is not out:  # an out= of other strides: a copy of the result
