@@ -1142,22 +1142,22 @@ def cascade_attention(
     launch = _cascade_launches.get(key) if key is not None else None
     if launch is not None and not _fits(k_cache, v_cache, k, block_table, cache_seqlens, False):
         launch = key = None  # (the checks below say what is wrong with this call's lengths)
-    if launch is not None and (k_prefix.data.ptr | v_prefix.data.ptr) & 15:
-        launch = None  # a prefix off a multiple of 16 bytes: the composition (its forward copies it) runs the call
     if launch is None:
         prefix_splits = _cascade.check_prefix(q, k_prefix, v_prefix, k_cache, v_cache, prefix_splits)
-        launch = _plan_cascade(q, k_prefix, v_prefix, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
-                               cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
-                               causal=causal, softcap=softcap, softmax_scale=softmax_scale, num_splits=num_splits,
-                               prefix_splits=prefix_splits) if key is not None else None
-        if launch is not None:
+        if key is not None:  # (remembered either way: a call the plan does not take is not checked twice each time)
+            launch = _plan_cascade(q, k_prefix, v_prefix, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                   cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                                   block_table=block_table, causal=causal, softcap=softcap,
+                                   softmax_scale=softmax_scale, num_splits=num_splits,
+                                   prefix_splits=prefix_splits) or _COMPOSED
             _cascade_launches.put(key, launch)
-    if launch is not None:  # CuPy: the planned launches (cuflash._cuda.cascade)
-        if type(cache_seqlens) is int:
-            cache_seqlens = _kvcache.uniform_seqlens(_namespace(q), q.shape[0], cache_seqlens)
-        out, lse = launch.run(q, k_prefix, v_prefix, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad,
-                              cache_batch_idx, block_table)
-        return (out, lse) if return_lse else out
+    if launch is not None and launch is not _COMPOSED:  # CuPy: the planned launches (cuflash._cuda.cascade)
+        lens = (_kvcache.uniform_seqlens(_namespace(q), q.shape[0], cache_seqlens) if type(cache_seqlens) is int
+                else cache_seqlens)
+        result = launch.run(q, k_prefix, v_prefix, k_cache, v_cache, k, v, lens, cache_leftpad, cache_batch_idx,
+                            block_table)
+        if result is not None:  # (None: a prefix off a multiple of 16 bytes; the composition runs it)
+            return result if return_lse else result[0]
 
     def suffix():
         return attention_with_kvcache(
@@ -1171,8 +1171,10 @@ def cascade_attention(
 
 
 # The front door's memory of CuPy cascade calls it has checked and planned (as _kvcache_launches for decode calls):
-# the decode call's key with the prefix's arrays and split -> a cuflash._cuda.cascade.CascadeLaunch.
+# the decode call's key with the prefix's arrays and split -> a cuflash._cuda.cascade.CascadeLaunch, or _COMPOSED
+# for layouts and options the plan does not take (the composition of public operations runs them).
 _cascade_launches = CallMemo(16)
+_COMPOSED = object()
 
 
 def _cascade_key(q, k_prefix, v_prefix, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
@@ -1203,8 +1205,6 @@ def _plan_cascade(q, k_prefix, v_prefix, k_cache, v_cache, k, v, *, cache_seqlen
     from ._cuda import cascade as cuda_cascade
 
     if library != "cupy" or scale <= 0 or not cuda_cascade.eligible(q, k_prefix, v_prefix, k_cache, v_cache):
-        return None
-    if problem.heads_kv == 0 or problem.heads_q % problem.heads_kv:
         return None
     rows = problem.batch * problem.seqlen_q * (problem.heads_q // problem.heads_kv)
     chunks = prefix_splits or _cascade.prefix_chunks(k_prefix.shape[0], rows, problem.heads_kv)

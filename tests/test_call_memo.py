@@ -677,3 +677,42 @@ def test_an_int_cache_seqlens_that_changes_reuses_the_launch(fake, monkeypatch):
     assert key(3, False) == key(4, False) and key(3, True) != key(4, True)
     with pytest.raises(ValueError, match="rotary_cos and rotary_sin must have a row for every rotated position"):
         cuflash.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=40, rotary_cos=cos, rotary_sin=sin)
+
+
+def test_cascade_calls_plan_once_and_compose_what_the_plan_does_not_take(fake, monkeypatch):
+    """cuflash.cascade_attention on (stand-in) CuPy arrays: the first call with a layout is checked and planned (the
+    pack kernel, the forward over the prefix chunks, the decode launch, the merge kernel), later ones only launch; a
+    prefix view whose base is off a multiple of 16 bytes runs the composition (no pack kernel) without a new check;
+    a layout the plan does not take (float32) is checked at its first call only, then composed."""
+    cp, recorder = fake
+    checked, composed = [], []
+    real_plan = _api._plan_cascade
+    monkeypatch.setattr(_api, "_plan_cascade", lambda *a, **k: checked.append(1) or real_plan(*a, **k))
+    # (the composition's CuPy array operations are not the stand-in's: only whether it runs is recorded)
+    monkeypatch.setattr(_api._cascade, "cascade", lambda q, *a, **k: composed.append(1) or (q, None))
+    monkeypatch.setattr(_api, "_cascade_launches", _api.CallMemo(16))
+    rng = np.random.default_rng(5)
+
+    def arrays(dtype, offset=0):
+        def a(*shape):
+            flat = cp.asarray(rng.standard_normal(int(np.prod(shape)) + offset).astype(dtype))
+            return flat[offset:].reshape(shape)
+        return a(4, 1, 8, 64), a(256, 2, 64), a(256, 2, 64), a(4, 100, 2, 64), a(4, 100, 2, 64)
+
+    lens = cp.asarray(np.full(4, 50, np.int32))
+
+    def kernels(q, kp, vp, kc, vc):
+        recorder.take()
+        cuflash.cascade_attention(q, kp, vp, kc, vc, cache_seqlens=lens, causal=True)
+        return [r[0].split("<")[0] for r in recorder.take()]
+
+    planned = ["cuflash::cascade_pack_kernel", "cuflash::flash_fwd_sm90_kernel", "cuflash::flash_decode_kernel",
+               "cuflash::cascade_merge_kernel"]
+    assert kernels(*arrays(np.float16)) == planned and len(checked) == 1
+    assert kernels(*arrays(np.float16)) == planned and len(checked) == 1 and not composed
+    q, _, _, kc, vc = arrays(np.float16)
+    _, kp, vp, _, _ = arrays(np.float16, offset=1)  # (2 bytes past a multiple of 16; the same layout)
+    assert kernels(q, kp, vp, kc, vc) == [] and len(checked) == 1 and len(composed) == 1
+    kernels(*arrays(np.float32))
+    kernels(*arrays(np.float32))
+    assert len(checked) == 2 and len(composed) == 3 and len(_api._cascade_launches) == 2

@@ -12,9 +12,7 @@ import numpy as np
 
 import cuflash
 
-from .bench_gpu import _cupy, _event_ms
-
-TOLERANCE = 2e-2  # max |cuflash - float32 reference| for bf16 outputs of unit-variance inputs
+from .bench_gpu import _check, _cupy, _event_ms
 
 
 def _bf16(cp, rng, *shape):
@@ -23,30 +21,30 @@ def _bf16(cp, rng, *shape):
     return rng.standard_normal(shape, dtype=cp.float32).astype(ml_dtypes.bfloat16)
 
 
-def _f32(cp, a):
-    """A bfloat16 CuPy array in float32 (through its bits: exact)."""
-    return (a.view(cp.uint16).astype(cp.uint32) << 16).view(cp.float32)
-
-
-def _check(cp, name, got, want):
-    err = float(cp.abs(_f32(cp, got) - want).max())
-    if not err <= TOLERANCE:
-        raise AssertionError(f"{name}: max |cuflash - reference| = {err:.3g} > {TOLERANCE}")
-
-
 def _gqa_f32(cp, q, k, v, scale):
     """One query token per sequence over all keys, float32: q (b, 1, hq, d), k and v (b, n, hkv, d)."""
     b, _, hq, d = q.shape
     hkv = k.shape[2]
-    qf = _f32(cp, q).reshape(b, hkv, hq // hkv, d)
-    kf, vf = _f32(cp, k), _f32(cp, v)
-    s = cp.einsum("bkgd,bnkd->bkgn", qf, kf) * scale
+    qf = q.astype(cp.float32).reshape(b, hkv, hq // hkv, d)
+    s = cp.einsum("bkgd,bnkd->bkgn", qf, k.astype(cp.float32)) * scale
     p = cp.exp(s - s.max(axis=-1, keepdims=True))
     p /= p.sum(axis=-1, keepdims=True)
-    return cp.einsum("bkgn,bnkd->bkgd", p, vf).reshape(b, 1, hq, d)
+    return cp.einsum("bkgn,bnkd->bkgd", p, v.astype(cp.float32)).reshape(b, 1, hq, d)
 
 
-class DecodeStep:
+class _Call:
+    """A benchmark of one call, ``_run``: its time around a device synchronization, and (``_per_second``) the rate
+    of an amount of work per call, timed with CUDA events."""
+
+    def time_call(self, *params):
+        self._run()
+        self.cp.cuda.runtime.deviceSynchronize()
+
+    def _per_second(self, amount):
+        return amount / (_event_ms(self.cp, self._run) * 1e-3)
+
+
+class DecodeStep(_Call):
     """One decode step (one query token per sequence) through a plan, over a contiguous cache."""
 
     params = ([1, 32], [4096, 32768])
@@ -68,17 +66,13 @@ class DecodeStep:
     def _run(self):
         self.plan.run(self.q, self.kc, self.vc, cache_seqlens=self.lens, out=self.out, lse=self.lse)
 
-    def time_step(self, *params):
-        self._run()
-        self.cp.cuda.runtime.deviceSynchronize()
-
     def track_tbs(self, *params):
-        return self.bytes / (_event_ms(self.cp, self._run) * 1e-3) / 1e12
+        return self._per_second(self.bytes) / 1e12
 
     track_tbs.unit = "TB/s"
 
 
-class ChunkedPrefill:
+class ChunkedPrefill(_Call):
     """A chunk of new tokens appended to a cache and attended over it (the forward kernels over the cache), the
     same tokens into the same slots at every call."""
 
@@ -92,19 +86,16 @@ class ChunkedPrefill:
         self.kc, self.vc = _bf16(cp, rng, 1, cache + new, 8, 128), _bf16(cp, rng, 1, cache + new, 8, 128)
         self.lens = cp.full(1, cache, dtype=cp.int32)
         got = self._run()
-        _check(cp, "chunked prefill", got, _f32(cp, cuflash.attention(self.q, self.kc, self.vc, causal=True)))
+        _check(cp, "chunked prefill", got, cuflash.attention(self.q, self.kc, self.vc, causal=True),
+               "attention over the same keys")
         self.flops = 4.0 * 128 * 32 * (new * cache + new * (new + 1) / 2)
 
     def _run(self):
         return cuflash.attention_with_kvcache(self.q, self.kc, self.vc, self.k, self.v, cache_seqlens=self.lens,
                                               causal=True)
 
-    def time_prefill(self, *params):
-        self._run()
-        self.cp.cuda.runtime.deviceSynchronize()
-
     def track_tflops(self, *params):
-        return self.flops / (_event_ms(self.cp, self._run) * 1e-3) / 1e12
+        return self._per_second(self.flops) / 1e12
 
     track_tflops.unit = "TFLOP/s"
 
@@ -126,7 +117,7 @@ class Cascade:
         self.kf, self.vf = (cp.concatenate([cp.broadcast_to(p[None], (batch, *p.shape)), s], axis=1)
                             for p, s in ((self.kp, self.ks), (self.vp, self.vs)))
         self.full_lens = self.lens + np.int32(prefix)
-        _check(cp, "cascade", self._cascade(), _f32(cp, self._unshared()))
+        _check(cp, "cascade", self._cascade(), self._unshared(), "the unshared call")
 
     def _cascade(self):
         return cuflash.cascade_attention(self.q, self.kp, self.vp, self.ks, self.vs, cache_seqlens=self.lens,
@@ -149,7 +140,7 @@ class Cascade:
     track_speedup.unit = "x"
 
 
-class MLA:
+class MLA(_Call):
     """MLA's absorbed decoding (DeepSeek-V3's shape), paged cache of 64-slot pages, V a view of the latent cache."""
 
     params = ([16, 128], [64])
@@ -179,16 +170,12 @@ class MLA:
         self.plan.run(self.q, self.pool, self.pool[..., :512], cache_seqlens=self.lens, block_table=self.table,
                       out=self.out)
 
-    def time_step(self, *params):
-        self._run()
-        self.cp.cuda.runtime.deviceSynchronize()
-
     def track_tbs(self, *params):
-        return self.bytes / (_event_ms(self.cp, self._run) * 1e-3) / 1e12
+        return self._per_second(self.bytes) / 1e12
 
     track_tbs.unit = "TB/s"
 
     def track_tflops(self, *params):
-        return self.flops / (_event_ms(self.cp, self._run) * 1e-3) / 1e12
+        return self._per_second(self.flops) / 1e12
 
     track_tflops.unit = "TFLOP/s"

@@ -61,10 +61,10 @@ def _event_ms(cp, fn, repeat=10):
     return cp.cuda.get_elapsed_time(start, stop) / repeat
 
 
-def _check(cp, name, x, truth):
+def _check(cp, name, x, truth, truth_name="naive float32"):
     err = float(cp.abs(x.astype(cp.float32) - truth.astype(cp.float32)).max())
     if not err <= TOLERANCE:
-        raise AssertionError(f"{name}: max|cuflash - naive float32| = {err:.3g} > {TOLERANCE}")
+        raise AssertionError(f"{name}: max|cuflash - {truth_name}| = {err:.3g} > {TOLERANCE}")
 
 
 class Forward:

@@ -26,6 +26,7 @@ import threading
 import numpy as np
 
 from .._variant import Variant, VariantArrays
+from . import attention, decode
 from .spec import CTYPES, DECODE_HEAD_DIMS, HEAD_DIMS
 from .spec import spec as kernel_spec
 
@@ -45,16 +46,16 @@ _WORD = {name: CASCADE_PARAMS_DTYPE.fields[name][1] // 8 for name in _ARRAY_FIEL
 
 
 def _rows_of_16(a) -> bool:
-    """Base and strides (but the last, contiguous axis) at multiples of 16 bytes: the forward copies 16-byte rows."""
-    return (a.data.ptr % 16 == 0 and a.strides[-1] == a.itemsize
-            and all(s % 16 == 0 or n == 1 for s, n in zip(a.strides[:-1], a.shape[:-1])))
+    """A contiguous last axis and the other strides at multiples of 16 bytes: the forward copies 16-byte rows (the
+    base address is a call's, checked by :meth:`CascadeLaunch.run`)."""
+    return a.strides[-1] == a.itemsize and attention._strides_aligned(a)
 
 
 def eligible(q, k_prefix, v_prefix, k_cache, v_cache) -> bool:
-    """Whether a checked cascade call on CuPy arrays runs as a :class:`CascadeLaunch`: a prefix of at least one key
-    whose head dims are equal and run by the forward kernels and the decode kernels alike (not MLA's 576 / 512),
-    16-bit inputs, a non-empty batch, the prefix's rows at multiples of 16 bytes. Otherwise the composition of
-    public operations runs it."""
+    """Whether a checked cascade call on CuPy arrays of these layouts runs as a :class:`CascadeLaunch`: a prefix of at
+    least one key whose head dims are equal and run by the forward kernels and the decode kernels alike (not MLA's
+    576 / 512), 16-bit inputs, a non-empty batch, the prefix's rows at multiples of 16 bytes. Otherwise the
+    composition of public operations runs it."""
     d, dv = q.shape[3], v_prefix.shape[2]
     return (k_prefix.shape[0] > 0 and d == dv and d in HEAD_DIMS and d in DECODE_HEAD_DIMS
             and np.dtype(q.dtype).name in CTYPES and q.size > 0 and _rows_of_16(k_prefix) and _rows_of_16(v_prefix))
@@ -69,8 +70,6 @@ class CascadeLaunch:
     def __init__(self, q, k_prefix, v_prefix, k_cache, v_cache, k, v, *, cache, scale: float, variant: Variant,
                  chunks: int, runtime=None):
         import cupy
-
-        from . import attention, decode
 
         rt = runtime if runtime is not None else decode.CupyRuntime()
         batch, seqlen_q, heads_q, d = q.shape
@@ -109,8 +108,7 @@ class CascadeLaunch:
         r["o_sb"], r["o_ss"], r["o_sh"] = out_strides[:3]
         r["batch"], r["seqlen_q"], r["heads_q"], r["heads_kv"] = batch, seqlen_q, heads_q, heads_kv
         r["group"], r["head_dim"], r["head_dim_v"], r["chunks"] = group, d, dv, chunks
-        self._argv = np.array([rec.ctypes.data], dtype=np.uint64)  # void* args[1] = {&record}
-        self._argv_ptr = int(self._argv.ctypes.data)
+        self._argv, self._argv_ptr = decode.record_argv(rec)
         self._words = memoryview(rec.view(np.uint8)).cast("Q")
         self._no_arrays = VariantArrays()
         self._lock = threading.Lock()  # one call at a time writes the record and the workspaces
@@ -119,20 +117,19 @@ class CascadeLaunch:
         self._runtime = rt
         self._threads: set = set()
 
+    _ensure_context = decode.DecodeLaunch._ensure_context
+
     def run(self, q, k_prefix, v_prefix, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad=None,
             cache_batch_idx=None, block_table=None):
-        """``(out, lse)`` of one call (new arrays), appending ``k``, ``v`` into the caches first. The arrays must
-        have the planned layouts (the front door's guarantee)."""
-        from .decode import _check_row_addresses
-
+        """``(out, lse)`` of one call (new arrays), appending ``k``, ``v`` into the caches first; None, before
+        anything is launched or appended, where the prefix's base address is not a multiple of 16 bytes (the forward
+        reads 16-byte rows: the caller runs the composition, whose forward copies it). The arrays must have the
+        planned layouts (the front door's guarantee)."""
+        if (k_prefix.data.ptr | v_prefix.data.ptr) & 15:
+            return None
         if self._get_device() != self.device or threading.get_ident() not in self._threads:
-            self._runtime.make_context_current()
-            self._threads.add(threading.get_ident())
-        _check_row_addresses({0: q.data.ptr})
-        for name, a in (("k_prefix", k_prefix), ("v_prefix", v_prefix)):
-            if a.data.ptr & 15:
-                raise NotImplementedError(f"{name}: the forward kernel reads 16-byte rows; its base address must be "
-                                          f"a multiple of 16 bytes (got one {a.data.ptr % 16} bytes past a multiple)")
+            self._ensure_context()
+        decode._check_row_addresses({0: q.data.ptr})
         out = self._empty(self.out_shape, dtype=self.dtype)
         lse = self._empty(self.lse_shape, dtype=np.float32)
         stream, launch, argv, words = self._current_stream().ptr, self._launch, self._argv_ptr, self._words

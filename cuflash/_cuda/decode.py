@@ -68,8 +68,9 @@ DECODE_PARAMS_DTYPE = np.dtype(
 )
 assert DECODE_PARAMS_DTYPE.itemsize == 384
 _FUSE_WORD = DECODE_PARAMS_DTYPE.fields["fuse_new"][1] // 4  # its index among the record's 32-bit words
-# Each step pointer's byte offset in the record, in _STEP_POINTERS order.
+# Each step pointer's byte offset in the record, in _STEP_POINTERS order, and its index among the record's 64-bit words.
 _STEP_OFFSETS = tuple(DECODE_PARAMS_DTYPE.fields[name][1] for name in _STEP_POINTERS)
+_WORD_INDEX = tuple(off // 8 for off in _STEP_OFFSETS)
 
 # [decode append] fused into the split kernel (one launch a step) where it applies; False: the append kernel first
 # at every step (two launches), for comparison. Read when a DecodeLaunch is planned (the front door keeps its
@@ -186,6 +187,13 @@ def decode_record(q, k_cache, v_cache, k, v, *, out, cache: KVCache, scale: floa
     if variant.softcap:
         r["softcap_a"], r["softcap_b"] = scale / variant.softcap, variant.softcap / scale
     return rec
+
+
+def record_argv(rec: np.ndarray) -> tuple[np.ndarray, int]:
+    """``(argv, its address)``: cuLaunchKernel's argument array for a kernel whose one argument is the record ``rec``
+    (``void* args[1] = {&record}``), kept with the record by its launch."""
+    argv = np.array([rec.ctypes.data], dtype=np.uint64)
+    return argv, int(argv.ctypes.data)
 
 
 class CupyRuntime:
@@ -311,8 +319,7 @@ class DecodeLaunch:
                                            variant=variant, rotary=self.rotary is not None,
                                            num_splits=self.num_splits, row_tiles=row_tiles)
         self.out_strides = None if out is None else tuple(out.strides)
-        self._argv = np.array([rec.ctypes.data], dtype=np.uint64)  # void* args[1] = {&record}
-        self._argv_ptr = int(self._argv.ctypes.data)
+        self._argv, self._argv_ptr = record_argv(rec)
         self._lock = threading.Lock()  # one step at a time writes the record and launches from it
         r = rec[0]  # a structured scalar: a view of the record
         if self.o_part is not None:
@@ -324,7 +331,7 @@ class DecodeLaunch:
         self._words = memoryview(rec.view(np.uint8)).cast("Q")
         self._ints = memoryview(rec.view(np.uint8)).cast("i")  # (fuse_new: _select; a growing launch's _fit)
         self._longs = memoryview(rec.view(np.uint8)).cast("q")  # (a growing launch's _fit: the caches' strides)
-        self._word_index = tuple(off // 8 for off in _STEP_OFFSETS)
+        self._word_index = _WORD_INDEX
         # Weak references to the last step's arrays (_none for None): a step with the same objects finds their
         # addresses in the record already. Weak: a launch kept by the front door must not keep a cache alive. (A
         # dead reference reads as None: a None argument is the same only where the reference is _none.)
@@ -649,10 +656,9 @@ class ChunkedPrefillLaunch:
         rec = self._record = decode_record(q, k_cache, v_cache, k, v, out=None, cache=cache, scale=scale,
                                            variant=variant, rotary=self._rotary is not None)
         rec[0]["seqused_k"] = self._seqused.data.ptr
-        self._argv = np.array([rec.ctypes.data], dtype=np.uint64)  # void* args[1] = {&record}
-        self._argv_ptr = int(self._argv.ctypes.data)
+        self._argv, self._argv_ptr = record_argv(rec)
         self._words = memoryview(rec.view(np.uint8)).cast("Q")
-        self._word_index = tuple(off // 8 for off in _STEP_OFFSETS)
+        self._word_index = _WORD_INDEX
         self._lock = threading.Lock()  # one step at a time writes the records and launches
         self._empty, self._float32 = rt.empty, rt.float32
         self._current_stream, self._get_device, self._launch = rt.current_stream, rt.get_device, rt.launch
