@@ -477,7 +477,7 @@ __device__ __forceinline__ void append_head(const DecodeParams& p, int b, int h_
 // the wide kernel issues its 576-wide tiles with fewer, so that the addresses of the next tile do not compete for
 // registers with its O accumulator).
 template <int kBlockN, int kHeadDim, int kThreads, bool kPaged, int kUnroll = (kBlockN * kHeadDim / 8 + kThreads - 1) / kThreads,
-          class Layout = Swizzle<kHeadDim>, class Slots>
+          class Slots>
 __device__ __forceinline__ void load_cache_tile(u16* tile, const u16* base, i64 sb, i64 ss, const DecodeParams& p,
                                                 const Slots& slots, int cache_row, int slot0, int n0, int len_k, int tid,
                                                 bool& page_fault, const NewRows& fresh) {
@@ -503,7 +503,7 @@ __device__ __forceinline__ void load_cache_tile(u16* tile, const u16* base, i64 
         }
         // [decode append] fused: a new token's row from k_new / v_new, not from its (not yet written) cache slot
         if (valid && n0 + r >= fresh.first) src = fresh.base + (i64)(n0 + r - fresh.first) * fresh.ss + c * 8;
-        cp_async_16(smem_u32(tile + Layout::offset(r, c)), src, valid);
+        cp_async_16(smem_u32(tile + Swizzle<kHeadDim>::offset(r, c)), src, valid);
     }
 }
 

@@ -53,6 +53,8 @@ __device__ __forceinline__ void load_latent_tile(u16* tile, const u16* base, con
         // [decode append] fused: a new token's row from k_new, not from its (not yet written) cache slot
         if (valid && key >= fresh.first) src = fresh.base + (i64)(key - fresh.first) * fresh.ss;
     }
+    // sw128_offset<kRows>(r, c) with the row's part taken out of the loop (called per copy, ptxas keeps 16 more
+    // registers live)
     const u32 dst = smem_u32(tile) + 2 * (r * 64);
     if (!valid) src = base;  // (copies of 0 bytes: any address in the cache, selected once, not per copy)
 #pragma unroll
