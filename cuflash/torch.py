@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import weakref
 from collections.abc import Mapping
 from typing import Optional
@@ -598,11 +599,29 @@ def _decode_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, alibi_slopes,
             type(softcap), softcap, type(softmax_scale), softmax_scale, num_splits)
 
 
-def _decode_run(key, q, k_cache, v_cache, cache_seqlens, cache_leftpad, alibi_slopes):
-    """``(out, lse)`` of a call whose key :data:`_decode_launches` holds, run by that launch; None where there is
-    none, or where the caches or an int ``cache_seqlens`` need the front door's checks (a slot count of 0 or two
-    different ones, strides not multiples of 16 bytes, a length outside the slots), or where the current device is
-    not the tensors' (the front door switches it)."""
+# A direct decode step whose caller wants no lse writes it into a buffer of its device and stream (from torch's
+# allocator), grown to the largest asked for and never read: one allocation fewer per step. The launches that write
+# one are ordered by their stream. At most _LSE_SINKS_SIZE streams.
+_lse_sinks: dict = {}
+_LSE_SINKS_SIZE = 16
+
+
+def _lse_sink(index: int, stream: int, size: int, device) -> int:
+    key = (index, stream)
+    sink = _lse_sinks.get(key)
+    if sink is None or sink.numel() < size:
+        if sink is None and len(_lse_sinks) >= _LSE_SINKS_SIZE:
+            _lse_sinks.pop(next(iter(_lse_sinks), None), None)
+        sink = _lse_sinks[key] = torch.empty(size, dtype=torch.float32, device=device)
+    return sink.data_ptr()
+
+
+def _decode_run(key, q, k_cache, v_cache, cache_seqlens, cache_leftpad, alibi_slopes, want_lse=True):
+    """``(out, lse)`` of a call whose key :data:`_decode_launches` holds, run by that launch (``want_lse`` False:
+    ``(out, None)``, the lse written into the stream's sink); None where there is none, or where the caches or an int
+    ``cache_seqlens`` need the front door's checks (a slot count of 0 or two different ones, strides not multiples of
+    16 bytes, a length outside the slots), or where the current device is not the tensors' (the front door switches
+    it)."""
     launch = _decode_launches.get(key)
     if launch is None:
         return None
@@ -621,11 +640,15 @@ def _decode_run(key, q, k_cache, v_cache, cache_seqlens, cache_leftpad, alibi_sl
     if index != _current_device():
         return None
     out = torch.empty(launch.out_shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(launch.lse_shape, dtype=torch.float32, device=q.device)
+    if want_lse:
+        lse = torch.empty(launch.lse_shape, dtype=torch.float32, device=q.device)
+        lse_ptr = lse.data_ptr()
+    else:
+        lse, lse_ptr = None, _lse_sink(index, key[1], math.prod(launch.lse_shape), q.device)
     # (the record's slots: q, k_cache, v_cache, k, v, out, lse, cache_seqlens, cache_leftpad, cache_batch_idx,
     # block_table, alibi_slopes)
     launch.run_addresses(
-        (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), 0, 0, out.data_ptr(), lse.data_ptr(), lens,
+        (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), 0, 0, out.data_ptr(), lse_ptr, lens,
          0 if cache_leftpad is None else cache_leftpad.data_ptr(), 0, 0,
          0 if alibi_slopes is None else alibi_slopes.data_ptr()),
         slots, tuple(s * itemsize for s in ks), tuple(s * itemsize for s in vs), itemsize, key[1])
@@ -921,7 +944,7 @@ def attention_with_kvcache(
         key = _decode_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, alibi_slopes, rotary_interleaved, causal,
                           window_size, softcap, softmax_scale, num_splits)
         done = None if key is None else _decode_run(key, q, k_cache, v_cache, cache_seqlens, cache_leftpad,
-                                                    alibi_slopes)
+                                                    alibi_slopes, return_lse)
         if done is not None:
             return done if return_lse else done[0]
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):

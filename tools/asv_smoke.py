@@ -18,7 +18,8 @@ def run_module(name):
     module = importlib.import_module(f"benchmarks.{name}")
     failures = 0
     for cls_name, cls in inspect.getmembers(module, inspect.isclass):
-        if cls.__module__ != module.__name__ or not any(m.startswith(PREFIXES) for m in dir(cls)):
+        if (cls_name.startswith("_") or cls.__module__ != module.__name__  # (asv skips private names too)
+                or not any(m.startswith(PREFIXES) for m in dir(cls))):
             continue
         params = getattr(cls, "params", [])
         if params and not isinstance(params[0], (list, tuple)):

@@ -8,7 +8,8 @@ On the GPU machine, from the repository root::
 
 Random-weight models (no download) in bfloat16, batch 1. Prefill: one forward pass over the prompt without a cache
 (CUDA events, the median of ``--reps``). Generation: ``model.generate`` (greedy, the model's default dynamic cache)
-of ``--new-tokens`` after a prompt of ``--prompt`` tokens; tokens per second of the generated tokens. "sdpa" runs
+of ``--new-tokens`` after a prompt of ``--prompt`` tokens, the implementations timed in turn over ``--rounds``
+rounds (the median of each); tokens per second of the generated tokens. "sdpa" runs
 under ``torch.nn.attention.sdpa_kernel`` with one backend at a time (a backend that refuses a shape is reported as
 such). Before timing, each implementation's prefill logits are compared with the first sdpa backend's.
 
@@ -40,7 +41,7 @@ def _models(transformers, torch, smoke: bool):
 
 def _timer(torch, device):
     if device == "cpu":
-        def timed(fn, reps):
+        def timed(fn, reps, warm=True):
             times = []
             for _ in range(reps):
                 start = time.perf_counter()
@@ -49,8 +50,9 @@ def _timer(torch, device):
             return statistics.median(times)
         return timed
 
-    def timed(fn, reps):
-        fn()  # warm-up (compiles cuflash's kernels, torch's autotuning)
+    def timed(fn, reps, warm=True):
+        if warm:
+            fn()  # warm-up (compiles cuflash's kernels, torch's autotuning)
         times = []
         for _ in range(reps):
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -68,7 +70,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", type=int, nargs="+", default=[4096, 16384], help="prompt lengths of the prefill")
     ap.add_argument("--prompt", type=int, default=512, help="prompt length before generating")
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=5, help="prefill: timed calls per implementation (the median)")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="generation: rounds, each timing every implementation once in turn (the median)")
     ap.add_argument("--smoke", action="store_true", help="tiny float32 models on the CPU (checks the script)")
     args = ap.parse_args(argv)
 
@@ -83,7 +87,7 @@ def main(argv=None) -> int:
     device = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else torch.bfloat16
     if args.smoke:
-        args.prefill, args.prompt, args.new_tokens, args.reps = [64], 16, 4, 1
+        args.prefill, args.prompt, args.new_tokens, args.reps, args.rounds = [64], 16, 4, 1, 1
     backends = {"sdpa/flash": SDPBackend.FLASH_ATTENTION, "sdpa/efficient": SDPBackend.EFFICIENT_ATTENTION,
                 "sdpa/cudnn": SDPBackend.CUDNN_ATTENTION}
     if args.smoke:
@@ -120,22 +124,32 @@ def main(argv=None) -> int:
                 print(f"{label:20s} {name:16s} prefill {n:6d} tokens: {s * 1e3:9.2f} ms "
                       f"{n / s:10.0f} tokens/s{check}")
         prompt = torch.randint(0, config.vocab_size, (1, args.prompt), generator=generator).to(device)
-        for name, (impl, backend) in impls.items():
-            model.set_attn_implementation(cti.NAME if impl == "cufa" else "sdpa")
-            context = sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()
+        # generation: the implementations in turn, round after round (a host-bound loop on a shared host drifts:
+        # interleaved rounds expose each implementation to the same drift), the median of each one's rounds
+        samples = {}
+        for round_ in range(args.rounds + 1):  # (round 0: warm-up, not kept)
+            for name, (impl, backend) in impls.items():
+                if isinstance(rows.get((name, "generate")), str):
+                    continue
+                model.set_attn_implementation(cti.NAME if impl == "cufa" else "sdpa")
+                context = sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()
 
-            def generate():
-                model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=args.new_tokens,
-                               min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
-            try:
-                with context, torch.no_grad():
-                    s = timed(generate, max(1, args.reps // 2))
-            except RuntimeError as exc:
-                rows[(name, "generate")] = f"refused ({str(exc).splitlines()[0][:40]})"
-                continue
-            rows[(name, "generate")] = s
+                def generate():
+                    model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=args.new_tokens,
+                                   min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
+                try:
+                    with context, torch.no_grad():
+                        s = timed(generate, 1, warm=False)
+                except RuntimeError as exc:
+                    rows[(name, "generate")] = f"refused ({str(exc).splitlines()[0][:40]})"
+                    continue
+                if round_:
+                    samples.setdefault(name, []).append(s)
+        for name, times in samples.items():
+            s = rows[(name, "generate")] = statistics.median(times)
             print(f"{label:20s} {name:16s} generate {args.new_tokens} after {args.prompt}: "
-                  f"{args.new_tokens / s:8.1f} tokens/s")
+                  f"{args.new_tokens / s:8.1f} tokens/s ({args.new_tokens / max(times):.1f}-"
+                  f"{args.new_tokens / min(times):.1f} over {len(times)} rounds)")
         # side by side: cufa's time over the best sdpa backend's (> 1: cufa faster)
         for what in [f"prefill {n}" for n in args.prefill] + ["generate"]:
             ours = rows.get((cti.NAME, what))

@@ -12,7 +12,7 @@ after a warm-up of both, and prints
 (a) every synchronizing call that ``torch.cuda.set_sync_debug_mode("warn")`` reports during the prefill and the
     generation, deduplicated, with its count and the innermost Python frame in cuflash (or, where cuflash is not
     on the stack, in transformers) that made it;
-(b) cProfile's top ``--top`` (25) functions by cumulative time for the generation;
+(b) cProfile's top ``--top`` (25) functions by cumulative time for the generation, cufa's then sdpa's;
 (c) torch.profiler's per-call CPU and CUDA time of the attention calls (cuflash's operators beside sdpa's), per
     prefill and per generated token, with the CUDA kernels they launched, for cufa and for sdpa on the same
     weights.
@@ -132,10 +132,10 @@ def _print_synchronizations(label: str, found: collections.Counter, steps: int, 
 # (b) cProfile of the decode loop
 # ---------------------------------------------------------------------------------------------------
 
-def _print_cprofile(profile: cProfile.Profile, top: int, tokens: int) -> None:
+def _print_cprofile(impl: str, profile: cProfile.Profile, top: int, tokens: int) -> None:
     stats = pstats.Stats(profile, stream=io.StringIO())
     total = stats.total_tt
-    print(f"(b) cProfile of generate ({tokens} tokens, {total * 1e3:.0f} ms, {total / tokens * 1e3:.2f} ms per "
+    print(f"(b) {impl}: cProfile of generate ({tokens} tokens, {total * 1e3:.0f} ms, {total / tokens * 1e3:.2f} ms per "
           f"token under the profiler); top {top} by cumulative time, then the top {top // 2} by own time (ms per "
           f"token: cumulative, own; calls per token):")
     for key, count in ((3, top), (2, top // 2)):
@@ -247,14 +247,15 @@ def _profile_model(args) -> int:
                     fn()
                 sync()
                 _print_synchronizations(f"{impl} {label}", found, steps, unit, detail=impl == cti.NAME)
-        # (b) cProfile of the decode loop
-        model.set_attn_implementation(cti.NAME)
-        profile = cProfile.Profile()
-        profile.enable()
-        generate()
-        sync()
-        profile.disable()
-        _print_cprofile(profile, args.top, args.new_tokens)
+        # (b) cProfile of the decode loop, cufa then sdpa (what differs between the two is cufa's cost)
+        for impl in (cti.NAME, "sdpa"):
+            model.set_attn_implementation(impl)
+            profile = cProfile.Profile()
+            profile.enable()
+            generate()
+            sync()
+            profile.disable()
+            _print_cprofile(impl, profile, args.top, args.new_tokens)
         # (c) torch.profiler, cufa then sdpa
         from torch.profiler import ProfilerActivity, profile as torch_profile
 

@@ -514,11 +514,21 @@ class ForwardPlan(_Plan):
             lse, lse_ptr = None, (sink.data.ptr if sink is not None and sink.size >= self._lse_size else
                                   self._lse_sink(stream))
         with self._lock:
-            self._write(pq, pk, pv, out.data.ptr, lse_ptr)
-            if self._write_variant is not None:
-                self._write_variant(*self._variant.pointers(arrays))
+            self.stage(pq, pk, pv, out.data.ptr, lse_ptr, arrays)
             self._launch.run(stream)
         return out, lse
+
+    def stage(self, pq: int, pk: int, pv: int, pout: int, plse: int, arrays: VariantArrays) -> None:
+        """Write one run's addresses into the packed arguments, for :meth:`launch_staged`: the caller holds
+        ``self._lock`` and has entered the plan's context (a step of several launches stages its forward before its
+        first launch, so that its launches follow each other with no host work between them)."""
+        self._write(pq, pk, pv, pout, plse)
+        if self._write_variant is not None:
+            self._write_variant(*self._variant.pointers(arrays))
+
+    def launch_staged(self, stream: int) -> None:
+        """Launch with the packed arguments :meth:`stage` wrote (under the same hold of ``self._lock``)."""
+        self._launch.run(stream)
 
     def _lse_sink(self, stream: int) -> int:
         """The address of a new lse buffer of the stream's, large enough for this plan's (:data:`_LSE_SINKS`)."""

@@ -653,6 +653,7 @@ class ChunkedPrefillLaunch:
         self._forward = attention.ForwardPlan(q_planned, k_cache[:batch], v_cache[:batch], scale=scale,
                                               variant=forward_variant, block_q=None, block_k=None)
         self._arrays = VariantArrays
+        self._plain_arrays = VariantArrays(seqused_k=self._seqused)
         rec = self._record = decode_record(q, k_cache, v_cache, k, v, out=None, cache=cache, scale=scale,
                                            variant=variant, rotary=self._rotary is not None)
         rec[0]["seqused_k"] = self._seqused.data.ptr
@@ -689,20 +690,22 @@ class ChunkedPrefillLaunch:
             out = self._empty(self.out_shape, dtype=self.dtype)
         if lse is None:
             lse = self._empty(self.lse_shape, dtype=self._float32)
-        ptrs = (q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, 0 if k is None else k.data.ptr,
-                0 if v is None else v.data.ptr)
+        pq, pk, pv, pout, plse = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, out.data.ptr, lse.data.ptr
         stream, launch, argv, words, index = (self._current_stream().ptr, self._launch, self._argv_ptr, self._words,
                                               self._word_index)
-        with self._lock:
-            for i, ptr in enumerate(ptrs):
+        arrays = self._plain_arrays if alibi_slopes is None else self._arrays(seqused_k=self._seqused,
+                                                                              alibi_slopes=alibi_slopes)
+        forward = self._forward
+        with self._lock, forward._lock:
+            # Every record written first, then the three launches back to back: the GPU does not wait for the host
+            # between them (the append takes a few microseconds).
+            forward.stage(pq, pk, pv, pout, plse, arrays)
+            for i, ptr in enumerate((pq, pk, pv, 0 if k is None else k.data.ptr, 0 if v is None else v.data.ptr)):
                 words[index[i]] = ptr
             words[index[7]] = cache_seqlens.data.ptr
             launch(self._append[0], self._append_grid, 1, 1, 128, 1, 1, 0, stream, argv, 0)  # (record copied now)
-            ran = self._forward.run(q, k_cache, v_cache, self._arrays(seqused_k=self._seqused,
-                                                                      alibi_slopes=alibi_slopes),
-                                    stream, out=out, lse_out=lse)
-            assert ran is not None  # (None: an address off 16 bytes, refused above by _check_row_addresses)
-            words[index[5]], words[index[6]] = out.data.ptr, lse.data.ptr
+            forward.launch_staged(stream)
+            words[index[5]], words[index[6]] = pout, plse
             launch(self._guard[0], self.out_shape[0], 1, 1, 128, 1, 1, 0, stream, argv, 0)
         if given is not None and given is not out:  # an out= of other strides: a copy of the result
             _chunked_prefill.bits(given)[...] = _chunked_prefill.bits(out)

@@ -193,6 +193,8 @@ def _window(sliding_window, causal: bool) -> tuple[int, int]:
 def _varlen_kwargs(kwargs: dict):
     """transformers' ``FlashAttentionKwargs`` (a packed batch prepared by the caller, e.g. by
     ``DataCollatorWithFlattening``), or None."""
+    if "cu_seq_lens_q" not in kwargs:  # (the common case, at every layer of every step: one lookup)
+        return None
     names = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
     values = [kwargs.get(name) for name in names]
     if any(v is None for v in values):
