@@ -541,15 +541,25 @@ def _mla_rows(args) -> list[dict]:
                     cuda_spec.SM90A_DECODE = True
                 s_old = timed(lambda: old.run(cq, cpool, vview, cache_seqlens=lens, block_table=ctable, out=out,
                                               lse=lse))
+                # ... and the wgmma kernel with its key tiles by cp.async, not TMA
+                cuda_spec.TMA_DECODE = False
+                try:
+                    by_cp_async = cuflash.plan_kvcache(cq, cpool, vview, cache_seqlens=lens, block_table=ctable,
+                                                       softmax_scale=scale, causal=sq > 1)
+                finally:
+                    cuda_spec.TMA_DECODE = True
+                s_cp = timed(lambda: by_cp_async.run(cq, cpool, vview, cache_seqlens=lens, block_table=ctable,
+                                                     out=out, lse=lse))
             row.update(cuflash_us=s * 1e6, cuflash_tbs=nbytes / s / 1e12, cuflash_tflops=flops / s / 1e12,
-                       num_splits=plan.num_splits, max_abs_err=err, cuflash_mma_sync_us=s_old * 1e6)
+                       num_splits=plan.num_splits, max_abs_err=err, cuflash_mma_sync_us=s_old * 1e6,
+                       cuflash_cp_async_us=s_cp * 1e6)
             rows.append(row)
             flag = "" if err is None or err <= 3e-2 else f"  MISMATCH: max |cuflash - torch| = {err:.3g}"
             base_txt = (f"{best:13s} {best_us:8.1f} us {nbytes / best_us / 1e6:5.2f} TB/s "
                         f"{flops / best_us / 1e6:6.1f} TFLOP/s" if best_us else "no torch baseline ran")
             print(f"MLA batch {batch:3d} cache {cache:6d} q {sq}: cuflash {s * 1e6:8.1f} us {row['cuflash_tbs']:5.2f} "
-                  f"TB/s {row['cuflash_tflops']:6.1f} TFLOP/s ({plan.num_splits:2d} splits; mma.sync kernel "
-                  f"{s_old * 1e6:8.1f} us) | torch {base_txt} | "
+                  f"TB/s {row['cuflash_tflops']:6.1f} TFLOP/s ({plan.num_splits:2d} splits; cp.async tiles {s_cp * 1e6:8.1f} us; "
+                  f"mma.sync kernel {s_old * 1e6:8.1f} us) | torch {base_txt} | "
                   f"err {err if err is None else f'{err:.1e}'}{flag}")
     return rows
 

@@ -1,18 +1,23 @@
-// cuflash MLA decoding on Hopper (sm_90a): flash_decode_wide_kernel's algorithm for MLA's absorbed decoding (one
-// latent key/value head of 576 = 512 + 64 rope dims, V the first 512 columns of the K tile), its products on the
-// tensor cores' wgmma instead of mma.sync. decode.cu holds the parameters, the guards, the loads, the masks and the
-// merge; this file the kernel body (cuflash/_cuda/decode.py launches it for MLA on sm_90).
+// cuflash MLA decoding on Hopper (sm_90a): MLA's absorbed decoding (one latent key/value head of 576 = 512 + 64 rope
+// dims, V the first 512 columns of the K tile) on the tensor cores' wgmma. decode.cu holds the parameters, the
+// guards, the masks and the merge; this file the kernel body (cuflash/_cuda/decode.py launches it for MLA on sm_90).
 //
-// One block of 64 packed rows (query heads x query tokens, [decode pack]) and two warpgroups walks its split's
-// key tiles of 64 keys ([decode split]), each tile loaded once into shared memory (72 KiB, 128-byte swizzle, a
-// two-stage cp.async ring) and read twice, as K (all 576 columns) and as V (its first 512). Warpgroup wg:
-//   [fa2-fwd 2] S = Q K^T for the tile's keys 32 wg .. 32 wg + 31 (wgmma m64n32k16 from shared memory, 36 steps);
-//   [fa2-fwd 3] the row maxima of both warpgroups exchanged through shared memory (both rescale by the same max);
-//   [fa2-fwd 4] P = exp2(S - m) of its keys into shared memory (16-bit, as the reference casts P), its row sums;
-//   [fa2-fwd 5] O[:, 256 wg .. 256 wg + 255] += P V over all 64 keys (P read back as wgmma's register operand,
-//               V from the K tile, MN-major: wgmma m64n256k16, 4 steps).
-// O of 64 rows x 512 columns would need 256 float32 registers per thread in one warpgroup; split by columns, each
-// warpgroup holds 128. [fa2-fwd 6], the output, the split partials and the fused merge are flash_decode_wide_kernel's.
+// One block of 64 packed rows (query heads x query tokens, [decode pack]) and two warpgroups walks its split's key
+// tiles of 64 keys ([decode split]) two at a time, tile j0 in buffer 0 and j0 + 1 in buffer 1 (72 KiB each, 128-byte
+// swizzle, nine column chunks of 64). The warpgroups work out of phase (a "seesaw"): each computes S for one tile of
+// the pair, and each holds half of O's 512 columns (128 float32 registers a thread), so that one warpgroup's softmax
+// runs while the other's products keep the tensor cores busy:
+//   wg 0: [fa2-fwd 2] S0 = Q K0^T; [fa2-fwd 3] m0 = max(m, rowmax S0) -> shared; [fa2-fwd 4] P0 = exp2(S0 - m0);
+//         [fa2-fwd 5] O[:, :256] = O corr0 + P0 V0 (P0 from registers); then, with wg 1's m1: P0 exp2(m0 - m1) into
+//         shared memory for wg 1, O[:, :256] = O exp2(m0 - m1) + P1 V1 (P1 from shared memory).
+//   wg 1: [fa2-fwd 2] S1 = Q K1^T; [fa2-fwd 3] m1 = max(m0, rowmax S1), exp2(m0 - m1) -> shared; [fa2-fwd 4]
+//         P1 = exp2(S1 - m1) -> shared; [fa2-fwd 5] O[:, 256:] = O corr1 + P1 V1 + (P0 exp2(m0 - m1)) V0.
+// Both end the pair at max m1; each keeps the row sums of its own P (added in finish_wide_rows). P of a tile is
+// stored in its buffer's rope chunk (columns 512..575: read by S only). Loads: cp.async, every thread one key row's
+// source (its page, or its k_new row) per tile, each column chunk completing on its own mbarrier
+// (cp.async.mbarrier.arrive), issued by the warpgroup that is the chunk's last reader as soon as it is done with it,
+// so that the next pair's loads overlap this pair's products; S waits chunk by chunk.
+// [fa2-fwd 6], the output, the split partials and the fused merge are flash_decode_wide_kernel's.
 #include "decode.cu"
 #include "hopper_tiles.cuh"
 
@@ -24,83 +29,272 @@ struct Sw128 {
     __device__ __forceinline__ static int offset(int r, int c) { return sw128_offset<kRows>(r, c); }
 };
 
-// Keys [n0, n0 + 64) of the sequence's latent cache (576 columns) into a 128-byte-swizzled tile, as decode.cu's
-// load_cache_tile (zeros past len_k, [decode page], [decode guard], fused [decode append]), with 4 threads per
-// key: each finds its key's source row once (its page, or its k_new row) and copies every fourth of the row's 72
-// 16-byte chunks, so that a tile costs a thread one lookup and 18 copies, not 18 lookups.
+// [decode page] [decode guard] [decode append] The source row of key `key` of the sequence's latent cache, or null
+// (a key past len_k, or a page id out of range: page_fault, a new token's slot too, as if the block had read the
+// cache), as decode.cu's load_cache_tile finds it; a new token's row comes from k_new.
 template <bool kPaged>
-__device__ __forceinline__ void load_latent_tile(u16* tile, const u16* base, const DecodeParams& p, const int* pages,
-                                                 int cache_row, int slot0, int n0, int len_k, int tid,
-                                                 bool& page_fault, const NewRows& fresh) {
-    constexpr int kRows = 64, kChunks = 576 / 8;
-    const int r = tid >> 2, q = tid & 3;
-    const int key = n0 + r;
-    bool valid = key < len_k;
-    const u16* src = base;
-    if (valid) {
-        if constexpr (kPaged) {
-            const int slot = slot0 + key, index = page_index(p, slot);
-            const int page = pages[index];
-            if (static_cast<unsigned>(page) >= static_cast<unsigned>(p.cache_rows)) {
-                valid = false;  // (a new token's slot too: its rows NaN, as if the block had read the cache)
-                page_fault = true;
-            } else {
-                src = base + (i64)page * p.k_sb + (i64)(slot - index * p.page_size) * p.k_ss;
-            }
-        } else {
-            src = base + (i64)cache_row * p.k_sb + (i64)(slot0 + key) * p.k_ss;
+__device__ __forceinline__ const u16* latent_row(const u16* base, const DecodeParams& p, const int* pages,
+                                                 int cache_row, int slot0, int key, int len_k, bool& page_fault,
+                                                 const NewRows& fresh) {
+    if (key >= len_k) return nullptr;
+    const u16* src;
+    if constexpr (kPaged) {
+        const int slot = slot0 + key, index = page_index(p, slot);
+        const int page = pages[index];
+        if (static_cast<unsigned>(page) >= static_cast<unsigned>(p.cache_rows)) {
+            page_fault = true;
+            return nullptr;
         }
-        // [decode append] fused: a new token's row from k_new, not from its (not yet written) cache slot
-        if (valid && key >= fresh.first) src = fresh.base + (i64)(key - fresh.first) * fresh.ss;
+        src = base + (i64)page * p.k_sb + (i64)(slot - index * p.page_size) * p.k_ss;
+    } else {
+        src = base + (i64)cache_row * p.k_sb + (i64)(slot0 + key) * p.k_ss;
     }
-    // sw128_offset<kRows>(r, c) with the row's part taken out of the loop (called per copy, ptxas keeps 16 more
-    // registers live)
-    const u32 dst = smem_u32(tile) + 2 * (r * 64);
-    if (!valid) src = base;  // (copies of 0 bytes: any address in the cache, selected once, not per copy)
+    return key >= fresh.first ? fresh.base + (i64)(key - fresh.first) * fresh.ss : src;
+}
+
+__device__ __forceinline__ void cp_async_mbar_arrive(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void named_bar_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(count) : "memory");
+}
+
+// Column chunks [kC0, kC1) of one key row into a 128-byte-swizzled 64-row tile: the half `half` of each chunk's
+// eight 16-byte pieces (a warpgroup's two threads per row, the odd or the even ones), then each chunk's mbarrier told (it counts the 128
+// threads of one warpgroup). A null source fills zeros.
+template <int kC0, int kC1>
+__device__ __forceinline__ void load_latent_chunks(u32 tile, u32 bars, const u16* src, const u16* any, int r,
+                                                   int half) {
+    const bool valid = src != nullptr;
+    if (!valid) src = any;
 #pragma unroll
-    for (int k = 0; k < kChunks / 4; ++k) {
-        const int c = q + 4 * k;
-        cp_async_16(dst + 2 * ((c >> 3) * (kRows * 64) + (((c & 7) ^ (r & 7)) << 3)), src + c * 8, valid);
+    for (int c = kC0; c < kC1; ++c) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int piece = 2 * q + half;  // (a row's two threads: one whole 32-byte sector per copy)
+            cp_async_16(tile + c * 8192 + r * 128 + ((piece ^ (r & 7)) << 4), src + c * 64 + piece * 8, valid);
+        }
+        cp_async_mbar_arrive(bars + 8 * c);
     }
 }
 
-template <class T, bool kPaged>
+// A CUtensorMap (cuTensorMapEncodeTiled's 128 bytes, 64-byte aligned), passed as a __grid_constant__ parameter.
+struct alignas(64) TensorMap {
+    u64 bits[16];
+};
+
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+
+// Where a key tile comes from. cp.async: this thread's key row (null: zeros); TMA: the tile's page (or contiguous
+// cache row) z and its first row in it, for the warpgroup's issuing thread (ok false: a page id out of range).
+struct TileSource {
+    const u16* row;
+    int z, first;
+    bool ok;
+};
+
+// Column chunks [kC0, kC1) of a key tile into a 128-byte-swizzled 64-row buffer, each chunk completing on its own
+// mbarrier. kTma: one thread of the warpgroup issues the tensor copies (64 x 64 boxes, the map's 128-byte swizzle:
+// the buffer's layout), each barrier expecting its 8 KiB (a tile that cannot be read: a plain arrival, its rows
+// left as they are, the block's output poisoned by page_fault). Else load_latent_chunks by every thread.
+template <int kC0, int kC1, bool kTma>
+__device__ __forceinline__ void load_chunks(u32 tile, u32 bars, const TileSource& src, const u16* any,
+                                            const TensorMap* map, int tw) {
+    if constexpr (kTma) {
+        if (tw != 0) return;
+#pragma unroll
+        for (int c = kC0; c < kC1; ++c) {
+            if (src.ok) {
+                mbar_expect_tx(bars + 8 * c, 8192);
+                asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, "
+                             "{%2, %3, %4}], [%5];"
+                             :: "r"(tile + c * 8192), "l"(map), "r"(c * 64), "r"(src.first), "r"(src.z),
+                                "r"(bars + 8 * c)
+                             : "memory");
+            } else {
+                mbar_arrive(bars + 8 * c);
+            }
+        }
+    } else {
+        load_latent_chunks<kC0, kC1>(tile, bars, src.row, any, tw >> 1, tw & 1);
+    }
+}
+
+// Row statistics of one warpgroup's S (rows rw + g, rw + g + 8): the row maxima over its quad.
+template <int kNT>
+__device__ __forceinline__ void row_max(const float (&s)[kNT][4], float (&mx)[2]) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        float x = -CUFLASH_INF;
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) x = fmaxf(x, fmaxf(s[nt][2 * hh], s[nt][2 * hh + 1]));
+        mx[hh] = quad_max(x);
+    }
+}
+
+// P = exp2(S - m) in place (m -inf: a row that has seen only masked keys, exp2 against 0), its row sums added to l
+// after l and O are rescaled from max m_old to m.
+template <int kNT, int kDT>
+__device__ __forceinline__ void softmax_rows(float (&s)[kNT][4], const float (&m_old)[2], const float (&m)[2],
+                                             float (&l)[2], float (&acc)[kDT][4]) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const float m_use = m[hh] == -CUFLASH_INF ? 0.f : m[hh];
+        const float corr = fast_exp2(m_old[hh] - m_use);
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+            s[nt][2 * hh] = fast_exp2(s[nt][2 * hh] - m_use);
+            s[nt][2 * hh + 1] = fast_exp2(s[nt][2 * hh + 1] - m_use);
+            sum += s[nt][2 * hh] + s[nt][2 * hh + 1];
+        }
+        l[hh] = l[hh] * corr + sum;
+        if (__any_sync(0xffffffffu, corr != 1.f)) {  // (corr exactly 1 for every row: most tiles of a long cache)
+#pragma unroll
+            for (int dt = 0; dt < kDT; ++dt) {
+                acc[dt][2 * hh] *= corr;
+                acc[dt][2 * hh + 1] *= corr;
+            }
+        }
+    }
+}
+
+// O and l rescaled by a per-row factor (when any row's factor is not 1).
+template <int kDT>
+__device__ __forceinline__ void rescale_rows(float (&acc)[kDT][4], float (&l)[2], const float (&f)[2]) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        l[hh] *= f[hh];
+        if (__any_sync(0xffffffffu, f[hh] != 1.f)) {
+#pragma unroll
+            for (int dt = 0; dt < kDT; ++dt) {
+                acc[dt][2 * hh] *= f[hh];
+                acc[dt][2 * hh + 1] *= f[hh];
+            }
+        }
+    }
+}
+
+// P (64 x 64, this warp's rows rw + g, rw + g + 8) into a 64 x 64 tile of decode.cu's swizzle, scaled per row.
+template <class T, int kNT>
+__device__ __forceinline__ void store_p(u16* sP, const float (&s)[kNT][4], const float (&f)[2], int rw, int lane) {
+    const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int r = rw + g + 8 * hh;
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+            const int col = nt * 8 + 2 * t4;
+            *reinterpret_cast<u32*>(sP + Swizzle<64>::offset(r, col / 8) + col % 8) =
+                Elem<T>::pack(s[nt][2 * hh] * f[hh], s[nt][2 * hh + 1] * f[hh]);
+        }
+    }
+}
+
+template <class T, bool kPaged, bool kTma = false>
 __global__ void __launch_bounds__(256, 1)
-flash_decode_mla_sm90_kernel(const DecodeParams p) {
+flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ TensorMap k_map) {
     constexpr int kHeadDim = 576, kDV = 512, kBlockM = 64, kBlockN = 64, kNWarps = 8, kThreads = 256;
-    constexpr int kTileK = kBlockN * kHeadDim;  // one stage of the ring: 64 keys x 576
-    constexpr int kKT = kHeadDim / 16;          // k16 steps of S
-    constexpr int kWN = kBlockN / 2, kNT = kWN / 8;  // keys of S per warpgroup, its n8 tiles
-    constexpr int kWV = kDV / 2, kDT = kWV / 8;      // columns of O per warpgroup, its n8 tiles
-    constexpr int kPT = kBlockN / 16;                // k16 steps of P V
+    constexpr int kTileK = kBlockN * kHeadDim;  // one buffer: 64 keys x 576 (nine chunks of 8 KiB)
+    constexpr int kNT = kBlockN / 8;            // n8 tiles of S
+    constexpr int kWV = kDV / 2, kDT = kWV / 8;  // columns of O per warpgroup, its n8 tiles
+    constexpr int kPT = kBlockN / 16;            // k16 steps of P V
+    constexpr int kRopeChunk = 8;                // the chunk that holds a tile's P once its S is done
+    enum { kBarM0 = 1, kBarM1 = 2, kBarP0 = 3 };  // named barriers between the warpgroups (0: __syncthreads)
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     u16* sQ = reinterpret_cast<u16*>(smem_raw);              // 64 x 576, 128-byte swizzle
-    u16* sK = sQ + kBlockM * kHeadDim;                        // 2 stages of 64 x 576, 128-byte swizzle
-    u16* sP = sK + 2 * kTileK;                                // 64 x 64, decode.cu's swizzle (ldmatrix)
-    float* sMax = reinterpret_cast<float*>(sP + kBlockM * kBlockN);  // 64 x 2 (row, warpgroup)
-    float* sSum = sMax + kBlockM * 2;
+    u16* sK = sQ + kBlockM * kHeadDim;                        // buffers 0 and 1: 64 x 576, 128-byte swizzle
+    float* sM0 = reinterpret_cast<float*>(sK + 2 * kTileK);  // wg 0's m0 per row
+    float* sM1 = sM0 + kBlockM;                               // wg 1's m1 per row
+    float* sF1 = sM1 + kBlockM;                               // exp2(m0 - m1) per row
+    float* sSum = sF1 + kBlockM;                              // 64 x 2 (finish_wide_rows)
+    u64* bars = reinterpret_cast<u64*>(sSum + 2 * kBlockM);   // [buffer][chunk] (stride 8 bytes), then Q's
 
     const WideBlock<kBlockM, kBlockN, kPaged> blk(p);
     const int b = blk.b, h_kv = blk.h_kv, part_first = blk.part_first, part_end = blk.part_end;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int g = lane >> 2, t4 = lane & 3;
-    const int wg = warp >> 2;           // warpgroup: keys of S, columns of O
-    const int rw = (warp & 3) * 16;     // the warp's 16 rows within the block (wgmma: warp w of a warpgroup)
+    const int g = lane >> 2;
+    const int wg = warp >> 2;            // warpgroup: tile of the pair, columns of O
+    const int rw = (warp & 3) * 16;      // the warp's 16 rows within the block
+    const int tw = tid & 127, lr = tw >> 1;  // (cp.async: the key row this thread loads, two threads a row)
     bool page_fault = false;  // [decode guard] a page id out of range among the slots this block loaded
+
+    const u32 bar0 = smem_u32(bars), bar_q = bar0 + 8 * 18;
+    auto full = [&](int buf, int c) { return bar0 + 8 * (9 * buf + c); };
+    if (tid == 0) {
+        for (int i = 0; i < 18; ++i) mbar_init(bar0 + 8 * i, kTma ? 1 : 128);  // (the arrivals of one chunk)
+        mbar_init(bar_q, kThreads);
+    }
+    __syncthreads();
 
     const u16* kbase = p.k_cache + (i64)h_kv * p.k_sh;
     const bool fuse = p.fuse_new != 0;  // [decode append] fused: new keys read from k_new
     const int new_first = fuse ? blk.seqlen - blk.leftpad : blk.len_k;
     const NewRows knew{p.k_new + b * p.kn_sb + (i64)h_kv * p.kn_sh, p.kn_ss, new_first};
-    auto load_tile = [&](int j, int buf) {
-        load_latent_tile<kPaged>(sK + buf * kTileK, kbase, p, blk.pages, blk.cache_row, blk.leftpad, j * kBlockN,
-                                 blk.len_k, tid, page_fault, knew);
+    // [decode page] [decode guard] [decode append] tile j's source (kTma: its first slot is a multiple of 64 in one
+    // page, or in the contiguous cache's row: the launcher's condition)
+    auto source = [&](int j) -> TileSource {
+        if (j >= part_end) return {nullptr, 0, 0, false};
+        if constexpr (kTma) {
+            if (tw != 0) return {nullptr, 0, 0, false};
+            const int slot = j * kBlockN;
+            if constexpr (kPaged) {
+                const int index = page_index(p, slot), page = blk.pages[index];
+                if (static_cast<unsigned>(page) >= static_cast<unsigned>(p.cache_rows)) {
+                    page_fault = true;
+                    return {nullptr, 0, 0, false};
+                }
+                return {nullptr, page, slot - index * p.page_size, true};
+            } else {
+                return {nullptr, blk.cache_row, slot, true};
+            }
+        } else {
+            return {latent_row<kPaged>(kbase, p, blk.pages, blk.cache_row, blk.leftpad, j * kBlockN + lr, blk.len_k,
+                                       page_fault, knew), 0, 0, true};
+        }
     };
+    const TensorMap* map = &k_map;
+    // kTma: V's rows past the last key of a sequence's last tile (the tensor copy reads whatever the cache holds
+    // there; cp.async fills zeros) zeroed in this warpgroup's columns of buffer buf before its P V (P is 0 there,
+    // but 0 times a NaN is not 0)
+    auto zero_tail = [&](u32 tile, int j) {
+        if constexpr (kTma) {
+            const int valid = blk.len_k - j * kBlockN;
+            if (valid < kBlockN) {
+                for (int i = tw; i < (kBlockN - valid) * 32; i += 128) {
+                    const u32 at = tile + (4 * wg + ((i >> 3) & 3)) * 8192 + (valid + (i >> 5)) * 128 + ((i & 7) << 4);
+                    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" :: "r"(at), "r"(0) : "memory");
+                }
+                fence_proxy_async();
+                named_bar_sync(4 + wg, 128);
+            }
+        }
+    };
+    const u32 q_addr = smem_u32(sQ), k_addr = smem_u32(sK);
+    const u32 tile0 = k_addr, tile1 = k_addr + kTileK * 2;
 
     load_packed_q<kBlockM, kHeadDim, kThreads, Sw128<kBlockM>>(sQ, p, b, h_kv, blk.r0, blk.packed, tid);
-    if (part_first < part_end) load_tile(part_first, 0);
-    cp_async_commit();
+    cp_async_mbar_arrive(bar_q);
+    // The first pair's tiles, each chunk by the warpgroup that loads it at every later pair (see the loop)
+    const TileSource src0 = source(part_first), src1 = source(part_first + 1);
+    if (part_first < part_end) {
+        if (wg == 0) load_chunks<0, 4, kTma>(tile0, full(0, 0), src0, kbase, map, tw);
+        else load_chunks<4, 9, kTma>(tile0, full(0, 0), src0, kbase, map, tw);
+    }
+    if (part_first + 1 < part_end) {
+        if (wg == 0) {
+            load_chunks<0, 4, kTma>(tile1, full(1, 0), src1, kbase, map, tw);
+            load_chunks<8, 9, kTma>(tile1, full(1, 0), src1, kbase, map, tw);
+        } else {
+            load_chunks<4, 8, kTma>(tile1, full(1, 0), src1, kbase, map, tw);
+        }
+    }
     if (fuse && blk.in_range && blk.rt == 0 && blk.split == 0)
         append_head<kHeadDim, kDV, true, kPaged, kThreads>(p, b, h_kv, blk.seqlen, blk.cache_row, tid);
 
@@ -108,59 +302,146 @@ flash_decode_mla_sm90_kernel(const DecodeParams p) {
     float slope[2];
     packed_rows(p, b, h_kv, blk.r0 + rw, blk.packed, g, row_t, slope);
 
-    // Descriptors (hopper_tiles.cuh's layout note): Q and K K-major, this warpgroup's 32 keys 32 rows into each
-    // column block of K; V MN-major from the K tile's column blocks 4 wg .. 4 wg + 3.
-    // A descriptor's address field is (address >> 4) in its low 14 bits: below 256 KiB an offset adds to it
-    // without carrying out, so each base descriptor is built once and the steps add constants.
-    const u32 q_addr = smem_u32(sQ), k_addr = smem_u32(sK);
+    // Descriptors (hopper_tiles.cuh's layout note): Q and K K-major (each warpgroup's S reads its own buffer), V
+    // MN-major from the buffer's column chunks 4 wg .. 4 wg + 3. A descriptor's address field is (address >> 4) in
+    // its low 14 bits: below 256 KiB an offset adds to it without carrying out, so each base is built once.
     const u64 desc_q0 = sw128_desc(q_addr, 16, 1024);
-    const u64 desc_k0 = sw128_desc(k_addr + wg * kWN * 128, 16, 1024);
+    const u64 desc_k0 = sw128_desc(k_addr + wg * kTileK * 2, 16, 1024);
     const u64 desc_v0 = sw128_desc(k_addr + wg * (kWV / 64) * kBlockN * 128, kBlockN * 128, 1024);
     auto desc_q = [&](int kk) { return desc_q0 + (u64)(((kk >> 2) * kBlockM * 128 + (kk & 3) * 32) >> 4); };
-    auto desc_k = [&](int buf, int kk) {
-        return desc_k0 + (u64)((buf * kTileK * 2 + (kk >> 2) * kBlockN * 128 + (kk & 3) * 32) >> 4);
-    };
+    auto desc_k = [&](int kk) { return desc_k0 + (u64)(((kk >> 2) * kBlockN * 128 + (kk & 3) * 32) >> 4); };
     auto desc_v = [&](int buf, int kk) { return desc_v0 + (u64)((buf * kTileK * 2 + kk * 2048) >> 4); };
+    u16* const sP0 = sK + kRopeChunk * kBlockN * 64;            // P0 in buffer 0's rope chunk
+    u16* const sP1 = sK + kTileK + kRopeChunk * kBlockN * 64;   // P1 in buffer 1's rope chunk
 
     float acc[kDT][4];
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.f;
-    float m[2] = {-CUFLASH_INF, -CUFLASH_INF}, l[2] = {0.f, 0.f};  // l: this warpgroup's keys only
+    float m[2] = {-CUFLASH_INF, -CUFLASH_INF}, l[2] = {0.f, 0.f};  // l: the row sums of this warpgroup's P only
 
-    for (int j = part_first; j < part_end; ++j) {
-        const int buf = (j - part_first) & 1;
-        cp_async_wait<0>();   // Q and tile j have landed (this thread's copies) ...
-        fence_proxy_async();  // ... visible to the tensor cores ...
-        __syncthreads();      // ... for every thread; every warp is done with tile j - 1 and sP
-        if (j + 1 < part_end) load_tile(j + 1, buf ^ 1);
-        cp_async_commit();
+    mbar_wait(bar_q, 0);
+    fence_proxy_async();
+    for (int j0 = part_first, phase = 0; j0 < part_end; j0 += 2, phase ^= 1) {
+        const bool has1 = j0 + 1 < part_end;
+        // this pair's successors' source rows (their page lookups in flight during the products)
+        const TileSource next0 = source(j0 + 2), next1 = source(j0 + 3);
+        // ... and their rows on their way into L2 now: the copies into the buffers, issued when this pair frees
+        // them, then wait for L2, not for memory
 
-        // [fa2-fwd 2] S = Q K^T over this warpgroup's 32 keys of the tile
+        // [fa2-fwd 2] S = Q K^T of this warpgroup's tile, chunk by chunk as the chunks land
         float s[kNT][4];
-        wgmma_fence();
+        if (wg == 0 || has1) {
 #pragma unroll
-        for (int kk = 0; kk < kKT; ++kk) Wgmma<T>::ss(s, desc_q(kk), desc_k(buf, kk), kk > 0 ? 1 : 0, Int<kWN>());
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(s);
-        mod_mask_scale(s, p, j * kBlockN + wg * kWN, row_t, slope, blk.offset, blk.len_k, t4);
-
-        // [fa2-fwd 3], [fa2-fwd 4] the row maxima of both warpgroups; P of its keys into sP
-        exchange_softmax<T, kBlockN, 2>(s, m, l, acc, sMax, sP, rw, wg, lane);
-        __syncthreads();  // P of both warpgroups is in sP
-
-        // [fa2-fwd 5] O[:, this warpgroup's columns] += P V, P as the register operand
-        u32 a[kPT][4];
+            for (int i = 0; i < 9; ++i) {
+                // the chunks in the order they were loaded: wg 0's buffer-0 chunks 0-3 (by itself, early), 8, 4-7
+                // (by wg 1, late); wg 1's buffer-1 chunk 8 (by wg 0), 4-7 (by itself), 0-3 (by wg 0, last)
+                const int c = wg == 0 ? (i < 4 ? i : i == 4 ? 8 : i - 1) : (i == 0 ? 8 : i < 5 ? i + 3 : i - 5);
+                mbar_wait(full(wg, c), phase);
+                fence_proxy_async();
+                wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kPT; ++kk) load_a<kBlockN>(a[kk], sP, rw, kk, lane);
-        wgmma_fence();
+                for (int q = 0; q < 4; ++q) Wgmma<T>::ss(s, desc_q(4 * c + q), desc_k(4 * c + q), i + q > 0, Int<kBlockN>());
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs(s);
+            mod_mask_scale(s, p, (j0 + wg) * kBlockN, row_t, slope, blk.offset, blk.len_k, lane & 3);
+        } else {
 #pragma unroll
-        for (int kk = 0; kk < kPT; ++kk) Wgmma<T>::rs_tb(acc, a[kk], desc_v(buf, kk), 1, Int<kWV>());
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(acc);
+            for (int nt = 0; nt < kNT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = -CUFLASH_INF;
+        }
+        float mx[2];
+        row_max(s, mx);
+        if (wg == 0) {
+            // [fa2-fwd 3] m0, shared with wg 1; [fa2-fwd 4] P0; [fa2-fwd 5] O[:, :256] += P0 V0
+            float m0[2] = {fmaxf(m[0], mx[0]), fmaxf(m[1], mx[1])};
+            if ((lane & 3) == 0) sM0[rw + g] = m0[0], sM0[rw + g + 8] = m0[1];
+            named_bar_arrive(kBarM0, kThreads);
+            softmax_rows(s, m, m0, l, acc);
+            zero_tail(tile0, j0);
+            u32 a[kPT][4];
+#pragma unroll
+            for (int kk = 0; kk < kPT; ++kk) c_to_a<T, kNT>(a[kk], s, kk);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kPT; ++kk) Wgmma<T>::rs_tb(acc, a[kk], desc_v(0, kk), 1, Int<kWV>());
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs(acc);
+            // buffer 0's chunks 0-3 (V0's left half) are done with: the pair after next's tile into them
+            if (j0 + 2 < part_end) load_chunks<0, 4, kTma>(tile0, full(0, 0), next0, kbase, map, tw);
+            named_bar_sync(kBarM1, kThreads);  // wg 1's m1 and exp2(m0 - m1), and P1
+            float f1[2];
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                f1[hh] = sF1[rw + g + 8 * hh];
+                m[hh] = sM1[rw + g + 8 * hh];
+            }
+            store_p<T>(sP0, s, f1, rw, lane);  // P0 at max m1, for wg 1
+            named_bar_arrive(kBarP0, kThreads);
+            rescale_rows(acc, l, f1);
+            if (has1) {
+                // O[:, :256] += P1 V1, P1 from shared memory (then buffer 1's rope chunk is free)
+#pragma unroll
+                for (int kk = 0; kk < kPT; ++kk) load_a<kBlockN>(a[kk], sP1, rw, kk, lane);
+                zero_tail(tile1, j0 + 1);
+                if (j0 + 3 < part_end) load_chunks<8, 9, kTma>(tile1, full(1, 0), next1, kbase, map, tw);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < kPT; ++kk) Wgmma<T>::rs_tb(acc, a[kk], desc_v(1, kk), 1, Int<kWV>());
+                wgmma_commit();
+                wgmma_wait<0>();
+                fence_regs(acc);
+                if (j0 + 3 < part_end) load_chunks<0, 4, kTma>(tile1, full(1, 0), next1, kbase, map, tw);
+            }
+        } else {
+            // [fa2-fwd 3] m1 from wg 0's m0; [fa2-fwd 4] P1 (to shared memory for wg 0); [fa2-fwd 5] O[:, 256:] +=
+            // P1 V1 + (P0 exp2(m0 - m1)) V0
+            named_bar_sync(kBarM0, kThreads);
+            float m0[2], m1[2], f1[2];
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                m0[hh] = sM0[rw + g + 8 * hh];
+                m1[hh] = fmaxf(m0[hh], mx[hh]);
+                f1[hh] = fast_exp2(m0[hh] - (m1[hh] == -CUFLASH_INF ? 0.f : m1[hh]));
+            }
+            softmax_rows(s, m, m1, l, acc);
+            m[0] = m1[0], m[1] = m1[1];
+            if ((lane & 3) == 0) {
+                sM1[rw + g] = m1[0], sM1[rw + g + 8] = m1[1];
+                sF1[rw + g] = f1[0], sF1[rw + g + 8] = f1[1];
+            }
+            const float one[2] = {1.f, 1.f};
+            if (has1) store_p<T>(sP1, s, one, rw, lane);
+            named_bar_arrive(kBarM1, kThreads);
+            u32 a[kPT][4];
+            if (has1) {
+                zero_tail(tile1, j0 + 1);
+#pragma unroll
+                for (int kk = 0; kk < kPT; ++kk) c_to_a<T, kNT>(a[kk], s, kk);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < kPT; ++kk) Wgmma<T>::rs_tb(acc, a[kk], desc_v(1, kk), 1, Int<kWV>());
+                wgmma_commit();
+            }
+            named_bar_sync(kBarP0, kThreads);  // P0 at max m1
+            u32 a0[kPT][4];
+#pragma unroll
+            for (int kk = 0; kk < kPT; ++kk) load_a<kBlockN>(a0[kk], sP0, rw, kk, lane);
+            zero_tail(tile0, j0);
+            // buffer 0's rope chunk (P0) is read: the pair after next's tile into it
+            if (j0 + 2 < part_end) load_chunks<8, 9, kTma>(tile0, full(0, 0), next0, kbase, map, tw);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kPT; ++kk) Wgmma<T>::rs_tb(acc, a0[kk], desc_v(0, kk), 1, Int<kWV>());
+            wgmma_commit();
+            wgmma_wait<1>();  // P1 V1 done: buffer 1's chunks 4-7 are free
+            if (j0 + 3 < part_end) load_chunks<4, 8, kTma>(tile1, full(1, 0), next1, kbase, map, tw);
+            wgmma_wait<0>();  // P0 V0 done: buffer 0's chunks 4-7 are free
+            fence_regs(acc);
+            if (j0 + 2 < part_end) load_chunks<4, 8, kTma>(tile0, full(0, 0), next0, kbase, map, tw);
+        }
     }
-    cp_async_wait<0>();
 
     finish_wide_rows<T, kDV, kBlockM, kNWarps, 2, kDT>(p, blk, acc, m, l, sSum, page_fault, rw, wg, tid);
 }

@@ -66,6 +66,10 @@ CASES = {  # label: (batch, heads_q, heads_kv, d, seqlen_q, seqlen_new, capacity
     # columns of the K cache; 64 packed rows per block (a token's heads span two blocks at 80 heads)
     "mla-paged64-spec2": (2, 80, 1, 576, 2, 2, 700, 64, dict(causal=True, mla=512)),
     "mla-contiguous-alibi": (3, 16, 1, 576, 1, 1, 300, None, dict(causal=True, mla=512, alibi_slopes="heads")),
+    # ... without appended tokens: on sm_90 the key tiles come by TMA (pages of 64 and 128, the contiguous cache)
+    "mla-paged64-tma": (2, 64, 1, 576, 1, 0, 700, 64, dict(causal=True, mla=512)),
+    "mla-paged128-spec2-splits-tma": (3, 128, 1, 576, 2, 0, 1000, 128, dict(causal=True, mla=512, num_splits=3)),
+    "mla-contiguous-tma": (2, 16, 1, 576, 1, 0, 300, None, dict(mla=512)),
     # chunked prefill (seqlen_q >= 64, contiguous, no leftpad / batch_idx): the forward kernels over the cache
     "prefill-append-gqa4": (2, 16, 4, 128, 128, 128, 1024, None, dict(causal=True)),
     "prefill-rotary-window-alibi": (2, 8, 2, 64, 96, 96, 600, None,
@@ -405,6 +409,46 @@ def test_mla_wgmma_kernel_matches_the_mma_sync_kernel(requires_gpu, monkeypatch,
     assert float(cp.abs(o1 - o2).max()) < 2e-2
     assert float(cp.abs(l1 - l2).max()) < 1e-3
     assert cp.array_equal(k1.view(cp.uint16), k2.view(cp.uint16))
+    decode._LAUNCHES.clear()
+    _api._kvcache_launches.clear()
+
+
+@pytest.mark.parametrize("page_size, seqlen_q, num_splits", [(64, 1, 0), (128, 2, 3), (None, 1, 2)])
+def test_mla_tma_tiles_match_the_cp_async_tiles(requires_gpu, monkeypatch, page_size, seqlen_q, num_splits):
+    """Without appended tokens the sm_90 MLA kernel copies its key tiles with TMA (TMA_DECODE), which reads a last
+    tile's rows past the sequence's end as the cache holds them: NaN here, which the kernel must zero in V before
+    P V. The same call with cp.async copies (TMA_DECODE off) gives the same output and lse."""
+    from cuflash._cuda import compile as cuda_compile
+    from cuflash._cuda import decode, spec
+
+    cp = requires_gpu
+    if cuda_compile.device_info()[0] != 90:
+        pytest.skip("the wgmma MLA kernel runs on sm_90")
+    rng = np.random.default_rng(seqlen_q + (page_size or 0))
+    q, k_cache, _, _, _, seqlens, table = _case(rng, batch=3, heads_q=64, heads_kv=1, d=576, seqlen_q=seqlen_q,
+                                                seqlen_new=0, capacity=700, page_size=page_size,
+                                                dtype=DTYPES["bfloat16"], dv=512)
+    seqlens[1] = 130  # (a last tile of 2 keys)
+    for b, n in enumerate(seqlens):  # NaN in every slot past each sequence's length
+        if table is None:
+            k_cache[b, n:] = np.nan
+        else:
+            for slot in range(n, 700):
+                k_cache[table[b, slot // page_size], slot % page_size] = np.nan
+    kc = cp.asarray(k_cache)
+    call = dict(cache_seqlens=cp.asarray(seqlens), block_table=None if table is None else cp.asarray(table),
+                causal=True, softmax_scale=1 / np.sqrt(192), num_splits=num_splits, return_lse=True)
+    results = {}
+    for tma in (True, False):
+        monkeypatch.setattr(spec, "TMA_DECODE", tma)
+        decode._LAUNCHES.clear()
+        _api._kvcache_launches.clear()
+        out, lse = cuflash.attention_with_kvcache(cp.asarray(q), kc, kc[..., :512], **call)
+        results[tma] = (as_float32(cp, out), lse)
+    (o1, l1), (o2, l2) = results[True], results[False]
+    assert bool(cp.isfinite(o1).all()) and bool(cp.isfinite(l1).all())
+    assert float(cp.abs(o1 - o2).max()) < 2e-2
+    assert float(cp.abs(l1 - l2).max()) < 1e-3
     decode._LAUNCHES.clear()
     _api._kvcache_launches.clear()
 

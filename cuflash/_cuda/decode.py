@@ -37,8 +37,10 @@ from .._kvcache import KVCache
 from .._variant import Variant
 from ..reference_decode import apply_rotary
 from .compile import check_smem, device_info, kernel, launch
+from . import spec as _spec
 from .spec import CTYPES, DECODE_HEAD_DIMS, DECODE_MLA_DIMS, decode_family
 from .spec import spec as kernel_spec
+from .tensor_map import TensorMap
 
 __all__ = ["forward_kvcache", "plan_kvcache", "merge_partials", "DecodeLaunch", "ChunkedPrefillLaunch", "CupyRuntime",
            "DECODE_PARAMS_DTYPE", "check_decode_supported"]
@@ -189,11 +191,29 @@ def decode_record(q, k_cache, v_cache, k, v, *, out, cache: KVCache, scale: floa
     return rec
 
 
-def record_argv(rec: np.ndarray) -> tuple[np.ndarray, int]:
-    """``(argv, its address)``: cuLaunchKernel's argument array for a kernel whose one argument is the record ``rec``
-    (``void* args[1] = {&record}``), kept with the record by its launch."""
-    argv = np.array([rec.ctypes.data], dtype=np.uint64)
+def record_argv(rec: np.ndarray, *more: int) -> tuple[np.ndarray, int]:
+    """``(argv, its address)``: cuLaunchKernel's argument array for a kernel whose first argument is the record
+    ``rec`` (``void* args[] = {&record, ...}``; ``more``: the addresses of further arguments, e.g. a TensorMap's),
+    kept with the record by its launch. (A kernel of fewer arguments reads only its own.)"""
+    argv = np.array([rec.ctypes.data, *more], dtype=np.uint64)
     return argv, int(argv.ctypes.data)
+
+
+def _tma_tiles(cache: KVCache, k_cache, paged: bool) -> bool:
+    """Whether the MLA kernel may copy its key tiles with TMA: every 64-key tile whole in one page (pages of a
+    multiple of 64 slots) or in the contiguous cache's row, from slot 0 (no left padding), none of it appended in
+    the same launch (the new rows come from k_new)."""
+    return (_spec.TMA_DECODE and not cache.seqlen_new and cache.cache_leftpad is None
+            and (not paged or k_cache.shape[1] % 64 == 0))
+
+
+def _tensor_map(k_cache, tma: bool) -> TensorMap:
+    """The MLA kernel's second argument: the map of the latent cache (576 columns x slots x pages or rows; 64 x 64
+    boxes), or an unused one."""
+    if not tma:
+        return TensorMap(None)
+    n, slots, _, d = k_cache.shape
+    return TensorMap((d, slots, n), (k_cache.strides[1], k_cache.strides[0]), (64, 64, 1))
 
 
 class CupyRuntime:
@@ -269,6 +289,7 @@ class DecodeLaunch:
 
         # The kernels first (NVRTC, shared memory): nothing that can fail may come after a step's append.
         steps, keep = [], []
+        self._map = None  # the MLA kernel's TensorMap of the latent cache (re-encoded when the cache moves)
 
         def step(spec, grid):
             fn, obj = rt.function(spec)
@@ -282,7 +303,10 @@ class DecodeLaunch:
         row_tiles = tile_n = 0
         if batch and seqlen_q and heads_q:
             family, tile, _ = decode_family(d, dv, rt.compute_capability() if (d, dv) == DECODE_MLA_DIMS else 0)
-            spec = kernel_spec(family, dtype, d, tile, "true" if paged else "false")
+            if family == "decode_mla_sm90":
+                self._map = _tensor_map(k_cache, _tma_tiles(cache, k_cache, paged))
+            spec = kernel_spec(family, dtype, d, tile, ("true" if paged else "false")
+                               + (", true" if self._map is not None and self._map.mapped else ""))
             assert spec.tile.block_m % 16 == 0 and spec.tile.stages == 2, "decode.cu's packed-row tiles and ring"
             # Splits past the number of key tiles would be empty: at most one per tile (and grid y's 65535).
             self.num_splits = max(1, min(int(cache.num_splits), -(-cache.capacity // spec.tile.block_n), 65535))
@@ -319,7 +343,7 @@ class DecodeLaunch:
                                            variant=variant, rotary=self.rotary is not None,
                                            num_splits=self.num_splits, row_tiles=row_tiles)
         self.out_strides = None if out is None else tuple(out.strides)
-        self._argv, self._argv_ptr = record_argv(rec)
+        self._argv, self._argv_ptr = record_argv(rec, *(() if self._map is None else (self._map.address,)))
         self._lock = threading.Lock()  # one step at a time writes the record and launches from it
         r = rec[0]  # a structured scalar: a view of the record
         if self.o_part is not None:
@@ -535,6 +559,8 @@ class DecodeLaunch:
                 self._fit(arrays[1], arrays[2])
             for word, ptr in writes:
                 words[word] = ptr
+            if self._map is not None:
+                self._map.point(words[index[1]])
             if self._can_fuse and (3 in stale or 4 in stale):
                 fused = not ((words[index[3]] | words[index[4]]) & 15)
                 if fused is not (self._steps is self._fused):
@@ -587,9 +613,11 @@ class DecodeLaunch:
                 self._fit(k_cache, v_cache)
             for index, ptr in zip(self._word_index, ptrs):
                 words[index] = ptr
+            if self._map is not None:
+                self._map.point(ptrs[1])
             if self._can_fuse:
                 self._select(not ((ptrs[3] | ptrs[4]) & 15))
-            # cuLaunchKernel copies the record when it is called: the next step may rewrite it at once.
+            # cuLaunchKernel copies the record (and the map) when it is called: the next step may rewrite it at once.
             for fn, gx, gy, gz, threads, smem in self._steps:
                 launch(fn, gx, gy, gz, threads, 1, 1, smem, stream, argv, 0)
             # The fast path may skip the pointers only for the arrays the user gave (rotary's copies are new).

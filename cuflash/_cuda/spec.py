@@ -36,6 +36,10 @@ SM90A_OPTIONS = NVRTC_OPTIONS + ("-arch=sm_90a",)
 # MLA decoding on sm_90 runs the wgmma kernel (decode_sm90.cu); False: the mma.sync one, for comparisons (read when a
 # decode launch is planned: clear cuflash._cuda.decode._LAUNCHES and the front door's memory after changing it).
 SM90A_DECODE = True
+# ... and copies its key tiles with the tensor memory accelerator (cp.async.bulk.tensor: one thread issues a 64 x 64
+# box, no per-thread copies) where every tile lies whole in one page or in the contiguous cache's row (no appended
+# tokens, no left padding, pages of a multiple of 64); cp.async otherwise, or everywhere with this off.
+TMA_DECODE = True
 
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 FA1_HEAD_DIMS = (32, 64, 96, 128, 256)  # (the FA1 forward's per-warp query stages spill at 160..224)
@@ -470,6 +474,12 @@ def _wide_decode_smem(d: int, dv: int, shared_kv: bool, t: Tile) -> int:
     return 2 * tiles + 2 * 4 * t.block_m * col_split
 
 
+def _mla_sm90_smem(d: int, t: Tile) -> int:
+    """flash_decode_mla_sm90_kernel's shared memory (decode_sm90.cu): Q and two key tiles (16-bit), four float32 rows
+    of the block (m0, m1, exp2(m0 - m1), and the two warpgroups' row sums: 5 x block_m floats) and 19 mbarriers."""
+    return 2 * (t.block_m * d + 2 * t.block_n * d) + 4 * 5 * t.block_m + 8 * 19
+
+
 def decode_family(head_dim: int, head_dim_v: int, cc: int = 0) -> tuple[str, Tile, str]:
     """The split kernel's family, tile and arch class for decoding at these head dims on a GPU of compute capability
     ``cc`` (0: any; the launcher and :func:`instantiations` both ask here). MLA runs the wgmma kernel on sm_90 (unless
@@ -544,11 +554,11 @@ FAMILIES: dict[str, Family] = {
     "decode_mla": Family(
         "decode.cu", "flash_decode_wide_kernel", lambda s: _wide_decode_args(s, s.head_dim - 64, "true"),
         lambda d, t: _wide_decode_smem(d, d - 64, True, t)),
-    # The same on Hopper's wgmma (decode_sm90.cu: 2 warpgroups, S by key halves, O by column halves; the tile
-    # and shared memory of "decode_mla"; the variant slot holds kPaged).
+    # The same on Hopper's wgmma (decode_sm90.cu: 2 warpgroups out of phase over pairs of key tiles, O by column
+    # halves; the tile of "decode_mla", its own shared memory; the variant slot holds kPaged).
     "decode_mla_sm90": Family(
         "decode_sm90.cu", "flash_decode_mla_sm90_kernel", lambda s: f"{CTYPES[s.dtype]}, {s.variant}",
-        lambda d, t: _wide_decode_smem(d, d - 64, True, t), SM90A_OPTIONS),
+        lambda d, t: _mla_sm90_smem(d, t), SM90A_OPTIONS),
     # Its [decode append] (before it; the variant slot holds kPaged; the elements are copied as 16-bit words, so
     # the name has no dtype) and [decode merge] of the splits (after it; head_dim = v's head dim).
     "decode_append": Family("decode.cu", "decode_append_kernel", lambda s: s.variant, _no_smem, threads=128),
@@ -772,6 +782,8 @@ def instantiations() -> list[KernelSpec]:
         for dtype in CTYPES:
             for paged in ("false", "true"):
                 add(KernelSpec(fam, dtype, d, tile, paged, arch=arch))
+                if fam == "decode_mla_sm90":  # (its TMA loads, decode_sm90.cu's kTma)
+                    add(KernelSpec(fam, dtype, d, tile, f"{paged}, true", arch=arch))
             add(KernelSpec("decode_merge", dtype, dv, arch="any"))
     for paged in ("false", "true"):
         add(KernelSpec("decode_append", "bfloat16", 0, variant=paged, arch="any"))

@@ -1,0 +1,63 @@
+"""Tensor memory access (TMA) descriptors: a ``CUtensorMap`` made by the driver's ``cuTensorMapEncodeTiled`` (through
+ctypes: CuPy does not wrap it), for kernels that copy tiles with ``cp.async.bulk.tensor`` (decode_sm90.cu's MLA
+kernel). A map holds its tensor's global address, so it is encoded again when the tensor moves; it is passed by
+value as a ``__grid_constant__`` kernel argument (128 bytes), which cuLaunchKernel copies at each launch."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+
+# CUtensorMapDataType, CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill
+_UINT16 = 1            # 16-bit elements copied as such (float16 and bfloat16 alike)
+_INTERLEAVE_NONE = 0
+_SWIZZLE_128B = 3      # hopper_tiles.cuh's 128-byte-swizzled layout, for boxes 128 bytes wide
+_L2_PROMOTION_128B = 2
+_OOB_ZEROS = 0         # boxes past the tensor's edges read zeros
+
+
+@functools.cache
+def _encode_tiled():
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuTensorMapEncodeTiled
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64),
+                   ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    return fn
+
+
+class TensorMap:
+    """The map of a 16-bit tensor of ``dims`` elements (innermost first) with ``strides`` bytes between the steps of
+    each outer dimension, copied in boxes of ``box`` elements (the innermost 128 bytes wide: the 128-byte swizzle),
+    at the address :meth:`point` gives. :attr:`address` is the host address of its 128 bytes (64-byte aligned), a
+    kernel argument; ``TensorMap(None)`` is an unused one (zeros: a kernel that takes the argument and reads it not)."""
+
+    def __init__(self, dims: tuple | None, strides: tuple = (), box: tuple = ()):
+        self._storage = np.zeros(24, dtype=np.uint64)  # 192 bytes: a 64-byte aligned 128 inside
+        start = (-self._storage.ctypes.data % 64) // 8
+        self.words = self._storage[start:start + 16]
+        self.address = int(self.words.ctypes.data)
+        self._spec = None if dims is None else (tuple(dims), tuple(strides), tuple(box))
+        if self._spec is not None:
+            assert len(strides) == len(dims) - 1 == len(box) - 1 and box[0] * 2 == 128
+            assert all(s % 16 == 0 for s in strides), strides
+        self._pointed = None
+        self.mapped = self._spec is not None  # (False: the unused one)
+
+    def point(self, ptr: int) -> None:
+        """Encode the map for a tensor at device address ``ptr`` (once per address: the last one is kept)."""
+        if ptr == self._pointed or self._spec is None:
+            return
+        dims, strides, box = self._spec
+        rank = len(dims)
+        result = _encode_tiled()(
+            self.address, _UINT16, rank, ptr, (ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * (rank - 1))(*strides),
+            (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*([1] * rank)), _INTERLEAVE_NONE, _SWIZZLE_128B,
+            _L2_PROMOTION_128B, _OOB_ZEROS)
+        if result != 0:
+            raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {result}) for dims {dims}, strides {strides}, "
+                               f"box {box} at address {ptr:#x}")
+        self._pointed = ptr
