@@ -530,26 +530,20 @@ def _mla_rows(args) -> list[dict]:
                 vview = cpool[..., :MLA_DV]
                 s = timed(lambda: plan.run(cq, cpool, vview, cache_seqlens=lens, block_table=ctable, out=out,
                                            lse=lse))
-                # the same plan on the mma.sync kernel (sm_90 runs the wgmma one by default)
                 from ._cuda import spec as cuda_spec
 
-                cuda_spec.SM90A_DECODE = False
-                try:
-                    old = cuflash.plan_kvcache(cq, cpool, vview, cache_seqlens=lens, block_table=ctable,
-                                               softmax_scale=scale, causal=sq > 1)
-                finally:
-                    cuda_spec.SM90A_DECODE = True
-                s_old = timed(lambda: old.run(cq, cpool, vview, cache_seqlens=lens, block_table=ctable, out=out,
-                                              lse=lse))
-                # ... and the wgmma kernel with its key tiles by cp.async, not TMA
-                cuda_spec.TMA_DECODE = False
-                try:
-                    by_cp_async = cuflash.plan_kvcache(cq, cpool, vview, cache_seqlens=lens, block_table=ctable,
-                                                       softmax_scale=scale, causal=sq > 1)
-                finally:
-                    cuda_spec.TMA_DECODE = True
-                s_cp = timed(lambda: by_cp_async.run(cq, cpool, vview, cache_seqlens=lens, block_table=ctable,
-                                                     out=out, lse=lse))
+                def timed_without(switch):
+                    """The same call planned with one of the launcher's switches off, timed."""
+                    setattr(cuda_spec, switch, False)
+                    try:
+                        other = cuflash.plan_kvcache(cq, cpool, vview, cache_seqlens=lens, block_table=ctable,
+                                                     softmax_scale=scale, causal=sq > 1)
+                    finally:
+                        setattr(cuda_spec, switch, True)
+                    return timed(lambda: other.run(cq, cpool, vview, cache_seqlens=lens, block_table=ctable, out=out,
+                                                   lse=lse))
+                # the mma.sync kernel (sm_90 runs the wgmma one by default); the wgmma kernel's tiles by cp.async
+                s_old, s_cp = timed_without("SM90A_DECODE"), timed_without("TMA_DECODE")
             row.update(cuflash_us=s * 1e6, cuflash_tbs=nbytes / s / 1e12, cuflash_tflops=flops / s / 1e12,
                        num_splits=plan.num_splits, max_abs_err=err, cuflash_mma_sync_us=s_old * 1e6,
                        cuflash_cp_async_us=s_cp * 1e6)

@@ -314,6 +314,20 @@ __device__ __forceinline__ void c_to_a(u32 (&a)[4], const float (&s)[kNT][4], in
 }
 
 // ---------------------------------------------------------------------------------------------------
+// P = exp2(S - m_use) in place for row half h (rows g, g + 8) of a score block; returns this lane's part of the row
+// sum.
+template <int kNT>
+__device__ __forceinline__ float exp_row(float (&s)[kNT][4], int h, float m_use) {
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+        s[nt][2 * h] = fast_exp2(s[nt][2 * h] - m_use);
+        s[nt][2 * h + 1] = fast_exp2(s[nt][2 * h + 1] - m_use);
+        sum += s[nt][2 * h] + s[nt][2 * h + 1];
+    }
+    return sum;
+}
+
 // Online softmax state of the two rows (g and g+8) that one lane holds in a 16-row mma tile.
 // Scores arrive already multiplied by scale * log2(e) (so exp(scale * (s - m)) = exp2(s' - m')) and
 // masked; m is the running max in those units, l the lane-partial running sum (summed over the quad
@@ -340,14 +354,7 @@ struct OnlineSoftmax {
             const float m_use = mx == -CUFLASH_INF ? 0.f : mx;
             const float corr = fast_exp2(m[h] - m_use);
             m[h] = mx;
-            float sum = 0.f;
-#pragma unroll
-            for (int nt = 0; nt < kNT; ++nt) {
-                s[nt][2 * h] = fast_exp2(s[nt][2 * h] - m_use);
-                s[nt][2 * h + 1] = fast_exp2(s[nt][2 * h + 1] - m_use);
-                sum += s[nt][2 * h] + s[nt][2 * h + 1];
-            }
-            l[h] = l[h] * corr + sum;
+            l[h] = l[h] * corr + exp_row(s, h, m_use);
 #pragma unroll
             for (int dt = 0; dt < kDT; ++dt) {
                 acc[dt][2 * h] *= corr;

@@ -63,8 +63,8 @@ __device__ __forceinline__ void named_bar_arrive(int id, int count) {
 }
 
 // Column chunks [kC0, kC1) of one key row into a 128-byte-swizzled 64-row tile: the half `half` of each chunk's
-// eight 16-byte pieces (a warpgroup's two threads per row, the odd or the even ones), then each chunk's mbarrier told (it counts the 128
-// threads of one warpgroup). A null source fills zeros.
+// eight 16-byte pieces (a warpgroup's two threads per row, the odd or the even ones), then each chunk's mbarrier told
+// (it counts the 128 threads of one warpgroup). A null source fills zeros.
 template <int kC0, int kC1>
 __device__ __forceinline__ void load_latent_chunks(u32 tile, u32 bars, const u16* src, const u16* any, int r,
                                                    int half) {
@@ -91,7 +91,8 @@ __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
 }
 
 // Where a key tile comes from. cp.async: this thread's key row (null: zeros); TMA: the tile's page (or contiguous
-// cache row) z and its first row in it, for the warpgroup's issuing thread (ok false: a page id out of range).
+// cache row) z, not yet checked against the cache's rows, and its first row in it, for the warpgroup's issuing
+// thread.
 struct TileSource {
     const u16* row;
     int z, first;
@@ -100,30 +101,39 @@ struct TileSource {
 
 // Column chunks [kC0, kC1) of a key tile into a 128-byte-swizzled 64-row buffer, each chunk completing on its own
 // mbarrier. kTma: one thread of the warpgroup issues the tensor copies (64 x 64 boxes, the map's 128-byte swizzle:
-// the buffer's layout), each barrier expecting its 8 KiB (a tile that cannot be read: a plain arrival, its rows
+// the buffer's layout), each barrier expecting its 8 KiB (a page id out of range: a plain arrival, the tile's rows
 // left as they are, the block's output poisoned by page_fault). Else load_latent_chunks by every thread.
-template <int kC0, int kC1, bool kTma>
-__device__ __forceinline__ void load_chunks(u32 tile, u32 bars, const TileSource& src, const u16* any,
-                                            const TensorMap* map, int tw) {
-    if constexpr (kTma) {
-        if (tw != 0) return;
+template <bool kTma>
+struct ChunkLoader {
+    const u16* any;        // (cp.async: the address of a copy of 0 bytes)
+    const TensorMap* map;  // (TMA)
+    int tw, cache_rows;
+    bool& page_fault;
+
+    template <int kC0, int kC1>
+    __device__ __forceinline__ void load(u32 tile, u32 bars, const TileSource& src) const {
+        if constexpr (kTma) {
+            if (tw != 0) return;
+            const bool ok = static_cast<unsigned>(src.z) < static_cast<unsigned>(cache_rows);
+            page_fault |= !ok;
 #pragma unroll
-        for (int c = kC0; c < kC1; ++c) {
-            if (src.ok) {
-                mbar_expect_tx(bars + 8 * c, 8192);
-                asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, "
-                             "{%2, %3, %4}], [%5];"
-                             :: "r"(tile + c * 8192), "l"(map), "r"(c * 64), "r"(src.first), "r"(src.z),
-                                "r"(bars + 8 * c)
-                             : "memory");
-            } else {
-                mbar_arrive(bars + 8 * c);
+            for (int c = kC0; c < kC1; ++c) {
+                if (ok) {
+                    mbar_expect_tx(bars + 8 * c, 8192);
+                    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], "
+                                 "[%1, {%2, %3, %4}], [%5];"
+                                 :: "r"(tile + c * 8192), "l"(map), "r"(c * 64), "r"(src.first), "r"(src.z),
+                                    "r"(bars + 8 * c)
+                                 : "memory");
+                } else {
+                    mbar_arrive(bars + 8 * c);
+                }
             }
+        } else {
+            load_latent_chunks<kC0, kC1>(tile, bars, src.row, any, tw >> 1, tw & 1);
         }
-    } else {
-        load_latent_chunks<kC0, kC1>(tile, bars, src.row, any, tw >> 1, tw & 1);
     }
-}
+};
 
 // Row statistics of one warpgroup's S (rows rw + g, rw + g + 8): the row maxima over its quad.
 template <int kNT>
@@ -146,14 +156,7 @@ __device__ __forceinline__ void softmax_rows(float (&s)[kNT][4], const float (&m
     for (int hh = 0; hh < 2; ++hh) {
         const float m_use = m[hh] == -CUFLASH_INF ? 0.f : m[hh];
         const float corr = fast_exp2(m_old[hh] - m_use);
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
-            s[nt][2 * hh] = fast_exp2(s[nt][2 * hh] - m_use);
-            s[nt][2 * hh + 1] = fast_exp2(s[nt][2 * hh + 1] - m_use);
-            sum += s[nt][2 * hh] + s[nt][2 * hh + 1];
-        }
-        l[hh] = l[hh] * corr + sum;
+        l[hh] = l[hh] * corr + exp_row(s, hh, m_use);
         if (__any_sync(0xffffffffu, corr != 1.f)) {  // (corr exactly 1 for every row: most tiles of a long cache)
 #pragma unroll
             for (int dt = 0; dt < kDT; ++dt) {
@@ -245,12 +248,9 @@ flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ Tenso
             if (tw != 0) return {nullptr, 0, 0, false};
             const int slot = j * kBlockN;
             if constexpr (kPaged) {
-                const int index = page_index(p, slot), page = blk.pages[index];
-                if (static_cast<unsigned>(page) >= static_cast<unsigned>(p.cache_rows)) {
-                    page_fault = true;
-                    return {nullptr, 0, 0, false};
-                }
-                return {nullptr, page, slot - index * p.page_size, true};
+                // (the page id is checked where the copies are issued: its load stays in flight until then)
+                const int index = page_index(p, slot);
+                return {nullptr, blk.pages[index], slot - index * p.page_size, true};
             } else {
                 return {nullptr, blk.cache_row, slot, true};
             }
@@ -259,7 +259,7 @@ flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ Tenso
                                        page_fault, knew), 0, 0, true};
         }
     };
-    const TensorMap* map = &k_map;
+    const ChunkLoader<kTma> loader{kbase, &k_map, tw, p.cache_rows, page_fault};
     // kTma: V's rows past the last key of a sequence's last tile (the tensor copy reads whatever the cache holds
     // there; cp.async fills zeros) zeroed in this warpgroup's columns of buffer buf before its P V (P is 0 there,
     // but 0 times a NaN is not 0)
@@ -284,15 +284,15 @@ flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ Tenso
     // The first pair's tiles, each chunk by the warpgroup that loads it at every later pair (see the loop)
     const TileSource src0 = source(part_first), src1 = source(part_first + 1);
     if (part_first < part_end) {
-        if (wg == 0) load_chunks<0, 4, kTma>(tile0, full(0, 0), src0, kbase, map, tw);
-        else load_chunks<4, 9, kTma>(tile0, full(0, 0), src0, kbase, map, tw);
+        if (wg == 0) loader.template load<0, 4>(tile0, full(0, 0), src0);
+        else loader.template load<4, 9>(tile0, full(0, 0), src0);
     }
     if (part_first + 1 < part_end) {
         if (wg == 0) {
-            load_chunks<0, 4, kTma>(tile1, full(1, 0), src1, kbase, map, tw);
-            load_chunks<8, 9, kTma>(tile1, full(1, 0), src1, kbase, map, tw);
+            loader.template load<0, 4>(tile1, full(1, 0), src1);
+            loader.template load<8, 9>(tile1, full(1, 0), src1);
         } else {
-            load_chunks<4, 8, kTma>(tile1, full(1, 0), src1, kbase, map, tw);
+            loader.template load<4, 8>(tile1, full(1, 0), src1);
         }
     }
     if (fuse && blk.in_range && blk.rt == 0 && blk.split == 0)
@@ -325,8 +325,6 @@ flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ Tenso
         const bool has1 = j0 + 1 < part_end;
         // this pair's successors' source rows (their page lookups in flight during the products)
         const TileSource next0 = source(j0 + 2), next1 = source(j0 + 3);
-        // ... and their rows on their way into L2 now: the copies into the buffers, issued when this pair frees
-        // them, then wait for L2, not for memory
 
         // [fa2-fwd 2] S = Q K^T of this warpgroup's tile, chunk by chunk as the chunks land
         float s[kNT][4];
@@ -340,7 +338,8 @@ flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ Tenso
                 fence_proxy_async();
                 wgmma_fence();
 #pragma unroll
-                for (int q = 0; q < 4; ++q) Wgmma<T>::ss(s, desc_q(4 * c + q), desc_k(4 * c + q), i + q > 0, Int<kBlockN>());
+                for (int q = 0; q < 4; ++q)
+                    Wgmma<T>::ss(s, desc_q(4 * c + q), desc_k(4 * c + q), i + q > 0, Int<kBlockN>());
             }
             wgmma_commit();
             wgmma_wait<0>();
@@ -366,33 +365,34 @@ flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ Tenso
 #pragma unroll
             for (int kk = 0; kk < kPT; ++kk) Wgmma<T>::rs_tb(acc, a[kk], desc_v(0, kk), 1, Int<kWV>());
             wgmma_commit();
-            wgmma_wait<0>();
-            fence_regs(acc);
-            // buffer 0's chunks 0-3 (V0's left half) are done with: the pair after next's tile into them
-            if (j0 + 2 < part_end) load_chunks<0, 4, kTma>(tile0, full(0, 0), next0, kbase, map, tw);
-            named_bar_sync(kBarM1, kThreads);  // wg 1's m1 and exp2(m0 - m1), and P1
+            // (P0 V0 in flight:) wg 1's m1 and exp2(m0 - m1), and P1; then P0 at max m1 for wg 1
+            named_bar_sync(kBarM1, kThreads);
             float f1[2];
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
                 f1[hh] = sF1[rw + g + 8 * hh];
                 m[hh] = sM1[rw + g + 8 * hh];
             }
-            store_p<T>(sP0, s, f1, rw, lane);  // P0 at max m1, for wg 1
+            store_p<T>(sP0, s, f1, rw, lane);
             named_bar_arrive(kBarP0, kThreads);
+            wgmma_wait<0>();
+            fence_regs(acc);
+            // buffer 0's chunks 0-3 (V0's left half) are done with: the pair after next's tile into them
+            if (j0 + 2 < part_end) loader.template load<0, 4>(tile0, full(0, 0), next0);
             rescale_rows(acc, l, f1);
             if (has1) {
                 // O[:, :256] += P1 V1, P1 from shared memory (then buffer 1's rope chunk is free)
 #pragma unroll
                 for (int kk = 0; kk < kPT; ++kk) load_a<kBlockN>(a[kk], sP1, rw, kk, lane);
                 zero_tail(tile1, j0 + 1);
-                if (j0 + 3 < part_end) load_chunks<8, 9, kTma>(tile1, full(1, 0), next1, kbase, map, tw);
+                if (j0 + 3 < part_end) loader.template load<8, 9>(tile1, full(1, 0), next1);
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < kPT; ++kk) Wgmma<T>::rs_tb(acc, a[kk], desc_v(1, kk), 1, Int<kWV>());
                 wgmma_commit();
                 wgmma_wait<0>();
                 fence_regs(acc);
-                if (j0 + 3 < part_end) load_chunks<0, 4, kTma>(tile1, full(1, 0), next1, kbase, map, tw);
+                if (j0 + 3 < part_end) loader.template load<0, 4>(tile1, full(1, 0), next1);
             }
         } else {
             // [fa2-fwd 3] m1 from wg 0's m0; [fa2-fwd 4] P1 (to shared memory for wg 0); [fa2-fwd 5] O[:, 256:] +=
@@ -430,16 +430,16 @@ flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ Tenso
             for (int kk = 0; kk < kPT; ++kk) load_a<kBlockN>(a0[kk], sP0, rw, kk, lane);
             zero_tail(tile0, j0);
             // buffer 0's rope chunk (P0) is read: the pair after next's tile into it
-            if (j0 + 2 < part_end) load_chunks<8, 9, kTma>(tile0, full(0, 0), next0, kbase, map, tw);
+            if (j0 + 2 < part_end) loader.template load<8, 9>(tile0, full(0, 0), next0);
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < kPT; ++kk) Wgmma<T>::rs_tb(acc, a0[kk], desc_v(0, kk), 1, Int<kWV>());
             wgmma_commit();
             wgmma_wait<1>();  // P1 V1 done: buffer 1's chunks 4-7 are free
-            if (j0 + 3 < part_end) load_chunks<4, 8, kTma>(tile1, full(1, 0), next1, kbase, map, tw);
+            if (j0 + 3 < part_end) loader.template load<4, 8>(tile1, full(1, 0), next1);
             wgmma_wait<0>();  // P0 V0 done: buffer 0's chunks 4-7 are free
             fence_regs(acc);
-            if (j0 + 2 < part_end) load_chunks<4, 8, kTma>(tile0, full(0, 0), next0, kbase, map, tw);
+            if (j0 + 2 < part_end) loader.template load<4, 8>(tile0, full(0, 0), next0);
         }
     }
 

@@ -376,6 +376,22 @@ def test_cascade_attention_guards_lengths_on_the_gpu(requires_gpu):
     assert np.array_equal(cp.asnumpy(ck)[1].view(np.uint16), k_cache[1].view(np.uint16))
 
 
+def _with_and_without(monkeypatch, switch: str, run) -> dict:
+    """{True: run(), False: run()} with the launcher's ``switch`` (cuflash._cuda.spec) on, then off: the decode
+    launches remembered by the launcher and the front door forgotten before each and after both."""
+    from cuflash._cuda import decode, spec
+
+    results = {}
+    for on in (True, False):
+        monkeypatch.setattr(spec, switch, on)
+        decode._LAUNCHES.clear()
+        _api._kvcache_launches.clear()
+        results[on] = run()
+    decode._LAUNCHES.clear()
+    _api._kvcache_launches.clear()
+    return results
+
+
 @pytest.mark.parametrize("paged, seqlen_q, heads_q, num_splits", [(True, 1, 128, 0), (False, 2, 16, 3),
                                                                     (True, 3, 40, 1)])
 def test_mla_wgmma_kernel_matches_the_mma_sync_kernel(requires_gpu, monkeypatch, paged, seqlen_q, heads_q,
@@ -384,7 +400,6 @@ def test_mla_wgmma_kernel_matches_the_mma_sync_kernel(requires_gpu, monkeypatch,
     runs the same call. Both give the same output within bfloat16 rounding and the same lse; both append the same
     bits. (Each is checked against the float64 truth by test_decode_against_the_truth's MLA cases.)"""
     from cuflash._cuda import compile as cuda_compile
-    from cuflash._cuda import decode, spec
 
     cp = requires_gpu
     if cuda_compile.device_info()[0] != 90:
@@ -395,22 +410,18 @@ def test_mla_wgmma_kernel_matches_the_mma_sync_kernel(requires_gpu, monkeypatch,
                                                 dtype=DTYPES["bfloat16"], dv=512)
     call = dict(cache_seqlens=cp.asarray(seqlens), block_table=None if table is None else cp.asarray(table),
                 causal=True, softmax_scale=1 / np.sqrt(192), num_splits=num_splits, return_lse=True)
-    results = {}
-    for wgmma in (True, False):
-        monkeypatch.setattr(spec, "SM90A_DECODE", wgmma)
-        decode._LAUNCHES.clear()
-        _api._kvcache_launches.clear()
+    def run():
         kc = cp.asarray(k_cache)
         out, lse = cuflash.attention_with_kvcache(cp.asarray(q), kc, kc[..., :512], cp.asarray(k), cp.asarray(v),
                                                   **call)
-        results[wgmma] = (as_float32(cp, out), lse, kc)
+        return as_float32(cp, out), lse, kc
+
+    results = _with_and_without(monkeypatch, "SM90A_DECODE", run)
     assert any("flash_decode_mla_sm90_kernel" in key[3] for key in cuda_compile._modules)
     (o1, l1, k1), (o2, l2, k2) = results[True], results[False]
     assert float(cp.abs(o1 - o2).max()) < 2e-2
     assert float(cp.abs(l1 - l2).max()) < 1e-3
     assert cp.array_equal(k1.view(cp.uint16), k2.view(cp.uint16))
-    decode._LAUNCHES.clear()
-    _api._kvcache_launches.clear()
 
 
 @pytest.mark.parametrize("page_size, seqlen_q, num_splits", [(64, 1, 0), (128, 2, 3), (None, 1, 2)])
@@ -419,7 +430,6 @@ def test_mla_tma_tiles_match_the_cp_async_tiles(requires_gpu, monkeypatch, page_
     tile's rows past the sequence's end as the cache holds them: NaN here, which the kernel must zero in V before
     P V. The same call with cp.async copies (TMA_DECODE off) gives the same output and lse."""
     from cuflash._cuda import compile as cuda_compile
-    from cuflash._cuda import decode, spec
 
     cp = requires_gpu
     if cuda_compile.device_info()[0] != 90:
@@ -438,19 +448,15 @@ def test_mla_tma_tiles_match_the_cp_async_tiles(requires_gpu, monkeypatch, page_
     kc = cp.asarray(k_cache)
     call = dict(cache_seqlens=cp.asarray(seqlens), block_table=None if table is None else cp.asarray(table),
                 causal=True, softmax_scale=1 / np.sqrt(192), num_splits=num_splits, return_lse=True)
-    results = {}
-    for tma in (True, False):
-        monkeypatch.setattr(spec, "TMA_DECODE", tma)
-        decode._LAUNCHES.clear()
-        _api._kvcache_launches.clear()
+    def run():
         out, lse = cuflash.attention_with_kvcache(cp.asarray(q), kc, kc[..., :512], **call)
-        results[tma] = (as_float32(cp, out), lse)
+        return as_float32(cp, out), lse
+
+    results = _with_and_without(monkeypatch, "TMA_DECODE", run)
     (o1, l1), (o2, l2) = results[True], results[False]
     assert bool(cp.isfinite(o1).all()) and bool(cp.isfinite(l1).all())
     assert float(cp.abs(o1 - o2).max()) < 2e-2
     assert float(cp.abs(l1 - l2).max()) < 1e-3
-    decode._LAUNCHES.clear()
-    _api._kvcache_launches.clear()
 
 
 def test_mla_needs_v_as_a_view_of_k(requires_gpu):
