@@ -298,7 +298,7 @@ def test_a_remembered_backward_launches_what_a_fresh_one_launches(fake):
         cuflash.attention_backward(do[:, :32], q, k, v, out, lse, causal=True)
 
 
-def _backward_launches(launches, grads, inputs):
+def _backward_launches(launches, grads, inputs, recorder):
     """The backward's launches, planned (packed bytes) or through CuPy (array and scalar arguments), in one form:
     ``(kernel name, grid, [each argument's 8-byte-padded bytes])`` with the arrays' addresses named (the inputs and
     gradients by name, other buffers, the workspaces, by order of first appearance) and each VariantParams'
@@ -311,7 +311,7 @@ def _backward_launches(launches, grads, inputs):
         ptr = int.from_bytes(value, "little")
         if ptr in names:
             return names[ptr]
-        if ptr >= 2**32:  # (an address: host memory stands in for the device's)
+        if ptr >= 2**32 or recorder.owns(ptr):  # (an address: host memory stands in for the device's)
             return workspaces.setdefault(ptr, f"workspace {len(workspaces)}")
         return value
 
@@ -425,7 +425,7 @@ def test_a_planned_backward_launches_what_the_unplanned_backward_launches(fake, 
         recorder.take_zeroed()
         grads = call()
         launches = recorder.take()
-        normal, names = _backward_launches(launches, grads, inputs)
+        normal, names = _backward_launches(launches, grads, inputs, recorder)
         return normal, _zeroed(recorder.take_zeroed(), names), launches
 
     unplanned = {}
