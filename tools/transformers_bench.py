@@ -125,10 +125,13 @@ def main(argv=None) -> int:
                       f"{n / s:10.0f} tokens/s{check}")
         prompt = torch.randint(0, config.vocab_size, (1, args.prompt), generator=generator).to(device)
         # generation: the implementations in turn, round after round (a host-bound loop on a shared host drifts:
-        # interleaved rounds expose each implementation to the same drift), the median of each one's rounds
+        # interleaved rounds, each from another first one, expose every implementation to the same drift), the
+        # median of each one's rounds
         samples = {}
+        order = list(impls.items())
         for round_ in range(args.rounds + 1):  # (round 0: warm-up, not kept)
-            for name, (impl, backend) in impls.items():
+            # each round starts at another implementation: none is always the last of a round
+            for name, (impl, backend) in order[round_ % len(order):] + order[:round_ % len(order)]:
                 if isinstance(rows.get((name, "generate")), str):
                     continue
                 model.set_attn_implementation(cti.NAME if impl == "cufa" else "sdpa")

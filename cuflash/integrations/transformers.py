@@ -114,17 +114,17 @@ _LEFTPAD = "_cuflash_leftpad"
 
 
 def _padding_summary(padding: torch.Tensor, decode: bool) -> tuple[bool, torch.Tensor | None]:
-    """``(every key kept, left padding)`` of a 2-D padding mask, in one host read (the check that padding is
-    there at all reads the device anyway). The left padding, each row's first token, is worked out for a decode
-    step (``decode``) and given only when every row is padding then tokens with no hole (left padding, as
-    ``generate`` makes it): otherwise None."""
+    """``(every key kept, left padding)`` of a 2-D padding mask: one host read whether padding is there at all (as
+    "sdpa"'s mask function makes), a second only where it is, for a decode step (``decode``): the left padding, each
+    row's first token, given only when every row is padding then tokens with no hole (left padding, as ``generate``
+    makes it), otherwise None."""
     kept = padding if padding.dtype == torch.bool else padding != 0
-    if not decode:
-        return bool(kept.all()), None
+    all_kept = bool(kept.all())
+    if all_kept or not decode:
+        return all_kept, None
     first = kept.to(torch.int8).argmax(1)  # the first token (0 for a row of padding only, which fails the test)
     left_only = kept == (torch.arange(kept.shape[1], device=kept.device) >= first[:, None])
-    all_kept, is_left = torch.stack([kept.all(), left_only.all()]).tolist()
-    return all_kept, first.to(torch.int32) if is_left else None
+    return False, first.to(torch.int32) if bool(left_only.all()) else None
 
 
 def attention_mask(
