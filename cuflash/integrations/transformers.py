@@ -231,18 +231,29 @@ def _unpadded(q, k, v, key_mask: torch.Tensor, **options) -> torch.Tensor:
 DECODE_WITH_KVCACHE = True
 
 
+_HALF = (torch.float16, torch.bfloat16)
+_decode_head_dims: tuple = ()  # cuflash._cuda.spec.DECODE_HEAD_DIMS, read at the first CUDA decode step
+
+
 def _decode_kernels_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether :func:`cuflash.torch.attention_with_kvcache` runs these tensors: CPU tensors always (the NumPy
-    reference); CUDA tensors in the decode kernels' dtypes and head dims, with 16-byte rows."""
+    reference); CUDA tensors in the decode kernels' dtypes (16-bit) and head dims, with 16-byte rows (strides of
+    multiples of 8 elements, addresses of 16 bytes). At every layer of every step: few Python calls."""
+    global _decode_head_dims
     if not q.is_cuda:
         return True
-    from cuflash._cuda.spec import DECODE_HEAD_DIMS
+    if not _decode_head_dims:
+        from cuflash._cuda.spec import DECODE_HEAD_DIMS
 
+        _decode_head_dims = DECODE_HEAD_DIMS
     d = q.shape[-1]
-    if q.dtype not in (torch.float16, torch.bfloat16) or v.shape[-1] != d or d not in DECODE_HEAD_DIMS:
+    if q.dtype not in _HALF or v.shape[-1] != d or d not in _decode_head_dims:
         return False
-    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0
-                                                                   for s in t.stride()[:-1]) for t in (q, k, v))
+    for t in (q, k, v):
+        s = t.stride()
+        if s[3] != 1 or (s[0] | s[1] | s[2]) & 7 or t.data_ptr() & 15:
+            return False
+    return True
 
 
 def _decodes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: dict) -> bool:
