@@ -901,3 +901,4 @@ def test_the_front_door_reuses_checked_launches(requires_gpu):
     poison(cp)
     _, lse = cuflash.attention_with_kvcache(cq, ck, cv, cache_seqlens=lens, causal=True, return_lse=True, out=out)
     assert lse is not None and np.array_equal(cp.asnumpy(lse), want)
+

@@ -40,6 +40,7 @@ from .compile import check_smem, device_info, kernel, launch
 from . import spec as _spec
 from .spec import CTYPES, DECODE_HEAD_DIMS, DECODE_MLA_DIMS, decode_family
 from .spec import spec as kernel_spec
+from . import tensor_map
 from .tensor_map import TensorMap
 
 __all__ = ["forward_kvcache", "plan_kvcache", "merge_partials", "DecodeLaunch", "ChunkedPrefillLaunch", "CupyRuntime",
@@ -202,9 +203,9 @@ def record_argv(rec: np.ndarray, *more: int) -> tuple[np.ndarray, int]:
 def _tma_tiles(cache: KVCache, k_cache, paged: bool) -> bool:
     """Whether the MLA kernel may copy its key tiles with TMA: every 64-key tile whole in one page (pages of a
     multiple of 64 slots) or in the contiguous cache's row, from slot 0 (no left padding), none of it appended in
-    the same launch (the new rows come from k_new)."""
+    the same launch (the new rows come from k_new); and a driver that encodes tensor maps."""
     return (_spec.TMA_DECODE and not cache.seqlen_new and cache.cache_leftpad is None
-            and (not paged or k_cache.shape[1] % 64 == 0))
+            and (not paged or k_cache.shape[1] % 64 == 0) and tensor_map.available())
 
 
 def _tensor_map(k_cache, tma: bool) -> TensorMap:

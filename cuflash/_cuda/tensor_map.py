@@ -29,6 +29,16 @@ def _encode_tiled():
     return fn
 
 
+@functools.cache
+def available() -> bool:
+    """Whether the driver has cuTensorMapEncodeTiled (CUDA 12 and later); without it the kernels copy with cp.async."""
+    try:
+        _encode_tiled()
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
 class TensorMap:
     """The map of a 16-bit tensor of ``dims`` elements (innermost first) with ``strides`` bytes between the steps of
     each outer dimension, copied in boxes of ``box`` elements (the innermost 128 bytes wide: the 128-byte swizzle),
