@@ -8,7 +8,7 @@ forward kernels for many (128-row tiles, the Hopper wgmma kernels at head dims 6
 cache, after the in-place append the call is the forward over the cache arrays, each sequence using its first
 ``cache_seqlens[b] + seqlen_new`` keys (``seqused_k``), causal masking, windows and ALiBi bottom-right aligned, as
 in the decode call. :func:`forward_over_cache` composes it of array operations, step tag by step tag as the CUDA
-launch (:class:`cuflash._cuda.decode.ChunkedPrefillLaunch`) runs it in three kernels:
+launch (:class:`cuflash._cuda.decode.ChunkedPrefillLaunch`) runs it in two kernels:
 
 1. ``[decode rotary]`` q and the new keys rotated at their positions
    (:func:`cuflash.reference_decode.apply_rotary`, in the array module of the inputs; on CuPy the same operations);
@@ -20,7 +20,7 @@ launch (:class:`cuflash._cuda.decode.ChunkedPrefillLaunch`) runs it in three ker
 4. ``[decode guard]`` as in the decode kernels: a sequence whose ``cache_seqlens[b]`` is negative or leaves no
    room for the new tokens (a device value, not checked before the call on CuPy) appends nothing (its slots are
    written with the values they hold), reads no key (``seqused_k`` 0) and gets NaN in its output rows and lse
-   (CUDA: ``prefill_guard_kernel``).
+   (CUDA: its ``seqused_k`` is -1, and the forward writes NaN rows for a negative count).
 
 When it applies (:func:`eligible`): ``seqlen_q >= MIN_SEQLEN_Q``, a contiguous cache (no ``block_table``), no
 ``cache_leftpad`` (the forward's keys start at slot 0) and no ``cache_batch_idx`` (row ``b`` of the cache is batch

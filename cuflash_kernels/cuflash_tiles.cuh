@@ -29,6 +29,7 @@ typedef long long i64;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 #define CUFLASH_INF __int_as_float(0x7f800000)
+#define CUFLASH_NAN __int_as_float(0x7fffffff)
 
 // ---------------------------------------------------------------------------------------------------
 // Element types. Both are 16 bits in memory; only the conversions and the mma opcode differ.

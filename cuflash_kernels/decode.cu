@@ -10,8 +10,8 @@
 // decode_append_kernel [decode append] otherwise: one block per new token (b, i), its threads over (key/value
 // head, column), writes k and v into slot cache_seqlens[b] + i of both caches before the attention reads them.
 // Chunked prefill (a call of many query tokens over a contiguous cache) is that kernel, writing each sequence's key
-// count too ([prefill lengths]), the FlashAttention-2 forward over the cache with those counts (seqused_k), and
-// prefill_guard_kernel ([decode guard]: NaN rows for the sequences out of range).
+// count too ([prefill lengths]; -1 for a sequence out of range), then the FlashAttention-2 forward over the cache
+// with those counts (seqused_k), whose rows of a negative count are NaN ([decode guard]: variants.cuh, void_rows).
 //
 // The split kernel, one thread block per (key/value head x packed-row tile, split, sequence). GQA packing
 // [decode pack]: the rows of a block are packed rows r = t * group + g (query token t, query head
@@ -54,8 +54,6 @@
 // kColSplit floats (MLA, 64 rows and 64 keys: 225 KiB). The append and merge kernels use none (the fused merge
 // one int).
 #include "cuflash_tiles.cuh"
-
-#define CUFLASH_NAN __int_as_float(0x7fffffff)
 
 namespace cuflash {
 
@@ -127,9 +125,9 @@ __global__ void __launch_bounds__(128) decode_append_kernel(const DecodeParams p
     const int leftpad = p.cache_leftpad ? p.cache_leftpad[b] : 0;
     const int cache_row = kPaged ? 0 : (p.cache_batch_idx ? p.cache_batch_idx[b] : b);
     const bool in_range = sequence_in_range<kPaged>(p, seqlen, leftpad, cache_row);
-    // [prefill lengths] the forward over the cache that follows reads the sequence's keys with the new ones, none
-    // out of range (its rows are made NaN after it: prefill_guard_kernel)
-    if (p.seqused_k && i == 0 && threadIdx.x == 0) p.seqused_k[b] = in_range ? seqlen + p.seqlen_new : 0;
+    // [prefill lengths] the forward over the cache that follows reads the sequence's keys with the new ones; a
+    // sequence out of range -1: none, and its rows NaN ([decode guard], the forward's void_rows)
+    if (p.seqused_k && i == 0 && threadIdx.x == 0) p.seqused_k[b] = in_range ? seqlen + p.seqlen_new : -1;
     if (!in_range || i >= p.seqlen_new) return;
     const int slot = seqlen + i;
     i64 row, pos;  // [decode page] the slot's page (or cache row) and its place in it
@@ -962,24 +960,6 @@ flash_decode_wide_kernel(const DecodeParams p) {
     finish_wide_rows<T, kDV, kBlockM, kNWarps, kColSplit, kDT>(p, blk, acc, m, l, sSum, page_fault, rw, cs, tid);
 }
 
-
-// [decode guard] of chunked prefill (cuflash._cuda.decode.ChunkedPrefillLaunch): the forward over the cache read no
-// key of a sequence out of range (seqused_k 0, decode_append_kernel); its output rows and lse become NaN, as the
-// decode kernels leave them. One block per sequence, launched after the forward on the same stream; out at the
-// record's strides, lse (batch, heads_q, seqlen_q) contiguous.
-template <class T>
-__global__ void __launch_bounds__(128) prefill_guard_kernel(const DecodeParams p) {
-    const int b = blockIdx.x;
-    if (sequence_in_range<false>(p, p.cache_seqlens[b], 0, b)) return;
-    const u16 nan = static_cast<u16>(Elem<T>::pack(CUFLASH_NAN, CUFLASH_NAN) & 0xffffu);
-    const i64 width = (i64)p.heads_q * p.head_dim_v;
-    for (i64 e = threadIdx.x; e < p.seqlen_q * width; e += blockDim.x) {
-        const i64 t = e / width, h = e % width / p.head_dim_v, c = e % p.head_dim_v;
-        p.out[b * p.o_sb + t * p.o_ss + h * p.o_sh + c] = nan;
-    }
-    float* lse = p.lse + (i64)b * p.heads_q * p.seqlen_q;
-    for (i64 e = threadIdx.x; e < (i64)p.heads_q * p.seqlen_q; e += blockDim.x) lse[e] = CUFLASH_NAN;
-}
 
 // [decode merge] by itself: one warp per query row, 4 rows per block (cuflash._cuda.decode.merge_partials; the
 // decode launches merge inside the split kernel, merge_tail below).

@@ -209,7 +209,7 @@ flash_fwd_kernel(const typename FwdMma<T>::Storage* __restrict__ q, const typena
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const float l = quad_sum(sm[mt].l[hh]);
-            const float inv = l > 0.f ? (V::Has_dropout ? bi.keep_scale : 1.f) / l : 0.f;  // [variant dropout] 1 / (1 - p)
+            const float inv = bi.out_scale(V::Has_dropout ? bi.keep_scale : 1.f, l);  // [variant dropout] 1 / (1 - p)
             const int row = row_base + mt * 16 + g + 8 * hh;
             if (row < bi.len_q) {
                 E* orow = og + (i64)row * o_ss;
@@ -224,7 +224,7 @@ flash_fwd_kernel(const typename FwdMma<T>::Storage* __restrict__ q, const typena
                     }
                 }
                 if (t == 0) {
-                    lse[bi.row_index(h, heads_q, seqlen_q, row)] = l > 0.f ? (sm[mt].m[hh] + __log2f(l)) * kLn2 : -CUFLASH_INF;
+                    lse[bi.row_index(h, heads_q, seqlen_q, row)] = bi.row_lse((sm[mt].m[hh] + __log2f(l)) * kLn2, l);
                 }
             }
         }
@@ -299,11 +299,11 @@ flash_fwd_f32_kernel(const float* __restrict__ q, const float* __restrict__ k, c
     for (int i = 0; i < kRows; ++i) {
         const int row = row0 + i;
         if (row >= bi.len_q) continue;
-        const float inv = l[i] > 0.f ? (V::Has_dropout ? bi.keep_scale : 1.f) / l[i] : 0.f;
+        const float inv = bi.out_scale(V::Has_dropout ? bi.keep_scale : 1.f, l[i]);
         float* orow = o + b * o_sb + h * o_sh + (i64)(bi.q0 + row) * o_ss;
 #pragma unroll
         for (int c = 0; c < kPer; ++c) orow[lane + 32 * c] = acc[i][c] * inv;
-        if (lane == 0) lse[bi.row_index(h, heads_q, seqlen_q, row)] = l[i] > 0.f ? m[i] * kLn2 + logf(l[i]) : -CUFLASH_INF;
+        if (lane == 0) lse[bi.row_index(h, heads_q, seqlen_q, row)] = bi.row_lse(m[i] * kLn2 + logf(l[i]), l[i]);
     }
 }
 

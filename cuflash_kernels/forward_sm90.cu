@@ -364,7 +364,7 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const float lsum = quad_sum(l[hh]);
-            const float inv = lsum > 0.f ? (V::Has_dropout ? bi.keep_scale : 1.f) / lsum : 0.f;  // [variant dropout]
+            const float inv = bi.out_scale(V::Has_dropout ? bi.keep_scale : 1.f, lsum);  // [variant dropout]
             const int r = wg * 64 + warp_in_wg * 16 + g + 8 * hh;  // row inside the block
 #pragma unroll
             for (int dt = 0; dt < kDT; ++dt) {
@@ -374,7 +374,7 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
             const int row = m0 + r;
             if (t == 0 && row < len_q) {
                 lse[bi.row_index(h, heads_q, seqlen_q, row)] =
-                    lsum > 0.f ? (m[hh] * scale_log2 + __log2f(lsum)) * kLn2 : -CUFLASH_INF;
+                    bi.row_lse((m[hh] * scale_log2 + __log2f(lsum)) * kLn2, lsum);
             }
         }
         warpgroup_sync(wg);

@@ -224,6 +224,9 @@ struct BlockInfo {
             wb = b;
         }
         // The used keys of a sequence are all its keys as far as the diagonal goes (flash-attention's seqused_k).
+        // [prefill lengths] A negative count marks a sequence whose output is void (chunked prefill's sequences out
+        // of range, decode_append_kernel): it reads no key (the key range of a negative len_k is empty) and its rows
+        // are NaN (void_rows). (The front door checks a caller's seqused_k values.)
         if constexpr (V::Has_seqused) len_k = p.seqused_k[b];
         offset = p.bottom_right ? len_k - len_q : 0;
         if constexpr (V::Is_varlen || V::Has_seqused) {  // lengths differ between sequences
@@ -281,6 +284,16 @@ struct BlockInfo {
     __device__ __forceinline__ int qk_cols8() const { if constexpr (V::Pads_head_dim) return qk_chunks; else return kHeadDim / 8; }
     template <int kHeadDim>
     __device__ __forceinline__ int v_cols8() const { if constexpr (V::Pads_head_dim) return v_chunks; else return kHeadDim / 8; }
+
+    // [fa2-fwd 6] A row's output scale (num / l; 0 for a row that saw no key) and its lse (0 for none: -inf), NaN
+    // for the rows of a void sequence (void_rows).
+    __device__ __forceinline__ bool void_rows() const { return V::Has_seqused && len_k < 0; }
+    __device__ __forceinline__ float out_scale(float num, float l) const {
+        return void_rows() ? CUFLASH_NAN : l > 0.f ? num / l : 0.f;
+    }
+    __device__ __forceinline__ float row_lse(float lse, float l) const {
+        return void_rows() ? CUFLASH_NAN : l > 0.f ? lse : -CUFLASH_INF;
+    }
 
     // A block of a shorter sequence than the grid covers: query tile m0 (packed batches), or key tile n0
     // (packed batches, or keys past seqused_k). Compiled out for the other variants, where the grid is exact.

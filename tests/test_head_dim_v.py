@@ -264,15 +264,17 @@ def test_jax_wrapper_matches_numpy(jit):
     import cuflash.jax as cfj
 
     q, k, v, do = _inputs(2, 11, 13, 4, 2, 24, 8, seed=9)
+    cpu = jax.devices("cpu")[0]  # (JAX arrays on the CPU: the NumPy reference's path, also where JAX has a GPU)
+    qj, kj, vj, doj = (jax.device_put(x, cpu) for x in (q, k, v, do))
     kw = dict(causal=True, window_size=(4, -1), block_q=4, block_k=8)
     fn = lambda q, k, v: cfj.attention(q, k, v, **kw)  # noqa: E731
-    grad = jax.grad(lambda q, k, v: (fn(q, k, v) * do).sum(), argnums=(0, 1, 2))
+    grad = jax.grad(lambda q, k, v: (fn(q, k, v) * doj).sum(), argnums=(0, 1, 2))
     if jit:
         fn, grad = jax.jit(fn), jax.jit(grad)
     out_np, lse_np = cuflash.attention(q, k, v, return_lse=True, **kw)
-    out = fn(q, k, v)
+    out = fn(qj, kj, vj)
     assert out.shape == (2, 11, 4, 8)
     np.testing.assert_allclose(np.asarray(out), out_np, rtol=0, atol=1e-13)
-    for got, want in zip(grad(q, k, v), cuflash.attention_backward(do, q, k, v, out_np, lse_np, **kw)):
+    for got, want in zip(grad(qj, kj, vj), cuflash.attention_backward(do, q, k, v, out_np, lse_np, **kw)):
         assert got.shape == want.shape
         np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-13)

@@ -628,15 +628,15 @@ class DecodeLaunch:
 
 class ChunkedPrefillLaunch:
     """A decode call with many query tokens over a contiguous cache (chunked prefill), planned once and run as
-    three launches on the current stream (:mod:`cuflash._chunked_prefill`; ``decode.cu``):
+    two launches on the current stream (:mod:`cuflash._chunked_prefill`; ``decode.cu``):
 
     1. ``decode_append_kernel`` ([decode append] and [prefill lengths]): the new keys and values into their slots,
-       and each sequence's key count ``cache_seqlens[b] + seqlen_new`` (0 out of range) into the launch's
+       and each sequence's key count ``cache_seqlens[b] + seqlen_new`` (-1 out of range) into the launch's
        ``seqused_k`` workspace;
     2. the FlashAttention-2 forward over the cache arrays (its :class:`.attention.ForwardPlan`, with ``seqused_k``,
        bottom-right causal masks, windows, softcap, ALiBi): the forward kernels' large tiles where the decode
-       kernels' small ones would be compute-bound;
-    3. ``prefill_guard_kernel`` ([decode guard]): the rows of sequences out of range NaN.
+       kernels' small ones would be compute-bound. A negative count reads no key and makes the sequence's rows
+       NaN ([decode guard]: the forward's void_rows, variants.cuh).
 
     The interface of :class:`DecodeLaunch` (``run``, ``num_splits``, ``expect``, ``out_shape``, ``lse_shape``), so
     that the front door's memory and :class:`cuflash.DecodePlan` take either. A step writes its arrays' addresses
@@ -668,7 +668,6 @@ class ChunkedPrefillLaunch:
         # [prefill lengths] the forward's key counts, written by the append kernel at every step
         self._seqused = rt.empty((batch,), dtype=np.int32)
         self._append = rt.function(kernel_spec("decode_append", dtype, 0, variant="false"))
-        self._guard = rt.function(kernel_spec("prefill_guard", dtype, 0))
         self._append_grid = batch * max(cache.seqlen_new, 1)
         # The forward, planned over the caches' first batch rows: ALiBi slopes of one row per head read at batch
         # stride 0; q and k at the rotated copies' contiguous strides under rotary.
@@ -726,7 +725,7 @@ class ChunkedPrefillLaunch:
                                                                               alibi_slopes=alibi_slopes)
         forward = self._forward
         with self._lock, forward._lock:
-            # Every record written first, then the three launches back to back: the GPU does not wait for the host
+            # Both records written first, then the two launches back to back: the GPU does not wait for the host
             # between them (the append takes a few microseconds).
             forward.stage(pq, pk, pv, pout, plse, arrays)
             for i, ptr in enumerate((pq, pk, pv, 0 if k is None else k.data.ptr, 0 if v is None else v.data.ptr)):
@@ -734,8 +733,6 @@ class ChunkedPrefillLaunch:
             words[index[7]] = cache_seqlens.data.ptr
             launch(self._append[0], self._append_grid, 1, 1, 128, 1, 1, 0, stream, argv, 0)  # (record copied now)
             forward.launch_staged(stream)
-            words[index[5]], words[index[6]] = pout, plse
-            launch(self._guard[0], self.out_shape[0], 1, 1, 128, 1, 1, 0, stream, argv, 0)
         if given is not None and given is not out:  # an out= of other strides: a copy of the result
             _chunked_prefill.bits(given)[...] = _chunked_prefill.bits(out)
             out = given

@@ -564,8 +564,6 @@ FAMILIES: dict[str, Family] = {
     "decode_append": Family("decode.cu", "decode_append_kernel", lambda s: s.variant, _no_smem, threads=128),
     "decode_merge": Family(
         "decode.cu", "decode_merge_kernel", lambda s: f"{CTYPES[s.dtype]}, {s.head_dim}", _no_smem, threads=128),
-    # Chunked prefill's [decode guard] after its forward over the cache: NaN rows of the sequences out of range.
-    "prefill_guard": Family("decode.cu", "prefill_guard_kernel", lambda s: CTYPES[s.dtype], _no_smem, threads=128),
     # Cascade attention's [cascade prefix] packing of q (16-bit words: no dtype in the name) and [cascade merge] of
     # the prefix chunks and the suffix (head_dim = v's head dim).
     "cascade_pack": Family("decode.cu", "cascade_pack_kernel", lambda s: "", _no_smem, threads=128),
@@ -788,7 +786,6 @@ def instantiations() -> list[KernelSpec]:
     for paged in ("false", "true"):
         add(KernelSpec("decode_append", "bfloat16", 0, variant=paged, arch="any"))
     for dtype in CTYPES:
-        add(KernelSpec("prefill_guard", dtype, 0, arch="any"))
         for d in DECODE_HEAD_DIMS:
             add(KernelSpec("cascade_merge", dtype, d, arch="any"))
     add(KernelSpec("cascade_pack", "bfloat16", 0, arch="any"))
