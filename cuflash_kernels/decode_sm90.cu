@@ -233,6 +233,7 @@ flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ Tenso
     if (tid == 0) {
         for (int i = 0; i < 18; ++i) mbar_init(bar0 + 8 * i, kTma ? 1 : 128);  // (the arrivals of one chunk)
         mbar_init(bar_q, kThreads);
+        fence_proxy_async();  // (the initialized barriers visible to the tensor copies' async proxy)
     }
     __syncthreads();
 
@@ -331,9 +332,9 @@ flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ Tenso
         if (wg == 0 || has1) {
 #pragma unroll
             for (int i = 0; i < 9; ++i) {
-                // the chunks in the order they were loaded: wg 0's buffer-0 chunks 0-3 (by itself, early), 8, 4-7
-                // (by wg 1, late); wg 1's buffer-1 chunk 8 (by wg 0), 4-7 (by itself), 0-3 (by wg 0, last)
-                const int c = wg == 0 ? (i < 4 ? i : i == 4 ? 8 : i - 1) : (i == 0 ? 8 : i < 5 ? i + 3 : i - 5);
+                // the chunks in the order they were loaded: wg 0's buffer-0 chunks 0-3 (by itself, early), then
+                // 4-8 (by wg 1, late); wg 1's buffer-1 chunks 4-7 (by itself), then 0-3 and 8 (by wg 0)
+                const int c = wg == 0 ? i : (i < 4 ? i + 4 : i < 8 ? i - 4 : 8);
                 mbar_wait(full(wg, c), phase);
                 fence_proxy_async();
                 wgmma_fence();
@@ -381,18 +382,23 @@ flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ Tenso
             if (j0 + 2 < part_end) loader.template load<0, 4>(tile0, full(0, 0), next0);
             rescale_rows(acc, l, f1);
             if (has1) {
-                // O[:, :256] += P1 V1, P1 from shared memory (then buffer 1's rope chunk is free)
+                // O[:, :256] += P1 V1, P1 from shared memory
 #pragma unroll
                 for (int kk = 0; kk < kPT; ++kk) load_a<kBlockN>(a[kk], sP1, rw, kk, lane);
                 zero_tail(tile1, j0 + 1);
-                if (j0 + 3 < part_end) loader.template load<8, 9>(tile1, full(1, 0), next1);
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < kPT; ++kk) Wgmma<T>::rs_tb(acc, a[kk], desc_v(1, kk), 1, Int<kWV>());
                 wgmma_commit();
                 wgmma_wait<0>();
                 fence_regs(acc);
-                if (j0 + 3 < part_end) loader.template load<0, 4>(tile1, full(1, 0), next1);
+                // buffer 1's chunks 0-3 (V1's left half) and its rope chunk (P1) are done with: the product that
+                // read P1 has completed, so every warp of the warpgroup has read it (TMA: one thread overwrites
+                // the whole chunk)
+                if (j0 + 3 < part_end) {
+                    loader.template load<0, 4>(tile1, full(1, 0), next1);
+                    loader.template load<8, 9>(tile1, full(1, 0), next1);
+                }
             }
         } else {
             // [fa2-fwd 3] m1 from wg 0's m0; [fa2-fwd 4] P1 (to shared memory for wg 0); [fa2-fwd 5] O[:, 256:] +=
@@ -429,17 +435,15 @@ flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ Tenso
 #pragma unroll
             for (int kk = 0; kk < kPT; ++kk) load_a<kBlockN>(a0[kk], sP0, rw, kk, lane);
             zero_tail(tile0, j0);
-            // buffer 0's rope chunk (P0) is read: the pair after next's tile into it
-            if (j0 + 2 < part_end) loader.template load<8, 9>(tile0, full(0, 0), next0);
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < kPT; ++kk) Wgmma<T>::rs_tb(acc, a0[kk], desc_v(0, kk), 1, Int<kWV>());
             wgmma_commit();
             wgmma_wait<1>();  // P1 V1 done: buffer 1's chunks 4-7 are free
             if (j0 + 3 < part_end) loader.template load<4, 8>(tile1, full(1, 0), next1);
-            wgmma_wait<0>();  // P0 V0 done: buffer 0's chunks 4-7 are free
+            wgmma_wait<0>();  // P0 V0 done: buffer 0's chunks 4-7 and its rope chunk (P0, read by every warp) are free
             fence_regs(acc);
-            if (j0 + 2 < part_end) loader.template load<4, 8>(tile0, full(0, 0), next0);
+            if (j0 + 2 < part_end) loader.template load<4, 9>(tile0, full(0, 0), next0);
         }
     }
 

@@ -519,6 +519,8 @@ class DecodeLaunch:
         with self._lock:
             if self._splits_for is not None:
                 self._fit_layout(slots, k_strides, v_strides, itemsize)
+            if self._map is not None:  # (no direct MLA step today; kept right should one come)
+                self._map.point(ptrs[1])
             for word, ptr in zip(self._word_index, ptrs):
                 words[word] = ptr
             for fn, gx, gy, gz, threads, smem in self._steps:
@@ -558,10 +560,10 @@ class DecodeLaunch:
                 return self._new_arrays(*_run_order(arrays, arrays[5:7]))
             if self._splits_for is not None:
                 self._fit(arrays[1], arrays[2])
+            if self._map is not None and 1 in stale:  # (encoded first: a failure leaves the record as it was)
+                self._map.point(arrays[1].data.ptr)
             for word, ptr in writes:
                 words[word] = ptr
-            if self._map is not None:
-                self._map.point(words[index[1]])
             if self._can_fuse and (3 in stale or 4 in stale):
                 fused = not ((words[index[3]] | words[index[4]]) & 15)
                 if fused is not (self._steps is self._fused):
@@ -612,10 +614,10 @@ class DecodeLaunch:
         with self._lock:
             if self._splits_for is not None:
                 self._fit(k_cache, v_cache)
+            if self._map is not None:  # (encoded first: a failure leaves the record as it was)
+                self._map.point(ptrs[1])
             for index, ptr in zip(self._word_index, ptrs):
                 words[index] = ptr
-            if self._map is not None:
-                self._map.point(ptrs[1])
             if self._can_fuse:
                 self._select(not ((ptrs[3] | ptrs[4]) & 15))
             # cuLaunchKernel copies the record (and the map) when it is called: the next step may rewrite it at once.
