@@ -274,6 +274,39 @@ def sweep_bwd(torch, cp, cuda):
     return rows
 
 
+def sanitize_decode(cp):
+    """Small calls of the decode launches for compute-sanitizer: MLA (576 / 512, page 64) with its key tiles by TMA
+    (no append; 3 and 4 tiles: an odd pair and a partial last tile) and by cp.async (an append), a contiguous MLA
+    cache, and a chunked-prefill step with a sequence out of range (the forward's NaN rows)."""
+    import ml_dtypes
+    import numpy as np
+
+    import cuflash
+
+    rng = np.random.default_rng(0)
+
+    def bf16(*shape):
+        return cp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(ml_dtypes.bfloat16))
+
+    lens = cp.asarray(np.array([200, 130], np.int32))
+    table = cp.asarray(rng.permutation(8).astype(np.int32).reshape(2, 4))
+    pool = bf16(8, 64, 1, 576)
+    q = bf16(2, 1, 16, 576)
+    for call in (dict(), dict(k=bf16(2, 1, 1, 576), v=bf16(2, 1, 1, 512))):
+        out = cuflash.attention_with_kvcache(q, pool, pool[..., :512], cache_seqlens=lens, block_table=table,
+                                             causal=True, softmax_scale=0.07, **call)
+        log("sanitize MLA paged", "append" if call else "TMA", "finite:", bool(cp.isfinite(out).all()))
+    flat = bf16(2, 256, 1, 576)
+    out = cuflash.attention_with_kvcache(q, flat, flat[..., :512], cache_seqlens=lens, num_splits=2)
+    log("sanitize MLA contiguous, 2 splits, finite:", bool(cp.isfinite(out).all()))
+    kc, vc = bf16(2, 1024, 2, 64), bf16(2, 1024, 2, 64)
+    bad = cp.asarray(np.array([300, 1000], np.int32))  # (1000 + 64 new > 1024 slots: out of range)
+    out = cuflash.attention_with_kvcache(bf16(2, 64, 8, 64), kc, vc, bf16(2, 64, 2, 64), bf16(2, 64, 2, 64),
+                                         cache_seqlens=bad, causal=True)
+    log("sanitize chunked prefill: sequence 0 finite", bool(cp.isfinite(out[0]).all()), "sequence 1 NaN",
+        bool(cp.isnan(out[1]).all()))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
@@ -298,6 +331,7 @@ def main():
                                   (64, "float32", "br"), (256, "float32", None)):
             case = (1, 77, 131, 2, 1, d, dtname, causal, "bhnd")
             check_case(torch, cp, cuda, case, [])
+        sanitize_decode(cp)
         return
 
     t0 = time.time()
