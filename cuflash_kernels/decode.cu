@@ -716,6 +716,18 @@ struct WideBlock {
     }
 };
 
+// The maxima of a warp's two rows of scores (g and g + 8 of its 16; kNT n8 tiles), over the quad that holds each.
+template <int kNT>
+__device__ __forceinline__ void row_max(const float (&s)[kNT][4], float (&mx)[2]) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        float x = -CUFLASH_INF;
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) x = fmaxf(x, fmaxf(s[nt][2 * hh], s[nt][2 * hh + 1]));
+        mx[hh] = quad_max(x);
+    }
+}
+
 // [fa2-fwd 3] and [fa2-fwd 4] of the wide kernels for one key tile: this warp's scores s (rows rw + g, rw + g + 8;
 // kNT n8 tiles of keys cs * 8 kNT ..) give its row maxima, exchanged with the other kColSplit - 1 column parts
 // through sMax (kBlockM x kColSplit floats; a barrier inside), so that every warp rescales by the same new max m;
@@ -725,14 +737,9 @@ template <class T, int kBlockN, int kColSplit, int kNT, int kDT>
 __device__ __forceinline__ void exchange_softmax(float (&s)[kNT][4], float (&m)[2], float (&l)[2], float (&acc)[kDT][4],
                                                  float* sMax, u16* sP, int rw, int cs, int lane) {
     const int g = lane >> 2, t4 = lane & 3;
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        float mx = -CUFLASH_INF;
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * hh], s[nt][2 * hh + 1]));
-        mx = quad_max(mx);
-        if (t4 == 0) sMax[(rw + g + 8 * hh) * kColSplit + cs] = mx;
-    }
+    float part[2];
+    row_max(s, part);
+    if (t4 == 0) sMax[(rw + g) * kColSplit + cs] = part[0], sMax[(rw + g + 8) * kColSplit + cs] = part[1];
     __syncthreads();
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {

@@ -13,10 +13,11 @@
 //   wg 1: [fa2-fwd 2] S1 = Q K1^T; [fa2-fwd 3] m1 = max(m0, rowmax S1), exp2(m0 - m1) -> shared; [fa2-fwd 4]
 //         P1 = exp2(S1 - m1) -> shared; [fa2-fwd 5] O[:, 256:] = O corr1 + P1 V1 + (P0 exp2(m0 - m1)) V0.
 // Both end the pair at max m1; each keeps the row sums of its own P (added in finish_wide_rows). P of a tile is
-// stored in its buffer's rope chunk (columns 512..575: read by S only). Loads: cp.async, every thread one key row's
-// source (its page, or its k_new row) per tile, each column chunk completing on its own mbarrier
-// (cp.async.mbarrier.arrive), issued by the warpgroup that is the chunk's last reader as soon as it is done with it,
-// so that the next pair's loads overlap this pair's products; S waits chunk by chunk.
+// stored in its buffer's rope chunk (columns 512..575: read by S only). Loads: each column chunk completes on its own
+// mbarrier and is issued by the warpgroup that is the chunk's last reader as soon as it is done with it, so that the
+// next pair's loads overlap this pair's products; S waits chunk by chunk. kTma: one thread per warpgroup issues
+// tensor copies (TMA) of 64 x 64 boxes through the latent cache's CUtensorMap; else cp.async, every thread one key
+// row's source (its page, or its k_new row) per tile.
 // [fa2-fwd 6], the output, the split partials and the fused merge are flash_decode_wide_kernel's.
 #include "decode.cu"
 #include "hopper_tiles.cuh"
@@ -96,7 +97,6 @@ __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
 struct TileSource {
     const u16* row;
     int z, first;
-    bool ok;
 };
 
 // Column chunks [kC0, kC1) of a key tile into a 128-byte-swizzled 64-row buffer, each chunk completing on its own
@@ -135,39 +135,8 @@ struct ChunkLoader {
     }
 };
 
-// Row statistics of one warpgroup's S (rows rw + g, rw + g + 8): the row maxima over its quad.
-template <int kNT>
-__device__ __forceinline__ void row_max(const float (&s)[kNT][4], float (&mx)[2]) {
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        float x = -CUFLASH_INF;
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) x = fmaxf(x, fmaxf(s[nt][2 * hh], s[nt][2 * hh + 1]));
-        mx[hh] = quad_max(x);
-    }
-}
-
-// P = exp2(S - m) in place (m -inf: a row that has seen only masked keys, exp2 against 0), its row sums added to l
-// after l and O are rescaled from max m_old to m.
-template <int kNT, int kDT>
-__device__ __forceinline__ void softmax_rows(float (&s)[kNT][4], const float (&m_old)[2], const float (&m)[2],
-                                             float (&l)[2], float (&acc)[kDT][4]) {
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const float m_use = m[hh] == -CUFLASH_INF ? 0.f : m[hh];
-        const float corr = fast_exp2(m_old[hh] - m_use);
-        l[hh] = l[hh] * corr + exp_row(s, hh, m_use);
-        if (__any_sync(0xffffffffu, corr != 1.f)) {  // (corr exactly 1 for every row: most tiles of a long cache)
-#pragma unroll
-            for (int dt = 0; dt < kDT; ++dt) {
-                acc[dt][2 * hh] *= corr;
-                acc[dt][2 * hh + 1] *= corr;
-            }
-        }
-    }
-}
-
-// O and l rescaled by a per-row factor (when any row's factor is not 1).
+// O and l rescaled by a per-row factor (O only when some row of the warp has a factor other than 1: most tiles of a
+// long cache have none).
 template <int kDT>
 __device__ __forceinline__ void rescale_rows(float (&acc)[kDT][4], float (&l)[2], const float (&f)[2]) {
 #pragma unroll
@@ -181,6 +150,22 @@ __device__ __forceinline__ void rescale_rows(float (&acc)[kDT][4], float (&l)[2]
             }
         }
     }
+}
+
+// l and O rescaled from max m_old to m, then P = exp2(S - m) in place (m -inf: a row that has seen only masked keys,
+// exp2 against 0) with its row sums added to l.
+template <int kNT, int kDT>
+__device__ __forceinline__ void softmax_rows(float (&s)[kNT][4], const float (&m_old)[2], const float (&m)[2],
+                                             float (&l)[2], float (&acc)[kDT][4]) {
+    float m_use[2], corr[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        m_use[hh] = m[hh] == -CUFLASH_INF ? 0.f : m[hh];
+        corr[hh] = fast_exp2(m_old[hh] - m_use[hh]);
+    }
+    rescale_rows(acc, l, corr);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) l[hh] += exp_row(s, hh, m_use[hh]);
 }
 
 // P (64 x 64, this warp's rows rw + g, rw + g + 8) into a 64 x 64 tile of decode.cu's swizzle, scaled per row.
@@ -244,20 +229,20 @@ flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ Tenso
     // [decode page] [decode guard] [decode append] tile j's source (kTma: its first slot is a multiple of 64 in one
     // page, or in the contiguous cache's row: the launcher's condition)
     auto source = [&](int j) -> TileSource {
-        if (j >= part_end) return {nullptr, 0, 0, false};
+        if (j >= part_end) return {nullptr, 0, 0};
         if constexpr (kTma) {
-            if (tw != 0) return {nullptr, 0, 0, false};
+            if (tw != 0) return {nullptr, 0, 0};
             const int slot = j * kBlockN;
             if constexpr (kPaged) {
                 // (the page id is checked where the copies are issued: its load stays in flight until then)
                 const int index = page_index(p, slot);
-                return {nullptr, blk.pages[index], slot - index * p.page_size, true};
+                return {nullptr, blk.pages[index], slot - index * p.page_size};
             } else {
-                return {nullptr, blk.cache_row, slot, true};
+                return {nullptr, blk.cache_row, slot};
             }
         } else {
             return {latent_row<kPaged>(kbase, p, blk.pages, blk.cache_row, blk.leftpad, j * kBlockN + lr, blk.len_k,
-                                       page_fault, knew), 0, 0, true};
+                                       page_fault, knew), 0, 0};
         }
     };
     const ChunkLoader<kTma> loader{kbase, &k_map, tw, p.cache_rows, page_fault};
@@ -319,6 +304,14 @@ flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ Tenso
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.f;
     float m[2] = {-CUFLASH_INF, -CUFLASH_INF}, l[2] = {0.f, 0.f};  // l: the row sums of this warpgroup's P only
+    // [fa2-fwd 5] O[:, this warpgroup's columns] += P V of buffer buf, P as the register operand (committed, not
+    // waited for)
+    auto issue_pv = [&](const u32 (&a)[kPT][4], int buf) {
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kPT; ++kk) Wgmma<T>::rs_tb(acc, a[kk], desc_v(buf, kk), 1, Int<kWV>());
+        wgmma_commit();
+    };
 
     mbar_wait(bar_q, 0);
     fence_proxy_async();
@@ -362,10 +355,7 @@ flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ Tenso
             u32 a[kPT][4];
 #pragma unroll
             for (int kk = 0; kk < kPT; ++kk) c_to_a<T, kNT>(a[kk], s, kk);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < kPT; ++kk) Wgmma<T>::rs_tb(acc, a[kk], desc_v(0, kk), 1, Int<kWV>());
-            wgmma_commit();
+            issue_pv(a, 0);
             // (P0 V0 in flight:) wg 1's m1 and exp2(m0 - m1), and P1; then P0 at max m1 for wg 1
             named_bar_sync(kBarM1, kThreads);
             float f1[2];
@@ -386,10 +376,7 @@ flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ Tenso
 #pragma unroll
                 for (int kk = 0; kk < kPT; ++kk) load_a<kBlockN>(a[kk], sP1, rw, kk, lane);
                 zero_tail(tile1, j0 + 1);
-                wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < kPT; ++kk) Wgmma<T>::rs_tb(acc, a[kk], desc_v(1, kk), 1, Int<kWV>());
-                wgmma_commit();
+                issue_pv(a, 1);
                 wgmma_wait<0>();
                 fence_regs(acc);
                 // buffer 1's chunks 0-3 (V1's left half) and its rope chunk (P1) are done with: the product that
@@ -425,20 +412,14 @@ flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ Tenso
                 zero_tail(tile1, j0 + 1);
 #pragma unroll
                 for (int kk = 0; kk < kPT; ++kk) c_to_a<T, kNT>(a[kk], s, kk);
-                wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < kPT; ++kk) Wgmma<T>::rs_tb(acc, a[kk], desc_v(1, kk), 1, Int<kWV>());
-                wgmma_commit();
+                issue_pv(a, 1);
             }
             named_bar_sync(kBarP0, kThreads);  // P0 at max m1
             u32 a0[kPT][4];
 #pragma unroll
             for (int kk = 0; kk < kPT; ++kk) load_a<kBlockN>(a0[kk], sP0, rw, kk, lane);
             zero_tail(tile0, j0);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < kPT; ++kk) Wgmma<T>::rs_tb(acc, a0[kk], desc_v(0, kk), 1, Int<kWV>());
-            wgmma_commit();
+            issue_pv(a0, 0);
             wgmma_wait<1>();  // P1 V1 done: buffer 1's chunks 4-7 are free
             if (j0 + 3 < part_end) loader.template load<4, 8>(tile1, full(1, 0), next1);
             wgmma_wait<0>();  // P0 V0 done: buffer 0's chunks 4-7 and its rope chunk (P0, read by every warp) are free

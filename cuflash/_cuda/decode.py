@@ -304,10 +304,10 @@ class DecodeLaunch:
         row_tiles = tile_n = 0
         if batch and seqlen_q and heads_q:
             family, tile, _ = decode_family(d, dv, rt.compute_capability() if (d, dv) == DECODE_MLA_DIMS else 0)
-            if family == "decode_mla_sm90":
-                self._map = _tensor_map(k_cache, _tma_tiles(cache, k_cache, paged))
-            spec = kernel_spec(family, dtype, d, tile, ("true" if paged else "false")
-                               + (", true" if self._map is not None and self._map.mapped else ""))
+            tma = family == "decode_mla_sm90" and _tma_tiles(cache, k_cache, paged)
+            if family == "decode_mla_sm90":  # (the kernel takes the map as its second argument, used or not)
+                self._map = _tensor_map(k_cache, tma)
+            spec = kernel_spec(family, dtype, d, tile, ("true" if paged else "false") + (", true" if tma else ""))
             assert spec.tile.block_m % 16 == 0 and spec.tile.stages == 2, "decode.cu's packed-row tiles and ring"
             # Splits past the number of key tiles would be empty: at most one per tile (and grid y's 65535).
             self.num_splits = max(1, min(int(cache.num_splits), -(-cache.capacity // spec.tile.block_n), 65535))

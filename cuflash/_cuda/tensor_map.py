@@ -55,7 +55,11 @@ class TensorMap:
             assert len(strides) == len(dims) - 1 == len(box) - 1 and box[0] * 2 == 128
             assert all(s % 16 == 0 for s in strides), strides
         self._pointed = None
-        self.mapped = self._spec is not None  # (False: the unused one)
+
+    @property
+    def mapped(self) -> bool:
+        """False for the unused map (``TensorMap(None)``)."""
+        return self._spec is not None
 
     def point(self, ptr: int) -> None:
         """Encode the map for a tensor at device address ``ptr`` (once per address: the last one is kept)."""
