@@ -47,6 +47,7 @@ import torch
 
 import cuflash
 from cuflash import _api, _chunked_prefill, _kvcache, _validate
+from cuflash._gpu_memory import StreamSinks
 
 __all__ = ["attention", "attention_with_kvcache", "draw_dropout_seed"]
 
@@ -599,21 +600,16 @@ def _decode_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, alibi_slopes,
             type(softcap), softcap, type(softmax_scale), softmax_scale, num_splits)
 
 
-# A direct decode step whose caller wants no lse writes it into a buffer of its device and stream (from torch's
-# allocator), grown to the largest asked for and never read: one allocation fewer per step. The launches that write
-# one are ordered by their stream. At most _LSE_SINKS_SIZE streams.
-_lse_sinks: dict = {}
-_LSE_SINKS_SIZE = 16
+# A direct decode step whose caller wants no lse writes it into a buffer of its device and stream (torch's
+# allocator), grown to the largest asked for and never read: one allocation fewer per step.
+_lse_sinks = StreamSinks()
 
 
-def _lse_sink(index: int, stream: int, size: int, device) -> int:
-    key = (index, stream)
-    sink = _lse_sinks.get(key)
-    if sink is None or sink.numel() < size:
-        if sink is None and len(_lse_sinks) >= _LSE_SINKS_SIZE:
-            _lse_sinks.pop(next(iter(_lse_sinks), None), None)
-        sink = _lse_sinks[key] = torch.empty(size, dtype=torch.float32, device=device)
-    return sink.data_ptr()
+def _new_sink(key, count: int):
+    """A new lse sink of ``count`` float32 on device ``key[0]`` (:data:`_lse_sinks`: (device, stream)) and its
+    address."""
+    sink = torch.empty(count, dtype=torch.float32, device=key[0])
+    return sink, sink.data_ptr()
 
 
 def _decode_run(key, q, k_cache, v_cache, cache_seqlens, cache_leftpad, alibi_slopes, want_lse=True):
@@ -644,7 +640,7 @@ def _decode_run(key, q, k_cache, v_cache, cache_seqlens, cache_leftpad, alibi_sl
         lse = torch.empty(launch.lse_shape, dtype=torch.float32, device=q.device)
         lse_ptr = lse.data_ptr()
     else:
-        lse, lse_ptr = None, _lse_sink(index, key[1], math.prod(launch.lse_shape), q.device)
+        lse, lse_ptr = None, _lse_sinks.address((q.device, key[1]), math.prod(launch.lse_shape), _new_sink)
     # (the record's slots: q, k_cache, v_cache, k, v, out, lse, cache_seqlens, cache_leftpad, cache_batch_idx,
     # block_table, alibi_slopes)
     launch.run_addresses(

@@ -67,11 +67,6 @@ class Recorder:
         # path's astype of its result) cannot reuse their memory and pass for zeroed memory (attributed by address)
         self.keep_zeroed = False
         self._zeroed_arrays = []
-        self.allocated = []  # (address, bytes) of every array the stand-in allocated (owns: is a value one of them?)
-
-    def owns(self, ptr: int) -> bool:
-        """Whether ``ptr`` points into an array the stand-in allocated (host addresses may lie below 4 GiB)."""
-        return any(start <= ptr < start + max(size, 1) for start, size in self.allocated)
 
     def take(self):
         out, self.launches = self.launches, []
@@ -94,15 +89,11 @@ def install(monkeypatch):
     for name in ("float16", "float32", "float64", "int8", "int32", "int64", "uint8", "inf", "nan"):
         setattr(module, name, getattr(np, name))
     module.ndarray = ndarray
-    def allocated(a):
-        recorder.allocated.append((a.data.ptr, a.nbytes))
-        return a
-
     for name in ("empty", "zeros", "ones", "full", "zeros_like", "empty_like", "arange", "where", "concatenate"):
-        setattr(module, name, (lambda fn: lambda *a, **k: allocated(_wrap(fn(*a, **k))))(getattr(np, name)))
+        setattr(module, name, (lambda fn: lambda *a, **k: _wrap(fn(*a, **k)))(getattr(np, name)))
 
     def zeros(*args, **kwargs):
-        a = allocated(_wrap(np.zeros(*args, **kwargs)))
+        a = _wrap(np.zeros(*args, **kwargs))
         recorder.zeroed.append((a.data.ptr, a.nbytes))
         if recorder.keep_zeroed:
             recorder._zeroed_arrays.append(a)
@@ -113,8 +104,8 @@ def install(monkeypatch):
         recorder.zeroed.append((ptr, size))
 
     module.zeros = zeros
-    module.ascontiguousarray = lambda a, dtype=None: allocated(_wrap(np.ascontiguousarray(a, dtype=dtype)))
-    module.asarray = lambda a, dtype=None: allocated(_wrap(np.array(a, dtype=dtype))) if not isinstance(a, ndarray) or (
+    module.ascontiguousarray = lambda a, dtype=None: _wrap(np.ascontiguousarray(a, dtype=dtype))
+    module.asarray = lambda a, dtype=None: _wrap(np.array(a, dtype=dtype)) if not isinstance(a, ndarray) or (
         dtype is not None and a.dtype != dtype) else a
     module.broadcast_to = lambda a, shape: np.broadcast_to(a, shape, subok=True)
     stream = _Stream(0)
@@ -163,7 +154,7 @@ def install(monkeypatch):
     monkeypatch.setattr(attention, "_RUNTIME", Runtime())
     monkeypatch.setattr(spec, "_EXTRA_CACHE", {})  # (device copies: the stand-in's must not outlive the test)
     monkeypatch.setattr(attention, "_LISTS_CACHE", {})
-    monkeypatch.setattr(attention, "_LSE_SINKS", {})
+    monkeypatch.setattr(attention, "_LSE_SINKS", type(attention._LSE_SINKS)())
     monkeypatch.setattr(_api, "_planners", {})
     monkeypatch.setattr(_api, "_checked_calls", _api.CallMemo(_api._checked_calls.size))
     monkeypatch.setattr(decode.CupyRuntime, "function", decode_function)

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .._gpu_memory import StreamSinks
 from .._variant import Variant, VariantArrays
 from . import fa1, naive, tuning
 from .compile import PackedLaunch, arch_class, check_smem, device_info, launch
@@ -440,11 +441,9 @@ class _Plan:
         self._threads.add(threading.get_ident())
 
 
-# A forward called without return_lse writes its lse into a buffer of its device and stream, grown to the largest
-# asked for and never read (no allocation per call): the launches that write one are ordered by their stream, and
-# one freed when it grows is reused by CuPy's pool only on its own stream. At most _LSE_SINKS_SIZE streams.
-_LSE_SINKS: dict = {}
-_LSE_SINKS_SIZE = 16
+# A forward called without return_lse writes its lse into a buffer of its device and stream (CuPy's pool), grown to
+# the largest asked for and never read: no allocation per call.
+_LSE_SINKS = StreamSinks()
 
 
 class ForwardPlan(_Plan):
@@ -510,9 +509,7 @@ class ForwardPlan(_Plan):
             lse = self._empty(self.lse_shape, dtype=np.float32)
             lse_ptr = lse.data.ptr
         else:
-            sink = _LSE_SINKS.get((self._device, stream))
-            lse, lse_ptr = None, (sink.data.ptr if sink is not None and sink.size >= self._lse_size else
-                                  self._lse_sink(stream))
+            lse, lse_ptr = None, _LSE_SINKS.address((self._device, stream), self._lse_size, self._new_sink)
         with self._lock:
             self.stage(pq, pk, pv, out.data.ptr, lse_ptr, arrays)
             self._launch.run(stream)
@@ -530,13 +527,11 @@ class ForwardPlan(_Plan):
         """Launch with the packed arguments :meth:`stage` wrote (under the same hold of ``self._lock``)."""
         self._launch.run(stream)
 
-    def _lse_sink(self, stream: int) -> int:
-        """The address of a new lse buffer of the stream's, large enough for this plan's (:data:`_LSE_SINKS`)."""
-        key = (self._device, stream)
-        if key not in _LSE_SINKS and len(_LSE_SINKS) >= _LSE_SINKS_SIZE:
-            _LSE_SINKS.pop(next(iter(_LSE_SINKS), None), None)
-        sink = _LSE_SINKS[key] = self._empty((self._lse_size,), dtype=np.float32)
-        return sink.data.ptr
+    def _new_sink(self, key, count: int):
+        """A new lse sink of ``count`` float32 on the current device (:data:`_LSE_SINKS`, ``key``'s) and its
+        address."""
+        sink = self._empty((count,), dtype=np.float32)
+        return sink, sink.data.ptr
 
 
 def launch_params(variant: Variant, scale: float, shp: Shape, spec=None, dbias=None, transposed=False,
