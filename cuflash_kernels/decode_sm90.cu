@@ -59,8 +59,15 @@ __device__ __forceinline__ void cp_async_mbar_arrive(u32 bar) {
 __device__ __forceinline__ void named_bar_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
 }
+// An arrival that orders this thread's earlier accesses before the waiters' later ones. CUFLASH_RACECHECK (the
+// CUFLASH_RACECHECK=1 build, docs/testing.md): a wait as well, the same order, which compute-sanitizer's racecheck
+// follows (it reports every access handed over by a bar.arrive as a hazard)
 __device__ __forceinline__ void named_bar_arrive(int id, int count) {
+#ifdef CUFLASH_RACECHECK
+    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
+#else
     asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(count) : "memory");
+#endif
 }
 
 // Column chunks [kC0, kC1) of one key row into a 128-byte-swizzled 64-row tile: the half `half` of each chunk's
@@ -246,21 +253,23 @@ flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ Tenso
         }
     };
     const ChunkLoader<kTma> loader{kbase, &k_map, tw, p.cache_rows, page_fault};
-    // kTma: V's rows past the last key of a sequence's last tile (the tensor copy reads whatever the cache holds
-    // there; cp.async fills zeros) zeroed in this warpgroup's columns of buffer buf before its P V (P is 0 there,
-    // but 0 times a NaN is not 0)
-    auto zero_tail = [&](u32 tile, int j) {
+    // kTma: a sequence's last, partial tile gets V's rows past its last key zeroed in all eight V chunks of its
+    // buffer (the tensor copy reads whatever the cache holds there; cp.async fills zeros; P is 0 there, but 0 times
+    // a NaN is not 0), by the warpgroup whose S read that buffer, after that S (whose keys there are masked) and
+    // before the handover that both warpgroups pass before their P V of it (made a full barrier for that tile)
+    auto zero_tail = [&](u32 tile, int j) -> bool {
         if constexpr (kTma) {
             const int valid = blk.len_k - j * kBlockN;
             if (valid < kBlockN) {
-                for (int i = tw; i < (kBlockN - valid) * 32; i += 128) {
-                    const u32 at = tile + (4 * wg + ((i >> 3) & 3)) * 8192 + (valid + (i >> 5)) * 128 + ((i & 7) << 4);
+                for (int i = tw; i < (kBlockN - valid) * 64; i += 128) {
+                    const u32 at = tile + ((i >> 3) & 7) * 8192 + (valid + (i >> 6)) * 128 + ((i & 7) << 4);
                     asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" :: "r"(at), "r"(0) : "memory");
                 }
                 fence_proxy_async();
-                named_bar_sync(4 + wg, 128);
+                return true;
             }
         }
+        return false;
     };
     const u32 q_addr = smem_u32(sQ), k_addr = smem_u32(sK);
     const u32 tile0 = k_addr, tile1 = k_addr + kTileK * 2;
@@ -313,6 +322,13 @@ flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ Tenso
         wgmma_commit();
     };
 
+    // A handover to the other warpgroup (it waits at the barrier): an arrival, or a wait too where this warpgroup
+    // zeroed a V tail that its own P V reads next (the barrier orders the whole warpgroup's stores before it)
+    auto handover = [&](int bar, bool wait) {
+        if (wait) named_bar_sync(bar, kThreads);
+        else named_bar_arrive(bar, kThreads);
+    };
+
     mbar_wait(bar_q, 0);
     fence_proxy_async();
     for (int j0 = part_first, phase = 0; j0 < part_end; j0 += 2, phase ^= 1) {
@@ -322,6 +338,7 @@ flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ Tenso
 
         // [fa2-fwd 2] S = Q K^T of this warpgroup's tile, chunk by chunk as the chunks land
         float s[kNT][4];
+        bool tail = false;  // this warpgroup's tile is a partial last one, its V tail zeroed (kTma)
         if (wg == 0 || has1) {
 #pragma unroll
             for (int i = 0; i < 9; ++i) {
@@ -338,6 +355,7 @@ flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ Tenso
             wgmma_commit();
             wgmma_wait<0>();
             fence_regs(s);
+            tail = zero_tail(wg == 0 ? tile0 : tile1, j0 + wg);
             mod_mask_scale(s, p, (j0 + wg) * kBlockN, row_t, slope, blk.offset, blk.len_k, lane & 3);
         } else {
 #pragma unroll
@@ -349,9 +367,8 @@ flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ Tenso
             // [fa2-fwd 3] m0, shared with wg 1; [fa2-fwd 4] P0; [fa2-fwd 5] O[:, :256] += P0 V0
             float m0[2] = {fmaxf(m[0], mx[0]), fmaxf(m[1], mx[1])};
             if ((lane & 3) == 0) sM0[rw + g] = m0[0], sM0[rw + g + 8] = m0[1];
-            named_bar_arrive(kBarM0, kThreads);
+            handover(kBarM0, tail);
             softmax_rows(s, m, m0, l, acc);
-            zero_tail(tile0, j0);
             u32 a[kPT][4];
 #pragma unroll
             for (int kk = 0; kk < kPT; ++kk) c_to_a<T, kNT>(a[kk], s, kk);
@@ -375,7 +392,6 @@ flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ Tenso
                 // O[:, :256] += P1 V1, P1 from shared memory
 #pragma unroll
                 for (int kk = 0; kk < kPT; ++kk) load_a<kBlockN>(a[kk], sP1, rw, kk, lane);
-                zero_tail(tile1, j0 + 1);
                 issue_pv(a, 1);
                 wgmma_wait<0>();
                 fence_regs(acc);
@@ -406,10 +422,9 @@ flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ Tenso
             }
             const float one[2] = {1.f, 1.f};
             if (has1) store_p<T>(sP1, s, one, rw, lane);
-            named_bar_arrive(kBarM1, kThreads);
+            handover(kBarM1, tail);
             u32 a[kPT][4];
             if (has1) {
-                zero_tail(tile1, j0 + 1);
 #pragma unroll
                 for (int kk = 0; kk < kPT; ++kk) c_to_a<T, kNT>(a[kk], s, kk);
                 issue_pv(a, 1);
@@ -418,7 +433,6 @@ flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ Tenso
             u32 a0[kPT][4];
 #pragma unroll
             for (int kk = 0; kk < kPT; ++kk) load_a<kBlockN>(a0[kk], sP0, rw, kk, lane);
-            zero_tail(tile0, j0);
             issue_pv(a0, 0);
             wgmma_wait<1>();  // P1 V1 done: buffer 1's chunks 4-7 are free
             if (j0 + 3 < part_end) loader.template load<4, 8>(tile1, full(1, 0), next1);

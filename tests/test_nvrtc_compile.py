@@ -161,6 +161,19 @@ def test_every_instantiation_compiles_without_spills(arch, source):
         assert_compiles_without_spills(nvrtc, full, names, options, arch, f"{source} ({arch})")
 
 
+def test_racecheck_build_of_the_mla_kernel_compiles():
+    """The CUFLASH_RACECHECK=1 build (docs/testing.md: the MLA kernel's bar.arrive handovers made waits) compiles,
+    so that racecheck can run on it; its PTX has no bar.arrive left, the shipped build's has."""
+    _nvrtc()
+    names = [s.name for s in _cuda.instantiations() if s.family == "decode_mla_sm90"][:2]
+    assert names, "no MLA sm90 instantiation listed"
+    text = _cuda.compile_source_for_nvrtc("decode_sm90.cu")
+    shipped = _cuda.compile.nvrtc_offline(text, names, _cuda.SM90A_OPTIONS, "sm_90a")
+    debug = _cuda.compile.nvrtc_offline(text, names, _cuda.SM90A_OPTIONS + ("-DCUFLASH_RACECHECK",), "sm_90a")
+    assert shipped["ok"] and debug["ok"], debug["log"][-3000:]
+    assert "bar.arrive" in shipped["ptx"] and "bar.arrive" not in debug["ptx"]
+
+
 def test_instantiation_list_covers_the_tile_table_and_every_policy():
     specs = _cuda.instantiations()
     names = [spec.name for spec in specs]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import os
 import re
 import struct
 import threading
@@ -18,6 +19,12 @@ import numpy as np
 from .spec import KernelSpec, prelude_of
 
 __all__ = ["compile_source_for_nvrtc", "nvrtc_offline", "kernel", "device_info", "arch_class", "check_smem", "launch", "PackedLaunch"]
+
+# Debug builds (docs/testing.md), read once, at import. CUFLASH_LINEINFO=1: line information, so that
+# compute-sanitizer and ncu name source lines. CUFLASH_RACECHECK=1: that, and the build racecheck can follow (a
+# warpgroup's bar.arrive handovers made waits too: decode_sm90.cu's named_bar_arrive)
+_DEBUG_OPTIONS = (("-lineinfo",) if os.environ.get("CUFLASH_LINEINFO") or os.environ.get("CUFLASH_RACECHECK") else ()) + (
+    ("-DCUFLASH_RACECHECK",) if os.environ.get("CUFLASH_RACECHECK") else ())
 
 _INCLUDE_RE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
 
@@ -128,7 +135,8 @@ def kernel(spec: KernelSpec):
                 text = _sources[spec.source] = compile_source_for_nvrtc(spec.source)
             prelude = prelude_of(spec.name)  # a user mod's generated policy type, if the variant has one
             try:
-                module = cupy.RawModule(code=text + prelude, options=spec.options, name_expressions=[spec.name])
+                module = cupy.RawModule(code=text + prelude, options=spec.options + _DEBUG_OPTIONS,
+                                         name_expressions=[spec.name])
                 entry = _modules[key] = [module.get_function(spec.name), 0]
             except cupy.cuda.compiler.CompileException as exc:
                 if not prelude:
