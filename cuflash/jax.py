@@ -45,7 +45,9 @@ import os
 from typing import Callable, NamedTuple
 
 import jax
+import jax.extend
 import numpy as np
+from jax.interpreters import mlir
 
 import cuflash
 from cuflash import _api, _validate
@@ -55,13 +57,17 @@ try:
 except ImportError:  # a JAX without it: jax.pure_callback only
     _buffer_callback = None
 
-__all__ = ["attention", "callback_route", "command_buffer_enabled"]
+__all__ = ["attention", "callback_route", "command_buffer_enabled", "kernel_calls_enabled"]
 
 # CUFLASH_JAX_CALLBACK: "auto" (the default: "buffer" where JAX has it, else "pure"), "buffer" or "pure".
 _ROUTE_ENV = "CUFLASH_JAX_CALLBACK"
 # CUFLASH_JAX_COMMAND_BUFFER: "1" marks the buffer route's planned forward command-buffer compatible (XLA may
 # capture its launch into a CUDA graph and replay it without calling Python); "0" or unset: not (the default).
 _GRAPH_ENV = "CUFLASH_JAX_COMMAND_BUFFER"
+# CUFLASH_JAX_KERNEL_CALL: "auto" (the default: where jaxlib's CUDA plugin has its kernel call and CuPy is installed),
+# "1" or "0": whether the buffer route's planned forward lowers, for CUDA, to jaxlib's kernel call (the kernel launched
+# by XLA, no Python at run time) instead of the buffer callback.
+_KERNEL_ENV = "CUFLASH_JAX_KERNEL_CALL"
 
 
 def callback_route() -> str:
@@ -94,6 +100,34 @@ def command_buffer_enabled() -> bool:
     return want == "1"
 
 
+def kernel_calls_enabled() -> bool:
+    """Whether the buffer route's planned forward is lowered, for CUDA, to jaxlib's kernel call (read when a
+    function is traced): XLA launches the kernel's flat entry point itself, loaded from its PTX, with the parameters
+    fixed when the function was compiled, so a call runs no Python. Calls it cannot take (variant arrays, a bias,
+    dropout, mods, head dims run on copies, the backward), other platforms and ``CUFLASH_JAX_COMMAND_BUFFER=1`` keep
+    the buffer callback. ``CUFLASH_JAX_KERNEL_CALL``: ``auto`` (the default: on where jaxlib's CUDA plugin has its
+    kernel call and CuPy is installed), ``1``, ``0``."""
+    want = os.environ.get(_KERNEL_ENV, "auto") or "auto"
+    if want not in ("auto", "0", "1"):
+        raise ValueError(f"{_KERNEL_ENV} must be one of 'auto', '0', '1'; got {want!r}")
+    if want == "1" and not _have_kernel_call():
+        raise RuntimeError(f"{_KERNEL_ENV}=1 needs jaxlib's CUDA plugin with its kernel call "
+                           f"(jax._src.lib.gpu_triton) and CuPy; use 'auto' or '0'")
+    return want == "1" or (want == "auto" and _have_kernel_call())
+
+
+@functools.lru_cache(maxsize=None)
+def _have_kernel_call() -> bool:
+    """Whether jaxlib's CUDA plugin registers its kernel call (the legacy ``triton_kernel_call`` target) and CuPy
+    (the planning, NVRTC) is installed."""
+    try:
+        from jax._src.lib import gpu_triton
+    except ImportError:
+        return False
+    return _have_cupy() and all(hasattr(gpu_triton, name) for name in (
+        "TritonKernel", "TritonKernelCall", "create_array_parameter", "create_scalar_parameter", "get_custom_call"))
+
+
 @functools.lru_cache(maxsize=None)
 def _have_cupy() -> bool:
     return importlib.util.find_spec("cupy") is not None
@@ -123,6 +157,7 @@ class _Op(NamedTuple):
     fold: Callable
     plan: Callable
     capturable: Callable = lambda *args: False  # (whether a call with these arguments may be recorded into a graph)
+    kernel: Callable = lambda *args: None  # (the call as a kernel-call primitive, or None: _KernelCall)
 
 
 def _apply(op: _Op, *args):
@@ -154,6 +189,10 @@ def _callback(op: _Op, *args):
     """``op`` as a callback in a traced function (one call per mapped element under a plain ``jax.vmap``)."""
     shapes = op.shapes(*args)
     if callback_route() == "buffer":
+        if kernel_calls_enabled() and not command_buffer_enabled():
+            results = op.kernel(*args)
+            if results is not None:
+                return results
         leaves, tree = jax.tree_util.tree_flatten(args)  # (None leaves drop out: the callback gets arrays only)
         graph = command_buffer_enabled() and op.capturable(*args)
         call = _BufferCall(op, tree, tuple(leaves), shapes, graph)
@@ -495,7 +534,14 @@ def _forward_op(options) -> _Op:
     def capturable(q, k, v, bias, arrays):
         return _capturable_forward(options, q, v, bias, arrays)
 
-    return _Op(run, shapes, fold, plan, capturable)
+    def kernel(q, k, v, bias, arrays):
+        if not _capturable_forward(options, q, v, bias, arrays):
+            return None
+        out, lse = shapes(q, k, v, bias, arrays)
+        return tuple(_kernel_call_p.bind(q, k, v, options=options, arrays=_hashable(arrays), out=_shape_key(out),
+                                         lse=_shape_key(lse)))
+
+    return _Op(run, shapes, fold, plan, capturable, kernel)
 
 
 def _capturable_forward(options, q, v, bias, arrays) -> bool:
@@ -554,6 +600,107 @@ def _backward_op(options) -> _Op:
         return launch
 
     return _Op(run, shapes, fold, plan)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernel calls (CUFLASH_JAX_KERNEL_CALL=1): the planned forward lowered, for CUDA, to jaxlib's kernel call (the
+# custom call jax-triton uses): XLA loads the kernel's flat entry point from its PTX (NVRTC's, compiled by jaxlib for
+# the device) and launches it on its stream with the parameters written into the call when the function was
+# compiled (the layouts, the scale, the grid; the five arrays are XLA's buffers). No Python runs per call. Planned
+# when the call is lowered for CUDA (the front door's checks and plan on stand-in views of the layouts); where the
+# launcher does not plan it as one flat launch, and for every other platform, the call lowers to the buffer
+# callback instead.
+
+_TRITON_TARGET = "triton_kernel_call"  # (jaxlib registers it with its CUDA plugin: gpu_triton)
+
+
+def _shape_key(s) -> tuple:
+    return tuple(s.shape), np.dtype(s.dtype).name
+
+
+def _hashable(arrays) -> tuple:
+    """The kernel route's variant arrays (all None, or an empty mod_arrays last): a hashable primitive parameter."""
+    return tuple(None if a is None else tuple(a) if isinstance(a, (dict, tuple, list)) else a for a in arrays)
+
+
+def _restore(arrays) -> tuple:
+    *variant, mods = arrays
+    return (*variant, {} if mods == () else mods)
+
+
+_kernel_call_p = jax.extend.core.Primitive("cuflash_attention_kernel_call")
+_kernel_call_p.multiple_results = True
+
+
+@_kernel_call_p.def_abstract_eval
+def _kernel_call_abstract(q, k, v, *, options, arrays, out, lse):
+    return tuple(jax.core.ShapedArray(shape, np.dtype(dtype)) for shape, dtype in (out, lse))
+
+
+def _kernel_call_fallback(q, k, v, *, options, arrays, out, lse):
+    """The same call by the buffer callback (other platforms; calls the launcher does not plan as one flat launch)."""
+    op = _forward_op(options)
+    leaves, tree = jax.tree_util.tree_flatten((q, k, v, None, _restore(arrays)))
+    shapes = op.shapes(q, k, v, None, _restore(arrays))
+    call = _BufferCall(op, tree, tuple(leaves), shapes)
+    return tuple(_buffer_callback(call, shapes, vmap_method="sequential")(*leaves))
+
+
+def _kernel_call_lowering(ctx, q, k, v, *, options, arrays, out, lse):
+    opaque = _kernel_opaque(options, arrays, tuple(_shape_key(a) for a in ctx.avals_in))
+    if opaque is None:
+        return mlir.lower_fun(_kernel_call_fallback, multiple_results=True)(
+            ctx, q, k, v, options=options, arrays=arrays, out=out, lse=lse)
+    return jax.ffi.ffi_lowering(_TRITON_TARGET, backend_config=opaque, api_version=2)(ctx, q, k, v)
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel_opaque(options, arrays, layouts) -> bytes | None:
+    """jaxlib's kernel-call descriptor (a zlib-compressed TritonAnyKernelCall) of the planned forward of these
+    layouts on the current CUDA device, or None where the launcher does not plan the call as one flat launch."""
+    import zlib
+
+    import cupy
+    from jax._src.lib import gpu_triton
+
+    from cuflash._cuda import compile as cuda_compile
+
+    ordinal = cupy.cuda.runtime.getDevice()
+    # stand-in views of the layouts at an aligned address that is never read: the plan needs shapes, dtypes and
+    # strides only
+    q, k, v = (_cupy_view(ordinal, 1 << 20, shape, np.dtype(dtype)) for shape, dtype in layouts)
+    checked = _planned_options(q, k, v, {**_keywords(options, _restore(arrays)), "bias": None})
+    forward = None if checked is None else checked[0].plan_forward(q, k, v, **checked[1])
+    flat = None if forward is None else forward.flat_call()
+    if flat is None:
+        return None
+    spec, grid, scalars = flat
+    cc = cuda_compile.device_info()[0]
+    ptx, name = cuda_compile.flat_ptx(spec, cc)
+    kernel = _triton_kernel(gpu_triton, name, spec.threads // 32, spec.smem, ptx, cc)
+    params = [gpu_triton.create_array_parameter(0, 16) for _ in range(5)]  # q, k, v (operands), out, lse (results)
+    params += [gpu_triton.create_scalar_parameter(value, dtype) for dtype, value in scalars]
+    call = gpu_triton.TritonKernelCall(kernel, *grid, params)
+    return zlib.compress(call.to_proto("cuflash.attention forward", b""))
+
+
+def _triton_kernel(lib, name: str, num_warps: int, smem: int, ptx: str, cc: int):
+    """jaxlib's TritonKernel, whose constructor's arguments differ between jaxlib versions: (name, warps, shared
+    memory, PTX, TTIR, compute capability, cluster x, y, z), or (name, warps, CTAs, shared memory, PTX, TTIR,
+    compute capability[, scratch size, alignment])."""
+    tries = ((name, num_warps, smem, ptx, "", cc, 1, 1, 1), (name, num_warps, 1, smem, ptx, "", cc),
+             (name, num_warps, 1, smem, ptx, "", cc, 0, 0))
+    for i, args in enumerate(tries):
+        try:
+            return lib.TritonKernel(*args)
+        except TypeError:
+            if i == len(tries) - 1:
+                raise
+
+
+mlir.register_lowering(
+    _kernel_call_p, mlir.lower_fun(_kernel_call_fallback, multiple_results=True))
+mlir.register_lowering(_kernel_call_p, _kernel_call_lowering, platform="cuda")
 
 
 def _forward(q, k, v, bias, arrays, options):

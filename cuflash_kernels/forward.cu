@@ -49,14 +49,7 @@ template <> struct FwdMma<tf32> : Tf32FwdMma<1> {};
 template <> struct FwdMma<tf32x3> : Tf32FwdMma<3> {};
 
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V>
-__global__ void __launch_bounds__(kNWarps * 32)
-flash_fwd_kernel(const typename FwdMma<T>::Storage* __restrict__ q, const typename FwdMma<T>::Storage* __restrict__ k,
-                 const typename FwdMma<T>::Storage* __restrict__ v, typename FwdMma<T>::Storage* __restrict__ o,
-                 float* __restrict__ lse,
-                 int seqlen_q, int seqlen_k, int heads_q, int group,
-                 i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
-                 i64 v_sb, i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh,
-                 float scale_log2, const VariantParams vp) {
+__device__ __forceinline__ void flash_fwd(CUFLASH_FWD_PARAMS(typename FwdMma<T>::Storage), const VariantParams& vp) {
     using Mma = FwdMma<T>;
     using E = typename Mma::Storage;
     static_assert(kBlockM % (16 * kNWarps) == 0, "each warp owns kMT x 16 query rows");
@@ -229,6 +222,18 @@ flash_fwd_kernel(const typename FwdMma<T>::Storage* __restrict__ q, const typena
             }
         }
     }
+}
+
+// flash_fwd's entry points: the launcher's (VariantParams by value) and the flat one (CUFLASH_VARIANT_FLAT_PARAMS)
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V>
+__global__ void __launch_bounds__(kNWarps * 32)
+flash_fwd_kernel(CUFLASH_FWD_PARAMS(typename FwdMma<T>::Storage), const VariantParams vp) {
+    flash_fwd<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, V>(CUFLASH_FWD_ARGS, vp);
+}
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V>
+__global__ void __launch_bounds__(kNWarps * 32)
+flash_fwd_flat_kernel(CUFLASH_FWD_PARAMS(typename FwdMma<T>::Storage), CUFLASH_VARIANT_FLAT_PARAMS) {
+    flash_fwd<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, V>(CUFLASH_FWD_ARGS, CUFLASH_VARIANT_FLAT_ARGS);
 }
 
 // float32 forward: plain SIMT arithmetic. One thread block per query tile of kBlockM = 4 * kRows rows

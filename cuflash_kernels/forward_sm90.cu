@@ -88,13 +88,7 @@ struct Sm90Config {
 // Template arguments as the launcher's tile table: kBlockM query rows (kBlockM / 64 computing
 // warpgroups), kBlockN key rows, kNWarps warps (see Sm90Config), kStages = 2 K/V buffers.
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V>
-__global__ void __launch_bounds__(kNWarps * 32, (Sm90Config<kHeadDim, kBlockM, kBlockN, kNWarps>::kMinBlocks))
-flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-                      u16* __restrict__ o, float* __restrict__ lse,
-                      int seqlen_q, int seqlen_k, int heads_q, int group,
-                      i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
-                      i64 v_sb, i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh,
-                      float scale_log2, const VariantParams vp) {
+__device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const VariantParams& vp) {
     using Cfg = Sm90Config<kHeadDim, kBlockM, kBlockN, kNWarps>;
     constexpr bool kWS = Cfg::kWS;
     static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head dim: whole 64-column swizzle blocks, wgmma n <= 256");
@@ -414,6 +408,18 @@ flash_fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
     } else {
         consume();
     }
+}
+
+// flash_fwd_sm90's entry points: the launcher's (VariantParams by value) and the flat one (CUFLASH_VARIANT_FLAT_PARAMS)
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V>
+__global__ void __launch_bounds__(kNWarps * 32, (Sm90Config<kHeadDim, kBlockM, kBlockN, kNWarps>::kMinBlocks))
+flash_fwd_sm90_kernel(CUFLASH_FWD_PARAMS(u16), const VariantParams vp) {
+    flash_fwd_sm90<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, V>(CUFLASH_FWD_ARGS, vp);
+}
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V>
+__global__ void __launch_bounds__(kNWarps * 32, (Sm90Config<kHeadDim, kBlockM, kBlockN, kNWarps>::kMinBlocks))
+flash_fwd_sm90_flat_kernel(CUFLASH_FWD_PARAMS(u16), CUFLASH_VARIANT_FLAT_PARAMS) {
+    flash_fwd_sm90<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, V>(CUFLASH_FWD_ARGS, CUFLASH_VARIANT_FLAT_ARGS);
 }
 
 }  // namespace cuflash

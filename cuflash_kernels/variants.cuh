@@ -85,6 +85,26 @@ struct VariantParams {
     const ExtraParams* extra;   // (Has_bias, Has_dropout) in device memory
 };
 
+// The forward kernels' common parameters (their element type E): the tensors, the problem's sizes, the strides, the
+// scale; then a VariantParams. CUFLASH_VARIANT_FLAT_PARAMS: VariantParams' fields as separate parameters, in the
+// struct's order, for the forwards' flat entry points (launchers that pass only pointers and scalars: jaxlib's kernel
+// call, cuflash.jax's "kernel" route); CUFLASH_VARIANT_FLAT_ARGS rebuilds the struct from them.
+#define CUFLASH_FWD_PARAMS(E)                                                                                  \
+    const E* __restrict__ q, const E* __restrict__ k, const E* __restrict__ v, E* __restrict__ o,             \
+        float* __restrict__ lse, int seqlen_q, int seqlen_k, int heads_q, int group, i64 q_sb, i64 q_ss,       \
+        i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh, i64 v_sb, i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh,     \
+        float scale_log2
+#define CUFLASH_FWD_ARGS                                                                                       \
+    q, k, v, o, lse, seqlen_q, seqlen_k, heads_q, group, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, \
+        o_sb, o_ss, o_sh, scale_log2
+#define CUFLASH_VARIANT_FLAT_PARAMS                                                                            \
+    const int *cu_seqlens_q, const int *cu_seqlens_k, const int *seqused_k, const float *alibi_slopes,         \
+        i64 alibi_sb, int bottom_right, int window_left, int window_right, int band_lo, int band_hi,           \
+        float softcap_a, float softcap_b, float inv_scale, int qk_chunks, int v_chunks, const ExtraParams *extra
+#define CUFLASH_VARIANT_FLAT_ARGS                                                                              \
+    VariantParams{cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, alibi_sb, bottom_right, window_left,   \
+                  window_right, band_lo, band_hi, softcap_a, softcap_b, inv_scale, qk_chunks, v_chunks, extra}
+
 // [variant mod] The element types of a bias and of its gradient: float (float32), or fp16 / bf16 stored as 16 bits
 // and read as such (no float32 copy).
 template <class E> struct BiasElem {  // fp16, bf16

@@ -505,6 +505,91 @@ def cuda_buffers(monkeypatch):
     return recorder, seen, copies
 
 
+def test_kernel_call_route_lowers_the_planned_forward_for_cuda(cuda_buffers, monkeypatch):
+    """CUFLASH_JAX_KERNEL_CALL=1: lowered for CUDA, a planned forward is jaxlib's kernel call of the kernel's flat
+    entry point, with the grid and the parameters of the launch cuflash.attention makes on the same layouts (after
+    its five arrays: the sizes, strides and scale, then VariantParams field by field), q, k, v its operands and out,
+    lse its results; lowered for the CPU, and for a call the launcher does not plan as one flat launch, the buffer
+    callback. (The stand-in CuPy records the launch; jaxlib's kernel-call classes are stood in for.)"""
+    import types
+    import zlib
+
+    import cupy
+
+    import cuflash
+    from cuflash._cuda import compile as cuda_compile
+    from cuflash._cuda.spec import VARIANT_PARAMS_DTYPE
+
+    recorder, _, _ = cuda_buffers
+    made = {}
+
+    class Kernel:
+        def __init__(self, *args):
+            made["kernel"] = args
+
+    class Call:
+        def __init__(self, kernel, gx, gy, gz, params):
+            made["call"] = ((gx, gy, gz), params)
+
+        def to_proto(self, name, metadata):
+            return b"proto"
+
+    triton = types.SimpleNamespace(TritonKernel=Kernel, TritonKernelCall=Call,
+                                   create_array_parameter=lambda zero, align: ("array", zero, align),
+                                   create_scalar_parameter=lambda value, dtype: (dtype, value))
+    import jax._src.lib
+
+    monkeypatch.setattr(jax._src.lib, "gpu_triton", triton, raising=False)
+    monkeypatch.setattr(cuda_compile, "flat_ptx", lambda spec, cc: (f"// {spec.flat_name}", "_Z4flat"))
+    monkeypatch.setattr(cfj, "_cupy_view", lambda ordinal, ptr, shape, dtype: cupy.empty(shape, dtype))
+    monkeypatch.setattr(cfj, "_have_kernel_call", lambda: True)
+    monkeypatch.setenv("CUFLASH_JAX_KERNEL_CALL", "1")
+    cfj._kernel_opaque.cache_clear()
+    opaques, made_opaque = [], cfj._kernel_opaque
+    monkeypatch.setattr(cfj, "_kernel_opaque", lambda *key: (opaques.append(made_opaque(*key)), opaques[-1])[1])
+    q, k, v = _inputs((2, 96, 160, 4, 2, 64), jnp.bfloat16, seed=5)
+    f = jax.jit(lambda q, k, v: cfj.attention(q, k, v, causal=True, softmax_scale=0.2))
+    text = f.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    call = [line for line in text.splitlines() if "custom_call" in line]
+    assert len(call) == 1 and "@triton_kernel_call(%arg0, %arg1, %arg2)" in call[0], call
+    assert "api_version = 2" in call[0] and [zlib.decompress(o) for o in opaques] == [b"proto"]
+    name, warps, *rest = made["kernel"]
+    assert name == "_Z4flat" and "flash_fwd_sm90_flat_kernel<" in next(a for a in rest if isinstance(a, str)
+                                                                       and a.startswith("//"))
+    grid, params = made["call"]
+    assert params[:5] == [("array", 0, 16)] * 5  # q, k, v, out, lse: XLA's buffers in order
+    # the launch cuflash.attention makes (the stand-in records each argument in 8-byte words; VariantParams whole)
+    recorder.take()
+    cuflash.attention(*(cupy.asarray(np.asarray(x)) for x in (q, k, v)), causal=True, softmax_scale=0.2)
+    (kernel, want_grid, block, smem, _, args), = (x for x in recorder.take() if len(x) == 6)
+    assert "flash_fwd_sm90_kernel<" in kernel and want_grid == grid and block == (32 * warps, 1, 1)
+    kinds = {"i32": np.int32, "i64": np.int64, "u64": np.uint64, "fp32": np.float32}
+    got = [np.array(value, kinds[dtype]).tobytes() for dtype, value in params[5:]]
+    record = np.frombuffer(args[-1][:VARIANT_PARAMS_DTYPE.itemsize], VARIANT_PARAMS_DTYPE)[0]
+    want = [a[:len(g)] for a, g in zip(args[5:-1], got)] + [record[n].tobytes() for n in VARIANT_PARAMS_DTYPE.names]
+    assert got == want
+    # the CPU, and a call the launcher does not plan as one launch (ALiBi slopes: an array read at each run)
+    assert "xla_buffer_python_cpu_callback" in f.lower(q, k, v).as_text()
+    slopes = jnp.linspace(0.1, 0.8, 4, dtype=jnp.float32)
+    g = jax.jit(lambda q, k, v: cfj.attention(q, k, v, alibi_slopes=slopes))
+    assert "triton_kernel_call" not in g.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("available", [True, False])
+def test_kernel_call_switch_is_read_from_the_environment(available, monkeypatch):
+    monkeypatch.setattr(cfj, "_have_kernel_call", lambda: available)
+    for value, want in (("1", True), ("0", False), ("", available), ("auto", available)):
+        monkeypatch.setenv("CUFLASH_JAX_KERNEL_CALL", value)
+        if value == "1" and not available:
+            with pytest.raises(RuntimeError, match="CUFLASH_JAX_KERNEL_CALL=1 needs jaxlib's CUDA plugin"):
+                cfj.kernel_calls_enabled()
+            continue
+        assert cfj.kernel_calls_enabled() is want
+    monkeypatch.setenv("CUFLASH_JAX_KERNEL_CALL", "yes")
+    with pytest.raises(ValueError, match="CUFLASH_JAX_KERNEL_CALL must be one of 'auto', '0', '1'; got 'yes'"):
+        cfj.kernel_calls_enabled()
+
+
 def _named(launches, names):
     """Planned launches (kernel, grid, stream, arguments) with the 8-byte arguments that are addresses in
     ``names`` replaced by their names; CuPy launches (kernel, grid, arguments) with arrays by shape and strides."""
@@ -735,6 +820,44 @@ def test_vmap_on_gpu_matches_a_loop(route, monkeypatch):
                                    rtol=0, atol=1e-3)
         for g, w in zip(grads, one_grad(q[i], k[i], v[i])):
             np.testing.assert_allclose(np.asarray(g[i], np.float32), np.asarray(w, np.float32), rtol=0, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,dtname,causal", [((2, 200, 264, 8, 2, 64), "float16", True),
+                                                  ((1, 300, 300, 4, 4, 128), "bfloat16", False),
+                                                  ((2, 129, 77, 6, 2, 128), "bfloat16", True)])
+def test_kernel_call_on_gpu_equals_cupy(shape, dtname, causal, monkeypatch):
+    """CUFLASH_JAX_KERNEL_CALL=1 on the GPU: the compiled forward is jaxlib's kernel call (no callback), equal bit for
+    bit to cuflash.attention on the same arrays, with no host transfer; its gradients (the backward by the buffer
+    callback, from the kernel call's lse) equal the buffer route's."""
+    import cupy
+
+    import cuflash
+
+    gpu = _jax_gpu()
+    _buffer_route_or_skip()
+    monkeypatch.setenv("CUFLASH_JAX_KERNEL_CALL", "1")
+    q, k, v = (jax.device_put(x, gpu) for x in _inputs(shape, getattr(jnp, dtname), seed=21))
+
+    def f(q, k, v):
+        return cfj.attention(q, k, v, causal=causal)
+
+    fwd = jax.jit(f)
+    assert "triton_kernel_call" in fwd.lower(q, k, v).as_text()
+    grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2), argnums=(0, 1, 2)))
+    out = jax.block_until_ready(fwd(q, k, v))
+    grads = jax.block_until_ready(grad(q, k, v))
+    with jax.transfer_guard("disallow"):
+        again = jax.block_until_ready(fwd(q, k, v))
+    cq, ck, cv = (cupy.from_dlpack(x) for x in (q, k, v))
+    want = cupy.asnumpy(cuflash.attention(cq, ck, cv, causal=causal))
+    np.testing.assert_array_equal(np.asarray(out), want)
+    np.testing.assert_array_equal(np.asarray(again), want)
+    monkeypatch.setenv("CUFLASH_JAX_KERNEL_CALL", "0")
+    want_grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2), argnums=(0, 1, 2)))(
+        q, k, v)
+    for g, w in zip(grads, want_grads):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 @pytest.mark.gpu

@@ -174,6 +174,24 @@ def test_racecheck_build_of_the_mla_kernel_compiles():
     assert "bar.arrive" in shipped["ptx"] and "bar.arrive" not in debug["ptx"]
 
 
+@pytest.mark.parametrize("family", ["fwd", "fwd_sm90", "fwd_tf32x3"])
+def test_forward_flat_entry_points_compile_with_their_parameters_one_by_one(family):
+    """The forwards' flat entry points (cuflash.jax's kernel calls: VariantParams' fields as separate parameters)
+    compile for the same targets as the launcher's entry points, with the same registers, and take 38 parameters:
+    q, k, v, out, lse, 4 sizes, 12 strides, the scale, and VariantParams' 16 fields."""
+    _nvrtc()
+    spec = next(s for s in _cuda.instantiations() if s.family == family)
+    names = [spec.name, spec.flat_name]
+    text = _cuda.compile_source_for_nvrtc(spec.source) + prelude_of(*names)
+    out = _cuda.compile.nvrtc_offline(text, names, spec.options, spec.targets[-1])
+    assert out["ok"], out["log"][-3000:]
+    regs = {r["fn"]: (r["regs"], r["stores"], r["loads"]) for r in parse_resources(out["log"])}
+    launcher, flat = (regs[out["lowered"][n]] for n in names)
+    assert flat == launcher and flat[1:] == (0, 0)
+    entry = out["ptx"][out["ptx"].index(".entry " + out["lowered"][spec.flat_name]):]
+    assert entry[:entry.index(")")].count(".param") == 38
+
+
 def test_instantiation_list_covers_the_tile_table_and_every_policy():
     specs = _cuda.instantiations()
     names = [spec.name for spec in specs]

@@ -1,14 +1,16 @@
 """cuflash.jax under ``jax.jit`` against cuflash.attention on CuPy, time per call side by side, on the GPU machine.
 
     PYTHONPATH=. python3 tools/jax_bench.py [--shapes 1x128x8x64,4x2048x16x128] [--dtype bfloat16] [--iters 200]
-                                            [--routes buffer,pure] [--no-causal] [--split]
+                                            [--routes buffer,kernel,pure] [--no-causal] [--split]
     PYTHONPATH=. python3 tools/jax_bench.py --cpu-profile [--shapes 1x512x16x64]       # no GPU needed
 
 Each row: one shape ``batch x seqlen x heads x head_dim`` (q, k, v alike), forward and forward + backward.
 Columns: cuflash.attention on the same memory as CuPy arrays (the front door and the kernels: the raw
 call), then ``jax.jit`` of cuflash.jax.attention by each callback route (``buffer``: XLA's buffers in place on
-XLA's stream; ``pure``: jax.pure_callback through host memory, the NumPy algorithm: slow, for comparison
-only, so left out by default), then the buffer route's overhead over the raw call. Time per call is the
+XLA's stream; ``kernel``: the buffer route with ``CUFLASH_JAX_KERNEL_CALL=1``, its planned forward launched by
+XLA through jaxlib's kernel call, no Python per call; ``pure``: jax.pure_callback through host memory, the NumPy
+algorithm: slow, for comparison only, so left out by default), then the buffer and kernel routes' overheads over the
+raw call. Time per call is the
 mean over ``--iters`` calls issued back to back with one synchronization at the end: on a launch-bound
 (small) shape it is the host's time per call, on a large one the kernels'. ``--split`` adds the time spent
 inside cuflash's callbacks per jitted call (its Python, the views of XLA's buffers, the launches): the rest of
@@ -162,7 +164,7 @@ def main(argv=None) -> None:
                         help="default 1x128x8x64,1x512x16x64,2x2048x16x128,4x4096x32x128 (--cpu-profile: the first two)")
     parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
     parser.add_argument("--iters", type=int, default=200)
-    parser.add_argument("--routes", default="buffer", help="comma-separated: buffer, pure")
+    parser.add_argument("--routes", default="buffer", help="comma-separated: buffer, kernel, pure")
     parser.add_argument("--no-causal", dest="causal", action="store_false")
     parser.add_argument("--split", action="store_true", help="also the time inside cuflash's callbacks per call")
     parser.add_argument("--cpu-profile", action="store_true",
@@ -189,9 +191,15 @@ def main(argv=None) -> None:
           f"causal={args.causal}; default route: {cfj.callback_route()}; microseconds per call")
     header = f"{'shape':20s} {'pass':8s} {'cupy':>10s}" + "".join(f" {'jit/' + r:>12s}" for r in routes)
     split = args.split and "buffer" in routes
-    print(header + (f" {'overhead':>10s}" if "buffer" in routes else "") + (f" {'callback':>10s}" if split else ""))
+    timed = [r for r in ("buffer", "kernel") if r in routes]  # (the routes whose overhead is printed)
+    print(header + "".join(f" {'over/' + r:>12s}" for r in timed) + (f" {'callback':>10s}" if split else ""))
     spent = time_callbacks(cfj) if split else None
     causal = args.causal
+    # JAX's own floor: a jitted function of one elementwise kernel on an array of the first shape
+    b, n, h, d = (int(x) for x in args.shapes.split(",")[0].split("x"))
+    x = jax.device_put(jnp.ones((b, n, h, d), dtype), gpu)
+    floor = jax.jit(lambda x: x * 2)
+    print(f"jit floor (one elementwise kernel, {b}x{n}x{h}x{d}): {per_call(lambda: floor(x), jax.block_until_ready, args.iters):.1f}")
     for text in args.shapes.split(","):
         b, n, h, d = (int(x) for x in text.split("x"))
         keys = jax.random.split(jax.random.key(0), 4)
@@ -211,20 +219,22 @@ def main(argv=None) -> None:
                  "fwd+bwd": [per_call(cupy_fwd_bwd, cu_sync, args.iters)]}
         inside = {}  # pass -> microseconds inside cuflash's callbacks per jitted call (buffer route, --split)
         for route in routes:
-            os.environ["CUFLASH_JAX_CALLBACK"] = route  # read when the functions below are traced
+            # (read when the functions below are traced)
+            os.environ["CUFLASH_JAX_CALLBACK"] = "buffer" if route == "kernel" else route
+            os.environ["CUFLASH_JAX_KERNEL_CALL"] = "1" if route == "kernel" else "0"
             fwd = jax.jit(lambda q, k, v: cfj.attention(q, k, v, causal=causal))
             fwd_bwd = jax.jit(lambda q, k, v, do: jax.vjp(lambda *a: cfj.attention(*a, causal=causal), q, k, v)[1](do))
-            iters = args.iters if route == "buffer" else max(1, args.iters // 20)
+            iters = args.iters if route != "pure" else max(1, args.iters // 20)
             watch = spent if route == "buffer" else None
             for what, fn in (("forward", lambda: fwd(q, k, v)), ("fwd+bwd", lambda: fwd_bwd(q, k, v, do))):
                 times[what].append(per_call(fn, jx_sync, iters, watch))
                 if watch is not None:
                     inside[what] = watch[0] / iters * 1e6
         os.environ.pop("CUFLASH_JAX_CALLBACK", None)
+        os.environ.pop("CUFLASH_JAX_KERNEL_CALL", None)
         for what, ts in times.items():
             line = f"{text:20s} {what:8s} {ts[0]:10.1f}" + "".join(f" {t:12.1f}" for t in ts[1:])
-            if "buffer" in routes:
-                line += f" {ts[1 + routes.index('buffer')] - ts[0]:+10.1f}"
+            line += "".join(f" {ts[1 + routes.index(r)] - ts[0]:+12.1f}" for r in timed)
             if split:
                 line += f" {inside[what]:10.1f}"
             print(line, flush=True)

@@ -481,11 +481,29 @@ class ForwardPlan(_Plan):
                 *strides(q), *strides(k), *strides(v), *_element_strides(self.out_shape), np.float32(scale * _LOG2E),
                 self._variant.params)
         self._launch = PackedLaunch(self._rt, spec, (cdiv(shp.max_q, spec.tile.block_m), shp.heads_q, shp.batch), args)
+        self._flat = (spec, (cdiv(shp.max_q, spec.tile.block_m), shp.heads_q, shp.batch), args[5:])
         vp = len(args) - 1
         self._write = self._launch.writer(tuple(self._launch.word(i) for i in range(5)))  # q, k, v, out, lse
         self._write_variant = None if self._variant.constant else self._launch.writer(
             tuple(self._launch.word(vp, offset) for offset in VARIANT_POINTER_FIELDS))
         self._lse_size = int(np.prod(self.lse_shape))
+
+    def flat_call(self):
+        """The planned launch for launchers that load the kernel themselves and pass its parameters one by one
+        (:mod:`cuflash.jax`'s kernel calls): ``(spec, grid, scalars)``, ``scalars`` the parameters after the five
+        arrays (q, k, v, out, lse) of the kernel's flat entry point as ``(dtype, value)`` pairs, dtype one of
+        ``"i32"``, ``"i64"``, ``"u64"``, ``"fp32"`` (VariantParams' fields one by one); None where a run writes
+        more than those five addresses (variant arrays, a device record) or the kernel has no flat entry point."""
+        spec, grid, rest = self._flat
+        if not self._variant.constant or spec.flat_name is None:
+            return None
+        kinds = {np.dtype(np.int32): "i32", np.dtype(np.int64): "i64", np.dtype(np.uint64): "u64",
+                 np.dtype(np.float32): "fp32"}
+        scalars = []
+        for value in rest:
+            fields = [value[name] for name in value.dtype.names] if isinstance(value, np.void) else [value]
+            scalars += [(kinds[np.dtype(type(f))], f.item()) for f in fields]
+        return spec, grid, tuple(scalars)
 
     def run(self, q, k, v, arrays: VariantArrays = VariantArrays(), stream: int | None = None, lse: bool = True,
             out=None, lse_out=None):

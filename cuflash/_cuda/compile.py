@@ -18,7 +18,8 @@ import numpy as np
 
 from .spec import KernelSpec, prelude_of
 
-__all__ = ["compile_source_for_nvrtc", "nvrtc_offline", "kernel", "device_info", "arch_class", "check_smem", "launch", "PackedLaunch"]
+__all__ = ["compile_source_for_nvrtc", "nvrtc_offline", "kernel", "flat_ptx", "device_info", "arch_class", "check_smem",
+           "launch", "PackedLaunch"]
 
 # Debug builds (docs/testing.md), read once, at import. CUFLASH_LINEINFO=1: line information, so that
 # compute-sanitizer and ncu name source lines. CUFLASH_RACECHECK=1: that, and the build racecheck can follow (a
@@ -147,6 +148,43 @@ def kernel(spec: KernelSpec):
             entry[0].max_dynamic_shared_size_bytes = smem
             entry[1] = smem
     return entry[0]
+
+
+_flat: dict = {}  # (spec name, compute capability) -> (PTX, lowered name)
+
+
+def flat_ptx(spec: KernelSpec, cc: int) -> tuple[str, str]:
+    """The PTX of ``spec``'s flat entry point (:attr:`.spec.KernelSpec.flat_name`) for compute capability ``cc``
+    (sm_90a for the wgmma kernels), and its lowered (mangled) name: for launchers that load the kernel themselves
+    from PTX and pass its parameters one by one (jaxlib's kernel call, :mod:`cuflash.jax`). NVRTC through CuPy's
+    bindings; cached per process."""
+    key = (spec.name, cc)
+    hit = _flat.get(key)
+    if hit is not None:
+        return hit
+    from cupy_backends.cuda.libs import nvrtc
+
+    name = spec.flat_name
+    if name is None:
+        raise ValueError(f"{spec.name} has no flat entry point")
+    options = [o for o in spec.options if not o.startswith("-arch=")]
+    arch = next((o.split("=sm_")[1] for o in spec.options if o.startswith("-arch=sm_")), str(cc))
+    text = _sources.get(spec.source)
+    if text is None:
+        text = _sources[spec.source] = compile_source_for_nvrtc(spec.source)
+    prog = nvrtc.createProgram(text + prelude_of(name), "cuflash.cu", [], [])
+    try:
+        # (CuPy's binding: addNameExpression; some versions spelled it addAddNameExpression)
+        (getattr(nvrtc, "addNameExpression", None) or nvrtc.addAddNameExpression)(prog, name)
+        try:
+            nvrtc.compileProgram(prog, [*options, *_DEBUG_OPTIONS, f"-arch=compute_{arch}"])
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"NVRTC failed for {name}:\n{nvrtc.getProgramLog(prog)[-4000:]}") from exc
+        ptx, lowered = nvrtc.getPTX(prog), nvrtc.getLoweredName(prog, name)  # (str, or bytes in some CuPy versions)
+        hit = _flat[key] = tuple(x.decode().rstrip("\0") if isinstance(x, bytes) else x for x in (ptx, lowered))
+    finally:
+        nvrtc.destroyProgram(prog)
+    return hit
 
 
 def launch(spec: KernelSpec, grid: tuple[int, ...], args: tuple) -> None:

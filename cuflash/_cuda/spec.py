@@ -425,6 +425,9 @@ class Family:
     bias_tiles: int = 0  # [variant bias tile] block_m x block_n bias tiles it stages for a staged bias (0: none)
     # blocks per SM the kernel is built for (its __launch_bounds__), where a staged bias must leave them room
     min_blocks: Callable[[int, Tile], int] = lambda d, t: 1
+    # the kernel's flat entry point (its VariantParams' fields as separate parameters: launchers that pass only
+    # pointers and scalars, cuflash.jax's kernel calls), or "" where it has none
+    flat_kernel: str = ""
 
 
 def _t16(s: "KernelSpec") -> str:  # <T, d, block_m, block_n, warps, stages, V>
@@ -494,16 +497,18 @@ FAMILIES: dict[str, Family] = {
     # FlashAttention-2 order, every variant.
     # (shared-memory rows of a multiple of 32 elements: a head dim of 16 * odd, [variant head dim], pads them)
     "fwd": Family("forward.cu", "flash_fwd_kernel", _t16,
-                  lambda d, t: 2 * (-(-d // 32) * 32) * (t.block_m + 2 * t.stages * t.block_n)),
+                  lambda d, t: 2 * (-(-d // 32) * 32) * (t.block_m + 2 * t.stages * t.block_n),
+                  flat_kernel="flash_fwd_flat_kernel"),
     "fwd_sm90": Family(
         "forward_sm90.cu", "flash_fwd_sm90_kernel", _t16,
         # + 1024: the kernel aligns its base to 1024 bytes; + 128: the mbarriers of the warp-specialized variant
         lambda d, t: 2 * d * (t.block_m + 2 * t.stages * t.block_n) + 1024 + 128, SM90A_OPTIONS, bias_tiles=2,
         # Sm90Config::kMinBlocks: two 8-warp blocks where S, O and P fit 128 registers (no producer warpgroup)
-        min_blocks=lambda d, t: 2 if t.warps == 8 and t.block_m == 16 * t.warps and t.block_n + d <= 128 else 1),
+        min_blocks=lambda d, t: 2 if t.warps == 8 and t.block_m == 16 * t.warps and t.block_n + d <= 128 else 1,
+        flat_kernel="flash_fwd_sm90_flat_kernel"),
     # The same kernel on float32 inputs, TF32 fragments (tf32_tiles.cuh): 3xTF32, or one TF32 product.
-    "fwd_tf32x3": Family("forward.cu", "flash_fwd_kernel", _t32, _tf32_smem),
-    "fwd_tf32": Family("forward.cu", "flash_fwd_kernel", _t32, _tf32_smem),
+    "fwd_tf32x3": Family("forward.cu", "flash_fwd_kernel", _t32, _tf32_smem, flat_kernel="flash_fwd_flat_kernel"),
+    "fwd_tf32": Family("forward.cu", "flash_fwd_kernel", _t32, _tf32_smem, flat_kernel="flash_fwd_flat_kernel"),
     "fwd_f32": Family(
         "forward.cu", "flash_fwd_f32_kernel", lambda s: f"{s.head_dim}, {s.tile.block_m}, {s.tile.block_n}, {s.variant}",
         lambda d, t: 4 * (t.block_n * (2 * d + 1) + t.block_m * d)),  # K (rows padded by one float), V; queries
@@ -616,6 +621,12 @@ class KernelSpec:
         """The NVRTC name expression."""
         args = self.fam.template(self)
         return f"cuflash::{self.fam.kernel}<{args}>" if args else f"cuflash::{self.fam.kernel}"
+
+    @property
+    def flat_name(self) -> str | None:
+        """The NVRTC name expression of the kernel's flat entry point (:attr:`Family.flat_kernel`), or None."""
+        args = self.fam.template(self)
+        return f"cuflash::{self.fam.flat_kernel}<{args}>" if self.fam.flat_kernel else None
 
     @property
     def options(self) -> tuple[str, ...]:
