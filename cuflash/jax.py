@@ -599,7 +599,12 @@ def _backward_op(options) -> _Op:
 
         return launch
 
-    return _Op(run, shapes, fold, plan)
+    def kernel(do, q, k, v, out, lse, bias, arrays):
+        if not BACKWARD_KERNEL_CALLS or not _capturable_forward(options, q, v, bias, arrays):
+            return None
+        return tuple(_bwd_kernel_call_p.bind(do, q, k, v, out, lse, options=options, arrays=_hashable(arrays)))
+
+    return _Op(run, shapes, fold, plan, kernel=kernel)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -701,6 +706,105 @@ def _triton_kernel(lib, name: str, num_warps: int, smem: int, ptx: str, cc: int)
 mlir.register_lowering(
     _kernel_call_p, mlir.lower_fun(_kernel_call_fallback, multiple_results=True))
 mlir.register_lowering(_kernel_call_p, _kernel_call_lowering, platform="cuda")
+
+# The backward: its launches (D, dK / dV with dQ accumulated, dQ's conversion, GQA's sums) as one kernel call each,
+# in order, threaded through XLA's buffers: every buffer a launch takes is an operand of its call, in the kernel's
+# parameter order, and the ones it writes (gradients, D, the float32 accumulators: created zeroed) are results
+# aliased to their operands, so each call updates them in place and the next one reads them.
+
+_SAVED = ("do", "q", "k", "v", "out", "lse")  # (the backward's inputs, by BackwardPlan's slot names)
+
+# Whether the kernel route takes the backward too. Off: its kernel calls are built and checked on the CPU (the
+# launches and parameters of cuflash.attention_backward on the same layouts) but have not run on a GPU yet.
+BACKWARD_KERNEL_CALLS = False
+
+_bwd_kernel_call_p = jax.extend.core.Primitive("cuflash_attention_backward_kernel_calls")
+_bwd_kernel_call_p.multiple_results = True
+
+
+@_bwd_kernel_call_p.def_abstract_eval
+def _bwd_kernel_call_abstract(do, q, k, v, out, lse, *, options, arrays):
+    return tuple(jax.core.ShapedArray(a.shape, a.dtype) for a in (q, k, v))
+
+
+def _bwd_kernel_call_fallback(do, q, k, v, out, lse, *, options, arrays):
+    """The same backward by the buffer callback (other platforms; calls the launcher does not plan flat)."""
+    op = _backward_op(options)
+    args = (do, q, k, v, out, lse, None, _restore(arrays))
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    shapes = op.shapes(*args)
+    return tuple(_buffer_callback(_BufferCall(op, tree, tuple(leaves), shapes), shapes,
+                                  vmap_method="sequential")(*leaves))
+
+
+def _bwd_kernel_call_lowering(ctx, *saved, options, arrays):
+    planned = _backward_kernel_calls(options, arrays, tuple(_shape_key(a) for a in ctx.avals_in))
+    if planned is None:
+        return mlir.lower_fun(_bwd_kernel_call_fallback, multiple_results=True)(ctx, *saved, options=options,
+                                                                               arrays=arrays)
+    calls, buffers = planned
+
+    def emit(*saved):
+        env = dict(zip(_SAVED, saved))
+        for slot, shape, dtype in buffers:
+            env[slot] = jax.numpy.zeros(shape, dtype)
+        for opaque, slots in calls:
+            written = tuple(slot for slot in slots if slot not in _SAVED)
+            results = jax.ffi.ffi_call(
+                _TRITON_TARGET, [jax.ShapeDtypeStruct(env[slot].shape, env[slot].dtype) for slot in written],
+                custom_call_api_version=2, legacy_backend_config=opaque,
+                input_output_aliases={slots.index(slot): i for i, slot in enumerate(written)},
+            )(*(env[slot] for slot in slots))
+            env.update(zip(written, results))
+        return env["dq"], env["dk"], env["dv"]
+
+    return mlir.lower_fun(emit, multiple_results=True)(ctx, *saved)
+
+
+@functools.lru_cache(maxsize=64)
+def _backward_kernel_calls(options, arrays, layouts):
+    """The planned backward of these layouts on the current CUDA device as jaxlib kernel calls: ``(calls,
+    buffers)``, ``calls`` the launches in order as ``(descriptor, slots)`` (the buffers each takes, in its
+    parameter order), ``buffers`` the ones made for it ``(slot, shape, dtype)`` (the gradients, D, the
+    accumulators); None where the launcher does not plan it flat."""
+    import zlib
+
+    import cupy
+    from jax._src.lib import gpu_triton
+
+    from cuflash._cuda import compile as cuda_compile
+
+    ordinal = cupy.cuda.runtime.getDevice()
+    do, q, k, v, out, lse = (_cupy_view(ordinal, 1 << 20, shape, np.dtype(dtype)) for shape, dtype in layouts)
+    checked = _planned_options(q, k, v, {**_keywords(options, _restore(arrays)), "bias": None},
+                               extra={"do": do, "out": out, "lse": lse})
+    if checked is None:
+        return None
+    planner, planned = checked
+    backward = planner.plan_backward(do, q, k, v, out, lse, **planned,
+                                     order=_validate.backward_order(None, dict(options)["deterministic"]))
+    flat = getattr(backward, "flat_calls", lambda: None)()
+    if flat is None:
+        return None
+    launches, workspace, _ = flat  # (every buffer starts zeroed: the zeroed ones included)
+    cc = cuda_compile.device_info()[0]
+    calls = []
+    for spec, name, grid, params in launches:
+        ptx, lowered = cuda_compile.flat_ptx(spec, cc, name)
+        kernel = _triton_kernel(gpu_triton, lowered, spec.threads // 32, spec.smem, ptx, cc)
+        made = [gpu_triton.create_array_parameter(0, 16) if kind == "buffer" else
+                gpu_triton.create_scalar_parameter(value, kind) for kind, value in params]
+        call = gpu_triton.TritonKernelCall(kernel, *grid, made)
+        calls.append((zlib.compress(call.to_proto("cuflash.attention_backward", b"")),
+                      tuple(value for kind, value in params if kind == "buffer")))
+    buffers = tuple((slot, tuple(a.shape), np.dtype(a.dtype).name) for slot, a in zip(("dq", "dk", "dv"), (q, k, v)))
+    buffers += tuple((slot, tuple(shape), "float32") for slot, shape in workspace.items())
+    return tuple(calls), buffers
+
+
+mlir.register_lowering(
+    _bwd_kernel_call_p, mlir.lower_fun(_bwd_kernel_call_fallback, multiple_results=True))
+mlir.register_lowering(_bwd_kernel_call_p, _bwd_kernel_call_lowering, platform="cuda")
 
 
 def _forward(q, k, v, bias, arrays, options):

@@ -156,16 +156,7 @@ __device__ __forceinline__ void warp_mma_ab_x2(float (&c)[2][kNT][4], const u16*
 // written); the next tile's cp.async is issued after the first barrier, into the buffer every warp has
 // finished with.
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V, bool Has_dQ>
-__global__ void __launch_bounds__(kNWarps * 32, 1)
-flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-                      const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-                      float* __restrict__ dq_accum, u16* __restrict__ dk, u16* __restrict__ dv,
-                      float* __restrict__ dkv_accum,
-                      int seqlen_q, int seqlen_k, int heads_q, int group, int interleave,
-                      i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
-                      i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
-                      i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
-                      float scale, const VariantParams vp) {
+__device__ __forceinline__ void flash_bwd_dkdv(CUFLASH_BWD_DKDV_PARAMS, const VariantParams vp) {
     constexpr int kThreads = kNWarps * 32;
     constexpr int kWN = kBlockN / 32;        // key groups of 32 rows (2 mma row tiles)
     static_assert(kBlockN % 32 == 0 && kNWarps % kWN == 0, "warps come in whole key groups");
@@ -460,16 +451,22 @@ flash_bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, cons
     }
 }
 
+// flash_bwd_dkdv's entry points: the launcher's (VariantParams by value) and the flat one (CUFLASH_VARIANT_FLAT_PARAMS)
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V, bool Has_dQ>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+flash_bwd_dkdv_kernel(CUFLASH_BWD_DKDV_PARAMS, const VariantParams vp) {
+    flash_bwd_dkdv<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, V, Has_dQ>(CUFLASH_BWD_DKDV_ARGS, vp);
+}
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V, bool Has_dQ>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+flash_bwd_dkdv_flat_kernel(CUFLASH_BWD_DKDV_PARAMS, CUFLASH_VARIANT_FLAT_PARAMS) {
+    flash_bwd_dkdv<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, V, Has_dQ>(CUFLASH_BWD_DKDV_ARGS,
+                                                                               CUFLASH_VARIANT_FLAT_ARGS);
+}
+
 // Deterministic dQ (order "split"): query tile outer, key tiles streamed, dQ in registers.
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V>
-__global__ void __launch_bounds__(kNWarps * 32)
-flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-                    const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-                    u16* __restrict__ dq,
-                    int seqlen_q, int seqlen_k, int heads_q, int group,
-                    i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
-                    i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
-                    i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale, const VariantParams vp) {
+__device__ __forceinline__ void flash_bwd_dq(CUFLASH_BWD_DQ_PARAMS, const VariantParams vp) {
     static_assert(kBlockM == 16 * kNWarps, "each warp owns 16 query rows");
     static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shape");
     static_assert(!V::Bias::kStaged, "reads the bias from global memory (the wgmma kernels stage it)");
@@ -622,6 +619,18 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
                 Elem<T>::pack(dq_acc[dt][2 * hh] * scale, dq_acc[dt][2 * hh + 1] * scale);
         }
     }
+}
+
+// flash_bwd_dq's entry points: the launcher's (VariantParams by value) and the flat one (CUFLASH_VARIANT_FLAT_PARAMS)
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V>
+__global__ void __launch_bounds__(kNWarps * 32)
+flash_bwd_dq_kernel(CUFLASH_BWD_DQ_PARAMS, const VariantParams vp) {
+    flash_bwd_dq<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, V>(CUFLASH_BWD_DQ_ARGS, vp);
+}
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V>
+__global__ void __launch_bounds__(kNWarps * 32)
+flash_bwd_dq_flat_kernel(CUFLASH_BWD_DQ_PARAMS, CUFLASH_VARIANT_FLAT_PARAMS) {
+    flash_bwd_dq<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, V>(CUFLASH_BWD_DQ_ARGS, CUFLASH_VARIANT_FLAT_ARGS);
 }
 
 // dQ = scale * dq_accum (float32, (batch, heads_q, seqlen_q, d)) cast to T with dq's strides; dq has the first

@@ -61,16 +61,7 @@ struct Sm90BwdConfig {
 // Template arguments as flash_bwd_dkdv_kernel's (the launcher's Tile): kBlockM streamed query rows (64),
 // kBlockN = 16 * kNWarps key rows (64 per warpgroup), kStages = 2 query buffers.
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V, bool Has_dQ>
-__global__ void __launch_bounds__(kNWarps * 32, 1)
-flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-                           const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-                           float* __restrict__ dq_accum, u16* __restrict__ dk, u16* __restrict__ dv,
-                           float* __restrict__ dkv_accum,
-                           int seqlen_q, int seqlen_k, int heads_q, int group, int interleave,
-                           i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
-                           i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
-                           i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
-                           float scale, const VariantParams vp) {
+__device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, const VariantParams vp) {
     using Cfg = Sm90BwdConfig<kHeadDim, kBlockM, kBlockN, kNWarps>;
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim: whole 64-column swizzle blocks, n = d <= 128");
     static_assert(kNWarps == 4 || kNWarps == 8, "one or two computing warpgroups");
@@ -380,6 +371,20 @@ flash_bwd_dkdv_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k,
             }
         }
     }
+}
+
+// flash_bwd_dkdv_sm90's entry points: the launcher's (VariantParams by value) and the flat one
+// (CUFLASH_VARIANT_FLAT_PARAMS)
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V, bool Has_dQ>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+flash_bwd_dkdv_sm90_kernel(CUFLASH_BWD_DKDV_PARAMS, const VariantParams vp) {
+    flash_bwd_dkdv_sm90<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, V, Has_dQ>(CUFLASH_BWD_DKDV_ARGS, vp);
+}
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V, bool Has_dQ>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+flash_bwd_dkdv_sm90_flat_kernel(CUFLASH_BWD_DKDV_PARAMS, CUFLASH_VARIANT_FLAT_PARAMS) {
+    flash_bwd_dkdv_sm90<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, V, Has_dQ>(CUFLASH_BWD_DKDV_ARGS,
+                                                                                    CUFLASH_VARIANT_FLAT_ARGS);
 }
 
 }  // namespace cuflash

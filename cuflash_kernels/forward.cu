@@ -49,7 +49,7 @@ template <> struct FwdMma<tf32> : Tf32FwdMma<1> {};
 template <> struct FwdMma<tf32x3> : Tf32FwdMma<3> {};
 
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V>
-__device__ __forceinline__ void flash_fwd(CUFLASH_FWD_PARAMS(typename FwdMma<T>::Storage), const VariantParams& vp) {
+__device__ __forceinline__ void flash_fwd(CUFLASH_FWD_PARAMS(typename FwdMma<T>::Storage), const VariantParams vp) {
     using Mma = FwdMma<T>;
     using E = typename Mma::Storage;
     static_assert(kBlockM % (16 * kNWarps) == 0, "each warp owns kMT x 16 query rows");

@@ -88,7 +88,7 @@ struct Sm90Config {
 // Template arguments as the launcher's tile table: kBlockM query rows (kBlockM / 64 computing
 // warpgroups), kBlockN key rows, kNWarps warps (see Sm90Config), kStages = 2 K/V buffers.
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V>
-__device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const VariantParams& vp) {
+__device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const VariantParams vp) {
     using Cfg = Sm90Config<kHeadDim, kBlockM, kBlockN, kNWarps>;
     constexpr bool kWS = Cfg::kWS;
     static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head dim: whole 64-column swizzle blocks, wgmma n <= 256");

@@ -86,7 +86,7 @@ struct VariantParams {
 };
 
 // The forward kernels' common parameters (their element type E): the tensors, the problem's sizes, the strides, the
-// scale; then a VariantParams. CUFLASH_VARIANT_FLAT_PARAMS: VariantParams' fields as separate parameters, in the
+// scale; then a VariantParams (CUFLASH_BWD_*: the backward's). CUFLASH_VARIANT_FLAT_PARAMS: VariantParams' fields as separate parameters, in the
 // struct's order, for the forwards' flat entry points (launchers that pass only pointers and scalars: jaxlib's kernel
 // call, cuflash.jax's "kernel" route); CUFLASH_VARIANT_FLAT_ARGS rebuilds the struct from them.
 #define CUFLASH_FWD_PARAMS(E)                                                                                  \
@@ -97,6 +97,27 @@ struct VariantParams {
 #define CUFLASH_FWD_ARGS                                                                                       \
     q, k, v, o, lse, seqlen_q, seqlen_k, heads_q, group, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, \
         o_sb, o_ss, o_sh, scale_log2
+// The backward's dK/dV kernels' and dQ kernel's common parameters, as CUFLASH_FWD_PARAMS.
+#define CUFLASH_BWD_DKDV_PARAMS                                                                                \
+    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,                          \
+        const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,           \
+        float* __restrict__ dq_accum, u16* __restrict__ dk, u16* __restrict__ dv, float* __restrict__ dkv_accum, \
+        int seqlen_q, int seqlen_k, int heads_q, int group, int interleave, i64 q_sb, i64 q_ss, i64 q_sh,      \
+        i64 k_sb, i64 k_ss, i64 k_sh, i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,          \
+        i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh, float scale
+#define CUFLASH_BWD_DKDV_ARGS                                                                                  \
+    q, k, v, dout, lse, delta, dq_accum, dk, dv, dkv_accum, seqlen_q, seqlen_k, heads_q, group, interleave,   \
+        q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, do_sb, do_ss, do_sh, dk_sb, dk_ss, dk_sh, dv_sb, \
+        dv_ss, dv_sh, scale
+#define CUFLASH_BWD_DQ_PARAMS                                                                                  \
+    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,                          \
+        const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,           \
+        u16* __restrict__ dq, int seqlen_q, int seqlen_k, int heads_q, int group, i64 q_sb, i64 q_ss,          \
+        i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh, i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh, \
+        i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale
+#define CUFLASH_BWD_DQ_ARGS                                                                                    \
+    q, k, v, dout, lse, delta, dq, seqlen_q, seqlen_k, heads_q, group, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh,    \
+        v_sb, v_ss, v_sh, do_sb, do_ss, do_sh, dq_sb, dq_ss, dq_sh, scale
 #define CUFLASH_VARIANT_FLAT_PARAMS                                                                            \
     const int *cu_seqlens_q, const int *cu_seqlens_k, const int *seqused_k, const float *alibi_slopes,         \
         i64 alibi_sb, int bottom_right, int window_left, int window_right, int band_lo, int band_hi,           \

@@ -575,6 +575,89 @@ def test_kernel_call_route_lowers_the_planned_forward_for_cuda(cuda_buffers, mon
     assert "triton_kernel_call" not in g.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
 
 
+@pytest.mark.parametrize("deterministic,heads_kv", [(False, 2), (True, 4)])
+def test_backward_kernel_calls_are_the_backward_s_launches(deterministic, heads_kv, cuda_buffers, monkeypatch):
+    """cuflash.jax.BACKWARD_KERNEL_CALLS: lowered for CUDA, a planned backward is one kernel call per launch of
+    cuflash.attention_backward on the same layouts, in order, with its kernel (the flat entry point where it takes a
+    VariantParams), grid and scalars; each call's operands are the buffers its kernel takes, in parameter order,
+    and the ones it writes are results aliased to them (GQA's sums and the deterministic dQ pass included)."""
+    import types
+
+    import cupy
+
+    import cuflash
+    from cuflash._cuda import compile as cuda_compile
+    from cuflash._cuda.spec import VARIANT_PARAMS_DTYPE
+
+    recorder, _, _ = cuda_buffers
+    made = []
+
+    class Kernel:
+        def __init__(self, *args):
+            self.name = args[0]
+
+    class Call:
+        def __init__(self, kernel, gx, gy, gz, params):
+            made.append((kernel.name, (gx, gy, gz), params))
+
+        def to_proto(self, name, metadata):
+            return str(len(made)).encode()
+
+    triton = types.SimpleNamespace(TritonKernel=Kernel, TritonKernelCall=Call,
+                                   create_array_parameter=lambda zero, align: ("array", zero, align),
+                                   create_scalar_parameter=lambda value, dtype: (dtype, value))
+    import jax._src.lib
+
+    monkeypatch.setattr(jax._src.lib, "gpu_triton", triton, raising=False)
+    monkeypatch.setattr(cuda_compile, "flat_ptx", lambda spec, cc, name=None: ("", name or spec.flat_name))
+    monkeypatch.setattr(cfj, "_cupy_view", lambda ordinal, ptr, shape, dtype: cupy.empty(shape, dtype))
+    monkeypatch.setattr(cfj, "_have_kernel_call", lambda: True)
+    monkeypatch.setattr(cfj, "BACKWARD_KERNEL_CALLS", True)
+    monkeypatch.setenv("CUFLASH_JAX_KERNEL_CALL", "1")
+    cfj._kernel_opaque.cache_clear()
+    cfj._backward_kernel_calls.cache_clear()
+    q, k, v = _inputs((2, 96, 160, 4, heads_kv, 64), jnp.bfloat16, seed=8)
+    do = jnp.ones_like(q)
+
+    def f(q, k, v):
+        return cfj.attention(q, k, v, causal=True, deterministic=deterministic)
+
+    step = jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))
+    text = step.trace(q, k, v, do).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call @triton_kernel_call" in line]
+    forward, *made = made  # (the forward's kernel call first)
+    assert "flash_fwd_sm90_flat_kernel<" in forward[0]
+    assert "xla_buffer_python" not in text and len(calls) == 1 + len(made)
+    # the launches cuflash.attention_backward makes on the same layouts (the stand-in records them)
+    cq, ck, cv, cdo = (cupy.asarray(np.asarray(x)) for x in (q, k, v, do))
+    out, lse = cuflash.attention(cq, ck, cv, causal=True, return_lse=True)
+    recorder.take()
+    cuflash.attention_backward(cdo, cq, ck, cv, out, lse, causal=True, deterministic=deterministic)
+    launches = [x for x in recorder.take() if len(x) == 6]
+    assert len(launches) == len(made) == 3 + (heads_kv < 4)
+    kinds = {"i32": np.int32, "i64": np.int64, "u64": np.uint64, "fp32": np.float32}
+    for (name, grid, params), (kernel, want_grid, _, _, _, args), line in zip(made, launches, calls[1:]):
+        assert want_grid == grid
+        assert name == (kernel.replace("_kernel<", "_flat_kernel<") if len(args[-1]) >= VARIANT_PARAMS_DTYPE.itemsize
+                        else kernel), (name, kernel)
+        assert len(params) == (len(args) - 1 + len(VARIANT_PARAMS_DTYPE.names) if "_flat_" in name else len(args))
+        has_vp = len(args[-1]) >= VARIANT_PARAMS_DTYPE.itemsize  # (the last argument a VariantParams)
+        got, want, i = [], [], 0
+        for param, arg in zip(params, args[:-1] if has_vp else args):
+            if param[0] == "array":
+                i += 1
+                continue
+            got.append(np.array(param[1], kinds[param[0]]).tobytes())
+            want.append(arg[:len(got[-1])])
+        if has_vp:  # its VariantParams, field by field
+            record = np.frombuffer(args[-1][:VARIANT_PARAMS_DTYPE.itemsize], VARIANT_PARAMS_DTYPE)[0]
+            got += [np.array(p[1], kinds[p[0]]).tobytes() for p in params[len(args) - 1:]]
+            want += [record[n].tobytes() for n in VARIANT_PARAMS_DTYPE.names]
+        assert got == want, name
+        operands = line[line.index("(") + 1:line.index(")")].count("%") if "()" not in line else 0
+        assert operands == i and "output_operand_aliases" in line
+
+
 @pytest.mark.parametrize("available", [True, False])
 def test_kernel_call_switch_is_read_from_the_environment(available, monkeypatch):
     monkeypatch.setattr(cfj, "_have_kernel_call", lambda: available)
@@ -858,6 +941,34 @@ def test_kernel_call_on_gpu_equals_cupy(shape, dtname, causal, monkeypatch):
         q, k, v)
     for g, w in zip(grads, want_grads):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic,heads_kv", [(True, 2), (False, 4)])
+def test_backward_kernel_calls_on_gpu_equal_the_buffer_route(deterministic, heads_kv, monkeypatch):
+    """cuflash.jax.BACKWARD_KERNEL_CALLS on the GPU: the compiled backward is jaxlib's kernel calls only (no
+    callback) and its gradients equal the buffer callback's: bit for bit in the deterministic order, within a bf16
+    step where dQ is accumulated atomically."""
+    gpu = _jax_gpu()
+    _buffer_route_or_skip()
+    monkeypatch.setattr(cfj, "BACKWARD_KERNEL_CALLS", True)
+    q, k, v = (jax.device_put(x, gpu) for x in _inputs((2, 200, 264, 8, heads_kv, 64), jnp.bfloat16, seed=23))
+
+    def grad():
+        f = lambda q, k, v: cfj.attention(q, k, v, causal=True, deterministic=deterministic)  # noqa: E731
+        return jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2), argnums=(0, 1, 2)))
+
+    by_kernel = grad()
+    text = by_kernel.lower(q, k, v).as_text()
+    assert "triton_kernel_call" in text and "xla_buffer_python" not in text
+    got = jax.block_until_ready(by_kernel(q, k, v))
+    monkeypatch.setattr(cfj, "BACKWARD_KERNEL_CALLS", False)
+    want = grad()(q, k, v)
+    for g, w in zip(got, want):
+        if deterministic:
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        else:
+            np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu

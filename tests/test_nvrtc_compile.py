@@ -174,11 +174,13 @@ def test_racecheck_build_of_the_mla_kernel_compiles():
     assert "bar.arrive" in shipped["ptx"] and "bar.arrive" not in debug["ptx"]
 
 
-@pytest.mark.parametrize("family", ["fwd", "fwd_sm90", "fwd_tf32x3"])
-def test_forward_flat_entry_points_compile_with_their_parameters_one_by_one(family):
-    """The forwards' flat entry points (cuflash.jax's kernel calls: VariantParams' fields as separate parameters)
-    compile for the same targets as the launcher's entry points, with the same registers, and take 38 parameters:
-    q, k, v, out, lse, 4 sizes, 12 strides, the scale, and VariantParams' 16 fields."""
+@pytest.mark.parametrize("family,count", [("fwd", 38), ("fwd_sm90", 38), ("fwd_tf32x3", 38), ("bwd_dkdv", 50),
+                                          ("bwd_dkdv_sm90", 50), ("bwd_dq", 43)])
+def test_flat_entry_points_compile_with_their_parameters_one_by_one(family, count):
+    """The flat entry points (cuflash.jax's kernel calls: VariantParams' fields as separate parameters) compile for
+    the same targets as the launcher's entry points, with the same registers, and take the launcher's parameters
+    with VariantParams' 16 fields in its place (the forward: q, k, v, out, lse, 4 sizes, 12 strides, the scale;
+    dK/dV: 10 buffers, 5 sizes, 18 strides, the scale; dQ: 7 buffers, 4 sizes, 15 strides, the scale)."""
     _nvrtc()
     spec = next(s for s in _cuda.instantiations() if s.family == family)
     names = [spec.name, spec.flat_name]
@@ -189,7 +191,7 @@ def test_forward_flat_entry_points_compile_with_their_parameters_one_by_one(fami
     launcher, flat = (regs[out["lowered"][n]] for n in names)
     assert flat == launcher and flat[1:] == (0, 0)
     entry = out["ptx"][out["ptx"].index(".entry " + out["lowered"][spec.flat_name]):]
-    assert entry[:entry.index(")")].count(".param") == 38
+    assert entry[:entry.index(")")].count(".param") == count
 
 
 def test_instantiation_list_covers_the_tile_table_and_every_policy():

@@ -497,13 +497,7 @@ class ForwardPlan(_Plan):
         spec, grid, rest = self._flat
         if not self._variant.constant or spec.flat_name is None:
             return None
-        kinds = {np.dtype(np.int32): "i32", np.dtype(np.int64): "i64", np.dtype(np.uint64): "u64",
-                 np.dtype(np.float32): "fp32"}
-        scalars = []
-        for value in rest:
-            fields = [value[name] for name in value.dtype.names] if isinstance(value, np.void) else [value]
-            scalars += [(kinds[np.dtype(type(f))], f.item()) for f in fields]
-        return spec, grid, tuple(scalars)
+        return spec, grid, tuple(p for value in rest for p in _scalar_params(value))
 
     def run(self, q, k, v, arrays: VariantArrays = VariantArrays(), stream: int | None = None, lse: bool = True,
             out=None, lse_out=None):
@@ -550,6 +544,17 @@ class ForwardPlan(_Plan):
         address."""
         sink = self._empty((count,), dtype=np.float32)
         return sink, sink.data.ptr
+
+
+_SCALAR_KINDS = {np.dtype(np.int32): "i32", np.dtype(np.int64): "i64", np.dtype(np.uint64): "u64",
+                 np.dtype(np.float32): "fp32"}
+
+
+def _scalar_params(value) -> list[tuple[str, int | float]]:
+    """A packed launch argument as flat-entry-point scalars ``(dtype, value)``: a NumPy scalar as itself, a
+    VariantParams field by field (:data:`.spec.VARIANT_PARAMS_DTYPE`'s order: CUFLASH_VARIANT_FLAT_PARAMS)."""
+    fields = [value[name] for name in value.dtype.names] if isinstance(value, np.void) else [value]
+    return [(_SCALAR_KINDS[f.dtype], f.item()) for f in fields]
 
 
 def launch_params(variant: Variant, scale: float, shp: Shape, spec=None, dbias=None, transposed=False,
@@ -758,9 +763,10 @@ class BackwardPlan(_Plan):
             variants.append(_VariantArgs(variant, scale, shp, launch_spec, transposed, head_dims))
             return variants[-1].params
 
-        self._steps = []
+        self._steps, flat = [], []
         for launch_spec, grid, args in _backward_launches(buffers, shp, d, dtype, spec, spec_q, np.float32(scale),
                                                           params, backward_interleave(variant, shp)):
+            flat.append((launch_spec, grid, args))
             launch = PackedLaunch(self._rt, launch_spec, grid,
                                   tuple(None if isinstance(a, _Layout) else a for a in args))
             words = tuple(launch.word(i) for i, a in enumerate(args) if isinstance(a, _Layout))
@@ -774,9 +780,45 @@ class BackwardPlan(_Plan):
                     words += tuple(launch.word(len(args) - 1, offset) for offset in VARIANT_POINTER_FIELDS)
             self._steps.append((launch, launch.writer(words), slots, variant_args))
         assert not variants
+        # (flat_calls: the launches, and the workspace's parts as buffers of their own: the accumulators zeroed)
+        constant = all(step[3] is None for step in self._steps) and not self._zero_grads_of(variant)
+        self._flat = (flat, {name: parts[name] for name in ("delta", "dq_accum", "dkv_accum") if parts[name]},
+                      {name for name, z in zeroed.items() if z}) if constant else None
         self.dtypes = (q.dtype, k.dtype, v.dtype)
         self.shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
-        self._zero_grads = variant.seqused_k is not None  # (dk, dv past a sequence's used keys: never written)
+        self._zero_grads = self._zero_grads_of(variant)
+
+    @staticmethod
+    def _zero_grads_of(variant: Variant) -> bool:
+        return variant.seqused_k is not None  # (dk, dv past a sequence's used keys: never written)
+
+    def flat_calls(self):
+        """The planned launches for launchers that load each kernel themselves and pass its parameters one by one
+        (:mod:`cuflash.jax`'s kernel calls): ``(calls, workspace, zeroed)``, or None where a run writes more than
+        buffer addresses (variant arrays, a device record), zeroes the gradients, or a kernel that takes a
+        VariantParams has no flat entry point. ``calls``: per launch, in order, ``(spec, name, grid, params)``, with
+        ``name`` the NVRTC name expression (the flat entry point where the kernel takes a VariantParams) and
+        ``params`` its parameters in order: ``("buffer", slot)`` (a name of :attr:`_SLOTS`) or ``(dtype, value)``
+        as :meth:`ForwardPlan.flat_call`'s (a null pointer ``("u64", 0)``). ``workspace``: the float32 buffers the
+        launches share besides the inputs and the gradients, ``{slot: shape}``; ``zeroed``: the slots to zero before
+        the first launch."""
+        if self._flat is None:
+            return None
+        steps, workspace, zeroed = self._flat
+        calls = []
+        for launch_spec, grid, args in steps:
+            has_vp = isinstance(args[-1], np.void)
+            name = launch_spec.flat_name if has_vp else launch_spec.name
+            if name is None:
+                return None
+            params = []
+            for a in args:
+                if isinstance(a, _Layout):
+                    params.append(("buffer", self._SLOTS[a.slot]))
+                else:
+                    params += _scalar_params(a)
+            calls.append((launch_spec, name, grid, tuple(params)))
+        return tuple(calls), workspace, zeroed
 
     def run(self, do, q, k, v, out, lse, arrays: VariantArrays = VariantArrays(), stream: int | None = None):
         """``(dq, dk, dv)``, or None when a 16-bit input's base address is not a multiple of 16 bytes (the caller

@@ -153,20 +153,21 @@ def kernel(spec: KernelSpec):
 _flat: dict = {}  # (spec name, compute capability) -> (PTX, lowered name)
 
 
-def flat_ptx(spec: KernelSpec, cc: int) -> tuple[str, str]:
-    """The PTX of ``spec``'s flat entry point (:attr:`.spec.KernelSpec.flat_name`) for compute capability ``cc``
-    (sm_90a for the wgmma kernels), and its lowered (mangled) name: for launchers that load the kernel themselves
-    from PTX and pass its parameters one by one (jaxlib's kernel call, :mod:`cuflash.jax`). NVRTC through CuPy's
-    bindings; cached per process."""
-    key = (spec.name, cc)
+def flat_ptx(spec: KernelSpec, cc: int, name: str | None = None) -> tuple[str, str]:
+    """The PTX of ``spec``'s flat entry point (:attr:`.spec.KernelSpec.flat_name`; ``name``: that or another
+    name expression of the spec's source, such as the spec's own for kernels without a VariantParams) for compute
+    capability ``cc`` (sm_90a for the wgmma kernels), and its lowered (mangled) name: for launchers that load the
+    kernel themselves from PTX and pass its parameters one by one (jaxlib's kernel call, :mod:`cuflash.jax`). NVRTC
+    through CuPy's bindings; cached per process."""
+    name = name or spec.flat_name
+    if name is None:
+        raise ValueError(f"{spec.name} has no flat entry point")
+    key = (name, cc)
     hit = _flat.get(key)
     if hit is not None:
         return hit
     from cupy_backends.cuda.libs import nvrtc
 
-    name = spec.flat_name
-    if name is None:
-        raise ValueError(f"{spec.name} has no flat entry point")
     options = [o for o in spec.options if not o.startswith("-arch=")]
     arch = next((o.split("=sm_")[1] for o in spec.options if o.startswith("-arch=sm_")), str(cc))
     text = _sources.get(spec.source)

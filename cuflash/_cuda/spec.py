@@ -512,16 +512,18 @@ FAMILIES: dict[str, Family] = {
     "fwd_f32": Family(
         "forward.cu", "flash_fwd_f32_kernel", lambda s: f"{s.head_dim}, {s.tile.block_m}, {s.tile.block_n}, {s.variant}",
         lambda d, t: 4 * (t.block_n * (2 * d + 1) + t.block_m * d)),  # K (rows padded by one float), V; queries
-    "bwd_dkdv": Family("backward.cu", "flash_bwd_dkdv_kernel", lambda s: f"{_t16(s)}, {_b(s.has_dq)}", _dkdv_smem),
+    "bwd_dkdv": Family("backward.cu", "flash_bwd_dkdv_kernel", lambda s: f"{_t16(s)}, {_b(s.has_dq)}", _dkdv_smem,
+                       flat_kernel="flash_bwd_dkdv_flat_kernel"),
     "bwd_dkdv_sm90": Family(
         "backward_sm90.cu", "flash_bwd_dkdv_sm90_kernel", lambda s: f"{_t16(s)}, {_b(s.has_dq)}",
         # Sm90BwdConfig::kSmemBytes: K, V; 2 x (Q, dO); dS^T (16-bit); 2 x (lse, D) float32; + 1024 alignment
         lambda d, t: 2 * (2 * t.block_n * d + 4 * t.block_m * d + t.block_n * t.block_m) + 16 * t.block_m + 1024,
-        SM90A_OPTIONS, bias_tiles=2),
+        SM90A_OPTIONS, bias_tiles=2, flat_kernel="flash_bwd_dkdv_sm90_flat_kernel"),
     "bwd_dkdv_f32": Family(
         "backward.cu", "flash_bwd_dkdv_f32_kernel",
         lambda s: f"{s.head_dim}, {s.tile.block_n}, {s.variant}, {_b(s.has_dq)}", _bwd_f32_smem),
-    "bwd_dq": Family("backward.cu", "flash_bwd_dq_kernel", _t16, lambda d, t: 2 * d * (2 * t.block_m + 2 * t.stages * t.block_n)),
+    "bwd_dq": Family("backward.cu", "flash_bwd_dq_kernel", _t16, lambda d, t: 2 * d * (2 * t.block_m + 2 * t.stages * t.block_n),
+                     flat_kernel="flash_bwd_dq_flat_kernel"),
     "bwd_dq_f32": Family(
         "backward.cu", "flash_bwd_dq_f32_kernel", lambda s: f"{s.head_dim}, {s.variant}", _no_smem, threads=128),
     # Small kernels of the backward (no variant: they see rows only).
