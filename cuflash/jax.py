@@ -42,6 +42,7 @@ import functools
 import importlib.util
 import math
 import os
+import warnings
 from typing import Callable, NamedTuple
 
 import jax
@@ -651,8 +652,22 @@ def _kernel_call_fallback(q, k, v, *, options, arrays, out, lse):
     return tuple(_buffer_callback(call, shapes, vmap_method="sequential")(*leaves))
 
 
+def _built(make, *key):
+    """``make(*key)`` (a kernel call's planning and descriptors), or None (the buffer callback) where it fails while
+    the kernel calls are on by default (``auto``): a jaxlib whose kernel call differs from the ones this was written
+    for, or a compile that fails, must not break a user's function. With ``CUFLASH_JAX_KERNEL_CALL=1``, it raises."""
+    try:
+        return make(*key)
+    except Exception as exc:
+        if os.environ.get(_KERNEL_ENV) == "1":
+            raise
+        warnings.warn(f"cuflash.jax: the kernel call could not be built ({type(exc).__name__}: {exc}); the call runs "
+                      f"by the buffer callback ({_KERNEL_ENV}=0 uses it throughout)", RuntimeWarning, stacklevel=2)
+        return None
+
+
 def _kernel_call_lowering(ctx, q, k, v, *, options, arrays, out, lse):
-    opaque = _kernel_opaque(options, arrays, tuple(_shape_key(a) for a in ctx.avals_in))
+    opaque = _built(_kernel_opaque, options, arrays, tuple(_shape_key(a) for a in ctx.avals_in))
     if opaque is None:
         return mlir.lower_fun(_kernel_call_fallback, multiple_results=True)(
             ctx, q, k, v, options=options, arrays=arrays, out=out, lse=lse)
@@ -738,7 +753,7 @@ def _bwd_kernel_call_fallback(do, q, k, v, out, lse, *, options, arrays):
 
 
 def _bwd_kernel_call_lowering(ctx, *saved, options, arrays):
-    planned = _backward_kernel_calls(options, arrays, tuple(_shape_key(a) for a in ctx.avals_in))
+    planned = _built(_backward_kernel_calls, options, arrays, tuple(_shape_key(a) for a in ctx.avals_in))
     if planned is None:
         return mlir.lower_fun(_bwd_kernel_call_fallback, multiple_results=True)(ctx, *saved, options=options,
                                                                                arrays=arrays)

@@ -658,6 +658,30 @@ def test_backward_kernel_calls_are_the_backward_s_launches(deterministic, heads_
         assert operands == i and "output_operand_aliases" in line
 
 
+@pytest.mark.parametrize("mode", ["auto", "1"])
+def test_a_kernel_call_that_cannot_be_built_falls_back_to_the_callback(mode, monkeypatch):
+    """Where the kernel call cannot be built (here: a jaxlib whose TritonKernel takes other arguments), the default
+    mode warns and lowers the call to the buffer callback; CUFLASH_JAX_KERNEL_CALL=1 raises."""
+    def broken(*key):
+        raise TypeError("__init__(): incompatible function arguments")
+
+    monkeypatch.setattr(cfj, "_have_kernel_call", lambda: True)
+    monkeypatch.setattr(cfj, "_kernel_opaque", broken)
+    monkeypatch.setenv("CUFLASH_JAX_KERNEL_CALL", mode)
+    monkeypatch.setenv("CUFLASH_JAX_CALLBACK", "buffer")
+    if cfj._buffer_callback is None:
+        pytest.skip(f"JAX {jax.__version__} has no jax.experimental.buffer_callback")
+    q, k, v = _inputs((1, 64, 64, 2, 2, 64), jnp.float16)
+    lowered = jax.jit(lambda q, k, v: cfj.attention(q, k, v)).trace(q, k, v)
+    if mode == "1":
+        with pytest.raises(TypeError, match="incompatible function arguments"):
+            lowered.lower(lowering_platforms=("cuda",))
+        return
+    with pytest.warns(RuntimeWarning, match="the kernel call could not be built .TypeError: __init__"):
+        text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert "xla_buffer_python_gpu_callback" in text and "triton_kernel_call" not in text
+
+
 @pytest.mark.parametrize("available", [True, False])
 def test_kernel_call_switch_is_read_from_the_environment(available, monkeypatch):
     monkeypatch.setattr(cfj, "_have_kernel_call", lambda: available)
