@@ -167,6 +167,8 @@ def main(argv=None) -> None:
     parser.add_argument("--routes", default="buffer", help="comma-separated: buffer, kernel, pure")
     parser.add_argument("--no-causal", dest="causal", action="store_false")
     parser.add_argument("--split", action="store_true", help="also the time inside cuflash's callbacks per call")
+    parser.add_argument("--backward-kernel-calls", action="store_true",
+                        help="the kernel route takes the backward too (cuflash.jax.BACKWARD_KERNEL_CALLS)")
     parser.add_argument("--cpu-profile", action="store_true",
                         help="no GPU: Python calls and copies inside the callbacks, on JAX's CPU with a stand-in CuPy")
     args = parser.parse_args(argv)
@@ -182,6 +184,7 @@ def main(argv=None) -> None:
     import cuflash
     import cuflash.jax as cfj
 
+    cfj.BACKWARD_KERNEL_CALLS = args.backward_kernel_calls
     gpu = next((d for d in jax.devices() if d.platform == "gpu"), None)
     if gpu is None:
         raise SystemExit(f"no JAX GPU device (JAX {jax.__version__}, backend {jax.default_backend()})")
