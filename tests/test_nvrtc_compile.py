@@ -124,11 +124,16 @@ def _known_spill(row, names: dict[str, str]) -> bool:
 
 
 def assert_compiles_without_spills(nvrtc, text, names, options, arch, label):
-    """Compile ``names`` from ``text``; fail on a compile error, a missing resource line or any spill
-    (beyond the bounded KNOWN_SPILLS)."""
+    """Compile ``names`` from ``text``; fail on a compile error, wgmma serialized by ptxas, a missing resource line or
+    any spill (beyond the bounded KNOWN_SPILLS)."""
     out = _cuda.compile.nvrtc_offline(text, names, options, arch)
     ok, log = out["ok"], out["log"]
     assert ok, f"NVRTC failed for {label}:\n{log[-6000:]}"
+    # ptxas serializes wgmma where it cannot prove an accumulator untouched while a product is in flight (warnings
+    # C7510 and up, "Potential Performance Loss: wgmma.mma_async instructions are serialized"): a kernel that
+    # compiles but runs its products one by one
+    serialized = [line for line in log.splitlines() if "wgmma.mma_async instructions are serialized" in line]
+    assert not serialized, f"{label}: ptxas serialized wgmma:\n" + "\n".join(serialized[:4])
     rows = parse_resources(log)
     assert len(rows) >= len(names), f"expected a resource line per kernel; log:\n{log[-3000:]}"
     by_mangled = {mangled: name for name, mangled in out["lowered"].items()}
