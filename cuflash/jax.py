@@ -678,12 +678,7 @@ def _kernel_call_lowering(ctx, q, k, v, *, options, arrays, out, lse):
 def _kernel_opaque(options, arrays, layouts) -> bytes | None:
     """jaxlib's kernel-call descriptor (a zlib-compressed TritonAnyKernelCall) of the planned forward of these
     layouts on the current CUDA device, or None where the launcher does not plan the call as one flat launch."""
-    import zlib
-
     import cupy
-    from jax._src.lib import gpu_triton
-
-    from cuflash._cuda import compile as cuda_compile
 
     ordinal = cupy.cuda.runtime.getDevice()
     # stand-in views of the layouts at an aligned address that is never read: the plan needs shapes, dtypes and
@@ -695,13 +690,27 @@ def _kernel_opaque(options, arrays, layouts) -> bytes | None:
     if flat is None:
         return None
     spec, grid, scalars = flat
+    # q, k, v (the call's operands), out, lse (its results): XLA's buffers in that order
+    return _descriptor(spec, spec.flat_name, grid, [("buffer", None)] * 5 + list(scalars), "cuflash.attention")
+
+
+def _descriptor(spec, name: str, grid, params, label: str) -> bytes:
+    """jaxlib's kernel-call descriptor (a zlib-compressed TritonAnyKernelCall) of one launch: the kernel ``name`` of
+    ``spec``'s source (its PTX for the current device), ``grid``, and ``params`` in the kernel's order, each
+    ``("buffer", _)`` (the call's next buffer: its operands, then its results) or ``(dtype, value)``."""
+    import zlib
+
+    from jax._src.lib import gpu_triton
+
+    from cuflash._cuda import compile as cuda_compile
+
     cc = cuda_compile.device_info()[0]
-    ptx, name = cuda_compile.flat_ptx(spec, cc)
-    kernel = _triton_kernel(gpu_triton, name, spec.threads // 32, spec.smem, ptx, cc)
-    params = [gpu_triton.create_array_parameter(0, 16) for _ in range(5)]  # q, k, v (operands), out, lse (results)
-    params += [gpu_triton.create_scalar_parameter(value, dtype) for dtype, value in scalars]
-    call = gpu_triton.TritonKernelCall(kernel, *grid, params)
-    return zlib.compress(call.to_proto("cuflash.attention forward", b""))
+    ptx, lowered = cuda_compile.flat_ptx(spec, cc, name)
+    kernel = _triton_kernel(gpu_triton, lowered, spec.threads // 32, spec.smem, ptx, cc)
+    made = [gpu_triton.create_array_parameter(0, 16) if kind == "buffer" else
+            gpu_triton.create_scalar_parameter(value, kind) for kind, value in params]
+    call = gpu_triton.TritonKernelCall(kernel, *grid, made)
+    return zlib.compress(call.to_proto(label, b""))
 
 
 def _triton_kernel(lib, name: str, num_warps: int, smem: int, ptx: str, cc: int):
@@ -782,12 +791,7 @@ def _backward_kernel_calls(options, arrays, layouts):
     buffers)``, ``calls`` the launches in order as ``(descriptor, slots)`` (the buffers each takes, in its
     parameter order), ``buffers`` the ones made for it ``(slot, shape, dtype)`` (the gradients, D, the
     accumulators); None where the launcher does not plan it flat."""
-    import zlib
-
     import cupy
-    from jax._src.lib import gpu_triton
-
-    from cuflash._cuda import compile as cuda_compile
 
     ordinal = cupy.cuda.runtime.getDevice()
     do, q, k, v, out, lse = (_cupy_view(ordinal, 1 << 20, shape, np.dtype(dtype)) for shape, dtype in layouts)
@@ -802,16 +806,8 @@ def _backward_kernel_calls(options, arrays, layouts):
     if flat is None:
         return None
     launches, workspace, _ = flat  # (every buffer starts zeroed: the zeroed ones included)
-    cc = cuda_compile.device_info()[0]
-    calls = []
-    for spec, name, grid, params in launches:
-        ptx, lowered = cuda_compile.flat_ptx(spec, cc, name)
-        kernel = _triton_kernel(gpu_triton, lowered, spec.threads // 32, spec.smem, ptx, cc)
-        made = [gpu_triton.create_array_parameter(0, 16) if kind == "buffer" else
-                gpu_triton.create_scalar_parameter(value, kind) for kind, value in params]
-        call = gpu_triton.TritonKernelCall(kernel, *grid, made)
-        calls.append((zlib.compress(call.to_proto("cuflash.attention_backward", b"")),
-                      tuple(value for kind, value in params if kind == "buffer")))
+    calls = [(_descriptor(spec, name, grid, params, "cuflash.attention_backward"),
+              tuple(value for kind, value in params if kind == "buffer")) for spec, name, grid, params in launches]
     buffers = tuple((slot, tuple(a.shape), np.dtype(a.dtype).name) for slot, a in zip(("dq", "dk", "dv"), (q, k, v)))
     buffers += tuple((slot, tuple(shape), "float32") for slot, shape in workspace.items())
     return tuple(calls), buffers

@@ -540,7 +540,7 @@ def test_kernel_call_route_lowers_the_planned_forward_for_cuda(cuda_buffers, mon
     import jax._src.lib
 
     monkeypatch.setattr(jax._src.lib, "gpu_triton", triton, raising=False)
-    monkeypatch.setattr(cuda_compile, "flat_ptx", lambda spec, cc: (f"// {spec.flat_name}", "_Z4flat"))
+    monkeypatch.setattr(cuda_compile, "flat_ptx", lambda spec, cc, name=None: (f"// {name}", "_Z4flat"))
     monkeypatch.setattr(cfj, "_cupy_view", lambda ordinal, ptr, shape, dtype: cupy.empty(shape, dtype))
     monkeypatch.setattr(cfj, "_have_kernel_call", lambda: True)
     monkeypatch.setenv("CUFLASH_JAX_KERNEL_CALL", "1")
