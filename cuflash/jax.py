@@ -609,13 +609,13 @@ def _backward_op(options) -> _Op:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Kernel calls (CUFLASH_JAX_KERNEL_CALL=1): the planned forward lowered, for CUDA, to jaxlib's kernel call (the
-# custom call jax-triton uses): XLA loads the kernel's flat entry point from its PTX (NVRTC's, compiled by jaxlib for
-# the device) and launches it on its stream with the parameters written into the call when the function was
-# compiled (the layouts, the scale, the grid; the five arrays are XLA's buffers). No Python runs per call. Planned
-# when the call is lowered for CUDA (the front door's checks and plan on stand-in views of the layouts); where the
-# launcher does not plan it as one flat launch, and for every other platform, the call lowers to the buffer
-# callback instead.
+# Kernel calls (kernel_calls_enabled(): on by default where jaxlib has them): the planned forward lowered, for
+# CUDA, to jaxlib's kernel call (the custom call jax-triton uses): XLA loads the kernel's flat entry point from its
+# PTX (NVRTC's, compiled by jaxlib for the device) and launches it on its stream with the parameters written into
+# the call when the function was compiled (the layouts, the scale, the grid; the five arrays are XLA's buffers). No
+# Python runs per call. Planned when the call is lowered for CUDA (the front door's checks and plan on stand-in views
+# of the layouts); where the launcher does not plan it as one flat launch, and for every other platform, the call
+# lowers to the buffer callback instead.
 
 _TRITON_TARGET = "triton_kernel_call"  # (jaxlib registers it with its CUDA plugin: gpu_triton)
 
