@@ -58,7 +58,7 @@ try:
 except ImportError:  # a JAX without it: jax.pure_callback only
     _buffer_callback = None
 
-__all__ = ["attention", "callback_route", "command_buffer_enabled", "kernel_calls_enabled"]
+__all__ = ["attention", "attention_with_kvcache", "callback_route", "command_buffer_enabled", "kernel_calls_enabled"]
 
 # CUFLASH_JAX_CALLBACK: "auto" (the default: "buffer" where JAX has it, else "pure"), "buffer" or "pure".
 _ROUTE_ENV = "CUFLASH_JAX_CALLBACK"
@@ -911,3 +911,162 @@ def attention(
     if isinstance(window_size, list):  # static under jit: hashable
         options = tuple((key, tuple(val) if key == "window_size" else val) for key, val in options)
     return _attention(q, k, v, bias, arrays, options)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Decoding with a KV cache. JAX arrays are immutable: the call returns the caches with the new tokens appended, as
+# results aliased to the cache arguments (input_output_aliases), so that XLA updates them in place where the caller
+# donates them (jax.jit(..., donate_argnums=...)) and copies them first where it does not.
+
+_KV_ARRAYS = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "rotary_cos", "rotary_sin", "cache_batch_idx",
+              "cache_leftpad", "block_table", "alibi_slopes")
+
+
+def attention_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    *,
+    cache_seqlens,
+    rotary_cos=None,
+    rotary_sin=None,
+    rotary_interleaved: bool = True,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes=None,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    num_splits: int = 0,
+):
+    """:func:`cuflash.attention_with_kvcache` for JAX arrays: ``(out, k_cache, v_cache)``, or ``(out, lse, k_cache,
+    v_cache)`` with ``return_lse``, the caches returned with ``k`` and ``v`` appended.
+
+    The arguments and their meaning are :func:`cuflash.attention_with_kvcache`'s (flash-attention's
+    ``flash_attn_with_kvcache``). JAX arrays cannot change in place: the updated caches are results, aliased to the
+    cache arguments, so under ``jax.jit`` with the caches donated (``donate_argnums``) XLA appends into the same
+    buffers, and otherwise copies the caches first (the arguments keep their values). The call runs as
+    :func:`attention`'s callback does (``callback_route()``): on a GPU the CUDA decode kernels on XLA's buffers and
+    stream, on the CPU the NumPy reference. Shapes and dtypes are checked when the call is traced; index values
+    (``cache_seqlens``, ``block_table``, ...) when it runs, as cuflash.attention_with_kvcache checks them. Not
+    differentiable; no ``jax.vmap`` (a decode step has its batch axis already).
+    """
+    given = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                 cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
+                 alibi_slopes=alibi_slopes)
+    for name in ("q", "k_cache", "v_cache"):
+        if not hasattr(given[name], "shape"):
+            got = "None" if given[name] is None else f"{type(given[name]).__module__}.{type(given[name]).__name__}"
+            raise TypeError(f"cuflash.jax.attention_with_kvcache: {name} must be an array (a jax.Array, or a "
+                            f"numpy.ndarray); got {got}")
+    if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = np.full((np.shape(q)[0],), int(cache_seqlens), np.int32)  # (checked as the array it becomes)
+    given["cache_seqlens"] = cache_seqlens
+    names = tuple(name for name in _KV_ARRAYS if given[name] is not None)
+    arrays = tuple(jax.numpy.asarray(given[name]) for name in names)
+    if isinstance(window_size, list):
+        window_size = tuple(window_size)
+    options = (("rotary_interleaved", rotary_interleaved), ("causal", causal), ("window_size", window_size),
+               ("softcap", softcap), ("softmax_scale", softmax_scale), ("num_splits", num_splits))
+    _check_kvcache(names, arrays, options)
+    out, lse, k_new_cache, v_new_cache = _kvcache_function(names, options)(*arrays)
+    return (out, lse, k_new_cache, v_new_cache) if return_lse else (out, k_new_cache, v_new_cache)
+
+
+def _check_kvcache(names, arrays, options) -> None:
+    """cuflash.attention_with_kvcache's checks of shapes, dtypes and options, on NumPy stand-ins of the arrays (their
+    values are read when the call runs)."""
+    _validate_kvcache_shapes(dict(zip(names, (_stand_in(a) for a in arrays))), options)
+
+
+def _validate_kvcache_shapes(stand: dict, options) -> None:
+    opts = dict(options)
+    is_causal, _ = _validate.causal_options(opts["causal"], "bottom-right")
+    local = _validate.window_size(opts["window_size"]) != (None, None)
+    problem, _ = _validate.kvcache(
+        stand["q"], stand["k_cache"], stand["v_cache"], stand.get("k"), stand.get("v"),
+        cache_seqlens=stand["cache_seqlens"], rotary_cos=stand.get("rotary_cos"), rotary_sin=stand.get("rotary_sin"),
+        rotary_interleaved=opts["rotary_interleaved"], cache_batch_idx=stand.get("cache_batch_idx"),
+        cache_leftpad=stand.get("cache_leftpad"), block_table=stand.get("block_table"),
+        num_splits=opts["num_splits"], rotary_consecutive_q=is_causal or local, xp=np, read_values=False)
+    _validate.softmax_scale(opts["softmax_scale"], problem.head_dim)
+    _validate.variant(problem, np, dict(
+        causal=opts["causal"], causal_align="bottom-right", window_size=opts["window_size"], softcap=opts["softcap"],
+        alibi_slopes=stand.get("alibi_slopes"), cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, bias=None,
+        attn_mask=None))
+
+
+@functools.lru_cache(maxsize=64)
+def _kvcache_function(names: tuple, options: tuple):
+    """The jitted decode step of these arguments and options: ``(out, lse, k_cache, v_cache)``."""
+
+    def step(*arrays):
+        given = dict(zip(names, arrays))
+        q, v_cache = given["q"], given["v_cache"]
+        batch, seqlen_q, heads_q, _ = q.shape
+        lse_dtype = np.float64 if q.dtype == np.float64 else np.float32
+        shapes = (jax.ShapeDtypeStruct((batch, seqlen_q, heads_q, v_cache.shape[-1]), q.dtype),
+                  jax.ShapeDtypeStruct((batch, heads_q, seqlen_q), lse_dtype),
+                  _shape_of(given["k_cache"]), _shape_of(v_cache))
+        aliases = {names.index("k_cache"): 2, names.index("v_cache"): 3}
+        if callback_route() == "buffer":
+            return tuple(_buffer_callback(functools.partial(_kvcache_buffers, names, options), shapes,
+                                          input_output_aliases=aliases)(*arrays))
+        return tuple(jax.pure_callback(functools.partial(_kvcache_host, names, options), shapes, *arrays))
+
+    return jax.jit(step)
+
+
+def _kvcache_run(names, options, arrays, k_cache, v_cache):
+    """cuflash.attention_with_kvcache on NumPy or CuPy arrays, appending into ``k_cache`` and ``v_cache``."""
+    given = dict(zip(names, arrays))
+    given["k_cache"], given["v_cache"] = k_cache, v_cache
+    kwargs = {name: given[name] for name in names if name not in ("q", "k_cache", "v_cache", "k", "v")}
+    return cuflash.attention_with_kvcache(given["q"], k_cache, v_cache, given.get("k"), given.get("v"),
+                                         return_lse=True, **kwargs, **dict(options))
+
+
+def _kvcache_host(names, options, *arrays):
+    """The pure-callback body: NumPy copies of the caches, appended to and returned."""
+    arrays = [np.asarray(a) for a in arrays]
+    k_cache = np.array(arrays[names.index("k_cache")])
+    v_cache = np.array(arrays[names.index("v_cache")])
+    out, lse = _kvcache_run(names, options, arrays, k_cache, v_cache)
+    return out, lse, k_cache, v_cache
+
+
+def _kvcache_buffers(names, options, ctx, outs, *bufs) -> None:
+    """The buffer-callback body: the cache results (aliased to the cache arguments: XLA has put the caches'
+    values there) appended to in place, out and lse written into their buffers. On a GPU, CuPy views of XLA's
+    buffers on XLA's stream; on the CPU, NumPy views."""
+    kind, ordinal = bufs[0].__dlpack_device__()
+    if kind == _KDL_CPU:
+        arrays = [np.asarray(b) for b in bufs]
+        results = [np.asarray(o) for o in outs]
+        out, lse = _kvcache_run(names, options, arrays, results[2], results[3])
+        results[0][...], results[1][...] = out, lse
+        return
+    import cupy
+
+    key = (ordinal, ctx.stream)
+    stream = _streams.get(key)
+    if stream is None:
+        stream = _streams[key] = cupy.cuda.ExternalStream(ctx.stream)
+    with cupy.cuda.Device(ordinal), stream:
+        arrays = [_cupy_view(ordinal, _buffer_ptr(b), tuple(b.shape), np.dtype(b.dtype)) for b in bufs]
+        results = [_cupy_view(ordinal, _buffer_ptr(o), tuple(o.shape), np.dtype(o.dtype)) for o in outs]
+        out, lse = _kvcache_run(names, options, arrays, results[2], results[3])
+        _write(results[0], out)
+        _write(results[1], lse)
+
+
+def _buffer_ptr(buf) -> int:
+    try:
+        return buf.__cuda_array_interface__["data"][0]
+    except Exception:  # (a dtype without a type string)
+        return _dlpack_ptr(buf)

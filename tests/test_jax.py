@@ -1228,3 +1228,105 @@ def test_command_buffer_overhead_is_printed(monkeypatch):
     for shape, name, t_cupy, same, alternating in rows:
         print(f"  {str(shape):28s} {name:3s} cupy {t_cupy:9.1f}  same inputs {same:9.1f} ({same - t_cupy:+8.1f})  "
               f"alternating {alternating:9.1f} ({alternating - t_cupy:+8.1f})")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Decoding with a KV cache: the caches returned appended to, the arguments unchanged
+# ---------------------------------------------------------------------------------------------------
+
+
+def _kv_inputs(paged: bool, seed=0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    b, hkv, hq, d, new = 2, 2, 4, 32, 3
+    shape = (8, 16, hkv, d) if paged else (b, 64, hkv, d)
+    kc, vc = (rng.standard_normal(shape).astype(dtype) for _ in range(2))
+    q = rng.standard_normal((b, 2, hq, d)).astype(dtype)
+    k, v = (rng.standard_normal((b, new, hkv, d)).astype(dtype) for _ in range(2))
+    table = rng.permutation(8).astype(np.int32).reshape(2, 4) if paged else None
+    return q, kc, vc, k, v, table
+
+
+@pytest.mark.parametrize("route", ["buffer", "pure"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_returns_what_the_numpy_call_computes_and_writes(route, paged, monkeypatch):
+    """cuflash.jax.attention_with_kvcache: out, lse and the appended caches equal cuflash.attention_with_kvcache's on
+    NumPy copies (GQA, causal, two query tokens, a paged cache with shuffled pages, an int cache_seqlens), by both
+    callback routes; the cache arguments keep their values."""
+    import cuflash
+
+    if route == "buffer" and cfj._buffer_callback is None:
+        pytest.skip(f"JAX {jax.__version__} has no jax.experimental.buffer_callback")
+    monkeypatch.setenv("CUFLASH_JAX_CALLBACK", route)
+    q, kc, vc, k, v, table = _kv_inputs(paged)
+    lens = 20 if paged else np.array([10, 40], np.int32)
+    want_k, want_v = kc.copy(), vc.copy()
+    want, want_lse = cuflash.attention_with_kvcache(q, want_k, want_v, k, v, cache_seqlens=lens, block_table=table,
+                                                    causal=True, return_lse=True)
+    jkc, jvc = jnp.asarray(kc), jnp.asarray(vc)
+    out, lse, new_k, new_v = cfj.attention_with_kvcache(
+        jnp.asarray(q), jkc, jvc, jnp.asarray(k), jnp.asarray(v), cache_seqlens=lens,
+        block_table=None if table is None else jnp.asarray(table), causal=True, return_lse=True)
+    np.testing.assert_array_equal(np.asarray(out), want)
+    np.testing.assert_array_equal(np.asarray(lse), want_lse)
+    np.testing.assert_array_equal(np.asarray(new_k), want_k)
+    np.testing.assert_array_equal(np.asarray(new_v), want_v)
+    assert not np.array_equal(want_k, kc)  # (the append changed the cache)
+    np.testing.assert_array_equal(np.asarray(jkc), kc)  # (the argument did not)
+    np.testing.assert_array_equal(np.asarray(jvc), vc)
+
+
+def test_kvcache_decode_loop_under_jit_with_donated_caches():
+    """A jitted decode step with the caches donated, run step after step: each step's out equals the NumPy call's
+    on caches appended to in place the same way, and the returned caches carry the appends forward."""
+    import cuflash
+
+    q, kc, vc, k, v, _ = _kv_inputs(False, seed=3)
+    step = jax.jit(lambda q, kc, vc, k, v, lens: cfj.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens,
+                                                                            causal=True),
+                   donate_argnums=(1, 2))
+    jkc, jvc = jnp.asarray(kc), jnp.asarray(vc)
+    lens = np.array([5, 9], np.int32)
+    for i in range(3):
+        qi, ki, vi = (x + i for x in (q, k, v))
+        want = cuflash.attention_with_kvcache(qi, kc, vc, ki, vi, cache_seqlens=lens, causal=True)
+        out, jkc, jvc = step(jnp.asarray(qi), jkc, jvc, jnp.asarray(ki), jnp.asarray(vi), jnp.asarray(lens))
+        np.testing.assert_array_equal(np.asarray(out), want)
+        lens = lens + k.shape[1]
+    np.testing.assert_array_equal(np.asarray(jkc), kc)
+    np.testing.assert_array_equal(np.asarray(jvc), vc)
+
+
+def test_kvcache_shapes_are_checked_when_traced():
+    """A mistake visible in shapes or dtypes raises when the function is traced, naming the argument."""
+    q, kc, vc, k, v, _ = _kv_inputs(False)
+    f = jax.jit(lambda q, kc, vc: cfj.attention_with_kvcache(q, kc, vc, cache_seqlens=4))
+    with pytest.raises(TypeError, match="v_cache"):
+        f.trace(jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc, jnp.float16))
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        cfj.attention_with_kvcache(jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc),
+                                   cache_seqlens=jnp.zeros((3,), jnp.int32))
+    with pytest.raises(TypeError, match="k_cache must be an array"):
+        cfj.attention_with_kvcache(jnp.asarray(q), None, jnp.asarray(vc), cache_seqlens=4)
+
+
+@pytest.mark.gpu
+def test_kvcache_on_gpu_equals_cupy():
+    """On the GPU (the decode kernels on XLA's buffers, the caches aliased): out, lse and the appended caches equal
+    cuflash.attention_with_kvcache on CuPy copies, bit for bit (bfloat16, a paged cache)."""
+    import cupy
+
+    import cuflash
+
+    gpu = _jax_gpu()
+    _buffer_route_or_skip()
+    import ml_dtypes
+
+    q, kc, vc, k, v, table = _kv_inputs(True, seed=5, dtype=ml_dtypes.bfloat16)
+    cq, ckc, cvc, ck, cv, ctable = (cupy.asarray(x) for x in (q, kc, vc, k, v, table))
+    want, want_lse = cuflash.attention_with_kvcache(cq, ckc, cvc, ck, cv, cache_seqlens=20, block_table=ctable,
+                                                    causal=True, return_lse=True)
+    args = [jax.device_put(jnp.asarray(x), gpu) for x in (q, kc, vc, k, v, table)]
+    out, lse, new_k, new_v = jax.jit(lambda q, kc, vc, k, v, t: cfj.attention_with_kvcache(
+        q, kc, vc, k, v, cache_seqlens=20, block_table=t, causal=True, return_lse=True))(*args)
+    for got, w in ((out, want), (lse, want_lse), (new_k, ckc), (new_v, cvc)):
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), cupy.asnumpy(w).view(np.uint8))
