@@ -10,7 +10,7 @@ graph break) and, for ``flash_attn_with_kvcache``, :func:`cuflash.torch.attentio
 operator ``cuflash::attention_with_kvcache``, which appends to the caches in place). CUDA tensors run the CUDA
 kernels, CPU tensors the NumPy reference: nothing to compile at install time.
 
-Differences from flash-attention, all documented in ``docs/integrations.md``:
+Differences from flash-attention, all documented in ``docs/flash-attn.md``:
 
 - ``return_attn_probs=True`` returns ``(out, softmax_lse, None)``: cuflash does not build ``S_dmask`` (the
   probabilities with the dropout pattern in their sign, "for testing only" in flash-attention, which also

@@ -94,7 +94,7 @@ def command_buffer_enabled() -> bool:
     ``command_buffer_compatible`` (``CUFLASH_JAX_COMMAND_BUFFER=1``; read when a function is traced). XLA then
     records the callback's launch into a command buffer (a CUDA graph) by stream capture and replays it while the
     addresses of the buffers it uses stay the same, re-recording (calling the callback again) when one changes
-    (docs/integrations.md, JAX). Off by default: not yet verified on a GPU."""
+    (docs/jax.md). Off by default: not yet verified on a GPU."""
     want = os.environ.get(_GRAPH_ENV, "0")
     if want not in ("0", "1", ""):
         raise ValueError(f"{_GRAPH_ENV} must be '0' or '1'; got {want!r}")

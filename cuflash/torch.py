@@ -7,14 +7,14 @@ tensors as CuPy arrays over their memory (the kernels). A CUDA call runs on PyTo
 allocation the CuPy launcher makes during it (outputs, workspaces) comes from PyTorch's caching allocator:
 there is no second memory pool, the results are tensors over that memory, and a ``torch.cuda.CUDAGraph``
 captures the calls (what a replay could not repeat, such as dropout's seed, is refused under capture: see
-``docs/integrations.md``). The forward saves the logsumexp; the backward runs :func:`cuflash.attention_backward`.
+``docs/pytorch.md``). The forward saves the logsumexp; the backward runs :func:`cuflash.attention_backward`.
 Importing :mod:`cuflash` never imports this module, so PyTorch stays an optional dependency
 (``pip install cuflash[torch]``).
 
 The operators have fake (meta) implementations, which give the outputs' shapes and dtypes, and the
 forward's gradient is registered with ``torch.library.register_autograd``: ``torch.compile(fn,
 fullgraph=True)`` traces a function that calls :func:`attention` with no graph break, and
-``torch.library.opcheck`` passes on them (``docs/integrations.md``). They can be called directly as
+``torch.library.opcheck`` passes on them (``docs/pytorch.md``). They can be called directly as
 ``torch.ops.cuflash.attention_fwd`` and ``torch.ops.cuflash.attention_bwd``; their schemas are the
 keywords of :func:`cuflash.attention` in an operator's types (``window_size`` as ``window_left`` and
 ``window_right``, ``mod_arrays`` as a list of tensors and ``mod_array_names`` joined by commas, the dropout
