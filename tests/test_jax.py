@@ -1309,6 +1309,31 @@ def test_kvcache_shapes_are_checked_when_traced():
         cfj.attention_with_kvcache(jnp.asarray(q), None, jnp.asarray(vc), cache_seqlens=4)
 
 
+def test_kvcache_buffer_route_appends_into_xla_s_cache_results(cuda_buffers):
+    """The buffer route's GPU side (the stand-in CuPy records the decode launch; XLA's CPU buffers presented as CUDA
+    ones): the decode kernels read q, k, v from XLA's argument buffers and write the appended caches into XLA's
+    cache results (aliased to the cache arguments), on XLA's stream."""
+    import ml_dtypes
+
+    from cuflash._cuda.decode import DECODE_PARAMS_DTYPE
+
+    recorder, seen, _ = cuda_buffers
+    q, kc, vc, k, v, table = _kv_inputs(True, seed=2, dtype=ml_dtypes.bfloat16)
+    args = [jnp.asarray(x) for x in (q, kc, vc, k, v, table)]
+    f = jax.jit(lambda q, kc, vc, k, v, t: cfj.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=20,
+                                                                      block_table=t, causal=True))
+    recorder.take()
+    jax.block_until_ready(f(*args))
+    (ins, outs), = seen[-1:]
+    launches = [x for x in recorder.take() if len(x) == 6]
+    assert launches and all(stream == _XLA_STREAM for (_, _, _, _, stream, _) in launches)
+    record = np.frombuffer(launches[-1][5][0][:DECODE_PARAMS_DTYPE.itemsize], DECODE_PARAMS_DTYPE)[0]
+    names = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "block_table")
+    address = dict(zip(names, ins))
+    assert record["q"] == address["q"] and record["k_new"] == address["k"] and record["v_new"] == address["v"]
+    assert (record["k_cache"], record["v_cache"]) == (outs[2], outs[3])  # (the cache results: aliased)
+
+
 @pytest.mark.gpu
 def test_kvcache_on_gpu_equals_cupy():
     """On the GPU (the decode kernels on XLA's buffers, the caches aliased): out, lse and the appended caches equal
