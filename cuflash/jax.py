@@ -1022,13 +1022,14 @@ def _kvcache_function(names: tuple, options: tuple):
     return jax.jit(step)
 
 
-def _kvcache_run(names, options, arrays, k_cache, v_cache):
-    """cuflash.attention_with_kvcache on NumPy or CuPy arrays, appending into ``k_cache`` and ``v_cache``."""
+def _kvcache_run(names, options, arrays, k_cache, v_cache, out=None):
+    """cuflash.attention_with_kvcache on NumPy or CuPy arrays, appending into ``k_cache`` and ``v_cache`` (and
+    writing into ``out`` where given)."""
     given = dict(zip(names, arrays))
     given["k_cache"], given["v_cache"] = k_cache, v_cache
     kwargs = {name: given[name] for name in names if name not in ("q", "k_cache", "v_cache", "k", "v")}
     return cuflash.attention_with_kvcache(given["q"], k_cache, v_cache, given.get("k"), given.get("v"),
-                                         return_lse=True, **kwargs, **dict(options))
+                                         return_lse=True, out=out, **kwargs, **dict(options))
 
 
 def _kvcache_host(names, options, *arrays):
@@ -1048,8 +1049,8 @@ def _kvcache_buffers(names, options, ctx, outs, *bufs) -> None:
     if kind == _KDL_CPU:
         arrays = [np.asarray(b) for b in bufs]
         results = [np.asarray(o) for o in outs]
-        out, lse = _kvcache_run(names, options, arrays, results[2], results[3])
-        results[0][...], results[1][...] = out, lse
+        _, lse = _kvcache_run(names, options, arrays, results[2], results[3], out=results[0])
+        results[1][...] = lse
         return
     import cupy
 
@@ -1060,8 +1061,7 @@ def _kvcache_buffers(names, options, ctx, outs, *bufs) -> None:
     with cupy.cuda.Device(ordinal), stream:
         arrays = [_cupy_view(ordinal, _buffer_ptr(b), tuple(b.shape), np.dtype(b.dtype)) for b in bufs]
         results = [_cupy_view(ordinal, _buffer_ptr(o), tuple(o.shape), np.dtype(o.dtype)) for o in outs]
-        out, lse = _kvcache_run(names, options, arrays, results[2], results[3])
-        _write(results[0], out)
+        _, lse = _kvcache_run(names, options, arrays, results[2], results[3], out=results[0])
         _write(results[1], lse)
 
 

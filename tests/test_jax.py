@@ -1312,7 +1312,7 @@ def test_kvcache_shapes_are_checked_when_traced():
 def test_kvcache_buffer_route_appends_into_xla_s_cache_results(cuda_buffers):
     """The buffer route's GPU side (the stand-in CuPy records the decode launch; XLA's CPU buffers presented as CUDA
     ones): the decode kernels read q, k, v from XLA's argument buffers and write the appended caches into XLA's
-    cache results (aliased to the cache arguments), on XLA's stream."""
+    cache results (aliased to the cache arguments) and out into its out buffer, on XLA's stream."""
     import ml_dtypes
 
     from cuflash._cuda.decode import DECODE_PARAMS_DTYPE
@@ -1332,6 +1332,7 @@ def test_kvcache_buffer_route_appends_into_xla_s_cache_results(cuda_buffers):
     address = dict(zip(names, ins))
     assert record["q"] == address["q"] and record["k_new"] == address["k"] and record["v_new"] == address["v"]
     assert (record["k_cache"], record["v_cache"]) == (outs[2], outs[3])  # (the cache results: aliased)
+    assert record["out"] == outs[0]  # (out written in place: no copy)
 
 
 @pytest.mark.gpu
