@@ -930,9 +930,10 @@ def _kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_si
 
 def _kvcache_call(q, k_cache, v_cache, k, v, *, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved,
                   cache_batch_idx, cache_leftpad, block_table, causal, window_size, softcap, alibi_slopes,
-                  softmax_scale, num_splits, out):
+                  softmax_scale, num_splits, out, read_values: bool | None = None):
     """Every check of a decode call, and its normalized form: ``(library, problem, cache, scale, variant)`` with the
-    split count chosen (:func:`_plan_kvcache`)."""
+    split count chosen (:func:`_plan_kvcache`). ``read_values``: whether the index arrays' values are checked (None:
+    NumPy's always, CuPy's in the debug mode; False: by shape and dtype only, as for stand-ins of traced arrays)."""
     given = {"q": q, "k_cache": k_cache, "v_cache": v_cache}  # required: None is named by check_same_library
     given.update((name, a) for name, a in (
         ("k", k), ("v", v), ("rotary_cos", rotary_cos),
@@ -953,7 +954,7 @@ def _kvcache_call(q, k_cache, v_cache, k, v, *, cache_seqlens, rotary_cos, rotar
         q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
         rotary_interleaved=rotary_interleaved, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
         block_table=block_table, num_splits=num_splits, rotary_consecutive_q=is_causal or local, xp=xp,
-        read_values=library == "numpy" or _validate.device_value_checks(),
+        read_values=(library == "numpy" or _validate.device_value_checks()) if read_values is None else read_values,
     )
     scale = _validate.softmax_scale(softmax_scale, problem.head_dim)
     variant = _validate.variant(problem, xp, variant_options)

@@ -194,12 +194,17 @@ def _callback(op: _Op, *args):
             results = op.kernel(*args)
             if results is not None:
                 return results
-        leaves, tree = jax.tree_util.tree_flatten(args)  # (None leaves drop out: the callback gets arrays only)
-        graph = command_buffer_enabled() and op.capturable(*args)
-        call = _BufferCall(op, tree, tuple(leaves), shapes, graph)
-        extra = {"command_buffer_compatible": True} if graph else {}
-        return tuple(_buffer_callback(call, shapes, vmap_method="sequential", **extra)(*leaves))
+        return _buffer_route(op, args, graph=command_buffer_enabled() and op.capturable(*args))
     return tuple(jax.pure_callback(_host(op.run), shapes, *args, vmap_method="sequential"))
+
+
+def _buffer_route(op: _Op, args: tuple, graph: bool = False) -> tuple:
+    """``op`` on ``args`` as a buffer callback (``graph``: marked command-buffer compatible)."""
+    leaves, tree = jax.tree_util.tree_flatten(args)  # (None leaves drop out: the callback gets arrays only)
+    shapes = op.shapes(*args)
+    call = _BufferCall(op, tree, tuple(leaves), shapes, graph)
+    extra = {"command_buffer_compatible": True} if graph else {}
+    return tuple(_buffer_callback(call, shapes, vmap_method="sequential", **extra)(*leaves))
 
 
 def _host(fn):
@@ -262,18 +267,12 @@ class _GpuCall:
         self._op, self._tree, self._layouts, self._ordinal = op, tree, layouts, ordinal
         self._graph = graph  # (marked command_buffer_compatible: under stream capture, the plan's launch only)
         self._device = cupy.cuda.Device  # (a new one per run: a Device keeps the device it replaced until it is left)
-        key = (ordinal, stream)
-        self._stream = _streams.get(key)
-        if self._stream is None:
-            self._stream = _streams[key] = cupy.cuda.ExternalStream(stream)
+        self._stream = _xla_stream(ordinal, stream)
         self._views = tuple({} for _ in layouts)
         self._planned = _UNPLANNED
 
     def _view(self, slot: int, buf):
-        try:
-            ptr = buf.__cuda_array_interface__["data"][0]
-        except Exception:  # (a dtype without a type string)
-            ptr = _dlpack_ptr(buf)
+        ptr = _buffer_ptr(buf)
         views = self._views[slot]
         view = views.get(ptr)
         if view is None:
@@ -314,6 +313,25 @@ def _capturing(stream: int) -> bool:
         return bool(query(stream)) if query is not None else False
     except Exception:
         return False
+
+
+def _xla_stream(ordinal: int, stream: int):
+    """A CuPy view of XLA's CUDA stream ``stream`` on device ``ordinal`` (kept: XLA's streams live long)."""
+    import cupy
+
+    key = (ordinal, stream)
+    view = _streams.get(key)
+    if view is None:
+        view = _streams[key] = cupy.cuda.ExternalStream(stream)
+    return view
+
+
+def _buffer_ptr(buf) -> int:
+    """The device address of an XLA FFI buffer on a GPU."""
+    try:
+        return buf.__cuda_array_interface__["data"][0]
+    except Exception:  # (a dtype without a type string)
+        return _dlpack_ptr(buf)
 
 
 def _dlpack_ptr(buf) -> int:
@@ -645,11 +663,7 @@ def _kernel_call_abstract(q, k, v, *, options, arrays, out, lse):
 
 def _kernel_call_fallback(q, k, v, *, options, arrays, out, lse):
     """The same call by the buffer callback (other platforms; calls the launcher does not plan as one flat launch)."""
-    op = _forward_op(options)
-    leaves, tree = jax.tree_util.tree_flatten((q, k, v, None, _restore(arrays)))
-    shapes = op.shapes(q, k, v, None, _restore(arrays))
-    call = _BufferCall(op, tree, tuple(leaves), shapes)
-    return tuple(_buffer_callback(call, shapes, vmap_method="sequential")(*leaves))
+    return _buffer_route(_forward_op(options), (q, k, v, None, _restore(arrays)))
 
 
 def _built(make, *key):
@@ -753,12 +767,7 @@ def _bwd_kernel_call_abstract(do, q, k, v, out, lse, *, options, arrays):
 
 def _bwd_kernel_call_fallback(do, q, k, v, out, lse, *, options, arrays):
     """The same backward by the buffer callback (other platforms; calls the launcher does not plan flat)."""
-    op = _backward_op(options)
-    args = (do, q, k, v, out, lse, None, _restore(arrays))
-    leaves, tree = jax.tree_util.tree_flatten(args)
-    shapes = op.shapes(*args)
-    return tuple(_buffer_callback(_BufferCall(op, tree, tuple(leaves), shapes), shapes,
-                                  vmap_method="sequential")(*leaves))
+    return _buffer_route(_backward_op(options), (do, q, k, v, out, lse, None, _restore(arrays)))
 
 
 def _bwd_kernel_call_lowering(ctx, *saved, options, arrays):
@@ -805,7 +814,7 @@ def _backward_kernel_calls(options, arrays, layouts):
     flat = getattr(backward, "flat_calls", lambda: None)()
     if flat is None:
         return None
-    launches, workspace, _ = flat  # (every buffer starts zeroed: the zeroed ones included)
+    launches, workspace = flat  # (every buffer starts zeroed: the accumulators must)
     calls = [(_descriptor(spec, name, grid, params, "cuflash.attention_backward"),
               tuple(value for kind, value in params if kind == "buffer")) for spec, name, grid, params in launches]
     buffers = tuple((slot, tuple(a.shape), np.dtype(a.dtype).name) for slot, a in zip(("dq", "dk", "dv"), (q, k, v)))
@@ -981,24 +990,11 @@ def attention_with_kvcache(
 def _check_kvcache(names, arrays, options) -> None:
     """cuflash.attention_with_kvcache's checks of shapes, dtypes and options, on NumPy stand-ins of the arrays (their
     values are read when the call runs)."""
-    _validate_kvcache_shapes(dict(zip(names, (_stand_in(a) for a in arrays))), options)
-
-
-def _validate_kvcache_shapes(stand: dict, options) -> None:
-    opts = dict(options)
-    is_causal, _ = _validate.causal_options(opts["causal"], "bottom-right")
-    local = _validate.window_size(opts["window_size"]) != (None, None)
-    problem, _ = _validate.kvcache(
+    stand = dict(zip(names, (_stand_in(a) for a in arrays)))
+    _api._kvcache_call(
         stand["q"], stand["k_cache"], stand["v_cache"], stand.get("k"), stand.get("v"),
-        cache_seqlens=stand["cache_seqlens"], rotary_cos=stand.get("rotary_cos"), rotary_sin=stand.get("rotary_sin"),
-        rotary_interleaved=opts["rotary_interleaved"], cache_batch_idx=stand.get("cache_batch_idx"),
-        cache_leftpad=stand.get("cache_leftpad"), block_table=stand.get("block_table"),
-        num_splits=opts["num_splits"], rotary_consecutive_q=is_causal or local, xp=np, read_values=False)
-    _validate.softmax_scale(opts["softmax_scale"], problem.head_dim)
-    _validate.variant(problem, np, dict(
-        causal=opts["causal"], causal_align="bottom-right", window_size=opts["window_size"], softcap=opts["softcap"],
-        alibi_slopes=stand.get("alibi_slopes"), cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, bias=None,
-        attn_mask=None))
+        cache_seqlens=stand["cache_seqlens"], **{name: stand.get(name) for name in _KV_ARRAYS[6:]}, out=None,
+        read_values=False, **dict(options))
 
 
 @functools.lru_cache(maxsize=64)
@@ -1054,19 +1050,10 @@ def _kvcache_buffers(names, options, ctx, outs, *bufs) -> None:
         return
     import cupy
 
-    key = (ordinal, ctx.stream)
-    stream = _streams.get(key)
-    if stream is None:
-        stream = _streams[key] = cupy.cuda.ExternalStream(ctx.stream)
-    with cupy.cuda.Device(ordinal), stream:
+    with cupy.cuda.Device(ordinal), _xla_stream(ordinal, ctx.stream):
         arrays = [_cupy_view(ordinal, _buffer_ptr(b), tuple(b.shape), np.dtype(b.dtype)) for b in bufs]
         results = [_cupy_view(ordinal, _buffer_ptr(o), tuple(o.shape), np.dtype(o.dtype)) for o in outs]
         _, lse = _kvcache_run(names, options, arrays, results[2], results[3], out=results[0])
         _write(results[1], lse)
 
 
-def _buffer_ptr(buf) -> int:
-    try:
-        return buf.__cuda_array_interface__["data"][0]
-    except Exception:  # (a dtype without a type string)
-        return _dlpack_ptr(buf)

@@ -780,31 +780,27 @@ class BackwardPlan(_Plan):
                     words += tuple(launch.word(len(args) - 1, offset) for offset in VARIANT_POINTER_FIELDS)
             self._steps.append((launch, launch.writer(words), slots, variant_args))
         assert not variants
-        # (flat_calls: the launches, and the workspace's parts as buffers of their own: the accumulators zeroed)
-        constant = all(step[3] is None for step in self._steps) and not self._zero_grads_of(variant)
-        self._flat = (flat, {name: parts[name] for name in ("delta", "dq_accum", "dkv_accum") if parts[name]},
-                      {name for name, z in zeroed.items() if z}) if constant else None
         self.dtypes = (q.dtype, k.dtype, v.dtype)
         self.shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
-        self._zero_grads = self._zero_grads_of(variant)
-
-    @staticmethod
-    def _zero_grads_of(variant: Variant) -> bool:
-        return variant.seqused_k is not None  # (dk, dv past a sequence's used keys: never written)
+        self._zero_grads = variant.seqused_k is not None  # (dk, dv past a sequence's used keys: never written)
+        # (flat_calls: the launches, and the workspace's parts as buffers of their own)
+        constant = all(step[3] is None for step in self._steps) and not self._zero_grads
+        self._flat = (flat, {name: parts[name] for name in ("delta", "dq_accum", "dkv_accum") if parts[name]}
+                      ) if constant else None
 
     def flat_calls(self):
         """The planned launches for launchers that load each kernel themselves and pass its parameters one by one
-        (:mod:`cuflash.jax`'s kernel calls): ``(calls, workspace, zeroed)``, or None where a run writes more than
+        (:mod:`cuflash.jax`'s kernel calls): ``(calls, workspace)``, or None where a run writes more than
         buffer addresses (variant arrays, a device record), zeroes the gradients, or a kernel that takes a
         VariantParams has no flat entry point. ``calls``: per launch, in order, ``(spec, name, grid, params)``, with
         ``name`` the NVRTC name expression (the flat entry point where the kernel takes a VariantParams) and
         ``params`` its parameters in order: ``("buffer", slot)`` (a name of :attr:`_SLOTS`) or ``(dtype, value)``
         as :meth:`ForwardPlan.flat_call`'s (a null pointer ``("u64", 0)``). ``workspace``: the float32 buffers the
-        launches share besides the inputs and the gradients, ``{slot: shape}``; ``zeroed``: the slots to zero before
-        the first launch."""
+        launches share besides the inputs and the gradients, ``{slot: shape}``, to be zeroed before the first launch
+        (the accumulators must be; D is written whole)."""
         if self._flat is None:
             return None
-        steps, workspace, zeroed = self._flat
+        steps, workspace = self._flat
         calls = []
         for launch_spec, grid, args in steps:
             has_vp = isinstance(args[-1], np.void)
@@ -818,7 +814,7 @@ class BackwardPlan(_Plan):
                 else:
                     params += _scalar_params(a)
             calls.append((launch_spec, name, grid, tuple(params)))
-        return tuple(calls), workspace, zeroed
+        return tuple(calls), workspace
 
     def run(self, do, q, k, v, out, lse, arrays: VariantArrays = VariantArrays(), stream: int | None = None):
         """``(dq, dk, dv)``, or None when a 16-bit input's base address is not a multiple of 16 bytes (the caller

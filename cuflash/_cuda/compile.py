@@ -119,6 +119,14 @@ def check_smem(spec: KernelSpec) -> None:
         )
 
 
+def _source_text(source: str) -> str:
+    """The NVRTC text of kernel file ``source`` (:func:`compile_source_for_nvrtc`), read once per process."""
+    text = _sources.get(source)
+    if text is None:
+        text = _sources[source] = compile_source_for_nvrtc(source)
+    return text
+
+
 def kernel(spec: KernelSpec):
     """The compiled kernel of ``spec`` for the current device (compiled once, then cached), with its
     dynamic shared-memory limit raised to what the spec needs."""
@@ -131,9 +139,7 @@ def kernel(spec: KernelSpec):
         entry = _modules.get(key)
         if entry is None:
             check_smem(spec)
-            text = _sources.get(spec.source)
-            if text is None:
-                text = _sources[spec.source] = compile_source_for_nvrtc(spec.source)
+            text = _source_text(spec.source)
             prelude = prelude_of(spec.name)  # a user mod's generated policy type, if the variant has one
             try:
                 module = cupy.RawModule(code=text + prelude, options=spec.options + _DEBUG_OPTIONS,
@@ -170,9 +176,7 @@ def flat_ptx(spec: KernelSpec, cc: int, name: str | None = None) -> tuple[str, s
 
     options = [o for o in spec.options if not o.startswith("-arch=")]
     arch = next((o.split("=sm_")[1] for o in spec.options if o.startswith("-arch=sm_")), str(cc))
-    text = _sources.get(spec.source)
-    if text is None:
-        text = _sources[spec.source] = compile_source_for_nvrtc(spec.source)
+    text = _source_text(spec.source)
     prog = nvrtc.createProgram(text + prelude_of(name), "cuflash.cu", [], [])
     try:
         # (CuPy's binding: addNameExpression; some versions spelled it addAddNameExpression)
