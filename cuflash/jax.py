@@ -131,7 +131,10 @@ def _have_kernel_call() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _have_cupy() -> bool:
-    return importlib.util.find_spec("cupy") is not None
+    try:
+        return importlib.util.find_spec("cupy") is not None
+    except ValueError:  # (a module in sys.modules without a spec, as a stand-in: there)
+        return True
 
 
 def _is_traced(*arrays) -> bool:
