@@ -86,9 +86,9 @@ struct VariantParams {
 };
 
 // The forward kernels' common parameters (their element type E): the tensors, the problem's sizes, the strides, the
-// scale; then a VariantParams (CUFLASH_BWD_*: the backward's). CUFLASH_VARIANT_FLAT_PARAMS: VariantParams' fields as separate parameters, in the
-// struct's order, for the forwards' flat entry points (launchers that pass only pointers and scalars: jaxlib's kernel
-// call, cuflash.jax's "kernel" route); CUFLASH_VARIANT_FLAT_ARGS rebuilds the struct from them.
+// scale; then a VariantParams (CUFLASH_BWD_*: the backward's). CUFLASH_VARIANT_FLAT_PARAMS: VariantParams' fields
+// as separate parameters, in the struct's order, for the kernels' flat entry points (launchers that pass only
+// pointers and scalars: jaxlib's kernel call, cuflash.jax); CUFLASH_VARIANT_FLAT_ARGS rebuilds the struct from them.
 #define CUFLASH_FWD_PARAMS(E)                                                                                  \
     const E* __restrict__ q, const E* __restrict__ k, const E* __restrict__ v, E* __restrict__ o,             \
         float* __restrict__ lse, int seqlen_q, int seqlen_k, int heads_q, int group, i64 q_sb, i64 q_ss,       \
