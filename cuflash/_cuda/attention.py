@@ -909,6 +909,8 @@ def _staged_bias_spec(family: str, dtype: str, d: int, t: Tile, variant: Variant
     blocks per SM the kernel is built for: a float32 bias beside the forward's two d 64 blocks)."""
     if variant.bias is None or not _bias_aligned(variant.bias):
         return None
+    if family == "fwd_sm90" and t.block_m == 16 * (t.warps - 4):
+        return None  # (the warp-specialized forward: its loading warpgroup does not stage a bias; Sm90Config::kWS)
     if family == "bwd_dkdv_sm90" and variant.bias.itemsize == 4:
         # (a float32 bias in the backward's transposed layout is one 4-byte read per score: beside dK, dV and dQ at
         # d 128, ptxas spills 28 bytes where the global-memory reads spill 4: those stay)

@@ -109,6 +109,10 @@ TILES: dict[tuple[str, str, int], Tile] = {
     # ("fwd", "sm90a", d): flash_fwd_sm90_kernel (wgmma; block_m = 64 query rows per warpgroup of 4 warps).
     ("fwd", "sm90a", 64): Tile(128, 64, 8, 2),
     ("fwd", "sm90a", 128): Tile(128, 128, 8, 2),
+    # d 192 and 256: warp-specialized (two computing warpgroups and a loading one, 12 warps; O 64 x d a warpgroup
+    # in registers under setmaxnreg's 240): 145 and 193 KiB of shared memory
+    ("fwd", "sm90a", 192): Tile(128, 64, 12, 2),
+    ("fwd", "sm90a", 256): Tile(128, 64, 12, 2),
     # ("bwd", "sm90a", d): flash_bwd_dkdv_sm90_kernel (wgmma; block_n = 64 key rows per warpgroup of 4 warps,
     # block_m = 64 streamed query rows, 2 query buffers).
     ("bwd", "sm90a", 64): Tile(64, 128, 8, 2),
