@@ -755,9 +755,10 @@ mlir.register_lowering(_kernel_call_p, _kernel_call_lowering, platform="cuda")
 
 _SAVED = ("do", "q", "k", "v", "out", "lse")  # (the backward's inputs, by BackwardPlan's slot names)
 
-# Whether the kernel route takes the backward too. Off: its kernel calls are built and checked on the CPU (the
-# launches and parameters of cuflash.attention_backward on the same layouts) but have not run on a GPU yet.
-BACKWARD_KERNEL_CALLS = False
+# Whether the kernel route takes the backward too (on: checked on the CPU against the launches and parameters of
+# cuflash.attention_backward on the same layouts, and on the H100 against the buffer route's gradients). Set it to
+# False to run the backward through the buffer callback while the forward keeps its kernel call.
+BACKWARD_KERNEL_CALLS = True
 
 _bwd_kernel_call_p = jax.extend.core.Primitive("cuflash_attention_backward_kernel_calls")
 _bwd_kernel_call_p.multiple_results = True
