@@ -89,15 +89,6 @@ __device__ __forceinline__ void load_latent_chunks(u32 tile, u32 bars, const u16
     }
 }
 
-// A CUtensorMap (cuTensorMapEncodeTiled's 128 bytes, 64-byte aligned), passed as a __grid_constant__ parameter.
-struct alignas(64) TensorMap {
-    u64 bits[16];
-};
-
-__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
-}
-
 // Where a key tile comes from. cp.async: this thread's key row (null: zeros); TMA: the tile's page (or contiguous
 // cache row) z, not yet checked against the cache's rows, and its first row in it, for the warpgroup's issuing
 // thread.

@@ -5,8 +5,10 @@
 // Algorithm (flash_fwd_sm90_kernel): one thread block owns one query tile of kBlockM rows of one (batch,
 // query head); each of its kBlockM / 64 computing warpgroups (128 threads) owns 64 query rows. Q, K and V
 // live in shared memory in the 128-byte-swizzled layout that wgmma descriptors read (hopper_tiles.cuh);
-// K and V stream through two buffers each, loaded with cp.async one tile ahead (by all threads, or by a
-// producer warpgroup in the warp-specialized variant, see Sm90Config).
+// K and V stream through two buffers each, loaded one tile ahead: with cp.async by all threads, or by a
+// producer warpgroup in the warp-specialized variant (see Sm90Config), whose copies are either cp.async by its
+// 128 threads or, from the TMA entry point (flash_fwd_sm90_tma_kernel), tensor copies issued by one thread
+// through the tensor maps of q, k and v (64-column boxes in the same swizzle, zeros past the sequence's end).
 // Per key tile j, each warpgroup:
 //   S_j = Q K_j^T           wgmma m64 n=kBlockN k16, both operands from shared memory (K-major)
 //   O  += P_{j-1} V_{j-1}   wgmma m64 n=d k16, P from registers, V MN-major (transpose bit)
@@ -85,12 +87,22 @@ struct Sm90Config {
     static constexpr int kConsumerRegs = kConsumerRegsRaw > 240 ? 240 : kConsumerRegsRaw;
 };
 
+// The tensor maps of the TMA entry point: q, k and v as 4-d tensors (columns, rows, heads, batch).
+struct FwdMaps {
+    const TensorMap *q, *k, *v;
+};
+
 // Template arguments as the launcher's tile table: kBlockM query rows (kBlockM / 64 computing
-// warpgroups), kBlockN key rows, kNWarps warps (see Sm90Config), kStages = 2 K/V buffers.
-template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V>
-__device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const VariantParams vp) {
+// warpgroups), kBlockN key rows, kNWarps warps (see Sm90Config), kStages = 2 K/V buffers; kTma: the
+// warp-specialized variant's producer copies through `maps` (padded batches only: a packed batch's or a padded
+// one's sequence ends inside the tensor, where a box would not read zeros).
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V, bool kTma = false>
+__device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const VariantParams vp,
+                                               const FwdMaps maps = FwdMaps{}) {
     using Cfg = Sm90Config<kHeadDim, kBlockM, kBlockN, kNWarps>;
     constexpr bool kWS = Cfg::kWS;
+    static_assert(!kTma || (kWS && !V::Is_varlen && !V::Has_seqused && !V::Pads_head_dim),
+                  "TMA: a producer warpgroup, sequences that end with their tensors, whole head dims");
     static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head dim: whole 64-column swizzle blocks, wgmma n <= 256");
     static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "key tile: wgmma n = kBlockN");
     static_assert(kNWarps % 4 == 0 && kNWarps >= 4 && kNWarps <= 16, "one to four warpgroups");
@@ -170,6 +182,27 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
     auto produce = [&]() {
         const int ptid = tid - Cfg::kNWG * 128;
         if (n_end == 0) return;
+        if constexpr (kTma) {
+            // One thread: Q, then K_j and V_j into buffer j % 2 once it is free. A tile is kHeadDim / 64 boxes of 64
+            // columns by its rows, its barrier told their bytes first.
+            if (ptid != 0) return;
+            auto copy = [&](u32 dst, const TensorMap* map, u32 landed, int rows, int row, int head) {
+                mbar_expect_tx(landed, rows * kHeadDim * 2);
+#pragma unroll
+                for (int c = 0; c < kHeadDim / 64; ++c) {
+                    tma_load_4d(dst + c * rows * 128, map, landed, c * 64, row, head, b);
+                }
+            };
+            copy(smem_u32(sQ), maps.q, full_q, kBlockM, m0, h);
+            for (int j = 0; j < n_end; ++j) {
+                const int buf = j & 1, row = n_shift + tile_row(j);
+                if (j >= 2) mbar_wait(free_k + 8 * buf, ((j >> 1) - 1) & 1);
+                copy(smem_u32(sK + buf * kKVTile), maps.k, full_k + 8 * buf, kBlockN, row, h_kv);
+                if (j >= 2) mbar_wait(free_v + 8 * buf, ((j >> 1) - 1) & 1);
+                copy(smem_u32(sV + buf * kKVTile), maps.v, full_v + 8 * buf, kBlockN, row, h_kv);
+            }
+            return;
+        }
         load_tile_sw128_lean<kBlockM, kHeadDim, kLoaders>(sQ, qg, q_ss, m0, len_q, ptid);
         cp_async_commit();
         u32 landed = full_q;
@@ -388,11 +421,12 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
 
     if constexpr (kWS) {
         if (tid == 0) {
-            mbar_init(full_q, 128);
+            constexpr int kLanded = kTma ? 1 : 128;  // (TMA: the issuing thread's arrival with its bytes)
+            mbar_init(full_q, kLanded);
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
-                mbar_init(full_k + 8 * i, 128);
-                mbar_init(full_v + 8 * i, 128);
+                mbar_init(full_k + 8 * i, kLanded);
+                mbar_init(full_v + 8 * i, kLanded);
                 mbar_init(free_k + 8 * i, Cfg::kNWG * 128);
                 mbar_init(free_v + 8 * i, Cfg::kNWG * 128);
             }
@@ -420,6 +454,15 @@ template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kSta
 __global__ void __launch_bounds__(kNWarps * 32, (Sm90Config<kHeadDim, kBlockM, kBlockN, kNWarps>::kMinBlocks))
 flash_fwd_sm90_flat_kernel(CUFLASH_FWD_PARAMS(u16), CUFLASH_VARIANT_FLAT_PARAMS) {
     flash_fwd_sm90<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, V>(CUFLASH_FWD_ARGS, CUFLASH_VARIANT_FLAT_ARGS);
+}
+// ... and the TMA one (the warp-specialized tiles: the launcher's ("fwd", "sm90a_tma", d) rows), with the tensor maps
+// of q, k and v after the launcher's parameters.
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+flash_fwd_sm90_tma_kernel(CUFLASH_FWD_PARAMS(u16), const VariantParams vp, const __grid_constant__ TensorMap q_map,
+                          const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map) {
+    flash_fwd_sm90<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, V, true>(CUFLASH_FWD_ARGS, vp,
+                                                                             FwdMaps{&q_map, &k_map, &v_map});
 }
 
 }  // namespace cuflash

@@ -125,6 +125,27 @@ __device__ __forceinline__ void mbar_wait(u32 addr, int parity) {
     } while (!done);
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Tensor memory access (TMA): a CUtensorMap (cuTensorMapEncodeTiled's 128 bytes, 64-byte aligned; cuflash/_cuda/
+// tensor_map.py), passed as a __grid_constant__ parameter, and one thread's copy of a box into shared memory that
+// completes on an mbarrier (which the thread told first how many bytes to expect: every box delivers all its bytes,
+// zeros past the tensor's edges).
+struct alignas(64) TensorMap {
+    u64 bits[16];
+};
+
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+
+// The box at coordinates (c0 innermost, c1, c2, c3) of a 4-d map into shared memory at dst.
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap* map, u32 bar, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], "
+                 "[%1, {%2, %3, %4, %5}], [%6];"
+                 :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+                 : "memory");
+}
+
 // Move registers between warpgroups (needs a register cap at kernel entry: __launch_bounds__(n, 1)).
 template <int N> __device__ __forceinline__ void setmaxnreg_inc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(N));

@@ -82,7 +82,7 @@ def install(monkeypatch):
     :class:`Recorder` (returned; the decode launcher's too), a fixed sm_90 device, the front door's and the launchers'
     caches emptied."""
     from cuflash import _api, _kvcache
-    from cuflash._cuda import attention, compile, decode, fa1, spec
+    from cuflash._cuda import attention, compile, decode, fa1, spec, tensor_map
 
     recorder = Recorder()
     module = types.ModuleType("cupy")
@@ -138,10 +138,11 @@ def install(monkeypatch):
 
     original_init = compile.PackedLaunch.__init__
 
-    def packed_init(self, runtime, spec, grid, args):
-        original_init(self, runtime, spec, grid, args)
+    def packed_init(self, runtime, spec, grid, args, more=()):
+        original_init(self, runtime, spec, grid, args, more)
         recorder.names[self.fn]["sizes"] = [
-            -(-(np.asarray(a).dtype.itemsize if isinstance(a, np.generic) else 8) // 8) * 8 for a in args]
+            -(-(np.asarray(a).dtype.itemsize if isinstance(a, np.generic) else 8) // 8) * 8 for a in args
+        ] + [128] * len(more)  # (more: tensor maps)
 
     def cupy_launch(spec, grid, args):
         recorder.launches.append((spec.name, tuple(grid), args))
@@ -151,6 +152,8 @@ def install(monkeypatch):
     monkeypatch.setattr(compile, "launch", cupy_launch)
     monkeypatch.setattr(fa1, "launch", cupy_launch)
     monkeypatch.setitem(compile._device_cache, 0, (90, 227 * 1024))
+    # (no driver: no tensor maps; a test that wants them stands in for the encoder, tests/test_tensor_map.py)
+    monkeypatch.setattr(tensor_map, "available", lambda: False)
     monkeypatch.setattr(attention, "_RUNTIME", Runtime())
     monkeypatch.setattr(spec, "_EXTRA_CACHE", {})  # (device copies: the stand-in's must not outlive the test)
     monkeypatch.setattr(attention, "_LISTS_CACHE", {})

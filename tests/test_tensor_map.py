@@ -35,3 +35,81 @@ def test_tensor_maps_and_when_the_mla_kernel_copies_by_tma(monkeypatch):
     assert not fits(seqlen_new=1) and not fits(leftpad=object()) and not fits(page=16) and not fits(switch=False)
     monkeypatch.setattr(tensor_map, "available", lambda: False)
     assert not fits()
+
+
+def test_the_forward_copies_by_tma_where_a_call_allows_it(monkeypatch):
+    """(CPU, stand-in CuPy) On sm_90 a 16-bit forward at a head dim of an ("fwd", "sm90a_tma") row runs the wgmma
+    kernel's TMA entry point with a 4-d map of each of q, k and v (columns, rows, heads, batch; boxes of 64 columns by
+    the tile's rows; the arrays' byte strides, an axis of one element given 16), encoded at each new address only;
+    packed batches, key counts, the switch off, a head dim without a row and a query sequence shorter than
+    TMA_MIN_ROWS_Q run the cp.async kernel; the plan's flat
+    call (cuflash.jax's kernel calls) names the cp.async kernel either way."""
+    import ml_dtypes
+    import numpy as np
+
+    import cuflash
+    from cuflash._cuda import attention, spec, tensor_map
+
+    from _fake_cupy import install
+    from conftest import gpu_skip_reason
+
+    gpu_skip_reason()
+    cp, recorder = install(monkeypatch)
+    monkeypatch.setattr(tensor_map, "available", lambda: True)
+    encoded = []
+
+    def encode(address, dtype, rank, ptr, dims, strides, box, elem, interleave, swizzle, l2, oob):
+        assert address % 64 == 0 and dtype == 1 and rank == 4 and swizzle == 3 and oob == 0
+        encoded.append((ptr, tuple(dims), tuple(strides), tuple(box)))
+        return 0
+
+    monkeypatch.setattr(tensor_map, "_encode_tiled", lambda: encode)
+    rng = np.random.default_rng(5)
+
+    def arr(*shape):
+        return cp.asarray(rng.standard_normal(shape).astype(ml_dtypes.bfloat16))
+
+    def kernels():
+        return [launch[0].split("<")[0] for launch in recorder.take() if len(launch) == 6]
+
+    q, k, v = arr(2, 300, 4, 128), arr(2, 260, 2, 128), arr(2, 260, 2, 128)
+    tile = spec.TILES[("fwd", "sm90a_tma", 128)]
+    cuflash.attention(q, k, v, causal=True)
+    assert kernels() == ["cuflash::flash_fwd_sm90_tma_kernel"]
+    assert encoded == [
+        (q.data.ptr, (128, 300, 4, 2), (1024, 256, 300 * 1024), (64, tile.block_m, 1, 1)),
+        (k.data.ptr, (128, 260, 2, 2), (512, 256, 260 * 512), (64, tile.block_n, 1, 1)),
+        (v.data.ptr, (128, 260, 2, 2), (512, 256, 260 * 512), (64, tile.block_n, 1, 1)),
+    ]
+    encoded.clear()
+    cuflash.attention(q, k, v, causal=True)  # (the same addresses: nothing to encode)
+    assert kernels() == ["cuflash::flash_fwd_sm90_tma_kernel"] and encoded == []
+    q2 = arr(2, 300, 4, 128)
+    cuflash.attention(q2, k, v, causal=True)
+    assert kernels() == ["cuflash::flash_fwd_sm90_tma_kernel"] and [e[0] for e in encoded] == [q2.data.ptr]
+    encoded.clear()
+
+    # (B, H, N, d) views and a batch of one: the arrays' strides, the batch axis's given as 16 bytes
+    qt, kt, vt = (arr(1, 4, 200, 128).transpose(0, 2, 1, 3) for _ in range(3))
+    cuflash.attention(qt, kt, vt)
+    assert kernels() == ["cuflash::flash_fwd_sm90_tma_kernel"]
+    assert [e[1:3] for e in encoded] == [((128, 200, 4, 1), (256, 200 * 256, 16))] * 3
+    encoded.clear()
+
+    lens = cp.asarray(np.array([100, 260], np.int32))
+    cuflash.attention(q, k, v, seqused_k=lens)
+    cu = cp.asarray(np.array([0, 100, 300], np.int32))
+    cuflash.attention(q[0], q[0], q[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=200, max_seqlen_k=200)
+    cuflash.attention(arr(1, 64, 2, 96), arr(1, 64, 2, 96), arr(1, 64, 2, 96))
+    short = attention.TMA_MIN_ROWS_Q[64] - 1  # (d 64: a short query sequence runs the cp.async tile)
+    cuflash.attention(arr(1, short, 2, 64), arr(1, 64, 2, 64), arr(1, 64, 2, 64))
+    monkeypatch.setattr(attention, "TMA_FORWARD", False)
+    cuflash.attention(arr(1, 64, 2, 128), arr(1, 64, 2, 128), arr(1, 64, 2, 128))
+    assert "cuflash::flash_fwd_sm90_tma_kernel" not in kernels() and encoded == []
+    monkeypatch.setattr(attention, "TMA_FORWARD", True)
+    cuflash.attention(arr(1, short + 1, 2, 64), arr(1, 64, 2, 64), arr(1, 64, 2, 64))
+    assert kernels() == ["cuflash::flash_fwd_sm90_tma_kernel"] and len(encoded) == 3
+
+    plan = attention.ForwardPlan(q, k, v, scale=0.1, variant=cuflash._variant.Variant(causal=True), block_q=None,
+                                 block_k=None)
+    assert plan._launch is not None and plan.flat_call()[0].family == "fwd_sm90"

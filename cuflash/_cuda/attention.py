@@ -21,11 +21,11 @@ import numpy as np
 
 from .._gpu_memory import StreamSinks
 from .._variant import Variant, VariantArrays
-from . import fa1, naive, tuning
+from . import fa1, naive, tensor_map, tuning
 from .compile import PackedLaunch, arch_class, check_smem, device_info, launch
 from .spec import (BIAS_CTYPES, BLOCK_COMPACT, BWD_HEAD_DIMS, CTYPES, EXTRA_POINTER_FIELDS, FA1_HEAD_DIMS, HEAD_DIMS,
                    TF32_FAMILIES, TF32_HEAD_DIMS, TILES, VARIANT_POINTER_FIELDS, Tile, device_record, extra_params,
-                   extra_record, has_dropout, mask_policy, variant_params, variant_type)
+                   extra_record, has_dropout, mask_policy, staged_bias_bytes, variant_params, variant_type)
 from .spec import spec as kernel_spec
 
 __all__ = ["forward", "backward", "check_supported", "plan_forward", "ForwardPlan", "plan_backward", "BackwardPlan",
@@ -208,6 +208,42 @@ def plan_tile(direction: str, d: int, block_q, block_k) -> Tile:
         t = Tile(bm, bn, max(warps, 1), t.stages)
         check_tile(direction, d, t)
     return t
+
+
+# The wgmma forward from its TMA entry point (flash_fwd_sm90_tma_kernel) where a call allows it (_tma_forward); False:
+# the cp.async kernel everywhere (for comparisons; read when a forward is planned).
+TMA_FORWARD = True
+# Head dims whose TMA tile is slower than the cp.async one on short query sequences: the longest sequence of queries
+# from which it runs (d 64: its 192-row tiles against two 128-row blocks per SM, H100 2026-11-28).
+TMA_MIN_ROWS_Q = {64: 1025}
+
+
+def _tma_forward(spec, variant: Variant, arrays, max_q: int) -> Tile | None:
+    """The tile of the TMA entry point for a forward the launcher planned as ``spec`` (the wgmma kernel's), or None:
+    a ("fwd", "sm90a_tma", d) row (and a query sequence of :data:`TMA_MIN_ROWS_Q` rows or more where it sets a
+    minimum), no staged bias (the producer stages none), sequences that end with their tensors
+    (no packed batch, no key counts: a box reads zeros only past the tensor's end), strides of q, k and v that are
+    non-zero multiples of 16 bytes with contiguous rows (the tensor maps'), and a driver that encodes maps."""
+    if not TMA_FORWARD or spec.family != "fwd_sm90" or staged_bias_bytes(spec.variant):
+        return None
+    tile = TILES.get(("fwd", "sm90a_tma", spec.head_dim))
+    if (tile is None or max_q < TMA_MIN_ROWS_Q.get(spec.head_dim, 0) or variant.is_varlen
+            or variant.seqused_k is not None or not tensor_map.available()):
+        return None
+    for a in arrays:
+        if a.ndim != 4 or a.strides[3] != a.itemsize or any(n > 1 and (s <= 0 or s % 16)
+                                                             for n, s in zip(a.shape[:3], a.strides[:3])):
+            return None
+    return tile
+
+
+def _tensor_map(a, box_rows: int):
+    """The TMA entry point's map of q, k or v (batch, rows, heads, d): 4-d, columns innermost, boxes of 64 columns
+    by ``box_rows`` rows (the tile's: Q block_m, K and V block_n). An axis of one element is never stepped along: its
+    stride, whatever the array says, is given as 16 bytes (the map's strides must be multiples of 16)."""
+    batch, rows, heads, d = a.shape
+    sb, ss, sh = (s if n > 1 else 16 for n, s in zip(a.shape[:3], a.strides[:3]))
+    return tensor_map.TensorMap((d, rows, heads, batch), (ss, sh, sb), (64, box_rows, 1, 1))
 
 
 def _hopper_tile(direction: str, d: int, block_q, block_k, enabled: bool) -> Tile | None:
@@ -472,6 +508,13 @@ class ForwardPlan(_Plan):
                                                                                                vtype)
             else:
                 spec = kernel_spec("fwd", dtype, d, plan_tile("fwd", d, block_q, block_k), vtype)
+        flat_spec = spec  # (the kernel of flat_call: the TMA entry point has no flat twin)
+        self._maps = ()
+        tma_tile = _tma_forward(spec, variant, (q, k, v), shp.max_q)
+        if tma_tile is not None:
+            spec = kernel_spec("fwd_sm90_tma", dtype, d, tma_tile, vtype)
+            self._maps = (_tensor_map(q, tma_tile.block_m), _tensor_map(k, tma_tile.block_n),
+                          _tensor_map(v, tma_tile.block_n))
         check_smem(spec)
         self._aligned = spec.family != "fwd_f32"  # the tensor-core kernels copy tiles with 16-byte cp.async
         self.dtype, self.out_shape = q.dtype, (*q.shape[:-1], dv)
@@ -480,8 +523,9 @@ class ForwardPlan(_Plan):
         args = (None, None, None, None, None, i32(shp.rows_q), i32(shp.rows_k), i32(shp.heads_q), i32(shp.group),
                 *strides(q), *strides(k), *strides(v), *_element_strides(self.out_shape), np.float32(scale * _LOG2E),
                 self._variant.params)
-        self._launch = PackedLaunch(self._rt, spec, (cdiv(shp.max_q, spec.tile.block_m), shp.heads_q, shp.batch), args)
-        self._flat = (spec, (cdiv(shp.max_q, spec.tile.block_m), shp.heads_q, shp.batch), args[5:])
+        self._launch = PackedLaunch(self._rt, spec, (cdiv(shp.max_q, spec.tile.block_m), shp.heads_q, shp.batch), args,
+                                    tuple(m.address for m in self._maps))
+        self._flat = (flat_spec, (cdiv(shp.max_q, flat_spec.tile.block_m), shp.heads_q, shp.batch), args[5:])
         vp = len(args) - 1
         self._write = self._launch.writer(tuple(self._launch.word(i) for i in range(5)))  # q, k, v, out, lse
         self._write_variant = None if self._variant.constant else self._launch.writer(
@@ -532,6 +576,11 @@ class ForwardPlan(_Plan):
         ``self._lock`` and has entered the plan's context (a step of several launches stages its forward before its
         first launch, so that its launches follow each other with no host work between them)."""
         self._write(pq, pk, pv, pout, plse)
+        if self._maps:
+            q_map, k_map, v_map = self._maps
+            q_map.point(pq)
+            k_map.point(pk)
+            v_map.point(pv)
         if self._write_variant is not None:
             self._write_variant(*self._variant.pointers(arrays))
 

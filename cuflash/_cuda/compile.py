@@ -212,11 +212,12 @@ class PackedLaunch:
     rest of a planned call.
 
     ``args`` as :func:`launch` takes them, with None for a pointer written at each run (a null pointer until then);
-    ``runtime``: :class:`.decode.CupyRuntime` or a stand-in. ``cuLaunchKernel`` copies the arguments when it is
+    ``more``: the host addresses of further arguments kept by the caller (a :class:`.tensor_map.TensorMap`'s),
+    after ``args``; ``runtime``: :class:`.decode.CupyRuntime` or a stand-in. ``cuLaunchKernel`` copies the arguments when it is
     called, so the buffer may be rewritten as soon as :meth:`run` returns.
     """
 
-    def __init__(self, runtime, spec: KernelSpec, grid: tuple[int, int, int], args: tuple):
+    def __init__(self, runtime, spec: KernelSpec, grid: tuple[int, int, int], args: tuple, more: tuple[int, ...] = ()):
         self.fn, self._module = runtime.function(spec)  # (the module object keeps the function loaded)
         self.grid, self.threads, self.smem = tuple(int(g) for g in grid), spec.threads, spec.smem
         self._launch = runtime.launch
@@ -231,7 +232,7 @@ class PackedLaunch:
             raw = np.asarray(value).reshape(1).view(np.uint8)
             self._buffer[offset:offset + raw.size] = raw
         base = self._buffer.ctypes.data
-        self._argv = np.array([base + offset for offset in self.offsets], np.uint64)
+        self._argv = np.array([*(base + offset for offset in self.offsets), *more], np.uint64)
         self._argv_ptr = int(self._argv.ctypes.data)
         self.words = memoryview(self._buffer).cast("Q")  # (item assignment: the cheapest write there is)
 

@@ -113,6 +113,15 @@ TILES: dict[tuple[str, str, int], Tile] = {
     # in registers under setmaxnreg's 240): 145 and 193 KiB of shared memory
     ("fwd", "sm90a", 192): Tile(128, 64, 12, 2),
     ("fwd", "sm90a", 256): Tile(128, 64, 12, 2),
+    # ("fwd", "sm90a_tma", d): the same kernel from its TMA entry point (flash_fwd_sm90_tma_kernel: warp-specialized,
+    # the producer's one thread copying tiles through tensor maps), where a call allows it (attention._tma_forward).
+    # H100, 2026-11-28 (bf16, ANCHORS grid): d 128 at 128 x 128 539-660 TFLOP/s against 285-399 by the cp.async
+    # kernel; d 64 at 192 x 128 (three computing warpgroups) 384-469 from N 4096 against 341-383, but not at N 1024
+    # (causal 239 against 268: TMA_MIN_ROWS_Q); d 256 at 128 x 64 415-667 against 210-296.
+    ("fwd", "sm90a_tma", 64): Tile(192, 128, 16, 2),
+    ("fwd", "sm90a_tma", 128): Tile(128, 128, 12, 2),
+    ("fwd", "sm90a_tma", 192): Tile(128, 64, 12, 2),
+    ("fwd", "sm90a_tma", 256): Tile(128, 64, 12, 2),
     # ("bwd", "sm90a", d): flash_bwd_dkdv_sm90_kernel (wgmma; block_n = 64 key rows per warpgroup of 4 warps,
     # block_m = 64 streamed query rows, 2 query buffers).
     ("bwd", "sm90a", 64): Tile(64, 128, 8, 2),
@@ -510,6 +519,11 @@ FAMILIES: dict[str, Family] = {
         # Sm90Config::kMinBlocks: two 8-warp blocks where S, O and P fit 128 registers (no producer warpgroup)
         min_blocks=lambda d, t: 2 if t.warps == 8 and t.block_m == 16 * t.warps and t.block_n + d <= 128 else 1,
         flat_kernel="flash_fwd_sm90_flat_kernel"),
+    # Its TMA entry point (the tensor maps of q, k and v after the launcher's parameters; no flat entry point and no
+    # staged bias: cuflash.jax's kernel calls and a staged bias take "fwd_sm90").
+    "fwd_sm90_tma": Family(
+        "forward_sm90.cu", "flash_fwd_sm90_tma_kernel", _t16,
+        lambda d, t: 2 * d * (t.block_m + 2 * t.stages * t.block_n) + 1024 + 128, SM90A_OPTIONS),
     # The same kernel on float32 inputs, TF32 fragments (tf32_tiles.cuh): 3xTF32, or one TF32 product.
     "fwd_tf32x3": Family("forward.cu", "flash_fwd_kernel", _t32, _tf32_smem, flat_kernel="flash_fwd_flat_kernel"),
     "fwd_tf32": Family("forward.cu", "flash_fwd_kernel", _t32, _tf32_smem, flat_kernel="flash_fwd_flat_kernel"),
@@ -687,7 +701,8 @@ _SHOWCASE = (
 )
 
 _FA2_FAMILIES = {  # tile direction, arch class -> families that take that row
-    ("fwd", "sm90a"): ("fwd_sm90",), ("fwd", "f32"): ("fwd_f32",), ("bwd", "sm90a"): ("bwd_dkdv_sm90",),
+    ("fwd", "sm90a"): ("fwd_sm90",), ("fwd", "sm90a_tma"): ("fwd_sm90_tma",), ("fwd", "f32"): ("fwd_f32",),
+    ("bwd", "sm90a"): ("bwd_dkdv_sm90",),
     ("fwd_tf32x3", None): ("fwd_tf32x3",), ("fwd_tf32", None): ("fwd_tf32",),
     ("bwd", "f32"): ("bwd_dkdv_f32",), ("fwd", None): ("fwd",), ("bwd", None): ("bwd_dkdv",),
     ("bwd_dq", None): ("bwd_dq",),
@@ -783,6 +798,11 @@ def instantiations() -> list[KernelSpec]:
         dtype = "float32" if _float32_only(fam, row[1]) else "bfloat16"
         add(KernelSpec(fam, dtype, 128, TILES[(*row, 128)], causal_mod, fam.startswith("bwd_dkdv"), row[1]))
     add(KernelSpec("bwd_dq_f32", "float32", 128, variant=causal_mod))
+    # The TMA entry point takes every flag but packed sequences and key padding (attention._tma_forward)
+    tma_tile = TILES[("fwd", "sm90a_tma", 128)]
+    for v in (*(v for v in _SHOWCASE if not v[2] and not v[3]), (True, True, False, False, True, True, True, True)):
+        add(KernelSpec("fwd_sm90_tma", "bfloat16", 128, tma_tile, _policy(v), arch="sm90a"))
+    add(KernelSpec("fwd_sm90_tma", "bfloat16", 128, tma_tile, causal_mod, arch="sm90a"))
     # [variant head dim] head dims read in place below the kernel's (d 80 on the 96 kernel; 200 on 224), causal.
     causal_pads = _policy((False, True, False, False, False, False, False, False), None, True)
     # (d 80: its own instantiation, rows padded to 96 in shared memory; 200: the 208 one with zero-filled chunks)

@@ -1,7 +1,8 @@
 """Tensor memory access (TMA) descriptors: a ``CUtensorMap`` made by the driver's ``cuTensorMapEncodeTiled`` (through
 ctypes: CuPy does not wrap it), for kernels that copy tiles with ``cp.async.bulk.tensor`` (decode_sm90.cu's MLA
-kernel). A map holds its tensor's global address, so it is encoded again when the tensor moves; it is passed by
-value as a ``__grid_constant__`` kernel argument (128 bytes), which cuLaunchKernel copies at each launch."""
+kernel, forward_sm90.cu's TMA entry point). A map holds its tensor's global address, so it is encoded again when the
+tensor moves; it is passed by value as a ``__grid_constant__`` kernel argument (128 bytes), which cuLaunchKernel
+copies at each launch."""
 
 from __future__ import annotations
 
@@ -54,6 +55,10 @@ class TensorMap:
         if self._spec is not None:
             assert len(strides) == len(dims) - 1 == len(box) - 1 and box[0] * 2 == 128
             assert all(s % 16 == 0 for s in strides), strides
+            rank = len(dims)
+            # (the encoder's arguments but the address, made once: a call re-encodes at every new address)
+            self._args = ((ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * (rank - 1))(*strides),
+                          (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*([1] * rank)))
         self._pointed = None
 
     @property
@@ -66,11 +71,8 @@ class TensorMap:
         if ptr == self._pointed or self._spec is None:
             return
         dims, strides, box = self._spec
-        rank = len(dims)
-        result = _encode_tiled()(
-            self.address, _UINT16, rank, ptr, (ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * (rank - 1))(*strides),
-            (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*([1] * rank)), _INTERLEAVE_NONE, _SWIZZLE_128B,
-            _L2_PROMOTION_128B, _OOB_ZEROS)
+        result = _encode_tiled()(self.address, _UINT16, len(dims), ptr, *self._args, _INTERLEAVE_NONE, _SWIZZLE_128B,
+                                 _L2_PROMOTION_128B, _OOB_ZEROS)
         if result != 0:
             raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {result}) for dims {dims}, strides {strides}, "
                                f"box {box} at address {ptr:#x}")
