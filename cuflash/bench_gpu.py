@@ -10,7 +10,9 @@ same inputs, the FlashAttention FLOP convention of ANCHORS.md.
 FLASH and cuDNN ones take no float32), each first checked against torch's MATH on float64 inputs (max|error| printed).
 
 Grid: batch * seqlen = 16384, heads * head_dim = 2048. FLOPs: forward 4 B H N^2 d (halved when causal),
-forward + backward 3.5x that. Each cuflash cell is first checked against torch-flash's output. Timing:
+forward + backward 3.5x that. cuflash is called through its front door (``cuflash.attention`` and
+``cuflash.attention_backward``, each call checked, its launch plan kept per layout, as users call it). Each cuflash
+cell is first checked against torch-flash's output. Timing:
 ``triton.testing.do_bench`` median (CUDA events). torch tensors are shared with CuPy through DLPack, and
 cuflash runs on torch's current stream. cuflash-fa1 is ``algorithm="fa1"`` (FlashAttention-1 order, one block
 per (batch, head)); the table gives the FA2 / FA1 ratio (docs/fa1-vs-fa2.md). Extras: first-call compile
@@ -32,11 +34,11 @@ import time
 DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 
 
-def _backend_fns(torch, cp, cuda, q, k, v, do, causal):
+def _backend_fns(torch, cp, q, k, v, do, causal):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from cuflash._variant import Variant
+    import cuflash
 
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d)
@@ -44,16 +46,18 @@ def _backend_fns(torch, cp, cuda, q, k, v, do, causal):
     stream = cp.cuda.Stream.from_external(torch.cuda.current_stream())
 
     def cuflash_pair(algorithm):
-        options = dict(scale=scale, variant=Variant(causal=causal), algorithm=algorithm, block_q=None, block_k=None)
+        # Through the front door, as users call it (its plans kept per layout): the CUDA backend's own entry points
+        # would plan every call afresh.
+        options = dict(softmax_scale=scale, causal=causal, algorithm=algorithm)
 
         def fwd():
             with stream:
-                return cuda.forward(qc, kc, vc, **options)
+                return cuflash.attention(qc, kc, vc, return_lse=True, **options)
 
         def fb():
             with stream:
-                o, lse = cuda.forward(qc, kc, vc, **options)
-                return cuda.backward(doc, qc, kc, vc, o, lse, order="kv_outer", **options)
+                o, lse = cuflash.attention(qc, kc, vc, return_lse=True, **options)
+                return cuflash.attention_backward(doc, qc, kc, vc, o, lse, **options)
 
         return fwd, fb
 
@@ -83,8 +87,6 @@ def run_grid(dtypes, dims, seqlens, rep_ms=200, log=print, fa1=True):
     import torch
     import triton.testing as tt
 
-    from cuflash import _cuda as cuda
-
     rows = []
     for dtname in dtypes:
         dtype = getattr(torch, dtname)
@@ -94,7 +96,7 @@ def run_grid(dtypes, dims, seqlens, rep_ms=200, log=print, fa1=True):
                     b, h = 16384 // n, 2048 // d
                     g = torch.Generator(device="cuda").manual_seed(n + d)
                     q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=dtype, generator=g) for _ in range(4))
-                    fns = _backend_fns(torch, cp, cuda, q, k, v, do, causal)
+                    fns = _backend_fns(torch, cp, q, k, v, do, causal)
                     if not fa1:
                         del fns["cuflash-fa1"]
                     o_c, _ = fns["cuflash"][0]()

@@ -380,7 +380,7 @@ def call_context() -> tuple:
     ExtraParams copy and block lists are made on one; its run takes the pointer), and the benchmarks' switches of
     the Hopper kernels."""
     rt = runtime()
-    return rt.get_device(), rt.current_stream().ptr, SM90A_FORWARD, SM90A_BACKWARD
+    return rt.get_device(), rt.current_stream().ptr, SM90A_FORWARD, SM90A_BACKWARD, TMA_FORWARD
 
 
 def _ptr(a) -> int:
