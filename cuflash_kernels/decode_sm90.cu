@@ -56,19 +56,6 @@ __device__ __forceinline__ const u16* latent_row(const u16* base, const DecodePa
 __device__ __forceinline__ void cp_async_mbar_arrive(u32 bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
 }
-__device__ __forceinline__ void named_bar_sync(int id, int count) {
-    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
-}
-// An arrival that orders this thread's earlier accesses before the waiters' later ones. CUFLASH_RACECHECK (the
-// CUFLASH_RACECHECK=1 build, docs/testing.md): a wait as well, the same order, which compute-sanitizer's racecheck
-// follows (it reports every access handed over by a bar.arrive as a hazard)
-__device__ __forceinline__ void named_bar_arrive(int id, int count) {
-#ifdef CUFLASH_RACECHECK
-    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
-#else
-    asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(count) : "memory");
-#endif
-}
 
 // Column chunks [kC0, kC1) of one key row into a 128-byte-swizzled 64-row tile: the half `half` of each chunk's
 // eight 16-byte pieces (a warpgroup's two threads per row, the odd or the even ones), then each chunk's mbarrier told

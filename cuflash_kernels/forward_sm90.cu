@@ -87,6 +87,16 @@ struct Sm90Config {
     static constexpr int kConsumerRegs = kConsumerRegsRaw > 240 ? 240 : kConsumerRegsRaw;
 };
 
+// [ping-pong] With a TMA producer and two computing warpgroups, the two take turns issuing their products (S_j, then
+// P_{j-1} V_{j-1}): each waits for its turn on a named barrier before issuing and hands the turn over right after, so
+// one warpgroup's softmax runs while the tensor cores work on the other's products (FlashAttention-3's warpgroup
+// schedule). Barrier kTurnBar + wg is warpgroup wg's turn (ids after warpgroup_sync's 1 and 2). Compiled out with
+// -DCUFLASH_FWD_PINGPONG=0 (for comparisons).
+#ifndef CUFLASH_FWD_PINGPONG
+#define CUFLASH_FWD_PINGPONG 1
+#endif
+constexpr int kTurnBar = 3;
+
 // The tensor maps of the TMA entry point: q, k and v as 4-d tensors (columns, rows, heads, batch).
 struct FwdMaps {
     const TensorMap *q, *k, *v;
@@ -228,6 +238,18 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
         mbar_arrive(landed);
     };
 
+    // [ping-pong] warpgroup wg's turn to issue (turn), and the other's (pass_turn; the last turn of warpgroup 1 is
+    // handed to no one, warpgroup 0 having issued its last).
+    constexpr bool kPingpong = CUFLASH_FWD_PINGPONG && kTma && Cfg::kNWG == 2;
+    auto turn = [&]() {
+        if constexpr (kPingpong) named_bar_sync(kTurnBar + wg, 256);
+    };
+    auto pass_turn = [&](bool last) {
+        if constexpr (kPingpong) {
+            if (!(last && wg == 1)) named_bar_arrive(kTurnBar + (wg ^ 1), 256);
+        }
+    };
+
     // A computing warpgroup: 64 query rows.
     auto consume = [&]() {
         const int row_base = m0 + wg * 64 + warp_in_wg * 16;  // this warp's fragment rows: + g, + g + 8
@@ -320,8 +342,13 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
                 cp_async_commit();
                 landed_all();
             }
+            if constexpr (kPingpong) {
+                if (wg == 1) pass_turn(false);  // (warpgroup 0 issues first)
+            }
+            turn();
             wgmma_fence();
             scores(0);
+            pass_turn(false);
             if constexpr (!kWS) {
                 if (1 < n_end) {
                     load_k(1, tid);
@@ -347,9 +374,11 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
                 } else {
                     landed_all();
                 }
+                turn();
                 wgmma_fence();
                 scores(j & 1);
                 pv((j - 1) & 1);
+                pass_turn(false);
                 if constexpr (!kWS) {  // loads for the next iteration while the tensor cores work
                     // (bias buffer (j + 1) % 2 was last read by mask(j - 1), before landed_all's barrier)
                     if (j + 1 < n_end) {
@@ -378,8 +407,10 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
             } else {
                 landed_all();
             }
+            turn();
             wgmma_fence();
             pv((n_end - 1) & 1);
+            pass_turn(true);
             wgmma_wait<0>();
             fence_regs(acc);
         }

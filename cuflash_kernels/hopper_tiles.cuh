@@ -146,6 +146,21 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap* map, u32 b
                  : "memory");
 }
 
+// Named barriers over some warps of the block (id 0 is __syncthreads; count: threads, a multiple of 32).
+__device__ __forceinline__ void named_bar_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
+}
+// An arrival that orders this thread's earlier accesses before the waiters' later ones. CUFLASH_RACECHECK (the
+// CUFLASH_RACECHECK=1 build, docs/testing.md): a wait as well, the same order, which compute-sanitizer's racecheck
+// follows (it reports every access handed over by a bar.arrive as a hazard)
+__device__ __forceinline__ void named_bar_arrive(int id, int count) {
+#ifdef CUFLASH_RACECHECK
+    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
+#else
+    asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(count) : "memory");
+#endif
+}
+
 // Move registers between warpgroups (needs a register cap at kernel entry: __launch_bounds__(n, 1)).
 template <int N> __device__ __forceinline__ void setmaxnreg_inc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(N));
