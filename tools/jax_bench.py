@@ -3,6 +3,7 @@
     PYTHONPATH=. python3 tools/jax_bench.py [--shapes 1x128x8x64,4x2048x16x128] [--dtype bfloat16] [--iters 200]
                                             [--routes buffer,kernel,pure] [--no-causal] [--split]
     PYTHONPATH=. python3 tools/jax_bench.py --cpu-profile [--shapes 1x512x16x64]       # no GPU needed
+    PYTHONPATH=. python3 tools/jax_bench.py --in-program 64 [--shapes ...]               # the kernel route inside jit
 
 Each row: one shape ``batch x seqlen x heads x head_dim`` (q, k, v alike), forward and forward + backward.
 Columns: cuflash.attention on the same memory as CuPy arrays (the front door and the kernels: the raw
@@ -15,6 +16,12 @@ mean over ``--iters`` calls issued back to back with one synchronization at the 
 (small) shape it is the host's time per call, on a large one the kernels'. ``--split`` adds the time spent
 inside cuflash's callbacks per jitted call (its Python, the views of XLA's buffers, the launches): the rest of
 the overhead is JAX's and XLA's (dispatch, the custom call, entering Python).
+
+``--in-program K``: the overhead of a forward call inside a jitted program rather than of a jitted call (JAX's own
+dispatch, ~35-50 us per jitted call on the H100 machine, is paid once per program): ``jax.jit`` of K forward calls
+chained (each call's output the next one's q) by the kernel route, against the raw kernel: the same launch queued K
+times back to back from its plan (``ForwardPlan`` staged once, then only ``cuLaunchKernel``: GPU-bound). Per call:
+microseconds of each, and the difference (the kernel call's overhead over the raw launch inside a program).
 
 ``--cpu-profile`` runs no GPU: the buffer route's GPU side on JAX's CPU, with the stand-in CuPy of
 ``tests/_fake_cupy.py`` (nothing compiled, launches stubbed) and XLA's CPU buffers presented to the callback as
@@ -158,6 +165,56 @@ def cpu_profile(shapes: list[str], dtype: str, causal: bool, iters: int) -> None
     patch.undo()
 
 
+def in_program(shapes: list[str], dtype_name: str, causal: bool, calls: int, iters: int) -> None:
+    """``--in-program``: per forward call, K chained calls in one jitted program (kernel route) against K raw launches."""
+    import cupy
+    import jax
+    import jax.numpy as jnp
+
+    import cuflash
+    import cuflash.jax as cfj
+    from cuflash._cuda import attention as cuda_attention
+
+    os.environ["CUFLASH_JAX_KERNEL_CALL"] = "1"
+    gpu = next(d for d in jax.devices() if d.platform == "gpu")
+    dtype = getattr(jnp, dtype_name)
+    reps = max(1, iters // calls)
+    print(f"JAX {jax.__version__} on {gpu.device_kind}; {dtype_name}, causal={causal}; forward, {calls} calls a "
+          "program; microseconds per call")
+    print(f"{'shape':20s} {'raw':>10s} {'in jit':>10s} {'over':>10s}")
+    for text in shapes:
+        b, n, h, d = (int(x) for x in text.split("x"))
+        keys = jax.random.split(jax.random.key(0), 3)
+        q, k, v = (jax.device_put(jax.random.normal(key, (b, n, h, d), dtype), gpu) for key in keys)
+        cq, ck, cv = (cupy.from_dlpack(x) for x in (q, k, v))
+        stream = cupy.cuda.get_current_stream()
+
+        @jax.jit
+        def chain(q, k, v):
+            for _ in range(calls):
+                q = cfj.attention(q, k, v, causal=causal)
+            return q
+
+        # The raw launches: the plan's arguments staged once, then cuLaunchKernel back to back (the kernel call's
+        # launch: jaxlib loads the flat entry point of the same kernel, cuflash.jax plans the cp.async one)
+        out, lse = cuflash.attention(cq, ck, cv, causal=causal, return_lse=True)
+        variant = cuflash._variant.Variant(causal=causal)
+        cuda_attention.TMA_FORWARD, tma = False, cuda_attention.TMA_FORWARD
+        plan = cuda_attention.ForwardPlan(cq, ck, cv, scale=d ** -0.5, variant=variant, block_q=None, block_k=None)
+        cuda_attention.TMA_FORWARD = tma
+        with plan._lock:
+            plan.stage(cq.data.ptr, ck.data.ptr, cv.data.ptr, out.data.ptr, lse.data.ptr, variant.arrays)
+
+        def raw():
+            with plan._lock:
+                for _ in range(calls):
+                    plan.launch_staged(stream.ptr)
+
+        t_raw = per_call(raw, lambda *_: stream.synchronize(), reps) / calls
+        t_jit = per_call(lambda: chain(q, k, v), jax.block_until_ready, reps) / calls
+        print(f"{text:20s} {t_raw:10.1f} {t_jit:10.1f} {t_jit - t_raw:+10.1f}", flush=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=None,
@@ -169,6 +226,8 @@ def main(argv=None) -> None:
     parser.add_argument("--split", action="store_true", help="also the time inside cuflash's callbacks per call")
     parser.add_argument("--backward-kernel-calls", action="store_true",
                         help="the kernel route takes the backward too (cuflash.jax.BACKWARD_KERNEL_CALLS)")
+    parser.add_argument("--in-program", type=int, default=0, metavar="K",
+                        help="K chained calls inside one jitted program against K raw launches (kernel route)")
     parser.add_argument("--cpu-profile", action="store_true",
                         help="no GPU: Python calls and copies inside the callbacks, on JAX's CPU with a stand-in CuPy")
     args = parser.parse_args(argv)
@@ -176,6 +235,9 @@ def main(argv=None) -> None:
         cpu_profile((args.shapes or "1x128x8x64,1x512x16x64").split(","), args.dtype, args.causal, args.iters)
         return
     args.shapes = args.shapes or "1x128x8x64,1x512x16x64,2x2048x16x128,4x4096x32x128"
+    if args.in_program:
+        in_program(args.shapes.split(","), args.dtype, args.causal, args.in_program, args.iters)
+        return
 
     import cupy
     import jax
