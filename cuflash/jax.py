@@ -691,6 +691,24 @@ def _kernel_call_lowering(ctx, q, k, v, *, options, arrays, out, lse):
     return jax.ffi.ffi_lowering(_TRITON_TARGET, backend_config=opaque, api_version=2)(ctx, q, k, v)
 
 
+# A forward that the CUDA launcher runs from its TMA entry point (which has no flat twin: a kernel call would launch
+# the cp.async kernel) and of more FLOPs than this runs by the buffer callback instead, whose host cost is then the
+# smaller one: on the H100 (2026-11-28) the callback costs 45-75 us more per call than the kernel call, and at d 128
+# the TMA kernel runs 1.6x the cp.async one (650 against 390 TFLOP/s), which saves more than that from about 70
+# GFLOP (a 4 x 4096 x 32 x 128 causal forward is 275).
+KERNEL_CALL_MAX_TMA_FLOP = 64e9
+
+
+def _forward_flop(layouts, causal: bool) -> float:
+    """A forward's matrix-product FLOPs (4 B H Nq Nk d, halved when causal) from its layouts ((shape, dtype) of q, k,
+    v: (batch, seqlen, heads, d), or packed without the batch axis: then an upper bound, every query against every
+    key)."""
+    (q_shape, _), (k_shape, _) = layouts[:2]
+    *lead, nq, heads, d = q_shape
+    nk = k_shape[-3]
+    return 4.0 * (lead[0] if lead else 1) * heads * nq * nk * d / (2 if causal else 1)
+
+
 @functools.lru_cache(maxsize=64)
 def _kernel_opaque(options, arrays, layouts) -> bytes | None:
     """jaxlib's kernel-call descriptor (a zlib-compressed TritonAnyKernelCall) of the planned forward of these
@@ -704,7 +722,7 @@ def _kernel_opaque(options, arrays, layouts) -> bytes | None:
     checked = _planned_options(q, k, v, {**_keywords(options, _restore(arrays)), "bias": None})
     forward = None if checked is None else checked[0].plan_forward(q, k, v, **checked[1])
     flat = None if forward is None else forward.flat_call()
-    if flat is None:
+    if flat is None or (forward.tma and _forward_flop(layouts, dict(options)["causal"]) > KERNEL_CALL_MAX_TMA_FLOP):
         return None
     spec, grid, scalars = flat
     # q, k, v (the call's operands), out, lse (its results): XLA's buffers in that order

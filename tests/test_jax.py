@@ -505,22 +505,16 @@ def cuda_buffers(monkeypatch):
     return recorder, seen, copies
 
 
-def test_kernel_call_route_lowers_the_planned_forward_for_cuda(cuda_buffers, monkeypatch):
-    """CUFLASH_JAX_KERNEL_CALL=1: lowered for CUDA, a planned forward is jaxlib's kernel call of the kernel's flat
-    entry point, with the grid and the parameters of the launch cuflash.attention makes on the same layouts (after
-    its five arrays: the sizes, strides and scale, then VariantParams field by field), q, k, v its operands and out,
-    lse its results; lowered for the CPU, and for a call the launcher does not plan as one flat launch, the buffer
-    callback. (The stand-in CuPy records the launch; jaxlib's kernel-call classes are stood in for.)"""
+def _stand_in_kernel_call(monkeypatch) -> dict:
+    """jaxlib's kernel-call classes stood in for (``made``: the last kernel's and call's arguments), the flat PTX, the
+    planning views and the switch (CUFLASH_JAX_KERNEL_CALL=1), for lowering the kernel route for CUDA on the CPU."""
     import types
-    import zlib
 
     import cupy
+    import jax._src.lib
 
-    import cuflash
     from cuflash._cuda import compile as cuda_compile
-    from cuflash._cuda.spec import VARIANT_PARAMS_DTYPE
 
-    recorder, _, _ = cuda_buffers
     made = {}
 
     class Kernel:
@@ -537,13 +531,29 @@ def test_kernel_call_route_lowers_the_planned_forward_for_cuda(cuda_buffers, mon
     triton = types.SimpleNamespace(TritonKernel=Kernel, TritonKernelCall=Call,
                                    create_array_parameter=lambda zero, align: ("array", zero, align),
                                    create_scalar_parameter=lambda value, dtype: (dtype, value))
-    import jax._src.lib
-
     monkeypatch.setattr(jax._src.lib, "gpu_triton", triton, raising=False)
     monkeypatch.setattr(cuda_compile, "flat_ptx", lambda spec, cc, name=None: (f"// {name}", "_Z4flat"))
     monkeypatch.setattr(cfj, "_cupy_view", lambda ordinal, ptr, shape, dtype: cupy.empty(shape, dtype))
     monkeypatch.setattr(cfj, "_have_kernel_call", lambda: True)
     monkeypatch.setenv("CUFLASH_JAX_KERNEL_CALL", "1")
+    return made
+
+
+def test_kernel_call_route_lowers_the_planned_forward_for_cuda(cuda_buffers, monkeypatch):
+    """CUFLASH_JAX_KERNEL_CALL=1: lowered for CUDA, a planned forward is jaxlib's kernel call of the kernel's flat
+    entry point, with the grid and the parameters of the launch cuflash.attention makes on the same layouts (after
+    its five arrays: the sizes, strides and scale, then VariantParams field by field), q, k, v its operands and out,
+    lse its results; lowered for the CPU, and for a call the launcher does not plan as one flat launch, the buffer
+    callback. (The stand-in CuPy records the launch; jaxlib's kernel-call classes are stood in for.)"""
+    import zlib
+
+    import cupy
+
+    import cuflash
+    from cuflash._cuda.spec import VARIANT_PARAMS_DTYPE
+
+    recorder, _, _ = cuda_buffers
+    made = _stand_in_kernel_call(monkeypatch)
     cfj._kernel_opaque.cache_clear()
     opaques, made_opaque = [], cfj._kernel_opaque
     monkeypatch.setattr(cfj, "_kernel_opaque", lambda *key: (opaques.append(made_opaque(*key)), opaques[-1])[1])
@@ -573,6 +583,30 @@ def test_kernel_call_route_lowers_the_planned_forward_for_cuda(cuda_buffers, mon
     slopes = jnp.linspace(0.1, 0.8, 4, dtype=jnp.float32)
     g = jax.jit(lambda q, k, v: cfj.attention(q, k, v, alibi_slopes=slopes))
     assert "triton_kernel_call" not in g.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_a_large_forward_the_launcher_runs_by_tma_takes_the_buffer_callback(cuda_buffers, monkeypatch):
+    """Lowered for CUDA, a forward that the launcher runs from its TMA entry point (no flat twin) takes the buffer
+    callback above KERNEL_CALL_MAX_TMA_FLOP (its FLOPs counted from the layouts, halved when causal), the kernel call
+    (of the cp.async kernel's flat entry point) below it, and the kernel call whatever its size where the launcher
+    plans no TMA."""
+    from cuflash._cuda import tensor_map
+
+    _stand_in_kernel_call(monkeypatch)
+    monkeypatch.setattr(tensor_map, "available", lambda: True)
+    q, k, v = _inputs((2, 96, 160, 4, 2, 128), jnp.bfloat16, seed=6)
+    flop = 4 * 2 * 4 * 96 * 160 * 128 / 2
+
+    def lowered(limit):
+        monkeypatch.setattr(cfj, "KERNEL_CALL_MAX_TMA_FLOP", limit)
+        cfj._kernel_opaque.cache_clear()
+        f = jax.jit(lambda q, k, v: cfj.attention(q, k, v, causal=True))  # (a new function: no cached lowering)
+        return f.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+
+    assert "triton_kernel_call" in lowered(flop) and "xla_buffer_python" not in lowered(flop)
+    assert "triton_kernel_call" not in lowered(flop - 1) and "xla_buffer_python" in lowered(flop - 1)
+    monkeypatch.setattr(tensor_map, "available", lambda: False)  # (no TMA: the kernel call at any size)
+    assert "triton_kernel_call" in lowered(0)
 
 
 @pytest.mark.parametrize("deterministic,heads_kv", [(False, 2), (True, 4)])

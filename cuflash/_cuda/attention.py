@@ -532,6 +532,12 @@ class ForwardPlan(_Plan):
             tuple(self._launch.word(vp, offset) for offset in VARIANT_POINTER_FIELDS))
         self._lse_size = int(np.prod(self.lse_shape))
 
+    @property
+    def tma(self) -> bool:
+        """Whether the planned kernel is the TMA entry point (which :meth:`flat_call` does not name: it has no flat
+        twin, so a flat launcher runs the cp.async kernel)."""
+        return bool(self._maps)
+
     def flat_call(self):
         """The planned launch for launchers that load the kernel themselves and pass its parameters one by one
         (:mod:`cuflash.jax`'s kernel calls): ``(spec, grid, scalars)``, ``scalars`` the parameters after the five
