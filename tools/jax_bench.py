@@ -224,6 +224,8 @@ def main(argv=None) -> None:
     parser.add_argument("--routes", default="buffer", help="comma-separated: buffer, kernel, pure")
     parser.add_argument("--no-causal", dest="causal", action="store_false")
     parser.add_argument("--split", action="store_true", help="also the time inside cuflash's callbacks per call")
+    parser.add_argument("--max-tma-flop", type=float, default=None,
+                        help="cuflash.jax.KERNEL_CALL_MAX_TMA_FLOP for this run (inf: the kernel call at any size)")
     parser.add_argument("--backward-kernel-calls", action="store_true",
                         help="the kernel route takes the backward too (cuflash.jax.BACKWARD_KERNEL_CALLS)")
     parser.add_argument("--in-program", type=int, default=0, metavar="K",
@@ -247,6 +249,8 @@ def main(argv=None) -> None:
     import cuflash.jax as cfj
 
     cfj.BACKWARD_KERNEL_CALLS = args.backward_kernel_calls
+    if args.max_tma_flop is not None:
+        cfj.KERNEL_CALL_MAX_TMA_FLOP = args.max_tma_flop
     gpu = next((d for d in jax.devices() if d.platform == "gpu"), None)
     if gpu is None:
         raise SystemExit(f"no JAX GPU device (JAX {jax.__version__}, backend {jax.default_backend()})")
