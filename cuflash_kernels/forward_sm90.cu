@@ -97,22 +97,26 @@ struct Sm90Config {
 #endif
 constexpr int kTurnBar = 3;
 
-// The tensor maps of the TMA entry point: q, k and v as 4-d tensors (columns, rows, heads, batch).
+// The tensor maps of the TMA entry point: q, k and v as 4-d tensors (columns, rows, heads, batch; a packed batch's
+// batch axis of one).
 struct FwdMaps {
     const TensorMap *q, *k, *v;
 };
 
 // Template arguments as the launcher's tile table: kBlockM query rows (kBlockM / 64 computing
 // warpgroups), kBlockN key rows, kNWarps warps (see Sm90Config), kStages = 2 K/V buffers; kTma: the
-// warp-specialized variant's producer copies through `maps` (padded batches only: a packed batch's or a padded
-// one's sequence ends inside the tensor, where a box would not read zeros).
+// warp-specialized variant's producer copies through `maps`. [tma tail] Where a sequence's keys end inside the
+// tensor (a packed batch, key counts), a box reads the rows past them as they are (the next sequence's, padding),
+// not zeros: their scores are masked (assigned -inf), but 0 x a NaN or an infinity there would reach O through
+// P V, so the producer's first warp zeroes the last V tile's rows past the keys before the computing warpgroups'
+// last P V reads it (barrier tail_v).
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V, bool kTma = false>
 __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const VariantParams vp,
                                                const FwdMaps maps = FwdMaps{}) {
     using Cfg = Sm90Config<kHeadDim, kBlockM, kBlockN, kNWarps>;
     constexpr bool kWS = Cfg::kWS;
-    static_assert(!kTma || (kWS && !V::Is_varlen && !V::Has_seqused && !V::Pads_head_dim),
-                  "TMA: a producer warpgroup, sequences that end with their tensors, whole head dims");
+    static_assert(!kTma || (kWS && !V::Pads_head_dim), "TMA: a producer warpgroup, whole head dims");
+    constexpr bool kTmaTail = kTma && (V::Is_varlen || V::Has_seqused);  // [tma tail]
     static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head dim: whole 64-column swizzle blocks, wgmma n <= 256");
     static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "key tile: wgmma n = kBlockN");
     static_assert(kNWarps % 4 == 0 && kNWarps >= 4 && kNWarps <= 16, "one to four warpgroups");
@@ -136,6 +140,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
     // mbarriers of the warp-specialized variant: Q landed, K/V buffer landed, K/V buffer free.
     const u32 bar = smem_u32(sV + 2 * kKVTile);
     const u32 full_q = bar, full_k = bar + 8, full_v = bar + 24, free_k = bar + 40, free_v = bar + 56;
+    const u32 tail_v = bar + 72;  // (TMA with sequence lengths: the last V tile's rows past the keys zeroed)
     // [variant bias tile] 2 buffers of kBlockM x kBlockN bias entries, after the mbarriers' 128 bytes.
     using BiasT = typename BlockInfo<V>::BiasT;
     BiasT* sBias = reinterpret_cast<BiasT*>(reinterpret_cast<unsigned char*>(sV + 2 * kKVTile) + 128);
@@ -194,22 +199,44 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
         if (n_end == 0) return;
         if constexpr (kTma) {
             // One thread: Q, then K_j and V_j into buffer j % 2 once it is free. A tile is kHeadDim / 64 boxes of 64
-            // columns by its rows, its barrier told their bytes first.
-            if (ptid != 0) return;
-            auto copy = [&](u32 dst, const TensorMap* map, u32 landed, int rows, int row, int head) {
-                mbar_expect_tx(landed, rows * kHeadDim * 2);
+            // columns by its rows, its barrier told their bytes first. (Rows in the tensor: a packed sequence's
+            // start added, its batch coordinate 0.)
+            if (ptid >= (kTmaTail ? 32 : 1)) return;
+            if (ptid == 0) {
+                const int batch = V::Is_varlen ? 0 : b;
+                auto copy = [&](u32 dst, const TensorMap* map, u32 landed, int rows, int row, int head) {
+                    mbar_expect_tx(landed, rows * kHeadDim * 2);
 #pragma unroll
-                for (int c = 0; c < kHeadDim / 64; ++c) {
-                    tma_load_4d(dst + c * rows * 128, map, landed, c * 64, row, head, b);
+                    for (int c = 0; c < kHeadDim / 64; ++c) {
+                        tma_load_4d(dst + c * rows * 128, map, landed, c * 64, row, head, batch);
+                    }
+                };
+                copy(smem_u32(sQ), maps.q, full_q, kBlockM, bi.q0 + m0, h);
+                for (int j = 0; j < n_end; ++j) {
+                    const int buf = j & 1, row = bi.k0 + n_shift + tile_row(j);
+                    if (j >= 2) mbar_wait(free_k + 8 * buf, ((j >> 1) - 1) & 1);
+                    copy(smem_u32(sK + buf * kKVTile), maps.k, full_k + 8 * buf, kBlockN, row, h_kv);
+                    if (j >= 2) mbar_wait(free_v + 8 * buf, ((j >> 1) - 1) & 1);
+                    copy(smem_u32(sV + buf * kKVTile), maps.v, full_v + 8 * buf, kBlockN, row, h_kv);
                 }
-            };
-            copy(smem_u32(sQ), maps.q, full_q, kBlockM, m0, h);
-            for (int j = 0; j < n_end; ++j) {
-                const int buf = j & 1, row = n_shift + tile_row(j);
-                if (j >= 2) mbar_wait(free_k + 8 * buf, ((j >> 1) - 1) & 1);
-                copy(smem_u32(sK + buf * kKVTile), maps.k, full_k + 8 * buf, kBlockN, row, h_kv);
-                if (j >= 2) mbar_wait(free_v + 8 * buf, ((j >> 1) - 1) & 1);
-                copy(smem_u32(sV + buf * kKVTile), maps.v, full_v + 8 * buf, kBlockN, row, h_kv);
+            }
+            if constexpr (kTmaTail) {
+                // [tma tail] The first warp: once the last V tile has landed, its rows from `kept` on are zeroed (each
+                // row's 128 bytes in every 64-column block: the swizzle moves chunks only within a row), fenced for
+                // the tensor cores, and the computing warpgroups told (tail_v counts the warp's 32 threads).
+                __syncwarp();
+                const int last = n_end - 1, kept = len_k - tile_row(last);
+                if (kept < kBlockN) {
+                    mbar_wait(full_v + 8 * (last & 1), (last >> 1) & 1);
+                    u16* tile = sV + (last & 1) * kKVTile;
+                    const int first = max(kept, 0), rows = kBlockN - first;
+                    for (int i = ptid; i < rows * (kHeadDim / 64) * 8; i += 32) {  // (16-byte chunks)
+                        const int r = first + (i >> 3) % rows, c = (i >> 3) / rows;
+                        *reinterpret_cast<uint4*>(tile + c * kBlockN * 64 + r * 64 + (i & 7) * 8) = uint4{0, 0, 0, 0};
+                    }
+                    fence_proxy_async();
+                    mbar_arrive(tail_v);
+                }
             }
             return;
         }
@@ -404,6 +431,9 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
             // The last P V.
             if constexpr (kWS) {
                 mbar_wait(full_v + 8 * ((n_end - 1) & 1), ((n_end - 1) >> 1) & 1);
+                if constexpr (kTmaTail) {  // [tma tail]
+                    if (len_k - tile_row(n_end - 1) < kBlockN) mbar_wait(tail_v, 0);
+                }
             } else {
                 landed_all();
             }
@@ -454,6 +484,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
         if (tid == 0) {
             constexpr int kLanded = kTma ? 1 : 128;  // (TMA: the issuing thread's arrival with its bytes)
             mbar_init(full_q, kLanded);
+            if constexpr (kTmaTail) mbar_init(tail_v, 32);
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 mbar_init(full_k + 8 * i, kLanded);

@@ -41,8 +41,8 @@ def test_the_forward_copies_by_tma_where_a_call_allows_it(monkeypatch):
     """(CPU, stand-in CuPy) On sm_90 a 16-bit forward at a head dim of an ("fwd", "sm90a_tma") row runs the wgmma
     kernel's TMA entry point with a 4-d map of each of q, k and v (columns, rows, heads, batch; boxes of 64 columns by
     the tile's rows; the arrays' byte strides, an axis of one element given 16), encoded at each new address only;
-    packed batches, key counts, the switch off, a head dim without a row and a query sequence shorter than
-    TMA_MIN_ROWS_Q run the cp.async kernel; the plan's flat
+    packed batches (their maps with a batch axis of one) and key counts run it too; the switch off, a head dim
+    without a row, a bias with dropout and a query sequence shorter than TMA_MIN_ROWS_Q run the cp.async kernel; the plan's flat
     call (cuflash.jax's kernel calls) names the cp.async kernel either way."""
     import ml_dtypes
     import numpy as np
@@ -96,11 +96,25 @@ def test_the_forward_copies_by_tma_where_a_call_allows_it(monkeypatch):
     assert [e[1:3] for e in encoded] == [((128, 200, 4, 1), (256, 200 * 256, 16))] * 3
     encoded.clear()
 
+    # key counts and packed batches (the kernel zeroes the rows a box reads past a sequence's keys): a packed
+    # array's map has a batch axis of one
     lens = cp.asarray(np.array([100, 260], np.int32))
-    cuflash.attention(q, k, v, seqused_k=lens)
+    cuflash.attention(q2, k, v, seqused_k=lens)
+    assert kernels() == ["cuflash::flash_fwd_sm90_tma_kernel"]  # (a plan of its own: its maps)
+    assert [e[:2] for e in encoded] == [(q2.data.ptr, (128, 300, 4, 2)), (k.data.ptr, (128, 260, 2, 2)),
+                                        (v.data.ptr, (128, 260, 2, 2))]
+    encoded.clear()
     cu = cp.asarray(np.array([0, 100, 300], np.int32))
-    cuflash.attention(q[0], q[0], q[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=200, max_seqlen_k=200)
+    qp, kp, vp = arr(300, 4, 128), arr(300, 2, 128), arr(300, 2, 128)
+    cuflash.attention(qp, kp, vp, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=200, max_seqlen_k=200)
+    assert kernels() == ["cuflash::flash_fwd_sm90_tma_kernel"]
+    assert [e[1:] for e in encoded] == [((128, 300, 4, 1), (1024, 256, 16), (64, tile.block_m, 1, 1)),
+                                        ((128, 300, 2, 1), (512, 256, 16), (64, tile.block_n, 1, 1)),
+                                        ((128, 300, 2, 1), (512, 256, 16), (64, tile.block_n, 1, 1))]
+    encoded.clear()
     cuflash.attention(arr(1, 64, 2, 96), arr(1, 64, 2, 96), arr(1, 64, 2, 96))
+    bias = cp.asarray(rng.standard_normal((2, 4, 300, 260)).astype(np.float32))
+    cuflash.attention(q, k, v, bias=bias, dropout_p=0.1, dropout_seed=1)  # (a bias with dropout: see _tma_forward)
     short = attention.TMA_MIN_ROWS_Q[64] - 1  # (d 64: a short query sequence runs the cp.async tile)
     cuflash.attention(arr(1, short, 2, 64), arr(1, 64, 2, 64), arr(1, 64, 2, 64))
     monkeypatch.setattr(attention, "TMA_FORWARD", False)

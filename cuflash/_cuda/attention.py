@@ -221,28 +221,30 @@ TMA_MIN_ROWS_Q = {64: 1025}
 def _tma_forward(spec, variant: Variant, arrays, max_q: int) -> Tile | None:
     """The tile of the TMA entry point for a forward the launcher planned as ``spec`` (the wgmma kernel's), or None:
     a ("fwd", "sm90a_tma", d) row (and a query sequence of :data:`TMA_MIN_ROWS_Q` rows or more where it sets a
-    minimum), no staged bias (the producer stages none), sequences that end with their tensors
-    (no packed batch, no key counts: a box reads zeros only past the tensor's end), strides of q, k and v that are
-    non-zero multiples of 16 bytes with contiguous rows (the tensor maps'), and a driver that encodes maps."""
-    if not TMA_FORWARD or spec.family != "fwd_sm90" or staged_bias_bytes(spec.variant):
+    minimum), no staged bias (the producer stages none), strides of q, k and v that are non-zero multiples of 16 bytes
+    with contiguous rows (the tensor maps'), and a driver that encodes maps. Packed batches and key counts included:
+    the kernel zeroes the rows past a sequence's keys that a box reads (forward_sm90.cu's [tma tail]). Not a bias with
+    dropout: with both, a window and key counts, its computing warpgroups spill at their 240 registers (NVRTC)."""
+    if (not TMA_FORWARD or spec.family != "fwd_sm90" or staged_bias_bytes(spec.variant)
+            or (variant.bias is not None and has_dropout(variant))):
         return None
     tile = TILES.get(("fwd", "sm90a_tma", spec.head_dim))
-    if (tile is None or max_q < TMA_MIN_ROWS_Q.get(spec.head_dim, 0) or variant.is_varlen
-            or variant.seqused_k is not None or not tensor_map.available()):
+    if tile is None or max_q < TMA_MIN_ROWS_Q.get(spec.head_dim, 0) or not tensor_map.available():
         return None
     for a in arrays:
-        if a.ndim != 4 or a.strides[3] != a.itemsize or any(n > 1 and (s <= 0 or s % 16)
-                                                             for n, s in zip(a.shape[:3], a.strides[:3])):
+        if a.strides[-1] != a.itemsize or any(n > 1 and (s <= 0 or s % 16) for n, s in zip(a.shape[:-1], a.strides)):
             return None
     return tile
 
 
 def _tensor_map(a, box_rows: int):
-    """The TMA entry point's map of q, k or v (batch, rows, heads, d): 4-d, columns innermost, boxes of 64 columns
-    by ``box_rows`` rows (the tile's: Q block_m, K and V block_n). An axis of one element is never stepped along: its
-    stride, whatever the array says, is given as 16 bytes (the map's strides must be multiples of 16)."""
-    batch, rows, heads, d = a.shape
-    sb, ss, sh = (s if n > 1 else 16 for n, s in zip(a.shape[:3], a.strides[:3]))
+    """The TMA entry point's map of q, k or v ((batch,) rows, heads, d; a packed batch's without its batch axis): 4-d,
+    columns innermost, then rows, heads, batch (1 when packed), boxes of 64 columns by ``box_rows`` rows (the tile's:
+    Q block_m, K and V block_n). An axis of one element is never stepped along: its stride, whatever the array says,
+    is given as 16 bytes (the map's strides must be multiples of 16)."""
+    shape, strides = (a.shape, a.strides) if a.ndim == 4 else ((1, *a.shape), (16, *a.strides))
+    batch, rows, heads, d = shape
+    sb, ss, sh = (s if n > 1 else 16 for n, s in zip(shape[:3], strides[:3]))
     return tensor_map.TensorMap((d, rows, heads, batch), (ss, sh, sb), (64, box_rows, 1, 1))
 
 

@@ -798,10 +798,12 @@ def instantiations() -> list[KernelSpec]:
         dtype = "float32" if _float32_only(fam, row[1]) else "bfloat16"
         add(KernelSpec(fam, dtype, 128, TILES[(*row, 128)], causal_mod, fam.startswith("bwd_dkdv"), row[1]))
     add(KernelSpec("bwd_dq_f32", "float32", 128, variant=causal_mod))
-    # The TMA entry point takes every flag but packed sequences and key padding (attention._tma_forward)
+    # The TMA entry point takes every flag (a bias read from global memory: its producer stages none), but not a bias
+    # with dropout (attention._tma_forward)
     tma_tile = TILES[("fwd", "sm90a_tma", 128)]
-    for v in (*(v for v in _SHOWCASE if not v[2] and not v[3]), (True, True, False, False, True, True, True, True)):
-        add(KernelSpec("fwd_sm90_tma", "bfloat16", 128, tma_tile, _policy(v), arch="sm90a"))
+    for v in _SHOWCASE:
+        add(KernelSpec("fwd_sm90_tma", "bfloat16", 128, tma_tile, _policy(v[:6] + (v[6] and not v[7], v[7])),
+                       arch="sm90a"))
     add(KernelSpec("fwd_sm90_tma", "bfloat16", 128, tma_tile, causal_mod, arch="sm90a"))
     # [variant head dim] head dims read in place below the kernel's (d 80 on the 96 kernel; 200 on 224), causal.
     causal_pads = _policy((False, True, False, False, False, False, False, False), None, True)
