@@ -56,6 +56,7 @@ def test_the_forward_copies_by_tma_where_a_call_allows_it(monkeypatch):
     gpu_skip_reason()
     cp, recorder = install(monkeypatch)
     monkeypatch.setattr(tensor_map, "available", lambda: True)
+    monkeypatch.setattr(attention, "TMA_SEQUENCE_LENGTHS", True)  # (off by default until run on a GPU)
     encoded = []
 
     def encode(address, dtype, rank, ptr, dims, strides, box, elem, interleave, swizzle, l2, oob):
@@ -112,6 +113,10 @@ def test_the_forward_copies_by_tma_where_a_call_allows_it(monkeypatch):
                                         ((128, 300, 2, 1), (512, 256, 16), (64, tile.block_n, 1, 1)),
                                         ((128, 300, 2, 1), (512, 256, 16), (64, tile.block_n, 1, 1))]
     encoded.clear()
+    monkeypatch.setattr(attention, "TMA_SEQUENCE_LENGTHS", False)  # (the default until run on a GPU)
+    cuflash.attention(q2, k, v, seqused_k=lens)
+    assert kernels() == ["cuflash::flash_fwd_sm90_kernel"] and encoded == []
+    monkeypatch.setattr(attention, "TMA_SEQUENCE_LENGTHS", True)
     cuflash.attention(arr(1, 64, 2, 96), arr(1, 64, 2, 96), arr(1, 64, 2, 96))
     bias = cp.asarray(rng.standard_normal((2, 4, 300, 260)).astype(np.float32))
     cuflash.attention(q, k, v, bias=bias, dropout_p=0.1, dropout_seed=1)  # (a bias with dropout: see _tma_forward)

@@ -14,6 +14,7 @@ kernels index as one batch of ``total`` rows, as they do D and the float32 dQ an
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from typing import Any, NamedTuple
 
@@ -213,6 +214,9 @@ def plan_tile(direction: str, d: int, block_q, block_k) -> Tile:
 # The wgmma forward from its TMA entry point (flash_fwd_sm90_tma_kernel) where a call allows it (_tma_forward); False:
 # the cp.async kernel everywhere (for comparisons; read when a forward is planned).
 TMA_FORWARD = True
+# Packed batches and key counts from the TMA entry point too (forward_sm90.cu's [tma tail]: built and checked on the
+# CPU, off until it has run on a GPU; CUFLASH_TMA_SEQUENCE_LENGTHS=1 turns it on).
+TMA_SEQUENCE_LENGTHS = os.environ.get("CUFLASH_TMA_SEQUENCE_LENGTHS") == "1"
 # Head dims whose TMA tile is slower than the cp.async one on short query sequences: the longest sequence of queries
 # from which it runs (d 64: its 192-row tiles against two 128-row blocks per SM, H100 2026-11-28).
 TMA_MIN_ROWS_Q = {64: 1025}
@@ -226,7 +230,8 @@ def _tma_forward(spec, variant: Variant, arrays, max_q: int) -> Tile | None:
     the kernel zeroes the rows past a sequence's keys that a box reads (forward_sm90.cu's [tma tail]). Not a bias with
     dropout: with both, a window and key counts, its computing warpgroups spill at their 240 registers (NVRTC)."""
     if (not TMA_FORWARD or spec.family != "fwd_sm90" or staged_bias_bytes(spec.variant)
-            or (variant.bias is not None and has_dropout(variant))):
+            or (variant.bias is not None and has_dropout(variant))
+            or (not TMA_SEQUENCE_LENGTHS and (variant.is_varlen or variant.seqused_k is not None))):
         return None
     tile = TILES.get(("fwd", "sm90a_tma", spec.head_dim))
     if tile is None or max_q < TMA_MIN_ROWS_Q.get(spec.head_dim, 0) or not tensor_map.available():
@@ -382,7 +387,7 @@ def call_context() -> tuple:
     ExtraParams copy and block lists are made on one; its run takes the pointer), and the benchmarks' switches of
     the Hopper kernels."""
     rt = runtime()
-    return rt.get_device(), rt.current_stream().ptr, SM90A_FORWARD, SM90A_BACKWARD, TMA_FORWARD
+    return rt.get_device(), rt.current_stream().ptr, SM90A_FORWARD, SM90A_BACKWARD, TMA_FORWARD, TMA_SEQUENCE_LENGTHS
 
 
 def _ptr(a) -> int:
