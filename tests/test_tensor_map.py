@@ -41,8 +41,9 @@ def test_the_forward_copies_by_tma_where_a_call_allows_it(monkeypatch):
     """(CPU, stand-in CuPy) On sm_90 a 16-bit forward at a head dim of an ("fwd", "sm90a_tma") row runs the wgmma
     kernel's TMA entry point with a 4-d map of each of q, k and v (columns, rows, heads, batch; boxes of 64 columns by
     the tile's rows; the arrays' byte strides, an axis of one element given 16), encoded at each new address only;
-    packed batches, key counts, the switch off, a head dim without a row and a query sequence shorter than
-    TMA_MIN_ROWS_Q run the cp.async kernel; the plan's flat
+    head dims below a row's run it padded (Pads_head_dim; the maps of the arrays' head dims); packed batches, key
+    counts, the switch off, TMA_PADDED off at d 96 and a query sequence shorter than TMA_MIN_ROWS_Q run the cp.async
+    kernel; the plan's flat
     call (cuflash.jax's kernel calls) names the cp.async kernel either way."""
     import ml_dtypes
     import numpy as np
@@ -100,7 +101,9 @@ def test_the_forward_copies_by_tma_where_a_call_allows_it(monkeypatch):
     cuflash.attention(q, k, v, seqused_k=lens)
     cu = cp.asarray(np.array([0, 100, 300], np.int32))
     cuflash.attention(q[0], q[0], q[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=200, max_seqlen_k=200)
+    monkeypatch.setattr(attention, "TMA_PADDED", False)  # (d 96: its own kernel, or below the d 128 one's)
     cuflash.attention(arr(1, 64, 2, 96), arr(1, 64, 2, 96), arr(1, 64, 2, 96))
+    monkeypatch.setattr(attention, "TMA_PADDED", True)
     short = attention.TMA_MIN_ROWS_Q[64] - 1  # (d 64: a short query sequence runs the cp.async tile)
     cuflash.attention(arr(1, short, 2, 64), arr(1, 64, 2, 64), arr(1, 64, 2, 64))
     monkeypatch.setattr(attention, "TMA_FORWARD", False)
@@ -109,6 +112,14 @@ def test_the_forward_copies_by_tma_where_a_call_allows_it(monkeypatch):
     monkeypatch.setattr(attention, "TMA_FORWARD", True)
     cuflash.attention(arr(1, short + 1, 2, 64), arr(1, 64, 2, 64), arr(1, 64, 2, 64))
     assert kernels() == ["cuflash::flash_fwd_sm90_tma_kernel"] and len(encoded) == 3
+    encoded.clear()
+
+    # [variant head dim] d 96 on the d 128 kernel, v of d 64 (its maps hold the arrays' head dims: zeros past them)
+    q96, k96, v64 = arr(1, 64, 2, 96), arr(1, 64, 2, 96), arr(1, 64, 2, 64)
+    out = cuflash.attention(q96, k96, v64)
+    (name,) = [launch[0] for launch in recorder.take() if len(launch) == 6]
+    assert name.startswith("cuflash::flash_fwd_sm90_tma_kernel<cuflash::bf16, 128,") and name.endswith("true>>")
+    assert [e[1] for e in encoded] == [(96, 64, 2, 1), (96, 64, 2, 1), (64, 64, 2, 1)] and out.shape == (1, 64, 2, 64)
 
     plan = attention.ForwardPlan(q, k, v, scale=0.1, variant=cuflash._variant.Variant(causal=True), block_q=None,
                                  block_k=None)

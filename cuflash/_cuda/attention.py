@@ -216,25 +216,37 @@ TMA_FORWARD = True
 # Head dims whose TMA tile is slower than the cp.async one on short query sequences: the longest sequence of queries
 # from which it runs (d 64: its 192-row tiles against two 128-row blocks per SM, H100 2026-11-28).
 TMA_MIN_ROWS_Q = {64: 1025}
+# Head dims below a TMA row's (d 32 on the d 64 kernel, 96 on 128, ...) from the TMA entry point too (the maps read
+# zeros in the missing columns); False: the kernel of their own head dim (mma.sync on sm_90 below 64 and at 96).
+TMA_PADDED = True
 
 
-def _tma_forward(spec, variant: Variant, arrays, max_q: int) -> Tile | None:
-    """The tile of the TMA entry point for a forward the launcher planned as ``spec`` (the wgmma kernel's), or None:
-    a ("fwd", "sm90a_tma", d) row (and a query sequence of :data:`TMA_MIN_ROWS_Q` rows or more where it sets a
-    minimum), no staged bias (the producer stages none), sequences that end with their tensors
-    (no packed batch, no key counts: a box reads zeros only past the tensor's end), strides of q, k and v that are
-    non-zero multiples of 16 bytes with contiguous rows (the tensor maps'), and a driver that encodes maps."""
-    if not TMA_FORWARD or spec.family != "fwd_sm90" or staged_bias_bytes(spec.variant):
-        return None
-    tile = TILES.get(("fwd", "sm90a_tma", spec.head_dim))
-    if (tile is None or max_q < TMA_MIN_ROWS_Q.get(spec.head_dim, 0) or variant.is_varlen
+def _tma_forward(spec, variant: Variant, arrays, max_q: int, block_q, block_k) -> tuple[int, Tile] | None:
+    """``(kernel head dim, tile)`` of the TMA entry point for a 16-bit forward the launcher planned as ``spec`` (the
+    wgmma kernel's or the mma.sync one's), or None. Its head dim: the arrays' (q and k's, v's) rounded up to a
+    multiple of 64 with a ("fwd", "sm90a_tma", d) row; below it ([variant head dim], :data:`TMA_PADDED`) the maps read
+    zeros in the missing columns. Also: an sm_90 device and no block sizes of the caller's, a query sequence of
+    :data:`TMA_MIN_ROWS_Q` rows or more where the head dim sets a minimum, no staged bias (the producer stages none)
+    and not a bias with dropout (with both, a window and key counts, its computing warpgroups spill at their 240
+    registers), sequences that end with their tensors (no packed batch, no key counts: a box reads zeros only past
+    the tensor's end), strides of q, k and v that are non-zero multiples of 16 bytes with contiguous rows (the tensor
+    maps'), and a driver that encodes maps."""
+    if (not TMA_FORWARD or spec.family not in ("fwd_sm90", "fwd") or staged_bias_bytes(spec.variant)
+            or block_q is not None or block_k is not None or device_info()[0] != 90
+            or (variant.bias is not None and has_dropout(variant)) or variant.is_varlen
             or variant.seqused_k is not None or not tensor_map.available()):
+        return None
+    q, _, v = arrays
+    d = -(-max(q.shape[-1], v.shape[-1]) // 64) * 64
+    tile = TILES.get(("fwd", "sm90a_tma", d))
+    if (tile is None or max_q < TMA_MIN_ROWS_Q.get(d, 0)
+            or (not TMA_PADDED and (d != q.shape[-1] or d != v.shape[-1]))):
         return None
     for a in arrays:
         if a.ndim != 4 or a.strides[3] != a.itemsize or any(n > 1 and (s <= 0 or s % 16)
                                                              for n, s in zip(a.shape[:3], a.strides[:3])):
             return None
-    return tile
+    return d, tile
 
 
 def _tensor_map(a, box_rows: int):
@@ -510,9 +522,11 @@ class ForwardPlan(_Plan):
                 spec = kernel_spec("fwd", dtype, d, plan_tile("fwd", d, block_q, block_k), vtype)
         flat_spec = spec  # (the kernel of flat_call: the TMA entry point has no flat twin)
         self._maps = ()
-        tma_tile = _tma_forward(spec, variant, (q, k, v), shp.max_q)
-        if tma_tile is not None:
-            spec = kernel_spec("fwd_sm90_tma", dtype, d, tma_tile, vtype)
+        tma = None if dtype not in CTYPES else _tma_forward(spec, variant, (q, k, v), shp.max_q, block_q, block_k)
+        if tma is not None:
+            d, tma_tile = tma
+            pads = d != shp.head_dim or d != dv
+            spec = kernel_spec("fwd_sm90_tma", dtype, d, tma_tile, variant_type(variant, pads_head_dim=pads))
             self._maps = (_tensor_map(q, tma_tile.block_m), _tensor_map(k, tma_tile.block_n),
                           _tensor_map(v, tma_tile.block_n))
         check_smem(spec)
