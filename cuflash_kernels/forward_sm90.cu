@@ -115,8 +115,12 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
                                                const FwdMaps maps = FwdMaps{}) {
     using Cfg = Sm90Config<kHeadDim, kBlockM, kBlockN, kNWarps>;
     constexpr bool kWS = Cfg::kWS;
-    static_assert(!kTma || (kWS && !V::Pads_head_dim), "TMA: a producer warpgroup, whole head dims");
+    static_assert(!kTma || kWS, "TMA: a producer warpgroup");
     constexpr bool kTmaTail = kTma && (V::Is_varlen || V::Has_seqused);  // [tma tail]
+    // [variant head dim] Head dims below the kernel's from the TMA entry point only: the maps hold the arrays' head
+    // dims, so a box reads zeros in the columns past them (they add nothing to Q K^T, and give O columns that are not
+    // stored); the cp.async loads read whole rows.
+    static_assert(!V::Pads_head_dim || kTma, "head dims below the kernel's: the TMA entry point");
     static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head dim: whole 64-column swizzle blocks, wgmma n <= 256");
     static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "key tile: wgmma n = kBlockN");
     static_assert(kNWarps % 4 == 0 && kNWarps >= 4 && kNWarps <= 16, "one to four warpgroups");
@@ -467,13 +471,14 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
         }
         warpgroup_sync(wg);
         constexpr int kChunks = kHeadDim / 8;
+        const int v_cols = bi.template v_cols8<kHeadDim>();  // ([variant head dim] the output's 8-column chunks)
         u16* og = o + b * o_sb + h * o_sh + (i64)bi.q0 * o_ss;
         const int wtid = tid & 127;
 #pragma unroll
         for (int i = wtid; i < 64 * kChunks; i += 128) {
             const int r = wg * 64 + i / kChunks, c = i % kChunks;
             const int row = m0 + r;
-            if (row < len_q) {
+            if (row < len_q && c < v_cols) {
                 *reinterpret_cast<uint4*>(og + (i64)row * o_ss + c * 8) =
                     *reinterpret_cast<const uint4*>(sQ + sw128_offset<kBlockM>(r, c));
             }

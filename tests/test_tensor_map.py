@@ -41,8 +41,9 @@ def test_the_forward_copies_by_tma_where_a_call_allows_it(monkeypatch):
     """(CPU, stand-in CuPy) On sm_90 a 16-bit forward at a head dim of an ("fwd", "sm90a_tma") row runs the wgmma
     kernel's TMA entry point with a 4-d map of each of q, k and v (columns, rows, heads, batch; boxes of 64 columns by
     the tile's rows; the arrays' byte strides, an axis of one element given 16), encoded at each new address only;
-    packed batches (their maps with a batch axis of one) and key counts run it too; the switch off, a head dim
-    without a row, a bias with dropout and a query sequence shorter than TMA_MIN_ROWS_Q run the cp.async kernel; the plan's flat
+    packed batches (their maps with a batch axis of one) and key counts run it too (TMA_SEQUENCE_LENGTHS), head dims
+    below a row's run it padded (Pads_head_dim; the maps of the arrays' head dims); the switches off, a bias with
+    dropout and a query sequence shorter than TMA_MIN_ROWS_Q run the cp.async kernel; the plan's flat
     call (cuflash.jax's kernel calls) names the cp.async kernel either way."""
     import ml_dtypes
     import numpy as np
@@ -57,6 +58,7 @@ def test_the_forward_copies_by_tma_where_a_call_allows_it(monkeypatch):
     cp, recorder = install(monkeypatch)
     monkeypatch.setattr(tensor_map, "available", lambda: True)
     monkeypatch.setattr(attention, "TMA_SEQUENCE_LENGTHS", True)  # (off by default until run on a GPU)
+    monkeypatch.setattr(attention, "TMA_PADDED", True)  # (the same)
     encoded = []
 
     def encode(address, dtype, rank, ptr, dims, strides, box, elem, interleave, swizzle, l2, oob):
@@ -117,7 +119,9 @@ def test_the_forward_copies_by_tma_where_a_call_allows_it(monkeypatch):
     cuflash.attention(q2, k, v, seqused_k=lens)
     assert kernels() == ["cuflash::flash_fwd_sm90_kernel"] and encoded == []
     monkeypatch.setattr(attention, "TMA_SEQUENCE_LENGTHS", True)
+    monkeypatch.setattr(attention, "TMA_PADDED", False)  # (d 96: its own kernel, or below the d 128 one's)
     cuflash.attention(arr(1, 64, 2, 96), arr(1, 64, 2, 96), arr(1, 64, 2, 96))
+    monkeypatch.setattr(attention, "TMA_PADDED", True)
     bias = cp.asarray(rng.standard_normal((2, 4, 300, 260)).astype(np.float32))
     cuflash.attention(q, k, v, bias=bias, dropout_p=0.1, dropout_seed=1)  # (a bias with dropout: see _tma_forward)
     short = attention.TMA_MIN_ROWS_Q[64] - 1  # (d 64: a short query sequence runs the cp.async tile)
@@ -128,6 +132,14 @@ def test_the_forward_copies_by_tma_where_a_call_allows_it(monkeypatch):
     monkeypatch.setattr(attention, "TMA_FORWARD", True)
     cuflash.attention(arr(1, short + 1, 2, 64), arr(1, 64, 2, 64), arr(1, 64, 2, 64))
     assert kernels() == ["cuflash::flash_fwd_sm90_tma_kernel"] and len(encoded) == 3
+    encoded.clear()
+
+    # [variant head dim] d 96 on the d 128 kernel, v of d 64 (its maps hold the arrays' head dims: zeros past them)
+    q96, k96, v64 = arr(1, 64, 2, 96), arr(1, 64, 2, 96), arr(1, 64, 2, 64)
+    out = cuflash.attention(q96, k96, v64)
+    (name,) = [launch[0] for launch in recorder.take() if len(launch) == 6]
+    assert name.startswith("cuflash::flash_fwd_sm90_tma_kernel<cuflash::bf16, 128,") and name.endswith("true>>")
+    assert [e[1] for e in encoded] == [(96, 64, 2, 1), (96, 64, 2, 1), (64, 64, 2, 1)] and out.shape == (1, 64, 2, 64)
 
     plan = attention.ForwardPlan(q, k, v, scale=0.1, variant=cuflash._variant.Variant(causal=True), block_q=None,
                                  block_k=None)

@@ -220,26 +220,38 @@ TMA_SEQUENCE_LENGTHS = os.environ.get("CUFLASH_TMA_SEQUENCE_LENGTHS") == "1"
 # Head dims whose TMA tile is slower than the cp.async one on short query sequences: the longest sequence of queries
 # from which it runs (d 64: its 192-row tiles against two 128-row blocks per SM, H100 2026-11-28).
 TMA_MIN_ROWS_Q = {64: 1025}
+# Head dims below a TMA row's (d 32 on the d 64 kernel, 96 on 128, ...) from the TMA entry point too (the maps read
+# zeros in the missing columns); off: the kernel of their own head dim (mma.sync on sm_90 below 64 and at 96). Built
+# and checked on the CPU, off until it has run on a GPU (CUFLASH_TMA_PADDED=1 turns it on).
+TMA_PADDED = os.environ.get("CUFLASH_TMA_PADDED") == "1"
 
 
-def _tma_forward(spec, variant: Variant, arrays, max_q: int) -> Tile | None:
-    """The tile of the TMA entry point for a forward the launcher planned as ``spec`` (the wgmma kernel's), or None:
-    a ("fwd", "sm90a_tma", d) row (and a query sequence of :data:`TMA_MIN_ROWS_Q` rows or more where it sets a
-    minimum), no staged bias (the producer stages none), strides of q, k and v that are non-zero multiples of 16 bytes
-    with contiguous rows (the tensor maps'), and a driver that encodes maps. Packed batches and key counts included:
-    the kernel zeroes the rows past a sequence's keys that a box reads (forward_sm90.cu's [tma tail]). Not a bias with
-    dropout: with both, a window and key counts, its computing warpgroups spill at their 240 registers (NVRTC)."""
-    if (not TMA_FORWARD or spec.family != "fwd_sm90" or staged_bias_bytes(spec.variant)
+def _tma_forward(spec, variant: Variant, arrays, max_q: int, block_q, block_k) -> tuple[int, Tile] | None:
+    """``(kernel head dim, tile)`` of the TMA entry point for a 16-bit forward the launcher planned as ``spec`` (the
+    wgmma kernel's or the mma.sync one's), or None. Its head dim: the arrays' (q and k's, v's) rounded up to a
+    multiple of 64 with a ("fwd", "sm90a_tma", d) row; below it ([variant head dim], :data:`TMA_PADDED`) the maps read
+    zeros in the missing columns. Also: an sm_90 device and no block sizes of the caller's, a query sequence of
+    :data:`TMA_MIN_ROWS_Q` rows or more where the head dim sets a minimum, no staged bias (the producer stages none)
+    and not a bias with dropout (with both, a window and key counts, its computing warpgroups spill at their 240
+    registers), strides of q, k and v that are non-zero multiples of 16 bytes with contiguous rows (the tensor maps'),
+    and a driver that encodes maps. Packed batches and key counts with :data:`TMA_SEQUENCE_LENGTHS` (the kernel zeroes
+    the rows past a sequence's keys that a box reads, forward_sm90.cu's [tma tail])."""
+    if (not TMA_FORWARD or spec.family not in ("fwd_sm90", "fwd") or staged_bias_bytes(spec.variant)
+            or block_q is not None or block_k is not None or device_info()[0] != 90
             or (variant.bias is not None and has_dropout(variant))
-            or (not TMA_SEQUENCE_LENGTHS and (variant.is_varlen or variant.seqused_k is not None))):
+            or (not TMA_SEQUENCE_LENGTHS and (variant.is_varlen or variant.seqused_k is not None))
+            or not tensor_map.available()):
         return None
-    tile = TILES.get(("fwd", "sm90a_tma", spec.head_dim))
-    if tile is None or max_q < TMA_MIN_ROWS_Q.get(spec.head_dim, 0) or not tensor_map.available():
+    q, _, v = arrays
+    d = -(-max(q.shape[-1], v.shape[-1]) // 64) * 64
+    tile = TILES.get(("fwd", "sm90a_tma", d))
+    if (tile is None or max_q < TMA_MIN_ROWS_Q.get(d, 0)
+            or (not TMA_PADDED and (d != q.shape[-1] or d != v.shape[-1]))):
         return None
     for a in arrays:
         if a.strides[-1] != a.itemsize or any(n > 1 and (s <= 0 or s % 16) for n, s in zip(a.shape[:-1], a.strides)):
             return None
-    return tile
+    return d, tile
 
 
 def _tensor_map(a, box_rows: int):
@@ -387,7 +399,8 @@ def call_context() -> tuple:
     ExtraParams copy and block lists are made on one; its run takes the pointer), and the benchmarks' switches of
     the Hopper kernels."""
     rt = runtime()
-    return rt.get_device(), rt.current_stream().ptr, SM90A_FORWARD, SM90A_BACKWARD, TMA_FORWARD, TMA_SEQUENCE_LENGTHS
+    return (rt.get_device(), rt.current_stream().ptr, SM90A_FORWARD, SM90A_BACKWARD, TMA_FORWARD, TMA_SEQUENCE_LENGTHS,
+            TMA_PADDED)
 
 
 def _ptr(a) -> int:
@@ -517,9 +530,11 @@ class ForwardPlan(_Plan):
                 spec = kernel_spec("fwd", dtype, d, plan_tile("fwd", d, block_q, block_k), vtype)
         flat_spec = spec  # (the kernel of flat_call: the TMA entry point has no flat twin)
         self._maps = ()
-        tma_tile = _tma_forward(spec, variant, (q, k, v), shp.max_q)
-        if tma_tile is not None:
-            spec = kernel_spec("fwd_sm90_tma", dtype, d, tma_tile, vtype)
+        tma = None if dtype not in CTYPES else _tma_forward(spec, variant, (q, k, v), shp.max_q, block_q, block_k)
+        if tma is not None:
+            d, tma_tile = tma
+            pads = d != shp.head_dim or d != dv
+            spec = kernel_spec("fwd_sm90_tma", dtype, d, tma_tile, variant_type(variant, pads_head_dim=pads))
             self._maps = (_tensor_map(q, tma_tile.block_m), _tensor_map(k, tma_tile.block_n),
                           _tensor_map(v, tma_tile.block_n))
         check_smem(spec)

@@ -814,6 +814,9 @@ def instantiations() -> list[KernelSpec]:
         add(KernelSpec("bwd_dkdv", "bfloat16", 96, TILES[("bwd", "sm90", 96)], causal_pads, has_dq, "sm90"))
     add(KernelSpec("bwd_dq", "bfloat16", 96, TILES[("bwd_dq", "sm90", 96)], causal_pads, arch="sm90"))
     add(KernelSpec("bwd_pre", "bfloat16", 80))
+    # ... and from the forward's TMA entry point (d 96 on the 128 kernel, 32 on the 64 one: attention._tma_forward)
+    for d in (64, 128):
+        add(KernelSpec("fwd_sm90_tma", "bfloat16", d, TILES[("fwd", "sm90a_tma", d)], causal_pads, arch="sm90a"))
     for d, dv, cc in [(d, d, 0) for d in DECODE_HEAD_DIMS] + [(*DECODE_MLA_DIMS, 0), (*DECODE_MLA_DIMS, 90)]:
         fam, tile, arch = decode_family(d, dv, cc)
         for dtype in CTYPES:
