@@ -168,7 +168,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
             mbar_init(full_q + 8, 1);
         }
         __syncthreads();
-        if (tid == 0) {
+        // (a block that no query sees copies nothing: its loop, which waits on the copies, does not run, and a copy
+        // still in flight when the block exits would land in the shared memory of the next block on the SM)
+        if (tid == 0 && 0 < m_count) {
             mbar_expect_tx(full_kv, 2 * kKVTile * 2);
             copy(smem_u32(sK), maps.k, full_kv, kBlockN, n0, h_kv);
             copy(smem_u32(sV), maps.v, full_kv, kBlockN, n0, h_kv);
