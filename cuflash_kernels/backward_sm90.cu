@@ -58,10 +58,22 @@ struct Sm90BwdConfig {
         2 * (2 * kBlockN * kHeadDim + 4 * kBlockM * kHeadDim + kBlockN * kBlockM) + 4 * 4 * kBlockM + 1024;
 };
 
+// The tensor maps of the TMA entry point: q, k, v and dO as 4-d tensors (columns, rows, heads, batch).
+struct BwdMaps {
+    const TensorMap *q, *k, *v, *dout;
+};
+
 // Template arguments as flash_bwd_dkdv_kernel's (the launcher's Tile): kBlockM streamed query rows (64),
-// kBlockN = 16 * kNWarps key rows (64 per warpgroup), kStages = 2 query buffers.
-template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V, bool Has_dQ>
-__device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, const VariantParams vp) {
+// kBlockN = 16 * kNWarps key rows (64 per warpgroup), kStages = 2 query buffers. kTma (the TMA entry point,
+// flash_bwd_dkdv_sm90_tma_kernel): [bwd tma] K, V and each query tile's Q and dO are copied by one thread with
+// tensor copies through `maps` (64-column boxes in the same swizzle, zeros past the tensors' rows), each landing
+// on an mbarrier (K and V: full_kv; query buffer i: full_q + 8 i); the rows' lse and D stay cp.async copies (rows
+// past seqlen_q read as zeros). Padded batches only (a packed or key-padded sequence ends inside its tensor, where a
+// box reads the next rows as they are), no staged bias.
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V, bool Has_dQ,
+          bool kTma = false>
+__device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, const VariantParams vp,
+                                                    const BwdMaps maps = BwdMaps{}) {
     using Cfg = Sm90BwdConfig<kHeadDim, kBlockM, kBlockN, kNWarps>;
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim: whole 64-column swizzle blocks, n = d <= 128");
     static_assert(kNWarps == 4 || kNWarps == 8, "one or two computing warpgroups");
@@ -69,6 +81,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
     static_assert(kBlockM == 64, "query tile: wgmma n = 64 for S^T, m = 64 for dQ");
     static_assert(kStages == 2, "two query buffers (the loop loads one tile ahead)");
     static_assert(Cfg::kDqN % 32 == 0, "dQ slice shape");
+    static_assert(!kTma || (!V::Is_varlen && !V::Has_seqused && !V::Pads_head_dim && !V::Bias::kStaged),
+                  "TMA: sequences that end with their tensors, whole head dims, no staged bias");
     constexpr int kThreads = kNWarps * 32;
     constexpr int kNT = kBlockM / 8;    // n8 fragments of an S^T row block (queries)
     constexpr int kDT = kHeadDim / 8;   // n8 fragments of a dK / dV row block
@@ -93,6 +107,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
     constexpr bool kStagedBias = V::Bias::kStaged;
     constexpr int kBiasTile = kBlockM * kBlockN;
     BiasT* sBias = reinterpret_cast<BiasT*>(sD + 2 * kBlockM);
+    // [bwd tma] mbarriers where a staged bias would be (the TMA entry point stages none): K and V landed, query
+    // buffer 0, 1 landed
+    const u32 full_kv = smem_u32(sD + 2 * kBlockM), full_q = full_kv + 8;
 
     int n_block, h, b;
     interleaved_block(interleave, n_block, h, b);
@@ -126,9 +143,46 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
         }
     };
 
-    load_tile_sw128<kBlockN, kHeadDim, kThreads>(sK, k + b * k_sb + h_kv * k_sh + (i64)bi.k0 * k_ss, k_ss, n0, len_k, tid);
-    load_tile_sw128<kBlockN, kHeadDim, kThreads>(sV, v + b * v_sb + h_kv * v_sh + (i64)bi.k0 * v_ss, v_ss, n0, len_k, tid);
-    if (0 < m_count) load_q_stage(0, q_tile(0));
+    // [bwd tma] One tile of `rows` rows at `row` of a map into shared memory at dst: kHeadDim / 64 boxes of 64
+    // columns, landing on `landed`, which the caller told the bytes of its copies.
+    auto copy = [&](u32 dst, const TensorMap* map, u32 landed, int rows, int row, int head) {
+#pragma unroll
+        for (int c = 0; c < kHeadDim / 64; ++c) tma_load_4d(dst + c * rows * 128, map, landed, c * 64, row, head, b);
+    };
+    // Query tile mi's Q and dO into buffer buf (one thread); its lse and D by cp.async (every thread, committed by the
+    // caller).
+    auto copy_q_stage = [&](int buf, int mi) {
+        if (tid == 0) {
+            mbar_expect_tx(full_q + 8 * buf, 2 * kQTile * 2);
+            copy(smem_u32(sQ + buf * kQTile), maps.q, full_q + 8 * buf, kBlockM, mi * kBlockM, h);
+            copy(smem_u32(sdO + buf * kQTile), maps.dout, full_q + 8 * buf, kBlockM, mi * kBlockM, h);
+        }
+        load_row_stats_async<kBlockM, kThreads>(sLse + buf * kBlockM, sD + buf * kBlockM, lse_row, delta_row,
+                                                mi * kBlockM, len_q, tid);
+    };
+
+    if constexpr (kTma) {
+        if (tid == 0) {
+            mbar_init(full_kv, 1);
+            mbar_init(full_q, 1);
+            mbar_init(full_q + 8, 1);
+        }
+        __syncthreads();
+        // (a block that no query sees copies nothing: its loop, which waits on the copies, does not run, and a copy
+        // still in flight when the block exits would land in the shared memory of the next block on the SM)
+        if (tid == 0 && 0 < m_count) {
+            mbar_expect_tx(full_kv, 2 * kKVTile * 2);
+            copy(smem_u32(sK), maps.k, full_kv, kBlockN, n0, h_kv);
+            copy(smem_u32(sV), maps.v, full_kv, kBlockN, n0, h_kv);
+        }
+        if (0 < m_count) copy_q_stage(0, q_tile(0));
+    } else {
+        const u16* kg = k + b * k_sb + h_kv * k_sh + (i64)bi.k0 * k_ss;
+        const u16* vg = v + b * v_sb + h_kv * v_sh + (i64)bi.k0 * v_ss;
+        load_tile_sw128<kBlockN, kHeadDim, kThreads>(sK, kg, k_ss, n0, len_k, tid);
+        load_tile_sw128<kBlockN, kHeadDim, kThreads>(sV, vg, v_ss, n0, len_k, tid);
+        if (0 < m_count) load_q_stage(0, q_tile(0));
+    }
     cp_async_commit();
 
     // Descriptors (layouts in hopper_tiles.cuh). K-major operands advance 32 bytes per k16 step inside a
@@ -176,7 +230,13 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
         cp_async_wait<0>();
         fence_proxy_async();
         __syncthreads();
-        if (it + 1 < m_count) load_q_stage(buf ^ 1, q_tile(it + 1));
+        if constexpr (kTma) {  // [bwd tma] (the barrier above: every wgmma that read buffer buf ^ 1 has retired)
+            if (it == 0) mbar_wait(full_kv, 0);
+            mbar_wait(full_q + 8 * buf, (it >> 1) & 1);
+            if (it + 1 < m_count) copy_q_stage(buf ^ 1, q_tile(it + 1));
+        } else {
+            if (it + 1 < m_count) load_q_stage(buf ^ 1, q_tile(it + 1));
+        }
         cp_async_commit();
 
         // [bwd 1] S^T = K Q^T and [bwd 3] dP^T = V dO^T, both in flight at once.
@@ -385,6 +445,15 @@ __global__ void __launch_bounds__(kNWarps * 32, 1)
 flash_bwd_dkdv_sm90_flat_kernel(CUFLASH_BWD_DKDV_PARAMS, CUFLASH_VARIANT_FLAT_PARAMS) {
     flash_bwd_dkdv_sm90<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, V, Has_dQ>(CUFLASH_BWD_DKDV_ARGS,
                                                                                     CUFLASH_VARIANT_FLAT_ARGS);
+}
+// ... and the TMA one ([bwd tma]), with the tensor maps of q, k, v and dO after the launcher's parameters.
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V, bool Has_dQ>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+flash_bwd_dkdv_sm90_tma_kernel(CUFLASH_BWD_DKDV_PARAMS, const VariantParams vp, const __grid_constant__ TensorMap q_map,
+                               const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map,
+                               const __grid_constant__ TensorMap do_map) {
+    flash_bwd_dkdv_sm90<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, V, Has_dQ, true>(
+        CUFLASH_BWD_DKDV_ARGS, vp, BwdMaps{&q_map, &k_map, &v_map, &do_map});
 }
 
 }  // namespace cuflash

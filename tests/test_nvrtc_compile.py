@@ -82,7 +82,10 @@ KNOWN_SPILLS = {("flash_bwd_dkdv_sm90_kernel", "softcap"): 64, ("flash_fwd_sm90_
                 # the 3xTF32 forward (first version) at d 96 / 128: big and small fragments and each k8 step's sum from zero
                 # beside S and O; spills with ALiBi in a window, a bias, dropout, user mods, and in sm_80 code at the
                 # sm_86 tiles (64 x 32, 4 warps), up to 176 bytes (docs/performance.md, "float32 on the tensor cores")
-                ("flash_fwd_kernel", "tf32x3"): 192}
+                ("flash_fwd_kernel", "tf32x3"): 192,
+                # the backward's TMA entry point: the same body (spilling less: no address arithmetic for Q and dO)
+                **{("flash_bwd_dkdv_sm90_tma_kernel", flag): limit for flag, limit in
+                   (("softcap", 64), ("bias", 256), ("dropout", 384), ("user_mod", 64))}}
 _VARIANT_FLAGS = ("left", "right", "varlen", "seqused", "softcap", "alibi", "bias", "dropout")
 
 

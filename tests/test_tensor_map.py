@@ -144,3 +144,67 @@ def test_the_forward_copies_by_tma_where_a_call_allows_it(monkeypatch):
     plan = attention.ForwardPlan(q, k, v, scale=0.1, variant=cuflash._variant.Variant(causal=True), block_q=None,
                                  block_k=None)
     assert plan._launch is not None and plan.flat_call()[0].family == "fwd_sm90"
+
+
+def test_the_backward_copies_by_tma_where_a_planned_call_allows_it(monkeypatch):
+    """(CPU, stand-in CuPy) With TMA_BACKWARD, on sm_90 a planned 16-bit backward at d 64 / 128 runs the wgmma dK/dV
+    kernel's TMA entry point with maps of q, k, v and dO (boxes of the tile's query rows for q and dO, its key rows for k and v), each
+    pointed at a run's array; key counts and the switch off run the cp.async kernel; the plan's flat calls
+    (cuflash.jax's kernel calls) name the cp.async kernel's flat entry point."""
+    import ml_dtypes
+    import numpy as np
+
+    import cuflash
+    from cuflash._cuda import attention, spec, tensor_map
+    from cuflash._variant import Variant
+
+    from _fake_cupy import install
+    from conftest import gpu_skip_reason
+
+    gpu_skip_reason()
+    cp, recorder = install(monkeypatch)
+    monkeypatch.setattr(tensor_map, "available", lambda: True)
+    monkeypatch.setattr(attention, "TMA_BACKWARD", True)  # (off by default until run on a GPU)
+    encoded = []
+
+    def encode(address, dtype, rank, ptr, dims, strides, box, elem, interleave, swizzle, l2, oob):
+        encoded.append((ptr, tuple(dims), tuple(box)))
+        return 0
+
+    monkeypatch.setattr(tensor_map, "_encode_tiled", lambda: encode)
+    rng = np.random.default_rng(7)
+
+    def arr(*shape, dtype=ml_dtypes.bfloat16):
+        return cp.asarray(rng.standard_normal(shape).astype(dtype))
+
+    def kernels():
+        return [launch[0].split("<")[0] for launch in recorder.take() if len(launch) == 6]
+
+    q, k, v, do, out = arr(2, 200, 4, 128), arr(2, 300, 2, 128), arr(2, 300, 2, 128), arr(2, 200, 4, 128), arr(2, 200, 4, 128)
+    lse = arr(2, 4, 200, dtype=np.float32)
+    tile = spec.TILES[("bwd", "sm90a", 128)]
+    cuflash.attention_backward(do, q, k, v, out, lse, causal=True)
+    assert "cuflash::flash_bwd_dkdv_sm90_tma_kernel" in kernels()
+    assert encoded == [(q.data.ptr, (128, 200, 4, 2), (64, tile.block_m, 1, 1)),
+                       (k.data.ptr, (128, 300, 2, 2), (64, tile.block_n, 1, 1)),
+                       (v.data.ptr, (128, 300, 2, 2), (64, tile.block_n, 1, 1)),
+                       (do.data.ptr, (128, 200, 4, 2), (64, tile.block_m, 1, 1))]
+    encoded.clear()
+    do2 = arr(2, 200, 4, 128)
+    cuflash.attention_backward(do2, q, k, v, out, lse, causal=True)  # (only dO moved: only its map encoded)
+    assert "cuflash::flash_bwd_dkdv_sm90_tma_kernel" in kernels() and [e[0] for e in encoded] == [do2.data.ptr]
+    encoded.clear()
+
+    cuflash.attention_backward(do, q, k, v, out, lse, seqused_k=cp.asarray(np.array([100, 300], np.int32)))
+    monkeypatch.setattr(attention, "TMA_BACKWARD", False)
+    cuflash.attention_backward(do, q, k, v, out, lse)
+    launched = kernels()
+    assert "cuflash::flash_bwd_dkdv_sm90_kernel" in launched and "cuflash::flash_bwd_dkdv_sm90_tma_kernel" not in launched
+    assert encoded == []
+    monkeypatch.setattr(attention, "TMA_BACKWARD", True)
+
+    plan = attention.BackwardPlan(do, q, k, v, out, lse, scale=0.1, variant=Variant(causal=True), algorithm="fa2",
+                                  block_q=None, block_k=None, order="kv_outer")
+    calls, _ = plan.flat_calls()
+    names = [name.split("<")[0] for _, name, _, _ in calls]
+    assert "cuflash::flash_bwd_dkdv_sm90_flat_kernel" in names and not any("tma" in n for n in names)

@@ -217,6 +217,9 @@ TMA_FORWARD = True
 # Packed batches and key counts from the TMA entry point too (forward_sm90.cu's [tma tail]: built and checked on the
 # CPU, off until it has run on a GPU; CUFLASH_TMA_SEQUENCE_LENGTHS=1 turns it on).
 TMA_SEQUENCE_LENGTHS = os.environ.get("CUFLASH_TMA_SEQUENCE_LENGTHS") == "1"
+# The wgmma dK/dV kernel from its TMA entry point (flash_bwd_dkdv_sm90_tma_kernel) where a planned backward allows it
+# (_tma_backward). Built and checked on the CPU, off until it has run on a GPU (CUFLASH_TMA_BACKWARD=1 turns it on).
+TMA_BACKWARD = os.environ.get("CUFLASH_TMA_BACKWARD") == "1"
 # Head dims whose TMA tile is slower than the cp.async one on short query sequences: the longest sequence of queries
 # from which it runs (d 64: its 192-row tiles against two 128-row blocks per SM, H100 2026-11-28).
 TMA_MIN_ROWS_Q = {64: 1025}
@@ -252,6 +255,17 @@ def _tma_forward(spec, variant: Variant, arrays, max_q: int, block_q, block_k) -
         if a.strides[-1] != a.itemsize or any(n > 1 and (s <= 0 or s % 16) for n, s in zip(a.shape[:-1], a.strides)):
             return None
     return d, tile
+
+
+def _tma_backward(spec, variant: Variant, arrays):
+    """Whether a planned backward whose dK/dV launch is ``spec`` (the wgmma kernel's, no staged bias) runs it from its
+    TMA entry point: sequences that end with their tensors (no packed batch, no key counts: the kernel zeroes no
+    tail), q, k, v and dO of :func:`_tma_forward`'s strides, and a driver that encodes maps."""
+    if (not TMA_BACKWARD or spec.family != "bwd_dkdv_sm90" or staged_bias_bytes(spec.variant) or variant.is_varlen
+            or variant.seqused_k is not None or not tensor_map.available()):
+        return False
+    return all(a.ndim == 4 and a.strides[-1] == a.itemsize
+               and not any(n > 1 and (s <= 0 or s % 16) for n, s in zip(a.shape[:-1], a.strides)) for a in arrays)
 
 
 def _tensor_map(a, box_rows: int):
@@ -400,7 +414,7 @@ def call_context() -> tuple:
     the Hopper kernels."""
     rt = runtime()
     return (rt.get_device(), rt.current_stream().ptr, SM90A_FORWARD, SM90A_BACKWARD, TMA_FORWARD, TMA_SEQUENCE_LENGTHS,
-            TMA_PADDED)
+            TMA_PADDED, TMA_BACKWARD)
 
 
 def _ptr(a) -> int:
@@ -813,6 +827,15 @@ class BackwardPlan(_Plan):
         vtype = variant_type(variant, pads_head_dim=bool(kd))
         spec, spec_q = _backward_specs(dtype, d, q, v, vtype, split, block_q, block_k)
         slot = self._SLOTS.index
+        # [bwd tma] the dK/dV launch from its TMA entry point where allowed (flat_calls keep the cp.async one): its
+        # maps of q, k, v and dO, each pointed at a run's array ((map, slot) pairs)
+        flat_spec, self._maps = spec, ()
+        if _tma_backward(spec, variant, (q, k, v, do)):
+            spec = kernel_spec("bwd_dkdv_sm90_tma", dtype, d, spec.tile, spec.variant, spec.has_dq)
+            check_smem(spec)
+            t = spec.tile
+            self._maps = tuple((_tensor_map(a, rows), slot(name)) for a, name, rows in
+                               ((q, "q", t.block_m), (k, "k", t.block_n), (v, "v", t.block_n), (do, "do", t.block_m)))
         f32 = np.dtype(np.float32).itemsize
         # The workspace: the accumulators the kernels add into first (zeroed), then D. 256-byte aligned parts.
         parts = {"dq_accum": None if split else (shp.ws_batch, shp.heads_q, shp.rows_q, d),
@@ -843,9 +866,10 @@ class BackwardPlan(_Plan):
         self._steps, flat = [], []
         for launch_spec, grid, args in _backward_launches(buffers, shp, d, dtype, spec, spec_q, np.float32(scale),
                                                           params, backward_interleave(variant, shp)):
-            flat.append((launch_spec, grid, args))
+            flat.append((flat_spec if launch_spec is spec else launch_spec, grid, args))
+            more = tuple(m.address for m, _ in self._maps) if launch_spec is spec else ()
             launch = PackedLaunch(self._rt, launch_spec, grid,
-                                  tuple(None if isinstance(a, _Layout) else a for a in args))
+                                  tuple(None if isinstance(a, _Layout) else a for a in args), more)
             words = tuple(launch.word(i) for i, a in enumerate(args) if isinstance(a, _Layout))
             slots = tuple(a.slot for a in args if isinstance(a, _Layout))
             variant_args = None
@@ -916,6 +940,8 @@ class BackwardPlan(_Plan):
         addresses = (pq, pk, pv, pdo, out.data.ptr, lse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr,
                      *(None if offset is None else base + offset for offset in self._offsets))
         with self._lock:
+            for tmap, s in self._maps:
+                tmap.point(addresses[s])
             for launch, write, slots, variant_args in self._steps:
                 ptrs = [addresses[s] for s in slots]
                 if variant_args is not None:

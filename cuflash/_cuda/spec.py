@@ -537,6 +537,13 @@ FAMILIES: dict[str, Family] = {
         # Sm90BwdConfig::kSmemBytes: K, V; 2 x (Q, dO); dS^T (16-bit); 2 x (lse, D) float32; + 1024 alignment
         lambda d, t: 2 * (2 * t.block_n * d + 4 * t.block_m * d + t.block_n * t.block_m) + 16 * t.block_m + 1024,
         SM90A_OPTIONS, bias_tiles=2, flat_kernel="flash_bwd_dkdv_sm90_flat_kernel"),
+    # Its TMA entry point (the tensor maps of q, k, v and dO after the launcher's parameters; + 64 bytes: its
+    # mbarriers; no flat entry point and no staged bias: cuflash.jax's kernel calls and a staged bias take
+    # "bwd_dkdv_sm90")
+    "bwd_dkdv_sm90_tma": Family(
+        "backward_sm90.cu", "flash_bwd_dkdv_sm90_tma_kernel", lambda s: f"{_t16(s)}, {_b(s.has_dq)}",
+        lambda d, t: 2 * (2 * t.block_n * d + 4 * t.block_m * d + t.block_n * t.block_m) + 16 * t.block_m + 1024 + 64,
+        SM90A_OPTIONS),
     "bwd_dkdv_f32": Family(
         "backward.cu", "flash_bwd_dkdv_f32_kernel",
         lambda s: f"{s.head_dim}, {s.tile.block_n}, {s.variant}, {_b(s.has_dq)}", _bwd_f32_smem),
@@ -702,7 +709,7 @@ _SHOWCASE = (
 
 _FA2_FAMILIES = {  # tile direction, arch class -> families that take that row
     ("fwd", "sm90a"): ("fwd_sm90",), ("fwd", "sm90a_tma"): ("fwd_sm90_tma",), ("fwd", "f32"): ("fwd_f32",),
-    ("bwd", "sm90a"): ("bwd_dkdv_sm90",),
+    ("bwd", "sm90a"): ("bwd_dkdv_sm90", "bwd_dkdv_sm90_tma"),
     ("fwd_tf32x3", None): ("fwd_tf32x3",), ("fwd_tf32", None): ("fwd_tf32",),
     ("bwd", "f32"): ("bwd_dkdv_f32",), ("fwd", None): ("fwd",), ("bwd", None): ("bwd_dkdv",),
     ("bwd_dq", None): ("bwd_dq",),
@@ -805,6 +812,11 @@ def instantiations() -> list[KernelSpec]:
         add(KernelSpec("fwd_sm90_tma", "bfloat16", 128, tma_tile, _policy(v[:6] + (v[6] and not v[7], v[7])),
                        arch="sm90a"))
     add(KernelSpec("fwd_sm90_tma", "bfloat16", 128, tma_tile, causal_mod, arch="sm90a"))
+    # ... and the backward's: every flag but packed sequences and key counts (attention._tma_backward)
+    bwd_tile = TILES[("bwd", "sm90a", 128)]
+    for v in (*(v for v in _SHOWCASE if not v[2] and not v[3]), (True, True, False, False, True, True, True, True)):
+        add(KernelSpec("bwd_dkdv_sm90_tma", "bfloat16", 128, bwd_tile, _policy(v), True, "sm90a"))
+    add(KernelSpec("bwd_dkdv_sm90_tma", "bfloat16", 128, bwd_tile, causal_mod, True, "sm90a"))
     # [variant head dim] head dims read in place below the kernel's (d 80 on the 96 kernel; 200 on 224), causal.
     causal_pads = _policy((False, True, False, False, False, False, False, False), None, True)
     # (d 80: its own instantiation, rows padded to 96 in shared memory; 200: the 208 one with zero-filled chunks)
