@@ -1,5 +1,6 @@
-"""The TMA descriptors of the MLA decode kernel (cuflash._cuda.tensor_map) and when the launcher uses them, on the
-CPU (the GPU tests in test_cuda_decode.py run the kernel's TMA copies against its cp.async ones and the truth)."""
+"""The TMA descriptors (cuflash._cuda.tensor_map) and when the launchers use them, on the CPU: the MLA decode kernel,
+the Hopper forward's and the dK/dV kernel's TMA entry points (the GPU tests run the kernels' TMA copies against the
+truth and against their cp.async ones: test_cuda_decode.py, test_cuda_attention.py, test_cuda_variants.py)."""
 
 from __future__ import annotations
 
