@@ -834,7 +834,9 @@ def _backward_kernel_calls(options, arrays, layouts):
     backward = planner.plan_backward(do, q, k, v, out, lse, **planned,
                                      order=_validate.backward_order(None, dict(options)["deterministic"]))
     flat = getattr(backward, "flat_calls", lambda: None)()
-    if flat is None:
+    # (a large backward the launcher runs by TMA: the buffer callback, as the forward's: KERNEL_CALL_MAX_TMA_FLOP)
+    if flat is None or (getattr(backward, "tma", False)
+                        and 2.5 * _forward_flop(layouts[1:], dict(options)["causal"]) > KERNEL_CALL_MAX_TMA_FLOP):
         return None
     launches, workspace = flat  # (every buffer starts zeroed: the accumulators must)
     calls = [(_descriptor(spec, name, grid, params, "cuflash.attention_backward"),

@@ -609,6 +609,32 @@ def test_a_large_forward_the_launcher_runs_by_tma_takes_the_buffer_callback(cuda
     assert "triton_kernel_call" in lowered(0)
 
 
+def test_a_large_backward_the_launcher_runs_by_tma_takes_the_buffer_callback(cuda_buffers, monkeypatch):
+    """The backward likewise (TMA_BACKWARD; its FLOPs 2.5 times the forward's): between the two sizes, the forward
+    by the kernel call and the backward by the buffer callback."""
+    from cuflash._cuda import attention, tensor_map
+
+    _stand_in_kernel_call(monkeypatch)
+    monkeypatch.setattr(tensor_map, "available", lambda: True)
+    monkeypatch.setattr(attention, "TMA_BACKWARD", True)
+    monkeypatch.setattr(cfj, "BACKWARD_KERNEL_CALLS", True)
+    q, k, v = _inputs((2, 96, 160, 4, 2, 128), jnp.bfloat16, seed=9)
+    flop = 4 * 2 * 4 * 96 * 160 * 128 / 2
+
+    def lowered(limit):
+        monkeypatch.setattr(cfj, "KERNEL_CALL_MAX_TMA_FLOP", limit)
+        cfj._kernel_opaque.cache_clear()
+        cfj._backward_kernel_calls.cache_clear()
+        loss = lambda q, k, v: jnp.sum(cfj.attention(q, k, v, causal=True).astype(jnp.float32))  # noqa: E731
+        g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        return g.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+
+    everything = lowered(2.5 * flop)
+    assert "triton_kernel_call" in everything and "xla_buffer_python" not in everything
+    split = lowered(2 * flop)
+    assert "triton_kernel_call" in split and "xla_buffer_python" in split
+
+
 @pytest.mark.parametrize("deterministic,heads_kv", [(False, 2), (True, 4)])
 def test_backward_kernel_calls_are_the_backward_s_launches(deterministic, heads_kv, cuda_buffers, monkeypatch):
     """cuflash.jax.BACKWARD_KERNEL_CALLS: lowered for CUDA, a planned backward is one kernel call per launch of

@@ -889,6 +889,12 @@ class BackwardPlan(_Plan):
         self._flat = (flat, {name: parts[name] for name in ("delta", "dq_accum", "dkv_accum") if parts[name]}
                       ) if constant else None
 
+    @property
+    def tma(self) -> bool:
+        """Whether the dK/dV launch is the TMA entry point (which :meth:`flat_calls` does not name: it has no flat
+        twin, so a flat launcher runs the cp.async kernel)."""
+        return bool(self._maps)
+
     def flat_calls(self):
         """The planned launches for launchers that load each kernel themselves and pass its parameters one by one
         (:mod:`cuflash.jax`'s kernel calls): ``(calls, workspace)``, or None where a run writes more than
