@@ -684,7 +684,7 @@ def _built(make, *key):
 
 
 def _kernel_call_lowering(ctx, q, k, v, *, options, arrays, out, lse):
-    opaque = _built(_kernel_opaque, options, arrays, tuple(_shape_key(a) for a in ctx.avals_in))
+    opaque = _built(_kernel_opaque, options, arrays, tuple(_shape_key(a) for a in ctx.avals_in), _route_key())
     if opaque is None:
         return mlir.lower_fun(_kernel_call_fallback, multiple_results=True)(
             ctx, q, k, v, options=options, arrays=arrays, out=out, lse=lse)
@@ -695,22 +695,30 @@ def _kernel_call_lowering(ctx, q, k, v, *, options, arrays, out, lse):
 # the cp.async kernel) and of more FLOPs than this runs by the buffer callback instead, whose host cost is then the
 # smaller one: on the H100 (2026-11-28) the callback costs 45-75 us more per call than the kernel call, and at d 128
 # the TMA kernel runs 1.6x the cp.async one (650 against 390 TFLOP/s), which saves more than that from about 70
-# GFLOP (a 4 x 4096 x 32 x 128 causal forward is 275).
+# GFLOP (a 4 x 4096 x 32 x 128 causal forward is 550).
 KERNEL_CALL_MAX_TMA_FLOP = 64e9
 
 
+def _route_key() -> tuple:
+    """What besides a call's layouts and options decides its kernel calls (the memories of :func:`_kernel_opaque` and
+    :func:`_backward_kernel_calls` are kept per value): the TMA size limit and the CUDA launcher's switches."""
+    from cuflash._cuda import attention
+
+    return (KERNEL_CALL_MAX_TMA_FLOP, *attention.switches())
+
+
 def _forward_flop(layouts, causal: bool) -> float:
-    """A forward's matrix-product FLOPs (4 B H Nq Nk d, halved when causal) from its layouts ((shape, dtype) of q, k,
-    v: (batch, seqlen, heads, d), or packed without the batch axis: then an upper bound, every query against every
-    key)."""
-    (q_shape, _), (k_shape, _) = layouts[:2]
+    """A forward's matrix-product FLOPs (2 B H Nq Nk (d + dv), halved when causal) from its layouts ((shape, dtype) of
+    q, k, v: (batch, seqlen, heads, d), or packed without the batch axis: then an upper bound, every query against
+    every key; a window not counted: an estimate)."""
+    (q_shape, _), (k_shape, _), (v_shape, _) = layouts[:3]
     *lead, nq, heads, d = q_shape
-    nk = k_shape[-3]
-    return 4.0 * (lead[0] if lead else 1) * heads * nq * nk * d / (2 if causal else 1)
+    nk, dv = k_shape[-3], v_shape[-1]
+    return 2.0 * (lead[0] if lead else 1) * heads * nq * nk * (d + dv) / (2 if causal else 1)
 
 
 @functools.lru_cache(maxsize=64)
-def _kernel_opaque(options, arrays, layouts) -> bytes | None:
+def _kernel_opaque(options, arrays, layouts, route_key=()) -> bytes | None:
     """jaxlib's kernel-call descriptor (a zlib-compressed TritonAnyKernelCall) of the planned forward of these
     layouts on the current CUDA device, or None where the launcher does not plan the call as one flat launch."""
     import cupy
@@ -793,7 +801,7 @@ def _bwd_kernel_call_fallback(do, q, k, v, out, lse, *, options, arrays):
 
 
 def _bwd_kernel_call_lowering(ctx, *saved, options, arrays):
-    planned = _built(_backward_kernel_calls, options, arrays, tuple(_shape_key(a) for a in ctx.avals_in))
+    planned = _built(_backward_kernel_calls, options, arrays, tuple(_shape_key(a) for a in ctx.avals_in), _route_key())
     if planned is None:
         return mlir.lower_fun(_bwd_kernel_call_fallback, multiple_results=True)(ctx, *saved, options=options,
                                                                                arrays=arrays)
@@ -817,7 +825,7 @@ def _bwd_kernel_call_lowering(ctx, *saved, options, arrays):
 
 
 @functools.lru_cache(maxsize=64)
-def _backward_kernel_calls(options, arrays, layouts):
+def _backward_kernel_calls(options, arrays, layouts, route_key=()):
     """The planned backward of these layouts on the current CUDA device as jaxlib kernel calls: ``(calls,
     buffers)``, ``calls`` the launches in order as ``(descriptor, slots)`` (the buffers each takes, in its
     parameter order), ``buffers`` the ones made for it ``(slot, shape, dtype)`` (the gradients, D, the

@@ -90,7 +90,8 @@ struct Sm90Config {
 // [ping-pong] With a TMA producer and two computing warpgroups, the two take turns issuing their products (S_j, then
 // P_{j-1} V_{j-1}): each waits for its turn on a named barrier before issuing and hands the turn over right after, so
 // one warpgroup's softmax runs while the tensor cores work on the other's products (FlashAttention-3's warpgroup
-// schedule). Barrier kTurnBar + wg is warpgroup wg's turn (ids after warpgroup_sync's 1 and 2). Compiled out with
+// schedule). Barrier kTurnBar + wg is warpgroup wg's turn (ids after warpgroup_sync's 1 and 2: two computing
+// warpgroups only, a third's warpgroup_sync would take id 3). Compiled out with
 // -DCUFLASH_FWD_PINGPONG=0 (for comparisons).
 #ifndef CUFLASH_FWD_PINGPONG
 #define CUFLASH_FWD_PINGPONG 1

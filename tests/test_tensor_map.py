@@ -131,6 +131,11 @@ def test_the_forward_copies_by_tma_where_a_call_allows_it(monkeypatch):
     cuflash.attention(arr(1, 64, 2, 128), arr(1, 64, 2, 128), arr(1, 64, 2, 128))
     assert "cuflash::flash_fwd_sm90_tma_kernel" not in kernels() and encoded == []
     monkeypatch.setattr(attention, "TMA_FORWARD", True)
+    monkeypatch.setattr(attention, "SM90A_FORWARD", False)  # (the Hopper kernels off: the mma.sync one, padded or not)
+    cuflash.attention(arr(1, 64, 2, 128), arr(1, 64, 2, 128), arr(1, 64, 2, 128))
+    cuflash.attention(arr(1, 64, 2, 96), arr(1, 64, 2, 96), arr(1, 64, 2, 96))
+    assert kernels() == ["cuflash::flash_fwd_kernel"] * 2 and encoded == []
+    monkeypatch.setattr(attention, "SM90A_FORWARD", True)
     cuflash.attention(arr(1, short + 1, 2, 64), arr(1, 64, 2, 64), arr(1, 64, 2, 64))
     assert kernels() == ["cuflash::flash_fwd_sm90_tma_kernel"] and len(encoded) == 3
     encoded.clear()

@@ -239,7 +239,7 @@ def _tma_forward(spec, variant: Variant, arrays, max_q: int, block_q, block_k) -
     registers), strides of q, k and v that are non-zero multiples of 16 bytes with contiguous rows (the tensor maps'),
     and a driver that encodes maps. Packed batches and key counts with :data:`TMA_SEQUENCE_LENGTHS` (the kernel zeroes
     the rows past a sequence's keys that a box reads, forward_sm90.cu's [tma tail])."""
-    if (not TMA_FORWARD or spec.family not in ("fwd_sm90", "fwd") or staged_bias_bytes(spec.variant)
+    if (not TMA_FORWARD or not SM90A_FORWARD or spec.family not in ("fwd_sm90", "fwd") or staged_bias_bytes(spec.variant)
             or block_q is not None or block_k is not None or device_info()[0] != 90
             or (variant.bias is not None and has_dropout(variant))
             or (not TMA_SEQUENCE_LENGTHS and (variant.is_varlen or variant.seqused_k is not None))
@@ -247,9 +247,12 @@ def _tma_forward(spec, variant: Variant, arrays, max_q: int, block_q, block_k) -
         return None
     q, _, v = arrays
     d = -(-max(q.shape[-1], v.shape[-1]) // 64) * 64
+    padded = d != q.shape[-1] or d != v.shape[-1]
     tile = TILES.get(("fwd", "sm90a_tma", d))
-    if (tile is None or max_q < TMA_MIN_ROWS_Q.get(d, 0)
-            or (not TMA_PADDED and (d != q.shape[-1] or d != v.shape[-1]))):
+    # (the mma.sync kernel's spec only for head dims below a row's: at a row's own, it is the caller's choice of the
+    # Hopper kernels being off, SM90A_FORWARD)
+    if (tile is None or max_q < TMA_MIN_ROWS_Q.get(d, 0) or (padded and not TMA_PADDED)
+            or (spec.family == "fwd" and not padded)):
         return None
     for a in arrays:
         if a.strides[-1] != a.itemsize or any(n > 1 and (s <= 0 or s % 16) for n, s in zip(a.shape[:-1], a.strides)):
@@ -413,8 +416,13 @@ def call_context() -> tuple:
     ExtraParams copy and block lists are made on one; its run takes the pointer), and the benchmarks' switches of
     the Hopper kernels."""
     rt = runtime()
-    return (rt.get_device(), rt.current_stream().ptr, SM90A_FORWARD, SM90A_BACKWARD, TMA_FORWARD, TMA_SEQUENCE_LENGTHS,
-            TMA_PADDED, TMA_BACKWARD)
+    return (rt.get_device(), rt.current_stream().ptr, *switches())
+
+
+def switches() -> tuple:
+    """The launcher's switches of the Hopper kernels and their TMA entry points, which decide a plan too (benchmarks
+    flip them; plans are kept per value)."""
+    return SM90A_FORWARD, SM90A_BACKWARD, TMA_FORWARD, TMA_SEQUENCE_LENGTHS, TMA_PADDED, TMA_BACKWARD
 
 
 def _ptr(a) -> int:
