@@ -1,7 +1,7 @@
 """Side-by-side GPU benchmark: cuflash vs PyTorch SDPA (FLASH_ATTENTION, CUDNN_ATTENTION), same process,
 same inputs, the FlashAttention FLOP convention of ANCHORS.md.
 
-    python -m cuflash bench-gpu [--quick] [--dtypes bfloat16,float16] [--dims 64,128] [--seqlens ...]
+    python -m cuflash bench-gpu [--quick] [--dtypes bfloat16,float16] [--dims 64,128,256] [--seqlens ...]
                                 [--no-extras] [--json FILE]
     python -m cuflash bench-gpu --float32 [--dims 64,128] [--seqlens 1024,4096] [--json FILE]
 
@@ -301,7 +301,7 @@ def main(argv=None, prog: str = "python -m cuflash bench-gpu"):
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="bfloat16, seqlens 512, 2048, 8192, short timing")
     ap.add_argument("--dtypes", default="bfloat16,float16")
-    ap.add_argument("--dims", default=None, help="head dims (default 64,128; --float32: 128)")
+    ap.add_argument("--dims", default=None, help="head dims (default 64,128,256; --float32: 128)")
     ap.add_argument("--seqlens", default=None, help="sequence lengths (default the grid's; --float32: 4096)")
     ap.add_argument("--rep-ms", type=int, default=200, help="milliseconds of timed repeats per cell (default 200)")
     ap.add_argument("--no-fa1", action="store_true", help="leave out the FA1 kernels (slow at long seqlens)")
@@ -315,7 +315,7 @@ def main(argv=None, prog: str = "python -m cuflash bench-gpu"):
                          "(peak memory vs seqlen, cuflash vs naive) to DIR (needs matplotlib)")
     args = ap.parse_args(argv)
     dtypes = args.dtypes.split(",")
-    dims = [int(x) for x in (args.dims or ("128" if args.float32 else "64,128")).split(",")]
+    dims = [int(x) for x in (args.dims or ("128" if args.float32 else "64,128,256")).split(",")]
     seqlens = [int(x) for x in args.seqlens.split(",")] if args.seqlens else list(DEFAULT_SEQLENS)
     rep = args.rep_ms
     if args.quick:
