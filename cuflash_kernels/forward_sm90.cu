@@ -76,14 +76,16 @@ __device__ __forceinline__ void softmax_step(float (&s)[kNT][4], float (&m)[2], 
 //     and releases buffers through "buffer free" mbarriers.
 // Two blocks per SM for the first variant where a thread's S, O and P fragments are small
 // (kBlockN + kHeadDim <= 128: at most 128 registers with two 8-warp blocks), so that one block's prologue
-// (Q and K_0 loads, exposed) and epilogue hide under the other's main loop.
+// (Q and K_0 loads, exposed) and epilogue hide under the other's main loop; and for the warp-specialized one with a
+// single computing warpgroup (its registers from half the SM's: two blocks' computing warpgroups out of phase).
 template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps>
 struct Sm90Config {
     static constexpr bool kWS = kBlockM == 16 * (kNWarps - 4);
     static constexpr int kNWG = kBlockM / 64;  // computing (consumer) warpgroups
-    static constexpr int kMinBlocks = (!kWS && kNWarps == 8 && kBlockN + kHeadDim <= 128) ? 2 : 1;
+    static constexpr int kMinBlocks =
+        ((!kWS && kNWarps == 8 && kBlockN + kHeadDim <= 128) || (kWS && kNWG == 1)) ? 2 : 1;
     static constexpr int kProducerRegs = 24;
-    static constexpr int kConsumerRegsRaw = (65536 - 128 * kProducerRegs) / (kNWG * 128) / 8 * 8;
+    static constexpr int kConsumerRegsRaw = (65536 / kMinBlocks - 128 * kProducerRegs) / (kNWG * 128) / 8 * 8;
     static constexpr int kConsumerRegs = kConsumerRegsRaw > 240 ? 240 : kConsumerRegsRaw;
 };
 
@@ -526,7 +528,7 @@ flash_fwd_sm90_flat_kernel(CUFLASH_FWD_PARAMS(u16), CUFLASH_VARIANT_FLAT_PARAMS)
 // ... and the TMA one (the warp-specialized tiles: the launcher's ("fwd", "sm90a_tma", d) rows), with the tensor maps
 // of q, k and v after the launcher's parameters.
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V>
-__global__ void __launch_bounds__(kNWarps * 32, 1)
+__global__ void __launch_bounds__(kNWarps * 32, (Sm90Config<kHeadDim, kBlockM, kBlockN, kNWarps>::kMinBlocks))
 flash_fwd_sm90_tma_kernel(CUFLASH_FWD_PARAMS(u16), const VariantParams vp, const __grid_constant__ TensorMap q_map,
                           const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map) {
     flash_fwd_sm90<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, V, true>(CUFLASH_FWD_ARGS, vp,
