@@ -528,7 +528,7 @@ def _hopper_switches() -> tuple:
     """The launcher's switches of the Hopper kernels, which decide a plan too (benchmarks flip them)."""
     from cuflash._cuda import attention as launcher
 
-    return launcher.call_context()[2:]
+    return launcher.switches()
 
 
 def _forward_key(q, k, v, causal, softmax_scale, causal_align, window_size, softcap, max_seqlen_q, max_seqlen_k,

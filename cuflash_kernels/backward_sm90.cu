@@ -143,19 +143,14 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
         }
     };
 
-    // [bwd tma] One tile of `rows` rows at `row` of a map into shared memory at dst: kHeadDim / 64 boxes of 64
-    // columns, landing on `landed`, which the caller told the bytes of its copies.
-    auto copy = [&](u32 dst, const TensorMap* map, u32 landed, int rows, int row, int head) {
-#pragma unroll
-        for (int c = 0; c < kHeadDim / 64; ++c) tma_load_4d(dst + c * rows * 128, map, landed, c * 64, row, head, b);
-    };
     // Query tile mi's Q and dO into buffer buf (one thread); its lse and D by cp.async (every thread, committed by the
     // caller).
     auto copy_q_stage = [&](int buf, int mi) {
         if (tid == 0) {
             mbar_expect_tx(full_q + 8 * buf, 2 * kQTile * 2);
-            copy(smem_u32(sQ + buf * kQTile), maps.q, full_q + 8 * buf, kBlockM, mi * kBlockM, h);
-            copy(smem_u32(sdO + buf * kQTile), maps.dout, full_q + 8 * buf, kBlockM, mi * kBlockM, h);
+            tma_load_tile<kHeadDim>(smem_u32(sQ + buf * kQTile), maps.q, full_q + 8 * buf, kBlockM, mi * kBlockM, h, b);
+            tma_load_tile<kHeadDim>(smem_u32(sdO + buf * kQTile), maps.dout, full_q + 8 * buf, kBlockM, mi * kBlockM, h,
+                                    b);
         }
         load_row_stats_async<kBlockM, kThreads>(sLse + buf * kBlockM, sD + buf * kBlockM, lse_row, delta_row,
                                                 mi * kBlockM, len_q, tid);
@@ -172,8 +167,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
         // still in flight when the block exits would land in the shared memory of the next block on the SM)
         if (tid == 0 && 0 < m_count) {
             mbar_expect_tx(full_kv, 2 * kKVTile * 2);
-            copy(smem_u32(sK), maps.k, full_kv, kBlockN, n0, h_kv);
-            copy(smem_u32(sV), maps.v, full_kv, kBlockN, n0, h_kv);
+            tma_load_tile<kHeadDim>(smem_u32(sK), maps.k, full_kv, kBlockN, n0, h_kv, b);
+            tma_load_tile<kHeadDim>(smem_u32(sV), maps.v, full_kv, kBlockN, n0, h_kv, b);
         }
         if (0 < m_count) copy_q_stage(0, q_tile(0));
     } else {

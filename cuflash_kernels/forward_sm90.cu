@@ -213,10 +213,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
                 const int batch = V::Is_varlen ? 0 : b;
                 auto copy = [&](u32 dst, const TensorMap* map, u32 landed, int rows, int row, int head) {
                     mbar_expect_tx(landed, rows * kHeadDim * 2);
-#pragma unroll
-                    for (int c = 0; c < kHeadDim / 64; ++c) {
-                        tma_load_4d(dst + c * rows * 128, map, landed, c * 64, row, head, batch);
-                    }
+                    tma_load_tile<kHeadDim>(dst, map, landed, rows, row, head, batch);
                 };
                 copy(smem_u32(sQ), maps.q, full_q, kBlockM, bi.q0 + m0, h);
                 for (int j = 0; j < n_end; ++j) {

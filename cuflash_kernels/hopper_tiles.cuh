@@ -146,6 +146,16 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap* map, u32 b
                  : "memory");
 }
 
+// A tile of `rows` rows of a map, at `row` of (head, batch), into shared memory at dst in the 128-byte swizzle: kCols /
+// 64 boxes of 64 columns, each 64-column block `rows` x 128 bytes after the one before (the wgmma descriptors'
+// layout), landing on `bar`, which the caller told the bytes first.
+template <int kCols>
+__device__ __forceinline__ void tma_load_tile(u32 dst, const TensorMap* map, u32 bar, int rows, int row, int head,
+                                              int batch) {
+#pragma unroll
+    for (int c = 0; c < kCols / 64; ++c) tma_load_4d(dst + c * rows * 128, map, bar, c * 64, row, head, batch);
+}
+
 // Named barriers over some warps of the block (id 0 is __syncthreads; count: threads, a multiple of 32).
 __device__ __forceinline__ void named_bar_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");

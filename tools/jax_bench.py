@@ -166,7 +166,8 @@ def cpu_profile(shapes: list[str], dtype: str, causal: bool, iters: int) -> None
 
 
 def in_program(shapes: list[str], dtype_name: str, causal: bool, calls: int, iters: int) -> None:
-    """``--in-program``: per forward call, K chained calls in one jitted program (kernel route) against K raw launches."""
+    """``--in-program``: per forward call, K chained calls in one jitted program (kernel route) against K raw
+    launches."""
     import cupy
     import jax
     import jax.numpy as jnp

@@ -239,8 +239,8 @@ def _tma_forward(spec, variant: Variant, arrays, max_q: int, block_q, block_k) -
     registers), strides of q, k and v that are non-zero multiples of 16 bytes with contiguous rows (the tensor maps'),
     and a driver that encodes maps. Packed batches and key counts with :data:`TMA_SEQUENCE_LENGTHS` (the kernel zeroes
     the rows past a sequence's keys that a box reads, forward_sm90.cu's [tma tail])."""
-    if (not TMA_FORWARD or not SM90A_FORWARD or spec.family not in ("fwd_sm90", "fwd") or staged_bias_bytes(spec.variant)
-            or block_q is not None or block_k is not None or device_info()[0] != 90
+    if (not TMA_FORWARD or not SM90A_FORWARD or spec.family not in ("fwd_sm90", "fwd")
+            or staged_bias_bytes(spec.variant) or block_q is not None or block_k is not None or device_info()[0] != 90
             or (variant.bias is not None and has_dropout(variant))
             or (not TMA_SEQUENCE_LENGTHS and (variant.is_varlen or variant.seqused_k is not None))
             or not tensor_map.available()):
@@ -252,11 +252,8 @@ def _tma_forward(spec, variant: Variant, arrays, max_q: int, block_q, block_k) -
     # (the mma.sync kernel's spec only for head dims below a row's: at a row's own, it is the caller's choice of the
     # Hopper kernels being off, SM90A_FORWARD)
     if (tile is None or max_q < TMA_MIN_ROWS_Q.get(d, 0) or (padded and not TMA_PADDED)
-            or (spec.family == "fwd" and not padded)):
+            or (spec.family == "fwd" and not padded) or not _mappable(arrays)):
         return None
-    for a in arrays:
-        if a.strides[-1] != a.itemsize or any(n > 1 and (s <= 0 or s % 16) for n, s in zip(a.shape[:-1], a.strides)):
-            return None
     return d, tile
 
 
@@ -267,7 +264,13 @@ def _tma_backward(spec, variant: Variant, arrays):
     if (not TMA_BACKWARD or spec.family != "bwd_dkdv_sm90" or staged_bias_bytes(spec.variant) or variant.is_varlen
             or variant.seqused_k is not None or not tensor_map.available()):
         return False
-    return all(a.ndim == 4 and a.strides[-1] == a.itemsize
+    return all(a.ndim == 4 for a in arrays) and _mappable(arrays)
+
+
+def _mappable(arrays) -> bool:
+    """Whether :func:`_tensor_map` can map each array: contiguous rows, and the stride of every axis of more than one
+    element a non-zero multiple of 16 bytes."""
+    return all(a.strides[-1] == a.itemsize
                and not any(n > 1 and (s <= 0 or s % 16) for n, s in zip(a.shape[:-1], a.strides)) for a in arrays)
 
 
@@ -513,6 +516,15 @@ class _Plan:
         self._lock = threading.Lock()
         self._threads: set = set()
 
+    # The tensor maps of a launch from a TMA entry point (pointed at each run's arrays); none elsewhere.
+    _maps: tuple = ()
+
+    @property
+    def tma(self) -> bool:
+        """Whether the plan launches a TMA entry point (which the flat calls do not name: it has no flat twin, so a
+        flat launcher runs the cp.async kernel)."""
+        return bool(self._maps)
+
     def _enter(self) -> None:
         """On a thread's first run (a run tests ``threading.get_ident() in self._threads`` first)."""
         self._rt.make_context_current()
@@ -551,7 +563,6 @@ class ForwardPlan(_Plan):
             else:
                 spec = kernel_spec("fwd", dtype, d, plan_tile("fwd", d, block_q, block_k), vtype)
         flat_spec = spec  # (the kernel of flat_call: the TMA entry point has no flat twin)
-        self._maps = ()
         tma = None if dtype not in CTYPES else _tma_forward(spec, variant, (q, k, v), shp.max_q, block_q, block_k)
         if tma is not None:
             d, tma_tile = tma
@@ -575,12 +586,6 @@ class ForwardPlan(_Plan):
         self._write_variant = None if self._variant.constant else self._launch.writer(
             tuple(self._launch.word(vp, offset) for offset in VARIANT_POINTER_FIELDS))
         self._lse_size = int(np.prod(self.lse_shape))
-
-    @property
-    def tma(self) -> bool:
-        """Whether the planned kernel is the TMA entry point (which :meth:`flat_call` does not name: it has no flat
-        twin, so a flat launcher runs the cp.async kernel)."""
-        return bool(self._maps)
 
     def flat_call(self):
         """The planned launch for launchers that load the kernel themselves and pass its parameters one by one
@@ -837,7 +842,7 @@ class BackwardPlan(_Plan):
         slot = self._SLOTS.index
         # [bwd tma] the dK/dV launch from its TMA entry point where allowed (flat_calls keep the cp.async one): its
         # maps of q, k, v and dO, each pointed at a run's array ((map, slot) pairs)
-        flat_spec, self._maps = spec, ()
+        flat_spec = spec
         if _tma_backward(spec, variant, (q, k, v, do)):
             spec = kernel_spec("bwd_dkdv_sm90_tma", dtype, d, spec.tile, spec.variant, spec.has_dq)
             check_smem(spec)
@@ -896,12 +901,6 @@ class BackwardPlan(_Plan):
         constant = all(step[3] is None for step in self._steps) and not self._zero_grads
         self._flat = (flat, {name: parts[name] for name in ("delta", "dq_accum", "dkv_accum") if parts[name]}
                       ) if constant else None
-
-    @property
-    def tma(self) -> bool:
-        """Whether the dK/dV launch is the TMA entry point (which :meth:`flat_calls` does not name: it has no flat
-        twin, so a flat launcher runs the cp.async kernel)."""
-        return bool(self._maps)
 
     def flat_calls(self):
         """The planned launches for launchers that load each kernel themselves and pass its parameters one by one

@@ -213,8 +213,8 @@ class PackedLaunch:
 
     ``args`` as :func:`launch` takes them, with None for a pointer written at each run (a null pointer until then);
     ``more``: the host addresses of further arguments kept by the caller (a :class:`.tensor_map.TensorMap`'s),
-    after ``args``; ``runtime``: :class:`.decode.CupyRuntime` or a stand-in. ``cuLaunchKernel`` copies the arguments when it is
-    called, so the buffer may be rewritten as soon as :meth:`run` returns.
+    after ``args``; ``runtime``: :class:`.decode.CupyRuntime` or a stand-in. ``cuLaunchKernel`` copies the arguments
+    when it is called, so the buffer may be rewritten as soon as :meth:`run` returns.
     """
 
     def __init__(self, runtime, spec: KernelSpec, grid: tuple[int, int, int], args: tuple, more: tuple[int, ...] = ()):
