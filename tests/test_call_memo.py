@@ -405,7 +405,7 @@ def _backward_signatures(cp):
         "seqused_k gqa": call({"k": kg, "v": vg}, seqused_k=used),
         "head dim 80": call({"q": q80, "k": k80, "v": v80, "do": do80, "out": out80}, causal=True),
         "head dim 200": call({"q": q200, "k": k200, "v": v200, "do": do200, "out": out200, "lse": lse200},
-                             False, causal=True),
+                             causal=True),  # (read in place by the d 256 kernels)
         "float32": call({"q": q32, "k": k32, "v": v32, "do": do32, "out": out32}, False, causal=True),
         "fa1": call({}, False, causal=True, algorithm="fa1"),
         "bias dbias": call({}, False, bias=bias),

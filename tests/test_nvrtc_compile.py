@@ -85,15 +85,20 @@ KNOWN_SPILLS = {("flash_bwd_dkdv_sm90_kernel", "softcap"): 64, ("flash_fwd_sm90_
                 ("flash_fwd_kernel", "tf32x3"): 192,
                 # the backward's TMA entry point: the same body (spilling less: no address arithmetic for Q and dO)
                 **{("flash_bwd_dkdv_sm90_tma_kernel", flag): limit for flag, limit in
-                   (("softcap", 64), ("bias", 256), ("dropout", 384), ("user_mod", 64))}}
+                   (("softcap", 64), ("bias", 256), ("dropout", 384), ("user_mod", 64))},
+                # the mma.sync dK/dV kernel above head dim 128 (d 192, 256): dK and dV of 48 or 64 columns a warp beside
+                # S and dP, 20-40 bytes with dQ's atomics
+                ("flash_bwd_dkdv_kernel", "wide"): 64}
 _VARIANT_FLAGS = ("left", "right", "varlen", "seqused", "softcap", "alibi", "bias", "dropout")
 
 
 def variant_flags(name: str) -> set[str]:
     """The policy flags that are on in a kernel's name expression (``_VARIANT_FLAGS``; "bias" for a bias read from
-    global memory, "bias tile" for a staged one; "user_mod" for a generated user-mod type)."""
+    global memory, "bias tile" for a staged one; "user_mod" for a generated user-mod type; "wide" for a 16-bit kernel
+    above head dim 128)."""
     if "cuflash::Variant<" not in name:
         return set()
+    wide = re.match(r"[\w:]+<cuflash::(?:bf16|fp16), (\d+),", name)
     policy = name[name.index("cuflash::Variant<"):]
     args = policy_args(policy[:_closing(policy, policy.index("<")) + 1])
     flags = {f for f, arg in zip(_VARIANT_FLAGS, args) if arg == "true"}
@@ -103,6 +108,8 @@ def variant_flags(name: str) -> set[str]:
         flags.add("user_mod")
     if "cuflash::tf32x3" in name:
         flags.add("tf32x3")
+    if wide and int(wide.group(1)) > 128:
+        flags.add("wide")
     return flags
 
 

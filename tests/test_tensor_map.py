@@ -44,8 +44,9 @@ def test_the_forward_copies_by_tma_where_a_call_allows_it(monkeypatch):
     the tile's rows; the arrays' byte strides, an axis of one element given 16), encoded at each new address only;
     packed batches (their maps with a batch axis of one) and key counts run it too (TMA_SEQUENCE_LENGTHS), head dims
     below a row's run it padded (Pads_head_dim; the maps of the arrays' head dims); the switches off, a bias with
-    dropout and a query sequence shorter than TMA_MIN_ROWS_Q run the cp.async kernel; the plan's flat
-    call (cuflash.jax's kernel calls) names the cp.async kernel either way."""
+    dropout run the cp.async kernel; a d 64 query sequence of up to TMA_SHORT_MAX_ROWS_Q rows runs the
+    ("fwd", "sm90a_tma_short") tile (its boxes that tile's rows), a longer one the row's; the plan's flat call
+    (cuflash.jax's kernel calls) names the cp.async kernel either way."""
     import ml_dtypes
     import numpy as np
 
@@ -58,8 +59,8 @@ def test_the_forward_copies_by_tma_where_a_call_allows_it(monkeypatch):
     gpu_skip_reason()
     cp, recorder = install(monkeypatch)
     monkeypatch.setattr(tensor_map, "available", lambda: True)
-    monkeypatch.setattr(attention, "TMA_SEQUENCE_LENGTHS", True)  # (off by default until run on a GPU)
-    monkeypatch.setattr(attention, "TMA_PADDED", True)  # (the same)
+    monkeypatch.setattr(attention, "TMA_SEQUENCE_LENGTHS", True)  # (the defaults, whatever the environment says)
+    monkeypatch.setattr(attention, "TMA_PADDED", True)
     encoded = []
 
     def encode(address, dtype, rank, ptr, dims, strides, box, elem, interleave, swizzle, l2, oob):
@@ -116,7 +117,7 @@ def test_the_forward_copies_by_tma_where_a_call_allows_it(monkeypatch):
                                         ((128, 300, 2, 1), (512, 256, 16), (64, tile.block_n, 1, 1)),
                                         ((128, 300, 2, 1), (512, 256, 16), (64, tile.block_n, 1, 1))]
     encoded.clear()
-    monkeypatch.setattr(attention, "TMA_SEQUENCE_LENGTHS", False)  # (the default until run on a GPU)
+    monkeypatch.setattr(attention, "TMA_SEQUENCE_LENGTHS", False)  # (switched off)
     cuflash.attention(q2, k, v, seqused_k=lens)
     assert kernels() == ["cuflash::flash_fwd_sm90_kernel"] and encoded == []
     monkeypatch.setattr(attention, "TMA_SEQUENCE_LENGTHS", True)
@@ -125,8 +126,6 @@ def test_the_forward_copies_by_tma_where_a_call_allows_it(monkeypatch):
     monkeypatch.setattr(attention, "TMA_PADDED", True)
     bias = cp.asarray(rng.standard_normal((2, 4, 300, 260)).astype(np.float32))
     cuflash.attention(q, k, v, bias=bias, dropout_p=0.1, dropout_seed=1)  # (a bias with dropout: see _tma_forward)
-    short = attention.TMA_MIN_ROWS_Q[64] - 1  # (d 64: a short query sequence runs the cp.async tile)
-    cuflash.attention(arr(1, short, 2, 64), arr(1, 64, 2, 64), arr(1, 64, 2, 64))
     monkeypatch.setattr(attention, "TMA_FORWARD", False)
     cuflash.attention(arr(1, 64, 2, 128), arr(1, 64, 2, 128), arr(1, 64, 2, 128))
     assert "cuflash::flash_fwd_sm90_tma_kernel" not in kernels() and encoded == []
@@ -136,8 +135,13 @@ def test_the_forward_copies_by_tma_where_a_call_allows_it(monkeypatch):
     cuflash.attention(arr(1, 64, 2, 96), arr(1, 64, 2, 96), arr(1, 64, 2, 96))
     assert kernels() == ["cuflash::flash_fwd_kernel"] * 2 and encoded == []
     monkeypatch.setattr(attention, "SM90A_FORWARD", True)
-    cuflash.attention(arr(1, short + 1, 2, 64), arr(1, 64, 2, 64), arr(1, 64, 2, 64))
-    assert kernels() == ["cuflash::flash_fwd_sm90_tma_kernel"] and len(encoded) == 3
+    # d 64: a short query sequence on the short tile, a longer one on the row's
+    short, long = spec.TILES[("fwd", "sm90a_tma_short", 64)], spec.TILES[("fwd", "sm90a_tma", 64)]
+    for rows, t in ((attention.TMA_SHORT_MAX_ROWS_Q, short), (attention.TMA_SHORT_MAX_ROWS_Q + 1, long)):
+        cuflash.attention(arr(1, rows, 2, 64), arr(1, 64, 2, 64), arr(1, 64, 2, 64))
+        assert kernels() == ["cuflash::flash_fwd_sm90_tma_kernel"]
+        assert [e[3][1] for e in encoded] == [t.block_m, t.block_n, t.block_n]
+        encoded.clear()
     encoded.clear()
 
     # [variant head dim] d 96 on the d 128 kernel, v of d 64 (its maps hold the arrays' head dims: zeros past them)

@@ -24,8 +24,8 @@ from .._gpu_memory import StreamSinks
 from .._variant import Variant, VariantArrays
 from . import fa1, naive, tensor_map, tuning
 from .compile import PackedLaunch, arch_class, check_smem, device_info, launch
-from .spec import (BIAS_CTYPES, BLOCK_COMPACT, BWD_HEAD_DIMS, CTYPES, EXTRA_POINTER_FIELDS, FA1_HEAD_DIMS, HEAD_DIMS,
-                   TF32_FAMILIES, TF32_HEAD_DIMS, TILES, VARIANT_POINTER_FIELDS, Tile, device_record, extra_params,
+from .spec import (BIAS_CTYPES, BLOCK_COMPACT, BWD_HEAD_DIMS, CTYPES, EXTRA_POINTER_FIELDS, FA1_BWD_HEAD_DIMS,
+                   FA1_HEAD_DIMS, HEAD_DIMS, TF32_FAMILIES, TF32_HEAD_DIMS, TILES, VARIANT_POINTER_FIELDS, Tile, device_record, extra_params,
                    extra_record, has_dropout, mask_policy, staged_bias_bytes, variant_params, variant_type)
 from .spec import spec as kernel_spec
 
@@ -214,27 +214,31 @@ def plan_tile(direction: str, d: int, block_q, block_k) -> Tile:
 # The wgmma forward from its TMA entry point (flash_fwd_sm90_tma_kernel) where a call allows it (_tma_forward); False:
 # the cp.async kernel everywhere (for comparisons; read when a forward is planned).
 TMA_FORWARD = True
-# Packed batches and key counts from the TMA entry point too (forward_sm90.cu's [tma tail]: built and checked on the
-# CPU, off until it has run on a GPU; CUFLASH_TMA_SEQUENCE_LENGTHS=1 turns it on).
-TMA_SEQUENCE_LENGTHS = os.environ.get("CUFLASH_TMA_SEQUENCE_LENGTHS") == "1"
+# Packed batches and key counts from the TMA entry point too (forward_sm90.cu's [tma tail]; H100 2026-11-28: bit for
+# bit the cp.async kernel's output with NaN / inf past the keys, 1.4-1.5x its speed; CUFLASH_TMA_SEQUENCE_LENGTHS=0
+# turns it off).
+TMA_SEQUENCE_LENGTHS = os.environ.get("CUFLASH_TMA_SEQUENCE_LENGTHS", "1") == "1"
 # The wgmma dK/dV kernel from its TMA entry point (flash_bwd_dkdv_sm90_tma_kernel) where a planned backward allows it
-# (_tma_backward). Built and checked on the CPU, off until it has run on a GPU (CUFLASH_TMA_BACKWARD=1 turns it on).
-TMA_BACKWARD = os.environ.get("CUFLASH_TMA_BACKWARD") == "1"
-# Head dims whose TMA tile is slower than the cp.async one on short query sequences: the longest sequence of queries
-# from which it runs (d 64: its 192-row tiles against two 128-row blocks per SM, H100 2026-11-28).
-TMA_MIN_ROWS_Q = {64: 1025}
+# (_tma_backward; H100 2026-11-28: dK and dV bit for bit the cp.async kernel's, 1.01-1.07x its speed;
+# CUFLASH_TMA_BACKWARD=0 turns it off).
+TMA_BACKWARD = os.environ.get("CUFLASH_TMA_BACKWARD", "1") == "1"
+# The longest query sequence that runs a head dim's ("fwd", "sm90a_tma_short", d) tile instead of its row's (d 64: one
+# computing warpgroup of 64 rows, two blocks per SM: 1.03-1.31x the 192-row tile and 1.05-1.20x the cp.async kernel
+# at N 512-2048, H100 2026-11-28).
+TMA_SHORT_MAX_ROWS_Q = 2048
 # Head dims below a TMA row's (d 32 on the d 64 kernel, 96 on 128, ...) from the TMA entry point too (the maps read
-# zeros in the missing columns); off: the kernel of their own head dim (mma.sync on sm_90 below 64 and at 96). Built
-# and checked on the CPU, off until it has run on a GPU (CUFLASH_TMA_PADDED=1 turns it on).
-TMA_PADDED = os.environ.get("CUFLASH_TMA_PADDED") == "1"
+# zeros in the missing columns; H100 2026-11-28: d 96 1.4-1.8x its own mma.sync kernel, 160 and 224 2.0-2.3x, d 32
+# 1.0-1.2x); off (CUFLASH_TMA_PADDED=0): the kernel of their own head dim.
+TMA_PADDED = os.environ.get("CUFLASH_TMA_PADDED", "1") == "1"
 
 
 def _tma_forward(spec, variant: Variant, arrays, max_q: int, block_q, block_k) -> tuple[int, Tile] | None:
     """``(kernel head dim, tile)`` of the TMA entry point for a 16-bit forward the launcher planned as ``spec`` (the
     wgmma kernel's or the mma.sync one's), or None. Its head dim: the arrays' (q and k's, v's) rounded up to a
     multiple of 64 with a ("fwd", "sm90a_tma", d) row; below it ([variant head dim], :data:`TMA_PADDED`) the maps read
-    zeros in the missing columns. Also: an sm_90 device and no block sizes of the caller's, a query sequence of
-    :data:`TMA_MIN_ROWS_Q` rows or more where the head dim sets a minimum, no staged bias (the producer stages none)
+    zeros in the missing columns; its tile the row's, or the ("fwd", "sm90a_tma_short", d) row's where there is one and
+    the query sequence has at most :data:`TMA_SHORT_MAX_ROWS_Q` rows. Also: an sm_90 device and no block sizes of the
+    caller's, no staged bias (the producer stages none)
     and not a bias with dropout (with both, a window and key counts, its computing warpgroups spill at their 240
     registers), strides of q, k and v that are non-zero multiples of 16 bytes with contiguous rows (the tensor maps'),
     and a driver that encodes maps. Packed batches and key counts with :data:`TMA_SEQUENCE_LENGTHS` (the kernel zeroes
@@ -248,10 +252,11 @@ def _tma_forward(spec, variant: Variant, arrays, max_q: int, block_q, block_k) -
     q, _, v = arrays
     d = -(-max(q.shape[-1], v.shape[-1]) // 64) * 64
     padded = d != q.shape[-1] or d != v.shape[-1]
-    tile = TILES.get(("fwd", "sm90a_tma", d))
+    tile = TILES.get(("fwd", "sm90a_tma_short", d)) if max_q <= TMA_SHORT_MAX_ROWS_Q else None
+    tile = tile or TILES.get(("fwd", "sm90a_tma", d))
     # (the mma.sync kernel's spec only for head dims below a row's: at a row's own, it is the caller's choice of the
     # Hopper kernels being off, SM90A_FORWARD)
-    if (tile is None or max_q < TMA_MIN_ROWS_Q.get(d, 0) or (padded and not TMA_PADDED)
+    if (tile is None or (padded and not TMA_PADDED)
             or (spec.family == "fwd" and not padded) or not _mappable(arrays)):
         return None
     return d, tile
@@ -324,6 +329,27 @@ def _needs_padding(q, v, algorithm) -> int:
         return 0
     kd = kernel_head_dim(d, dv, algorithm)
     return kd if (kd != d or dv != d) else 0
+
+
+def bwd_head_dims(cc: int) -> tuple[int, ...]:
+    """The 16-bit FA2 backward's head dims on a GPU of compute capability ``cc``: BWD_HEAD_DIMS up to 128, above it
+    those whose arch class has a ("bwd", arch, d) tile row."""
+    arch = arch_class(cc)
+    return tuple(d for d in BWD_HEAD_DIMS if d <= 128 or ("bwd", arch, d) in TILES)
+
+
+def _bwd_padding(q, v, algorithm) -> int:
+    """:func:`_needs_padding` for the backward: for the 16-bit FA2 backward, the next of :func:`bwd_head_dims` where
+    it differs from the arrays' head dims (read in place, or padded copies), 0 at one of them; with none as large, the
+    forward's (the float32 kernels on upcast inputs run the call)."""
+    kd = _needs_padding(q, v, algorithm)
+    if algorithm != "fa2" or q.dtype.itemsize != 2:
+        return kd
+    d, dv = q.shape[-1], v.shape[-1]
+    bd = next((x for x in bwd_head_dims(device_info()[0]) if x >= max(d, dv)), 0)
+    if not bd:
+        return kd
+    return bd if bd != d or bd != dv else 0
 
 
 def _reads_in_place(q, v, algorithm) -> bool:
@@ -766,12 +792,12 @@ def plan_backward(do, q, k, v, out, lse, *, scale, variant: Variant, algorithm, 
 
 def _packs_backward(do, q, k, v, lse, algorithm) -> bool:
     """Whether :func:`backward` runs calls of these layouts as the 16-bit FA2 launches on the arrays as given: a
-    head dim of BWD_HEAD_DIMS (or below one, read in place), q's, k's, v's and do's strides aligned for cp.async
-    (their addresses are a run's), lse contiguous."""
+    head dim of :func:`bwd_head_dims` (or below one, read in place), q's, k's, v's and do's strides aligned for
+    cp.async (their addresses are a run's), lse contiguous."""
     if algorithm != "fa2" or np.dtype(q.dtype).name not in CTYPES:
         return False
-    kd = _needs_padding(q, v, algorithm)
-    if (kd or q.shape[-1]) not in BWD_HEAD_DIMS or (kd and not _reads_in_place(q, v, algorithm)):
+    kd = _bwd_padding(q, v, algorithm)
+    if (kd or q.shape[-1]) not in bwd_head_dims(device_info()[0]) or (kd and not _reads_in_place(q, v, algorithm)):
         return False
     return all(_strides_aligned(a) for a in (q, k, v, do)) and lse.flags.c_contiguous
 
@@ -832,10 +858,10 @@ class BackwardPlan(_Plan):
 
         self._memset = cupy.cuda.runtime.memsetAsync
         shp = shape_of(q, k, variant)
-        kd = _needs_padding(q, v, algorithm)
+        kd = _bwd_padding(q, v, algorithm)
         head_dims = (q.shape[-1], v.shape[-1]) if kd else (0, 0)  # [variant head dim] read in place
         d, dtype = kd or shp.head_dim, np.dtype(q.dtype).name
-        assert d in BWD_HEAD_DIMS and dtype in CTYPES and variant.bias is None, (d, dtype)
+        assert d in bwd_head_dims(device_info()[0]) and dtype in CTYPES and variant.bias is None, (d, dtype)
         split = order in ("split", "q_outer")
         vtype = variant_type(variant, pads_head_dim=bool(kd))
         spec, spec_q = _backward_specs(dtype, d, q, v, vtype, split, block_q, block_k)
@@ -1071,9 +1097,10 @@ def backward(do, q, k, v, out, lse, *, scale, variant: Variant, algorithm, block
             "the bias gradient with softcap, a bias and a score_mod together does not run on the GPU yet (the "
             "kernels keep one derivative per score); apply the softcap inside score_mod instead, e.g. "
             "score_mod='30.0f * tanhf(score / 30.0f) + ...'")
-    kd = _needs_padding(q, v, algorithm)
+    kd = _bwd_padding(q, v, algorithm)
+    own = FA1_BWD_HEAD_DIMS if algorithm == "fa1" else bwd_head_dims(device_info()[0])  # (16-bit kernels' head dims)
     head_dims = (0, 0)  # [variant head dim] the arrays' (d, dv) when the kernels read them in place
-    if kd and kd in BWD_HEAD_DIMS and _reads_in_place(q, v, algorithm):
+    if kd and kd in own and _reads_in_place(q, v, algorithm):
         head_dims = (q.shape[-1], v.shape[-1])
     elif kd:
         d, dv = q.shape[-1], v.shape[-1]
@@ -1084,14 +1111,15 @@ def backward(do, q, k, v, out, lse, *, scale, variant: Variant, algorithm, block
         return (*cut, *grads[3:])
     shp = shape_of(q, k, variant)
     d, dtype = kd or shp.head_dim, np.dtype(q.dtype).name
-    if algorithm == "fa1" and (dtype == "float32" or d in BWD_HEAD_DIMS):
+    if algorithm == "fa1" and (dtype == "float32" or d in FA1_BWD_HEAD_DIMS):
         return fa1.backward(do, q, k, v, out, lse, scale=scale,
                             causal_offset=causal_offset_of(variant, shp.rows_q, shp.rows_k),
                             block_q=block_q, block_k=block_k)
     if algorithm == "naive":
         return naive.backward(do, q, k, v, scale=scale, causal_offset=causal_offset_of(variant, shp.rows_q, shp.rows_k))
-    if dtype in CTYPES and d not in BWD_HEAD_DIMS:
-        # No tensor-core backward at this head dim (dK and dV of 16 key rows would not fit in registers):
+    if dtype in CTYPES and d not in own:
+        # No tensor-core backward at this head dim on this GPU (dK and dV would not fit its registers or its shared
+        # memory; FA1: above 128):
         # run the float32 kernels on upcast inputs, cast the gradients back.
         f32 = [a.astype(cupy.float32) for a in (do, q, k, v, out)]
         grads = backward(*f32, lse, scale=scale, variant=variant, algorithm=algorithm, block_q=None, block_k=None,

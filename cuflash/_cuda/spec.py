@@ -22,7 +22,7 @@ from .._variant import Variant
 
 __all__ = [
     "Tile", "TILES", "HEAD_DIMS", "BWD_HEAD_DIMS", "Family", "FAMILIES", "KernelSpec", "NVRTC_OPTIONS",
-    "SM90A_OPTIONS", "FA1_HEAD_DIMS", "VARIANT_PARAMS_DTYPE", "EXTRA_PARAMS_DTYPE", "variant_type", "has_dropout", "extra_params", "extra_record", "device_record",
+    "SM90A_OPTIONS", "FA1_HEAD_DIMS", "FA1_BWD_HEAD_DIMS", "VARIANT_PARAMS_DTYPE", "EXTRA_PARAMS_DTYPE", "variant_type", "has_dropout", "extra_params", "extra_record", "device_record",
     "VARIANT_POINTER_FIELDS", "EXTRA_POINTER_FIELDS", "prelude_of", "mask_policy", "variant_params", "instantiations", "spec", "DENSE", "CTYPES",
     "TF32_FAMILIES", "TF32_HEAD_DIMS", "BIAS_CTYPES", "NO_BIAS", "bias_policy", "policy_args", "staged_bias_bytes",
 ]
@@ -43,7 +43,12 @@ TMA_DECODE = True
 
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 FA1_HEAD_DIMS = (32, 64, 96, 128, 256)  # (the FA1 forward's per-warp query stages spill at 160..224)
-BWD_HEAD_DIMS = (32, 64, 96, 128)
+# The 16-bit FA2 backward's head dims (a head dim between two runs in place on the next one's kernel: 160 on 192's,
+# 224 on 256's; dK and dV of 160 or 224 columns split over a warp group's 4 warps are not multiples of 16). Above 128
+# only where the arch class has a ("bwd", arch, d) row (sm_90: 192 and 256; sm_80: 192), elsewhere the float32
+# kernels on upcast inputs. The FA1 backward's: FA1_BWD_HEAD_DIMS.
+BWD_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+FA1_BWD_HEAD_DIMS = (32, 64, 96, 128)
 DECODE_HEAD_DIMS = (32, 64, 96, 128, 256)  # head_dim == head_dim_v (256: flash_decode_wide_kernel)
 # MLA's absorbed decoding (DeepSeek-V2/V3): head_dim 576 = a 512-dim latent (V: v_cache = k_cache[..., :512]) and 64
 # rope dims, one key/value head (flash_decode_wide_kernel with V read from the K tile).
@@ -117,11 +122,15 @@ TILES: dict[tuple[str, str, int], Tile] = {
     # the producer's one thread copying tiles through tensor maps), where a call allows it (attention._tma_forward).
     # H100, 2026-11-28 (bf16, ANCHORS grid): d 128 at 128 x 128 539-660 TFLOP/s against 285-399 by the cp.async
     # kernel; d 64 at 192 x 128 (three computing warpgroups) 384-469 from N 4096 against 341-383, but not at N 1024
-    # (causal 239 against 268: TMA_MIN_ROWS_Q); d 256 at 128 x 64 415-667 against 210-296.
+    # (causal 239 against 268); d 256 at 128 x 64 415-667 against 210-296.
     ("fwd", "sm90a_tma", 64): Tile(192, 128, 16, 2),
     ("fwd", "sm90a_tma", 128): Tile(128, 128, 12, 2),
     ("fwd", "sm90a_tma", 192): Tile(128, 64, 12, 2),
     ("fwd", "sm90a_tma", 256): Tile(128, 64, 12, 2),
+    # ("fwd", "sm90a_tma_short", d): the TMA entry point's tile up to attention.TMA_SHORT_MAX_ROWS_Q query rows: d 64
+    # with one computing warpgroup, two blocks per SM (Sm90Config), 217-439 TFLOP/s at N 512-2048 against 169-425 by
+    # the 192-row tile (H100, 2026-11-28).
+    ("fwd", "sm90a_tma_short", 64): Tile(64, 128, 8, 2),
     # ("bwd", "sm90a", d): flash_bwd_dkdv_sm90_kernel (wgmma; block_n = 64 key rows per warpgroup of 4 warps,
     # block_m = 64 streamed query rows, 2 query buffers).
     ("bwd", "sm90a", 64): Tile(64, 128, 8, 2),
@@ -130,10 +139,15 @@ TILES: dict[tuple[str, str, int], Tile] = {
     ("bwd", "sm90", 64): Tile(64, 64, 4, 2),
     ("bwd", "sm90", 96): Tile(64, 64, 4, 2),
     ("bwd", "sm90", 128): Tile(64, 128, 8, 2),
+    # d 192 and 256: two groups of 32 key rows, 4 warps each on 48 or 64 columns of dK and dV (245-255 registers,
+    # 20-40 bytes spilled with dQ's atomics; 161 and 209 KiB of shared memory)
+    ("bwd", "sm90", 192): Tile(64, 64, 8, 2),
+    ("bwd", "sm90", 256): Tile(64, 64, 8, 2),
     ("bwd", "sm80", 32): Tile(64, 128, 8, 2),
     ("bwd", "sm80", 64): Tile(64, 64, 4, 2),
     ("bwd", "sm80", 96): Tile(64, 64, 4, 2),
     ("bwd", "sm80", 128): Tile(64, 128, 8, 2),
+    ("bwd", "sm80", 192): Tile(64, 64, 8, 2),  # (161 of the A100's 163 KiB; d 256 has no tile that fits unspilled)
     ("bwd", "sm86", 32): Tile(64, 128, 8, 2),
     ("bwd", "sm86", 64): Tile(64, 64, 4, 2),
     ("bwd", "sm86", 96): Tile(64, 64, 4, 2),
@@ -142,10 +156,13 @@ TILES: dict[tuple[str, str, int], Tile] = {
     ("bwd_dq", "sm90", 64): Tile(64, 128, 4, 2),
     ("bwd_dq", "sm90", 96): Tile(64, 64, 4, 2),
     ("bwd_dq", "sm90", 128): Tile(64, 64, 4, 2),
+    ("bwd_dq", "sm90", 192): Tile(64, 32, 4, 2),
+    ("bwd_dq", "sm90", 256): Tile(64, 32, 4, 2),
     ("bwd_dq", "sm80", 32): Tile(64, 128, 4, 2),
     ("bwd_dq", "sm80", 64): Tile(64, 128, 4, 2),
     ("bwd_dq", "sm80", 96): Tile(64, 64, 4, 2),
     ("bwd_dq", "sm80", 128): Tile(64, 64, 4, 2),
+    ("bwd_dq", "sm80", 192): Tile(64, 32, 4, 2),
     ("bwd_dq", "sm86", 32): Tile(64, 128, 4, 2),
     ("bwd_dq", "sm86", 64): Tile(64, 128, 4, 2),
     ("bwd_dq", "sm86", 96): Tile(64, 64, 4, 1),
@@ -708,7 +725,8 @@ _SHOWCASE = (
 )
 
 _FA2_FAMILIES = {  # tile direction, arch class -> families that take that row
-    ("fwd", "sm90a"): ("fwd_sm90",), ("fwd", "sm90a_tma"): ("fwd_sm90_tma",), ("fwd", "f32"): ("fwd_f32",),
+    ("fwd", "sm90a"): ("fwd_sm90",), ("fwd", "sm90a_tma"): ("fwd_sm90_tma",),
+    ("fwd", "sm90a_tma_short"): ("fwd_sm90_tma",), ("fwd", "f32"): ("fwd_f32",),
     ("bwd", "sm90a"): ("bwd_dkdv_sm90", "bwd_dkdv_sm90_tma"),
     ("fwd_tf32x3", None): ("fwd_tf32x3",), ("fwd_tf32", None): ("fwd_tf32",),
     ("bwd", "f32"): ("bwd_dkdv_f32",), ("fwd", None): ("fwd",), ("bwd", None): ("bwd_dkdv",),
