@@ -20,7 +20,10 @@
 //   [bwd 5] dQ  += dS K (Has_dQ)         dS^T is written to shared memory (swizzled, 16-bit); after a
 //       block barrier each warpgroup computes a 64 x d / kNWG slice of dS K with wgmma, A = dS^T read as dS
 //       (MN-major, transpose bit), B = K (MN-major, transpose bit), and adds it to the float32 dQ workspace
-//       with red.global.add.v2.f32; flash_bwd_convert_dq_kernel scales and casts. The warpgroups split the
+//       with red.global.add.v2.f32; flash_bwd_convert_dq_kernel scales and casts. [bwd dq bulk] The TMA entry
+//       point adds it by bulk reductions instead: each warp stores its 16 rows of the slice to a float32 tile in
+//       shared memory and 16 of its lanes each add one row's slice (cp.reduce.async.bulk .add.f32, 128-256 bytes)
+//       into the workspace: 128 bulk operations per query tile in place of 4096 vector reductions. The warpgroups split the
 //       head-dim columns of dQ (measured on the H100 against splitting the keys, each warpgroup a full-width
 //       partial over its own 64 keys: the column split is 15-30% faster, half the reductions).
 // dK = scale * dK_acc and dV are written as backward.cu does: straight to dk / dv for MHA, per query head
@@ -56,7 +59,20 @@ struct Sm90BwdConfig {
     static constexpr int kDqN = kHeadDim / kNWG;  // dQ = dS K: head-dim columns per warpgroup, over all keys
     static constexpr int kSmemBytes =
         2 * (2 * kBlockN * kHeadDim + 4 * kBlockM * kHeadDim + kBlockN * kBlockM) + 4 * 4 * kBlockM + 1024;
+    // [bwd dq bulk] the TMA entry point's float32 dQ tile, rows padded by 8 floats (a half-warp's 64-bit stores,
+    // 4 rows x 4 lanes, fall in distinct banks), after its 64 bytes of mbarriers
+    static constexpr int kDqStride = kHeadDim + 8;
+    static constexpr int kTmaSmemBytes = kSmemBytes + 64 + 4 * kBlockM * kDqStride;
 };
+
+// [bwd dq bulk] off (0, the default: the TMA entry point adds dQ with red.global.add as the others do) or on (1).
+// H100 2026-11-28, bf16, backward alone, one process each: on, d 64 3-6 % slower, d 128 -11 % to +6 % (dense +1-3 %;
+// causal N 4096 318 against 358 TFLOP/s, N 16384 391 against 370); results equal either way (dK, dV bit for bit,
+// dQ within the atomics' order), sanitizer clean. Per-row bulk operations of 128-256 bytes; a whole-tile one issued
+// by one thread after a warpgroup barrier (FA3's) is the next thing to try.
+#ifndef CUFLASH_BWD_DQ_BULK
+#define CUFLASH_BWD_DQ_BULK 0
+#endif
 
 // The tensor maps of the TMA entry point: q, k, v and dO as 4-d tensors (columns, rows, heads, batch).
 struct BwdMaps {
@@ -110,6 +126,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
     // [bwd tma] mbarriers where a staged bias would be (the TMA entry point stages none): K and V landed, query
     // buffer 0, 1 landed
     const u32 full_kv = smem_u32(sD + 2 * kBlockM), full_q = full_kv + 8;
+    // [bwd dq bulk] the float32 dQ tile (kBlockM x kDqStride), after the 64 bytes of mbarriers
+    constexpr bool kDqBulk = kTma && Has_dQ && CUFLASH_BWD_DQ_BULK;
+    float* sDq = sD + 2 * kBlockM + 16;
 
     int n_block, h, b;
     interleaved_block(interleave, n_block, h, b);
@@ -359,7 +378,11 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
         wgmma_commit();
 
         if constexpr (Has_dQ) {
-            // [bwd 5] part 2: dS K once every warpgroup's dS^T is in shared memory.
+            // [bwd 5] part 2: dS K once every warpgroup's dS^T is in shared memory. [bwd dq bulk] This warp's rows
+            // of the dQ tile are free once the bulk reductions its lanes issued for the previous tile have read them.
+            if constexpr (kDqBulk) {
+                if (lane < 16) bulk_wait_read<0>();
+            }
             __syncthreads();
             // At most 64 columns at a time (32 accumulator registers): a 128-column slice (one warpgroup
             // at d = 128) would spill next to dK and dV.
@@ -378,19 +401,40 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
                 // This warp's 16 query rows (+ g, + g + 8) of the warpgroup's 64 x kDqChunk slice.
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
-                    const int row = m0 + warp_in_wg * 16 + g + 8 * hh;
-                    if (row < len_q) {
-                        float* dqr = dqg + (i64)row * kHeadDim + col0 + 2 * t;
+                    const int r = warp_in_wg * 16 + g + 8 * hh;
+                    if constexpr (kDqBulk) {  // [bwd dq bulk] into the dQ tile
+                        float* sr = sDq + r * Cfg::kDqStride + col0 + 2 * t;
+#pragma unroll
+                        for (int dt = 0; dt < kDqChunk / 8; ++dt) {
+                            *reinterpret_cast<float2*>(sr + dt * 8) = make_float2(dq[dt][2 * hh], dq[dt][2 * hh + 1]);
+                        }
+                    } else if (m0 + r < len_q) {
+                        float* dqr = dqg + (i64)(m0 + r) * kHeadDim + col0 + 2 * t;
 #pragma unroll
                         for (int dt = 0; dt < kDqChunk / 8; ++dt) red_add_v2_f32(dqr + dt * 8, dq[dt][2 * hh], dq[dt][2 * hh + 1]);
                     }
                 }
+            }
+            if constexpr (kDqBulk) {
+                // [bwd dq bulk] the warp's stores visible to the bulk copies; lane i adds row i of the warp's 16
+                // (its slice of the warpgroup's columns).
+                fence_proxy_async();
+                __syncwarp();
+                const int r = warp_in_wg * 16 + lane;
+                if (lane < 16 && m0 + r < len_q) {
+                    bulk_reduce_add_f32(dqg + (i64)(m0 + r) * kHeadDim + dq_col0,
+                                        smem_u32(sDq + r * Cfg::kDqStride + dq_col0), Cfg::kDqN * 4);
+                }
+                if (lane < 16) bulk_commit();
             }
         } else {
             wgmma_wait<0>();
         }
     }
     cp_async_wait<0>();
+    if constexpr (kDqBulk) {
+        if (lane < 16) bulk_wait<0>();  // [bwd dq bulk] (the dQ tile stays while the last reductions read it)
+    }
     fence_regs(dk_acc);
     fence_regs(dv_acc);
 

@@ -156,6 +156,22 @@ __device__ __forceinline__ void tma_load_tile(u32 dst, const TensorMap* map, u32
     for (int c = 0; c < kCols / 64; ++c) tma_load_4d(dst + c * rows * 128, map, bar, c * 64, row, head, batch);
 }
 
+// Bulk reduction (no tensor map): `bytes` (a multiple of 16) of float32 at shared-memory address src added into
+// global memory at dst (both 16-byte aligned), element by element in L2, as one asynchronous copy of this thread's
+// bulk group; the thread commits its group, then waits for its groups' reads of shared memory (before it or its warp
+// writes there again) or for their completion.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                 :: "l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(N) : "memory");
+}
+template <int N> __device__ __forceinline__ void bulk_wait() {
+    asm volatile("cp.async.bulk.wait_group %0;" :: "n"(N) : "memory");
+}
+
 // Named barriers over some warps of the block (id 0 is __syncthreads; count: threads, a multiple of 32).
 __device__ __forceinline__ void named_bar_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");

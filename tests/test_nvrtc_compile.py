@@ -189,6 +189,23 @@ def test_racecheck_build_of_the_mla_kernel_compiles():
     assert "bar.arrive" in shipped["ptx"] and "bar.arrive" not in debug["ptx"]
 
 
+def test_dq_bulk_build_of_the_tma_backward_compiles_without_spills():
+    """The -DCUFLASH_BWD_DQ_BULK=1 build of the backward's TMA entry point ([bwd dq bulk], off by default) compiles
+    for sm_90a without spills, adding dQ by bulk reductions (cp.reduce.async.bulk) where the shipped build has
+    red.global.add only."""
+    nvrtc = _nvrtc()
+    names = [s.name for s in _cuda.instantiations() if s.family == "bwd_dkdv_sm90_tma" and s.has_dq
+             and not variant_flags(s.name)][:2]
+    assert names, "no TMA dK/dV instantiation with dQ listed"
+    text = _cuda.compile_source_for_nvrtc("backward_sm90.cu")
+    shipped = _cuda.compile.nvrtc_offline(text, names, _cuda.SM90A_OPTIONS, "sm_90a")
+    assert shipped["ok"] and "cp.reduce.async.bulk" not in shipped["ptx"] and "red.global.add" in shipped["ptx"]
+    options = _cuda.SM90A_OPTIONS + ("-DCUFLASH_BWD_DQ_BULK=1",)
+    assert_compiles_without_spills(nvrtc, text, names, options, "sm_90a", "backward_sm90.cu, dQ by bulk reductions")
+    bulk = _cuda.compile.nvrtc_offline(text, names, options, "sm_90a")
+    assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in bulk["ptx"]
+
+
 @pytest.mark.parametrize("family,count", [("fwd", 38), ("fwd_sm90", 38), ("fwd_tf32x3", 38), ("bwd_dkdv", 50),
                                           ("bwd_dkdv_sm90", 50), ("bwd_dq", 43)])
 def test_flat_entry_points_compile_with_their_parameters_one_by_one(family, count):
