@@ -333,9 +333,14 @@ def _needs_padding(q, v, algorithm) -> int:
 
 def bwd_head_dims(cc: int) -> tuple[int, ...]:
     """The 16-bit FA2 backward's head dims on a GPU of compute capability ``cc``: BWD_HEAD_DIMS up to 128, above it
-    those whose arch class has a ("bwd", arch, d) tile row."""
+    those with a dK/dV tile and a dQ tile for this GPU (its arch class's rows, or its tuned table's: ``python -m
+    cuflash tune``)."""
     arch = arch_class(cc)
-    return tuple(d for d in BWD_HEAD_DIMS if d <= 128 or ("bwd", arch, d) in TILES)
+
+    def has(direction: str, d: int) -> bool:
+        return (direction, arch, d) in TILES or tuning.tile_for(direction, d) is not None
+
+    return tuple(d for d in BWD_HEAD_DIMS if d <= 128 or (has("bwd", d) and has("bwd_dq", d)))
 
 
 def _bwd_padding(q, v, algorithm) -> int:
