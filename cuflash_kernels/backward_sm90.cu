@@ -73,6 +73,12 @@ struct Sm90BwdConfig {
 #ifndef CUFLASH_BWD_DQ_BULK
 #define CUFLASH_BWD_DQ_BULK 0
 #endif
+// [bwd dq first] off (0, the default: dV's and dK's products issued, then the block barrier for dS^T, then dQ's
+// product, waited for with them) or on (1: the barrier, then dQ's product issued first and dV's and dK's after it,
+// dQ added into the workspace while they run). Built without spills, not yet run on a GPU.
+#ifndef CUFLASH_BWD_DQ_FIRST
+#define CUFLASH_BWD_DQ_FIRST 0
+#endif
 
 // The tensor maps of the TMA entry point: q, k, v and dO as 4-d tensors (columns, rows, heads, batch).
 struct BwdMaps {
@@ -128,6 +134,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
     const u32 full_kv = smem_u32(sD + 2 * kBlockM), full_q = full_kv + 8;
     // [bwd dq bulk] the float32 dQ tile (kBlockM x kDqStride), after the 64 bytes of mbarriers
     constexpr bool kDqBulk = kTma && Has_dQ && CUFLASH_BWD_DQ_BULK;
+    // [bwd dq first] where a warpgroup's dQ slice is one batch of columns (two computing warpgroups)
+    constexpr bool kDqFirst = Has_dQ && CUFLASH_BWD_DQ_FIRST && Cfg::kDqN == kDqChunk;
     float* sDq = sD + 2 * kBlockM + 16;
 
     int n_block, h, b;
@@ -362,57 +370,81 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
             fence_proxy_async();
         }
 
-        // [bwd 2] dV += P^T dO and [bwd 6] dK += dS^T Q (scale applied once at the end), A from registers.
-        wgmma_fence();
+        // [bwd 2] dV += P^T dO and [bwd 6] dK += dS^T Q (scale applied once at the end), A from registers
+        // (the caller fenced the registers: wgmma_fence).
+        auto issue_dv_dk = [&]() {
 #pragma unroll
-        for (int kk = 0; kk < kMT; ++kk) {
-            if constexpr (V::Has_dropout) {
-                Wgmma<T>::rs_tb(dv_acc, ptd[kk], desc_qmn(tdo, kk), 1, Int<kHeadDim>());
-            } else {
-                Wgmma<T>::rs_tb(dv_acc, pt[kk], desc_qmn(tdo, kk), 1, Int<kHeadDim>());
+            for (int kk = 0; kk < kMT; ++kk) {
+                if constexpr (V::Has_dropout) {
+                    Wgmma<T>::rs_tb(dv_acc, ptd[kk], desc_qmn(tdo, kk), 1, Int<kHeadDim>());
+                } else {
+                    Wgmma<T>::rs_tb(dv_acc, pt[kk], desc_qmn(tdo, kk), 1, Int<kHeadDim>());
+                }
             }
-        }
-        wgmma_commit();
+            wgmma_commit();
 #pragma unroll
-        for (int kk = 0; kk < kMT; ++kk) Wgmma<T>::rs_tb(dk_acc, dst[kk], desc_qmn(tq, kk), 1, Int<kHeadDim>());
-        wgmma_commit();
+            for (int kk = 0; kk < kMT; ++kk) Wgmma<T>::rs_tb(dk_acc, dst[kk], desc_qmn(tq, kk), 1, Int<kHeadDim>());
+            wgmma_commit();
+        };
+        // [bwd 5] part 2: dS K, kDqChunk columns from col0, once every warpgroup's dS^T is in shared memory; then
+        // this warp's 16 query rows (+ g, + g + 8) of the warpgroup's 64 x kDqChunk slice added into dQ.
+        auto issue_dq = [&](float (&dq)[kDqChunk / 8][4], int col0) {
+#pragma unroll
+            for (int kk = 0; kk < kDqKT; ++kk) {
+                WgmmaTT<T>::ss_tt(dq, desc_ds(kk), desc_kmn(col0, kk), kk > 0 ? 1 : 0, Int<kDqChunk>());
+            }
+            wgmma_commit();
+        };
+        auto add_dq = [&](float (&dq)[kDqChunk / 8][4], int col0) {
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const int r = warp_in_wg * 16 + g + 8 * hh;
+                if constexpr (kDqBulk) {  // [bwd dq bulk] into the dQ tile
+                    float* sr = sDq + r * Cfg::kDqStride + col0 + 2 * t;
+#pragma unroll
+                    for (int dt = 0; dt < kDqChunk / 8; ++dt) {
+                        *reinterpret_cast<float2*>(sr + dt * 8) = make_float2(dq[dt][2 * hh], dq[dt][2 * hh + 1]);
+                    }
+                } else if (m0 + r < len_q) {
+                    float* dqr = dqg + (i64)(m0 + r) * kHeadDim + col0 + 2 * t;
+#pragma unroll
+                    for (int dt = 0; dt < kDqChunk / 8; ++dt) red_add_v2_f32(dqr + dt * 8, dq[dt][2 * hh], dq[dt][2 * hh + 1]);
+                }
+            }
+        };
 
         if constexpr (Has_dQ) {
-            // [bwd 5] part 2: dS K once every warpgroup's dS^T is in shared memory. [bwd dq bulk] This warp's rows
-            // of the dQ tile are free once the bulk reductions its lanes issued for the previous tile have read them.
+            // [bwd dq bulk] This warp's rows of the dQ tile are free once the bulk reductions its lanes issued for
+            // the previous tile have read them.
             if constexpr (kDqBulk) {
                 if (lane < 16) bulk_wait_read<0>();
             }
-            __syncthreads();
-            // At most 64 columns at a time (32 accumulator registers): a 128-column slice (one warpgroup
-            // at d = 128) would spill next to dK and dV.
-#pragma unroll
-            for (int c = 0; c < Cfg::kDqN / kDqChunk; ++c) {
-                const int col0 = dq_col0 + c * kDqChunk;
+            if constexpr (kDqFirst) {
+                // [bwd dq first] dQ's product issued first, then dV's and dK's; this tile's dQ is added while they
+                // run (wait_group 2: the two younger groups, dV and dK, stay in flight).
+                __syncthreads();
                 float dq[kDqChunk / 8][4];
                 wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < kDqKT; ++kk) {
-                    WgmmaTT<T>::ss_tt(dq, desc_ds(kk), desc_kmn(col0, kk), kk > 0 ? 1 : 0, Int<kDqChunk>());
-                }
-                wgmma_commit();
-                wgmma_wait<0>();
+                issue_dq(dq, dq_col0);
+                issue_dv_dk();
+                wgmma_wait<2>();
                 fence_regs(dq);
-                // This warp's 16 query rows (+ g, + g + 8) of the warpgroup's 64 x kDqChunk slice.
+                add_dq(dq, dq_col0);
+                wgmma_wait<0>();
+            } else {
+                wgmma_fence();
+                issue_dv_dk();
+                __syncthreads();
+                // At most 64 columns at a time (32 accumulator registers): a 128-column slice (one warpgroup
+                // at d = 128) would spill next to dK and dV.
 #pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    const int r = warp_in_wg * 16 + g + 8 * hh;
-                    if constexpr (kDqBulk) {  // [bwd dq bulk] into the dQ tile
-                        float* sr = sDq + r * Cfg::kDqStride + col0 + 2 * t;
-#pragma unroll
-                        for (int dt = 0; dt < kDqChunk / 8; ++dt) {
-                            *reinterpret_cast<float2*>(sr + dt * 8) = make_float2(dq[dt][2 * hh], dq[dt][2 * hh + 1]);
-                        }
-                    } else if (m0 + r < len_q) {
-                        float* dqr = dqg + (i64)(m0 + r) * kHeadDim + col0 + 2 * t;
-#pragma unroll
-                        for (int dt = 0; dt < kDqChunk / 8; ++dt) red_add_v2_f32(dqr + dt * 8, dq[dt][2 * hh], dq[dt][2 * hh + 1]);
-                    }
+                for (int c = 0; c < Cfg::kDqN / kDqChunk; ++c) {
+                    float dq[kDqChunk / 8][4];
+                    wgmma_fence();
+                    issue_dq(dq, dq_col0 + c * kDqChunk);
+                    wgmma_wait<0>();
+                    fence_regs(dq);
+                    add_dq(dq, dq_col0 + c * kDqChunk);
                 }
             }
             if constexpr (kDqBulk) {
@@ -428,6 +460,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
                 if (lane < 16) bulk_commit();
             }
         } else {
+            wgmma_fence();
+            issue_dv_dk();
             wgmma_wait<0>();
         }
     }
