@@ -91,7 +91,10 @@ struct BwdMaps {
 // tensor copies through `maps` (64-column boxes in the same swizzle, zeros past the tensors' rows), each landing
 // on an mbarrier (K and V: full_kv; query buffer i: full_q + 8 i); the rows' lse and D stay cp.async copies (rows
 // past seqlen_q read as zeros). Padded batches only (a packed or key-padded sequence ends inside its tensor, where a
-// box reads the next rows as they are), no staged bias.
+// box reads the next rows as they are), no staged bias. [bwd tma pad] Head dims below the kernel's (Pads_head_dim: d 32
+// on the 64 kernel, 96 on 128's): the maps hold the arrays' head dims and read zeros past them, so S^T, dP^T and the
+// products see zero columns; dK and dV are stored in the arrays' columns only (the GQA workspace and dQ's keep the
+// kernel's width: the reduce and convert kernels cut them).
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V, bool Has_dQ,
           bool kTma = false>
 __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, const VariantParams vp,
@@ -103,8 +106,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
     static_assert(kBlockM == 64, "query tile: wgmma n = 64 for S^T, m = 64 for dQ");
     static_assert(kStages == 2, "two query buffers (the loop loads one tile ahead)");
     static_assert(Cfg::kDqN % 32 == 0, "dQ slice shape");
-    static_assert(!kTma || (!V::Is_varlen && !V::Has_seqused && !V::Pads_head_dim && !V::Bias::kStaged),
-                  "TMA: sequences that end with their tensors, whole head dims, no staged bias");
+    static_assert(!kTma || (!V::Is_varlen && !V::Has_seqused && !V::Bias::kStaged),
+                  "TMA: sequences that end with their tensors, no staged bias");
+    static_assert(kTma || !V::Pads_head_dim, "head dims below the kernel's: the TMA entry point only ([bwd tma pad])");
     constexpr int kThreads = kNWarps * 32;
     constexpr int kNT = kBlockM / 8;    // n8 fragments of an S^T row block (queries)
     constexpr int kDT = kHeadDim / 8;   // n8 fragments of a dK / dV row block
@@ -481,6 +485,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
             for (int e = 0; e < 4; ++e) dv_acc[dt][e] *= bi.keep_scale;
         }
     }
+    const int qk8 = bi.template qk_cols8<kHeadDim>(), v8 = bi.template v_cols8<kHeadDim>();  // [bwd tma pad]
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         const int row = key_base + g + 8 * hh;
@@ -491,8 +496,12 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
             u16* dvr = dv + b * dv_sb + h * dv_sh + (i64)(bi.k0 + row) * dv_ss + col0;
 #pragma unroll
             for (int dt = 0; dt < kDT; ++dt) {
-                *reinterpret_cast<u32*>(dkr + dt * 8) = Elem<T>::pack(dk_acc[dt][2 * hh] * scale, dk_acc[dt][2 * hh + 1] * scale);
-                *reinterpret_cast<u32*>(dvr + dt * 8) = Elem<T>::pack(dv_acc[dt][2 * hh], dv_acc[dt][2 * hh + 1]);
+                if (!V::Pads_head_dim || dt < qk8) {  // [bwd tma pad] the arrays' columns only
+                    *reinterpret_cast<u32*>(dkr + dt * 8) = Elem<T>::pack(dk_acc[dt][2 * hh] * scale, dk_acc[dt][2 * hh + 1] * scale);
+                }
+                if (!V::Pads_head_dim || dt < v8) {
+                    *reinterpret_cast<u32*>(dvr + dt * 8) = Elem<T>::pack(dv_acc[dt][2 * hh], dv_acc[dt][2 * hh + 1]);
+                }
             }
         } else {
             const i64 plane = (i64)(V::Is_varlen ? 1 : gridDim.z) * heads_q * seqlen_k * kHeadDim;

@@ -220,3 +220,54 @@ def test_the_backward_copies_by_tma_where_a_planned_call_allows_it(monkeypatch):
     calls, _ = plan.flat_calls()
     names = [name.split("<")[0] for _, name, _, _ in calls]
     assert "cuflash::flash_bwd_dkdv_sm90_flat_kernel" in names and not any("tma" in n for n in names)
+
+
+def test_the_backward_reads_head_dims_below_a_row_by_tma(monkeypatch):
+    """(CPU, stand-in CuPy) [bwd tma pad] With TMA_PADDED_BACKWARD, on sm_90 a planned 16-bit backward at a head dim
+    below a wgmma dK/dV row's (d 96; q's 64 with v's 96) runs the next row's kernel (d 128) from its TMA entry point,
+    Pads_head_dim on, its maps of the arrays' head dims; it has no flat calls (the cp.async entry point cannot pad);
+    key counts and the switch off run the mma.sync kernel of the arrays' head dim."""
+    import ml_dtypes
+    import numpy as np
+
+    import cuflash
+    from cuflash._cuda import attention, tensor_map
+    from cuflash._variant import Variant
+
+    from _fake_cupy import install
+    from conftest import gpu_skip_reason
+
+    gpu_skip_reason()
+    cp, recorder = install(monkeypatch)
+    monkeypatch.setattr(tensor_map, "available", lambda: True)
+    monkeypatch.setattr(attention, "TMA_BACKWARD", True)
+    monkeypatch.setattr(attention, "TMA_PADDED_BACKWARD", True)  # (off by default until run on a GPU)
+    encoded = []
+    monkeypatch.setattr(tensor_map, "_encode_tiled",
+                        lambda: lambda address, dtype, rank, ptr, dims, *rest: encoded.append((ptr, tuple(dims))) or 0)
+    rng = np.random.default_rng(11)
+
+    def arr(*shape, dtype=ml_dtypes.bfloat16):
+        return cp.asarray(rng.standard_normal(shape).astype(np.float32).astype(dtype))
+
+    def dkdv():
+        return [launch[0] for launch in recorder.take() if "dkdv" in launch[0]]
+
+    for d, dv in ((96, 96), (64, 96), (32, 32)):
+        q, k = arr(2, 200, 4, d), arr(2, 300, 2, d)
+        v, do, out = arr(2, 300, 2, dv), arr(2, 200, 4, dv), arr(2, 200, 4, dv)
+        lse = arr(2, 4, 200, dtype=np.float32)
+        kd = 64 if max(d, dv) <= 64 else 128
+        cuflash.attention_backward(do, q, k, v, out, lse, causal=True)
+        (name,) = dkdv()
+        assert name.startswith(f"cuflash::flash_bwd_dkdv_sm90_tma_kernel<cuflash::bf16, {kd}, ") and "true>" in name
+        assert [e[1][0] for e in encoded] == [d, d, dv, dv]  # (q, k, v, dO: the arrays' head dims)
+        encoded.clear()
+        plan = attention.BackwardPlan(do, q, k, v, out, lse, scale=0.1, variant=Variant(causal=True), algorithm="fa2",
+                                      block_q=None, block_k=None, order="kv_outer")
+        assert plan.flat_calls() is None
+    cuflash.attention_backward(do, q, k, v, out, lse, seqused_k=cp.asarray(np.array([100, 300], np.int32)))
+    assert dkdv()[0].startswith("cuflash::flash_bwd_dkdv_kernel<cuflash::bf16, 32, ")
+    monkeypatch.setattr(attention, "TMA_PADDED_BACKWARD", False)
+    cuflash.attention_backward(do, q, k, v, out, lse, causal=True)
+    assert dkdv()[0].startswith("cuflash::flash_bwd_dkdv_kernel<cuflash::bf16, 32, ") and encoded == []

@@ -230,6 +230,11 @@ TMA_SHORT_MAX_ROWS_Q = 2048
 # zeros in the missing columns; H100 2026-11-28: d 96 1.4-1.8x its own mma.sync kernel, 160 and 224 2.0-2.3x, d 32
 # 1.0-1.2x); off (CUFLASH_TMA_PADDED=0): the kernel of their own head dim.
 TMA_PADDED = os.environ.get("CUFLASH_TMA_PADDED", "1") == "1"
+# The planned backward at head dims below a wgmma dK/dV row's (d 32 on the d 64 kernel, 96 on 128's, ...) from the
+# kernel's TMA entry point ([bwd tma pad]: the maps read zeros past the arrays' columns); off: the mma.sync kernels
+# of their own head dims. Built and checked on the CPU, off until it has run on a GPU (CUFLASH_TMA_PADDED_BACKWARD=1
+# turns it on).
+TMA_PADDED_BACKWARD = os.environ.get("CUFLASH_TMA_PADDED_BACKWARD") == "1"
 
 
 def _tma_forward(spec, variant: Variant, arrays, max_q: int, block_q, block_k) -> tuple[int, Tile] | None:
@@ -264,12 +269,34 @@ def _tma_forward(spec, variant: Variant, arrays, max_q: int, block_q, block_k) -
 
 def _tma_backward(spec, variant: Variant, arrays):
     """Whether a planned backward whose dK/dV launch is ``spec`` (the wgmma kernel's, no staged bias) runs it from its
-    TMA entry point: sequences that end with their tensors (no packed batch, no key counts: the kernel zeroes no
-    tail), q, k, v and dO of :func:`_tma_forward`'s strides, and a driver that encodes maps."""
-    if (not TMA_BACKWARD or spec.family != "bwd_dkdv_sm90" or staged_bias_bytes(spec.variant) or variant.is_varlen
-            or variant.seqused_k is not None or not tensor_map.available()):
+    TMA entry point: :func:`_tma_backward_takes` the call."""
+    return spec.family == "bwd_dkdv_sm90" and not staged_bias_bytes(spec.variant) and _tma_backward_takes(variant,
+                                                                                                          arrays)
+
+
+def _tma_backward_takes(variant: Variant, arrays) -> bool:
+    """Whether the dK/dV kernel's TMA entry point takes a call of these arrays (q, k, v, dO): sequences that end with
+    their tensors (no packed batch, no key counts: the kernel zeroes no tail), strides as :func:`_tma_forward`'s, and
+    a driver that encodes maps."""
+    if not TMA_BACKWARD or variant.is_varlen or variant.seqused_k is not None or not tensor_map.available():
         return False
     return all(a.ndim == 4 for a in arrays) and _mappable(arrays)
+
+
+def _tma_padded_backward(variant: Variant, arrays, algorithm, block_q, block_k) -> int:
+    """[bwd tma pad] The head dim of the wgmma dK/dV kernel that a planned 16-bit backward runs from its TMA entry
+    point at head dims below its own (q's and k's, v's: the next row of ("bwd", "sm90a", d) above them, read through
+    maps of the arrays' head dims), or 0: :data:`TMA_PADDED_BACKWARD` off, not sm_90, block sizes of the caller's,
+    head dims of a row or above every row, or a call :func:`_tma_backward_takes` refuses."""
+    q, _, v, _ = arrays
+    d, dv = q.shape[-1], v.shape[-1]
+    if (not TMA_PADDED_BACKWARD or not SM90A_BACKWARD or algorithm != "fa2" or block_q is not None
+            or block_k is not None or np.dtype(q.dtype).name not in CTYPES or device_info()[0] != 90):
+        return 0
+    kd = next((x for x in BWD_HEAD_DIMS if x >= max(d, dv) and ("bwd", "sm90a", x) in TILES), 0)
+    if not kd or (kd == d == dv) or not _tma_backward_takes(variant, arrays):
+        return 0
+    return kd
 
 
 def _mappable(arrays) -> bool:
@@ -456,7 +483,8 @@ def call_context() -> tuple:
 def switches() -> tuple:
     """The launcher's switches of the Hopper kernels and their TMA entry points, which decide a plan too (benchmarks
     flip them; plans are kept per value)."""
-    return SM90A_FORWARD, SM90A_BACKWARD, TMA_FORWARD, TMA_SEQUENCE_LENGTHS, TMA_PADDED, TMA_BACKWARD
+    return (SM90A_FORWARD, SM90A_BACKWARD, TMA_FORWARD, TMA_SEQUENCE_LENGTHS, TMA_PADDED, TMA_BACKWARD,
+            TMA_PADDED_BACKWARD)
 
 
 def _ptr(a) -> int:
@@ -863,13 +891,14 @@ class BackwardPlan(_Plan):
 
         self._memset = cupy.cuda.runtime.memsetAsync
         shp = shape_of(q, k, variant)
-        kd = _bwd_padding(q, v, algorithm)
+        tma_pad = _tma_padded_backward(variant, (q, k, v, do), algorithm, block_q, block_k)  # [bwd tma pad]
+        kd = tma_pad or _bwd_padding(q, v, algorithm)
         head_dims = (q.shape[-1], v.shape[-1]) if kd else (0, 0)  # [variant head dim] read in place
         d, dtype = kd or shp.head_dim, np.dtype(q.dtype).name
         assert d in bwd_head_dims(device_info()[0]) and dtype in CTYPES and variant.bias is None, (d, dtype)
         split = order in ("split", "q_outer")
         vtype = variant_type(variant, pads_head_dim=bool(kd))
-        spec, spec_q = _backward_specs(dtype, d, q, v, vtype, split, block_q, block_k)
+        spec, spec_q = _backward_specs(dtype, d, q, v, vtype, split, block_q, block_k, tma_pad=bool(tma_pad))
         slot = self._SLOTS.index
         # [bwd tma] the dK/dV launch from its TMA entry point where allowed (flat_calls keep the cp.async one): its
         # maps of q, k, v and dO, each pointed at a run's array ((map, slot) pairs)
@@ -880,6 +909,8 @@ class BackwardPlan(_Plan):
             t = spec.tile
             self._maps = tuple((_tensor_map(a, rows), slot(name)) for a, name, rows in
                                ((q, "q", t.block_m), (k, "k", t.block_n), (v, "v", t.block_n), (do, "do", t.block_m)))
+        # (the cp.async entry point reads whole rows of the kernel's head dim: never a padded one's)
+        assert not tma_pad or spec.family == "bwd_dkdv_sm90_tma", spec.name
         f32 = np.dtype(np.float32).itemsize
         # The workspace: the accumulators the kernels add into first (zeroed), then D. 256-byte aligned parts.
         parts = {"dq_accum": None if split else (shp.ws_batch, shp.heads_q, shp.rows_q, d),
@@ -929,7 +960,8 @@ class BackwardPlan(_Plan):
         self.shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
         self._zero_grads = variant.seqused_k is not None  # (dk, dv past a sequence's used keys: never written)
         # (flat_calls: the launches, and the workspace's parts as buffers of their own)
-        constant = all(step[3] is None for step in self._steps) and not self._zero_grads
+        # [bwd tma pad] no flat twin: the cp.async entry point cannot read head dims below its own
+        constant = all(step[3] is None for step in self._steps) and not self._zero_grads and not tma_pad
         self._flat = (flat, {name: parts[name] for name in ("delta", "dq_accum", "dkv_accum") if parts[name]}
                       ) if constant else None
 
@@ -1203,11 +1235,13 @@ class _BackwardBuffers(NamedTuple):
     dkv_accum: Any
 
 
-def _backward_specs(dtype: str, d: int, q, v, vtype: str, split: bool, block_q, block_k, staged=None):
+def _backward_specs(dtype: str, d: int, q, v, vtype: str, split: bool, block_q, block_k, staged=None,
+                    tma_pad: bool = False):
     """The dK/dV (+ dQ) kernel's spec (the wgmma one on sm_90 where the table has a row and the arrays have the
-    kernel's head dims), and the dQ pass's for the split order (else None). ``staged(tile)``: the wgmma kernel's spec
-    with a staged bias ([variant bias tile], :func:`_staged_bias_spec`), or None."""
-    t = _hopper_tile("bwd", d, block_q, block_k, SM90A_BACKWARD and d == q.shape[-1] == v.shape[-1])
+    kernel's head dims, or ``tma_pad``: fewer, read by its TMA entry point, :func:`_tma_padded_backward`), and the dQ
+    pass's for the split order (else None). ``staged(tile)``: the wgmma kernel's spec with a staged bias ([variant
+    bias tile], :func:`_staged_bias_spec`), or None."""
+    t = _hopper_tile("bwd", d, block_q, block_k, SM90A_BACKWARD and (tma_pad or d == q.shape[-1] == v.shape[-1]))
     if t is not None:
         spec = staged(t) if staged is not None else None
         spec = (kernel_spec(spec.family, dtype, d, spec.tile, spec.variant, not split) if spec is not None

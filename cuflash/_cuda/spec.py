@@ -848,6 +848,10 @@ def instantiations() -> list[KernelSpec]:
     # ... and from the forward's TMA entry point (d 96 on the 128 kernel, 32 on the 64 one: attention._tma_forward)
     for d in (64, 128):
         add(KernelSpec("fwd_sm90_tma", "bfloat16", d, TILES[("fwd", "sm90a_tma", d)], causal_pads, arch="sm90a"))
+        # ... and from the backward's ([bwd tma pad]: attention._tma_padded_backward)
+        for has_dq in (True, False):
+            add(KernelSpec("bwd_dkdv_sm90_tma", "bfloat16", d, TILES[("bwd", "sm90a", d)], causal_pads, has_dq,
+                           "sm90a"))
     for d, dv, cc in [(d, d, 0) for d in DECODE_HEAD_DIMS] + [(*DECODE_MLA_DIMS, 0), (*DECODE_MLA_DIMS, 90)]:
         fam, tile, arch = decode_family(d, dv, cc)
         for dtype in CTYPES:
