@@ -26,6 +26,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -203,15 +204,47 @@ def format_float32_table(rows) -> str:
 
 
 def format_table(rows) -> str:
-    lines = ["| dtype | d | causal | pass | N | cuflash | torch-flash | torch-cudnn | cuflash / torch-flash "
-             "| cuflash-fa1 | cuflash / cuflash-fa1 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    """The Markdown table of :func:`run_grid`'s rows: TFLOP/s of each system per pass, and cuflash's ratios to
+    torch-flash and torch-cudnn (and to cuflash-fa1 where it ran)."""
+    fa1 = any(f"cuflash-fa1 {p}" in r for r in rows for p in ("fwd", "fwd+bwd"))
+    head = ("| dtype | d | causal | pass | N | cuflash | torch-flash | torch-cudnn | cuflash / torch-flash "
+            "| cuflash / torch-cudnn |")
+    lines = [head + (" cuflash-fa1 | cuflash / cuflash-fa1 |" if fa1 else ""),
+             "|---" * (12 if fa1 else 10) + "|"]
     for r in rows:
         for pass_ in ("fwd", "fwd+bwd"):
             c, f, n = r[f"cuflash {pass_}"], r[f"torch-flash {pass_}"], r[f"torch-cudnn {pass_}"]
-            a1 = r.get(f"cuflash-fa1 {pass_}", float("nan"))  # FA1 column: FA2 / FA1 is the issue-4 ratio
-            lines.append(f"| {r['dtype']} | {r['d']} | {'yes' if r['causal'] else 'no'} | {pass_} | {r['N']} | "
-                         f"{c:.0f} | {f:.0f} | {n:.0f} | {c / f:.2f} | {a1:.0f} | {c / a1:.1f} |")
+            line = (f"| {r['dtype']} | {r['d']} | {'yes' if r['causal'] else 'no'} | {pass_} | {r['N']} | "
+                    f"{c:.0f} | {f:.0f} | {n:.0f} | {c / f:.2f} | {c / n:.2f} |")
+            if fa1:  # FA1 column: FA2 / FA1 is the issue-4 ratio
+                a1 = r.get(f"cuflash-fa1 {pass_}", float("nan"))
+                line += f" {a1:.0f} | {c / a1:.1f} |"
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def cudnn_target(n: int) -> float:
+    """Issue 14's target for cuflash / torch-cudnn in a cell of sequence length ``n``: 1.0, 0.9 at N 512 and below."""
+    return 0.9 if n <= 512 else 1.0
+
+
+def summarize(rows) -> str:
+    """Per pass, cuflash's ratio to each peer over the grid (range, median) and, against torch-cudnn, the cells at or
+    above :func:`cudnn_target`: the lines the side-by-side table is judged by."""
+    lines = []
+    for pass_ in ("fwd", "fwd+bwd"):
+        for peer in ("torch-flash", "torch-cudnn"):
+            cells = [(r[f"cuflash {pass_}"] / r[f"{peer} {pass_}"], r["N"]) for r in rows
+                     if r.get(f"{peer} {pass_}", 0) > 0 and f"cuflash {pass_}" in r]
+            if not cells:
+                continue
+            ratios = sorted(x for x, _ in cells)
+            line = (f"{pass_:7s} cuflash / {peer}: {ratios[0]:.2f}-{ratios[-1]:.2f} "
+                    f"(median {statistics.median(ratios):.2f}, {len(ratios)} cells)")
+            if peer == "torch-cudnn":
+                met = sum(x >= cudnn_target(n) - 5e-3 for x, n in cells)
+                line += f"; at or above target (1.0, 0.9 at N <= 512) in {met} of {len(cells)}"
+            lines.append(line)
     return "\n".join(lines)
 
 
@@ -349,6 +382,7 @@ def main(argv=None, prog: str = "python -m cuflash bench-gpu"):
         plot_memory(memory, directory / "memory.png",
                     title=f"peak memory, batch 1, 16 heads, d 128, fp16, causal, {device}")
     print(format_table(rows))
+    print(summarize(rows))
     for key, val in ext.items():
         print(f"{key}: {val:.3f}")
     return 0

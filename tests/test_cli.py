@@ -195,3 +195,24 @@ def test_bench_decode_mla_on_the_cpu(capsys, tmp_path, monkeypatch):
     assert row["flops"] == 2 * 2 * 16 * 70 * (576 + 512) and row["numpy_us"] > 0
     assert "MLA batch   1 cache     70 q 2: NumPy reference" in capsys.readouterr().out
 
+
+
+def test_the_gpu_table_gives_both_ratios_and_the_cudnn_target_count():
+    """bench-gpu's table has cuflash's ratio to torch-flash and to torch-cudnn in every row (FA1's columns only where
+    it ran), and its summary counts the cells at or above issue 14's target (1.0; 0.9 at N 512)."""
+    from cuflash import bench_gpu
+
+    def row(n, c, f, d):
+        return {"dtype": "bfloat16", "d": 128, "causal": False, "N": n, "cuflash fwd": c, "torch-flash fwd": f,
+                "torch-cudnn fwd": d, "cuflash fwd+bwd": c / 2, "torch-flash fwd+bwd": f / 2, "torch-cudnn fwd+bwd": d}
+    rows = [row(512, 460.0, 300.0, 500.0), row(4096, 600.0, 350.0, 600.0), row(16384, 580.0, 350.0, 640.0)]
+    table = bench_gpu.format_table(rows).splitlines()
+    assert table[0].endswith("| cuflash / torch-flash | cuflash / torch-cudnn |") and len(table) == 2 + 6
+    assert table[2] == "| bfloat16 | 128 | no | fwd | 512 | 460 | 300 | 500 | 1.53 | 0.92 |"
+    summary = bench_gpu.summarize(rows)
+    assert "fwd     cuflash / torch-cudnn: 0.91-1.00 (median 0.92, 3 cells); at or above target" in summary
+    assert "in 2 of 3" in summary.splitlines()[1]  # (0.92 at N 512 meets 0.9; 1.00 meets 1.0; 0.91 does not)
+    assert "fwd+bwd cuflash / torch-cudnn: 0.45-0.50 (median 0.46, 3 cells); at or above target (1.0, 0.9 at N <= 512)" \
+           " in 0 of 3" in summary
+    rows[0]["cuflash-fa1 fwd"] = 230.0
+    assert bench_gpu.format_table(rows).splitlines()[2].endswith("| 0.92 | 230 | 2.0 |")
