@@ -21,17 +21,21 @@ def fake(monkeypatch):
     return install(monkeypatch)
 
 
-@pytest.mark.parametrize(("cc", "wide"), [(90, (192, 256)), (80, (192,)), (86, ())])
+SMEM = {90: 227 * 1024, 80: 163 * 1024, 86: 99 * 1024, 120: 99 * 1024}
+
+
+@pytest.mark.parametrize(("cc", "wide"), [(90, (192, 256)), (80, (192,)), (86, ()), (120, ())])
 def test_each_gpu_runs_the_backward_head_dims_it_has_tiles_for(cc, wide):
-    assert attention.bwd_head_dims(cc) == (32, 64, 96, 128, *wide)
+    """(sm_120: the sm90 class's rows, which need more than its 99 KiB of shared memory above 128)"""
+    assert attention.bwd_head_dims(cc, SMEM[cc]) == (32, 64, 96, 128, *wide)
 
 
 def test_a_tuned_table_adds_a_head_dim_with_both_its_tiles(monkeypatch):
     tuned = {("bwd", 192): spec.Tile(32, 32, 2, 2)}
     monkeypatch.setattr(tuning, "tile_for", lambda direction, d: tuned.get((direction, d)))
-    assert 192 not in attention.bwd_head_dims(86)  # (its dQ pass has no tile)
+    assert 192 not in attention.bwd_head_dims(86, SMEM[86])  # (its dQ pass has no tile)
     tuned[("bwd_dq", 192)] = spec.Tile(32, 32, 2, 2)
-    assert attention.bwd_head_dims(86) == (32, 64, 96, 128, 192)
+    assert attention.bwd_head_dims(86, SMEM[86]) == (32, 64, 96, 128, 192)
 
 
 def _kernels(recorder):
@@ -42,12 +46,13 @@ def _kernels(recorder):
 @pytest.mark.parametrize(("cc", "d", "kernel"), [
     (90, 256, "flash_bwd_dkdv_kernel"), (90, 200, "flash_bwd_dkdv_kernel"), (90, 160, "flash_bwd_dkdv_kernel"),
     (80, 192, "flash_bwd_dkdv_kernel"), (80, 256, "flash_bwd_dkdv_f32_kernel"), (86, 192, "flash_bwd_dkdv_f32_kernel"),
+    (120, 256, "flash_bwd_dkdv_f32_kernel"),
     (90, 128, "flash_bwd_dkdv_sm90_kernel")])  # (no driver to encode maps: not its TMA entry point)
 def test_the_16_bit_backward_runs_the_tensor_core_kernels_where_it_can(fake, monkeypatch, cc, d, kernel):
     """The dK/dV launch of a bf16 backward (causal, GQA) by compute capability and head dim; at 160 and 200 the
     launch names the next head dim's kernel (192, 256) and its VariantParams the arrays' head dims."""
     cp, recorder = fake
-    monkeypatch.setitem(compile._device_cache, 0, (cc, (227 if cc == 90 else 163 if cc == 80 else 99) * 1024))
+    monkeypatch.setitem(compile._device_cache, 0, (cc, SMEM[cc]))
     rng = np.random.default_rng(d)
 
     def arr(*shape, dtype=ml_dtypes.bfloat16):
@@ -61,7 +66,7 @@ def test_the_16_bit_backward_runs_the_tensor_core_kernels_where_it_can(fake, mon
     dkdv = [name for name in _kernels(recorder) if "dkdv" in name]
     assert dkdv == [kernel], dkdv
     if kernel == "flash_bwd_dkdv_kernel":
-        kd = next(x for x in attention.bwd_head_dims(cc) if x >= d)
+        kd = next(x for x in attention.bwd_head_dims(cc, SMEM[cc]) if x >= d)
         cuflash.attention_backward(do, q, k, v, out, lse, causal=True)
         launch = next(lc for lc in recorder.take() if "dkdv" in lc[0])
         assert launch[0].startswith(f"cuflash::flash_bwd_dkdv_kernel<cuflash::bf16, {kd}, ")

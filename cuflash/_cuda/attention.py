@@ -25,8 +25,8 @@ from .._variant import Variant, VariantArrays
 from . import fa1, naive, tensor_map, tuning
 from .compile import PackedLaunch, arch_class, check_smem, device_info, launch
 from .spec import (BIAS_CTYPES, BLOCK_COMPACT, BWD_HEAD_DIMS, CTYPES, EXTRA_POINTER_FIELDS, FA1_BWD_HEAD_DIMS,
-                   FA1_HEAD_DIMS, HEAD_DIMS, TF32_FAMILIES, TF32_HEAD_DIMS, TILES, VARIANT_POINTER_FIELDS, Tile, device_record, extra_params,
-                   extra_record, has_dropout, mask_policy, staged_bias_bytes, variant_params, variant_type)
+                   FA1_HEAD_DIMS, FAMILIES, HEAD_DIMS, TF32_FAMILIES, TF32_HEAD_DIMS, TILES, VARIANT_POINTER_FIELDS, Tile,
+                   device_record, extra_params, extra_record, has_dropout, mask_policy, staged_bias_bytes, variant_params, variant_type)
 from .spec import spec as kernel_spec
 
 __all__ = ["forward", "backward", "check_supported", "plan_forward", "ForwardPlan", "plan_backward", "BackwardPlan",
@@ -358,16 +358,19 @@ def _needs_padding(q, v, algorithm) -> int:
     return kd if (kd != d or dv != d) else 0
 
 
-def bwd_head_dims(cc: int) -> tuple[int, ...]:
-    """The 16-bit FA2 backward's head dims on a GPU of compute capability ``cc``: BWD_HEAD_DIMS up to 128, above it
-    those with a dK/dV tile and a dQ tile for this GPU (its arch class's rows, or its tuned table's: ``python -m
-    cuflash tune``)."""
+def bwd_head_dims(cc: int, smem: int) -> tuple[int, ...]:
+    """The 16-bit FA2 backward's head dims on a GPU of compute capability ``cc`` and ``smem`` bytes of opt-in shared
+    memory per block (:func:`device_info`): BWD_HEAD_DIMS up to 128, above it those with a dK/dV tile and a dQ tile
+    for this GPU that fit its shared memory (its arch class's rows, or its tuned table's: ``python -m cuflash
+    tune``)."""
     arch = arch_class(cc)
 
-    def has(direction: str, d: int) -> bool:
-        return (direction, arch, d) in TILES or tuning.tile_for(direction, d) is not None
+    def fits(direction: str, d: int) -> bool:
+        t = tuning.tile_for(direction, d) or TILES.get((direction, arch, d))
+        family = "bwd_dkdv" if direction == "bwd" else "bwd_dq"
+        return t is not None and FAMILIES[family].smem(d, t) <= smem
 
-    return tuple(d for d in BWD_HEAD_DIMS if d <= 128 or (has("bwd", d) and has("bwd_dq", d)))
+    return tuple(d for d in BWD_HEAD_DIMS if d <= 128 or (fits("bwd", d) and fits("bwd_dq", d)))
 
 
 def _bwd_padding(q, v, algorithm) -> int:
@@ -378,7 +381,7 @@ def _bwd_padding(q, v, algorithm) -> int:
     if algorithm != "fa2" or q.dtype.itemsize != 2:
         return kd
     d, dv = q.shape[-1], v.shape[-1]
-    bd = next((x for x in bwd_head_dims(device_info()[0]) if x >= max(d, dv)), 0)
+    bd = next((x for x in bwd_head_dims(*device_info()) if x >= max(d, dv)), 0)
     if not bd:
         return kd
     return bd if bd != d or bd != dv else 0
@@ -830,7 +833,7 @@ def _packs_backward(do, q, k, v, lse, algorithm) -> bool:
     if algorithm != "fa2" or np.dtype(q.dtype).name not in CTYPES:
         return False
     kd = _bwd_padding(q, v, algorithm)
-    if (kd or q.shape[-1]) not in bwd_head_dims(device_info()[0]) or (kd and not _reads_in_place(q, v, algorithm)):
+    if (kd or q.shape[-1]) not in bwd_head_dims(*device_info()) or (kd and not _reads_in_place(q, v, algorithm)):
         return False
     return all(_strides_aligned(a) for a in (q, k, v, do)) and lse.flags.c_contiguous
 
@@ -895,7 +898,7 @@ class BackwardPlan(_Plan):
         kd = tma_pad or _bwd_padding(q, v, algorithm)
         head_dims = (q.shape[-1], v.shape[-1]) if kd else (0, 0)  # [variant head dim] read in place
         d, dtype = kd or shp.head_dim, np.dtype(q.dtype).name
-        assert d in bwd_head_dims(device_info()[0]) and dtype in CTYPES and variant.bias is None, (d, dtype)
+        assert d in bwd_head_dims(*device_info()) and dtype in CTYPES and variant.bias is None, (d, dtype)
         split = order in ("split", "q_outer")
         vtype = variant_type(variant, pads_head_dim=bool(kd))
         spec, spec_q = _backward_specs(dtype, d, q, v, vtype, split, block_q, block_k, tma_pad=bool(tma_pad))
@@ -1135,7 +1138,7 @@ def backward(do, q, k, v, out, lse, *, scale, variant: Variant, algorithm, block
             "kernels keep one derivative per score); apply the softcap inside score_mod instead, e.g. "
             "score_mod='30.0f * tanhf(score / 30.0f) + ...'")
     kd = _bwd_padding(q, v, algorithm)
-    own = FA1_BWD_HEAD_DIMS if algorithm == "fa1" else bwd_head_dims(device_info()[0])  # (16-bit kernels' head dims)
+    own = FA1_BWD_HEAD_DIMS if algorithm == "fa1" else bwd_head_dims(*device_info())  # (16-bit kernels' head dims)
     head_dims = (0, 0)  # [variant head dim] the arrays' (d, dv) when the kernels read them in place
     if kd and kd in own and _reads_in_place(q, v, algorithm):
         head_dims = (q.shape[-1], v.shape[-1])
