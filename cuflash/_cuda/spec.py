@@ -22,7 +22,8 @@ from .._variant import Variant
 
 __all__ = [
     "Tile", "TILES", "HEAD_DIMS", "BWD_HEAD_DIMS", "Family", "FAMILIES", "KernelSpec", "NVRTC_OPTIONS",
-    "SM90A_OPTIONS", "FA1_HEAD_DIMS", "FA1_BWD_HEAD_DIMS", "VARIANT_PARAMS_DTYPE", "EXTRA_PARAMS_DTYPE", "variant_type", "has_dropout", "extra_params", "extra_record", "device_record",
+    "SM90A_OPTIONS", "FA1_HEAD_DIMS", "FA1_BWD_HEAD_DIMS", "VARIANT_PARAMS_DTYPE", "EXTRA_PARAMS_DTYPE",
+    "variant_type", "has_dropout", "extra_params", "extra_record", "device_record",
     "VARIANT_POINTER_FIELDS", "EXTRA_POINTER_FIELDS", "prelude_of", "mask_policy", "variant_params", "instantiations", "spec", "DENSE", "CTYPES",
     "TF32_FAMILIES", "TF32_HEAD_DIMS", "BIAS_CTYPES", "NO_BIAS", "bias_policy", "policy_args", "staged_bias_bytes",
 ]
