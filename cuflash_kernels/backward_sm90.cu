@@ -62,7 +62,8 @@ struct Sm90BwdConfig {
     // [bwd dq bulk] the TMA entry point's float32 dQ tile, rows padded by 8 floats (a half-warp's 64-bit stores,
     // 4 rows x 4 lanes, fall in distinct banks), after its 64 bytes of mbarriers
     static constexpr int kDqStride = kHeadDim + 8;
-    static constexpr int kTmaSmemBytes = kSmemBytes + 64 + 4 * kBlockM * kDqStride;
+    // [bwd flow] dS^T's second buffer after it, 1024-byte aligned
+    static constexpr int kTmaSmemBytes = kSmemBytes + 64 + 4 * kBlockM * kDqStride + 2 * kBlockN * kBlockM + 1024;
 };
 
 // [bwd dq bulk] off (0, the default: the TMA entry point adds dQ with red.global.add as the others do) or on (1).
@@ -73,6 +74,16 @@ struct Sm90BwdConfig {
 #ifndef CUFLASH_BWD_DQ_BULK
 #define CUFLASH_BWD_DQ_BULK 0
 #endif
+// [bwd flow] off (0, the default: the loop's top block barrier makes each tile's lse and D copies (cp.async) visible
+// and frees the other query buffer and dS^T) or on (1, the TMA entry point with dQ: no top barrier. A query buffer's
+// lse and D copies arrive on its mbarrier with Q's and dO's (cp.async.mbarrier.arrive; the barrier expects one
+// arrival per thread more); the next tile's copies are issued after dS^T's barrier, which every warp passes only once
+// done with the previous tile; dS^T is double-buffered, so its stores need no barrier against the previous tile's
+// dQ product.) Built without spills, not yet run on a GPU.
+#ifndef CUFLASH_BWD_FLOW
+#define CUFLASH_BWD_FLOW 0
+#endif
+
 // [bwd dq first] off (0, the default: dV's and dK's products issued, then the block barrier for dS^T, then dQ's
 // product, waited for with them) or on (1: the barrier, then dQ's product issued first and dV's and dK's after it,
 // dQ added into the workspace while they run). Built without spills, not yet run on a GPU.
@@ -138,9 +149,13 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
     const u32 full_kv = smem_u32(sD + 2 * kBlockM), full_q = full_kv + 8;
     // [bwd dq bulk] the float32 dQ tile (kBlockM x kDqStride), after the 64 bytes of mbarriers
     constexpr bool kDqBulk = kTma && Has_dQ && CUFLASH_BWD_DQ_BULK;
+    float* sDq = sD + 2 * kBlockM + 16;
+    // [bwd flow] the TMA entry point with dQ: no barrier at the loop's top, dS^T in two buffers (the second after the
+    // dQ tile)
+    constexpr bool kFlow = kTma && Has_dQ && CUFLASH_BWD_FLOW;
+    const u32 dst2_addr = (smem_u32(sDq + kBlockM * Cfg::kDqStride) + 1023u) & ~1023u;
     // [bwd dq first] where a warpgroup's dQ slice is one batch of columns (two computing warpgroups)
     constexpr bool kDqFirst = Has_dQ && CUFLASH_BWD_DQ_FIRST && Cfg::kDqN == kDqChunk;
-    float* sDq = sD + 2 * kBlockM + 16;
 
     int n_block, h, b;
     interleaved_block(interleave, n_block, h, b);
@@ -188,10 +203,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
     };
 
     if constexpr (kTma) {
-        if (tid == 0) {
+        if (tid == 0) {  // ([bwd flow] the query buffers' barriers also count each thread's lse and D copies)
             mbar_init(full_kv, 1);
-            mbar_init(full_q, 1);
-            mbar_init(full_q + 8, 1);
+            mbar_init(full_q, kFlow ? 1 + kThreads : 1);
+            mbar_init(full_q + 8, kFlow ? 1 + kThreads : 1);
         }
         __syncthreads();
         // (a block that no query sees copies nothing: its loop, which waits on the copies, does not run, and a copy
@@ -201,7 +216,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
             tma_load_tile<kHeadDim>(smem_u32(sK), maps.k, full_kv, kBlockN, n0, h_kv, b);
             tma_load_tile<kHeadDim>(smem_u32(sV), maps.v, full_kv, kBlockN, n0, h_kv, b);
         }
-        if (0 < m_count) copy_q_stage(0, q_tile(0));
+        if (0 < m_count) {
+            copy_q_stage(0, q_tile(0));
+            if constexpr (kFlow) cp_async_mbar_arrive(full_q);
+        }
     } else {
         const u16* kg = k + b * k_sb + h_kv * k_sh + (i64)bi.k0 * k_ss;
         const u16* vg = v + b * v_sb + h_kv * v_sh + (i64)bi.k0 * v_ss;
@@ -229,7 +247,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
     // B = K read as (keys x d), MN-major, from this warpgroup's first dQ column.
     constexpr int kDqKT = kBlockN / 16;
     const int dq_col0 = wg * Cfg::kDqN;
-    auto desc_ds = [&](int kk) { return sw128_desc(dst_addr + kk * 2048, kBlockN * 128, 1024); };
+    u32 ds_addr = dst_addr;  // ([bwd flow] this tile's dS^T buffer)
+    auto desc_ds = [&](int kk) { return sw128_desc(ds_addr + kk * 2048, kBlockN * 128, 1024); };
     auto desc_kmn = [&](int col, int kk) {
         return sw128_desc(k_addr + (col >> 6) * kBlockN * 128 + (col & 63) * 2 + kk * 2048, kBlockN * 128, 1024);
     };
@@ -253,13 +272,20 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
 
         // This tile's stage (and, the first time, K and V) landed and is visible to the tensor cores;
         // every warpgroup is done with the previous tile (its wgmma retired), so buf ^ 1 and dS^T are free.
-        cp_async_wait<0>();
-        fence_proxy_async();
-        __syncthreads();
+        // [bwd flow] Not this barrier: the stage's mbarrier counts its lse and D copies too, and the next copies wait
+        // for dS^T's barrier below.
+        if constexpr (!kFlow) {
+            cp_async_wait<0>();
+            fence_proxy_async();
+            __syncthreads();
+        } else {
+            ds_addr = buf ? dst2_addr : dst_addr;
+        }
+        u16* const sds = kFlow && buf ? reinterpret_cast<u16*>(smem_raw + (dst2_addr - raw_addr)) : sdSt;
         if constexpr (kTma) {  // [bwd tma] (the barrier above: every wgmma that read buffer buf ^ 1 has retired)
             if (it == 0) mbar_wait(full_kv, 0);
             mbar_wait(full_q + 8 * buf, (it >> 1) & 1);
-            if (it + 1 < m_count) copy_q_stage(buf ^ 1, q_tile(it + 1));
+            if (!kFlow && it + 1 < m_count) copy_q_stage(buf ^ 1, q_tile(it + 1));
         } else {
             if (it + 1 < m_count) load_q_stage(buf ^ 1, q_tile(it + 1));
         }
@@ -365,10 +391,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
                 const int r = wg * 64 + warp_in_wg * 16 + g;
 #pragma unroll
                 for (int kk = 0; kk < kMT; ++kk) {
-                    *reinterpret_cast<u32*>(sdSt + sw128_offset<kBlockN>(r, 2 * kk) + 2 * t) = dst[kk][0];
-                    *reinterpret_cast<u32*>(sdSt + sw128_offset<kBlockN>(r + 8, 2 * kk) + 2 * t) = dst[kk][1];
-                    *reinterpret_cast<u32*>(sdSt + sw128_offset<kBlockN>(r, 2 * kk + 1) + 2 * t) = dst[kk][2];
-                    *reinterpret_cast<u32*>(sdSt + sw128_offset<kBlockN>(r + 8, 2 * kk + 1) + 2 * t) = dst[kk][3];
+                    *reinterpret_cast<u32*>(sds + sw128_offset<kBlockN>(r, 2 * kk) + 2 * t) = dst[kk][0];
+                    *reinterpret_cast<u32*>(sds + sw128_offset<kBlockN>(r + 8, 2 * kk) + 2 * t) = dst[kk][1];
+                    *reinterpret_cast<u32*>(sds + sw128_offset<kBlockN>(r, 2 * kk + 1) + 2 * t) = dst[kk][2];
+                    *reinterpret_cast<u32*>(sds + sw128_offset<kBlockN>(r + 8, 2 * kk + 1) + 2 * t) = dst[kk][3];
                 }
             }
             fence_proxy_async();
@@ -417,6 +443,17 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
             }
         };
 
+        // [bwd flow] The next tile's copies, after dS^T's barrier: every warp past it is done with the previous tile,
+        // whose buffer they overwrite.
+        auto next_stage = [&]() {
+            if constexpr (kFlow) {
+                if (it + 1 < m_count) {
+                    copy_q_stage(buf ^ 1, q_tile(it + 1));
+                    cp_async_mbar_arrive(full_q + 8 * (buf ^ 1));
+                }
+            }
+        };
+
         if constexpr (Has_dQ) {
             // [bwd dq bulk] This warp's rows of the dQ tile are free once the bulk reductions its lanes issued for
             // the previous tile have read them.
@@ -427,6 +464,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
                 // [bwd dq first] dQ's product issued first, then dV's and dK's; this tile's dQ is added while they
                 // run (wait_group 2: the two younger groups, dV and dK, stay in flight).
                 __syncthreads();
+                next_stage();
                 float dq[kDqChunk / 8][4];
                 wgmma_fence();
                 issue_dq(dq, dq_col0);
@@ -439,6 +477,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
                 wgmma_fence();
                 issue_dv_dk();
                 __syncthreads();
+                next_stage();
                 // At most 64 columns at a time (32 accumulator registers): a 128-column slice (one warpgroup
                 // at d = 128) would spill next to dK and dV.
 #pragma unroll

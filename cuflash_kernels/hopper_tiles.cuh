@@ -156,6 +156,12 @@ __device__ __forceinline__ void tma_load_tile(u32 dst, const TensorMap* map, u32
     for (int c = 0; c < kCols / 64; ++c) tma_load_4d(dst + c * rows * 128, map, bar, c * 64, row, head, batch);
 }
 
+// The mbarrier at addr counts one arrival of this thread once all its earlier cp.async copies have landed (.noinc:
+// the barrier's expected count, set at init, includes these arrivals).
+__device__ __forceinline__ void cp_async_mbar_arrive(u32 addr) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(addr) : "memory");
+}
+
 // Bulk reduction (no tensor map): `bytes` (a multiple of 16) of float32 at shared-memory address src added into
 // global memory at dst (both 16-byte aligned), element by element in L2, as one asynchronous copy of this thread's
 // bulk group; the thread commits its group, then waits for its groups' reads of shared memory (before it or its warp

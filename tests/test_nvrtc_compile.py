@@ -189,13 +189,15 @@ def test_racecheck_build_of_the_mla_kernel_compiles():
     assert "bar.arrive" in shipped["ptx"] and "bar.arrive" not in debug["ptx"]
 
 
-@pytest.mark.parametrize("macros", [("CUFLASH_BWD_DQ_BULK",), ("CUFLASH_BWD_DQ_FIRST",),
-                                    ("CUFLASH_BWD_DQ_BULK", "CUFLASH_BWD_DQ_FIRST")])
+@pytest.mark.parametrize("macros", [("CUFLASH_BWD_DQ_BULK",), ("CUFLASH_BWD_DQ_FIRST",), ("CUFLASH_BWD_FLOW",),
+                                    ("CUFLASH_BWD_FLOW", "CUFLASH_BWD_DQ_FIRST"),
+                                    ("CUFLASH_BWD_DQ_BULK", "CUFLASH_BWD_DQ_FIRST", "CUFLASH_BWD_FLOW")])
 def test_optional_builds_of_the_tma_backward_compile_without_spills(macros):
     """The backward's TMA entry point built with its optional dQ schedules (off by default, backward_sm90.cu):
     [bwd dq bulk] (dQ added by bulk reductions, cp.reduce.async.bulk, where the shipped build has red.global.add
-    only) and [bwd dq first] (dQ's product issued before dV's and dK's, waited for alone: wait_group 2) compile for
-    sm_90a without spills."""
+    only), [bwd dq first] (dQ's product issued before dV's and dK's, waited for alone: wait_group 2) and [bwd flow]
+    (lse and D copies counted by the query buffers' mbarriers, cp.async.mbarrier.arrive, instead of a block barrier)
+    compile for sm_90a without spills."""
     nvrtc = _nvrtc()
     names = [s.name for s in _cuda.instantiations() if s.family == "bwd_dkdv_sm90_tma" and s.has_dq
              and not variant_flags(s.name)][:2]
@@ -203,13 +205,14 @@ def test_optional_builds_of_the_tma_backward_compile_without_spills(macros):
     text = _cuda.compile_source_for_nvrtc("backward_sm90.cu")
     shipped = _cuda.compile.nvrtc_offline(text, names, _cuda.SM90A_OPTIONS, "sm_90a")
     assert shipped["ok"] and "cp.reduce.async.bulk" not in shipped["ptx"] and "red.global.add" in shipped["ptx"]
-    assert "wgmma.wait_group.sync.aligned 2;" not in shipped["ptx"]
+    assert "wgmma.wait_group.sync.aligned 2;" not in shipped["ptx"] and "cp.async.mbarrier.arrive" not in shipped["ptx"]
     options = _cuda.SM90A_OPTIONS + tuple(f"-D{m}=1" for m in macros)
     assert_compiles_without_spills(nvrtc, text, names, options, "sm_90a", f"backward_sm90.cu with {macros}")
     ptx = _cuda.compile.nvrtc_offline(text, names, options, "sm_90a")["ptx"]
     bulk = "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx
     assert bulk == ("CUFLASH_BWD_DQ_BULK" in macros)
     assert ("wgmma.wait_group.sync.aligned 2;" in ptx) == ("CUFLASH_BWD_DQ_FIRST" in macros)
+    assert ("cp.async.mbarrier.arrive.noinc" in ptx) == ("CUFLASH_BWD_FLOW" in macros)
 
 
 @pytest.mark.parametrize("family,count", [("fwd", 38), ("fwd_sm90", 38), ("fwd_tf32x3", 38), ("bwd_dkdv", 50),
