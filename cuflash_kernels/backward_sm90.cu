@@ -272,8 +272,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
 
         // This tile's stage (and, the first time, K and V) landed and is visible to the tensor cores;
         // every warpgroup is done with the previous tile (its wgmma retired), so buf ^ 1 and dS^T are free.
-        // [bwd flow] Not this barrier: the stage's mbarrier counts its lse and D copies too, and the next copies wait
-        // for dS^T's barrier below.
+        // [bwd flow] Not this barrier: the stage's mbarrier counts its lse and D copies too, the next copies wait for
+        // dS^T's barrier below (next_stage), and dS^T alternates between two buffers.
         if constexpr (!kFlow) {
             cp_async_wait<0>();
             fence_proxy_async();
@@ -282,7 +282,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
             ds_addr = buf ? dst2_addr : dst_addr;
         }
         u16* const sds = kFlow && buf ? reinterpret_cast<u16*>(smem_raw + (dst2_addr - raw_addr)) : sdSt;
-        if constexpr (kTma) {  // [bwd tma] (the barrier above: every wgmma that read buffer buf ^ 1 has retired)
+        if constexpr (kTma) {  // [bwd tma] (the barrier above: every wgmma that read buffer buf ^ 1 has retired;
+                               // [bwd flow] copies into buf ^ 1 in next_stage instead)
             if (it == 0) mbar_wait(full_kv, 0);
             mbar_wait(full_q + 8 * buf, (it >> 1) & 1);
             if (!kFlow && it + 1 < m_count) copy_q_stage(buf ^ 1, q_tile(it + 1));

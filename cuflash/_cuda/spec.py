@@ -557,8 +557,9 @@ FAMILIES: dict[str, Family] = {
         SM90A_OPTIONS, bias_tiles=2, flat_kernel="flash_bwd_dkdv_sm90_flat_kernel"),
     # Its TMA entry point (the tensor maps of q, k, v and dO after the launcher's parameters; + 64 bytes: its
     # mbarriers, + its float32 dQ tile of block_m rows of d + 8, + a second dS^T 1024-byte aligned:
-    # Sm90BwdConfig::kTmaSmemBytes; no flat entry point and no staged bias: cuflash.jax's kernel calls and a staged
-    # bias take "bwd_dkdv_sm90")
+    # Sm90BwdConfig::kTmaSmemBytes, reserved whether or not a build uses them ([bwd dq bulk], [bwd flow]: compile-time
+    # options; one block per SM either way); no flat entry point and no staged bias: cuflash.jax's kernel calls and a
+    # staged bias take "bwd_dkdv_sm90")
     "bwd_dkdv_sm90_tma": Family(
         "backward_sm90.cu", "flash_bwd_dkdv_sm90_tma_kernel", lambda s: f"{_t16(s)}, {_b(s.has_dq)}",
         lambda d, t: (2 * (2 * t.block_n * d + 4 * t.block_m * d + t.block_n * t.block_m) + 16 * t.block_m + 1024 + 64
