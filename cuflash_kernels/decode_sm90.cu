@@ -53,10 +53,6 @@ __device__ __forceinline__ const u16* latent_row(const u16* base, const DecodePa
     return key >= fresh.first ? fresh.base + (i64)(key - fresh.first) * fresh.ss : src;
 }
 
-__device__ __forceinline__ void cp_async_mbar_arrive(u32 bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
-}
-
 // Column chunks [kC0, kC1) of one key row into a 128-byte-swizzled 64-row tile: the half `half` of each chunk's
 // eight 16-byte pieces (a warpgroup's two threads per row, the odd or the even ones), then each chunk's mbarrier told
 // (it counts the 128 threads of one warpgroup). A null source fills zeros.
