@@ -21,10 +21,10 @@
 //       block barrier each warpgroup computes a 64 x d / kNWG slice of dS K with wgmma, A = dS^T read as dS
 //       (MN-major, transpose bit), B = K (MN-major, transpose bit), and adds it to the float32 dQ workspace
 //       with red.global.add.v2.f32; flash_bwd_convert_dq_kernel scales and casts. [bwd dq bulk] The TMA entry
-//       point adds it by bulk reductions instead: each warp stores its 16 rows of the slice to a float32 tile in
-//       shared memory and 16 of its lanes each add one row's slice (cp.reduce.async.bulk .add.f32, 128-256 bytes)
-//       into the workspace: 128 bulk operations per query tile in place of 4096 vector reductions. The warpgroups split the
-//       head-dim columns of dQ (measured on the H100 against splitting the keys, each warpgroup a full-width
+//       point can add it by bulk reductions instead: each warp stores its 16 rows of the slice to a float32 tile
+//       in shared memory and 16 of its lanes each add one row's slice (cp.reduce.async.bulk .add.f32, 128-256
+//       bytes) into the workspace: 128 bulk operations per query tile in place of 4096 vector reductions. The
+//       warpgroups split the head-dim columns of dQ (measured on the H100 against splitting the keys, each warpgroup a full-width
 //       partial over its own 64 keys: the column split is 15-30% faster, half the reductions).
 // dK = scale * dK_acc and dV are written as backward.cu does: straight to dk / dv for MHA, per query head
 // into the float32 workspace (2, B, H_q, N_k, d) for GQA/MQA (flash_bwd_reduce_dkv_kernel sums groups).
@@ -153,7 +153,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
     // [bwd flow] the TMA entry point with dQ: no barrier at the loop's top, dS^T in two buffers (the second after the
     // dQ tile)
     constexpr bool kFlow = kTma && Has_dQ && CUFLASH_BWD_FLOW;
-    const u32 dst2_addr = (smem_u32(sDq + kBlockM * Cfg::kDqStride) + 1023u) & ~1023u;
+    u16* const sdSt2 = reinterpret_cast<u16*>(
+        smem_raw + (((smem_u32(sDq + kBlockM * Cfg::kDqStride) + 1023u) & ~1023u) - raw_addr));
     // [bwd dq first] where a warpgroup's dQ slice is one batch of columns (two computing warpgroups)
     constexpr bool kDqFirst = Has_dQ && CUFLASH_BWD_DQ_FIRST && Cfg::kDqN == kDqChunk;
 
@@ -232,7 +233,6 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
     // Descriptors (layouts in hopper_tiles.cuh). K-major operands advance 32 bytes per k16 step inside a
     // 64-column block; MN-major operands advance 2048 bytes (16 rows of the reduction dim) per k16 step.
     const u32 k_addr = smem_u32(sK), v_addr = smem_u32(sV), q_addr = smem_u32(sQ), do_addr = smem_u32(sdO);
-    const u32 dst_addr = smem_u32(sdSt);
     // A of S^T / dP^T: this warpgroup's 64 rows of K / V.
     auto desc_kv = [&](u32 base, int kk) {
         return sw128_desc(base + wg * 64 * 128 + (kk >> 2) * kBlockN * 128 + (kk & 3) * 32, 16, 1024);
@@ -247,8 +247,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
     // B = K read as (keys x d), MN-major, from this warpgroup's first dQ column.
     constexpr int kDqKT = kBlockN / 16;
     const int dq_col0 = wg * Cfg::kDqN;
-    u32 ds_addr = dst_addr;  // ([bwd flow] this tile's dS^T buffer)
-    auto desc_ds = [&](int kk) { return sw128_desc(ds_addr + kk * 2048, kBlockN * 128, 1024); };
+    auto desc_ds = [&](u32 base, int kk) { return sw128_desc(base + kk * 2048, kBlockN * 128, 1024); };
     auto desc_kmn = [&](int col, int kk) {
         return sw128_desc(k_addr + (col >> 6) * kBlockN * 128 + (col & 63) * 2 + kk * 2048, kBlockN * 128, 1024);
     };
@@ -278,10 +277,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
             cp_async_wait<0>();
             fence_proxy_async();
             __syncthreads();
-        } else {
-            ds_addr = buf ? dst2_addr : dst_addr;
         }
-        u16* const sds = kFlow && buf ? reinterpret_cast<u16*>(smem_raw + (dst2_addr - raw_addr)) : sdSt;
+        u16* const sds = kFlow && buf ? sdSt2 : sdSt;  // ([bwd flow] this tile's dS^T buffer)
+        const u32 ds_addr = smem_u32(sds);
         if constexpr (kTma) {  // [bwd tma] (the barrier above: every wgmma that read buffer buf ^ 1 has retired;
                                // [bwd flow] copies into buf ^ 1 in next_stage instead)
             if (it == 0) mbar_wait(full_kv, 0);
@@ -422,7 +420,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
         auto issue_dq = [&](float (&dq)[kDqChunk / 8][4], int col0) {
 #pragma unroll
             for (int kk = 0; kk < kDqKT; ++kk) {
-                WgmmaTT<T>::ss_tt(dq, desc_ds(kk), desc_kmn(col0, kk), kk > 0 ? 1 : 0, Int<kDqChunk>());
+                WgmmaTT<T>::ss_tt(dq, desc_ds(ds_addr, kk), desc_kmn(col0, kk), kk > 0 ? 1 : 0, Int<kDqChunk>());
             }
             wgmma_commit();
         };
