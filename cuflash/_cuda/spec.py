@@ -475,6 +475,17 @@ def _tf32_smem(d: int, t: Tile) -> int:  # float32 Q, stages x (K, V), rows of d
     return 4 * d * (t.block_m + 2 * t.stages * t.block_n)
 
 
+def _fwd_sm90_smem(d: int, t: Tile) -> int:
+    # Q, stages x (K, V); + 1024: the kernel aligns its base to 1024 bytes; + 128: the mbarriers of the
+    # warp-specialized variant
+    return 2 * d * (t.block_m + 2 * t.stages * t.block_n) + 1024 + 128
+
+
+def _bwd_sm90_smem(d: int, t: Tile) -> int:
+    # Sm90BwdConfig::kSmemBytes: K, V; 2 x (Q, dO); dS^T (16-bit); 2 x (lse, D) float32; + 1024 alignment
+    return 2 * (2 * t.block_n * d + 4 * t.block_m * d + t.block_n * t.block_m) + 16 * t.block_m + 1024
+
+
 def _dkdv_smem(d: int, t: Tile) -> int:
     tiles = 2 * t.block_n * d + 2 * t.stages * t.block_m * d + 2 * t.block_n * t.block_m  # K, V; Q, dO; P^T, dS^T
     return 2 * tiles + 4 * 2 * t.stages * t.block_m  # 16-bit tiles + float32 lse and D per stage
@@ -531,17 +542,14 @@ FAMILIES: dict[str, Family] = {
                   lambda d, t: 2 * (-(-d // 32) * 32) * (t.block_m + 2 * t.stages * t.block_n),
                   flat_kernel="flash_fwd_flat_kernel"),
     "fwd_sm90": Family(
-        "forward_sm90.cu", "flash_fwd_sm90_kernel", _t16,
-        # + 1024: the kernel aligns its base to 1024 bytes; + 128: the mbarriers of the warp-specialized variant
-        lambda d, t: 2 * d * (t.block_m + 2 * t.stages * t.block_n) + 1024 + 128, SM90A_OPTIONS, bias_tiles=2,
+        "forward_sm90.cu", "flash_fwd_sm90_kernel", _t16, _fwd_sm90_smem, SM90A_OPTIONS, bias_tiles=2,
         # Sm90Config::kMinBlocks: two 8-warp blocks where S, O and P fit 128 registers (no producer warpgroup)
         min_blocks=lambda d, t: 2 if t.warps == 8 and t.block_m == 16 * t.warps and t.block_n + d <= 128 else 1,
         flat_kernel="flash_fwd_sm90_flat_kernel"),
     # Its TMA entry point (the tensor maps of q, k and v after the launcher's parameters; no flat entry point and no
     # staged bias: cuflash.jax's kernel calls and a staged bias take "fwd_sm90").
     "fwd_sm90_tma": Family(
-        "forward_sm90.cu", "flash_fwd_sm90_tma_kernel", _t16,
-        lambda d, t: 2 * d * (t.block_m + 2 * t.stages * t.block_n) + 1024 + 128, SM90A_OPTIONS),
+        "forward_sm90.cu", "flash_fwd_sm90_tma_kernel", _t16, _fwd_sm90_smem, SM90A_OPTIONS),
     # The same kernel on float32 inputs, TF32 fragments (tf32_tiles.cuh): 3xTF32, or one TF32 product.
     "fwd_tf32x3": Family("forward.cu", "flash_fwd_kernel", _t32, _tf32_smem, flat_kernel="flash_fwd_flat_kernel"),
     "fwd_tf32": Family("forward.cu", "flash_fwd_kernel", _t32, _tf32_smem, flat_kernel="flash_fwd_flat_kernel"),
@@ -551,9 +559,7 @@ FAMILIES: dict[str, Family] = {
     "bwd_dkdv": Family("backward.cu", "flash_bwd_dkdv_kernel", lambda s: f"{_t16(s)}, {_b(s.has_dq)}", _dkdv_smem,
                        flat_kernel="flash_bwd_dkdv_flat_kernel"),
     "bwd_dkdv_sm90": Family(
-        "backward_sm90.cu", "flash_bwd_dkdv_sm90_kernel", lambda s: f"{_t16(s)}, {_b(s.has_dq)}",
-        # Sm90BwdConfig::kSmemBytes: K, V; 2 x (Q, dO); dS^T (16-bit); 2 x (lse, D) float32; + 1024 alignment
-        lambda d, t: 2 * (2 * t.block_n * d + 4 * t.block_m * d + t.block_n * t.block_m) + 16 * t.block_m + 1024,
+        "backward_sm90.cu", "flash_bwd_dkdv_sm90_kernel", lambda s: f"{_t16(s)}, {_b(s.has_dq)}", _bwd_sm90_smem,
         SM90A_OPTIONS, bias_tiles=2, flat_kernel="flash_bwd_dkdv_sm90_flat_kernel"),
     # Its TMA entry point (the tensor maps of q, k, v and dO after the launcher's parameters; + 64 bytes: its
     # mbarriers, + its float32 dQ tile of block_m rows of d + 8, + a second dS^T 1024-byte aligned:
@@ -562,8 +568,7 @@ FAMILIES: dict[str, Family] = {
     # staged bias take "bwd_dkdv_sm90")
     "bwd_dkdv_sm90_tma": Family(
         "backward_sm90.cu", "flash_bwd_dkdv_sm90_tma_kernel", lambda s: f"{_t16(s)}, {_b(s.has_dq)}",
-        lambda d, t: (2 * (2 * t.block_n * d + 4 * t.block_m * d + t.block_n * t.block_m) + 16 * t.block_m + 1024 + 64
-                      + 4 * t.block_m * (d + 8) + 2 * t.block_n * t.block_m + 1024),
+        lambda d, t: _bwd_sm90_smem(d, t) + 64 + 4 * t.block_m * (d + 8) + 2 * t.block_n * t.block_m + 1024,
         SM90A_OPTIONS),
     "bwd_dkdv_f32": Family(
         "backward.cu", "flash_bwd_dkdv_f32_kernel",
