@@ -7,6 +7,30 @@ from __future__ import annotations
 import pytest
 
 
+def _tma_stand_in(monkeypatch):
+    """A stand-in CuPy (tests/_fake_cupy.py) with tensor maps available and their encoder standing in for the
+    driver's: ``(cp, recorder, encoded)``, ``encoded`` a list of ``(address, dims, strides, box)`` per map encoded
+    (each call checked as the launchers make them: a 64-byte-aligned 4-d 16-bit map, 128-byte swizzle, zeros out of
+    bounds)."""
+    from cuflash._cuda import tensor_map
+
+    from _fake_cupy import install
+    from conftest import gpu_skip_reason
+
+    gpu_skip_reason()
+    cp, recorder = install(monkeypatch)
+    monkeypatch.setattr(tensor_map, "available", lambda: True)
+    encoded = []
+
+    def encode(address, dtype, rank, ptr, dims, strides, box, elem, interleave, swizzle, l2, oob):
+        assert address % 64 == 0 and dtype == 1 and rank == 4 and swizzle == 3 and oob == 0
+        encoded.append((ptr, tuple(dims), tuple(strides), tuple(box)))
+        return 0
+
+    monkeypatch.setattr(tensor_map, "_encode_tiled", lambda: encode)
+    return cp, recorder, encoded
+
+
 def test_tensor_maps_and_when_the_mla_kernel_copies_by_tma(monkeypatch):
     """(CPU) A TensorMap's 128 bytes are 64-byte aligned (cuTensorMapEncodeTiled's requirement), an unused one is
     never encoded; the MLA kernel copies by TMA only where every 64-key tile lies whole in one page or the contiguous
@@ -51,24 +75,11 @@ def test_the_forward_copies_by_tma_where_a_call_allows_it(monkeypatch):
     import numpy as np
 
     import cuflash
-    from cuflash._cuda import attention, spec, tensor_map
+    from cuflash._cuda import attention, spec
 
-    from _fake_cupy import install
-    from conftest import gpu_skip_reason
-
-    gpu_skip_reason()
-    cp, recorder = install(monkeypatch)
-    monkeypatch.setattr(tensor_map, "available", lambda: True)
+    cp, recorder, encoded = _tma_stand_in(monkeypatch)
     monkeypatch.setattr(attention, "TMA_SEQUENCE_LENGTHS", True)  # (the defaults, whatever the environment says)
     monkeypatch.setattr(attention, "TMA_PADDED", True)
-    encoded = []
-
-    def encode(address, dtype, rank, ptr, dims, strides, box, elem, interleave, swizzle, l2, oob):
-        assert address % 64 == 0 and dtype == 1 and rank == 4 and swizzle == 3 and oob == 0
-        encoded.append((ptr, tuple(dims), tuple(strides), tuple(box)))
-        return 0
-
-    monkeypatch.setattr(tensor_map, "_encode_tiled", lambda: encode)
     rng = np.random.default_rng(5)
 
     def arr(*shape):
@@ -165,23 +176,11 @@ def test_the_backward_copies_by_tma_where_a_planned_call_allows_it(monkeypatch):
     import numpy as np
 
     import cuflash
-    from cuflash._cuda import attention, spec, tensor_map
+    from cuflash._cuda import attention, spec
     from cuflash._variant import Variant
 
-    from _fake_cupy import install
-    from conftest import gpu_skip_reason
-
-    gpu_skip_reason()
-    cp, recorder = install(monkeypatch)
-    monkeypatch.setattr(tensor_map, "available", lambda: True)
-    monkeypatch.setattr(attention, "TMA_BACKWARD", True)  # (off by default until run on a GPU)
-    encoded = []
-
-    def encode(address, dtype, rank, ptr, dims, strides, box, elem, interleave, swizzle, l2, oob):
-        encoded.append((ptr, tuple(dims), tuple(box)))
-        return 0
-
-    monkeypatch.setattr(tensor_map, "_encode_tiled", lambda: encode)
+    cp, recorder, encoded = _tma_stand_in(monkeypatch)
+    monkeypatch.setattr(attention, "TMA_BACKWARD", True)  # (the default, whatever the environment says)
     rng = np.random.default_rng(7)
 
     def arr(*shape, dtype=ml_dtypes.bfloat16):
@@ -196,10 +195,10 @@ def test_the_backward_copies_by_tma_where_a_planned_call_allows_it(monkeypatch):
     tile = spec.TILES[("bwd", "sm90a", 128)]
     cuflash.attention_backward(do, q, k, v, out, lse, causal=True)
     assert "cuflash::flash_bwd_dkdv_sm90_tma_kernel" in kernels()
-    assert encoded == [(q.data.ptr, (128, 200, 4, 2), (64, tile.block_m, 1, 1)),
-                       (k.data.ptr, (128, 300, 2, 2), (64, tile.block_n, 1, 1)),
-                       (v.data.ptr, (128, 300, 2, 2), (64, tile.block_n, 1, 1)),
-                       (do.data.ptr, (128, 200, 4, 2), (64, tile.block_m, 1, 1))]
+    assert [(e[0], e[1], e[3]) for e in encoded] == [(q.data.ptr, (128, 200, 4, 2), (64, tile.block_m, 1, 1)),
+                                                     (k.data.ptr, (128, 300, 2, 2), (64, tile.block_n, 1, 1)),
+                                                     (v.data.ptr, (128, 300, 2, 2), (64, tile.block_n, 1, 1)),
+                                                     (do.data.ptr, (128, 200, 4, 2), (64, tile.block_m, 1, 1))]
     encoded.clear()
     do2 = arr(2, 200, 4, 128)
     cuflash.attention_backward(do2, q, k, v, out, lse, causal=True)  # (only dO moved: only its map encoded)
@@ -231,20 +230,12 @@ def test_the_backward_reads_head_dims_below_a_row_by_tma(monkeypatch):
     import numpy as np
 
     import cuflash
-    from cuflash._cuda import attention, tensor_map
+    from cuflash._cuda import attention
     from cuflash._variant import Variant
 
-    from _fake_cupy import install
-    from conftest import gpu_skip_reason
-
-    gpu_skip_reason()
-    cp, recorder = install(monkeypatch)
-    monkeypatch.setattr(tensor_map, "available", lambda: True)
+    cp, recorder, encoded = _tma_stand_in(monkeypatch)
     monkeypatch.setattr(attention, "TMA_BACKWARD", True)
     monkeypatch.setattr(attention, "TMA_PADDED_BACKWARD", True)  # (off by default until run on a GPU)
-    encoded = []
-    monkeypatch.setattr(tensor_map, "_encode_tiled",
-                        lambda: lambda address, dtype, rank, ptr, dims, *rest: encoded.append((ptr, tuple(dims))) or 0)
     rng = np.random.default_rng(11)
 
     def arr(*shape, dtype=ml_dtypes.bfloat16):
