@@ -74,21 +74,25 @@ struct Sm90BwdConfig {
 #ifndef CUFLASH_BWD_DQ_BULK
 #define CUFLASH_BWD_DQ_BULK 0
 #endif
-// [bwd flow] off (0, the default: the loop's top block barrier makes each tile's lse and D copies (cp.async) visible
-// and frees the other query buffer and dS^T) or on (1, the TMA entry point with dQ: no top barrier. A query buffer's
-// lse and D copies arrive on its mbarrier with Q's and dO's (cp.async.mbarrier.arrive; the barrier expects one
-// arrival per thread more); the next tile's copies are issued after dS^T's barrier, which every warp passes only once
-// done with the previous tile; dS^T is double-buffered, so its stores need no barrier against the previous tile's
-// dQ product.) Built without spills, not yet run on a GPU.
+// [bwd flow] on (1, the default: the TMA entry point with dQ has no barrier at the loop's top. A query buffer's lse
+// and D copies arrive on its mbarrier with Q's and dO's (cp.async.mbarrier.arrive; the barrier expects one arrival per
+// thread more); the next tile's copies are issued after dS^T's barrier, which every warp passes only once done with
+// the previous tile; dS^T is double-buffered, so its stores need no barrier against the previous tile's dQ product)
+// or off (0: the loop's top block barrier makes each tile's lse and D copies visible and frees the other query buffer
+// and dS^T). H100 2026-11-28, bf16, backward alone, with [bwd dq first] on, against both off: d 128 N 4096-16384
+// 394-464 against 311-399 TFLOP/s, d 64 323-379 against 277-323, N 1024 +8-14 %; dK, dV bit for bit with the
+// cp.async kernel; compute-sanitizer memcheck, racecheck and synccheck clean.
 #ifndef CUFLASH_BWD_FLOW
-#define CUFLASH_BWD_FLOW 0
+#define CUFLASH_BWD_FLOW 1
 #endif
 
-// [bwd dq first] off (0, the default: dV's and dK's products issued, then the block barrier for dS^T, then dQ's
-// product, waited for with them) or on (1: the barrier, then dQ's product issued first and dV's and dK's after it,
-// dQ added into the workspace while they run). Built without spills, not yet run on a GPU.
+// [bwd dq first] on (1, the default: the block barrier for dS^T, then dQ's product issued first and dV's and dK's
+// after it, dQ added into the workspace while they run) or off (0: dV's and dK's products issued, then the barrier,
+// then dQ's product, waited for with them). H100 2026-11-28, bf16, backward alone, alone against off: TMA kernel d 128
+// +6-26 % (N 4096 dense 425 against 367 TFLOP/s), cp.async kernel +2-15 %; one cell lower (d 64 N 16384 causal, TMA,
+// 305 against 323), recovered with [bwd flow].
 #ifndef CUFLASH_BWD_DQ_FIRST
-#define CUFLASH_BWD_DQ_FIRST 0
+#define CUFLASH_BWD_DQ_FIRST 1
 #endif
 
 // The tensor maps of the TMA entry point: q, k, v and dO as 4-d tensors (columns, rows, heads, batch).

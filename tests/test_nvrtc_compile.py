@@ -189,30 +189,38 @@ def test_racecheck_build_of_the_mla_kernel_compiles():
     assert "bar.arrive" in shipped["ptx"] and "bar.arrive" not in debug["ptx"]
 
 
-@pytest.mark.parametrize("macros", [("CUFLASH_BWD_DQ_BULK",), ("CUFLASH_BWD_DQ_FIRST",), ("CUFLASH_BWD_FLOW",),
-                                    ("CUFLASH_BWD_FLOW", "CUFLASH_BWD_DQ_FIRST"),
-                                    ("CUFLASH_BWD_DQ_BULK", "CUFLASH_BWD_DQ_FIRST", "CUFLASH_BWD_FLOW")])
-def test_optional_builds_of_the_tma_backward_compile_without_spills(macros):
-    """The backward's TMA entry point built with its optional dQ schedules (off by default, backward_sm90.cu):
-    [bwd dq bulk] (dQ added by bulk reductions, cp.reduce.async.bulk, where the shipped build has red.global.add
-    only), [bwd dq first] (dQ's product issued before dV's and dK's, waited for alone: wait_group 2) and [bwd flow]
-    (lse and D copies counted by the query buffers' mbarriers, cp.async.mbarrier.arrive, instead of a block barrier)
-    compile for sm_90a without spills."""
+_BWD_SCHEDULE_DEFAULTS = {"CUFLASH_BWD_DQ_BULK": 0, "CUFLASH_BWD_DQ_FIRST": 1, "CUFLASH_BWD_FLOW": 1}
+
+
+@pytest.mark.parametrize("changes", [{"CUFLASH_BWD_DQ_BULK": 1}, {"CUFLASH_BWD_DQ_FIRST": 0}, {"CUFLASH_BWD_FLOW": 0},
+                                     {"CUFLASH_BWD_FLOW": 0, "CUFLASH_BWD_DQ_FIRST": 0},
+                                     {"CUFLASH_BWD_DQ_BULK": 1, "CUFLASH_BWD_FLOW": 0}],
+                         ids=lambda c: ",".join(f"{k[len('CUFLASH_BWD_'):]}={v}" for k, v in c.items()))
+def test_other_schedules_of_the_tma_backward_compile_without_spills(changes):
+    """The backward's TMA entry point built with its dQ schedules (backward_sm90.cu) other than the shipped ones:
+    [bwd dq bulk] (dQ added by bulk reductions, cp.reduce.async.bulk, where the shipped build has red.global.add only;
+    off by default), [bwd dq first] (dQ's product issued before dV's and dK's, waited for alone: wait_group 2; on) and
+    [bwd flow] (lse and D copies counted by the query buffers' mbarriers, cp.async.mbarrier.arrive, instead of a block
+    barrier; on) compile for sm_90a without spills, each schedule's instructions present exactly where it is on."""
     nvrtc = _nvrtc()
     names = [s.name for s in _cuda.instantiations() if s.family == "bwd_dkdv_sm90_tma" and s.has_dq
              and not variant_flags(s.name)][:2]
     assert names, "no TMA dK/dV instantiation with dQ listed"
     text = _cuda.compile_source_for_nvrtc("backward_sm90.cu")
+
+    def check(ptx, settings):
+        assert ("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx) == bool(
+            settings["CUFLASH_BWD_DQ_BULK"])
+        assert settings["CUFLASH_BWD_DQ_BULK"] or "red.global.add" in ptx
+        assert ("wgmma.wait_group.sync.aligned 2;" in ptx) == bool(settings["CUFLASH_BWD_DQ_FIRST"])
+        assert ("cp.async.mbarrier.arrive.noinc" in ptx) == bool(settings["CUFLASH_BWD_FLOW"])
+
     shipped = _cuda.compile.nvrtc_offline(text, names, _cuda.SM90A_OPTIONS, "sm_90a")
-    assert shipped["ok"] and "cp.reduce.async.bulk" not in shipped["ptx"] and "red.global.add" in shipped["ptx"]
-    assert "wgmma.wait_group.sync.aligned 2;" not in shipped["ptx"] and "cp.async.mbarrier.arrive" not in shipped["ptx"]
-    options = _cuda.SM90A_OPTIONS + tuple(f"-D{m}=1" for m in macros)
-    assert_compiles_without_spills(nvrtc, text, names, options, "sm_90a", f"backward_sm90.cu with {macros}")
-    ptx = _cuda.compile.nvrtc_offline(text, names, options, "sm_90a")["ptx"]
-    bulk = "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx
-    assert bulk == ("CUFLASH_BWD_DQ_BULK" in macros)
-    assert ("wgmma.wait_group.sync.aligned 2;" in ptx) == ("CUFLASH_BWD_DQ_FIRST" in macros)
-    assert ("cp.async.mbarrier.arrive.noinc" in ptx) == ("CUFLASH_BWD_FLOW" in macros)
+    assert shipped["ok"], shipped["log"][-3000:]
+    check(shipped["ptx"], _BWD_SCHEDULE_DEFAULTS)
+    options = _cuda.SM90A_OPTIONS + tuple(f"-D{m}={v}" for m, v in changes.items())
+    assert_compiles_without_spills(nvrtc, text, names, options, "sm_90a", f"backward_sm90.cu with {changes}")
+    check(_cuda.compile.nvrtc_offline(text, names, options, "sm_90a")["ptx"], {**_BWD_SCHEDULE_DEFAULTS, **changes})
 
 
 @pytest.mark.parametrize("family,count", [("fwd", 38), ("fwd_sm90", 38), ("fwd_tf32x3", 38), ("bwd_dkdv", 50),

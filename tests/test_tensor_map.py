@@ -235,7 +235,7 @@ def test_the_backward_reads_head_dims_below_a_row_by_tma(monkeypatch):
 
     cp, recorder, encoded = _tma_stand_in(monkeypatch)
     monkeypatch.setattr(attention, "TMA_BACKWARD", True)
-    monkeypatch.setattr(attention, "TMA_PADDED_BACKWARD", True)  # (off by default until run on a GPU)
+    monkeypatch.setattr(attention, "TMA_PADDED_BACKWARD", True)
     rng = np.random.default_rng(11)
 
     def arr(*shape, dtype=ml_dtypes.bfloat16):

@@ -232,10 +232,10 @@ TMA_SHORT_MAX_ROWS_Q = 2048
 # 1.0-1.2x); off (CUFLASH_TMA_PADDED=0): the kernel of their own head dim.
 TMA_PADDED = os.environ.get("CUFLASH_TMA_PADDED", "1") == "1"
 # The planned backward at head dims below a wgmma dK/dV row's (d 32 on the d 64 kernel, 96 on 128's, ...) from the
-# kernel's TMA entry point ([bwd tma pad]: the maps read zeros past the arrays' columns); off: the mma.sync kernels
-# of their own head dims. Built and checked on the CPU, off until it has run on a GPU (CUFLASH_TMA_PADDED_BACKWARD=1
-# turns it on).
-TMA_PADDED_BACKWARD = os.environ.get("CUFLASH_TMA_PADDED_BACKWARD") == "1"
+# kernel's TMA entry point ([bwd tma pad]: the maps read zeros past the arrays' columns; H100 2026-11-28, bf16, backward
+# alone: d 80 1.3-1.6x and d 96 1.4-1.5x the mma.sync kernels of their own head dims, d 32 1.0-1.1x; dK, dV bit for
+# bit); off (CUFLASH_TMA_PADDED_BACKWARD=0): those kernels.
+TMA_PADDED_BACKWARD = os.environ.get("CUFLASH_TMA_PADDED_BACKWARD", "1") == "1"
 
 
 def _tma_forward(spec, variant: Variant, arrays, max_q: int, block_q, block_k) -> tuple[int, Tile] | None:
