@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import Any, NamedTuple
 
+import ml_dtypes
 import numpy as np
 
 from . import _blocks, _cascade, _chunked_prefill, _decode_plan, _kvcache, _merge, _mods, _validate
@@ -217,7 +218,8 @@ _checked_calls = CallMemo(256)
 _NO_ARRAYS = VariantArrays()
 
 
-def _prepare(q, k, v, *, softmax_scale, algorithm, block_q, block_k, variant_options, extra=None, read_values=True):
+def _prepare(q, k, v, *, softmax_scale, algorithm, block_q, block_k, variant_options, extra=None, read_values=True,
+             fp8=False):
     """Validate everything and normalize: ``(library, problem, options for the backend)``.
 
     ``read_values=False`` checks cu_seqlens and seqused_k by shape and dtype only (see :mod:`cuflash._validate`).
@@ -231,7 +233,7 @@ def _prepare(q, k, v, *, softmax_scale, algorithm, block_q, block_k, variant_opt
     library = _validate.check_same_library(**arrays)  # first: None or a list for an array is named here
     packed = [variant_options[name] for name in _PACKED_OPTIONS]
     varlen = _validate.varlen_mode(*packed)
-    problem = _validate.check_qkv(q, k, v, varlen=varlen)
+    problem = _validate.check_qkv(q, k, v, varlen=varlen, fp8=fp8)
     if varlen:
         problem = _validate.check_cu_seqlens(problem, *packed, read_values=read_values)
     options = dict(
@@ -309,6 +311,9 @@ def attention(
     fp32_precision: str = "tf32x3",
     return_lse: bool = False,
     check_finite: bool = False,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     """Exact softmax attention, ``softmax(scale * q k^T) v``, computed block by block.
 
@@ -401,6 +406,14 @@ def attention(
         (``docs/performance.md``, "float32").
     return_lse : bool
         Also return the logsumexp of the scaled (and modified) scores, needed by :func:`attention_backward`.
+    q_descale, k_descale, v_descale : arrays, shape (batch, heads_kv), float32, optional
+        FP8 only (q, k and v ``float8_e4m3fn``, ml_dtypes' e4m3, or ``uint8`` arrays of e4m3 bits, as CuPy, which
+        has no e4m3 dtype, holds them; FlashAttention-3's names and meaning): the factors
+        that turn each (sequence, key/value head)'s stored values into the real ones (real q = q_descale * q);
+        None: 1. An FP8 call returns bfloat16. It runs the forward only (no backward), on padded batches, head dims
+        128 and 256 on CuPy (sm_90: the FP8 kernel), any on NumPy (the reference, rounding P to e4m3 as the
+        kernel does); with causal, windows, softcap and ALiBi, not with bias, masks, dropout, mods or key counts.
+        Accuracy: ``docs/variants.md``, "FP8".
     check_finite : bool
         Scan q, k, v, ``alibi_slopes`` and ``bias`` for NaN and infinities (``-inf`` allowed in ``bias``: it
         masks) after the other checks and before any computation, and raise ``ValueError`` naming the array and
@@ -415,6 +428,9 @@ def attention(
     lse : array, shape (batch, heads_q, seqlen_q), or (heads_q, total_q) packed; only with ``return_lse=True``
         Natural-log logsumexp, float32 (float64 for float64 inputs); ``-inf`` for a row that sees no key.
     """
+    if (q_descale is not None or k_descale is not None or v_descale is not None
+            or getattr(getattr(q, "dtype", None), "itemsize", 0) == 1):
+        return _attention_fp8(q, k, v, locals())
     planner = _planners.get(type(q), _NOT_PLANNED)
     if planner is _NOT_PLANNED:
         planner = _planner(q)
@@ -461,6 +477,75 @@ def attention(
         else:
             out, lse = backend.forward(kernel_q, k, v, **options)
     return (out, lse) if return_lse else out
+
+
+# What an FP8 call of attention() may not use: keyword -> its default.
+_FP8_UNSUPPORTED = {"cu_seqlens_q": None, "cu_seqlens_k": None, "seqused_k": None, "bias": None, "attn_mask": None,
+                    "dropout_p": 0.0, "score_mod": None, "mask_mod": None, "mod_arrays": None, "block_q": None,
+                    "block_k": None}
+
+
+def _attention_fp8(q, k, v, arguments: dict):
+    """attention() on e4m3 q, k, v (``arguments``: the call's locals): checked, then the FP8 kernel (CuPy) or the
+    reference (NumPy); ``out`` bfloat16."""
+    library = _validate.check_same_library(q=q, k=k, v=v)
+    for name in ("q", "k", "v"):
+        dtype = np.dtype(arguments[name].dtype).name
+        if dtype not in _validate.FP8_DTYPES:
+            raise TypeError(f"{name} must be float8_e4m3fn (ml_dtypes' e4m3) or uint8 (e4m3 bits: CuPy has no e4m3 "
+                            f"dtype) for FP8 attention (1-byte inputs, or q_descale / k_descale / v_descale given), as "
+                            f"q, k and v together; got {name} {dtype}")
+    for name, default in _FP8_UNSUPPORTED.items():
+        value = arguments[name]
+        if value is not default and (value is None or _validate._is_array(value) or value != default):
+            given = type(value).__name__ if _validate._is_array(value) else repr(value)
+            raise NotImplementedError(f"FP8 attention (float8_e4m3fn inputs) does not take {name}; got {given}")
+    if arguments["algorithm"] != "fa2":
+        raise NotImplementedError(f"FP8 attention runs algorithm='fa2' only; got algorithm={arguments['algorithm']!r}")
+    library, problem, options = _prepare(
+        q, k, v, softmax_scale=arguments["softmax_scale"], algorithm="fa2", block_q=None, block_k=None,
+        variant_options=_variant_options(arguments), fp8=True)
+    if problem.head_dim_v != problem.head_dim:
+        raise NotImplementedError(f"FP8 attention needs v's head_dim equal to q's; got q {problem.head_dim}, "
+                                  f"v {problem.head_dim_v}")
+    if not options["scale"] > 0:
+        raise ValueError(f"FP8 attention takes a positive softmax_scale; got {options['scale']}")
+    xp = _namespace(q)
+    shape = (problem.batch, problem.heads_kv)
+    descales = []
+    for name in ("q_descale", "k_descale", "v_descale"):
+        a = arguments[name]
+        if a is None:
+            descales.append(None)
+            continue
+        _validate.check_same_library(q=q, **{name: a})
+        if tuple(a.shape) != shape or np.dtype(a.dtype) != np.float32:
+            raise ValueError(f"{name} must be a float32 array of shape (batch, heads_kv) = {shape}; got "
+                             f"{np.dtype(a.dtype).name} of shape {tuple(a.shape)}")
+        descales.append(a)
+    if _validate.finite_checks(arguments["check_finite"]):
+        _validate.check_finite({"q": q, "k": k, "v": v, "alibi_slopes": arguments["alibi_slopes"],
+                                **{n: a for n, a in zip(("q_descale", "k_descale", "v_descale"), descales)}})
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    if problem.is_empty:
+        out = xp.zeros(problem.out_shape, dtype=bf16)
+        lse = xp.full(problem.lse_shape, -np.inf, dtype=np.float32)
+    elif library == "numpy":
+        from . import reference
+
+        out, lse = reference.fa2_forward_fp8(q, k, v, scale=options["scale"], variant=options["variant"],
+                                             descales=descales)
+    else:
+        from ._cuda import fp8
+
+        if problem.head_dim not in fp8.FP8_HEAD_DIMS:
+            raise NotImplementedError(f"FP8 attention on the GPU runs head dims {fp8.FP8_HEAD_DIMS}; got "
+                                      f"{problem.head_dim}")
+        stacked = None
+        if any(a is not None for a in descales):
+            stacked = xp.stack([xp.ones(shape, np.float32) if a is None else a for a in descales])
+        out, lse = fp8.forward(q, k, v, scale=options["scale"], variant=options["variant"], descale=stacked)
+    return (out, lse) if arguments["return_lse"] else out
 
 
 def _attention_key(planner, q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, causal, softmax_scale,

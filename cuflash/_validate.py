@@ -34,6 +34,9 @@ FP32_PRECISIONS = ("tf32x3", "tf32", "ieee")
 ORDERS = ("kv_outer", "q_outer", "split")
 CAUSAL_ALIGNS = ("bottom-right", "top-left")
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+# FP8 inputs (cuflash.attention's forward only; the output is bfloat16): ml_dtypes' e4m3, or its bits as uint8 (CuPy
+# has no e4m3 dtype)
+FP8_DTYPES = ("float8_e4m3fn", "uint8")
 
 
 @dataclass(frozen=True)
@@ -183,12 +186,12 @@ def _check_contiguous_last_axis(name: str, a) -> None:
         )
 
 
-def check_qkv(q, k, v, *, varlen: bool = False) -> Problem:
+def check_qkv(q, k, v, *, varlen: bool = False, fp8: bool = False) -> Problem:
     """Ranks, shapes, dtypes and strides of q, k, v; returns the problem's sizes.
 
     ``varlen``: the arrays are packed ``(total, heads, head_dim)`` (cu_seqlens given); the problem's batch
     and lengths then come from :func:`check_cu_seqlens`, and this returns them as one sequence of
-    ``total`` rows.
+    ``total`` rows. ``fp8``: the dtype is e4m3 (:data:`FP8_DTYPES`) instead of a floating one.
     """
     ndim = 3 if varlen else 4
     for name, a in (("q", q), ("k", k), ("v", v)):
@@ -205,10 +208,11 @@ def check_qkv(q, k, v, *, varlen: bool = False) -> Problem:
                 f"got {a.ndim} dimensions with shape {_shape(a)}{hint}"
             )
     dtype = np.dtype(q.dtype)
+    accepted = FP8_DTYPES if fp8 else _FLOAT_DTYPES
     for name, a in (("q", q), ("k", k), ("v", v)):
-        if np.dtype(a.dtype).name not in _FLOAT_DTYPES:
+        if np.dtype(a.dtype).name not in accepted:
             raise TypeError(
-                f"{name} must have a floating dtype (one of {', '.join(_FLOAT_DTYPES)}); "
+                f"{name} must have a floating dtype (one of {', '.join(accepted)}); "
                 f"got {np.dtype(a.dtype).name}"
             )
     if np.dtype(k.dtype) != dtype or np.dtype(v.dtype) != dtype:

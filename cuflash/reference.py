@@ -55,6 +55,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
+import ml_dtypes
 import numpy as np
 
 from . import _mods
@@ -136,7 +137,13 @@ def _cast_like_kernel(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """
     if x.dtype == dtype:
         return x
+    if dtype == _E4M3:  # [fp8 p] P at 2^8 its value, as the FP8 kernel packs it (exact scalings by powers of two)
+        return (x * _P_SCALE_FP8).astype(dtype).astype(x.dtype) / _P_SCALE_FP8
     return x.astype(dtype).astype(x.dtype)
+
+
+_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+_P_SCALE_FP8 = 256.0
 
 
 def _resolve_block_sizes(head_dim, block_q, block_k, pass_):
@@ -703,8 +710,30 @@ def fa2_forward(q, k, v, *, scale, variant=DENSE, block_q=None, block_k=None):
                                 block_q, block_k)
 
 
-def _fa2_forward_sequence(q, k, v, out, lse, mods: _ScoreMods, block_q, block_k, run=None):
-    dtype, acc_dtype = q.dtype, _acc_dtype(q.dtype)
+def fa2_forward_fp8(q, k, v, *, scale, variant=DENSE, descales=(None, None, None), block_q=None, block_k=None):
+    """The FP8 forward ([fp8]; forward_sm90.cu's FP8 entry point): e4m3 ``q``, ``k``, ``v`` times their descale
+    factors (``descales``: q's, k's, v's, each (batch, heads_kv) float32 or None for 1) in float32, then
+    :func:`fa2_forward`'s loops with P rounded to e4m3 before P V, as the kernel packs it ([fp8 p]); ``out`` bfloat16.
+    (The kernel folds q's and k's factors into the scores' scale and v's into the output's: the same values up to
+    float32 rounding.)"""
+    heads_kv = k.shape[2]
+    group = q.shape[2] // heads_kv
+
+    def real(a, factors, group):
+        x = (a.view(_E4M3) if a.dtype == np.uint8 else a).astype(np.float32)  # (uint8: e4m3 bits)
+        if factors is None:
+            return x
+        return x * np.repeat(np.asarray(factors, np.float32), group, axis=1)[:, None, :, None]
+
+    q32, k32, v32 = real(q, descales[0], group), real(k, descales[1], 1), real(v, descales[2], 1)
+    with _block_runner(cpu_threads()) as run:
+        out, lse = _blocked_forward(functools.partial(_fa2_forward_sequence, run=run, p_dtype=_E4M3), q32, k32, v32,
+                                    scale, variant, block_q, block_k)
+    return out.astype(ml_dtypes.bfloat16), lse
+
+
+def _fa2_forward_sequence(q, k, v, out, lse, mods: _ScoreMods, block_q, block_k, run=None, p_dtype=None):
+    dtype, acc_dtype = (p_dtype or q.dtype), _acc_dtype(q.dtype)
     seqlen_q, seqlen_k, heads_kv = q.shape[1], k.shape[1], k.shape[2]
     q5, k5, v5 = (_grouped(x, heads_kv) for x in (q, k, v))
     out5, lse4 = _grouped(out, heads_kv), _grouped_rows(lse, heads_kv)

@@ -43,8 +43,10 @@ __device__ __forceinline__ void warpgroup_sync(int wg) {
 // [fa2-fwd 3] and [fa2-fwd 4] on raw (unscaled) scores: m is the running row max of the raw scores, l the
 // lane-partial row sum; S is replaced by P = exp2(scale_log2 * (S - m_new)) and corr[h] =
 // exp2(scale_log2 * (m_old - m_new)) is returned for the caller to rescale O once P V of the previous tile
-// has retired. A row that has seen only masked keys keeps m = -inf and subtracts 0 instead (no NaN).
-template <int kNT>
+// has retired. A row that has seen only masked keys keeps m = -inf and subtracts 0 instead (no NaN). [fp8 p] kPOff:
+// P = exp2(scale_log2 * (S - m_new) + kPOff), at most 2^kPOff (l and O grow by the same factor, lse subtracts it), so
+// that e4m3's 3-bit mantissa holds P's small values as normal numbers rather than subnormals or zeros.
+template <int kNT, int kPOff = 0>
 __device__ __forceinline__ void softmax_step(float (&s)[kNT][4], float (&m)[2], float (&l)[2], float (&corr)[2],
                                              float scale_log2) {
 #pragma unroll
@@ -56,11 +58,13 @@ __device__ __forceinline__ void softmax_step(float (&s)[kNT][4], float (&m)[2], 
         const float m_scaled = mx == -CUFLASH_INF ? 0.f : mx * scale_log2;
         corr[h] = fast_exp2(fmaf(m[h], scale_log2, -m_scaled));
         m[h] = mx;
+        float m_p = m_scaled;
+        if constexpr (kPOff != 0) m_p -= float(kPOff);
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
-            s[nt][2 * h] = fast_exp2(fmaf(s[nt][2 * h], scale_log2, -m_scaled));
-            s[nt][2 * h + 1] = fast_exp2(fmaf(s[nt][2 * h + 1], scale_log2, -m_scaled));
+            s[nt][2 * h] = fast_exp2(fmaf(s[nt][2 * h], scale_log2, -m_p));
+            s[nt][2 * h + 1] = fast_exp2(fmaf(s[nt][2 * h + 1], scale_log2, -m_p));
             sum += s[nt][2 * h] + s[nt][2 * h + 1];
         }
         l[h] = l[h] * corr[h] + sum;
@@ -113,12 +117,28 @@ struct FwdMaps {
 // not zeros: their scores are masked (assigned -inf), but 0 x a NaN or an infinity there would reach O through
 // P V, so the producer's first warp zeroes the last V tile's rows past the keys before the computing warpgroups'
 // last P V reads it (barrier tail_v).
+//
+// [fp8] T = e4m3 (the FP8 entry point, flash_fwd_sm90_fp8_kernel): q, k and v in e4m3, O in bf16. Q and K tiles are
+// the 16-bit ones' bytes (kHeadDim bytes a row, 128-column boxes), S = Q K^T by k32 steps; V arrives as V^T (maps.v:
+// kHeadDim rows of the keys, in fp8_key_of's order inside each 16; cuflash/_cuda/fp8.py writes it), K-major B of
+// P V, P packed to e4m3 by p_to_e4m3 at 2^8 its 16-bit value ([fp8 p]). descale (3 x batch x heads_kv float32: q's,
+// k's, v's factors per key/value head, FlashAttention-3's q_descale, k_descale, v_descale; or null, all 1): the raw
+// scores are multiplied by q's and k's before any mod or mask, O by v's. Padded batches only, no staged bias, no dropout, whole head dims.
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V, bool kTma = false>
 __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const VariantParams vp,
-                                               const FwdMaps maps = FwdMaps{}) {
+                                               const FwdMaps maps = FwdMaps{}, const float* descale = nullptr) {
     using Cfg = Sm90Config<kHeadDim, kBlockM, kBlockN, kNWarps>;
     constexpr bool kWS = Cfg::kWS;
     static_assert(!kTma || kWS, "TMA: a producer warpgroup");
+    constexpr bool kFp8 = IsFp8<T>::value;
+    using OutT = typename Fp8Out<T>::type;  // (bf16 for e4m3, else T)
+    static_assert(!kFp8 || (kTma && !V::Is_varlen && !V::Has_seqused && !V::Bias::kStaged && !V::Has_dropout &&
+                            !V::Pads_head_dim && kHeadDim % 128 == 0 && kBlockN % 128 == 0),
+                  "[fp8]: the TMA entry point, padded batches, no staged bias or dropout, head dims of whole 128-byte "
+                  "rows, key tiles of whole 128-key boxes");
+    constexpr int kElemBytes = kFp8 ? 1 : 2;
+    constexpr int kKStep = kFp8 ? 32 : 16;   // the k of one wgmma
+    constexpr int kPOff = kFp8 ? 8 : 0;      // [fp8 p]
     constexpr bool kTmaTail = kTma && (V::Is_varlen || V::Has_seqused);  // [tma tail]
     // [variant head dim] Head dims below the kernel's from the TMA entry point only: the maps hold the arrays' head
     // dims, so a box reads zeros in the columns past them (they add nothing to Q K^T, and give O columns that are not
@@ -134,9 +154,9 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
     constexpr int kLoaders = kWS ? 128 : kNWarps * 32;  // threads that issue the loads
     constexpr int kNT = kBlockN / 8;    // n8 fragments of a score row block
     constexpr int kDT = kHeadDim / 8;   // n8 fragments of an output row block
-    constexpr int kKT = kHeadDim / 16;  // k16 steps of Q K^T
-    constexpr int kPT = kBlockN / 16;   // k16 steps of P V
-    constexpr int kKVTile = kBlockN * kHeadDim;
+    constexpr int kKT = kHeadDim / kKStep;  // k steps of Q K^T
+    constexpr int kPT = kBlockN / kKStep;   // k steps of P V
+    constexpr int kKVTile = kBlockN * kHeadDim * kElemBytes / 2;  // (in 16-bit units)
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     // Swizzle atoms need 1024-byte alignment, whatever the alignment of the dynamic shared memory base.
@@ -161,6 +181,16 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
     const BlockInfo<V> bi(vp, b, h, seqlen_q, seqlen_k);
     if (bi.past_queries(m0)) return;  // a shorter sequence of a packed batch (the whole block leaves together)
     const int len_q = bi.len_q;
+    // [fp8] q's and k's factors scale the raw scores (before the mods and masks, whose constants are in real raw-score
+    // units), v's the output
+    float qk_descale = 1.f, v_descale = 1.f;
+    if constexpr (kFp8) {
+        if (descale != nullptr) {
+            const int per = gridDim.z * (heads_q / group), at = b * (heads_q / group) + h_kv;
+            qk_descale = descale[at] * descale[per + at];
+            v_descale = descale[2 * per + at];
+        }
+    }
 
     // Key tiles [n_begin, n_begin + n_end) hold the keys this query tile sees (causal, window). K and V
     // start at tile n_begin, so the loops count tiles (buffers, barrier phases) from there.
@@ -212,8 +242,8 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
             if (ptid == 0) {
                 const int batch = V::Is_varlen ? 0 : b;
                 auto copy = [&](u32 dst, const TensorMap* map, u32 landed, int rows, int row, int head) {
-                    mbar_expect_tx(landed, rows * kHeadDim * 2);
-                    tma_load_tile<kHeadDim>(dst, map, landed, rows, row, head, batch);
+                    mbar_expect_tx(landed, rows * kHeadDim * kElemBytes);
+                    tma_load_tile<kHeadDim, 128 / kElemBytes>(dst, map, landed, rows, row, head, batch);
                 };
                 copy(smem_u32(sQ), maps.q, full_q, kBlockM, bi.q0 + m0, h);
                 for (int j = 0; j < n_end; ++j) {
@@ -221,7 +251,17 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
                     if (j >= 2) mbar_wait(free_k + 8 * buf, ((j >> 1) - 1) & 1);
                     copy(smem_u32(sK + buf * kKVTile), maps.k, full_k + 8 * buf, kBlockN, row, h_kv);
                     if (j >= 2) mbar_wait(free_v + 8 * buf, ((j >> 1) - 1) & 1);
-                    copy(smem_u32(sV + buf * kKVTile), maps.v, full_v + 8 * buf, kBlockN, row, h_kv);
+                    if constexpr (kFp8) {
+                        // [fp8] V^T: kHeadDim rows of 128-key boxes at key `row`, each box kHeadDim x 128 bytes
+                        const u32 dst = smem_u32(sV + buf * kKVTile), landed = full_v + 8 * buf;
+                        mbar_expect_tx(landed, kHeadDim * kBlockN);
+#pragma unroll
+                        for (int c = 0; c < kBlockN / 128; ++c) {
+                            tma_load_4d(dst + c * kHeadDim * 128, maps.v, landed, row + c * 128, 0, h_kv, batch);
+                        }
+                    } else {
+                        copy(smem_u32(sV + buf * kKVTile), maps.v, full_v + 8 * buf, kBlockN, row, h_kv);
+                    }
                 }
             }
             if constexpr (kTmaTail) {
@@ -292,7 +332,11 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
             return sw128_desc(k_addr + buf * kKVTile * 2 + (kk >> 2) * kBlockN * 128 + (kk & 3) * 32, 16, 1024);
         };
         auto desc_v = [&](int buf, int kk) {
-            return sw128_desc(v_addr + buf * kKVTile * 2 + kk * 2048, kBlockN * 128, 1024);
+            if constexpr (kFp8) {  // [fp8] V^T K-major, as K in S = Q K^T
+                return sw128_desc(v_addr + buf * kKVTile * 2 + (kk >> 2) * kHeadDim * 128 + (kk & 3) * 32, 16, 1024);
+            } else {
+                return sw128_desc(v_addr + buf * kKVTile * 2 + kk * 2048, kBlockN * 128, 1024);
+            }
         };
 
         float acc[kDT][4];
@@ -313,6 +357,13 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
         // [variant mod] and [variant mask] of key tile j (counted from n_begin).
         auto mask = [&](int j) {
             const int n0 = n_shift + tile_row(j);
+            if constexpr (kFp8) {
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[nt][e] *= qk_descale;
+                }
+            }
             if constexpr (kStagedBias) {
                 mod_scores<false>(s, bi, row_base, n0, lane, keys.partial(j),
                                   BiasTile<V, kBlockN>{sBias + (j & 1) * kBiasTile, m0, n0});
@@ -327,7 +378,13 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
         // [fa2-fwd 5] O += P V_buf, P (already 16-bit) straight from registers.
         auto pv = [&](int buf) {
 #pragma unroll
-            for (int kk = 0; kk < kPT; ++kk) Wgmma<T>::rs_tb(acc, p[kk], desc_v(buf, kk), 1, Int<kHeadDim>());
+            for (int kk = 0; kk < kPT; ++kk) {
+                if constexpr (kFp8) {
+                    Wgmma<T>::rs(acc, p[kk], desc_v(buf, kk), 1, Int<kHeadDim>());
+                } else {
+                    Wgmma<T>::rs_tb(acc, p[kk], desc_v(buf, kk), 1, Int<kHeadDim>());
+                }
+            }
             wgmma_commit();
         };
         // [variant dropout] The keep bits of key tile j, drawn while the tensor cores compute S_j (they depend
@@ -339,11 +396,17 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
                 keep_fence(keep);
             }
         };
-        // [variant dropout] (after the row sum) and P to 16 bits for the A operand of P V.
+        // [variant dropout] (after the row sum) and P to 16 bits (or e4m3, [fp8 p]) for the A operand of P V.
         auto pack_p = [&]() {
             if constexpr (V::Has_dropout) dropout_apply<kNT>(s, keep, 1.f);
 #pragma unroll
-            for (int kk = 0; kk < kPT; ++kk) c_to_a<T, kNT>(p[kk], s, kk);
+            for (int kk = 0; kk < kPT; ++kk) {
+                if constexpr (kFp8) {
+                    p_to_e4m3<kNT>(p[kk], s, kk);
+                } else {
+                    c_to_a<T, kNT>(p[kk], s, kk);
+                }
+            }
         };
         auto rescale_o = [&]() {
 #pragma unroll
@@ -393,7 +456,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
             fence_regs(s);
             if constexpr (kWS) mbar_arrive(free_k);
             mask(0);
-            softmax_step<kNT>(s, m, l, corr, scale_log2);
+            softmax_step<kNT, kPOff>(s, m, l, corr, scale_log2);
             pack_p();
 
             for (int j = 1; j < n_end; ++j) {
@@ -424,7 +487,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
                 fence_regs(s);
                 if constexpr (kWS) mbar_arrive(free_k + 8 * (j & 1));
                 mask(j);
-                softmax_step<kNT>(s, m, l, corr, scale_log2);
+                softmax_step<kNT, kPOff>(s, m, l, corr, scale_log2);
                 wgmma_wait<0>();
                 fence_regs(acc);
                 if constexpr (kWS) mbar_arrive(free_v + 8 * ((j - 1) & 1));
@@ -456,17 +519,19 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const float lsum = quad_sum(l[hh]);
-            const float inv = bi.out_scale(V::Has_dropout ? bi.keep_scale : 1.f, lsum);  // [variant dropout]
+            float inv = bi.out_scale(V::Has_dropout ? bi.keep_scale : 1.f, lsum);  // [variant dropout]
+            if constexpr (kFp8) inv *= v_descale;
             const int r = wg * 64 + warp_in_wg * 16 + g + 8 * hh;  // row inside the block
 #pragma unroll
             for (int dt = 0; dt < kDT; ++dt) {
                 *reinterpret_cast<u32*>(sQ + sw128_offset<kBlockM>(r, dt) + 2 * t) =
-                    Elem<T>::pack(acc[dt][2 * hh] * inv, acc[dt][2 * hh + 1] * inv);
+                    Elem<OutT>::pack(acc[dt][2 * hh] * inv, acc[dt][2 * hh + 1] * inv);
             }
             const int row = m0 + r;
             if (t == 0 && row < len_q) {
-                lse[bi.row_index(h, heads_q, seqlen_q, row)] =
-                    bi.row_lse((m[hh] * scale_log2 + __log2f(lsum)) * kLn2, lsum);
+                float log2_l = __log2f(lsum);
+                if constexpr (kPOff != 0) log2_l -= float(kPOff);  // [fp8 p]
+                lse[bi.row_index(h, heads_q, seqlen_q, row)] = bi.row_lse((m[hh] * scale_log2 + log2_l) * kLn2, lsum);
             }
         }
         warpgroup_sync(wg);
@@ -530,6 +595,54 @@ flash_fwd_sm90_tma_kernel(CUFLASH_FWD_PARAMS(u16), const VariantParams vp, const
                           const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map) {
     flash_fwd_sm90<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, V, true>(CUFLASH_FWD_ARGS, vp,
                                                                              FwdMaps{&q_map, &k_map, &v_map});
+}
+
+// [fp8 v] V^T for the FP8 entry point: v (batch, keys, heads_kv, kHeadDim) bytes, row stride v_ss and head stride v_sh
+// bytes (the batch's v_sb), to vt (batch, heads_kv, kHeadDim, keys_16) C-contiguous, keys_16 = keys rounded up to 16,
+// each 16 keys in p_to_e4m3's order (position p holds key 2 (p / 4) + (p & 1) + 8 (p / 2 & 1)), zeros past the keys.
+// Block (64-key tile, head, batch), 256 threads: the tile's rows in with 16-byte loads, out as 16-byte rows of V^T.
+template <int kHeadDim>
+__global__ void __launch_bounds__(256) fp8_transpose_v_kernel(const unsigned char* __restrict__ v,
+                                                             unsigned char* __restrict__ vt, int keys, int keys16,
+                                                             int heads_kv, i64 v_sb, i64 v_ss, i64 v_sh) {
+    constexpr int kKeys = 64, kStride = kHeadDim + 16;  // (rows padded by 16 bytes: fewer bank conflicts)
+    __shared__ __align__(16) unsigned char tile[kKeys * kStride];
+    const int key0 = blockIdx.x * kKeys, h = blockIdx.y, b = blockIdx.z;
+    const unsigned char* src = v + b * v_sb + h * v_sh;
+    for (int i = threadIdx.x; i < kKeys * kHeadDim / 16; i += 256) {
+        const int r = i / (kHeadDim / 16), c = i % (kHeadDim / 16), key = key0 + r;
+        uint4 x = make_uint4(0, 0, 0, 0);
+        if (key < keys) x = *reinterpret_cast<const uint4*>(src + key * v_ss + c * 16);
+        *reinterpret_cast<uint4*>(tile + r * kStride + c * 16) = x;
+    }
+    __syncthreads();
+    unsigned char* dst = vt + ((i64)(b * heads_kv + h) * kHeadDim) * keys16;
+    for (int i = threadIdx.x; i < kHeadDim * (kKeys / 16); i += 256) {
+        const int row = i / (kKeys / 16), group = i % (kKeys / 16), first = key0 + group * 16;
+        if (first >= keys16) continue;
+        u32 w[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            u32 word = 0;
+#pragma unroll
+            for (int byte = 0; byte < 4; ++byte) {
+                const int p = 4 * j + byte, key = 2 * (p >> 2) + (p & 1) + 8 * ((p >> 1) & 1);
+                word |= (u32)tile[(group * 16 + key) * kStride + row] << (8 * byte);
+            }
+            w[j] = word;
+        }
+        *reinterpret_cast<uint4*>(dst + (i64)row * keys16 + first) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}
+
+// ... and the FP8 one ([fp8]: T = e4m3, the TMA tiles; v_map V^T's; descale q's, k's and v's factors or null).
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V>
+__global__ void __launch_bounds__(kNWarps * 32, (Sm90Config<kHeadDim, kBlockM, kBlockN, kNWarps>::kMinBlocks))
+flash_fwd_sm90_fp8_kernel(CUFLASH_FWD_PARAMS(u16), const float* __restrict__ descale, const VariantParams vp,
+                          const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
+                          const __grid_constant__ TensorMap v_map) {
+    flash_fwd_sm90<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, V, true>(CUFLASH_FWD_ARGS, vp,
+                                                                             FwdMaps{&q_map, &k_map, &v_map}, descale);
 }
 
 }  // namespace cuflash

@@ -148,12 +148,14 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap* map, u32 b
 
 // A tile of `rows` rows of a map, at `row` of (head, batch), into shared memory at dst in the 128-byte swizzle: kCols /
 // 64 boxes of 64 columns, each 64-column block `rows` x 128 bytes after the one before (the wgmma descriptors'
-// layout), landing on `bar`, which the caller told the bytes first.
-template <int kCols>
+// layout), landing on `bar`, which the caller told the bytes first. (kBoxCols: 128 for 8-bit elements.)
+template <int kCols, int kBoxCols = 64>
 __device__ __forceinline__ void tma_load_tile(u32 dst, const TensorMap* map, u32 bar, int rows, int row, int head,
                                               int batch) {
 #pragma unroll
-    for (int c = 0; c < kCols / 64; ++c) tma_load_4d(dst + c * rows * 128, map, bar, c * 64, row, head, batch);
+    for (int c = 0; c < kCols / kBoxCols; ++c) {
+        tma_load_4d(dst + c * rows * 128, map, bar, c * kBoxCols, row, head, batch);
+    }
 }
 
 // The mbarrier at addr counts one arrival of this thread once all its earlier cp.async copies have landed (.noinc:
@@ -368,6 +370,71 @@ template <class T> struct Wgmma;
 
 template <> struct Wgmma<fp16> { CUFLASH_WGMMA_OPS("f16") };
 template <> struct Wgmma<bf16> { CUFLASH_WGMMA_OPS("bf16") };
+
+// ---------------------------------------------------------------------------------------------------
+// FP8 (e4m3) for forward_sm90.cu's [fp8] path. The element tag; wgmma m64nNk32 with e4m3 A and B (both K-major: 8-bit
+// wgmma has no transpose), float32 accumulators in the layout above:
+//   ss: D (+)= A B^T, A (64 x 32) and B (N x 32) K-major in shared memory (descriptors); N = 128 (S = Q K^T).
+//   rs: D (+)= A B,   A (64 x 32) from registers, B (32 x N) K-major (stored N x 32: V^T); N = d, 128 or 256.
+// The A-from-registers fragment of k32 is an mma.sync m16n8k32 8-bit A fragment per warp: register 0 holds row g's
+// k 4t .. 4t + 3 (low byte first), 1 row g + 8's, 2 and 3 the same rows' k 16 + 4t .. 16 + 4t + 3 (g = lane / 4,
+// t = lane % 4). Element offsets in a 128-byte-swizzled fp8 tile are the 16-bit tile's byte offsets: a k32 step is
+// 32 bytes, four to a 128-byte block, as a k16 step of 16-bit elements.
+struct e4m3 {};
+template <class T> struct IsFp8 { static constexpr bool value = false; };
+template <> struct IsFp8<e4m3> { static constexpr bool value = true; };
+template <class T> struct Fp8Out { using type = T; };  // the output's element: bf16 for e4m3 inputs
+template <> struct Fp8Out<e4m3> { using type = bf16; };
+
+template <> struct Wgmma<e4m3> {
+    __device__ __forceinline__ static void ss(float (&d)[16][4], u64 da, u64 db, int scale_d, Int<128>) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
+                     "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+                     "}, %64, %65, p, 1, 1;\n}\n"
+                     : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+                     : "l"(da), "l"(db), "r"(scale_d));
+    }
+    __device__ __forceinline__ static void rs(float (&d)[16][4], const u32 (&a)[4], u64 db, int scale_d, Int<128>) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
+                     "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+                     "}, {%64,%65,%66,%67}, %68, p, 1, 1;\n}\n"
+                     : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+    }
+    __device__ __forceinline__ static void rs(float (&d)[32][4], const u32 (&a)[4], u64 db, int scale_d, Int<256>) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 {"
+                     "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
+                     "}, {%128,%129,%130,%131}, %132, p, 1, 1;\n}\n"
+                     : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]), "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3]), "+f"(d[17][0]), "+f"(d[17][1]), "+f"(d[17][2]), "+f"(d[17][3]), "+f"(d[18][0]), "+f"(d[18][1]), "+f"(d[18][2]), "+f"(d[18][3]), "+f"(d[19][0]), "+f"(d[19][1]), "+f"(d[19][2]), "+f"(d[19][3]), "+f"(d[20][0]), "+f"(d[20][1]), "+f"(d[20][2]), "+f"(d[20][3]), "+f"(d[21][0]), "+f"(d[21][1]), "+f"(d[21][2]), "+f"(d[21][3]), "+f"(d[22][0]), "+f"(d[22][1]), "+f"(d[22][2]), "+f"(d[22][3]), "+f"(d[23][0]), "+f"(d[23][1]), "+f"(d[23][2]), "+f"(d[23][3]), "+f"(d[24][0]), "+f"(d[24][1]), "+f"(d[24][2]), "+f"(d[24][3]), "+f"(d[25][0]), "+f"(d[25][1]), "+f"(d[25][2]), "+f"(d[25][3]), "+f"(d[26][0]), "+f"(d[26][1]), "+f"(d[26][2]), "+f"(d[26][3]), "+f"(d[27][0]), "+f"(d[27][1]), "+f"(d[27][2]), "+f"(d[27][3]), "+f"(d[28][0]), "+f"(d[28][1]), "+f"(d[28][2]), "+f"(d[28][3]), "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]), "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]), "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+    }
+};
+
+// Four floats to e4m3 (round to nearest even, saturating to +-448), a0 in the low byte.
+__device__ __forceinline__ u32 pack_e4m3x4(float a0, float a1, float a2, float a3) {
+    unsigned short lo, hi;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(a1), "f"(a0));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(a3), "f"(a2));
+    return (u32)lo | ((u32)hi << 16);
+}
+
+// [fp8 p] P of score fragments (N = 32 * kPT keys) to the e4m3 A fragment of k32 step kk. The accumulator gives a
+// thread keys 2t, 2t + 1 of each n8 tile; the fragment wants k 4t .. 4t + 3. Rather than exchange values between
+// lanes, register j takes the thread's own keys of tiles 4 kk + 2 (j / 2) and 4 kk + 2 (j / 2) + 1: the fragment's k
+// = 16 h + 4t + i (h = 0, 1; i = 0..3) holds key 16 h + 2t + (i & 1) + 8 (i >> 1) of the step's 32. P V sums over
+// keys, so V^T's columns carry the same order (fp8_key_of, and cuflash/_cuda/fp8.py's permutation of V's keys).
+template <int kNT>
+__device__ __forceinline__ void p_to_e4m3(u32 (&a)[4], const float (&s)[kNT][4], int kk) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int n = 4 * kk + 2 * h;
+        a[2 * h] = pack_e4m3x4(s[n][0], s[n][1], s[n + 1][0], s[n + 1][1]);
+        a[2 * h + 1] = pack_e4m3x4(s[n][2], s[n][3], s[n + 1][2], s[n + 1][3]);
+    }
+}
 
 // ---------------------------------------------------------------------------------------------------
 // For backward_sm90.cu.

@@ -12,6 +12,7 @@ import functools
 import numpy as np
 
 # CUtensorMapDataType, CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill
+_UINT8 = 0             # 8-bit elements (e4m3)
 _UINT16 = 1            # 16-bit elements copied as such (float16 and bfloat16 alike)
 _INTERLEAVE_NONE = 0
 _SWIZZLE_128B = 3      # hopper_tiles.cuh's 128-byte-swizzled layout, for boxes 128 bytes wide
@@ -41,25 +42,26 @@ def available() -> bool:
 
 
 class TensorMap:
-    """The map of a 16-bit tensor of ``dims`` elements (innermost first) with ``strides`` bytes between the steps of
+    """The map of a 16-bit tensor (8-bit with ``element_bytes=1``) of ``dims`` elements (innermost first) with ``strides`` bytes between the steps of
     each outer dimension, copied in boxes of ``box`` elements (the innermost 128 bytes wide: the 128-byte swizzle),
     at the address :meth:`point` gives. :attr:`address` is the host address of its 128 bytes (64-byte aligned), a
     kernel argument; ``TensorMap(None)`` is an unused one (zeros: a kernel that takes the argument and reads it not)."""
 
-    def __init__(self, dims: tuple | None, strides: tuple = (), box: tuple = ()):
+    def __init__(self, dims: tuple | None, strides: tuple = (), box: tuple = (), element_bytes: int = 2):
         self._storage = np.zeros(24, dtype=np.uint64)  # 192 bytes: a 64-byte aligned 128 inside
         start = (-self._storage.ctypes.data % 64) // 8
         self.words = self._storage[start:start + 16]
         self.address = int(self.words.ctypes.data)
         self._spec = None if dims is None else (tuple(dims), tuple(strides), tuple(box))
         if self._spec is not None:
-            assert len(strides) == len(dims) - 1 == len(box) - 1 and box[0] * 2 == 128
+            assert len(strides) == len(dims) - 1 == len(box) - 1 and box[0] * element_bytes == 128
             assert all(s % 16 == 0 for s in strides), strides
             rank = len(dims)
             # (the encoder's arguments but the address, made once: a call re-encodes at every new address)
             self._args = ((ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * (rank - 1))(*strides),
                           (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*([1] * rank)))
         self._pointed = None
+        self._dtype = {1: _UINT8, 2: _UINT16}[element_bytes]
 
     @property
     def mapped(self) -> bool:
@@ -71,7 +73,7 @@ class TensorMap:
         if ptr == self._pointed or self._spec is None:
             return
         dims, strides, box = self._spec
-        result = _encode_tiled()(self.address, _UINT16, len(dims), ptr, *self._args, _INTERLEAVE_NONE, _SWIZZLE_128B,
+        result = _encode_tiled()(self.address, self._dtype, len(dims), ptr, *self._args, _INTERLEAVE_NONE, _SWIZZLE_128B,
                                  _L2_PROMOTION_128B, _OOB_ZEROS)
         if result != 0:
             raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {result}) for dims {dims}, strides {strides}, "
