@@ -806,6 +806,9 @@ def attention(
     block_k: int | None = None,
     deterministic: bool = False,
     return_lse: bool = False,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ):
     """Differentiable :func:`cuflash.attention` on PyTorch tensors.
 
@@ -833,7 +836,18 @@ def attention(
     could not repeat them). Inputs are not scanned for NaN or infinities; ``CUFLASH_CHECK_FINITE=1`` in the
     environment scans them when the operator runs (eager or compiled), raising ``ValueError`` with the tensor's
     name and the first bad index.
+
+    FP8: ``torch.float8_e4m3fn`` q, k and v (with float32 ``q_descale``, ``k_descale``, ``v_descale`` of shape
+    ``(batch, heads_kv)``, FlashAttention-3's) run :func:`cuflash.attention`'s FP8 forward: a bfloat16 output, no
+    gradient (tensors that require one raise), eager only (not through torch.compile or a CUDA graph capture).
     """
+    if q_descale is not None or k_descale is not None or v_descale is not None or q.dtype in _FP8_DTYPES:
+        return _attention_fp8(q, k, v, (q_descale, k_descale, v_descale), return_lse, dict(
+            causal=causal, softmax_scale=softmax_scale, causal_align=causal_align, window_size=window_size,
+            softcap=softcap, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, bias=bias,
+            attn_mask=attn_mask, dropout_p=dropout_p, score_mod=score_mod, mask_mod=mask_mod, mod_arrays=mod_arrays,
+            algorithm=algorithm, block_q=block_q, block_k=block_k))
     key = None
     if (bias is None and alibi_slopes is None and cu_seqlens_q is None and cu_seqlens_k is None and seqused_k is None
             and attn_mask is None and score_mod is None and mask_mod is None and mod_arrays is None and DIRECT_CALLS):
@@ -894,6 +908,40 @@ def attention(
     else:
         out, lse = _attention_fwd(*op_args)
     return (out, lse.detach()) if return_lse else out
+
+
+_FP8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn",) if hasattr(torch, name))
+
+
+def _fp8_array(t: torch.Tensor):
+    """An e4m3 tensor's zero-copy array: NumPy's ml_dtypes float8_e4m3fn (CPU), CuPy's uint8 bits (CUDA: CuPy has no
+    e4m3 dtype); other tensors as :func:`_to_array`."""
+    if t.dtype not in _FP8_DTYPES:
+        return _to_array(t)
+    bits = t.detach().view(torch.uint8)
+    return _cuda_array(bits) if bits.is_cuda else bits.numpy().view(ml_dtypes.float8_e4m3fn)
+
+
+def _attention_fp8(q, k, v, descales, return_lse: bool, options: dict):
+    """:func:`attention` on e4m3 tensors: cuflash.attention's FP8 forward (it checks the arrays and options), no
+    autograd."""
+    for name, t in (("q", q), ("k", k), ("v", v), *zip(("q_descale", "k_descale", "v_descale"), descales)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__module__}.{type(t).__name__}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise NotImplementedError("FP8 attention (float8_e4m3fn) has no backward: call it under torch.no_grad() or "
+                                  "with tensors that do not require grad")
+    tensors = {name: options.pop(name) for name in ("alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seqused_k",
+                                                    "bias", "attn_mask")}
+    _check_devices(q=q, k=k, v=v, **dict(zip(("q_descale", "k_descale", "v_descale"), descales)),
+                   **{name: t for name, t in tensors.items() if isinstance(t, torch.Tensor)})
+    with _backend_call(q) as memory:
+        arrays = {name: _to_array(t) if isinstance(t, torch.Tensor) else t for name, t in tensors.items()}
+        d = [None if t is None else _to_array(t) for t in descales]
+        out, lse = cuflash.attention(_fp8_array(q), _fp8_array(k), _fp8_array(v), return_lse=True, q_descale=d[0],
+                                     k_descale=d[1], v_descale=d[2], **arrays, **options)
+        out, lse = _output(out, memory), _output(lse, memory)
+    return (out, lse) if return_lse else out
 
 
 def attention_with_kvcache(

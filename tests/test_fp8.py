@@ -179,3 +179,47 @@ def test_transpose_kernel_matches_its_definition(n):
         launch(kernel_spec("fp8_transpose_v", "float8_e4m3fn", d), (cdiv(n16, 64), 3, 2),
                (v, vt, i32(n), i32(n16), i32(3), *(np.int64(s) for s in v.strides[:3])))
         cp.testing.assert_array_equal(vt, fp8.transposed_v(v))
+
+
+def test_torch_takes_fp8_tensors():
+    """cuflash.torch.attention on torch.float8_e4m3fn tensors (CPU: the NumPy reference): equal to cuflash.attention
+    on the same bits, bfloat16 out, no backward. (The flash-attention drop-in keeps flash-attention 2's signatures,
+    which have no descale factors.)"""
+    torch = pytest.importorskip("torch")
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("this torch has no float8_e4m3fn")
+    import cuflash.torch as ct
+
+    q, k, v, descales = _inputs(2, 40, 50, 4, 2, 32, seed=9)
+    tq, tk, tv = (torch.from_numpy(x.view(np.uint8)).view(torch.float8_e4m3fn) for x in (q, k, v))
+    td = [torch.from_numpy(f) for f in descales]
+    want, want_lse = cuflash.attention(q, k, v, causal=True, q_descale=descales[0], k_descale=descales[1],
+                                       v_descale=descales[2], return_lse=True)
+    out, lse = ct.attention(tq, tk, tv, causal=True, q_descale=td[0], k_descale=td[1], v_descale=td[2],
+                            return_lse=True)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 40, 4, 32)
+    np.testing.assert_array_equal(out.view(torch.int16).numpy(), want.view(np.int16))
+    np.testing.assert_array_equal(lse.numpy(), want_lse)
+    with pytest.raises(NotImplementedError, match="no backward"):
+        ct.attention(tq.float().requires_grad_().to(torch.float8_e4m3fn), tk, tv)
+    with pytest.raises(NotImplementedError, match="does not take dropout_p"):
+        ct.attention(tq, tk, tv, dropout_p=0.5)
+
+
+@pytest.mark.gpu
+def test_torch_cuda_fp8_matches_cupy():
+    """cuflash.torch.attention on CUDA float8_e4m3fn tensors: the FP8 kernel on torch's stream and memory, equal to
+    the CuPy call on the same bits."""
+    cp = _cupy_sm90()
+    torch = pytest.importorskip("torch")
+    import cuflash.torch as ct
+
+    q, k, v, descales = _inputs(2, 200, 260, 4, 2, 128, seed=13)
+    dev = [cp.asarray(x.view(np.uint8)) for x in (q, k, v)]
+    dd = [cp.asarray(f) for f in descales]
+    want = cuflash.attention(*dev, causal=True, q_descale=dd[0], k_descale=dd[1], v_descale=dd[2])
+    tq, tk, tv = (torch.from_numpy(x.view(np.uint8)).cuda().view(torch.float8_e4m3fn) for x in (q, k, v))
+    td = [torch.from_numpy(f).cuda() for f in descales]
+    out = ct.attention(tq, tk, tv, causal=True, q_descale=td[0], k_descale=td[1], v_descale=td[2])
+    assert out.dtype == torch.bfloat16 and out.is_cuda
+    np.testing.assert_array_equal(out.view(torch.int16).cpu().numpy(), cp.asnumpy(want.view(cp.int16)))
