@@ -4,10 +4,14 @@ same inputs, the FlashAttention FLOP convention of ANCHORS.md.
     python -m cuflash bench-gpu [--quick] [--dtypes bfloat16,float16] [--dims 64,128,256] [--seqlens ...]
                                 [--no-extras] [--json FILE]
     python -m cuflash bench-gpu --float32 [--dims 64,128] [--seqlens 1024,4096] [--json FILE]
+    python -m cuflash bench-gpu --fp8 [--dims 128,256] [--seqlens ...] [--json FILE]
 
 ``--float32``: float32 inputs at batch 2, 16 heads instead of the grid: cuflash's forward at each
 ``fp32_precision`` ("tf32x3", "tf32", "ieee") and PyTorch SDPA's EFFICIENT_ATTENTION and MATH backends (the
 FLASH and cuDNN ones take no float32), each first checked against torch's MATH on float64 inputs (max|error| printed).
+
+``--fp8``: the FP8 (e4m3) forward on the grid (sm_90) against cuflash's bf16 forward and torch's cuDNN backend in
+bf16 on the same real values (e4m3 values are exact in bf16), each FP8 output first checked against the bf16 one.
 
 Grid: batch * seqlen = 16384, heads * head_dim = 2048. FLOPs: forward 4 B H N^2 d (halved when causal),
 forward + backward 3.5x that. cuflash is called through its front door (``cuflash.attention`` and
@@ -192,6 +196,77 @@ def run_float32(dims=(128,), seqlens=(4096,), batch=2, heads=16, rep_ms=200, log
     return rows
 
 
+def run_fp8(dims=(128, 256), seqlens=(1024, 2048, 4096, 8192, 16384), rep_ms=200, log=print):
+    """Forward TFLOP/s of the FP8 forward (the front door's call: V^T written, the plan run) beside cuflash's bf16
+    forward and torch's cuDNN backend in bf16 on the same values, on the grid (batch x N = 16384, heads x d = 2048).
+    Each FP8 output is first held to its error budget against the bf16 one (docs/variants.md, "FP8":
+    2^-4 max|V| + 2^-8 |O|, with the bf16 output's own rounding)."""
+    import cupy as cp
+    import ml_dtypes
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    import triton.testing as tt
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import cuflash
+
+    rows = []
+    for d in dims:
+        for causal in (False, True):
+            for n in seqlens:
+                b, h = max(1, 16384 // n), 2048 // d
+                rng = np.random.default_rng(n + d)
+                host = [rng.standard_normal((b, n, h, d), dtype=np.float32).astype(ml_dtypes.float8_e4m3fn)
+                        for _ in range(3)]
+                q8, k8, v8 = (cp.asarray(x.view(np.uint8)) for x in host)  # (CuPy has no e4m3 dtype: the bits)
+                tq, tk, tv = (torch.from_numpy(x.astype(np.float32)).cuda().to(torch.bfloat16) for x in host)
+                qb, kb, vb = (cp.from_dlpack(t) for t in (tq, tk, tv))
+                tq, tk, tv = (t.transpose(1, 2) for t in (tq, tk, tv))
+
+                def fp8():
+                    return cuflash.attention(q8, k8, v8, causal=causal)
+
+                def bf16():
+                    return cuflash.attention(qb, kb, vb, causal=causal)
+
+                def cudnn():
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        return F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+
+                o8, ob = (torch.from_dlpack(o.view(cp.uint16)).view(torch.bfloat16).float() for o in (fp8(), bf16()))
+                torch.cuda.synchronize()
+                diff = float((o8 - ob).abs().max())
+                budget = 2.0 ** -4 * float(tv.abs().max()) + 2.0 ** -7 * float(ob.abs().max())
+                if not diff <= budget:
+                    raise AssertionError(f"FP8 differs from bf16 by {diff} (budget {budget}) at d={d} causal={causal} "
+                                         f"N={n}")
+                flops = 4 * b * h * n * n * d / (2 if causal else 1)
+                row = {"d": d, "causal": causal, "N": n, "maxdiff": diff}
+                for system, fn in (("cuflash fp8", fp8), ("cuflash bf16", bf16), ("torch-cudnn bf16", cudnn)):
+                    ms = tt.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+                    row[f"{system} fwd"] = flops / ms / 1e9
+                rows.append(row)
+                log(json.dumps(row))
+    return rows
+
+
+def format_fp8_table(rows) -> str:
+    lines = ["| d | causal | N | cuflash fp8 | cuflash bf16 | torch-cudnn bf16 | fp8 / bf16 | fp8 / cudnn bf16 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        f8, bf, cu = r["cuflash fp8 fwd"], r["cuflash bf16 fwd"], r["torch-cudnn bf16 fwd"]
+        lines.append(f"| {r['d']} | {'yes' if r['causal'] else 'no'} | {r['N']} | {f8:.0f} | {bf:.0f} | {cu:.0f} | "
+                     f"{f8 / bf:.2f} | {f8 / cu:.2f} |")
+    ratios = {}
+    for r in rows:
+        ratios.setdefault(r["d"], []).append(r["cuflash fp8 fwd"] / r["cuflash bf16 fwd"])
+    for d, x in ratios.items():
+        lines.append(f"fp8 / bf16 at d {d}: {min(x):.2f}-{max(x):.2f} (median {statistics.median(x):.2f}); "
+                     f"at or above 1.5 in {sum(v >= 1.5 for v in x)} of {len(x)}")
+    return "\n".join(lines)
+
+
 def format_float32_table(rows) -> str:
     names = [name for name, _ in FLOAT32_SYSTEMS]
     lines = ["forward TFLOP/s (max|out - float64 truth|), float32, batch 2, 16 heads",
@@ -343,6 +418,9 @@ def main(argv=None, prog: str = "python -m cuflash bench-gpu"):
     ap.add_argument("--float32", action="store_true",
                     help="float32 at batch 2, 16 heads: cuflash tf32x3 / tf32 / ieee vs torch SDPA efficient / math "
                          "(--dims default 128, --seqlens default 4096)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="the FP8 (e4m3) forward against cuflash bf16 and torch cuDNN bf16 (sm_90; --dims default "
+                         "128,256, --seqlens default 1024-16384)")
     ap.add_argument("--plot", metavar="DIR", default=None,
                     help="write throughput.png (TFLOP/s vs seqlen, peers included) and memory.png "
                          "(peak memory vs seqlen, cuflash vs naive) to DIR (needs matplotlib)")
@@ -357,6 +435,14 @@ def main(argv=None, prog: str = "python -m cuflash bench-gpu"):
 
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     print(f"device: {props['name'].decode()}")
+    if args.fp8:
+        rows = run_fp8([int(x) for x in (args.dims or "128,256").split(",")],
+                       seqlens if args.seqlens else (1024, 2048, 4096, 8192, 16384), rep_ms=rep)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"rows": rows}, f, indent=1)
+        print(format_fp8_table(rows))
+        return 0
     if args.float32:
         rows = run_float32(dims, seqlens if args.seqlens else [4096], rep_ms=rep)
         if args.json:

@@ -216,3 +216,20 @@ def test_the_gpu_table_gives_both_ratios_and_the_cudnn_target_count():
            " in 0 of 3" in summary
     rows[0]["cuflash-fa1 fwd"] = 230.0
     assert bench_gpu.format_table(rows).splitlines()[2].endswith("| 0.92 | 230 | 2.0 |")
+
+
+def test_the_fp8_table_gives_both_ratios_and_the_target_count():
+    """bench-gpu --fp8's table: FP8 against cuflash bf16 and torch-cudnn bf16 per row, and per head dim the range of
+    FP8 / bf16 with the count of cells at issue 14's 1.5."""
+    from cuflash import bench_gpu
+
+    def row(d, n, f8, bf, cu):
+        return {"d": d, "causal": n > 2048, "N": n, "cuflash fp8 fwd": f8, "cuflash bf16 fwd": bf,
+                "torch-cudnn bf16 fwd": cu}
+    rows = [row(128, 1024, 500.0, 500.0, 600.0), row(128, 4096, 800.0, 640.0, 650.0), row(256, 8192, 1200.0, 700.0,
+                                                                                            760.0)]
+    lines = bench_gpu.format_fp8_table(rows).splitlines()
+    assert lines[2] == "| 128 | no | 1024 | 500 | 500 | 600 | 1.00 | 0.83 |"
+    assert lines[4] == "| 256 | yes | 8192 | 1200 | 700 | 760 | 1.71 | 1.58 |"
+    assert lines[5] == "fp8 / bf16 at d 128: 1.00-1.25 (median 1.12); at or above 1.5 in 0 of 2"
+    assert lines[6] == "fp8 / bf16 at d 256: 1.71-1.71 (median 1.71); at or above 1.5 in 1 of 1"
