@@ -536,15 +536,15 @@ def _attention_fp8(q, k, v, arguments: dict):
         out, lse = reference.fa2_forward_fp8(q, k, v, scale=options["scale"], variant=options["variant"],
                                              descales=descales)
     else:
-        from ._cuda import fp8
+        from ._cuda import vt
 
-        if problem.head_dim not in fp8.FP8_HEAD_DIMS:
-            raise NotImplementedError(f"FP8 attention on the GPU runs head dims {fp8.FP8_HEAD_DIMS}; got "
+        if problem.head_dim not in vt.FP8_HEAD_DIMS:
+            raise NotImplementedError(f"FP8 attention on the GPU runs head dims {vt.FP8_HEAD_DIMS}; got "
                                       f"{problem.head_dim}")
         stacked = None
         if any(a is not None for a in descales):
             stacked = xp.stack([xp.ones(shape, np.float32) if a is None else a for a in descales])
-        out, lse = fp8.forward(q, k, v, scale=options["scale"], variant=options["variant"], descale=stacked)
+        out, lse = vt.forward_fp8(q, k, v, scale=options["scale"], variant=options["variant"], descale=stacked)
     return (out, lse) if arguments["return_lse"] else out
 
 

@@ -841,7 +841,8 @@ def attention(
     ``(batch, heads_kv)``, FlashAttention-3's) run :func:`cuflash.attention`'s FP8 forward: a bfloat16 output, no
     gradient (tensors that require one raise), eager only (not through torch.compile or a CUDA graph capture).
     """
-    if q_descale is not None or k_descale is not None or v_descale is not None or q.dtype in _FP8_DTYPES:
+    if (q_descale is not None or k_descale is not None or v_descale is not None
+            or (isinstance(q, torch.Tensor) and q.dtype in _FP8_DTYPES)):
         return _attention_fp8(q, k, v, (q_descale, k_descale, v_descale), return_lse, dict(
             causal=causal, softmax_scale=softmax_scale, causal_align=causal_align, window_size=window_size,
             softcap=softcap, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,

@@ -35,6 +35,10 @@ constexpr float kLn2 = 0.6931471805599453f;
 // Element types. Both are 16 bits in memory; only the conversions and the mma opcode differ.
 struct fp16 {};
 struct bf16 {};
+// float32 on TF32 fragments (forward.cu's flash_fwd_kernel: one TF32 product, or the 3xTF32 split; forward_sm90.cu's
+// [tf32]: one product)
+struct tf32 {};
+struct tf32x3 {};
 
 template <class T> struct Elem;
 

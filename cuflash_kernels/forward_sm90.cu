@@ -118,27 +118,32 @@ struct FwdMaps {
 // P V, so the producer's first warp zeroes the last V tile's rows past the keys before the computing warpgroups'
 // last P V reads it (barrier tail_v).
 //
-// [fp8] T = e4m3 (the FP8 entry point, flash_fwd_sm90_fp8_kernel): q, k and v in e4m3, O in bf16. Q and K tiles are
+// [fp8] T = e4m3 (the V^T entry point, flash_fwd_sm90_vt_kernel): q, k and v in e4m3, O in bf16. Q and K tiles are
 // the 16-bit ones' bytes (kHeadDim bytes a row, 128-column boxes), S = Q K^T by k32 steps; V arrives as V^T (maps.v:
-// kHeadDim rows of the keys, in fp8_key_of's order inside each 16; cuflash/_cuda/fp8.py writes it), K-major B of
-// P V, P packed to e4m3 by p_to_e4m3 at 2^8 its 16-bit value ([fp8 p]). descale (3 x batch x heads_kv float32: q's,
-// k's, v's factors per key/value head, FlashAttention-3's q_descale, k_descale, v_descale; or null, all 1): the raw
-// scores are multiplied by q's and k's before any mod or mask, O by v's. Padded batches only, no staged bias, no dropout, whole head dims.
+// kHeadDim rows of the keys, in vt_key's order inside each 16; transpose_v_kernel writes it), K-major B of P V, P
+// packed to e4m3 by p_to_e4m3 at 2^8 its 16-bit value ([fp8 p]). descale (3 x batch x heads_kv float32: q's, k's,
+// v's factors per key/value head, FlashAttention-3's q_descale, k_descale, v_descale; or null, all 1): the raw scores
+// are multiplied by q's and k's before any mod or mask, O by v's. [tf32] T = tf32 (float32 inputs, one TF32 product):
+// the same with 4-byte elements, k8 steps, V^T's keys in vt_key<tf32>'s order inside each 8, P's float32 bits as the
+// A fragment (p_to_tf32), O stored as float32 from registers. Both: padded batches only, no staged bias, no dropout,
+// whole head dims (Sm90Elem: the element policies).
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V, bool kTma = false>
 __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const VariantParams vp,
                                                const FwdMaps maps = FwdMaps{}, const float* descale = nullptr) {
     using Cfg = Sm90Config<kHeadDim, kBlockM, kBlockN, kNWarps>;
     constexpr bool kWS = Cfg::kWS;
     static_assert(!kTma || kWS, "TMA: a producer warpgroup");
-    constexpr bool kFp8 = IsFp8<T>::value;
-    using OutT = typename Fp8Out<T>::type;  // (bf16 for e4m3, else T)
-    static_assert(!kFp8 || (kTma && !V::Is_varlen && !V::Has_seqused && !V::Bias::kStaged && !V::Has_dropout &&
-                            !V::Pads_head_dim && kHeadDim % 128 == 0 && kBlockN % 128 == 0),
-                  "[fp8]: the TMA entry point, padded batches, no staged bias or dropout, head dims of whole 128-byte "
-                  "rows, key tiles of whole 128-key boxes");
-    constexpr int kElemBytes = kFp8 ? 1 : 2;
-    constexpr int kKStep = kFp8 ? 32 : 16;   // the k of one wgmma
-    constexpr int kPOff = kFp8 ? 8 : 0;      // [fp8 p]
+    using E = Sm90Elem<T>;
+    constexpr bool kVt = E::kVt;                          // [fp8], [tf32]: V read as V^T
+    constexpr bool kFp8 = E::kBytes == 1;                 // (its descale factors)
+    constexpr bool kOutF32 = sizeof(typename E::Out) == 4;  // [tf32]: O stored as float32 from registers
+    static_assert(!kVt || (kTma && !V::Is_varlen && !V::Has_seqused && !V::Bias::kStaged && !V::Has_dropout &&
+                           !V::Pads_head_dim && kHeadDim * E::kBytes % 128 == 0 && kBlockN * E::kBytes % 128 == 0),
+                  "[fp8], [tf32]: the TMA entry point, padded batches, no staged bias or dropout, head dims of whole "
+                  "128-byte rows, key tiles of whole 128-byte boxes of V^T");
+    constexpr int kElemBytes = E::kBytes;
+    constexpr int kKStep = 32 / kElemBytes;  // the k of one wgmma (32 bytes of each operand row)
+    constexpr int kPOff = E::kPOff;          // [fp8 p]
     constexpr bool kTmaTail = kTma && (V::Is_varlen || V::Has_seqused);  // [tma tail]
     // [variant head dim] Head dims below the kernel's from the TMA entry point only: the maps hold the arrays' head
     // dims, so a box reads zeros in the columns past them (they add nothing to Q K^T, and give O columns that are not
@@ -162,7 +167,8 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
     // Swizzle atoms need 1024-byte alignment, whatever the alignment of the dynamic shared memory base.
     const u32 raw_addr = smem_u32(smem_raw);
     u16* sQ = reinterpret_cast<u16*>(smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr));
-    u16* sK = sQ + kBlockM * kHeadDim;  // 2 buffers
+    // (Q's tile, where O is staged too: 2 bytes an element for 8- and 16-bit inputs, 4 for tf32's Q)
+    u16* sK = sQ + kBlockM * kHeadDim * (kElemBytes > 2 ? kElemBytes : 2) / 2;  // 2 buffers
     u16* sV = sK + 2 * kKVTile;         // 2 buffers
     // mbarriers of the warp-specialized variant: Q landed, K/V buffer landed, K/V buffer free.
     const u32 bar = smem_u32(sV + 2 * kKVTile);
@@ -251,13 +257,15 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
                     if (j >= 2) mbar_wait(free_k + 8 * buf, ((j >> 1) - 1) & 1);
                     copy(smem_u32(sK + buf * kKVTile), maps.k, full_k + 8 * buf, kBlockN, row, h_kv);
                     if (j >= 2) mbar_wait(free_v + 8 * buf, ((j >> 1) - 1) & 1);
-                    if constexpr (kFp8) {
-                        // [fp8] V^T: kHeadDim rows of 128-key boxes at key `row`, each box kHeadDim x 128 bytes
+                    if constexpr (kVt) {
+                        // [fp8], [tf32] V^T: kHeadDim rows of 128-byte boxes of keys at key `row`, each box
+                        // kHeadDim x 128 bytes
+                        constexpr int kBoxKeys = 128 / kElemBytes;
                         const u32 dst = smem_u32(sV + buf * kKVTile), landed = full_v + 8 * buf;
-                        mbar_expect_tx(landed, kHeadDim * kBlockN);
+                        mbar_expect_tx(landed, kHeadDim * kBlockN * kElemBytes);
 #pragma unroll
-                        for (int c = 0; c < kBlockN / 128; ++c) {
-                            tma_load_4d(dst + c * kHeadDim * 128, maps.v, landed, row + c * 128, 0, h_kv, batch);
+                        for (int c = 0; c < kBlockN / kBoxKeys; ++c) {
+                            tma_load_4d(dst + c * kHeadDim * 128, maps.v, landed, row + c * kBoxKeys, 0, h_kv, batch);
                         }
                     } else {
                         copy(smem_u32(sV + buf * kKVTile), maps.v, full_v + 8 * buf, kBlockN, row, h_kv);
@@ -332,7 +340,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
             return sw128_desc(k_addr + buf * kKVTile * 2 + (kk >> 2) * kBlockN * 128 + (kk & 3) * 32, 16, 1024);
         };
         auto desc_v = [&](int buf, int kk) {
-            if constexpr (kFp8) {  // [fp8] V^T K-major, as K in S = Q K^T
+            if constexpr (kVt) {  // [fp8], [tf32] V^T K-major, as K in S = Q K^T
                 return sw128_desc(v_addr + buf * kKVTile * 2 + (kk >> 2) * kHeadDim * 128 + (kk & 3) * 32, 16, 1024);
             } else {
                 return sw128_desc(v_addr + buf * kKVTile * 2 + kk * 2048, kBlockN * 128, 1024);
@@ -379,7 +387,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
         auto pv = [&](int buf) {
 #pragma unroll
             for (int kk = 0; kk < kPT; ++kk) {
-                if constexpr (kFp8) {
+                if constexpr (kVt) {
                     Wgmma<T>::rs(acc, p[kk], desc_v(buf, kk), 1, Int<kHeadDim>());
                 } else {
                     Wgmma<T>::rs_tb(acc, p[kk], desc_v(buf, kk), 1, Int<kHeadDim>());
@@ -396,13 +404,15 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
                 keep_fence(keep);
             }
         };
-        // [variant dropout] (after the row sum) and P to 16 bits (or e4m3, [fp8 p]) for the A operand of P V.
+        // [variant dropout] (after the row sum) and P to 16 bits (e4m3: [fp8 p]; tf32: [vt p]) for the A operand of P V.
         auto pack_p = [&]() {
             if constexpr (V::Has_dropout) dropout_apply<kNT>(s, keep, 1.f);
 #pragma unroll
             for (int kk = 0; kk < kPT; ++kk) {
                 if constexpr (kFp8) {
                     p_to_e4m3<kNT>(p[kk], s, kk);
+                } else if constexpr (kVt) {
+                    p_to_tf32<kNT>(p[kk], s, kk);
                 } else {
                     c_to_a<T, kNT>(p[kk], s, kk);
                 }
@@ -522,30 +532,44 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
             float inv = bi.out_scale(V::Has_dropout ? bi.keep_scale : 1.f, lsum);  // [variant dropout]
             if constexpr (kFp8) inv *= v_descale;
             const int r = wg * 64 + warp_in_wg * 16 + g + 8 * hh;  // row inside the block
-#pragma unroll
-            for (int dt = 0; dt < kDT; ++dt) {
-                *reinterpret_cast<u32*>(sQ + sw128_offset<kBlockM>(r, dt) + 2 * t) =
-                    Elem<OutT>::pack(acc[dt][2 * hh] * inv, acc[dt][2 * hh + 1] * inv);
-            }
             const int row = m0 + r;
+            if constexpr (kOutF32) {
+                // [tf32] float32 O straight from registers: a thread's two neighbouring columns, 8 bytes a store
+                if (row < len_q) {
+                    float* og = reinterpret_cast<float*>(o) + b * o_sb + h * o_sh + (i64)(bi.q0 + row) * o_ss;
+#pragma unroll
+                    for (int dt = 0; dt < kDT; ++dt) {
+                        *reinterpret_cast<float2*>(og + dt * 8 + 2 * t) =
+                            make_float2(acc[dt][2 * hh] * inv, acc[dt][2 * hh + 1] * inv);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int dt = 0; dt < kDT; ++dt) {
+                    *reinterpret_cast<u32*>(sQ + sw128_offset<kBlockM>(r, dt) + 2 * t) =
+                        Elem<typename E::Out>::pack(acc[dt][2 * hh] * inv, acc[dt][2 * hh + 1] * inv);
+                }
+            }
             if (t == 0 && row < len_q) {
                 float log2_l = __log2f(lsum);
                 if constexpr (kPOff != 0) log2_l -= float(kPOff);  // [fp8 p]
                 lse[bi.row_index(h, heads_q, seqlen_q, row)] = bi.row_lse((m[hh] * scale_log2 + log2_l) * kLn2, lsum);
             }
         }
-        warpgroup_sync(wg);
-        constexpr int kChunks = kHeadDim / 8;
-        const int v_cols = bi.template v_cols8<kHeadDim>();  // ([variant head dim] the output's 8-column chunks)
-        u16* og = o + b * o_sb + h * o_sh + (i64)bi.q0 * o_ss;
-        const int wtid = tid & 127;
+        if constexpr (!kOutF32) {
+            warpgroup_sync(wg);
+            constexpr int kChunks = kHeadDim / 8;
+            const int v_cols = bi.template v_cols8<kHeadDim>();  // ([variant head dim] the output's 8-column chunks)
+            u16* og = o + b * o_sb + h * o_sh + (i64)bi.q0 * o_ss;
+            const int wtid = tid & 127;
 #pragma unroll
-        for (int i = wtid; i < 64 * kChunks; i += 128) {
-            const int r = wg * 64 + i / kChunks, c = i % kChunks;
-            const int row = m0 + r;
-            if (row < len_q && c < v_cols) {
-                *reinterpret_cast<uint4*>(og + (i64)row * o_ss + c * 8) =
-                    *reinterpret_cast<const uint4*>(sQ + sw128_offset<kBlockM>(r, c));
+            for (int i = wtid; i < 64 * kChunks; i += 128) {
+                const int r = wg * 64 + i / kChunks, c = i % kChunks;
+                const int row = m0 + r;
+                if (row < len_q && c < v_cols) {
+                    *reinterpret_cast<uint4*>(og + (i64)row * o_ss + c * 8) =
+                        *reinterpret_cast<const uint4*>(sQ + sw128_offset<kBlockM>(r, c));
+                }
             }
         }
     };
@@ -597,50 +621,59 @@ flash_fwd_sm90_tma_kernel(CUFLASH_FWD_PARAMS(u16), const VariantParams vp, const
                                                                              FwdMaps{&q_map, &k_map, &v_map});
 }
 
-// [fp8 v] V^T for the FP8 entry point: v (batch, keys, heads_kv, kHeadDim) bytes, row stride v_ss and head stride v_sh
-// bytes (the batch's v_sb), to vt (batch, heads_kv, kHeadDim, keys_16) C-contiguous, keys_16 = keys rounded up to 16,
-// each 16 keys in p_to_e4m3's order (position p holds key 2 (p / 4) + (p & 1) + 8 (p / 2 & 1)), zeros past the keys.
-// Block (64-key tile, head, batch), 256 threads: the tile's rows in with 16-byte loads, out as 16-byte rows of V^T.
-template <int kHeadDim>
-__global__ void __launch_bounds__(256) fp8_transpose_v_kernel(const unsigned char* __restrict__ v,
-                                                             unsigned char* __restrict__ vt, int keys, int keys16,
-                                                             int heads_kv, i64 v_sb, i64 v_ss, i64 v_sh) {
-    constexpr int kKeys = 64, kStride = kHeadDim + 16;  // (rows padded by 16 bytes: fewer bank conflicts)
+// [fp8 v] V^T for the V^T entry point: v (batch, keys, heads_kv, kHeadDim) elements of T (e4m3: 1 byte, tf32: float32),
+// strides v_sb, v_ss, v_sh in bytes, to vt (batch, heads_kv, kHeadDim, keys_16) C-contiguous, keys_16 = keys rounded
+// up to 16, each group of VtGroup<T> keys in vt_key's order (the P fragment's), zeros past the keys; float32 values
+// rounded to TF32 (to nearest, ties away: wgmma would truncate them). Block (64-key tile,
+// head, batch), 256 threads: the tile's rows in with 16-byte loads, out as 16-byte chunks of V^T's rows.
+template <class T, int kHeadDim>
+__global__ void __launch_bounds__(256) transpose_v_kernel(const unsigned char* __restrict__ v,
+                                                         unsigned char* __restrict__ vt, int keys, int keys16,
+                                                         int heads_kv, i64 v_sb, i64 v_ss, i64 v_sh) {
+    constexpr int kBytes = Sm90Elem<T>::kBytes, kGroup = VtGroup<T>::value;
+    constexpr int kKeys = 64, kRow = kHeadDim * kBytes, kStride = kRow + 16;  // (rows padded: fewer bank conflicts)
+    constexpr int kPerChunk = 16 / kBytes;                                   // keys in a 16-byte chunk of V^T
     __shared__ __align__(16) unsigned char tile[kKeys * kStride];
     const int key0 = blockIdx.x * kKeys, h = blockIdx.y, b = blockIdx.z;
     const unsigned char* src = v + b * v_sb + h * v_sh;
-    for (int i = threadIdx.x; i < kKeys * kHeadDim / 16; i += 256) {
-        const int r = i / (kHeadDim / 16), c = i % (kHeadDim / 16), key = key0 + r;
+    for (int i = threadIdx.x; i < kKeys * kRow / 16; i += 256) {
+        const int r = i / (kRow / 16), c = i % (kRow / 16), key = key0 + r;
         uint4 x = make_uint4(0, 0, 0, 0);
         if (key < keys) x = *reinterpret_cast<const uint4*>(src + key * v_ss + c * 16);
         *reinterpret_cast<uint4*>(tile + r * kStride + c * 16) = x;
     }
     __syncthreads();
-    unsigned char* dst = vt + ((i64)(b * heads_kv + h) * kHeadDim) * keys16;
-    for (int i = threadIdx.x; i < kHeadDim * (kKeys / 16); i += 256) {
-        const int row = i / (kKeys / 16), group = i % (kKeys / 16), first = key0 + group * 16;
+    unsigned char* dst = vt + ((i64)(b * heads_kv + h) * kHeadDim) * keys16 * kBytes;
+    for (int i = threadIdx.x; i < kHeadDim * (kKeys / kPerChunk); i += 256) {
+        const int row = i / (kKeys / kPerChunk), chunk = i % (kKeys / kPerChunk), first = key0 + chunk * kPerChunk;
         if (first >= keys16) continue;
         u32 w[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             u32 word = 0;
 #pragma unroll
-            for (int byte = 0; byte < 4; ++byte) {
-                const int p = 4 * j + byte, key = 2 * (p >> 2) + (p & 1) + 8 * ((p >> 1) & 1);
-                word |= (u32)tile[(group * 16 + key) * kStride + row] << (8 * byte);
+            for (int byte = 0; byte < 4; byte += kBytes) {
+                const int at = chunk * kPerChunk + (4 * j + byte) / kBytes;  // the element's position in the tile
+                const int key = at / kGroup * kGroup + vt_key<T>(at % kGroup);
+                u32 value = 0;
+#pragma unroll
+                for (int e = 0; e < kBytes; ++e) value |= (u32)tile[key * kStride + row * kBytes + e] << (8 * e);
+                if constexpr (kBytes == 4) value = (value + 0x1000u) & 0xFFFFE000u;  // ([tf32] V rounded to TF32)
+                word |= value << (8 * byte);
             }
             w[j] = word;
         }
-        *reinterpret_cast<uint4*>(dst + (i64)row * keys16 + first) = make_uint4(w[0], w[1], w[2], w[3]);
+        *reinterpret_cast<uint4*>(dst + ((i64)row * keys16 + first) * kBytes) = make_uint4(w[0], w[1], w[2], w[3]);
     }
 }
 
-// ... and the FP8 one ([fp8]: T = e4m3, the TMA tiles; v_map V^T's; descale q's, k's and v's factors or null).
+// ... and the V^T entry point ([fp8]: T = e4m3, [tf32]: T = tf32; the TMA tiles; v_map V^T's; descale q's, k's and v's
+// factors (e4m3) or null).
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V>
 __global__ void __launch_bounds__(kNWarps * 32, (Sm90Config<kHeadDim, kBlockM, kBlockN, kNWarps>::kMinBlocks))
-flash_fwd_sm90_fp8_kernel(CUFLASH_FWD_PARAMS(u16), const float* __restrict__ descale, const VariantParams vp,
-                          const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
-                          const __grid_constant__ TensorMap v_map) {
+flash_fwd_sm90_vt_kernel(CUFLASH_FWD_PARAMS(u16), const float* __restrict__ descale, const VariantParams vp,
+                         const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
+                         const __grid_constant__ TensorMap v_map) {
     flash_fwd_sm90<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, V, true>(CUFLASH_FWD_ARGS, vp,
                                                                              FwdMaps{&q_map, &k_map, &v_map}, descale);
 }

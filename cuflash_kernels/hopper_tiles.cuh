@@ -381,10 +381,6 @@ template <> struct Wgmma<bf16> { CUFLASH_WGMMA_OPS("bf16") };
 // t = lane % 4). Element offsets in a 128-byte-swizzled fp8 tile are the 16-bit tile's byte offsets: a k32 step is
 // 32 bytes, four to a 128-byte block, as a k16 step of 16-bit elements.
 struct e4m3 {};
-template <class T> struct IsFp8 { static constexpr bool value = false; };
-template <> struct IsFp8<e4m3> { static constexpr bool value = true; };
-template <class T> struct Fp8Out { using type = T; };  // the output's element: bf16 for e4m3 inputs
-template <> struct Fp8Out<e4m3> { using type = bf16; };
 
 template <> struct Wgmma<e4m3> {
     __device__ __forceinline__ static void ss(float (&d)[16][4], u64 da, u64 db, int scale_d, Int<128>) {
@@ -435,6 +431,92 @@ __device__ __forceinline__ void p_to_e4m3(u32 (&a)[4], const float (&s)[kNT][4],
         a[2 * h + 1] = pack_e4m3x4(s[n][2], s[n][3], s[n + 1][2], s[n + 1][3]);
     }
 }
+
+// ---------------------------------------------------------------------------------------------------
+// TF32 for forward_sm90.cu's [tf32] path (float32 inputs, fp32_precision="tf32"): wgmma m64nNk8 with tf32 A and B
+// (K-major only, as e4m3), float32 bits read as tf32 (the low 13 mantissa bits ignored). ss N = 64, 128 (S = Q K^T,
+// 64- or 128-key tiles); rs N = d, 64 or 128. The A-from-registers fragment of k8: register 0 holds row g's k t, 1 row
+// g + 8's, 2 and 3 the same rows' k t + 4. (The element tag tf32: cuflash_tiles.cuh.)
+template <> struct Wgmma<tf32> {
+    __device__ __forceinline__ static void ss(float (&d)[16][4], u64 da, u64 db, int scale_d, Int<128>) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 {"
+                     "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+                     "}, %64, %65, p, 1, 1;\n}\n"
+                     : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+                     : "l"(da), "l"(db), "r"(scale_d));
+    }
+    __device__ __forceinline__ static void ss(float (&d)[8][4], u64 da, u64 db, int scale_d, Int<64>) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {"
+                     "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+                     "}, %32, %33, p, 1, 1;\n}\n"
+                     : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+                     : "l"(da), "l"(db), "r"(scale_d));
+    }
+    __device__ __forceinline__ static void rs(float (&d)[8][4], const u32 (&a)[4], u64 db, int scale_d, Int<64>) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {"
+                     "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+                     "}, {%32,%33,%34,%35}, %36, p, 1, 1;\n}\n"
+                     : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+    }
+    __device__ __forceinline__ static void rs(float (&d)[16][4], const u32 (&a)[4], u64 db, int scale_d, Int<128>) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 {"
+                     "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+                     "}, {%64,%65,%66,%67}, %68, p, 1, 1;\n}\n"
+                     : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+    }
+};
+
+// A float32 rounded to TF32 (to nearest, ties away from zero), as its bits.
+__device__ __forceinline__ u32 to_tf32(float x) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+// [vt p] P of one n8 tile of scores to the tf32 A fragment of k8 step kk (rounded to TF32), without exchanging values
+// between lanes: the thread's keys 2t, 2t + 1 become the fragment's k t, t + 4 (registers 0, 1 and 2, 3), so V^T's 8
+// keys of the step are stored in the order 0, 2, 4, 6, 1, 3, 5, 7 (vt_key).
+template <int kNT>
+__device__ __forceinline__ void p_to_tf32(u32 (&a)[4], const float (&s)[kNT][4], int kk) {
+    a[0] = to_tf32(s[kk][0]);
+    a[1] = to_tf32(s[kk][2]);
+    a[2] = to_tf32(s[kk][1]);
+    a[3] = to_tf32(s[kk][3]);
+}
+
+// Element policies of the Hopper forward (forward_sm90.cu): bytes per element; whether V is read as V^T (8-bit and
+// tf32 wgmma read B K-major only: [fp8], [tf32]); [fp8 p]'s offset of P (log2); the output's element.
+template <class T> struct Sm90Elem {  // fp16, bf16: V read MN-major (the transpose bit)
+    static constexpr int kBytes = 2;
+    static constexpr bool kVt = false;
+    static constexpr int kPOff = 0;
+    using Out = T;
+};
+template <> struct Sm90Elem<e4m3> {
+    static constexpr int kBytes = 1;
+    static constexpr bool kVt = true;
+    static constexpr int kPOff = 8;
+    using Out = bf16;
+};
+template <> struct Sm90Elem<tf32> {
+    static constexpr int kBytes = 4;
+    static constexpr bool kVt = true;
+    static constexpr int kPOff = 0;
+    using Out = float;
+};
+
+// [vt p] The key that position p of V^T holds inside each group of keys of one P fragment (16 keys for e4m3: two k32
+// halves' 8 of p_to_e4m3; 8 for tf32: p_to_tf32's) -- the order fp8_transpose_v_kernel and tf32 transposes write.
+template <class T> __device__ __forceinline__ int vt_key(int p);
+template <> __device__ __forceinline__ int vt_key<e4m3>(int p) { return 2 * (p >> 2) + (p & 1) + 8 * ((p >> 1) & 1); }
+template <> __device__ __forceinline__ int vt_key<tf32>(int p) { return 2 * (p & 3) + (p >> 2); }
+template <class T> struct VtGroup { static constexpr int value = Sm90Elem<T>::kBytes == 1 ? 16 : 8; };
 
 // ---------------------------------------------------------------------------------------------------
 // For backward_sm90.cu.

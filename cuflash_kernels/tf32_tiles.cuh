@@ -23,9 +23,7 @@
 
 namespace cuflash {
 
-// Element tags of flash_fwd_kernel on float32 inputs: one TF32 product, or the 3xTF32 split.
-struct tf32 {};
-struct tf32x3 {};
+// (The element tags tf32 and tf32x3: cuflash_tiles.cuh.)
 
 // ---------------------------------------------------------------------------------------------------
 // Swizzled float32 shared-memory tile, kWidth floats per row (a multiple of 32), addressed in 16-byte chunks of

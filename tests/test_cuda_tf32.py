@@ -172,19 +172,26 @@ def naive_tf32(q, k, v, *, scale, causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_tf32_within_its_stated_budget(requires_gpu, d, causal):
     cp = requires_gpu
-    q, k, v, _ = random_inputs(2, 300, 333, 4, 2, d, np.float32, seed=d, with_do=False)
-    scale = d ** -0.5
+    q, k, v, out, out_t = _check_tf32(cp, d, causal, factor=2, seed=d, name="tf32 out")
+    # and it is TF32: further from the truth than the 3xTF32 forward
+    out3, _ = _forward(cp, q, k, v, fp32_precision="tf32x3", causal=causal)
+    assert max_abs_error(out3, out_t) < max_abs_error(out, out_t)
+
+
+def _check_tf32(cp, d, causal, *, factor, seed, name):
+    """One TF32 product's forward on random inputs (batch 2, 300 x 333, GQA 4 / 2) within ``factor`` x the error of
+    naive attention on TF32-rounded operands, lse within 1e-2: ``(q, k, v, out, truth)``."""
     from cuflash._variant import Variant
 
+    q, k, v, _ = random_inputs(2, 300, 333, 4, 2, d, np.float32, seed=seed, with_do=False)
+    scale = d ** -0.5
     out_t, lse_t = float64_truth(q, k, v, scale=scale, variant=Variant(causal=causal))
     out, lse = _forward(cp, q, k, v, fp32_precision="tf32", causal=causal)
     assert not np.isnan(out).any()
     budget_ref = naive_tf32(q, k, v, scale=scale, causal=causal)
-    assert_within_budget(out, out_t, budget_ref, 2, rounding_floor(out_t, np.float32), "tf32 out")
+    assert_within_budget(out, out_t, budget_ref, factor, rounding_floor(out_t, np.float32), name)
     assert max_abs_error(lse, lse_t) < 1e-2
-    # and it is TF32: further from the truth than the 3xTF32 forward
-    out3, _ = _forward(cp, q, k, v, fp32_precision="tf32x3", causal=causal)
-    assert max_abs_error(out3, out_t) < max_abs_error(out, out_t)
+    return q, k, v, out, out_t
 
 
 def test_tf32_variants(requires_gpu):
@@ -212,3 +219,21 @@ def test_float32_kernels_by_precision(requires_gpu):
                                  (256, "tf32x3", "fwd_f32")]:
         spec = _f32_forward_spec(d, DENSE, precision, None, None)
         assert spec.family == (family if tensor_cores else "fwd_f32"), (d, precision)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tf32_on_wgmma_within_its_budget(requires_gpu, monkeypatch, d, causal):
+    """[tf32] (attention.TF32_WGMMA, sm_90): one TF32 product on wgmma from the V^T entry point. P and V are rounded to
+    TF32 as the mma.sync kernel rounds them, q and k truncated by the tensor cores (wgmma reads float32 bits as TF32):
+    within 3x the error of naive attention on TF32-rounded operands (2x with rounding everywhere), lse within 1e-2."""
+    cp = requires_gpu
+    from cuflash._cuda import attention, vt
+    from cuflash._variant import Variant
+
+    if not vt.supported():
+        pytest.skip("the V^T entry point needs sm_90")
+    monkeypatch.setattr(attention, "TF32_WGMMA", True)
+    q, k, v, _, _ = _check_tf32(cp, d, causal, factor=3, seed=d + 7, name="tf32 (wgmma) out")
+    plan = vt.plan(cp.asarray(q), cp.asarray(k), cp.asarray(v), d ** -0.5, Variant(causal=causal), "float32")
+    assert plan.dtype == np.float32  # (the plan this call ran: its family is the [tf32] one)

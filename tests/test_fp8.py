@@ -121,9 +121,9 @@ def _cupy_sm90():
             pytest.skip("no GPU")
     except cp.cuda.runtime.CUDARuntimeError:
         pytest.skip("no GPU")
-    from cuflash._cuda import fp8
+    from cuflash._cuda import vt
 
-    if not fp8.supported():
+    if not vt.supported():
         pytest.skip("the FP8 kernel needs sm_90")
     return cp
 
@@ -160,25 +160,28 @@ def test_kernel_fp8_within_budget_and_near_reference(d, case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float32"])
 @pytest.mark.parametrize("n", [1, 77, 128, 300])
-def test_transpose_kernel_matches_its_definition(n):
-    """[fp8 v] fp8_transpose_v_kernel's V^T (what the plans run) equals fp8.transposed_v's (CuPy operations), on a
-    strided v (heads of a wider array), zeros past the keys included."""
+def test_transpose_kernel_matches_its_definition(n, dtype):
+    """[fp8 v] transpose_v_kernel's V^T (what the plans run) equals vt.transposed_v's (CuPy operations), on a strided
+    v (heads of a wider array), zeros past the keys included: e4m3 bits (groups of 16 keys) and float32 (groups of 8,
+    the [tf32] path's)."""
     cp = _cupy_sm90()
-    from cuflash._cuda import fp8
+    from cuflash._cuda import vt as vt_module
     from cuflash._cuda.attention import cdiv, i32
     from cuflash._cuda.compile import launch
     from cuflash._cuda.spec import spec as kernel_spec
 
     rng = np.random.default_rng(n)
-    for d in (128, 256):
-        wide = cp.asarray(rng.integers(0, 255, (2, n, 5, d), dtype=np.uint8))
+    element = np.uint8 if dtype == "float8_e4m3fn" else np.float32
+    for d in ((128, 256) if dtype == "float8_e4m3fn" else (64, 128)):
+        wide = cp.asarray(rng.integers(0, 255, (2, n, 5, d)).astype(element))
         v = wide[:, :, 1:4]
         n16 = -(-n // 16) * 16
-        vt = cp.full((2, 3, d, n16), 7, dtype=cp.uint8)
-        launch(kernel_spec("fp8_transpose_v", "float8_e4m3fn", d), (cdiv(n16, 64), 3, 2),
+        vt = cp.full((2, 3, d, n16), 7, dtype=element)
+        launch(kernel_spec("transpose_v", dtype, d), (cdiv(n16, 64), 3, 2),
                (v, vt, i32(n), i32(n16), i32(3), *(np.int64(s) for s in v.strides[:3])))
-        cp.testing.assert_array_equal(vt, fp8.transposed_v(v))
+        cp.testing.assert_array_equal(vt, vt_module.transposed_v(v, dtype))
 
 
 def test_torch_takes_fp8_tensors():

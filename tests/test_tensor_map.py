@@ -10,8 +10,8 @@ import pytest
 def _tma_stand_in(monkeypatch):
     """A stand-in CuPy (tests/_fake_cupy.py) with tensor maps available and their encoder standing in for the
     driver's: ``(cp, recorder, encoded)``, ``encoded`` a list of ``(address, dims, strides, box)`` per map encoded
-    (each call checked as the launchers make them: a 64-byte-aligned 4-d 16-bit map, 128-byte swizzle, zeros out of
-    bounds)."""
+    (each call checked as the launchers make them: a 64-byte-aligned 4-d map of 128-byte boxes, 128-byte swizzle, zeros
+    out of bounds)."""
     from cuflash._cuda import tensor_map
 
     from _fake_cupy import install
@@ -23,7 +23,9 @@ def _tma_stand_in(monkeypatch):
     encoded = []
 
     def encode(address, dtype, rank, ptr, dims, strides, box, elem, interleave, swizzle, l2, oob):
-        assert address % 64 == 0 and dtype == 1 and rank == 4 and swizzle == 3 and oob == 0
+        assert address % 64 == 0 and rank == 4 and swizzle == 3 and oob == 0
+        # (16-bit maps; 8-bit (e4m3) and 32-bit (float32) ones: the V^T entry point's, whose boxes are 128 bytes too)
+        assert {0: 1, 1: 2, 4: 4}[dtype] * box[0] == 128
         encoded.append((ptr, tuple(dims), tuple(strides), tuple(box)))
         return 0
 
@@ -262,3 +264,57 @@ def test_the_backward_reads_head_dims_below_a_row_by_tma(monkeypatch):
     monkeypatch.setattr(attention, "TMA_PADDED_BACKWARD", False)
     cuflash.attention_backward(do, q, k, v, out, lse, causal=True)
     assert dkdv()[0].startswith("cuflash::flash_bwd_dkdv_kernel<cuflash::bf16, 32, ") and encoded == []
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float32"])
+def test_the_vt_entry_point_plans(monkeypatch, dtype):
+    """(CPU, stand-in CuPy) [fp8] e4m3 inputs (uint8 bits) and, with TF32_WGMMA, [tf32] float32 ones with
+    fp32_precision="tf32" run transpose_v_kernel of their element type, then flash_fwd_sm90_vt_kernel, its maps of q and
+    k 128-byte boxes of their rows (128 e4m3 or 32 float32 columns) and V^T's (keys_16, d, heads_kv, batch) with boxes
+    of 128 bytes of keys by d rows; its plan kept per layout (the same call encodes nothing again). TF32_WGMMA off, or
+    the default fp32_precision, run flash_fwd_kernel on TF32 fragments."""
+    import ml_dtypes
+    import numpy as np
+
+    import cuflash
+    from cuflash._cuda import attention, spec
+
+    cp, recorder, encoded = _tma_stand_in(monkeypatch)
+    monkeypatch.setattr(attention, "TF32_WGMMA", True)
+    rng = np.random.default_rng(3)
+    fp8 = dtype == "float8_e4m3fn"
+    d = 128
+    nbytes, tag, row = (1, "cuflash::e4m3", "sm90a_fp8") if fp8 else (4, "cuflash::tf32", "sm90a_tf32")
+
+    def arr(*shape):
+        x = rng.standard_normal(shape).astype(np.float32)
+        return cp.asarray(x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8) if fp8 else x)
+
+    def kernels():
+        return [launch[0].split(",")[0] for launch in recorder.take() if len(launch) == 6]
+
+    q, k, v = arr(2, 300, 4, d), arr(2, 250, 2, d), arr(2, 250, 2, d)
+    options = {} if fp8 else {"fp32_precision": "tf32"}
+    tile = spec.TILES[("fwd", row, d)]
+    out = cuflash.attention(q, k, v, causal=True, **options)
+    assert out.dtype == (np.dtype(ml_dtypes.bfloat16) if fp8 else np.float32) and out.shape == (2, 300, 4, d)
+    assert kernels() == [f"cuflash::transpose_v_kernel<{tag}", f"cuflash::flash_fwd_sm90_vt_kernel<{tag}"]
+    box = 128 // nbytes
+    (eq, ek, ev) = encoded
+    assert eq == (q.data.ptr, (d, 300, 4, 2), (4 * d * nbytes, d * nbytes, 300 * 4 * d * nbytes),
+                  (box, tile.block_m, 1, 1))
+    assert ek == (k.data.ptr, (d, 250, 2, 2), (2 * d * nbytes, d * nbytes, 250 * 2 * d * nbytes),
+                  (box, tile.block_n, 1, 1))
+    n16 = 256
+    assert ev[1:] == ((n16, d, 2, 2), (n16 * nbytes, d * n16 * nbytes, 2 * d * n16 * nbytes), (box, d, 1, 1))
+    encoded.clear()
+    cuflash.attention(q, k, v, causal=True, **options)  # (the plan kept: q and k not encoded again)
+    assert kernels() == [f"cuflash::transpose_v_kernel<{tag}", f"cuflash::flash_fwd_sm90_vt_kernel<{tag}"]
+    assert len(encoded) <= 1 and all(e[0] not in (q.data.ptr, k.data.ptr) for e in encoded)  # (V^T's may move)
+    if not fp8:
+        monkeypatch.setattr(attention, "TF32_WGMMA", False)
+        cuflash.attention(q, k, v, causal=True, **options)
+        assert kernels() == ["cuflash::flash_fwd_kernel<cuflash::tf32"]
+        monkeypatch.setattr(attention, "TF32_WGMMA", True)
+        cuflash.attention(q, k, v, causal=True)  # (fp32_precision's default, tf32x3)
+        assert kernels() == ["cuflash::flash_fwd_kernel<cuflash::tf32x3"]

@@ -138,9 +138,9 @@ class ForwardFP8:
         import numpy as np
 
         self.cp = cp = _cupy()
-        from cuflash._cuda import fp8
+        from cuflash._cuda import vt
 
-        if not fp8.supported():
+        if not vt.supported():
             raise NotImplementedError("the FP8 forward needs sm_90")
         batch, heads = BATCH_TOKENS // seqlen, HIDDEN // head_dim
         rng = np.random.default_rng(0)

@@ -25,9 +25,9 @@ from .._variant import Variant, VariantArrays
 from . import fa1, naive, tensor_map, tuning
 from .compile import PackedLaunch, arch_class, check_smem, device_info, launch
 from .spec import (BIAS_CTYPES, BLOCK_COMPACT, BWD_HEAD_DIMS, CTYPES, EXTRA_POINTER_FIELDS, FA1_BWD_HEAD_DIMS,
-                   FA1_HEAD_DIMS, FAMILIES, HEAD_DIMS, TF32_FAMILIES, TF32_HEAD_DIMS, TILES, VARIANT_POINTER_FIELDS,
-                   Tile, device_record, extra_params, extra_record, has_dropout, mask_policy, staged_bias_bytes,
-                   variant_params, variant_type)
+                   FA1_HEAD_DIMS, FAMILIES, HEAD_DIMS, TF32_FAMILIES, TF32_HEAD_DIMS, TF32_SM90_HEAD_DIMS, TILES,
+                   VARIANT_POINTER_FIELDS, Tile, device_record, extra_params, extra_record, has_dropout, mask_policy,
+                   staged_bias_bytes, variant_params, variant_type)
 from .spec import spec as kernel_spec
 
 __all__ = ["forward", "backward", "check_supported", "plan_forward", "ForwardPlan", "plan_backward", "BackwardPlan",
@@ -236,6 +236,23 @@ TMA_PADDED = os.environ.get("CUFLASH_TMA_PADDED", "1") == "1"
 # alone: d 80 1.3-1.6x and d 96 1.4-1.5x the mma.sync kernels of their own head dims, d 32 1.0-1.1x; dK, dV bit for
 # bit); off (CUFLASH_TMA_PADDED_BACKWARD=0): those kernels.
 TMA_PADDED_BACKWARD = os.environ.get("CUFLASH_TMA_PADDED_BACKWARD", "1") == "1"
+# float32 with fp32_precision="tf32" on sm_90 from the Hopper forward's V^T entry point ([tf32]: one TF32 product on
+# wgmma, V transposed first; .vt) instead of flash_fwd_kernel on TF32 fragments (mma.sync), at head dims 64 and 128.
+# Built and checked on the CPU, off until it has run on a GPU (CUFLASH_TF32_WGMMA=1 turns it on).
+TF32_WGMMA = os.environ.get("CUFLASH_TF32_WGMMA") == "1"
+
+
+def _tf32_wgmma(q, k, v, variant: Variant, fp32_precision: str, block_q, block_k) -> bool:
+    """Whether a float32 forward runs [tf32] (:data:`TF32_WGMMA`): one TF32 product asked for, no block sizes of the
+    caller's, a head dim of TF32_SM90_HEAD_DIMS (v's the same), no bias, dropout or user mods, and a call the V^T
+    entry point takes (.vt.takes: sm_90, padded batches, mappable strides)."""
+    if (not TF32_WGMMA or fp32_precision != "tf32" or np.dtype(q.dtype) != np.float32 or block_q is not None
+            or block_k is not None or q.shape[-1] not in TF32_SM90_HEAD_DIMS or v.shape[-1] != q.shape[-1]
+            or variant.bias is not None or has_dropout(variant) or variant.mods is not None):
+        return False
+    from . import vt
+
+    return vt.takes(q, k, v, variant)
 
 
 def _tma_forward(spec, variant: Variant, arrays, max_q: int, block_q, block_k) -> tuple[int, Tile] | None:
@@ -436,6 +453,12 @@ def forward(q, k, v, *, scale, variant: Variant, algorithm, block_q, block_k, fp
     variant = _kernel_ready(variant)
     if _copies_16_bytes(np.dtype(q.dtype).name, fp32_precision):
         q, k, v = aligned(q), aligned(k), aligned(v)
+    if _tf32_wgmma(q, k, v, variant, fp32_precision, block_q, block_k):
+        from . import vt
+
+        done = vt.plan(q, k, v, scale, variant, "float32").run(q, k, v, variant.arrays)
+        if done is not None:
+            return done
     return ForwardPlan(q, k, v, scale=scale, variant=variant, block_q=block_q, block_k=block_k,
                        fp32_precision=fp32_precision).run(q, k, v, variant.arrays)
 
@@ -451,6 +474,10 @@ def plan_forward(q, k, v, *, scale, variant: Variant, algorithm, block_q, block_
     if _copies_16_bytes(np.dtype(q.dtype).name, fp32_precision) and not (_is_aligned(q) and _is_aligned(k)
                                                                          and _is_aligned(v)):
         return None
+    if _tf32_wgmma(q, k, v, variant, fp32_precision, block_q, block_k):
+        from . import vt
+
+        return vt.plan(q, k, v, scale, variant, "float32")
     return ForwardPlan(q, k, v, scale=scale, variant=variant, block_q=block_q, block_k=block_k,
                        fp32_precision=fp32_precision)
 
@@ -488,7 +515,7 @@ def switches() -> tuple:
     """The launcher's switches of the Hopper kernels and their TMA entry points, which decide a plan too (benchmarks
     flip them; plans are kept per value)."""
     return (SM90A_FORWARD, SM90A_BACKWARD, TMA_FORWARD, TMA_SEQUENCE_LENGTHS, TMA_PADDED, TMA_BACKWARD,
-            TMA_PADDED_BACKWARD)
+            TMA_PADDED_BACKWARD, TF32_WGMMA)
 
 
 def _ptr(a) -> int:

@@ -58,6 +58,10 @@ CTYPES = {"float16": "cuflash::fp16", "bfloat16": "cuflash::bf16"}
 # FP8 inputs (e4m3, ml_dtypes' float8_e4m3fn) of the forward's FP8 entry point, and its head dims; its output is bf16.
 FP8_CTYPES = {"float8_e4m3fn": "cuflash::e4m3"}
 FP8_HEAD_DIMS = (128, 256)
+# The element types of the Hopper forward's V^T entry point (forward_sm90.cu's [fp8] and [tf32]: V read as V^T) by
+# input dtype, and the head dims of its [tf32] path (float32 inputs, fp32_precision="tf32" on sm_90).
+VT_CTYPES = {**FP8_CTYPES, "float32": "cuflash::tf32"}
+TF32_SM90_HEAD_DIMS = (64, 128)
 # float32 on the tensor cores (flash_fwd_kernel on TF32 fragments, tf32_tiles.cuh): fp32_precision -> the family and
 # its element tag. Head dims up to 128 (float32 tiles are twice the 16-bit ones; above, the SIMT kernel runs).
 TF32_FAMILIES = {"tf32x3": "fwd_tf32x3", "tf32": "fwd_tf32"}
@@ -135,10 +139,14 @@ TILES: dict[tuple[str, str, int], Tile] = {
     # with one computing warpgroup, two blocks per SM (Sm90Config), 217-439 TFLOP/s at N 512-2048 against 169-425 by
     # the 192-row tile (H100, 2026-11-28).
     ("fwd", "sm90a_tma_short", 64): Tile(64, 128, 8, 2),
-    # ("fwd", "sm90a_fp8", d): the FP8 entry point (flash_fwd_sm90_fp8_kernel, e4m3 q, k, v; forward_sm90.cu's [fp8]):
+    # ("fwd", "sm90a_fp8", d): the V^T entry point with e4m3 q, k, v (flash_fwd_sm90_vt_kernel; forward_sm90.cu's [fp8]):
     # the TMA tile shape, key tiles of whole 128-key boxes of V^T. First version, not yet tuned.
     ("fwd", "sm90a_fp8", 128): Tile(128, 128, 12, 2),
     ("fwd", "sm90a_fp8", 256): Tile(128, 128, 12, 2),
+    # ("fwd", "sm90a_tf32", d): the same entry point on float32 inputs, one TF32 product ([tf32], attention.TF32_WGMMA);
+    # key tiles of whole 32-key boxes of V^T. Built, not yet run on a GPU.
+    ("fwd", "sm90a_tf32", 64): Tile(128, 128, 12, 2),
+    ("fwd", "sm90a_tf32", 128): Tile(128, 64, 12, 2),
     # ("bwd", "sm90a", d): flash_bwd_dkdv_sm90_kernel (wgmma; block_n = 64 key rows per warpgroup of 4 warps,
     # block_m = 64 streamed query rows, 2 query buffers).
     ("bwd", "sm90a", 64): Tile(64, 128, 8, 2),
@@ -488,9 +496,11 @@ def _fwd_sm90_smem(d: int, t: Tile) -> int:
     return 2 * d * (t.block_m + 2 * t.stages * t.block_n) + 1024 + 128
 
 
-def _fwd_sm90_fp8_smem(d: int, t: Tile) -> int:
-    # [fp8] The bf16 output's staging tile where Q (e4m3) lands, stages x (K, V^T) in e4m3; as _fwd_sm90_smem's + 1152
-    return 2 * d * t.block_m + 2 * t.stages * t.block_n * d + 1024 + 128
+def _fwd_sm90_vt_smem(element_bytes: int):
+    """[fp8], [tf32] The V^T entry point's shared memory for elements of this many bytes: Q's tile (where a 16-bit O
+    is staged: at least 2 bytes an element), stages x (K, V^T); + 1024 alignment and 128 of mbarriers."""
+    return lambda d, t: (max(element_bytes, 2) * d * t.block_m + 2 * t.stages * t.block_n * d * element_bytes + 1024
+                         + 128)
 
 
 def _bwd_sm90_smem(d: int, t: Tile) -> int:
@@ -562,13 +572,17 @@ FAMILIES: dict[str, Family] = {
     # staged bias: cuflash.jax's kernel calls and a staged bias take "fwd_sm90").
     "fwd_sm90_tma": Family(
         "forward_sm90.cu", "flash_fwd_sm90_tma_kernel", _t16, _fwd_sm90_smem, SM90A_OPTIONS),
-    # Its FP8 entry point ([fp8]: e4m3 inputs, V^T's map, the descale factors' pointer before VariantParams).
+    # Its V^T entry point (V^T's map, the descale factors' pointer before VariantParams): [fp8] e4m3 inputs, and [tf32]
+    # float32 ones with one TF32 product.
     "fwd_sm90_fp8": Family(
-        "forward_sm90.cu", "flash_fwd_sm90_fp8_kernel",
-        lambda s: _t16(s, FP8_CTYPES), _fwd_sm90_fp8_smem, SM90A_OPTIONS),
-    # ... and V^T for it ([fp8 v]: one 64-key tile of one head a block)
-    "fp8_transpose_v": Family("forward_sm90.cu", "fp8_transpose_v_kernel", lambda s: f"{s.head_dim}", _no_smem,
-                              SM90A_OPTIONS, threads=256),
+        "forward_sm90.cu", "flash_fwd_sm90_vt_kernel", lambda s: _t16(s, VT_CTYPES), _fwd_sm90_vt_smem(1),
+        SM90A_OPTIONS),
+    "fwd_sm90_tf32": Family(
+        "forward_sm90.cu", "flash_fwd_sm90_vt_kernel", lambda s: _t16(s, VT_CTYPES), _fwd_sm90_vt_smem(4),
+        SM90A_OPTIONS),
+    # ... and V^T for them ([fp8 v]: one 64-key tile of one head a block; the element type by dtype)
+    "transpose_v": Family("forward_sm90.cu", "transpose_v_kernel", lambda s: f"{VT_CTYPES[s.dtype]}, {s.head_dim}",
+                          _no_smem, SM90A_OPTIONS, threads=256),
     # The same kernel on float32 inputs, TF32 fragments (tf32_tiles.cuh): 3xTF32, or one TF32 product.
     "fwd_tf32x3": Family("forward.cu", "flash_fwd_kernel", _t32, _tf32_smem, flat_kernel="flash_fwd_flat_kernel"),
     "fwd_tf32": Family("forward.cu", "flash_fwd_kernel", _t32, _tf32_smem, flat_kernel="flash_fwd_flat_kernel"),
@@ -755,6 +769,7 @@ _SHOWCASE = (
 _FA2_FAMILIES = {  # tile direction, arch class -> families that take that row
     ("fwd", "sm90a"): ("fwd_sm90",), ("fwd", "sm90a_tma"): ("fwd_sm90_tma",),
     ("fwd", "sm90a_tma_short"): ("fwd_sm90_tma",), ("fwd", "f32"): ("fwd_f32",), ("fwd", "sm90a_fp8"): ("fwd_sm90_fp8",),
+    ("fwd", "sm90a_tf32"): ("fwd_sm90_tf32",),
     ("bwd", "sm90a"): ("bwd_dkdv_sm90", "bwd_dkdv_sm90_tma"),
     ("fwd_tf32x3", None): ("fwd_tf32x3",), ("fwd_tf32", None): ("fwd_tf32",),
     ("bwd", "f32"): ("bwd_dkdv_f32",), ("fwd", None): ("fwd",), ("bwd", None): ("bwd_dkdv",),
@@ -793,7 +808,8 @@ def instantiations() -> list[KernelSpec]:
         if direction.startswith("decode"):  # below, with its paged / contiguous variants
             continue
         for fam in _row_families(direction, arch):
-            dtypes = ("float32",) if _float32_only(fam, arch) else tuple(FP8_CTYPES if fam == "fwd_sm90_fp8" else CTYPES)
+            dtypes = (("float32",) if _float32_only(fam, arch) or fam == "fwd_sm90_tf32"
+                      else tuple(FP8_CTYPES if fam == "fwd_sm90_fp8" else CTYPES))
             is_fa1 = fam.startswith("fa1")
             variants = ("false", "true") if is_fa1 else (DENSE, variant_type(Variant(causal=True)))
             for dtype in dtypes:
@@ -865,7 +881,14 @@ def instantiations() -> list[KernelSpec]:
             add(KernelSpec("fwd_sm90_fp8", "float8_e4m3fn", 128, fp8_tile, _policy(v), arch="sm90a"))
     add(KernelSpec("fwd_sm90_fp8", "float8_e4m3fn", 128, fp8_tile, causal_mod, arch="sm90a"))
     for d in FP8_HEAD_DIMS:
-        add(KernelSpec("fp8_transpose_v", "float8_e4m3fn", d, arch="sm90a"))
+        add(KernelSpec("transpose_v", "float8_e4m3fn", d, arch="sm90a"))
+    # [tf32] the same flags as [fp8]'s, at d 128
+    tf32_tile = TILES[("fwd", "sm90a_tf32", 128)]
+    for v in _SHOWCASE:
+        if not v[2] and not v[3] and not v[7]:
+            add(KernelSpec("fwd_sm90_tf32", "float32", 128, tf32_tile, _policy(v), arch="sm90a"))
+    for d in TF32_SM90_HEAD_DIMS:
+        add(KernelSpec("transpose_v", "float32", d, arch="sm90a"))
     # ... and the backward's: every flag but packed sequences and key counts (attention._tma_backward)
     bwd_tile = TILES[("bwd", "sm90a", 128)]
     for v in (*(v for v in _SHOWCASE if not v[2] and not v[3]), (True, True, False, False, True, True, True, True)):

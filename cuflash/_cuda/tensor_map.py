@@ -14,6 +14,7 @@ import numpy as np
 # CUtensorMapDataType, CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill
 _UINT8 = 0             # 8-bit elements (e4m3)
 _UINT16 = 1            # 16-bit elements copied as such (float16 and bfloat16 alike)
+_UINT32 = 4            # 32-bit elements (float32: [tf32])
 _INTERLEAVE_NONE = 0
 _SWIZZLE_128B = 3      # hopper_tiles.cuh's 128-byte-swizzled layout, for boxes 128 bytes wide
 _L2_PROMOTION_128B = 2
@@ -42,9 +43,9 @@ def available() -> bool:
 
 
 class TensorMap:
-    """The map of a 16-bit tensor (8-bit with ``element_bytes=1``) of ``dims`` elements (innermost first) with ``strides`` bytes between the steps of
-    each outer dimension, copied in boxes of ``box`` elements (the innermost 128 bytes wide: the 128-byte swizzle),
-    at the address :meth:`point` gives. :attr:`address` is the host address of its 128 bytes (64-byte aligned), a
+    """The map of a 16-bit tensor (8- or 32-bit with ``element_bytes`` 1 or 4) of ``dims`` elements (innermost
+    first) with ``strides`` bytes between the steps of each outer dimension, copied in boxes of ``box`` elements (the
+    innermost 128 bytes wide: the 128-byte swizzle), at the address :meth:`point` gives. :attr:`address` is the host address of its 128 bytes (64-byte aligned), a
     kernel argument; ``TensorMap(None)`` is an unused one (zeros: a kernel that takes the argument and reads it not)."""
 
     def __init__(self, dims: tuple | None, strides: tuple = (), box: tuple = (), element_bytes: int = 2):
@@ -61,7 +62,7 @@ class TensorMap:
             self._args = ((ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * (rank - 1))(*strides),
                           (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*([1] * rank)))
         self._pointed = None
-        self._dtype = {1: _UINT8, 2: _UINT16}[element_bytes]
+        self._dtype = {1: _UINT8, 2: _UINT16, 4: _UINT32}[element_bytes]
 
     @property
     def mapped(self) -> bool:

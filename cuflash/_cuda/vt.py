@@ -1,0 +1,181 @@
+"""The Hopper forward's V^T entry point (forward_sm90.cu's flash_fwd_sm90_vt_kernel) for element types whose wgmma
+reads its B operand K-major only, so that P V needs V transposed:
+
+- [fp8] e4m3 q, k, v (CuPy ``uint8`` arrays of e4m3 bits: CuPy has no e4m3 dtype), O in bfloat16, with the descale
+  factors (FlashAttention-3's ``q_descale``, ``k_descale``, ``v_descale``: float32, one per (batch, key/value head),
+  passed as one (3, batch, heads_kv) array);
+- [tf32] float32 q, k, v with one TF32 product (``fp32_precision="tf32"``), O in float32 (:data:`.attention.TF32_WGMMA`).
+
+Each run first writes V^T, ``(batch, heads_kv, head_dim, keys_16)`` (keys rounded up to 16, zeros past them, each
+group of keys in the P fragment's order: :data:`KEY_ORDER`) with transpose_v_kernel, then runs the kernel."""
+
+from __future__ import annotations
+
+import threading
+
+import ml_dtypes
+import numpy as np
+
+from .._variant import Variant, VariantArrays
+from . import tensor_map
+from .attention import _element_strides, _mappable, _Plan, _VariantArgs, call_context, cdiv, i32, shape_of, strides
+from .compile import PackedLaunch, check_smem, device_info
+from .spec import FP8_HEAD_DIMS, TILES, VARIANT_POINTER_FIELDS, variant_type
+from .spec import spec as kernel_spec
+
+_LOG2E = 1.4426950408889634
+
+# [vt p] Position p of each group of V^T's keys holds key KEY_ORDER[dtype][p] (hopper_tiles.cuh's vt_key: the P
+# fragment's k = 4t + i holds the thread's own key 2t + (i & 1) + 8 (i >> 1) for e4m3, k = t (+ 4) key 2t (+ 1) for tf32).
+KEY_ORDER = {"float8_e4m3fn": np.array([2 * (p >> 2) + (p & 1) + 8 * ((p >> 1) & 1) for p in range(16)], np.int64),
+             "float32": np.array([2 * (p & 3) + (p >> 2) for p in range(8)], np.int64)}
+# Per input dtype: (family, tile row's arch class, output dtype).
+_KINDS = {"float8_e4m3fn": ("fwd_sm90_fp8", "sm90a_fp8", np.dtype(ml_dtypes.bfloat16)),
+          "float32": ("fwd_sm90_tf32", "sm90a_tf32", np.dtype(np.float32))}
+
+
+def transposed_v(v, dtype: str = "float8_e4m3fn"):
+    """V^T as the kernel reads it, by CuPy's operations (the definition transpose_v_kernel, which the plans run, is
+    tested against): ``(batch, heads_kv, head_dim, keys_16)``, each group of keys in :data:`KEY_ORDER`'s order, zeros
+    past the keys. ``v``: uint8 e4m3 bits (``dtype`` "float8_e4m3fn") or float32 ("float32", rounded to TF32: to
+    nearest, ties away from zero)."""
+    import cupy
+
+    if dtype == "float32":
+        v = ((v.view(cupy.uint32) + cupy.uint32(0x1000)) & cupy.uint32(0xFFFFE000)).view(cupy.float32)
+    order = KEY_ORDER[dtype]
+    b, n, h, d = v.shape
+    n16 = -(-n // 16) * 16
+    if n16 != n:
+        v = cupy.concatenate([v, cupy.zeros((b, n16 - n, h, d), v.dtype)], axis=1)
+    keys = cupy.asarray((np.arange(n16).reshape(-1, len(order))[:, order]).reshape(-1))
+    return cupy.ascontiguousarray(v[:, keys].transpose(0, 2, 3, 1))
+
+
+def _map(dims, byte_strides, box, element_bytes):
+    """A 4-d map (dims innermost first; an axis of one element is never stepped along: its stride given as 16)."""
+    steps = tuple(s if n > 1 else 16 for n, s in zip(dims[1:], byte_strides))
+    return tensor_map.TensorMap(dims, steps, box, element_bytes=element_bytes)
+
+
+class VtForwardPlan(_Plan):
+    """The V^T entry point's forward of one call's layouts (``dtype``: q's, "float8_e4m3fn" or "float32"): V^T's
+    transpose and the kernel, their grids and packed arguments. :meth:`run` as :class:`.attention.ForwardPlan`'s, with
+    the descale array (FP8) or None."""
+
+    def __init__(self, q, k, v, *, scale: float, variant: Variant, dtype: str):
+        super().__init__()
+        shp = shape_of(q, k, variant)
+        d = shp.head_dim
+        family, arch, self.dtype = _KINDS[dtype]
+        nbytes = np.dtype(q.dtype).itemsize
+        assert v.shape[-1] == d and not variant.is_varlen and variant.seqused_k is None
+        t = TILES[("fwd", arch, d)]
+        spec = kernel_spec(family, dtype, d, t, variant_type(variant))
+        check_smem(spec)
+        self.out_shape, self.lse_shape = (*q.shape[:-1], d), (shp.batch, shp.heads_q, shp.rows_q)
+        n16 = -(-shp.rows_k // 16) * 16
+        b, hq, hkv = shp.batch, shp.heads_q, shp.heads_kv
+        box = 128 // nbytes  # (elements in a 128-byte box row)
+
+        def qk_map(a, rows):  # (batch, rows, heads, d): columns d, then rows, heads, batch
+            return _map((d, a.shape[1], a.shape[2], b), (a.strides[1], a.strides[2], a.strides[0]), (box, rows, 1, 1),
+                        nbytes)
+
+        # V^T (C-contiguous (batch, heads_kv, d, keys_16)): columns the keys, then rows d, heads, batch
+        row = n16 * nbytes
+        self._maps = (qk_map(q, t.block_m), qk_map(k, t.block_n),
+                      _map((n16, d, hkv, b), (row, d * row, hkv * d * row), (box, d, 1, 1), nbytes))
+        # [fp8 v] V^T by transpose_v_kernel (v's strides: multiples of 16 bytes, the caller's check)
+        self.vt_shape, self._vt_dtype = (b, hkv, d, n16), q.dtype
+        self._transpose = PackedLaunch(self._rt, kernel_spec("transpose_v", dtype, d), (cdiv(n16, 64), hkv, b),
+                                       (None, None, i32(shp.rows_k), i32(n16), i32(hkv),
+                                        *(np.int64(s) for s in (v.strides[0], v.strides[1], v.strides[2]))))
+        self._write_transpose = self._transpose.writer((self._transpose.word(0), self._transpose.word(1)))
+        self._variant = _VariantArgs(variant, scale, shp, spec)
+        args = (None, None, None, None, None, i32(shp.rows_q), i32(shp.rows_k), i32(hq), i32(shp.group),
+                *strides(q), *strides(k), *(np.int64(0),) * 3, *_element_strides(self.out_shape),
+                np.float32(scale * _LOG2E), None, self._variant.params)
+        self._launch = PackedLaunch(self._rt, spec, (cdiv(shp.max_q, t.block_m), hq, b), args,
+                                    tuple(m.address for m in self._maps))
+        vp = len(args) - 1  # (the descale pointer just before VariantParams)
+        self._write = self._launch.writer(tuple(self._launch.word(i) for i in (0, 1, 2, 3, 4, vp - 1)))
+        self._write_variant = None if self._variant.constant else self._launch.writer(
+            tuple(self._launch.word(vp, offset) for offset in VARIANT_POINTER_FIELDS))
+
+    def flat_call(self):
+        """None: the V^T entry point has no flat twin (cuflash.jax takes its buffer route)."""
+        return None
+
+    def run(self, q, k, v, arrays: VariantArrays = VariantArrays(), stream: int | None = None, lse: bool = True,
+            out=None, lse_out=None, descale=None):
+        """``(out, lse)`` (``lse`` False: ``(out, None)``, the lse still written), or None where an input's address
+        is not a multiple of 16 bytes (the caller runs the call on an aligned copy)."""
+        if (q.data.ptr | k.data.ptr | v.data.ptr) & 15:
+            return None
+        if threading.get_ident() not in self._threads:
+            self._enter()
+        if stream is None:
+            stream = self._stream().ptr
+        vt = self._empty(self.vt_shape, dtype=self._vt_dtype)
+        if out is None:
+            out = self._empty(self.out_shape, dtype=self.dtype)
+        lse_array = lse_out if lse_out is not None else self._empty(self.lse_shape, dtype=np.float32)
+        with self._lock:
+            self._write_transpose(v.data.ptr, vt.data.ptr)
+            self._transpose.run(stream)
+            self._write(q.data.ptr, k.data.ptr, vt.data.ptr, out.data.ptr, lse_array.data.ptr,
+                        0 if descale is None else descale.data.ptr)
+            for m, ptr in zip(self._maps, (q.data.ptr, k.data.ptr, vt.data.ptr)):
+                m.point(ptr)
+            if self._write_variant is not None:
+                self._write_variant(*self._variant.pointers(arrays))
+            self._launch.run(stream)
+        return out, (lse_array if lse or lse_out is not None else None)
+
+
+def takes(q, k, v, variant: Variant) -> bool:
+    """Whether the V^T entry point runs this call's layouts: sm_90 and a driver that encodes maps; padded batches (no
+    key counts); q and k mappable (contiguous rows, strides of multiples of 16 bytes: v is read by the transpose with
+    16-byte loads too)."""
+    return (device_info()[0] == 90 and tensor_map.available() and not variant.is_varlen
+            and variant.seqused_k is None and q.ndim == 4 and _mappable((q, k, v)))
+
+
+# Plans of recent calls, by everything a plan depends on but the arrays' addresses (a plan encodes no address but at a
+# run; ALiBi's slopes are the run's too), at most _PLANS_SIZE.
+_PLANS: dict = {}
+_PLANS_SIZE = 32
+
+
+def plan(q, k, v, scale: float, variant: Variant, dtype: str) -> VtForwardPlan:
+    key = (*call_context(), dtype, q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, scale,
+           variant_type(variant), variant.causal, variant.bottom_right, variant.window_left, variant.window_right,
+           variant.softcap)
+    found = _PLANS.get(key)
+    if found is None:
+        if len(_PLANS) >= _PLANS_SIZE:
+            _PLANS.pop(next(iter(_PLANS)))
+        found = _PLANS[key] = VtForwardPlan(q, k, v, scale=scale, variant=variant, dtype=dtype)
+    return found
+
+
+def supported() -> bool:
+    """Whether this device runs the FP8 forward: sm_90 and a driver that encodes tensor maps."""
+    return device_info()[0] == 90 and tensor_map.available()
+
+
+def forward_fp8(q, k, v, *, scale: float, variant: Variant, descale=None):
+    """``(out, lse)`` of the FP8 forward (the caller validated the call: :func:`cuflash._api.attention`'s FP8 path);
+    ``descale``: a C-contiguous float32 (3, batch, heads_kv) CuPy array or None."""
+    import cupy
+
+    if not supported():
+        raise NotImplementedError(
+            "FP8 (float8_e4m3fn) attention runs on sm_90 GPUs (H100, H200) with a driver that encodes tensor maps; "
+            f"this device is sm_{device_info()[0]}")
+    q, k, v = (a if _mappable((a,)) and a.data.ptr % 16 == 0 else cupy.ascontiguousarray(a) for a in (q, k, v))
+    return plan(q, k, v, scale, variant, "float8_e4m3fn").run(q, k, v, variant.arrays, descale=descale)
+
+
+__all__ = ["FP8_HEAD_DIMS", "KEY_ORDER", "VtForwardPlan", "forward_fp8", "plan", "supported", "takes", "transposed_v"]
