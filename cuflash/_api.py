@@ -428,8 +428,7 @@ def attention(
     lse : array, shape (batch, heads_q, seqlen_q), or (heads_q, total_q) packed; only with ``return_lse=True``
         Natural-log logsumexp, float32 (float64 for float64 inputs); ``-inf`` for a row that sees no key.
     """
-    if (q_descale is not None or k_descale is not None or v_descale is not None
-            or getattr(getattr(q, "dtype", None), "itemsize", 0) == 1):
+    if q_descale is not None or k_descale is not None or v_descale is not None:
         return _attention_fp8(q, k, v, locals())
     planner = _planners.get(type(q), _NOT_PLANNED)
     if planner is _NOT_PLANNED:
@@ -452,6 +451,8 @@ def attention(
                 result = call.plan.run(q, k, v, arrays, key[0][1], return_lse)
                 if result is not None:  # (None: an input's address needs an aligned copy; the call below makes it)
                     return result if return_lse else result[0]
+    if getattr(getattr(q, "dtype", None), "itemsize", 0) == 1:  # (e4m3: never a checked call, whose key it would miss)
+        return _attention_fp8(q, k, v, locals())
     variant_options = _variant_options(locals())
     library, problem, options = _prepare(
         q, k, v, softmax_scale=softmax_scale, algorithm=algorithm, block_q=block_q, block_k=block_k,
