@@ -27,7 +27,9 @@
 // first); key/value head = query head / group.
 // Shared memory: 2 * d * (kBlockM + 4 * kBlockN) bytes + 1024 for alignment + 128 for mbarriers, e.g.
 // d = 128, 128 x 128: 161 KiB; d = 64, 128 x 64: 49 KiB (two blocks per SM); a staged bias adds two tiles,
-// 2 * kBlockM * kBlockN * sizeof(element) bytes (d = 128, 128 x 128, bf16: + 64 KiB = 225 KiB).
+// 2 * kBlockM * kBlockN * sizeof(element) bytes (d = 128, 128 x 128, bf16: + 64 KiB = 225 KiB). The V^T entry point
+// ([fp8], [tf32]): Q's tile at max(2, element bytes) an element, stages x (K, V^T) at the element's bytes (e4m3 d 128,
+// 128 x 128: 97 KiB; tf32 d 128, 128 x 64: 193 KiB).
 #include "cuflash_tiles.cuh"
 #include "hopper_tiles.cuh"
 #include "user_mods.cuh"
