@@ -758,6 +758,10 @@ _FLOAT_BITS = {
     "bfloat16": (np.uint16, 0x7F80, 0x8000),
     "float32": (np.uint32, 0x7F80_0000, 0x8000_0000),
     "float64": (np.uint64, 0x7FF0_0000_0000_0000, 0x8000_0000_0000_0000),
+    # e4m3 (its bits as uint8 on CuPy): no infinities, NaN only where exponent and mantissa are all ones ("exponent"
+    # here masks both, so the test below finds exactly the NaNs)
+    "float8_e4m3fn": (np.uint8, 0x7F, 0x80),
+    "uint8": (np.uint8, 0x7F, 0x80),
 }
 
 
@@ -823,7 +827,8 @@ def check_finite(arrays: dict, *, allow_neginf: tuple[str, ...] = ()) -> None:
         flat = int(bad.ravel().argmax())
         index = tuple(int(i) for i in np.unravel_index(flat, bad.shape))
         word = int(bits[index])
-        kind = "nan" if word & ~(int(exponent) | int(sign)) else ("-inf" if word & int(sign) else "inf")
+        kind = ("nan" if word & ~(int(exponent) | int(sign)) or bits.dtype == np.uint8
+                else ("-inf" if word & int(sign) else "inf"))
         expected = ("finite or -inf (which masks a score)" if name == "bias" else
                     "finite or -inf (a row that sees no key)" if name == "lse" else
                     "finite or -inf" if name in allow_neginf else "finite")

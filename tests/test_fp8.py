@@ -226,3 +226,15 @@ def test_torch_cuda_fp8_matches_cupy():
     out = ct.attention(tq, tk, tv, causal=True, q_descale=td[0], k_descale=td[1], v_descale=td[2])
     assert out.dtype == torch.bfloat16 and out.is_cuda
     np.testing.assert_array_equal(out.view(torch.int16).cpu().numpy(), cp.asnumpy(want.view(cp.int16)))
+
+
+def test_check_finite_finds_e4m3_nans_and_only_them():
+    """e4m3 has no infinities and one NaN pattern (S.1111.111): check_finite names a NaN's index, in float8_e4m3fn and
+    in uint8 bits, and takes 448 (S.1111.110, the largest finite value) as finite."""
+    q, k, v, _ = _inputs(1, 8, 8, 2, 2, 32, seed=2, scales=False)
+    q[0, 1, 0, 0] = E4M3.type(448.0)
+    assert np.isfinite(np.asarray(cuflash.attention(q, k, v, check_finite=True), np.float32)).all()
+    k[0, 3, 1, 5] = np.nan
+    for a, b, c in ((q, k, v), (q.view(np.uint8), k.view(np.uint8), v.view(np.uint8))):
+        with pytest.raises(ValueError, match=r"k must be finite; got nan at k\[0, 3, 1, 5\]"):
+            cuflash.attention(a, b, c, check_finite=True)
