@@ -40,6 +40,13 @@ struct bf16 {};
 struct tf32 {};
 struct tf32x3 {};
 
+// A float32 rounded to TF32 (to nearest, ties away from zero: cvt.rna), as its bits.
+__device__ __forceinline__ u32 tf32_round(float x) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
 template <class T> struct Elem;
 
 template <> struct Elem<fp16> {

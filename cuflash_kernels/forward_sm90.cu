@@ -122,13 +122,13 @@ struct FwdMaps {
 //
 // [fp8] T = e4m3 (the V^T entry point, flash_fwd_sm90_vt_kernel): q, k and v in e4m3, O in bf16. Q and K tiles are
 // the 16-bit ones' bytes (kHeadDim bytes a row, 128-column boxes), S = Q K^T by k32 steps; V arrives as V^T (maps.v:
-// kHeadDim rows of the keys, in vt_key's order inside each 16; transpose_v_kernel writes it), K-major B of P V, P
-// packed to e4m3 by p_to_e4m3 at 2^8 its 16-bit value ([fp8 p]). descale (3 x batch x heads_kv float32: q's, k's,
-// v's factors per key/value head, FlashAttention-3's q_descale, k_descale, v_descale; or null, all 1): the raw scores
-// are multiplied by q's and k's before any mod or mask, O by v's. [tf32] T = tf32 (float32 inputs, one TF32 product):
-// the same with 4-byte elements, k8 steps, V^T's keys in vt_key<tf32>'s order inside each 8, P's float32 bits as the
-// A fragment (p_to_tf32), O stored as float32 from registers. Both: padded batches only, no staged bias, no dropout,
-// whole head dims (Sm90Elem: the element policies).
+// kHeadDim rows of the keys, in Sm90Elem's vt_key order inside each 16; transpose_v_kernel writes it), K-major B of
+// P V, P packed to e4m3 by p_to_e4m3 at 2^8 its 16-bit value ([fp8 p]). descale (3 x batch x heads_kv float32: q's,
+// k's, v's factors per key/value head, FlashAttention-3's q_descale, k_descale, v_descale; or null, all 1): the raw
+// scores are multiplied by q's and k's before any mod or mask, O by v's. [tf32] T = tf32 (float32 inputs, one TF32
+// product): the same with 4-byte elements, k8 steps, V^T's keys in groups of 8, P rounded to TF32 as the A fragment
+// (p_to_tf32), O stored as float32 from registers. Both: padded batches only, no staged bias, no dropout, whole head
+// dims (Sm90Elem: the element policies).
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V, bool kTma = false>
 __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const VariantParams vp,
                                                const FwdMaps maps = FwdMaps{}, const float* descale = nullptr) {
@@ -260,15 +260,11 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
                     copy(smem_u32(sK + buf * kKVTile), maps.k, full_k + 8 * buf, kBlockN, row, h_kv);
                     if (j >= 2) mbar_wait(free_v + 8 * buf, ((j >> 1) - 1) & 1);
                     if constexpr (kVt) {
-                        // [fp8], [tf32] V^T: kHeadDim rows of 128-byte boxes of keys at key `row`, each box
-                        // kHeadDim x 128 bytes
-                        constexpr int kBoxKeys = 128 / kElemBytes;
-                        const u32 dst = smem_u32(sV + buf * kKVTile), landed = full_v + 8 * buf;
+                        // [fp8], [tf32] V^T: its kHeadDim rows, the tile's keys from key `row` as the columns
+                        const u32 landed = full_v + 8 * buf;
                         mbar_expect_tx(landed, kHeadDim * kBlockN * kElemBytes);
-#pragma unroll
-                        for (int c = 0; c < kBlockN / kBoxKeys; ++c) {
-                            tma_load_4d(dst + c * kHeadDim * 128, maps.v, landed, row + c * kBoxKeys, 0, h_kv, batch);
-                        }
+                        tma_load_tile<kBlockN, 128 / kElemBytes>(smem_u32(sV + buf * kKVTile), maps.v, landed,
+                                                                 kHeadDim, 0, h_kv, batch, row);
                     } else {
                         copy(smem_u32(sV + buf * kKVTile), maps.v, full_v + 8 * buf, kBlockN, row, h_kv);
                     }
@@ -623,16 +619,17 @@ flash_fwd_sm90_tma_kernel(CUFLASH_FWD_PARAMS(u16), const VariantParams vp, const
                                                                              FwdMaps{&q_map, &k_map, &v_map});
 }
 
-// [fp8 v] V^T for the V^T entry point: v (batch, keys, heads_kv, kHeadDim) elements of T (e4m3: 1 byte, tf32: float32),
-// strides v_sb, v_ss, v_sh in bytes, to vt (batch, heads_kv, kHeadDim, keys_16) C-contiguous, keys_16 = keys rounded
-// up to 16, each group of VtGroup<T> keys in vt_key's order (the P fragment's), zeros past the keys; float32 values
-// rounded to TF32 (to nearest, ties away: wgmma would truncate them). Block (64-key tile,
-// head, batch), 256 threads: the tile's rows in with 16-byte loads, out as 16-byte chunks of V^T's rows.
+// [fp8 v] V^T for the V^T entry point: v (batch, keys, heads_kv, kHeadDim) elements of T (e4m3: 1 byte, tf32:
+// float32), strides v_sb, v_ss, v_sh in bytes, to vt (batch, heads_kv, kHeadDim, keys_16) C-contiguous, keys_16 = keys
+// rounded up to 16, each group of Sm90Elem<T>::kVtGroup keys in its vt_key order (the P fragment's), zeros past the
+// keys; float32 values rounded to TF32 (to nearest, ties away: wgmma would truncate them). Block (64-key tile, head,
+// batch), 256 threads: the tile's rows in with 16-byte loads, out as 16-byte chunks of V^T's rows.
 template <class T, int kHeadDim>
 __global__ void __launch_bounds__(256) transpose_v_kernel(const unsigned char* __restrict__ v,
                                                          unsigned char* __restrict__ vt, int keys, int keys16,
                                                          int heads_kv, i64 v_sb, i64 v_ss, i64 v_sh) {
-    constexpr int kBytes = Sm90Elem<T>::kBytes, kGroup = VtGroup<T>::value;
+    using E = Sm90Elem<T>;
+    constexpr int kBytes = E::kBytes, kGroup = E::kVtGroup;
     constexpr int kKeys = 64, kRow = kHeadDim * kBytes, kStride = kRow + 16;  // (rows padded: fewer bank conflicts)
     constexpr int kPerChunk = 16 / kBytes;                                   // keys in a 16-byte chunk of V^T
     __shared__ __align__(16) unsigned char tile[kKeys * kStride];
@@ -656,7 +653,7 @@ __global__ void __launch_bounds__(256) transpose_v_kernel(const unsigned char* _
 #pragma unroll
             for (int byte = 0; byte < 4; byte += kBytes) {
                 const int at = chunk * kPerChunk + (4 * j + byte) / kBytes;  // the element's position in the tile
-                const int key = at / kGroup * kGroup + vt_key<T>(at % kGroup);
+                const int key = at / kGroup * kGroup + E::vt_key(at % kGroup);
                 u32 value = 0;
 #pragma unroll
                 for (int e = 0; e < kBytes; ++e) value |= (u32)tile[key * kStride + row * kBytes + e] << (8 * e);

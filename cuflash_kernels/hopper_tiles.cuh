@@ -147,14 +147,15 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap* map, u32 b
 }
 
 // A tile of `rows` rows of a map, at `row` of (head, batch), into shared memory at dst in the 128-byte swizzle: kCols /
-// 64 boxes of 64 columns, each 64-column block `rows` x 128 bytes after the one before (the wgmma descriptors'
-// layout), landing on `bar`, which the caller told the bytes first. (kBoxCols: 128 for 8-bit elements.)
+// kBoxCols boxes of kBoxCols columns (128 bytes: 64 16-bit elements, 128 e4m3, 32 float32) from column `col`, each
+// column block `rows` x 128 bytes after the one before (the wgmma descriptors' layout), landing on `bar`, which the
+// caller told the bytes first.
 template <int kCols, int kBoxCols = 64>
 __device__ __forceinline__ void tma_load_tile(u32 dst, const TensorMap* map, u32 bar, int rows, int row, int head,
-                                              int batch) {
+                                              int batch, int col = 0) {
 #pragma unroll
     for (int c = 0; c < kCols / kBoxCols; ++c) {
-        tma_load_4d(dst + c * rows * 128, map, bar, c * kBoxCols, row, head, batch);
+        tma_load_4d(dst + c * rows * 128, map, bar, col + c * kBoxCols, row, head, batch);
     }
 }
 
@@ -421,7 +422,8 @@ __device__ __forceinline__ u32 pack_e4m3x4(float a0, float a1, float a2, float a
 // thread keys 2t, 2t + 1 of each n8 tile; the fragment wants k 4t .. 4t + 3. Rather than exchange values between
 // lanes, register j takes the thread's own keys of tiles 4 kk + 2 (j / 2) and 4 kk + 2 (j / 2) + 1: the fragment's k
 // = 16 h + 4t + i (h = 0, 1; i = 0..3) holds key 16 h + 2t + (i & 1) + 8 (i >> 1) of the step's 32. P V sums over
-// keys, so V^T's columns carry the same order (fp8_key_of, and cuflash/_cuda/fp8.py's permutation of V's keys).
+// keys, so V^T's columns carry the same order (vt_key, which transpose_v_kernel writes; cuflash/_cuda/vt.py's
+// KEY_ORDER).
 template <int kNT>
 __device__ __forceinline__ void p_to_e4m3(u32 (&a)[4], const float (&s)[kNT][4], int kk) {
 #pragma unroll
@@ -472,26 +474,21 @@ template <> struct Wgmma<tf32> {
     }
 };
 
-// A float32 rounded to TF32 (to nearest, ties away from zero), as its bits.
-__device__ __forceinline__ u32 to_tf32(float x) {
-    u32 r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
-}
-
 // [vt p] P of one n8 tile of scores to the tf32 A fragment of k8 step kk (rounded to TF32), without exchanging values
 // between lanes: the thread's keys 2t, 2t + 1 become the fragment's k t, t + 4 (registers 0, 1 and 2, 3), so V^T's 8
 // keys of the step are stored in the order 0, 2, 4, 6, 1, 3, 5, 7 (vt_key).
 template <int kNT>
 __device__ __forceinline__ void p_to_tf32(u32 (&a)[4], const float (&s)[kNT][4], int kk) {
-    a[0] = to_tf32(s[kk][0]);
-    a[1] = to_tf32(s[kk][2]);
-    a[2] = to_tf32(s[kk][1]);
-    a[3] = to_tf32(s[kk][3]);
+    a[0] = tf32_round(s[kk][0]);
+    a[1] = tf32_round(s[kk][2]);
+    a[2] = tf32_round(s[kk][1]);
+    a[3] = tf32_round(s[kk][3]);
 }
 
 // Element policies of the Hopper forward (forward_sm90.cu): bytes per element; whether V is read as V^T (8-bit and
-// tf32 wgmma read B K-major only: [fp8], [tf32]); [fp8 p]'s offset of P (log2); the output's element.
+// tf32 wgmma read B K-major only: [fp8], [tf32]), and then the keys of one P fragment's group in V^T (kVtGroup) and
+// the key that position p of a group holds ([vt p]: vt_key, the order p_to_e4m3 / p_to_tf32 pack P in and
+// transpose_v_kernel writes); [fp8 p]'s offset of P (log2); the output's element.
 template <class T> struct Sm90Elem {  // fp16, bf16: V read MN-major (the transpose bit)
     static constexpr int kBytes = 2;
     static constexpr bool kVt = false;
@@ -501,22 +498,19 @@ template <class T> struct Sm90Elem {  // fp16, bf16: V read MN-major (the transp
 template <> struct Sm90Elem<e4m3> {
     static constexpr int kBytes = 1;
     static constexpr bool kVt = true;
+    static constexpr int kVtGroup = 16;  // (two k32 halves' 8 of p_to_e4m3)
+    __device__ __forceinline__ static int vt_key(int p) { return 2 * (p >> 2) + (p & 1) + 8 * ((p >> 1) & 1); }
     static constexpr int kPOff = 8;
     using Out = bf16;
 };
 template <> struct Sm90Elem<tf32> {
     static constexpr int kBytes = 4;
     static constexpr bool kVt = true;
+    static constexpr int kVtGroup = 8;  // (one k8 step of p_to_tf32)
+    __device__ __forceinline__ static int vt_key(int p) { return 2 * (p & 3) + (p >> 2); }
     static constexpr int kPOff = 0;
     using Out = float;
 };
-
-// [vt p] The key that position p of V^T holds inside each group of keys of one P fragment (16 keys for e4m3: two k32
-// halves' 8 of p_to_e4m3; 8 for tf32: p_to_tf32's) -- the order fp8_transpose_v_kernel and tf32 transposes write.
-template <class T> __device__ __forceinline__ int vt_key(int p);
-template <> __device__ __forceinline__ int vt_key<e4m3>(int p) { return 2 * (p >> 2) + (p & 1) + 8 * ((p >> 1) & 1); }
-template <> __device__ __forceinline__ int vt_key<tf32>(int p) { return 2 * (p & 3) + (p >> 2); }
-template <class T> struct VtGroup { static constexpr int value = Sm90Elem<T>::kBytes == 1 ? 16 : 8; };
 
 // ---------------------------------------------------------------------------------------------------
 // For backward_sm90.cu.

@@ -63,12 +63,7 @@ __device__ __forceinline__ float4 lds128(const float* p) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// TF32 operands: big (round to nearest, ties away: cvt.rna) and, for 3xTF32, small = x - big.
-__device__ __forceinline__ u32 tf32_round(float x) {
-    u32 r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
-}
+// TF32 operands: big (round to nearest, ties away: cuflash_tiles.cuh's tf32_round) and, for 3xTF32, small = x - big.
 
 template <int kProducts, int kN>
 struct Tf32Frag {
