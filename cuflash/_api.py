@@ -489,7 +489,7 @@ _FP8_UNSUPPORTED = {"cu_seqlens_q": None, "cu_seqlens_k": None, "seqused_k": Non
 def _attention_fp8(q, k, v, arguments: dict):
     """attention() on e4m3 q, k, v (``arguments``: the call's locals): checked, then the FP8 kernel (CuPy) or the
     reference (NumPy); ``out`` bfloat16."""
-    library = _validate.check_same_library(q=q, k=k, v=v)
+    _validate.check_same_library(q=q, k=k, v=v)  # (before the arrays' dtypes are read: None or a list is named here)
     for name in ("q", "k", "v"):
         dtype = np.dtype(arguments[name].dtype).name
         if dtype not in _validate.FP8_DTYPES:

@@ -325,14 +325,22 @@ def _mappable(arrays) -> bool:
 
 
 def _tensor_map(a, box_rows: int):
-    """The TMA entry point's map of q, k or v ((batch,) rows, heads, d; a packed batch's without its batch axis): 4-d,
-    columns innermost, then rows, heads, batch (1 when packed), boxes of 64 columns by ``box_rows`` rows (the tile's:
-    Q block_m, K and V block_n). An axis of one element is never stepped along: its stride, whatever the array says,
-    is given as 16 bytes (the map's strides must be multiples of 16)."""
+    """The TMA entry point's map of q, k or v ((batch,) rows, heads, d; a packed batch's without its batch axis):
+    :func:`rows_map` of the array (a packed batch's with a batch axis of one), boxes of ``box_rows`` rows (the tile's:
+    Q block_m, K and V block_n)."""
     shape, strides = (a.shape, a.strides) if a.ndim == 4 else ((1, *a.shape), (16, *a.strides))
-    batch, rows, heads, d = shape
+    return rows_map(shape, strides, box_rows, a.itemsize)
+
+
+def rows_map(shape, strides, box_rows: int, element_bytes: int):
+    """A 4-d tensor map of a (batch, rows, heads, columns) array of ``element_bytes`` elements (``strides`` its byte
+    strides): columns innermost, then rows, heads, batch, boxes of 128 bytes of columns by ``box_rows`` rows. An axis
+    of one element is never stepped along: its stride, whatever the array says, is given as 16 bytes (the map's
+    strides must be multiples of 16)."""
+    batch, rows, heads, cols = shape
     sb, ss, sh = (s if n > 1 else 16 for n, s in zip(shape[:3], strides[:3]))
-    return tensor_map.TensorMap((d, rows, heads, batch), (ss, sh, sb), (64, box_rows, 1, 1))
+    return tensor_map.TensorMap((cols, rows, heads, batch), (ss, sh, sb), (128 // element_bytes, box_rows, 1, 1),
+                                element_bytes=element_bytes)
 
 
 def _hopper_tile(direction: str, d: int, block_q, block_k, enabled: bool) -> Tile | None:

@@ -45,8 +45,8 @@ def available() -> bool:
 class TensorMap:
     """The map of a 16-bit tensor (8- or 32-bit with ``element_bytes`` 1 or 4) of ``dims`` elements (innermost
     first) with ``strides`` bytes between the steps of each outer dimension, copied in boxes of ``box`` elements (the
-    innermost 128 bytes wide: the 128-byte swizzle), at the address :meth:`point` gives. :attr:`address` is the host address of its 128 bytes (64-byte aligned), a
-    kernel argument; ``TensorMap(None)`` is an unused one (zeros: a kernel that takes the argument and reads it not)."""
+    innermost 128 bytes wide: the 128-byte swizzle), at the address :meth:`point` gives. :attr:`address` is the host
+    address of its 128 bytes (64-byte aligned), a kernel argument; ``TensorMap(None)`` is an unused one (zeros: a kernel that takes the argument and reads it not)."""
 
     def __init__(self, dims: tuple | None, strides: tuple = (), box: tuple = (), element_bytes: int = 2):
         self._storage = np.zeros(24, dtype=np.uint64)  # 192 bytes: a 64-byte aligned 128 inside
@@ -74,8 +74,8 @@ class TensorMap:
         if ptr == self._pointed or self._spec is None:
             return
         dims, strides, box = self._spec
-        result = _encode_tiled()(self.address, self._dtype, len(dims), ptr, *self._args, _INTERLEAVE_NONE, _SWIZZLE_128B,
-                                 _L2_PROMOTION_128B, _OOB_ZEROS)
+        result = _encode_tiled()(self.address, self._dtype, len(dims), ptr, *self._args, _INTERLEAVE_NONE,
+                                 _SWIZZLE_128B, _L2_PROMOTION_128B, _OOB_ZEROS)
         if result != 0:
             raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {result}) for dims {dims}, strides {strides}, "
                                f"box {box} at address {ptr:#x}")

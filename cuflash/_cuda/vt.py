@@ -4,7 +4,8 @@ reads its B operand K-major only, so that P V needs V transposed:
 - [fp8] e4m3 q, k, v (CuPy ``uint8`` arrays of e4m3 bits: CuPy has no e4m3 dtype), O in bfloat16, with the descale
   factors (FlashAttention-3's ``q_descale``, ``k_descale``, ``v_descale``: float32, one per (batch, key/value head),
   passed as one (3, batch, heads_kv) array);
-- [tf32] float32 q, k, v with one TF32 product (``fp32_precision="tf32"``), O in float32 (:data:`.attention.TF32_WGMMA`).
+- [tf32] float32 q, k, v with one TF32 product (``fp32_precision="tf32"``), O in float32
+  (:data:`.attention.TF32_WGMMA`).
 
 Each run first writes V^T, ``(batch, heads_kv, head_dim, keys_16)`` (keys rounded up to 16, zeros past them, each
 group of keys in the P fragment's order: :data:`KEY_ORDER`) with transpose_v_kernel, then runs the kernel."""
@@ -18,7 +19,9 @@ import numpy as np
 
 from .._variant import Variant, VariantArrays
 from . import tensor_map
-from .attention import _element_strides, _mappable, _Plan, _VariantArgs, call_context, cdiv, i32, shape_of, strides
+from .._api import CallMemo
+from .attention import (_element_strides, _mappable, _Plan, _tensor_map, _VariantArgs, call_context, cdiv, i32,
+                        rows_map, shape_of, strides)
 from .compile import PackedLaunch, check_smem, device_info
 from .spec import FP8_HEAD_DIMS, TILES, VARIANT_POINTER_FIELDS, variant_type
 from .spec import spec as kernel_spec
@@ -52,12 +55,6 @@ def transposed_v(v, dtype: str = "float8_e4m3fn"):
     return cupy.ascontiguousarray(v[:, keys].transpose(0, 2, 3, 1))
 
 
-def _map(dims, byte_strides, box, element_bytes):
-    """A 4-d map (dims innermost first; an axis of one element is never stepped along: its stride given as 16)."""
-    steps = tuple(s if n > 1 else 16 for n, s in zip(dims[1:], byte_strides))
-    return tensor_map.TensorMap(dims, steps, box, element_bytes=element_bytes)
-
-
 class VtForwardPlan(_Plan):
     """The V^T entry point's forward of one call's layouts (``dtype``: q's, "float8_e4m3fn" or "float32"): V^T's
     transpose and the kernel, their grids and packed arguments. :meth:`run` as :class:`.attention.ForwardPlan`'s, with
@@ -76,16 +73,10 @@ class VtForwardPlan(_Plan):
         self.out_shape, self.lse_shape = (*q.shape[:-1], d), (shp.batch, shp.heads_q, shp.rows_q)
         n16 = -(-shp.rows_k // 16) * 16
         b, hq, hkv = shp.batch, shp.heads_q, shp.heads_kv
-        box = 128 // nbytes  # (elements in a 128-byte box row)
-
-        def qk_map(a, rows):  # (batch, rows, heads, d): columns d, then rows, heads, batch
-            return _map((d, a.shape[1], a.shape[2], b), (a.strides[1], a.strides[2], a.strides[0]), (box, rows, 1, 1),
-                        nbytes)
-
-        # V^T (C-contiguous (batch, heads_kv, d, keys_16)): columns the keys, then rows d, heads, batch
+        # V^T (C-contiguous (batch, heads_kv, d, keys_16)) read as (batch, rows d, heads, columns the keys)
         row = n16 * nbytes
-        self._maps = (qk_map(q, t.block_m), qk_map(k, t.block_n),
-                      _map((n16, d, hkv, b), (row, d * row, hkv * d * row), (box, d, 1, 1), nbytes))
+        self._maps = (_tensor_map(q, t.block_m), _tensor_map(k, t.block_n),
+                      rows_map((b, d, hkv, n16), (hkv * d * row, row, d * row), d, nbytes))
         # [fp8 v] V^T by transpose_v_kernel (v's strides: multiples of 16 bytes, the caller's check)
         self.vt_shape, self._vt_dtype = (b, hkv, d, n16), q.dtype
         self._transpose = PackedLaunch(self._rt, kernel_spec("transpose_v", dtype, d), (cdiv(n16, 64), hkv, b),
@@ -134,18 +125,23 @@ class VtForwardPlan(_Plan):
         return out, (lse_array if lse or lse_out is not None else None)
 
 
+def supported() -> bool:
+    """Whether this device runs the V^T entry point (the FP8 forward, [tf32]): sm_90 and a driver that encodes tensor
+    maps."""
+    return device_info()[0] == 90 and tensor_map.available()
+
+
 def takes(q, k, v, variant: Variant) -> bool:
-    """Whether the V^T entry point runs this call's layouts: sm_90 and a driver that encodes maps; padded batches (no
-    key counts); q and k mappable (contiguous rows, strides of multiples of 16 bytes: v is read by the transpose with
-    16-byte loads too)."""
-    return (device_info()[0] == 90 and tensor_map.available() and not variant.is_varlen
-            and variant.seqused_k is None and q.ndim == 4 and _mappable((q, k, v)))
+    """Whether the V^T entry point runs this call's layouts: :func:`supported`; padded batches (no key counts); q and
+    k mappable (contiguous rows, strides of multiples of 16 bytes: v is read by the transpose with 16-byte loads
+    too)."""
+    return (supported() and not variant.is_varlen and variant.seqused_k is None and q.ndim == 4
+            and _mappable((q, k, v)))
 
 
 # Plans of recent calls, by everything a plan depends on but the arrays' addresses (a plan encodes no address but at a
-# run; ALiBi's slopes are the run's too), at most _PLANS_SIZE.
-_PLANS: dict = {}
-_PLANS_SIZE = 32
+# run; ALiBi's slopes are the run's too).
+_PLANS = CallMemo(32)
 
 
 def plan(q, k, v, scale: float, variant: Variant, dtype: str) -> VtForwardPlan:
@@ -154,15 +150,9 @@ def plan(q, k, v, scale: float, variant: Variant, dtype: str) -> VtForwardPlan:
            variant.softcap)
     found = _PLANS.get(key)
     if found is None:
-        if len(_PLANS) >= _PLANS_SIZE:
-            _PLANS.pop(next(iter(_PLANS)))
-        found = _PLANS[key] = VtForwardPlan(q, k, v, scale=scale, variant=variant, dtype=dtype)
+        found = VtForwardPlan(q, k, v, scale=scale, variant=variant, dtype=dtype)
+        _PLANS.put(key, found)
     return found
-
-
-def supported() -> bool:
-    """Whether this device runs the FP8 forward: sm_90 and a driver that encodes tensor maps."""
-    return device_info()[0] == 90 and tensor_map.available()
 
 
 def forward_fp8(q, k, v, *, scale: float, variant: Variant, descale=None):
