@@ -211,6 +211,7 @@ def run_fp8(dims=(128, 256), seqlens=(1024, 2048, 4096, 8192, 16384), rep_ms=200
 
     import cuflash
 
+    stream = cp.cuda.Stream.from_external(torch.cuda.current_stream())  # (cuflash on torch's stream, as run_grid)
     rows = []
     for d in dims:
         for causal in (False, True):
@@ -225,10 +226,12 @@ def run_fp8(dims=(128, 256), seqlens=(1024, 2048, 4096, 8192, 16384), rep_ms=200
                 tq, tk, tv = (t.transpose(1, 2) for t in (tq, tk, tv))
 
                 def fp8():
-                    return cuflash.attention(q8, k8, v8, causal=causal)
+                    with stream:
+                        return cuflash.attention(q8, k8, v8, causal=causal)
 
                 def bf16():
-                    return cuflash.attention(qb, kb, vb, causal=causal)
+                    with stream:
+                        return cuflash.attention(qb, kb, vb, causal=causal)
 
                 def cudnn():
                     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
