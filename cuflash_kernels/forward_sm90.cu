@@ -666,6 +666,26 @@ __global__ void __launch_bounds__(256) transpose_v_kernel(const unsigned char* _
     }
 }
 
+// [tf32 qk] q or k for [tf32]: float32 (batch, rows, heads, kHeadDim) at byte strides x_sb, x_ss, x_sh (the last axis
+// contiguous) to a C-contiguous copy rounded to TF32 as transpose_v_kernel rounds V (to nearest, ties away): wgmma
+// reads float32 operands as TF32 by dropping their low 13 bits, a truncation whose error, twice the rounding's and of
+// one sign, a product of rounded operands does not have. Block (256 float4 of one batch's copy, batch), 256 threads.
+template <int kHeadDim>
+__global__ void __launch_bounds__(256) round_tf32_kernel(const unsigned char* __restrict__ x, uint4* __restrict__ y,
+                                                         int rows, int heads, i64 x_sb, i64 x_ss, i64 x_sh) {
+    constexpr int kVec = kHeadDim / 4;
+    const i64 per_batch = (i64)rows * heads * kVec, i = (i64)blockIdx.x * 256 + threadIdx.x;
+    if (i >= per_batch) return;
+    const int c = (int)(i % kVec), h = (int)(i / kVec % heads);
+    const i64 r = i / kVec / heads;
+    uint4 w = *reinterpret_cast<const uint4*>(x + blockIdx.y * x_sb + r * x_ss + h * x_sh + c * 16);
+    w.x = (w.x + 0x1000u) & 0xFFFFE000u;
+    w.y = (w.y + 0x1000u) & 0xFFFFE000u;
+    w.z = (w.z + 0x1000u) & 0xFFFFE000u;
+    w.w = (w.w + 0x1000u) & 0xFFFFE000u;
+    y[blockIdx.y * per_batch + i] = w;
+}
+
 // ... and the V^T entry point ([fp8]: T = e4m3, [tf32]: T = tf32; the TMA tiles; v_map V^T's; descale q's, k's and v's
 // factors (e4m3) or null).
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V>

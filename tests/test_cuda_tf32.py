@@ -224,9 +224,9 @@ def test_float32_kernels_by_precision(requires_gpu):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_tf32_on_wgmma_within_its_budget(requires_gpu, monkeypatch, d, causal):
-    """[tf32] (attention.TF32_WGMMA, sm_90): one TF32 product on wgmma from the V^T entry point. P and V are rounded to
-    TF32 as the mma.sync kernel rounds them, q and k truncated by the tensor cores (wgmma reads float32 bits as TF32):
-    within 3x the error of naive attention on TF32-rounded operands (2x with rounding everywhere), lse within 1e-2."""
+    """[tf32] (attention.TF32_WGMMA, sm_90): one TF32 product on wgmma from the V^T entry point. q, k ([tf32 qk]), P
+    and V are rounded to TF32 as the mma.sync kernel rounds them (wgmma alone would truncate q and k): within the same
+    2x the error of naive attention on TF32-rounded operands, lse within 1e-2."""
     cp = requires_gpu
     from cuflash._cuda import attention, vt
     from cuflash._variant import Variant
@@ -234,6 +234,29 @@ def test_tf32_on_wgmma_within_its_budget(requires_gpu, monkeypatch, d, causal):
     if not vt.supported():
         pytest.skip("the V^T entry point needs sm_90")
     monkeypatch.setattr(attention, "TF32_WGMMA", True)
-    q, k, v, _, _ = _check_tf32(cp, d, causal, factor=3, seed=d + 7, name="tf32 (wgmma) out")
+    q, k, v, _, _ = _check_tf32(cp, d, causal, factor=2, seed=d + 7, name="tf32 (wgmma) out")
     plan = vt.plan(cp.asarray(q), cp.asarray(k), cp.asarray(v), d ** -0.5, Variant(causal=causal), "float32")
     assert plan.dtype == np.float32  # (the plan this call ran: its family is the [tf32] one)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_round_kernel_matches_its_definition(requires_gpu, d):
+    """[tf32 qk] round_tf32_kernel's copy (what the [tf32] plans run on q and k) is the strided input rounded to TF32
+    (to nearest, ties away: + 2^12 in the bits, the low 13 cleared), C-contiguous; on heads of a wider array, ties and
+    values that round up into the next binade included."""
+    cp = requires_gpu
+    from cuflash._cuda.attention import cdiv, i32
+    from cuflash._cuda.compile import launch
+    from cuflash._cuda.spec import spec as kernel_spec
+
+    rng = np.random.default_rng(d)
+    bits = rng.integers(0, 2 ** 32, (2, 77, 5, d), dtype=np.uint64).astype(np.uint32)
+    bits &= ~np.uint32(0x7F800000) | np.uint32(0x3F000000)  # (finite values)
+    bits[0, 0, :, :4] = [0x3F801000, 0x3F802000, 0x3FFFF000, 0xBF801000]  # (ties either way, a carry, a negative tie)
+    wide = cp.asarray(bits.view(np.float32))
+    x = wide[:, :, 1:4]
+    y = cp.full((2, 77, 3, d), np.nan, dtype=cp.float32)
+    launch(kernel_spec("round_tf32", "float32", d), (cdiv(77 * 3 * d // 4, 256), 2, 1),
+           (x, y, i32(77), i32(3), *(np.int64(s) for s in x.strides[:3])))
+    want = (np.ascontiguousarray(bits[:, :, 1:4]) + np.uint32(0x1000)) & np.uint32(0xFFFFE000)
+    assert np.array_equal(cp.asnumpy(y).view(np.uint32), want)

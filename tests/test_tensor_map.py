@@ -24,8 +24,9 @@ def _tma_stand_in(monkeypatch):
 
     def encode(address, dtype, rank, ptr, dims, strides, box, elem, interleave, swizzle, l2, oob):
         assert address % 64 == 0 and rank == 4 and swizzle == 3 and oob == 0
-        # (16-bit maps; 8-bit (e4m3) and 32-bit (float32) ones: the V^T entry point's, whose boxes are 128 bytes too)
-        assert {0: 1, 1: 2, 4: 4}[dtype] * box[0] == 128
+        # (16-bit maps; 8-bit (e4m3) and 32-bit (float32) ones: the V^T entry point's, whose boxes are 128 bytes too;
+        # the codes CUtensorMapDataType's UINT8, UINT16 and UINT32 in cuda.h: 0, 1, 2)
+        assert {0: 1, 1: 2, 2: 4}[dtype] * box[0] == 128
         encoded.append((ptr, tuple(dims), tuple(strides), tuple(box)))
         return 0
 
@@ -271,8 +272,10 @@ def test_the_vt_entry_point_plans(monkeypatch, dtype):
     """(CPU, stand-in CuPy) [fp8] e4m3 inputs (uint8 bits) and, with TF32_WGMMA, [tf32] float32 ones with
     fp32_precision="tf32" run transpose_v_kernel of their element type, then flash_fwd_sm90_vt_kernel, its maps of q and
     k 128-byte boxes of their rows (128 e4m3 or 32 float32 columns) and V^T's (keys_16, d, heads_kv, batch) with boxes
-    of 128 bytes of keys by d rows; its plan kept per layout (the same call encodes nothing again). TF32_WGMMA off, or
-    the default fp32_precision, run flash_fwd_kernel on TF32 fragments."""
+    of 128 bytes of keys by d rows; its plan kept per layout (the same call encodes nothing again). [tf32 qk] float32 q
+    and k are first copied rounded to TF32 by round_tf32_kernel (from the arrays' strides; a (B, H, N, d) layout's
+    here), and the maps are of the C-contiguous copies. TF32_WGMMA off, or the default fp32_precision, run
+    flash_fwd_kernel on TF32 fragments."""
     import ml_dtypes
     import numpy as np
 
@@ -290,27 +293,45 @@ def test_the_vt_entry_point_plans(monkeypatch, dtype):
         x = rng.standard_normal(shape).astype(np.float32)
         return cp.asarray(x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8) if fp8 else x)
 
+    launches = []
+
     def kernels():
-        return [launch[0].split(",")[0] for launch in recorder.take() if len(launch) == 6]
+        launches[:] = [launch for launch in recorder.take() if len(launch) == 6]
+        return [launch[0].split(",")[0] for launch in launches]
 
     q, k, v = arr(2, 300, 4, d), arr(2, 250, 2, d), arr(2, 250, 2, d)
+    if not fp8:  # (q as a (B, H, N, d) array seen as (B, N, H, d): the rounded copy is C-contiguous)
+        q = cp.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
     options = {} if fp8 else {"fp32_precision": "tf32"}
     tile = spec.TILES[("fwd", row, d)]
     out = cuflash.attention(q, k, v, causal=True, **options)
     assert out.dtype == (np.dtype(ml_dtypes.bfloat16) if fp8 else np.float32) and out.shape == (2, 300, 4, d)
-    assert kernels() == [f"cuflash::transpose_v_kernel<{tag}", f"cuflash::flash_fwd_sm90_vt_kernel<{tag}"]
+    rounds = [] if fp8 else ["cuflash::round_tf32_kernel<128>"] * 2
+    expected = [*rounds, f"cuflash::transpose_v_kernel<{tag}", f"cuflash::flash_fwd_sm90_vt_kernel<{tag}"]
+    assert kernels() == expected
+    copies = (q.data.ptr, k.data.ptr)
+    if not fp8:  # [tf32 qk] read from q's and k's strides (bytes: batch, row, head), written to the copies
+        def value(raw):
+            return int.from_bytes(raw, "little", signed=True)
+
+        for (_, grid, _, _, _, args), a in zip(launches, (q, k)):
+            assert grid == (-(-a.shape[1] * a.shape[2] * d // 1024), 2, 1) and value(args[0]) == a.data.ptr
+            assert tuple(value(x) for x in args[2:]) == (a.shape[1], a.shape[2], *a.strides[:3])
+        copies = tuple(value(launch[5][1]) for launch in launches[:2])
+        assert not set(copies) & {q.data.ptr, k.data.ptr}
     box = 128 // nbytes
     (eq, ek, ev) = encoded
-    assert eq == (q.data.ptr, (d, 300, 4, 2), (4 * d * nbytes, d * nbytes, 300 * 4 * d * nbytes),
+    assert eq == (copies[0], (d, 300, 4, 2), (4 * d * nbytes, d * nbytes, 300 * 4 * d * nbytes),
                   (box, tile.block_m, 1, 1))
-    assert ek == (k.data.ptr, (d, 250, 2, 2), (2 * d * nbytes, d * nbytes, 250 * 2 * d * nbytes),
+    assert ek == (copies[1], (d, 250, 2, 2), (2 * d * nbytes, d * nbytes, 250 * 2 * d * nbytes),
                   (box, tile.block_n, 1, 1))
     n16 = 256
     assert ev[1:] == ((n16, d, 2, 2), (n16 * nbytes, d * n16 * nbytes, 2 * d * n16 * nbytes), (box, d, 1, 1))
     encoded.clear()
     cuflash.attention(q, k, v, causal=True, **options)  # (the plan kept: q and k not encoded again)
-    assert kernels() == [f"cuflash::transpose_v_kernel<{tag}", f"cuflash::flash_fwd_sm90_vt_kernel<{tag}"]
-    assert len(encoded) <= 1 and all(e[0] not in (q.data.ptr, k.data.ptr) for e in encoded)  # (V^T's may move)
+    assert kernels() == expected
+    if fp8:  # (V^T's may move; the rounded copies too)
+        assert len(encoded) <= 1 and all(e[0] not in (q.data.ptr, k.data.ptr) for e in encoded)
     if not fp8:
         monkeypatch.setattr(attention, "TF32_WGMMA", False)
         cuflash.attention(q, k, v, causal=True, **options)

@@ -583,6 +583,9 @@ FAMILIES: dict[str, Family] = {
     # ... and V^T for them ([fp8 v]: one 64-key tile of one head a block; the element type by dtype)
     "transpose_v": Family("forward_sm90.cu", "transpose_v_kernel", lambda s: f"{VT_CTYPES[s.dtype]}, {s.head_dim}",
                           _no_smem, SM90A_OPTIONS, threads=256),
+    # ... and [tf32]'s q and k rounded to TF32 ([tf32 qk]: 256 float4 a block)
+    "round_tf32": Family("forward_sm90.cu", "round_tf32_kernel", lambda s: f"{s.head_dim}", _no_smem, SM90A_OPTIONS,
+                         threads=256),
     # The same kernel on float32 inputs, TF32 fragments (tf32_tiles.cuh): 3xTF32, or one TF32 product.
     "fwd_tf32x3": Family("forward.cu", "flash_fwd_kernel", _t32, _tf32_smem, flat_kernel="flash_fwd_flat_kernel"),
     "fwd_tf32": Family("forward.cu", "flash_fwd_kernel", _t32, _tf32_smem, flat_kernel="flash_fwd_flat_kernel"),
@@ -889,6 +892,7 @@ def instantiations() -> list[KernelSpec]:
             add(KernelSpec("fwd_sm90_tf32", "float32", 128, tf32_tile, _policy(v), arch="sm90a"))
     for d in TF32_SM90_HEAD_DIMS:
         add(KernelSpec("transpose_v", "float32", d, arch="sm90a"))
+        add(KernelSpec("round_tf32", "float32", d, arch="sm90a"))
     # ... and the backward's: every flag but packed sequences and key counts (attention._tma_backward)
     bwd_tile = TILES[("bwd", "sm90a", 128)]
     for v in (*(v for v in _SHOWCASE if not v[2] and not v[3]), (True, True, False, False, True, True, True, True)):

@@ -14,7 +14,7 @@ import numpy as np
 # CUtensorMapDataType, CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill
 _UINT8 = 0             # 8-bit elements (e4m3)
 _UINT16 = 1            # 16-bit elements copied as such (float16 and bfloat16 alike)
-_UINT32 = 4            # 32-bit elements (float32: [tf32])
+_UINT32 = 2            # 32-bit elements (float32: [tf32]; CU_TENSOR_MAP_DATA_TYPE_UINT32)
 _INTERLEAVE_NONE = 0
 _SWIZZLE_128B = 3      # hopper_tiles.cuh's 128-byte-swizzled layout, for boxes 128 bytes wide
 _L2_PROMOTION_128B = 2

@@ -20,7 +20,7 @@ import numpy as np
 from .._variant import Variant, VariantArrays
 from . import tensor_map
 from .._api import CallMemo
-from .attention import (_element_strides, _mappable, _Plan, _tensor_map, _VariantArgs, call_context, cdiv, i32,
+from .attention import (_c_strides, _element_strides, _mappable, _Plan, _tensor_map, _VariantArgs, call_context, cdiv, i32,
                         rows_map, shape_of, strides)
 from .compile import PackedLaunch, check_smem, device_info
 from .spec import FP8_HEAD_DIMS, TILES, VARIANT_POINTER_FIELDS, variant_type
@@ -75,8 +75,19 @@ class VtForwardPlan(_Plan):
         b, hq, hkv = shp.batch, shp.heads_q, shp.heads_kv
         # V^T (C-contiguous (batch, heads_kv, d, keys_16)) read as (batch, rows d, heads, columns the keys)
         row = n16 * nbytes
-        self._maps = (_tensor_map(q, t.block_m), _tensor_map(k, t.block_n),
-                      rows_map((b, d, hkv, n16), (hkv * d * row, row, d * row), d, nbytes))
+        # [tf32 qk] float32 q and k read from C-contiguous copies rounded to TF32 by round_tf32_kernel
+        self._rounds = ()
+        if dtype == "float32":
+            self._rounds = tuple(
+                (a.shape, PackedLaunch(self._rt, kernel_spec("round_tf32", dtype, d),
+                                       (cdiv(a.shape[1] * a.shape[2] * d // 4, 256), a.shape[0], 1),
+                                       (None, None, i32(a.shape[1]), i32(a.shape[2]),
+                                        *(np.int64(x) for x in a.strides[:3]))))
+                for a in (q, k))
+        self._write_rounds = tuple(launch.writer((launch.word(0), launch.word(1))) for _, launch in self._rounds)
+        qk_maps = tuple(rows_map(a.shape, [x * nbytes for x in _c_strides(a.shape)], rows, nbytes) if self._rounds else _tensor_map(a, rows)
+                        for a, rows in ((q, t.block_m), (k, t.block_n)))
+        self._maps = (*qk_maps, rows_map((b, d, hkv, n16), (hkv * d * row, row, d * row), d, nbytes))
         # [fp8 v] V^T by transpose_v_kernel (v's strides: multiples of 16 bytes, the caller's check)
         self.vt_shape, self._vt_dtype = (b, hkv, d, n16), q.dtype
         self._transpose = PackedLaunch(self._rt, kernel_spec("transpose_v", dtype, d), (cdiv(n16, 64), hkv, b),
@@ -84,8 +95,10 @@ class VtForwardPlan(_Plan):
                                         *(np.int64(s) for s in (v.strides[0], v.strides[1], v.strides[2]))))
         self._write_transpose = self._transpose.writer((self._transpose.word(0), self._transpose.word(1)))
         self._variant = _VariantArgs(variant, scale, shp, spec)
+        qk_strides = ((*_element_strides(q.shape), *_element_strides(k.shape)) if self._rounds
+                      else (*strides(q), *strides(k)))
         args = (None, None, None, None, None, i32(shp.rows_q), i32(shp.rows_k), i32(hq), i32(shp.group),
-                *strides(q), *strides(k), *(np.int64(0),) * 3, *_element_strides(self.out_shape),
+                *qk_strides, *(np.int64(0),) * 3, *_element_strides(self.out_shape),
                 np.float32(scale * _LOG2E), None, self._variant.params)
         self._launch = PackedLaunch(self._rt, spec, (cdiv(shp.max_q, t.block_m), hq, b), args,
                                     tuple(m.address for m in self._maps))
@@ -112,7 +125,13 @@ class VtForwardPlan(_Plan):
         if out is None:
             out = self._empty(self.out_shape, dtype=self.dtype)
         lse_array = lse_out if lse_out is not None else self._empty(self.lse_shape, dtype=np.float32)
+        inputs = (q, k)
+        if self._rounds:  # [tf32 qk] the kernel reads rounded copies
+            q, k = (self._empty(shape, dtype=np.float32) for shape, _ in self._rounds)
         with self._lock:
+            for (_, launch), write, src, dst in zip(self._rounds, self._write_rounds, inputs, (q, k)):
+                write(src.data.ptr, dst.data.ptr)
+                launch.run(stream)
             self._write_transpose(v.data.ptr, vt.data.ptr)
             self._transpose.run(stream)
             self._write(q.data.ptr, k.data.ptr, vt.data.ptr, out.data.ptr, lse_array.data.ptr,
