@@ -24,8 +24,11 @@ __all__ = ["compile_source_for_nvrtc", "nvrtc_offline", "kernel", "flat_ptx", "d
 # Debug builds (docs/testing.md), read once, at import. CUFLASH_LINEINFO=1: line information, so that
 # compute-sanitizer and ncu name source lines. CUFLASH_RACECHECK=1: that, and the build racecheck can follow (a
 # warpgroup's bar.arrive handovers made waits too: decode_sm90.cu's named_bar_arrive)
+# CUFLASH_DEFINES="NAME=VALUE,...": compile-time switches of the kernels set for an experiment (e.g.
+# CUFLASH_FWD_PINGPONG=0), in every kernel this process compiles.
 _DEBUG_OPTIONS = (("-lineinfo",) if os.environ.get("CUFLASH_LINEINFO") or os.environ.get("CUFLASH_RACECHECK") else ()) + (
-    ("-DCUFLASH_RACECHECK",) if os.environ.get("CUFLASH_RACECHECK") else ())
+    ("-DCUFLASH_RACECHECK",) if os.environ.get("CUFLASH_RACECHECK") else ()) + tuple(
+    f"-D{d.strip()}" for d in os.environ.get("CUFLASH_DEFINES", "").split(",") if d.strip())
 
 _INCLUDE_RE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
 
