@@ -428,7 +428,8 @@ def attention(
     lse : array, shape (batch, heads_q, seqlen_q), or (heads_q, total_q) packed; only with ``return_lse=True``
         Natural-log logsumexp, float32 (float64 for float64 inputs); ``-inf`` for a row that sees no key.
     """
-    if q_descale is not None or k_descale is not None or v_descale is not None:
+    if (q_descale is not None or k_descale is not None or v_descale is not None
+            or getattr(getattr(q, "dtype", None), "itemsize", 0) == 1):  # (FP8: e4m3 inputs, its own memory)
         return _attention_fp8(q, k, v, locals())
     planner = _planners.get(type(q), _NOT_PLANNED)
     if planner is _NOT_PLANNED:
@@ -451,8 +452,6 @@ def attention(
                 result = call.plan.run(q, k, v, arrays, key[0][1], return_lse)
                 if result is not None:  # (None: an input's address needs an aligned copy; the call below makes it)
                     return result if return_lse else result[0]
-    if getattr(getattr(q, "dtype", None), "itemsize", 0) == 1:  # (e4m3: never a checked call, whose key it would miss)
-        return _attention_fp8(q, k, v, locals())
     variant_options = _variant_options(locals())
     library, problem, options = _prepare(
         q, k, v, softmax_scale=softmax_scale, algorithm=algorithm, block_q=block_q, block_k=block_k,
@@ -486,9 +485,63 @@ _FP8_UNSUPPORTED = {"cu_seqlens_q": None, "cu_seqlens_k": None, "seqused_k": Non
                     "block_k": None}
 
 
+class _CheckedFp8(NamedTuple):
+    """What the checks of an FP8 call concluded (:data:`_fp8_calls`)."""
+
+    plan: Any                    # the V^T entry point's plan (cuflash._cuda.vt.VtForwardPlan)
+    problem: _validate.Problem
+    descale_shape: tuple         # (batch, heads_kv)
+    xp: ModuleType
+
+
+# Checked FP8 calls: the key of attention()'s remembered calls over q, k, v, alibi_slopes and the three descale arrays,
+# for calls whose options FP8 refuses are all at their defaults.
+_fp8_calls = CallMemo(64)
+
+
+def _fp8_key(q, k, v, arguments: dict):
+    """The key of an FP8 call in :data:`_fp8_calls`, or None (NumPy, an option FP8 refuses not at its default)."""
+    planner = _planners.get(type(q), _NOT_PLANNED)
+    if planner is _NOT_PLANNED:
+        planner = _planner(q)
+    if planner is None or any(arguments[name] is not default and not (
+            type(arguments[name]) is type(default) and arguments[name] == default)
+            for name, default in _FP8_UNSUPPORTED.items()):
+        return None
+    return _call_key(planner, (q, k, v, arguments["alibi_slopes"], arguments["q_descale"], arguments["k_descale"],
+                               arguments["v_descale"]),
+                     ("attention_fp8", arguments["causal"], arguments["softmax_scale"], arguments["causal_align"],
+                      arguments["window_size"], arguments["softcap"], arguments["algorithm"]),
+                     None, None, arguments["window_size"])
+
+
+def _run_fp8(call: _CheckedFp8, q, k, v, arguments: dict, stream: int):
+    """A remembered FP8 call: its value checks (alibi_slopes, check_finite), the stacked descale factors and its
+    plan's run; None where an input's address needs an aligned copy (the checked call makes it)."""
+    xp, alibi = call.xp, arguments["alibi_slopes"]
+    descales = [arguments[name] for name in ("q_descale", "k_descale", "v_descale")]
+    if _validate.finite_checks(arguments["check_finite"]):
+        _validate.check_finite({"q": q, "k": k, "v": v, "alibi_slopes": alibi,
+                                **{n: a for n, a in zip(("q_descale", "k_descale", "v_descale"), descales)}})
+    arrays = _NO_ARRAYS
+    if alibi is not None:
+        arrays = VariantArrays(alibi_slopes=_validate.alibi_slopes(alibi, call.problem, xp))
+    stacked = None
+    if any(a is not None for a in descales):
+        stacked = xp.stack([xp.ones(call.descale_shape, np.float32) if a is None else a for a in descales])
+    return call.plan.run(q, k, v, arrays, stream, arguments["return_lse"], descale=stacked)
+
+
 def _attention_fp8(q, k, v, arguments: dict):
     """attention() on e4m3 q, k, v (``arguments``: the call's locals): checked, then the FP8 kernel (CuPy) or the
-    reference (NumPy); ``out`` bfloat16."""
+    reference (NumPy); ``out`` bfloat16. A CuPy call like one already checked (:func:`_fp8_key`) runs its plan at
+    once."""
+    key = _fp8_key(q, k, v, arguments)
+    call = _fp8_calls.get(key) if key is not None else None
+    if call is not None:
+        result = _run_fp8(call, q, k, v, arguments, key[0][1])
+        if result is not None:
+            return result if arguments["return_lse"] else result[0]
     _validate.check_same_library(q=q, k=k, v=v)  # (before the arrays' dtypes are read: None or a list is named here)
     for name in ("q", "k", "v"):
         dtype = np.dtype(arguments[name].dtype).name
@@ -545,7 +598,13 @@ def _attention_fp8(q, k, v, arguments: dict):
         stacked = None
         if any(a is not None for a in descales):
             stacked = xp.stack([xp.ones(shape, np.float32) if a is None else a for a in descales])
-        out, lse = vt.forward_fp8(q, k, v, scale=options["scale"], variant=options["variant"], descale=stacked)
+        plan = vt.plan_fp8(q, k, v, scale=options["scale"], variant=options["variant"]) if key is not None else None
+        result = None if plan is None else plan.run(q, k, v, options["variant"].arrays, key[0][1], descale=stacked)
+        if result is not None:
+            out, lse = result
+            _fp8_calls.put(key, _CheckedFp8(plan, problem, shape, xp))
+        else:
+            out, lse = vt.forward_fp8(q, k, v, scale=options["scale"], variant=options["variant"], descale=stacked)
     return (out, lse) if arguments["return_lse"] else out
 
 

@@ -89,7 +89,7 @@ def install(monkeypatch):
     for name in ("float16", "float32", "float64", "int8", "int32", "int64", "uint8", "inf", "nan"):
         setattr(module, name, getattr(np, name))
     module.ndarray = ndarray
-    for name in ("empty", "zeros", "ones", "full", "zeros_like", "empty_like", "arange", "where", "concatenate"):
+    for name in ("empty", "zeros", "ones", "full", "zeros_like", "empty_like", "arange", "where", "concatenate", "stack"):
         setattr(module, name, (lambda fn: lambda *a, **k: _wrap(fn(*a, **k)))(getattr(np, name)))
 
     def zeros(*args, **kwargs):
@@ -160,6 +160,7 @@ def install(monkeypatch):
     monkeypatch.setattr(attention, "_LSE_SINKS", type(attention._LSE_SINKS)())
     monkeypatch.setattr(_api, "_planners", {})
     monkeypatch.setattr(_api, "_checked_calls", _api.CallMemo(_api._checked_calls.size))
+    monkeypatch.setattr(_api, "_fp8_calls", _api.CallMemo(_api._fp8_calls.size))
     monkeypatch.setattr(decode.CupyRuntime, "function", decode_function)
     monkeypatch.setattr(decode, "_LAUNCHES", type(decode._LAUNCHES)())
     monkeypatch.setattr(_api, "_kvcache_launches", _api.CallMemo(_api._kvcache_launches.size))

@@ -238,3 +238,57 @@ def test_check_finite_finds_e4m3_nans_and_only_them():
     for a, b, c in ((q, k, v), (q.view(np.uint8), k.view(np.uint8), v.view(np.uint8))):
         with pytest.raises(ValueError, match=r"k must be finite; got nan at k\[0, 3, 1, 5\]"):
             cuflash.attention(a, b, c, check_finite=True)
+
+
+def test_fp8_calls_like_checked_ones_run_their_plan(monkeypatch):
+    """(CPU, stand-in CuPy) An FP8 call like one already checked (the same layouts, options and descale arrays' layout:
+    _api._fp8_calls) runs its plan without the checks, with the new descale values stacked, and check_finite still
+    scans the values; a call that differs (descale factors of another shape, an option FP8 refuses) is checked, and
+    refused, as the first."""
+    from test_tensor_map import _tma_stand_in
+
+    from cuflash import _api, _validate
+
+    cp, recorder, _ = _tma_stand_in(monkeypatch)
+    rng = np.random.default_rng(5)
+
+    def e4m3(*shape):
+        return cp.asarray(rng.standard_normal(shape).astype(np.float32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+
+    q, k, v = e4m3(2, 300, 4, 128), e4m3(2, 250, 2, 128), e4m3(2, 250, 2, 128)
+    descales = [cp.asarray(rng.uniform(0.5, 2, (2, 2)).astype(np.float32)) for _ in range(3)]
+    slopes = cp.asarray(rng.uniform(0, 1, 4).astype(np.float32))
+
+    def call(**options):
+        return cuflash.attention(q, k, v, causal=True, alibi_slopes=slopes, q_descale=descales[0],
+                                 k_descale=descales[1], v_descale=descales[2], **options)
+
+    call()
+    assert len(_api._fp8_calls) == 1
+    recorder.take()
+
+    def unchecked(*args, **kwargs):
+        raise AssertionError("a remembered FP8 call was checked again")
+
+    monkeypatch.setattr(_validate, "check_qkv", unchecked)
+    descales[0] = cp.asarray(np.full((2, 2), 3.0, np.float32))  # (new values, the same layout)
+    out, lse = call(return_lse=True)
+    assert out.shape == (2, 300, 4, 128) and lse.shape == (2, 4, 300)
+    launches = [launch for launch in recorder.take() if len(launch) == 6]
+    assert [launch[0].split(",")[0] for launch in launches] == ["cuflash::transpose_v_kernel<cuflash::e4m3",
+                                                                "cuflash::flash_fwd_sm90_vt_kernel<cuflash::e4m3"]
+    descales[2][1, 1] = np.float32(np.inf)
+    with pytest.raises(ValueError, match="v_descale"):  # (check_finite reads the values at every call)
+        call(check_finite=True)
+    monkeypatch.undo()
+    cp, recorder, _ = _tma_stand_in(monkeypatch)
+    q, k, v = (cp.asarray(np.asarray(a)) for a in (q, k, v))
+    descales = [cp.asarray(np.asarray(a)) for a in descales]
+    slopes = cp.asarray(np.asarray(slopes))
+    call()
+    descales[1] = cp.asarray(np.ones((2, 4), np.float32))
+    with pytest.raises(ValueError, match="k_descale must be a float32 array of shape"):
+        call()
+    descales[1] = cp.asarray(np.ones((2, 2), np.float32))
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        call(dropout_p=0.1, dropout_seed=1)

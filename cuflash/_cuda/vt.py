@@ -174,17 +174,29 @@ def plan(q, k, v, scale: float, variant: Variant, dtype: str) -> VtForwardPlan:
     return found
 
 
+def _require_supported():
+    if not supported():
+        raise NotImplementedError(
+            "FP8 (float8_e4m3fn) attention runs on sm_90 GPUs (H100, H200) with a driver that encodes tensor maps; "
+            f"this device is sm_{device_info()[0]}")
+
+
+def plan_fp8(q, k, v, *, scale: float, variant: Variant) -> VtForwardPlan | None:
+    """The FP8 plan of arrays the kernel reads as they are (mappable strides; the front door remembers it with the
+    call), or None (:func:`forward_fp8` runs such a call on copies)."""
+    _require_supported()
+    return plan(q, k, v, scale, variant, "float8_e4m3fn") if _mappable((q, k, v)) else None
+
+
 def forward_fp8(q, k, v, *, scale: float, variant: Variant, descale=None):
     """``(out, lse)`` of the FP8 forward (the caller validated the call: :func:`cuflash._api.attention`'s FP8 path);
     ``descale``: a C-contiguous float32 (3, batch, heads_kv) CuPy array or None."""
     import cupy
 
-    if not supported():
-        raise NotImplementedError(
-            "FP8 (float8_e4m3fn) attention runs on sm_90 GPUs (H100, H200) with a driver that encodes tensor maps; "
-            f"this device is sm_{device_info()[0]}")
+    _require_supported()
     q, k, v = (a if _mappable((a,)) and a.data.ptr % 16 == 0 else cupy.ascontiguousarray(a) for a in (q, k, v))
     return plan(q, k, v, scale, variant, "float8_e4m3fn").run(q, k, v, variant.arrays, descale=descale)
 
 
-__all__ = ["FP8_HEAD_DIMS", "KEY_ORDER", "VtForwardPlan", "forward_fp8", "plan", "supported", "takes", "transposed_v"]
+__all__ = ["FP8_HEAD_DIMS", "KEY_ORDER", "VtForwardPlan", "forward_fp8", "plan", "plan_fp8", "supported", "takes",
+           "transposed_v"]
