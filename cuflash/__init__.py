@@ -5,10 +5,10 @@ implementation of the same block algorithm, which is also the reference the kern
 PyTorch and JAX users go through :mod:`cuflash.torch` and :mod:`cuflash.jax` (imported on demand only).
 """
 
-from ._api import (attention, attention_backward, attention_with_kvcache, cascade_attention, dropout_mask, merge_states,
-                   plan_kvcache)
-from ._decode_plan import DecodePlan
-from ._mods import BlockMask
+from ._ops.api import (attention, attention_backward, attention_with_kvcache, cascade_attention, dropout_mask,
+                       merge_states, plan_kvcache)
+from ._ops.decode_plan import DecodePlan
+from ._ops.mods import BlockMask
 from .mha import MHACache, MHAGrads, MHAParams, init_mha_params, mha_backward, mha_forward
 
 __version__ = "0.1.0"

@@ -7,7 +7,7 @@ would give. Two algorithms (``docs/distributed.md``):
 - :func:`ring_attention`: the K/V shards travel around the ring of ranks (non-blocking ``isend``/``irecv``
   through ``torch.distributed.batch_isend_irecv``), each step overlapping the transfer of the next shard with the
   attention of the shard in hand; the partial results ``(o_s, lse_s)`` are merged with the logsumexp rule of
-  :func:`cuflash.merge_states` (``cuflash._merge``, seed 001's incremental softmax applied to whole results). The
+  :func:`cuflash.merge_states` (``cuflash._ops.merge``, seed 001's incremental softmax applied to whole results). The
   backward recomputes each block's gradients with the custom operator ``cuflash::attention_bwd`` from the
   *final* out and lse (so each block's ``P = exp(S - lse)`` is the true probability), keeps dq local and sends
   the dk/dv accumulators around the ring behind the K/V shards, as flash-attention's ring backward does.
@@ -41,8 +41,8 @@ import torch
 import torch.distributed as dist
 
 import cuflash.torch  # noqa: F401  (registers the custom operators torch.ops.cuflash.*)
-from cuflash import _merge, _validate
-from cuflash._ring import (  # noqa: F401  (the plans: re-exported for the tests)
+from cuflash._ops import merge as _merge, validate as _validate
+from cuflash._ops.ring import (  # noqa: F401  (the plans: re-exported for the tests)
     _DOC_MASK, LAYOUTS, _band_plan, _Call, _chunks, _layout, _pair_call, _plan, _ring_backward, _ring_forward,
     _step_plan,
 )
@@ -51,7 +51,7 @@ __all__ = ["ring_attention", "all_gather_attention", "shard", "unshard"]
 
 
 # ---------------------------------------------------------------------------------------------------
-# Shards of the full sequence (the layouts and chunks: cuflash._ring)
+# Shards of the full sequence (the layouts and chunks: cuflash._ops.ring)
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -164,7 +164,7 @@ def _block_bwd(dout, q, k, v, out, lse, call: _Call, opts):
     return dq, dk, dv
 
 
-# cuflash._merge.merge_stacked is written against an array module (NumPy or CuPy); this is the part of the
+# cuflash._ops.merge.merge_stacked is written against an array module (NumPy or CuPy); this is the part of the
 # array API it uses, in torch's spelling, so that the ring merges with the same code on any device.
 _TORCH_XP = types.SimpleNamespace(
     inf=math.inf,
@@ -180,7 +180,7 @@ _TORCH_XP = types.SimpleNamespace(
 
 def _merge_into(out_acc, lse_acc, rows: slice, out_b, lse_b) -> None:
     """Merge a partial result ``(out_b, lse_b)`` of local query rows ``rows`` into the accumulators, in place
-    (``out_acc`` in the accumulation dtype): ``[decode merge]`` of :mod:`cuflash._merge` with two parts.
+    (``out_acc`` in the accumulation dtype): ``[decode merge]`` of :mod:`cuflash._ops.merge` with two parts.
 
     The logsumexp comes from ``merge_stacked`` itself (given outputs of width 0: it costs ``B H L`` elements);
     the outputs are then rescaled in place by the same weights ``exp(lse_s - lse)`` (0 for an empty part and for a
@@ -198,7 +198,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-# What the ring loops of cuflash._ring take from torch.
+# What the ring loops of cuflash._ops.ring take from torch.
 _TORCH_OPS = types.SimpleNamespace(
     zeros=lambda shape, like: torch.zeros(shape, dtype=_acc_dtype(like.dtype), device=like.device),
     full=lambda shape, value, like: torch.full(shape, value, dtype=_acc_dtype(like.dtype), device=like.device),

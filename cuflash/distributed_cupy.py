@@ -1,6 +1,6 @@
 """Ring attention for CuPy arrays over ``cupy.cuda.nccl``: context parallelism without PyTorch.
 
-The same ring as :func:`cuflash.distributed.ring_attention` (the plans and loops of :mod:`cuflash._ring`, tags
+The same ring as :func:`cuflash.distributed.ring_attention` (the plans and loops of :mod:`cuflash._ops.ring`, tags
 ``[ring-fwd *]``, ``[ring-bwd *]`` of ``docs/distributed.md``), with each block one call of
 :func:`cuflash.attention` / :func:`cuflash.attention_backward` and the K/V shards moved by NCCL send/receive on a
 communication stream of its own, so that the transfer of the next shard overlaps the attention of the shard in hand.
@@ -17,7 +17,7 @@ There is no autograd here: the backward is its own call, from the forward's ``ou
     out = cdc.unshard(out_l, comm)                             # the full sequence again, on every rank
 
 ``comm`` may also be any object with ``world``, ``rank``, ``start(send) -> (requests, received)`` and
-``wait(requests)`` (a transport of :mod:`cuflash._ring`); the tests run the ring that way on NumPy arrays, whose
+``wait(requests)`` (a transport of :mod:`cuflash._ops.ring`); the tests run the ring that way on NumPy arrays, whose
 blocks run the NumPy reference.
 """
 
@@ -28,8 +28,8 @@ import types
 
 import numpy as np
 
-from . import _api, _merge, _validate
-from ._ring import _DOC_MASK, _Call, _chunks, _layout, _ring_backward, _ring_forward
+from ._ops import api as _api, merge as _merge, validate as _validate
+from ._ops.ring import _DOC_MASK, _Call, _chunks, _layout, _ring_backward, _ring_forward
 
 __all__ = ["ring_attention", "ring_attention_backward", "shard", "unshard"]
 
@@ -89,7 +89,7 @@ def _ops(xp) -> types.SimpleNamespace:
     """What the ring loops take from an array module (CuPy, or NumPy for the tests)."""
 
     def merge_into(out_acc, lse_acc, rows, out_b, lse_b):
-        # [decode merge] through cuflash._merge.merge_stacked (outputs of width 0: the lse only), then
+        # [decode merge] through cuflash._ops.merge.merge_stacked (outputs of width 0: the lse only), then
         # o = exp(lse_acc - lse) o_acc + exp(lse_b - lse) o_b on the rows
         lse_parts = xp.stack([lse_acc[:, :, rows], lse_b.astype(lse_acc.dtype)])
         _, lse = _merge.merge_stacked(xp.empty((*lse_parts.shape, 0), dtype=lse_parts.dtype), lse_parts, xp)

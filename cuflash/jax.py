@@ -51,7 +51,7 @@ import numpy as np
 from jax.interpreters import mlir
 
 import cuflash
-from cuflash import _api, _validate
+from cuflash._ops import api as _api, validate as _validate
 
 try:
     from jax.experimental.buffer_callback import buffer_callback as _buffer_callback
@@ -370,7 +370,7 @@ def _write(dst, src) -> None:
 
 def _planned_options(q, k, v, keywords: dict, extra=None):
     """``(planner, options)`` of a call on CuPy arrays by cuflash's checks, as the front door makes them before it
-    plans a call (:func:`cuflash._api.attention`), or None where it would not plan it: a variant array (checked by
+    plans a call (:func:`cuflash._ops.api.attention`), or None where it would not plan it: a variant array (checked by
     value at each call), an empty problem, a scale it runs as a positive one on a copy of q."""
     planner = _api._planner(q)
     if planner is None or any(keywords[name] is not None for name in (*_api.ARRAY_OPTIONS, "bias")) \

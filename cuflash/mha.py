@@ -27,8 +27,8 @@ from typing import Any, NamedTuple
 import array_api_compat
 import numpy as np
 
-from . import _validate
-from ._api import attention, attention_backward
+from ._ops import validate as _validate
+from ._ops.api import attention, attention_backward
 
 __all__ = ["MHAParams", "MHAGrads", "MHACache", "init_mha_params", "mha_forward", "mha_backward"]
 

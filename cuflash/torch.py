@@ -46,8 +46,8 @@ import numpy as np
 import torch
 
 import cuflash
-from cuflash import _api, _chunked_prefill, _kvcache, _validate
-from cuflash._gpu_memory import StreamSinks
+from cuflash._ops import api as _api, chunked_prefill as _chunked_prefill, kvcache as _kvcache, validate as _validate
+from cuflash._ops.gpu_memory import StreamSinks
 
 __all__ = ["attention", "attention_with_kvcache", "draw_dropout_seed"]
 
@@ -451,7 +451,7 @@ _attention_bwd.register_autograd(_no_double_backward, setup_context=lambda ctx, 
 # cuflash.attention_with_kvcache as an operator that mutates k_cache and v_cache: when k and v are given, the new
 # tokens are written into the caches in place before the attention, and the schema says so (mutates_args), so
 # that torch.compile functionalizes the call instead of reordering reads of the caches around it. No gradient,
-# as flash-attention's flash_attn_with_kvcache. CPU tensors run the NumPy reference (cuflash.reference_decode),
+# as flash-attention's flash_attn_with_kvcache. CPU tensors run the NumPy reference (cuflash.reference.decode),
 # CUDA tensors the decode kernels, on torch's stream with out, lse and the split workspace from torch's allocator.
 # cache_seqlens is a tensor, or (cache_seqlens None) the int cache_seqlens_int for every sequence, which the front
 # door checks against the caches' capacity.
@@ -490,7 +490,7 @@ def _runs_eagerly(*tensors) -> bool:
 #   record (DecodeLaunch.run_addresses), out and lse from torch.empty, on torch's current stream. The key
 #   (_decode_key) is the front door's for a cache that grows: the caches without their slot count and their strides
 #   but the last; what it leaves out is checked at each call (_decode_run), as the front door checks it
-#   (cuflash._api._fits);
+#   (cuflash._ops.api._fits);
 # - an inference call of attention (no gradient wanted) on q, k and v alone without dropout: the front door's plan
 #   of the call (_forward_key, _forward_run), the tensors' addresses passed as _Address.
 _decode_launches = _api.CallMemo(64)

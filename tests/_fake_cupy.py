@@ -81,7 +81,7 @@ def install(monkeypatch):
     """Put a stand-in ``cupy`` in ``sys.modules`` and make the CUDA backend use it: its planned launches go to a
     :class:`Recorder` (returned; the decode launcher's too), a fixed sm_90 device, the front door's and the launchers'
     caches emptied."""
-    from cuflash import _api, _kvcache
+    from cuflash._ops import api as _api, kvcache as _kvcache
     from cuflash._cuda import attention, compile, decode, fa1, spec, tensor_map
 
     recorder = Recorder()

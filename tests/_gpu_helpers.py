@@ -11,7 +11,7 @@ import numpy as np
 
 import cuflash
 from cuflash import reference
-from cuflash._variant import Variant
+from cuflash._ops.variant import Variant
 
 from _helpers import assert_within_budget, float64_truth, max_abs_error, random_inputs, rounding_floor
 

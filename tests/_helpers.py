@@ -11,8 +11,9 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from cuflash import _api, reference
-from cuflash._variant import Variant
+from cuflash._ops import api as _api
+from cuflash import reference
+from cuflash._ops.variant import Variant
 
 # The dtypes the low-precision tests run, by name (the test ids)
 LOW_PRECISION = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}

@@ -68,7 +68,7 @@ def requires_gpu():
 @pytest.fixture
 def no_backend(monkeypatch):
     """Fail the test if validation lets a call reach a backend."""
-    from cuflash import _api
+    from cuflash._ops import api as _api
 
     def refuse(library):
         raise AssertionError(f"validation should have failed before the {library} backend was chosen")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _api
+from cuflash._ops import api as _api
 
 from _helpers import small_qkv as _qkv
 

@@ -21,7 +21,7 @@ import pytest
 from _helpers import LOW_PRECISION, assert_blocked_within_budget, max_abs_error, numeric_gradient, spy_on_backend
 
 import cuflash
-from cuflash._variant import Variant
+from cuflash._ops.variant import Variant
 
 pytestmark = pytest.mark.filterwarnings("error")
 

@@ -1,4 +1,4 @@
-"""The front door's memory of checked CuPy calls (cuflash._api.CallMemo) and the launch plans it keeps, on the CPU:
+"""The front door's memory of checked CuPy calls (cuflash._ops.api.CallMemo) and the launch plans it keeps, on the CPU:
 a stand-in CuPy (tests/_fake_cupy.py) records what each call would launch, with its arguments' bytes.
 
 A remembered call must launch exactly what a fresh call (memory emptied) launches, for every signature, whichever
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _api, _kvcache
+from cuflash._ops import api as _api, kvcache as _kvcache
 from cuflash._cuda.spec import EXTRA_PARAMS_DTYPE, VARIANT_PARAMS_DTYPE
 
 from _fake_cupy import install

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _blocks, _cascade
+from cuflash._ops import blocks as _blocks, cascade as _cascade
 
 from _helpers import LOW_PRECISION, assert_within_budget, rounding_floor
 
@@ -216,7 +216,7 @@ def test_bench_decode_cascade_and_prefill_on_the_cpu(capsys, tmp_path, monkeypat
     the unshared call, the prefill call against cuflash.attention on the same keys) and written as JSON."""
     import json
 
-    from cuflash import __main__ as cli
+    from cuflash.cli import main as cli
 
     monkeypatch.setattr(cli, "gpu_available", lambda: False)
     out_json = tmp_path / "rows.json"

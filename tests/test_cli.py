@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import __main__ as cli
+from cuflash.cli import main as cli
 
 SMALL = ["--batch", "1", "--seqlen", "70", "--heads", "2", "--head-dim", "16"]
 
@@ -134,9 +134,9 @@ def test_bench_passes_its_arguments_through(monkeypatch):
 
     calls = []
     for which in ("cpu", "gpu"):
-        fake = types.ModuleType(f"cuflash.bench_{which}")
+        fake = types.ModuleType(f"cuflash.cli.bench_{which}")
         fake.main = lambda argv, prog, which=which: calls.append((which, argv, prog)) or 0
-        monkeypatch.setitem(sys.modules, f"cuflash.bench_{which}", fake)
+        monkeypatch.setitem(sys.modules, f"cuflash.cli.bench_{which}", fake)
     expected = "gpu" if cli.gpu_available() else "cpu"
     assert cli.main(["bench", "--seqlen", "512", "--causal"]) == 0
     assert cli.main(["bench-cpu", "--quick"]) == 0
@@ -166,7 +166,7 @@ def test_bench_decode_on_the_cpu_writes_its_table_and_plot(capsys, tmp_path, mon
     """Without a GPU, bench-decode times the NumPy reference at small sizes and still writes JSON and a plot."""
     import json
 
-    from cuflash import __main__ as cli
+    from cuflash.cli import main as cli
 
     monkeypatch.setattr(cli, "gpu_available", lambda: False)
     out_json, out_png = tmp_path / "decode.json", tmp_path / "decode.png"
@@ -184,7 +184,7 @@ def test_bench_decode_mla_on_the_cpu(capsys, tmp_path, monkeypatch):
     """bench-decode --mla without a GPU: MLA's absorbed decoding (576 / 512, page 64) through the NumPy reference."""
     import json
 
-    from cuflash import __main__ as cli
+    from cuflash.cli import main as cli
 
     monkeypatch.setattr(cli, "gpu_available", lambda: False)
     out_json = tmp_path / "mla.json"
@@ -200,7 +200,7 @@ def test_bench_decode_mla_on_the_cpu(capsys, tmp_path, monkeypatch):
 def test_the_gpu_table_gives_both_ratios_and_the_cudnn_target_count():
     """bench-gpu's table has cuflash's ratio to torch-flash and to torch-cudnn in every row (FA1's columns only where
     it ran), and its summary counts the cells at or above issue 14's target (1.0; 0.9 at N 512)."""
-    from cuflash import bench_gpu
+    from cuflash.cli import bench_gpu
 
     def row(n, c, f, d):
         return {"dtype": "bfloat16", "d": 128, "causal": False, "N": n, "cuflash fwd": c, "torch-flash fwd": f,
@@ -221,7 +221,7 @@ def test_the_gpu_table_gives_both_ratios_and_the_cudnn_target_count():
 def test_the_fp8_table_gives_both_ratios_and_the_target_count():
     """bench-gpu --fp8's table: FP8 against cuflash bf16 and torch-cudnn bf16 per row, and per head dim the range of
     FP8 / bf16 with the count of cells at issue 14's 1.5."""
-    from cuflash import bench_gpu
+    from cuflash.cli import bench_gpu
 
     def row(d, n, f8, bf, cu):
         return {"d": d, "causal": n > 2048, "N": n, "cuflash fp8 fwd": f8, "cuflash bf16 fwd": bf,

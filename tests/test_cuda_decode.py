@@ -2,7 +2,7 @@
 
 Each call goes through the front door (cuflash.attention_with_kvcache) or a plan (cuflash.plan_kvcache), and the
 kernels' output and the caches they appended to are compared with the NumPy reference's (float64 inputs for the
-truth, the kernels' dtype for the budget). The merge kernel alone against cuflash._merge.merge_stacked; plans over
+truth, the kernels' dtype for the budget). The merge kernel alone against cuflash._ops.merge.merge_stacked; plans over
 several steps, in a CuPy stream-capture graph and in a torch.cuda.CUDAGraph. Skips without CuPy and a GPU.
 """
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _api
+from cuflash._ops import api as _api
 
 from _gpu_helpers import DTYPES, as_float32, poison
 from _helpers import assert_within_budget, rounding_floor
@@ -251,7 +251,7 @@ def test_chunked_prefill_matches_the_decode_kernels(requires_gpu, monkeypatch, d
     """A call of 512 new tokens against a contiguous cache runs as the forward over the cache
     (ChunkedPrefillLaunch); forced onto the decode kernels (MIN_SEQLEN_Q raised) the same call gives the same output
     within bfloat16 rounding and the same caches, bit for bit."""
-    from cuflash import _chunked_prefill
+    from cuflash._ops import chunked_prefill as _chunked_prefill
     from cuflash._cuda import decode
 
     cp = requires_gpu
@@ -314,7 +314,7 @@ def test_cascade_attention_on_the_gpu(requires_gpu, label, dtname):
     call over each suffix with the append, the merge) against the same call on NumPy in float64 (the truth),
     within the error budget of the NumPy call in the same dtype; the caches appended as the reference appends them.
     Suffix lengths from 0 to full; a second call with new arrays of the same layouts runs the same launch."""
-    from cuflash import _api
+    from cuflash._ops import api as _api
 
     cp = requires_gpu
     dtype = DTYPES[dtname]
@@ -544,7 +544,7 @@ def test_device_values_out_of_range_give_nan_rows(requires_gpu, monkeypatch, lab
     finite 7.0 first), gives the other sequences what the float64 reference gives, and leaves the caches as the
     reference's mirror of the guards leaves them (bit for bit: the broken sequence appends nothing, or nothing
     where its page is out of range). A valid step runs afterwards (the context is healthy)."""
-    from cuflash import reference_decode
+    from cuflash.reference import decode as reference_decode
 
     cp = requires_gpu
     monkeypatch.delenv("CUFLASH_CHECK_DEVICE_VALUES", raising=False)
@@ -631,7 +631,7 @@ def test_merge_kernel_against_merge_stacked(requires_gpu, dtname, d, splits):
     """Random partials with empty parts (lse -inf) and rows whose parts are all empty, into a NaN-poisoned out
     with the strides of a (batch, heads, seqlen, d) array seen as (batch, seqlen, heads, d)."""
     from cuflash._cuda.decode import merge_partials
-    from cuflash._merge import merge_stacked
+    from cuflash._ops.merge import merge_stacked
 
     cp = requires_gpu
     dtype = DTYPES[dtname]

@@ -132,7 +132,7 @@ def test_backward_after_the_tf32x3_forward(requires_gpu):
     cp = requires_gpu
     q, k, v, do = random_inputs(2, 150, 203, 4, 2, 128, np.float32, seed=9)
     scale = 128 ** -0.5
-    from cuflash._variant import Variant
+    from cuflash._ops.variant import Variant
 
     _, _, grads_t = float64_truth(q, k, v, do, scale=scale, variant=Variant(causal=True))
     out_n, lse_n = cuflash.attention(q, k, v, causal=True, algorithm="naive", return_lse=True)
@@ -181,7 +181,7 @@ def test_tf32_within_its_stated_budget(requires_gpu, d, causal):
 def _check_tf32(cp, d, causal, *, factor, seed, name):
     """One TF32 product's forward on random inputs (batch 2, 300 x 333, GQA 4 / 2) within ``factor`` x the error of
     naive attention on TF32-rounded operands, lse within 1e-2: ``(q, k, v, out, truth)``."""
-    from cuflash._variant import Variant
+    from cuflash._ops.variant import Variant
 
     q, k, v, _ = random_inputs(2, 300, 333, 4, 2, d, np.float32, seed=seed, with_do=False)
     scale = d ** -0.5
@@ -229,7 +229,7 @@ def test_tf32_on_wgmma_within_its_budget(requires_gpu, monkeypatch, d, causal):
     2x the error of naive attention on TF32-rounded operands, lse within 1e-2."""
     cp = requires_gpu
     from cuflash._cuda import attention, vt
-    from cuflash._variant import Variant
+    from cuflash._ops.variant import Variant
 
     if not vt.supported():
         pytest.skip("the V^T entry point needs sm_90")

@@ -310,8 +310,8 @@ def test_block_lists_are_the_visible_tiles(requires_gpu, mask, causal, window):
     (kFullTile) exactly where mask_mod keeps every score that the lengths and the band leave visible."""
     cp = requires_gpu
     from cuflash._cuda.attention import Shape, block_lists
-    from cuflash._mods import user_mods
-    from cuflash._variant import Variant
+    from cuflash._ops.mods import user_mods
+    from cuflash._ops.variant import Variant
 
     rng = np.random.default_rng(len(mask))
     nq, nk, heads = 300, 333, 3
@@ -367,7 +367,7 @@ def test_a_mod_that_nvrtc_refuses_names_the_expression(requires_gpu, monkeypatch
     for a compiler limit), the error quotes the user's expression and NVRTC's message."""
     cp = requires_gpu
     from cuflash._cuda import spec as spec_module
-    from cuflash._mods import user_mods
+    from cuflash._ops.mods import user_mods
 
     expr = "score + 0.123456789f * q_idx"
     mods = user_mods(expr, None)

@@ -1,4 +1,4 @@
-"""cuflash.distributed_cupy: the ring of cuflash._ring over an array module and a transport, without PyTorch.
+"""cuflash.distributed_cupy: the ring of cuflash._ops.ring over an array module and a transport, without PyTorch.
 
 On the CPU the ring runs NumPy arrays (each block the NumPy reference through cuflash.attention) with an in-process
 transport, one thread per rank: outputs, lse and the gradients of every rank's shard against cuflash.attention and

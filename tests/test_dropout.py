@@ -7,8 +7,9 @@ import pytest
 from _helpers import numeric_gradient, random_inputs
 
 import cuflash
-from cuflash import _philox, reference
-from cuflash._variant import Variant
+from cuflash._ops import philox as _philox
+from cuflash import reference
+from cuflash._ops.variant import Variant
 
 # Random123's kat_vectors, philox4x32 10 rounds: (counter words, key words) -> the four output words
 PHILOX4X32_10_KAT = [

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash._variant import Variant
+from cuflash._ops.variant import Variant
 
 from _helpers import float64_truth
 
@@ -247,7 +247,7 @@ def test_fp8_calls_like_checked_ones_run_their_plan(monkeypatch):
     refused, as the first."""
     from test_tensor_map import _tma_stand_in
 
-    from cuflash import _api, _validate
+    from cuflash._ops import api as _api, validate as _validate
 
     cp, recorder, _ = _tma_stand_in(monkeypatch)
     rng = np.random.default_rng(5)

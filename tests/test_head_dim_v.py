@@ -9,8 +9,9 @@ import pytest
 from _helpers import numeric_gradient
 
 import cuflash
-from cuflash import _validate, reference
-from cuflash._variant import Variant
+from cuflash._ops import validate as _validate
+from cuflash import reference
+from cuflash._ops.variant import Variant
 
 HEAD_DIM_PAIRS = [(192, 128), (64, 32), (16, 40), (1, 3)]
 ORDERS = ("kv_outer", "q_outer", "split")

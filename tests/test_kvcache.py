@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _api, _blocks, _validate
-from cuflash._blocks import decode_num_splits, split_range
+from cuflash._ops import api as _api, blocks as _blocks, validate as _validate
+from cuflash._ops.blocks import decode_num_splits, split_range
 
 from _helpers import LOW_PRECISION, assert_within_budget, rounding_floor
 
@@ -389,7 +389,7 @@ def test_the_automatic_split_rule():
 def test_the_front_door_plans_from_the_shapes(monkeypatch):
     """The split count depends on the shapes (batch, heads_kv, q rows, the cache's capacity), not on the values."""
     seen = []
-    from cuflash import reference_decode
+    from cuflash.reference import decode as reference_decode
 
     real = reference_decode.forward_kvcache
 
@@ -522,7 +522,7 @@ def test_low_precision_within_the_error_budget(dtype_name):
     inputs (q rotated as the call does, the keys and values as they are in the cache after the append), within 2x
     the error of naive attention in the same dtype plus the rounding floor. The rotation (float32 arithmetic, as
     the kernels): the appended keys within a few units of the dtype's last place of the float64 rotation."""
-    from cuflash.reference_decode import apply_rotary, rotary_positions
+    from cuflash.reference.decode import apply_rotary, rotary_positions
 
     dtype = LOW_PRECISION[dtype_name]
     s = Scenario(batch=2, heads_q=8, heads_kv=2, d=32, page_size=3, capacity=600, seqlens=[300, 590], seqlen_new=4,
@@ -757,7 +757,7 @@ def test_the_reference_gives_nan_rows_for_values_out_of_range(label, small_tiles
     lse are NaN, the other sequences' are what the valid call gives (bit for bit), nothing is read or written out
     of bounds (NumPy would raise or wrap), and the caches change only where the valid call appends, but for the
     slots the broken sequence cannot write."""
-    from cuflash import reference_decode
+    from cuflash.reference import decode as reference_decode
 
     s, good, bad, scale, variant, appends = _guard_call(label)
     runs = {}
@@ -796,7 +796,7 @@ def test_entries_past_the_used_pages_are_never_read(small_tiles):
 def test_a_backend_without_decode_kernels_is_refused_after_validation(monkeypatch):
     """A backend without forward_kvcache (none today: NumPy and CuPy both have one) gets validation, then
     NotImplementedError."""
-    monkeypatch.setitem(_api._DECODE_BACKEND_MODULES, "numpy", "cuflash._blocks")
+    monkeypatch.setitem(_api._DECODE_BACKEND_MODULES, "numpy", "cuflash._ops.blocks")
     q = np.zeros((1, 1, 2, 8))
     kc = np.zeros((1, 8, 1, 8))
     with pytest.raises(ValueError, match="fit the cache"):
@@ -932,8 +932,8 @@ def test_the_cuda_launcher_checks_and_writes_only_new_arrays():
     layout or a None where an array was planned (even once the last step's array has died) goes through the full
     check (here a spy) first. The record's words are what the kernels would read."""
     from cuflash._cuda.decode import DECODE_PARAMS_DTYPE, DecodeLaunch
-    from cuflash._decode_plan import layouts_of
-    from cuflash.bench_decode import _HostArray, _HostRuntime
+    from cuflash._ops.decode_plan import layouts_of
+    from cuflash.cli.bench_decode import _HostArray, _HostRuntime
 
     rng = np.random.default_rng(40)
     host = dict(q=(1, 1, 8, 32), k_cache=(1, 256, 2, 32), v_cache=(1, 256, 2, 32), k=(1, 1, 2, 32), v=(1, 1, 2, 32))
@@ -1020,7 +1020,7 @@ def test_the_cuda_launcher_checks_and_writes_only_new_arrays():
 
 
 # ---------------------------------------------------------------------------------------------------
-# Chunked prefill: the forward over the cache (cuflash._chunked_prefill), as the CUDA backend runs seqlen_q >= 64
+# Chunked prefill: the forward over the cache (cuflash._ops.chunked_prefill), as the CUDA backend runs seqlen_q >= 64
 # ---------------------------------------------------------------------------------------------------
 
 PREFILL_CASES = {  # label: (batch, batch_cache, heads_q, heads_kv, d, seqlen_q, seqlen_new, capacity, seqlens, options)
@@ -1067,7 +1067,9 @@ def test_chunked_prefill_composition_equals_the_decode_reference(label):
     """The CUDA backend's chunked-prefill path (rotate, append by an indexed assignment, the FA2 forward with
     seqused_k = cache_seqlens + seqlen_new over the cache rows, bottom-right masks) run on NumPy with the reference's
     forward: the same output, lse and caches as the decode reference, in float64 to 1e-12."""
-    from cuflash import _chunked_prefill, reference, reference_decode
+    from cuflash._ops import chunked_prefill as _chunked_prefill
+    from cuflash import reference
+    from cuflash.reference import decode as reference_decode
 
     rng = np.random.default_rng(sum(map(ord, label)))
     q, k_cache, v_cache, k, v, lens, call = _prefill_case(rng, *PREFILL_CASES[label])
@@ -1090,7 +1092,9 @@ def test_chunked_prefill_composition_guards_lengths_out_of_range(bad_length):
     """[decode guard] on the chunked-prefill path: a cache_seqlens entry out of range (capacity 200, 64 new tokens)
     gives that sequence NaN rows and appends nothing, as the decode reference does; the other sequence is
     unchanged."""
-    from cuflash import _chunked_prefill, reference, reference_decode
+    from cuflash._ops import chunked_prefill as _chunked_prefill
+    from cuflash import reference
+    from cuflash.reference import decode as reference_decode
 
     rng = np.random.default_rng(3)
     q, k_cache, v_cache, k, v, lens, call = _prefill_case(rng, *PREFILL_CASES["append-gqa4-causal"])
@@ -1113,7 +1117,7 @@ def test_chunked_prefill_composition_guards_lengths_out_of_range(bad_length):
 def test_chunked_prefill_only_where_the_forward_reads_the_same_keys():
     """Eligible: seqlen_q >= MIN_SEQLEN_Q over a contiguous cache; not with a block table, left padding, cache rows
     chosen by cache_batch_idx, or v's head dim differing from q's (MLA)."""
-    from cuflash import _chunked_prefill
+    from cuflash._ops import chunked_prefill as _chunked_prefill
 
     rng = np.random.default_rng(0)
     q, k_cache, v_cache, k, v, lens, call = _prefill_case(rng, *PREFILL_CASES["append-gqa4-causal"])
@@ -1140,7 +1144,9 @@ def test_chunked_prefill_only_where_the_forward_reads_the_same_keys():
 
 def test_chunked_prefill_composition_in_float32():
     """float32, the decode tiles (64 / 128) against the forward's: the two paths agree to float32 rounding."""
-    from cuflash import _chunked_prefill, reference, reference_decode
+    from cuflash._ops import chunked_prefill as _chunked_prefill
+    from cuflash import reference
+    from cuflash.reference import decode as reference_decode
 
     rng = np.random.default_rng(1)
     q, k_cache, v_cache, k, v, lens, call = _prefill_case(rng, 2, 2, 8, 2, 32, 256, 256, 1024, [0, 700],
@@ -1161,7 +1167,7 @@ def test_uniform_seqlens_reads_rows_of_a_growing_table(monkeypatch):
     stand-in for the module here); NumPy arrays get a plain fill."""
     import types
 
-    from cuflash import _kvcache
+    from cuflash._ops import kvcache as _kvcache
 
     monkeypatch.setattr(_kvcache, "_SEQLEN_TABLES", {})
     fake = types.SimpleNamespace(__name__="cupy", cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _merge
+from cuflash._ops import merge as _merge
 
 from _helpers import random_inputs
 

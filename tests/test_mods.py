@@ -1,4 +1,4 @@
-"""User score and mask modifications (``score_mod``, ``mask_mod``, ``mod_arrays``): cuflash/_mods.py and the
+"""User score and mask modifications (``score_mod``, ``mask_mod``, ``mod_arrays``): cuflash/_ops/mods.py and the
 NumPy reference's hooks.
 
 - The parser: C precedence and associativity, C's int / float semantics (int division truncates, ``%`` takes
@@ -24,8 +24,9 @@ import pytest
 from _helpers import numeric_gradient
 
 import cuflash
-from cuflash import _mods, reference
-from cuflash._variant import Variant
+from cuflash._ops import mods as _mods
+from cuflash import reference
+from cuflash._ops.variant import Variant
 
 pytestmark = pytest.mark.filterwarnings("error")
 

@@ -4,7 +4,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from cuflash.plots import plot_memory, plot_throughput  # noqa: E402
+from cuflash.cli.plots import plot_memory, plot_throughput  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

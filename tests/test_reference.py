@@ -1,4 +1,4 @@
-"""The NumPy backend (cuflash.reference) and its block arithmetic (cuflash._blocks).
+"""The NumPy backend (cuflash.reference) and its block arithmetic (cuflash._ops.blocks).
 
 - The oracle first: naive attention against the seed's hand-worked example, a per-head loop and finite
   differences.
@@ -26,9 +26,10 @@ from _helpers import (
 )
 from scipy.special import softmax
 
-from cuflash import _blocks, reference
-from cuflash._blocks import Band
-from cuflash._variant import Variant
+from cuflash._ops import blocks as _blocks
+from cuflash import reference
+from cuflash._ops.blocks import Band
+from cuflash._ops.variant import Variant
 
 pytestmark = pytest.mark.filterwarnings("error")
 
@@ -531,7 +532,7 @@ def test_bench_cpu_runs_and_checks_before_timing():
     size the targets themselves are not expected to hold.)"""
     import io
 
-    from cuflash import bench_cpu
+    from cuflash.cli import bench_cpu
 
     out = io.StringIO()
     bench_cpu.main(["--batch", "1", "--heads", "2", "--seqlen", "256", "--head-dim", "32", "--repeats", "1",

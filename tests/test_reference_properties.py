@@ -12,9 +12,10 @@ from _helpers import max_abs_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cuflash import _blocks, reference
-from cuflash._blocks import Band
-from cuflash._variant import Variant
+from cuflash._ops import blocks as _blocks
+from cuflash import reference
+from cuflash._ops.blocks import Band
+from cuflash._ops.variant import Variant
 
 pytestmark = pytest.mark.filterwarnings("error")
 

@@ -165,7 +165,7 @@ def test_the_forward_copies_by_tma_where_a_call_allows_it(monkeypatch):
     assert name.startswith("cuflash::flash_fwd_sm90_tma_kernel<cuflash::bf16, 128,") and name.endswith("true>>")
     assert [e[1] for e in encoded] == [(96, 64, 2, 1), (96, 64, 2, 1), (64, 64, 2, 1)] and out.shape == (1, 64, 2, 64)
 
-    plan = attention.ForwardPlan(q, k, v, scale=0.1, variant=cuflash._variant.Variant(causal=True), block_q=None,
+    plan = attention.ForwardPlan(q, k, v, scale=0.1, variant=cuflash._ops.variant.Variant(causal=True), block_q=None,
                                  block_k=None)
     assert plan._launch is not None and plan.flat_call()[0].family == "fwd_sm90"
 
@@ -180,7 +180,7 @@ def test_the_backward_copies_by_tma_where_a_planned_call_allows_it(monkeypatch):
 
     import cuflash
     from cuflash._cuda import attention, spec
-    from cuflash._variant import Variant
+    from cuflash._ops.variant import Variant
 
     cp, recorder, encoded = _tma_stand_in(monkeypatch)
     monkeypatch.setattr(attention, "TMA_BACKWARD", True)  # (the default, whatever the environment says)
@@ -234,7 +234,7 @@ def test_the_backward_reads_head_dims_below_a_row_by_tma(monkeypatch):
 
     import cuflash
     from cuflash._cuda import attention
-    from cuflash._variant import Variant
+    from cuflash._ops.variant import Variant
 
     cp, recorder, encoded = _tma_stand_in(monkeypatch)
     monkeypatch.setattr(attention, "TMA_BACKWARD", True)

@@ -742,7 +742,7 @@ def test_the_host_profile_of_a_decode_call_runs_without_a_gpu(capsys):
     """tools/transformers_profile.py --host: a decode step's attention call at three entry points, the CUDA path
     emulated with the stand-in CuPy; it leaves cuflash as it found it."""
     import cuflash.torch as cft
-    from cuflash import _api
+    from cuflash._ops import api as _api
 
     before = cft._to_array, cft._backend_call, _api._kvcache_launches
     assert _tool("transformers_profile").main(["--host", "--steps", "3", "--top", "4"]) == 0
@@ -783,7 +783,7 @@ def test_a_decode_step_like_one_already_run_goes_straight_to_its_launch(monkeypa
     option, another stream or a length past the slots goes through the front door (which refuses the last)."""
     import numpy as np
 
-    from cuflash import _kvcache
+    from cuflash._ops import kvcache as _kvcache
     from cuflash._cuda.decode import DECODE_PARAMS_DTYPE
 
     recorder, through_front_door = _posed_cuda(monkeypatch, "_kvcache_backend")
@@ -881,7 +881,7 @@ def test_the_profile_script_names_the_cuflash_frame_of_a_synchronization():
     import numpy as np
 
     import cuflash
-    from cuflash import _validate
+    from cuflash._ops import validate as _validate
 
     tool = _tool("transformers_profile")
     where = os.path.join(os.path.dirname(cuflash.__file__), "_sync_example.py")

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from cuflash import __main__ as cli
-from cuflash import _api
+from cuflash.cli import main as cli
+from cuflash._ops import api as _api
 from cuflash._cuda import attention, tuning
 from cuflash._cuda.spec import TILES, Tile
 from cuflash._cuda.spec import spec as kernel_spec

@@ -21,7 +21,7 @@ from _helpers import LOW_PRECISION, assert_blocked_within_budget, float64_truth,
 
 import cuflash
 from cuflash import reference
-from cuflash._variant import Variant
+from cuflash._ops.variant import Variant
 
 pytestmark = pytest.mark.filterwarnings("error")
 

@@ -46,7 +46,7 @@ def poison_pool(cp, nbytes=1 << 30):
 
 def variant_for(offset, seqlen_q, seqlen_k):
     """The backends' Variant of the older scripts' causal offset (None, seqlen_k - seqlen_q or 0)."""
-    from cuflash._variant import Variant
+    from cuflash._ops.variant import Variant
 
     if offset is None:
         return Variant()

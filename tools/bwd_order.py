@@ -33,7 +33,7 @@ def main() -> None:
 
     from cuflash import _cuda as cuda
     from cuflash._cuda import attention as att
-    from cuflash._variant import Variant
+    from cuflash._ops.variant import Variant
 
     sys.path.insert(0, "tools")
     from variants_check import _warm_gpu

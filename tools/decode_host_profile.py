@@ -5,7 +5,7 @@ and profiled on the CPU, without a GPU.
 
 Two kinds of arrays:
 
-- default: ``cuflash.bench_decode``'s stand-ins (NumPy memory seen as CuPy arrays: shape, strides, dtype,
+- default: ``cuflash.cli.bench_decode``'s stand-ins (NumPy memory seen as CuPy arrays: shape, strides, dtype,
   ``data.ptr``) and a runtime whose launches do nothing: the launcher's Python path alone, the figure
   ``bench-decode`` prints first (``host_path_times``);
 - ``--cupy DIR``: the ``cupy`` module found first in DIR (a CPU emulation of CuPy, or on the GPU machine CuPy
@@ -106,7 +106,7 @@ def main(argv=None) -> None:
         cases = _cupy_cases(hq, hkv, args.head_dim)
         label = "through the cupy module (launches and compiles stubbed)"
     else:
-        from cuflash.bench_decode import host_path_cases
+        from cuflash.cli.bench_decode import host_path_cases
 
         cases = host_path_cases(hq=hq, hkv=hkv, d=args.head_dim)
         cases.pop("launches per step")

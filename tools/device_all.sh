@@ -29,5 +29,5 @@ if [ "${SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
     done
 fi
 python3 -m cuflash demo 2>&1 | tee "$out/demo.log" | tail -12
-python3 -m cuflash.bench_gpu --rep-ms "$rep" --json "$out/bench.json" --plot "$out/plots" "${@:2}" 2>&1 \
+python3 -m cuflash bench-gpu --rep-ms "$rep" --json "$out/bench.json" --plot "$out/plots" "${@:2}" 2>&1 \
     | tee "$out/bench.log" | grep -v '^{'

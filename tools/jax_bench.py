@@ -199,7 +199,7 @@ def in_program(shapes: list[str], dtype_name: str, causal: bool, calls: int, ite
         # The raw launches: the plan's arguments staged once, then cuLaunchKernel back to back (the kernel call's
         # launch: jaxlib loads the flat entry point of the same kernel, cuflash.jax plans the cp.async one)
         out, lse = cuflash.attention(cq, ck, cv, causal=causal, return_lse=True)
-        variant = cuflash._variant.Variant(causal=causal)
+        variant = cuflash._ops.variant.Variant(causal=causal)
         cuda_attention.TMA_FORWARD, tma = False, cuda_attention.TMA_FORWARD
         plan = cuda_attention.ForwardPlan(cq, ck, cv, scale=d ** -0.5, variant=variant, block_q=None, block_k=None)
         cuda_attention.TMA_FORWARD = tma

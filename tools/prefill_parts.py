@@ -19,7 +19,7 @@ def main() -> None:
     import ml_dtypes
 
     import cuflash
-    from cuflash import _api
+    from cuflash._ops import api as _api
     from cuflash._cuda import decode
 
     def timed(fn) -> float:

@@ -81,7 +81,7 @@ def _synchronizations(torch, found: collections.Counter):
     """Count, by (what, culprit): the synchronizing calls torch reports (``set_sync_debug_mode("warn")``), and
     cuflash's own host reads of device values on the CuPy side, which torch cannot see (``_validate._to_host``, the
     finite checks) with the runtime's context calls of the decode and forward plans (``make_context_current``)."""
-    from cuflash import _validate
+    from cuflash._ops import validate as _validate
     from cuflash._cuda import decode
 
     def show(message, category, filename, lineno, file=None, line=None):

@@ -147,7 +147,7 @@ CASES = [  # (label, options)
 
 
 def make_variant(opts, cp, batch, heads, rng, cu=None, maxlen=None, shape_qk=(0, 0)):
-    from cuflash._variant import Variant
+    from cuflash._ops.variant import Variant
 
     slopes = None
     if opts.get("alibi") == "heads":
@@ -319,8 +319,8 @@ def bench(args, rows):
     import triton.testing as tt
 
     from cuflash import _cuda as cuda
-    from cuflash._mods import user_mods
-    from cuflash._variant import Variant
+    from cuflash._ops.mods import user_mods
+    from cuflash._ops.variant import Variant
 
     d, hq = 128, 16
     seqlens = (2048, 8192) if args.quick else (2048, 4096, 8192, 16384)
@@ -456,7 +456,7 @@ def bias_bench(args, rows):
     import triton.testing as tt
 
     from cuflash import _cuda as cuda
-    from cuflash._variant import Variant
+    from cuflash._ops.variant import Variant
 
     b, h, n, d = (2, 16, 4096, 128) if args.quick else (4, 16, 8192, 128)
     q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
@@ -565,7 +565,7 @@ def head_dims_bench(args, rows):
     import triton.testing as tt
 
     from cuflash import _cuda as cuda
-    from cuflash._variant import Variant
+    from cuflash._ops.variant import Variant
 
     n, hq, b = 4096, 16, 4
     stream = cp.cuda.Stream.from_external(torch.cuda.current_stream())

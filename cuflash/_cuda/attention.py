@@ -1,6 +1,6 @@
 """FlashAttention-2 planning and launches: which kernel spec, which grid, which arguments.
 
-Arguments arrive validated and normalized from the front door (:mod:`cuflash._api`); only internal
+Arguments arrive validated and normalized from the front door (:mod:`cuflash._ops.api`); only internal
 assertions live here. Every kernel is described by a :class:`~.spec.KernelSpec` and compiled on first use
 (:mod:`.compile`); every FA2 kernel takes the call's variant as its policy type and one ``VariantParams``
 argument (``cuflash_kernels/variants.cuh``).
@@ -20,8 +20,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._gpu_memory import StreamSinks
-from .._variant import Variant, VariantArrays
+from .._ops.gpu_memory import StreamSinks
+from .._ops.variant import Variant, VariantArrays
 from . import fa1, naive, tensor_map, tuning
 from .compile import PackedLaunch, arch_class, check_smem, device_info, launch
 from .spec import (BIAS_CTYPES, BLOCK_COMPACT, BWD_HEAD_DIMS, CTYPES, EXTRA_POINTER_FIELDS, FA1_BWD_HEAD_DIMS,
@@ -498,7 +498,7 @@ def plan_forward(q, k, v, *, scale, variant: Variant, algorithm, block_q, block_
 # launch's arguments packed for cuLaunchKernel (compile.PackedLaunch) with every value the layouts and options
 # decide, and the variant's records. A run allocates the outputs, writes the arrays' addresses into the packed
 # arguments and launches on the current stream. Every FA2 call runs through one (made for the call, or kept by
-# the front door for calls that repeat: it keys them by everything the plan depends on, cuflash._api).
+# the front door for calls that repeat: it keys them by everything the plan depends on, cuflash._ops.api).
 
 _RUNTIME = None
 

@@ -1,4 +1,4 @@
-"""Shared-prefix (cascade) attention on the GPU, planned: :mod:`cuflash._cascade`'s steps as four launches.
+"""Shared-prefix (cascade) attention on the GPU, planned: :mod:`cuflash._ops.cascade`'s steps as four launches.
 
 A :class:`CascadeLaunch` holds everything a call's shapes, strides, dtype and options decide, as
 :class:`.decode.DecodeLaunch` does for one decode call; :meth:`CascadeLaunch.run` writes the call's addresses and
@@ -14,7 +14,7 @@ launches, on the current stream:
 4. ``cascade_merge_kernel`` (``[cascade merge]``): the chunks' and the suffix's parts of every row merged exactly
    (``merge_stacked``'s steps), in the input dtype with its lse.
 
-No host work beyond the launches and no allocation but the result's; the reference (:func:`cuflash._cascade.
+No host work beyond the launches and no allocation but the result's; the reference (:func:`cuflash._ops.cascade.
 cascade`) composes the same steps of public operations, which the CuPy arrays also run where this plan does not
 apply (:func:`eligible`).
 """
@@ -25,7 +25,7 @@ import threading
 
 import numpy as np
 
-from .._variant import Variant, VariantArrays
+from .._ops.variant import Variant, VariantArrays
 from . import attention, decode
 from .spec import CTYPES, DECODE_HEAD_DIMS, HEAD_DIMS
 from .spec import spec as kernel_spec

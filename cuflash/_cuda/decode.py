@@ -1,5 +1,5 @@
 """KV-cache decoding on the GPU: rotary, the in-place append, split-KV attention and the merge (``decode.cu``),
-planned as :func:`cuflash.reference_decode.forward_kvcache` does it step by step ([decode rotary], [decode
+planned as :func:`cuflash.reference.decode.forward_kvcache` does it step by step ([decode rotary], [decode
 append], [decode split], [decode merge]; ``docs/decoding.md``).
 
 Plan once, run every step. A :class:`DecodeLaunch` is everything about a call that its shapes, strides, dtype and
@@ -19,7 +19,7 @@ keyed by everything they depend on, so the front door pays the planning once per
 What runs: head dims 32, 64, 96, 128 and 256 with ``head_dim_v == head_dim``, and MLA's absorbed decoding (head dim
 576, ``v_cache = k_cache[..., :512]``, on sm_90); float16 and bfloat16, contiguous or paged caches of any page size,
 GQA packing, causal (bottom-right) masks, windows, softcap and ALiBi. Rotary embedding runs as CuPy array
-operations (:func:`cuflash.reference_decode.apply_rotary`) before the kernels.
+operations (:func:`cuflash.reference.decode.apply_rotary`) before the kernels.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from typing import Callable
 
 import numpy as np
 
-from .. import _chunked_prefill
-from .._kvcache import KVCache
-from .._variant import Variant
-from ..reference_decode import apply_rotary
+from .._ops import chunked_prefill as _chunked_prefill
+from .._ops.kvcache import KVCache
+from .._ops.variant import Variant
+from ..reference.decode import apply_rotary
 from .compile import check_smem, device_info, kernel, launch
 from . import spec as _spec
 from .spec import CTYPES, DECODE_HEAD_DIMS, DECODE_MLA_DIMS, decode_family
@@ -391,7 +391,7 @@ class DecodeLaunch:
         (called with the lock held, before the launch): the caches' strides, the capacity ([decode guard]), the
         window's edges clamped to it, the split count (``splits_for``'s, at most one per key tile) with the split
         kernel's grid, and a larger workspace for the partials when the count outgrows it. The front door checked
-        the rest (``cuflash._api._fits``); everything else the launch holds is the same for every slot count."""
+        the rest (``cuflash._ops.api._fits``); everything else the launch holds is the same for every slot count."""
         self._fit_layout(k_cache.shape[1], k_cache.strides, v_cache.strides, k_cache.itemsize)
 
     def _fit_layout(self, slots: int, k_strides: tuple, v_strides: tuple, itemsize: int) -> None:
@@ -437,7 +437,7 @@ class DecodeLaunch:
 
     def expect(self, layouts: tuple, out_layout, lse_layout, validate) -> None:
         """Every step's arrays must have these layouts (``(type, shape, strides, dtype)`` or None for an array not
-        given, as :mod:`cuflash._decode_plan` spells them): ``layouts`` in the order of :meth:`run`'s arguments from
+        given, as :mod:`cuflash._ops.decode_plan` spells them): ``layouts`` in the order of :meth:`run`'s arguments from
         ``q`` to ``alibi_slopes``, then ``out``'s and ``lse``'s. A step compares only the arrays that are not the
         objects of the step before with them (an ``out`` or ``lse`` it allocates too), and calls ``validate``
         (:class:`cuflash.DecodePlan`'s check, which names the array and both layouts) with all its arguments when
@@ -630,7 +630,7 @@ class DecodeLaunch:
 
 class ChunkedPrefillLaunch:
     """A decode call with many query tokens over a contiguous cache (chunked prefill), planned once and run as
-    two launches on the current stream (:mod:`cuflash._chunked_prefill`; ``decode.cu``):
+    two launches on the current stream (:mod:`cuflash._ops.chunked_prefill`; ``decode.cu``):
 
     1. ``decode_append_kernel`` ([decode append] and [prefill lengths]): the new keys and values into their slots,
        and each sequence's key count ``cache_seqlens[b] + seqlen_new`` (-1 out of range) into the launch's
@@ -651,8 +651,8 @@ class ChunkedPrefillLaunch:
     def __init__(self, q, k_cache, v_cache, k, v, *, cache: KVCache, scale: float, variant: Variant, out=None,
                  runtime=None):
         from . import attention
-        from .._validate import Problem
-        from .._variant import VariantArrays
+        from .._ops.validate import Problem
+        from .._ops.variant import VariantArrays
 
         rt = runtime if runtime is not None else CupyRuntime()
         rt.check_supported(q, k_cache, v_cache)
@@ -767,7 +767,7 @@ def _rotated(q, k, cache_seqlens, rotary_cos, rotary_sin, interleaved: bool, con
 
 
 def _runs_as_prefill(q, k_cache, v_cache, cache: KVCache) -> bool:
-    """Whether a call runs as the forward over the cache (:func:`cuflash._chunked_prefill.eligible`, and a batch)."""
+    """Whether a call runs as the forward over the cache (:func:`cuflash._ops.chunked_prefill.eligible`, and a batch)."""
     return q.shape[0] > 0 and q.shape[2] > 0 and _chunked_prefill.eligible(q.shape[1], cache, q.shape[3],
                                                                             v_cache.shape[3])
 
@@ -833,7 +833,7 @@ def merge_partials(o_part, lse_part, out, lse) -> None:
     any strides with a contiguous last axis) and ``lse`` (``(batch, heads_q, seqlen_q)``, contiguous float32) from
     the splits' partials ``o_part`` ``(splits, batch, heads_q, seqlen_q, dv)`` and ``lse_part`` ``(splits, batch,
     heads_q, seqlen_q)`` (contiguous float32), as the split kernel leaves them: the kernel that
-    :func:`cuflash._merge.merge_stacked` mirrors, launched by itself (its GPU test)."""
+    :func:`cuflash._ops.merge.merge_stacked` mirrors, launched by itself (its GPU test)."""
     splits, batch, heads_q, seqlen_q, dv = o_part.shape
     assert lse_part.shape == o_part.shape[:-1] and out.shape == (batch, seqlen_q, heads_q, dv)
     assert lse.shape == (batch, heads_q, seqlen_q) and o_part.flags.c_contiguous and lse_part.flags.c_contiguous
@@ -853,10 +853,10 @@ def plan_kvcache(q, k_cache, v_cache, k, v, *, cache: KVCache, scale: float, var
     """The launches of a decode call with these arrays' shapes and strides and these options: compiles the kernels
     and allocates the workspace now. ``shared=False`` (:func:`cuflash.plan_kvcache`): a launch of the caller's
     own; True: the one that :func:`forward_kvcache` keeps for these arguments on the current stream (the front
-    door's repeated calls). A call of at least ``cuflash._chunked_prefill.MIN_SEQLEN_Q`` query tokens over a
+    door's repeated calls). A call of at least ``cuflash._ops.chunked_prefill.MIN_SEQLEN_Q`` query tokens over a
     contiguous cache without ``cache_leftpad`` or ``cache_batch_idx`` gets a :class:`ChunkedPrefillLaunch` (the
     forward kernels over the cache), any other a :class:`DecodeLaunch`. ``splits_for`` (the front door's calls over
-    a cache that grows, which append nothing and run the decode kernels over a contiguous cache: ``cuflash._api.
+    a cache that grows, which append nothing and run the decode kernels over a contiguous cache: ``cuflash._ops.api.
     _grows``): a :class:`DecodeLaunch` of the caller's own that takes caches of any slot count and strides, with the
     split count ``splits_for(slots)`` (before the launch's limit of one split per key tile)."""
     if splits_for is not None:

@@ -3,7 +3,7 @@
 A :class:`KernelSpec` names a kernel family (its source file, C++ template and shared-memory formula: one
 :class:`Family` row each, in :data:`FAMILIES`), a dtype, a head dim, a tile (:data:`TILES`, the tuned table)
 and a variant (the C++ policy type of ``cuflash_kernels/variants.cuh``, spelled by :func:`variant_type`
-from a :class:`cuflash._variant.Variant`). Its NVRTC name expression, NVRTC options, dynamic shared memory
+from a :class:`cuflash._ops.variant.Variant`). Its NVRTC name expression, NVRTC options, dynamic shared memory
 and thread count are properties of the spec, and :func:`instantiations` lists the representative set that
 CI compiles from the same specs. The launcher (:mod:`.attention`, :mod:`.fa1`) only plans: which spec, which
 grid, which arguments.
@@ -17,8 +17,8 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from .._philox import THRESHOLD_ONE, keep_threshold
-from .._variant import Variant
+from .._ops.philox import THRESHOLD_ONE, keep_threshold
+from .._ops.variant import Variant
 
 __all__ = [
     "Tile", "TILES", "HEAD_DIMS", "BWD_HEAD_DIMS", "Family", "FAMILIES", "KernelSpec", "NVRTC_OPTIONS",
@@ -273,7 +273,7 @@ EXTRA_POINTER_FIELDS = (EXTRA_PARAMS_DTYPE.fields["bias"][1], EXTRA_PARAMS_DTYPE
                         EXTRA_PARAMS_DTYPE.fields["tile_count"][1], EXTRA_PARAMS_DTYPE.fields["tile_list"][1])
 
 # The C++ source of each user-mod policy type in use (name -> source), appended to the kernel source of
-# any instantiation whose name expression names it (cuflash/_mods.py generates them; the name is a hash of
+# any instantiation whose name expression names it (cuflash/_ops/mods.py generates them; the name is a hash of
 # the expressions, so one name is one source).
 PRELUDES: dict[str, str] = {}
 
@@ -861,7 +861,7 @@ def instantiations() -> list[KernelSpec]:
                     for has_dq in ((True, False) if fam.startswith("bwd") and flags is plain else (fam.startswith("bwd"),)):
                         add(KernelSpec(fam, "bfloat16", d, tile, biased(flags, bias, dropout), has_dq, "sm90a"))
     # A user score_mod and mask_mod reading an array (the generated policy type), causal, in every FA2 family.
-    from .._mods import user_mods
+    from .._ops.mods import user_mods
 
     mods = user_mods("score * 0.5f + (q_idx - kv_idx) * 0.01f", "kv_idx < prefix[b] || doc[q_idx] == doc[kv_idx]",
                      {"prefix": np.zeros(1, np.int32), "doc": np.zeros(1, np.int32)})

@@ -176,7 +176,7 @@ def forget_tables() -> None:
 
 def _forget_plans() -> None:
     """The front door's remembered plans hold their tiles: forgotten when the tile of a call changes."""
-    from .. import _api
+    from .._ops import api as _api
 
     _api._checked_calls.clear()
 
@@ -310,7 +310,7 @@ def main(argv=None, prog: str = "python -m cuflash tune") -> int:
                 print(f"{direction} d {d}: {len(tiles)} candidates: " + " ".join(
                     f"{t.block_m}x{t.block_n}/{t.warps}w/{t.stages}s" for t in tiles))
         return 0
-    from ..__main__ import _cupy_status, gpu_available
+    from ..cli.main import _cupy_status, gpu_available
 
     if not gpu_available():
         print(f"{prog}: error: tuning needs CuPy and a CUDA GPU ({_cupy_status()[1]}); --dry-run lists the "

@@ -17,9 +17,9 @@ import threading
 import ml_dtypes
 import numpy as np
 
-from .._variant import Variant, VariantArrays
+from .._ops.variant import Variant, VariantArrays
 from . import tensor_map
-from .._api import CallMemo
+from .._ops.api import CallMemo
 from .attention import (_c_strides, _element_strides, _mappable, _Plan, _tensor_map, _VariantArgs, call_context, cdiv, i32,
                         rows_map, shape_of, strides)
 from .compile import PackedLaunch, check_smem, device_info
@@ -189,7 +189,7 @@ def plan_fp8(q, k, v, *, scale: float, variant: Variant) -> VtForwardPlan | None
 
 
 def forward_fp8(q, k, v, *, scale: float, variant: Variant, descale=None):
-    """``(out, lse)`` of the FP8 forward (the caller validated the call: :func:`cuflash._api.attention`'s FP8 path);
+    """``(out, lse)`` of the FP8 forward (the caller validated the call: :func:`cuflash._ops.api.attention`'s FP8 path);
     ``descale``: a C-contiguous float32 (3, batch, heads_kv) CuPy array or None."""
     import cupy
 

@@ -87,7 +87,7 @@ def _host_times(cupy, cuflash, hq: int, hkv: int, d: int, calls: int) -> dict:
     out = cupy.empty((batch, 1, hq, d), dtype=dtype)
     lse = cupy.empty((batch, hq, 1), dtype=cupy.float32)
     stream = cupy.cuda.Stream(non_blocking=True)
-    from ._cuda import decode
+    from .._cuda import decode
 
     with stream:
         plan = cuflash.plan_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, causal=True, out=out)
@@ -210,9 +210,9 @@ def host_path_cases(*, hq: int = 32, hkv: int = 8, d: int = 128, launch=None) ->
     instead). Three steps: the decode loop's over persistent buffers (the same arrays every step, out= and lse=
     given: the record already holds their addresses), a model's (new q, k, v objects every step, the caches,
     lengths, out and lse kept: those three are compared and written) and one with new out and lse arrays."""
-    from . import _api
-    from ._cuda.decode import DecodeLaunch
-    from ._decode_plan import DecodePlan, layouts_of
+    from .._ops import api as _api
+    from .._cuda.decode import DecodeLaunch
+    from .._ops.decode_plan import DecodePlan, layouts_of
 
     rng = np.random.default_rng(0)
     cache, batch = 256, 1
@@ -550,7 +550,7 @@ def _mla_rows(args) -> list[dict]:
                                            lse=lse))
                 s_b2b = _back_to_back(torch, lambda: plan.run(cq, cpool, vview, cache_seqlens=lens,
                                                               block_table=ctable, out=out, lse=lse))
-                from ._cuda import spec as cuda_spec
+                from .._cuda import spec as cuda_spec
 
                 def timed_without(switch):
                     """The same call planned with one of the launcher's switches off, timed."""
@@ -766,7 +766,7 @@ class _decode_kernels_forced:
     door and the backend are forgotten on entry and exit, since they were chosen under the other threshold)."""
 
     def __enter__(self):
-        from . import _api, _chunked_prefill
+        from .._ops import api as _api, chunked_prefill as _chunked_prefill
 
         self._module, self._saved = _chunked_prefill, _chunked_prefill.MIN_SEQLEN_Q
         _chunked_prefill.MIN_SEQLEN_Q = 1 << 62
@@ -774,7 +774,7 @@ class _decode_kernels_forced:
         return self
 
     def __exit__(self, *exc):
-        from . import _api
+        from .._ops import api as _api
 
         self._module.MIN_SEQLEN_Q = self._saved
         self._forget(_api)
@@ -783,7 +783,7 @@ class _decode_kernels_forced:
     def _forget(api) -> None:
         api._kvcache_launches.clear()
         try:
-            from ._cuda import decode
+            from .._cuda import decode
         except ImportError:
             return
         decode._LAUNCHES.clear()
@@ -892,7 +892,7 @@ def _plot(rows: list[dict], path: str) -> None:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    from .__main__ import gpu_available
+    from .main import gpu_available
 
     if args.cascade:
         rows = _cascade_rows_gpu(args) if gpu_available() else _cascade_rows_cpu(args)

@@ -8,11 +8,11 @@ Two measurements, each after checking the blocked results against naive:
   ``seqlen x seqlen`` score matrix dominates and the blocked paths keep only tiles.
 
 The blocked paths use the reference's default tiles (square, from one core's L2 cache:
-``cuflash._blocks.cpu_block_sizes``) unless ``--block`` or ``--sram-elems`` says otherwise; the FA2 forward runs
+``cuflash._ops.blocks.cpu_block_sizes``) unless ``--block`` or ``--sram-elems`` says otherwise; the FA2 forward runs
 its query blocks on ``$CUFLASH_CPU_THREADS`` threads (``--threads``), BLAS on one thread (``docs/cpu-performance.md``).
 
 Targets: FA2 forward within 1.2x of naive time; blocked peak memory below a tenth of naive's.
-Run with ``python -m cuflash bench-cpu [options]`` or ``python -m cuflash.bench_cpu``.
+Run with ``python -m cuflash bench-cpu [options]`` or ``python -m cuflash.cli.bench_cpu``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import tracemalloc
 
 import numpy as np
 
-from . import _blocks, reference
+from .._ops import blocks as _blocks
+from .. import reference
 
 ALGORITHMS = {"naive": reference.naive_forward, "fa2": reference.fa2_forward, "fa1": reference.fa1_forward}
 TIME_TARGET = 1.2  # FA2 forward time / naive forward time
@@ -50,7 +51,7 @@ def _parser(prog: str = "python -m cuflash bench-cpu") -> argparse.ArgumentParse
                         help="heads for the peak-memory measurement, batch 1 (default 2)")
     parser.add_argument("--block", type=int, default=None, metavar="B",
                         help="square B x B tiles for the blocked paths (default: from the L2 cache, "
-                             "cuflash._blocks.cpu_block_sizes)")
+                             "cuflash._ops.blocks.cpu_block_sizes)")
     parser.add_argument("--sram-elems", type=int, default=None,
                         help="tiles by the seed rule with an on-chip budget of M elements instead "
                              f"(the earlier default was {_blocks.DEFAULT_SRAM_ELEMS})")

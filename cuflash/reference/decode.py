@@ -13,13 +13,13 @@ on both sides (``grep -rn "decode split" cuflash cuflash_kernels``; the list is 
    head's tiles at once, the group axis broadcast against one K/V load, as in :mod:`cuflash.reference`.
 4. ``[decode split]`` the key tiles that the tile's rows can see (on the grid of multiples of ``block_n`` in the
    sequence's key positions, bounded by the band) are cut into ``num_splits`` parts
-   (:func:`cuflash._blocks.split_range`); each part runs FlashAttention-2's online softmax over its tiles
+   (:func:`cuflash._ops.blocks.split_range`); each part runs FlashAttention-2's online softmax over its tiles
    (``[fa2-fwd 2]`` .. ``[fa2-fwd 6]``) and leaves a normalized partial output ``o_s`` and its ``lse_s`` in
    float32 (float64 for float64 inputs), ``lse_s = -inf`` for a part with no visible key.
 5. ``[decode page]`` key position ``j`` of sequence ``b`` is slot ``p = cache_leftpad[b] + j``: row
    ``cache_batch_idx[b]`` of a contiguous cache, or page ``block_table[b, p // page_size]``, slot
    ``p % page_size`` of a paged one; a tile of keys is gathered slot by slot (any page size, pages in any order).
-6. ``[decode merge]`` the parts are combined exactly (:func:`cuflash._merge.merge_stacked`, the same math as
+6. ``[decode merge]`` the parts are combined exactly (:func:`cuflash._ops.merge.merge_stacked`, the same math as
    :func:`cuflash.merge_states`) and cast to the input dtype. With one split the part is the output (no merge).
 
 ``[decode guard]`` index values out of range, as the kernels treat them (they cannot be checked on the host
@@ -43,21 +43,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _merge
-from ._blocks import iter_blocks, key_range, split_range, tile_is_fully_masked
-from ._kvcache import KVCache, Rotary
-from ._variant import Variant
-from .reference import (
-    _acc_dtype,
-    _cast_like_kernel,
-    _finish_lse,
-    _grouped,
-    _grouped_rows,
-    _load,
-    _online_softmax_step,
-    _score_mods,
-    _scores,
-)
+from .._ops import merge as _merge
+from .._ops.blocks import iter_blocks, key_range, split_range, tile_is_fully_masked
+from .._ops.kvcache import KVCache, Rotary
+from .._ops.variant import Variant
+from . import (_acc_dtype, _cast_like_kernel, _finish_lse, _grouped, _grouped_rows, _load, _online_softmax_step,
+               _score_mods, _scores)
 
 __all__ = ["forward_kvcache", "apply_rotary", "rotary_positions"]
 

@@ -1,6 +1,6 @@
 """What changes the scores of one attention call: the backends' normalized view of the variant options.
 
-The front door (:mod:`cuflash._api`) validates the user's options (``causal``, ``window_size``,
+The front door (:mod:`cuflash._ops.api`) validates the user's options (``causal``, ``window_size``,
 ``softcap``, ``alibi_slopes``, ``cu_seqlens_q``/``cu_seqlens_k``, ``seqused_k``, ``bias``, ``attn_mask``) and
 hands every backend
 one :class:`Variant`. The math of each piece, in the forward and the backward, is in
@@ -9,16 +9,16 @@ one :class:`Variant`. The math of each piece, in the forward and the backward, i
 - **sequences** (:meth:`Variant.lengths`): which rows of the arrays form sequence ``b`` (packed
   variable-length batches) and how many of its keys are used (``seqused_k``);
 - **the band** (:meth:`Variant.band`): which keys a query row sees by position (causal masking and
-  sliding windows), from which the loop bounds of both backends follow (:mod:`cuflash._blocks`);
+  sliding windows), from which the loop bounds of both backends follow (:mod:`cuflash._ops.blocks`);
 - **score modifications**: softcap, ALiBi and an additive bias change the visible scores before the
   softmax; softcap's derivative multiplies dS in the backward, and the bias's gradient is the gradient of
   the final scores, ``dT``;
 - **user modifications** (``mods``, ``mod_arrays``): the user's ``score_mod`` (a CUDA C expression applied
   to the scaled score last, with its derivative in the backward) and ``mask_mod`` (AND-ed with the other
-  masks; whole tiles it masks are skipped), parsed by :mod:`cuflash._mods`;
+  masks; whole tiles it masks are skipped), parsed by :mod:`cuflash._ops.mods`;
 - **dropout** (:meth:`Variant.keep`): after the softmax, each probability is kept with probability
   ``1 - dropout_p`` (and scaled by ``1 / (1 - dropout_p)``) or zeroed, by a counter-based generator
-  (:mod:`cuflash._philox`) that the backward evaluates again; the lse is that of the undropped scores.
+  (:mod:`cuflash._ops.philox`) that the backward evaluates again; the lse is that of the undropped scores.
 
 A plain dense call is ``Variant()``.
 """
@@ -29,8 +29,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ._blocks import Band
-from ._philox import dropout_keep
+from .blocks import Band
+from .philox import dropout_keep
 
 __all__ = ["Variant", "VariantArrays"]
 
@@ -56,7 +56,7 @@ class VariantArrays(NamedTuple):
 
 @dataclass(frozen=True, eq=False)
 class Variant:
-    """Normalized variant options (validated by :mod:`cuflash._validate`; backends trust them).
+    """Normalized variant options (validated by :mod:`cuflash._ops.validate`; backends trust them).
 
     Attributes
     ----------
@@ -94,7 +94,7 @@ class Variant:
         In ``[0, 2**64)``, the Philox key; given whenever ``dropout_p > 0``.
     dropout_offset : int
         In ``[0, 2**64)``, folded into the Philox counter (flash-attention's philox offset).
-    mods : cuflash._mods.UserMods or None
+    mods : cuflash._ops.mods.UserMods or None
         The user's ``score_mod`` and ``mask_mod``, parsed and typed (hashable: equal mods generate the same C++
         struct, ``mods.type_name`` / ``mods.source``), and the names and dtypes of the arrays they read.
     mod_arrays : tuple or None
@@ -160,7 +160,7 @@ class Variant:
 
     def keep(self, b, h, i, j):
         """The dropout keep mask of scores ``(b, h, i, j)`` (broadcast index arrays; positions within the
-        sequence, ``b`` its index), or None without dropout. See :func:`cuflash._philox.dropout_keep`."""
+        sequence, ``b`` its index), or None without dropout. See :func:`cuflash._ops.philox.dropout_keep`."""
         if not self.dropout_p:
             return None
         return dropout_keep(self.dropout_seed, self.dropout_offset, self.dropout_p, b, h, i, j)

@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from ._kvcache import uniform_seqlens
+from .kvcache import uniform_seqlens
 
 __all__ = ["DecodePlan"]
 

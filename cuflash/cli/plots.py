@@ -36,7 +36,7 @@ def plot_throughput(rows: Sequence[dict], path, *, title: str = "", unit: str = 
     """Throughput against sequence length: one panel per (dtype, pass) row and (head_dim, causal) column.
 
     ``rows`` hold ``dtype``, ``d``, ``causal``, ``N`` and ``"<system> fwd"`` / ``"<system> fwd+bwd"`` in
-    ``unit`` (as :func:`cuflash.bench_gpu.run_grid` returns them); every system and pass found is drawn.
+    ``unit`` (as :func:`cuflash.cli.bench_gpu.run_grid` returns them); every system and pass found is drawn.
     """
     plt = _pyplot()
     dtypes = sorted({r["dtype"] for r in rows})

@@ -11,7 +11,7 @@ in the decode call. :func:`forward_over_cache` composes it of array operations, 
 launch (:class:`cuflash._cuda.decode.ChunkedPrefillLaunch`) runs it in two kernels:
 
 1. ``[decode rotary]`` q and the new keys rotated at their positions
-   (:func:`cuflash.reference_decode.apply_rotary`, in the array module of the inputs; on CuPy the same operations);
+   (:func:`cuflash.reference.decode.apply_rotary`, in the array module of the inputs; on CuPy the same operations);
 2. ``[decode append]`` the new keys and values written into slots ``cache_seqlens[b] ..`` of cache row ``b`` (an
    indexed assignment, v first, then k), and ``[prefill lengths]`` each sequence's key count ``seqused_k =
    cache_seqlens + seqlen_new`` (CUDA: ``decode_append_kernel``, one launch for both);
@@ -34,9 +34,9 @@ import dataclasses
 
 import numpy as np
 
-from ._kvcache import KVCache, Rotary
-from ._variant import Variant
-from .reference_decode import apply_rotary
+from .kvcache import KVCache, Rotary
+from .variant import Variant
+from ..reference.decode import apply_rotary
 
 __all__ = ["MIN_SEQLEN_Q", "eligible", "forward_over_cache", "bits"]
 

@@ -1,7 +1,7 @@
 """The normalized options of decoding with a KV cache (:func:`cuflash.attention_with_kvcache`).
 
-The front door (:mod:`cuflash._api`) checks the user's arguments (:func:`cuflash._validate.kvcache`) and hands
-each backend one :class:`KVCache` beside the usual :class:`~cuflash._variant.Variant` (causal masking, window,
+The front door (:mod:`cuflash._ops.api`) checks the user's arguments (:func:`cuflash._ops.validate.kvcache`) and hands
+each backend one :class:`KVCache` beside the usual :class:`~cuflash._ops.variant.Variant` (causal masking, window,
 softcap, ALiBi). Its meaning, for batch entry ``b`` (``docs/decoding.md``):
 
 - the cache of the sequence holds its keys in slots ``cache_leftpad[b] .. cache_seqlens[b] - 1`` (``leftpad``
@@ -77,9 +77,9 @@ class KVCache:
     rotary : Rotary or None
     num_splits : int
         Parts each sequence's visible key tiles are split into (>= 1; the automatic count already chosen by
-        :func:`cuflash._blocks.decode_num_splits`); 1 means no merge.
+        :func:`cuflash._ops.blocks.decode_num_splits`); 1 means no merge.
     block_m, block_n : int
-        Packed query rows and keys per tile (:func:`cuflash._blocks.decode_block_sizes`).
+        Packed query rows and keys per tile (:func:`cuflash._ops.blocks.decode_block_sizes`).
     """
 
     cache_seqlens: Any

@@ -19,7 +19,7 @@ probabilities ``P`` are rounded to the input dtype before ``P @ V`` and ``P^T @ 
 ``dS @ K`` and ``dS^T @ Q``. Outputs and gradients come back in the input dtype, ``lse`` in the
 accumulation dtype.
 
-Variants. A :class:`~cuflash._variant.Variant` changes four things, each in one place
+Variants. A :class:`~cuflash._ops.variant.Variant` changes four things, each in one place
 (``docs/variants.md`` has the math):
 
 - which rows form a sequence: every function runs its block loops once per sequence
@@ -27,8 +27,8 @@ Variants. A :class:`~cuflash._variant.Variant` changes four things, each in one 
   does: one run over the whole batch when every batch entry has the same lengths, one per sequence for
   packed variable-length batches (``cu_seqlens``) and for key padding (``seqused_k``, whose keys past the
   used ones are never loaded);
-- which keys a row sees by position (a :class:`~cuflash._blocks.Band`: causal masking, sliding windows):
-  the block loops visit only tiles that some row can see (bounds from :mod:`cuflash._blocks`) and build
+- which keys a row sees by position (a :class:`~cuflash._ops.blocks.Band`: causal masking, sliding windows):
+  the block loops visit only tiles that some row can see (bounds from :mod:`cuflash._ops.blocks`) and build
   a mask only for tiles crossing an edge of the band (``[variant mask]``);
 - the scores themselves: softcap, ALiBi and an additive bias (``bias`` and ``attn_mask``, one array)
   modify every score of a tile in :func:`_scores` (``[variant mod]``); in the backward softcap's
@@ -42,7 +42,7 @@ Rows that see no key. A row that sees no key has running max ``-inf``; every ``e
 subtracts :func:`_shift` of the max (``0`` in place of ``-inf``) so that such a row gives ``P = 0``,
 ``out = 0``, ``lse = -inf`` and zero gradients, with no NaN and no floating-point warning.
 
-Like every backend, these functions trust their arguments: the front door (``cuflash._api``) has
+Like every backend, these functions trust their arguments: the front door (``cuflash._ops.api``) has
 already validated shapes, dtypes, strides and options.
 """
 
@@ -58,19 +58,10 @@ from typing import NamedTuple
 import ml_dtypes
 import numpy as np
 
-from . import _mods
-from ._blocks import (
-    Band,
-    cache_bytes,
-    cpu_block_sizes,
-    default_block_sizes,
-    iter_blocks,
-    key_range,
-    query_range,
-    tile_is_fully_masked,
-    tile_needs_mask,
-)
-from ._variant import Variant
+from .._ops import mods as _mods
+from .._ops.blocks import (Band, cache_bytes, cpu_block_sizes, default_block_sizes, iter_blocks, key_range, query_range,
+                           tile_is_fully_masked, tile_needs_mask)
+from .._ops.variant import Variant
 
 __all__ = [
     "forward",
@@ -148,7 +139,7 @@ _P_SCALE_FP8 = 256.0
 
 def _resolve_block_sizes(head_dim, block_q, block_k, pass_):
     """The tiles of a call: those given, the others by default; forward from the CPU cache
-    (:func:`~cuflash._blocks.cpu_block_sizes`), backward by the seed rule (:func:`~cuflash._blocks.default_block_sizes`)."""
+    (:func:`~cuflash._ops.blocks.cpu_block_sizes`), backward by the seed rule (:func:`~cuflash._ops.blocks.default_block_sizes`)."""
     if pass_ == "forward":
         default_q, default_k = cpu_block_sizes(head_dim, cache=_l2_bytes())
     else:
@@ -158,7 +149,7 @@ def _resolve_block_sizes(head_dim, block_q, block_k, pass_):
 
 @functools.lru_cache(maxsize=1)
 def _l2_bytes() -> int:
-    """One core's L2 cache in bytes, read once per process (:func:`~cuflash._blocks.cache_bytes`)."""
+    """One core's L2 cache in bytes, read once per process (:func:`~cuflash._ops.blocks.cache_bytes`)."""
     return cache_bytes(2)
 
 
@@ -324,7 +315,7 @@ class _UserMods(NamedTuple):
     arrays: dict                 # name -> the NumPy array of mod_arrays
     b: np.ndarray                # (nb, 1, 1, 1, 1): the batch entries' (or the packed sequence's) indices
     h: np.ndarray                # (1, heads_kv, group, 1, 1): the query head of each grouped position
-    # The block map of mask_mod for this run's tiles (cuflash._mods.block_map), reduced over its batch entries
+    # The block map of mask_mod for this run's tiles (cuflash._ops.mods.block_map), reduced over its batch entries
     # and heads, as the reference runs them all at once: a tile whose max is 0 is skipped (no visible score),
     # one whose min is 2 needs no mask_mod. None: no mask_mod, or no tiles (naive attention evaluates it all).
     tile_max: np.ndarray | None

@@ -1,8 +1,8 @@
 """Every user-facing check of cuflash, in one place.
 
 Each check raises before any computation starts, with a message that names the argument, what was
-expected and what was given. The front door (:mod:`cuflash._api`) calls these and hands the backends
-normalized values only: a Python float scale, a :class:`~cuflash._variant.Variant` (causal masking,
+expected and what was given. The front door (:mod:`cuflash._ops.api`) calls these and hands the backends
+normalized values only: a Python float scale, a :class:`~cuflash._ops.variant.Variant` (causal masking,
 window, softcap, ALiBi slopes, packed sequences, used keys, one additive bias), positive integer block sizes (or ``None``),
 a known algorithm and backward order.
 
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _mods
-from ._kvcache import uniform_seqlens
-from ._variant import Variant
+from . import mods as _mods
+from .kvcache import uniform_seqlens
+from .variant import Variant
 
 ALGORITHMS = ("fa2", "fa1", "naive")
 # How float32 inputs are multiplied (attention's fp32_precision): 3xTF32 on the tensor cores (float32 accuracy), one
@@ -595,7 +595,7 @@ def dropout(dropout_p, dropout_seed, dropout_offset) -> tuple[float, int | None,
 
 
 def user_mods(score_mod, mask_mod, mod_arrays) -> tuple:
-    """``(mods, arrays)``: the user's ``score_mod`` and ``mask_mod`` parsed (a :class:`cuflash._mods.UserMods`,
+    """``(mods, arrays)``: the user's ``score_mod`` and ``mask_mod`` parsed (a :class:`cuflash._ops.mods.UserMods`,
     or None when neither is given) and the arrays of ``mod_arrays`` they read, in its slot order.
 
     ``mod_arrays``: a dict of at most four names (C identifiers, none of the variables, functions or keywords)
@@ -864,11 +864,11 @@ def kvcache(q, k_cache, v_cache, k, v, *, cache_seqlens, rotary_cos, rotary_sin,
     """Every check of :func:`cuflash.attention_with_kvcache` but the variant's: ``(problem, cache)``.
 
     ``problem`` is the call as an attention :class:`Problem` (``seqlen_k`` the cache's capacity per sequence,
-    ``head_dim_v`` v_cache's head dim); ``cache`` a :class:`cuflash._kvcache.KVCache` with ``num_splits`` as
+    ``head_dim_v`` v_cache's head dim); ``cache`` a :class:`cuflash._ops.kvcache.KVCache` with ``num_splits`` as
     given (0: automatic, resolved by the front door). ``read_values=False`` (CuPy outside the debug mode) checks
     the index arrays by shape and dtype only; a Python int ``cache_seqlens`` is always checked.
     """
-    from ._kvcache import KVCache, Rotary
+    from .kvcache import KVCache, Rotary
 
     paged = block_table is not None
     _check_4d("q", q, "(batch, seqlen_q, heads_q, head_dim)")

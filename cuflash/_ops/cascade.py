@@ -15,7 +15,7 @@ CuPy arrays both run it:
 2. ``[cascade suffix]`` each sequence's own keys through :func:`cuflash.attention_with_kvcache` (appending ``k``,
    ``v`` in place first, causal masking within the suffix), ``return_lse=True``.
 3. ``[cascade merge]`` the prefix chunks' and the suffix's ``(o, lse)`` merged exactly
-   (:func:`cuflash._merge.merge_stacked`, the merge of :func:`cuflash.merge_states`), in float32 (float64 for
+   (:func:`cuflash._ops.merge.merge_stacked`, the merge of :func:`cuflash.merge_states`), in float32 (float64 for
    float64), cast to the input dtype. An empty suffix (``lse = -inf``) has weight 0.
 
 The prefix's keys and values are read ``heads_kv`` times in all (once per key/value head) instead of ``batch *
@@ -28,7 +28,7 @@ import numbers
 
 import numpy as np
 
-from . import _merge
+from . import merge as _merge
 
 __all__ = ["check_prefix", "prefix_chunks", "cascade"]
 

@@ -2,7 +2,7 @@
 
 NumPy arrays run the NumPy block algorithm (:mod:`cuflash.reference`); CuPy arrays run the CUDA kernels
 (:mod:`cuflash._cuda`). Both backends take the same normalized keyword arguments (see
-``docs/architecture.md``): the variant options arrive as one :class:`~cuflash._variant.Variant`. The
+``docs/architecture.md``): the variant options arrive as one :class:`~cuflash._ops.variant.Variant`. The
 backends never see unchecked user input.
 """
 
@@ -21,9 +21,10 @@ from typing import Any, NamedTuple
 import ml_dtypes
 import numpy as np
 
-from . import _blocks, _cascade, _chunked_prefill, _decode_plan, _kvcache, _merge, _mods, _validate
-from ._decode_plan import DecodePlan
-from ._variant import Variant, VariantArrays
+from . import (blocks as _blocks, cascade as _cascade, chunked_prefill as _chunked_prefill, decode_plan as _decode_plan,
+               kvcache as _kvcache, merge as _merge, mods as _mods, validate as _validate)
+from .decode_plan import DecodePlan
+from .variant import Variant, VariantArrays
 
 _BACKEND_MODULES = {"numpy": "cuflash.reference", "cupy": "cuflash._cuda"}
 
@@ -222,7 +223,7 @@ def _prepare(q, k, v, *, softmax_scale, algorithm, block_q, block_k, variant_opt
              fp8=False):
     """Validate everything and normalize: ``(library, problem, options for the backend)``.
 
-    ``read_values=False`` checks cu_seqlens and seqused_k by shape and dtype only (see :mod:`cuflash._validate`).
+    ``read_values=False`` checks cu_seqlens and seqused_k by shape and dtype only (see :mod:`cuflash._ops.validate`).
     """
     arrays = {"q": q, "k": k, "v": v, **(extra or {})}
     arrays.update((name, variant_options[name]) for name in ("bias", *ARRAY_OPTIONS) if variant_options[name] is not None)
@@ -585,12 +586,12 @@ def _attention_fp8(q, k, v, arguments: dict):
         out = xp.zeros(problem.out_shape, dtype=bf16)
         lse = xp.full(problem.lse_shape, -np.inf, dtype=np.float32)
     elif library == "numpy":
-        from . import reference
+        from .. import reference
 
         out, lse = reference.fa2_forward_fp8(q, k, v, scale=options["scale"], variant=options["variant"],
                                              descales=descales)
     else:
-        from ._cuda import vt
+        from .._cuda import vt
 
         if problem.head_dim not in vt.FP8_HEAD_DIMS:
             raise NotImplementedError(f"FP8 attention on the GPU runs head dims {vt.FP8_HEAD_DIMS}; got "
@@ -818,7 +819,7 @@ def _empty_backward(q, k, v):
 
 # The backends of attention_with_kvcache: a module with forward_kvcache (docs/architecture.md), and, for
 # plan_kvcache, plan_kvcache (the CUDA backend; the NumPy reference runs each step through the front door).
-_DECODE_BACKEND_MODULES = {"numpy": "cuflash.reference_decode", "cupy": "cuflash._cuda"}
+_DECODE_BACKEND_MODULES = {"numpy": "cuflash.reference.decode", "cupy": "cuflash._cuda"}
 _decode_backends: dict = {}  # module name -> module, imported once (a decode step's host time is counted in us)
 
 
@@ -919,7 +920,7 @@ def attention_with_kvcache(
         see no key: partial results merge with :func:`merge_states`.
     num_splits : int
         Split each sequence's keys into this many parts, computed independently and merged (flash-decoding); 0
-        chooses from the shapes (``cuflash._blocks.decode_num_splits``: more parts when ``batch x heads_kv``
+        chooses from the shapes (``cuflash._ops.blocks.decode_num_splits``: more parts when ``batch x heads_kv``
         cannot fill the GPU). The result does not depend on it beyond rounding.
     out : array, optional
         ``(batch, seqlen_q, heads_q, head_dim_v)`` in q's dtype: written in place and returned.
@@ -1348,7 +1349,7 @@ def _plan_cascade(q, k_prefix, v_prefix, k_cache, v_cache, k, v, *, cache_seqlen
         rotary_interleaved=True, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
         causal=causal, window_size=(-1, -1), softcap=softcap, alibi_slopes=None, softmax_scale=softmax_scale,
         num_splits=num_splits, out=None)
-    from ._cuda import cascade as cuda_cascade
+    from .._cuda import cascade as cuda_cascade
 
     if library != "cupy" or scale <= 0 or not cuda_cascade.eligible(q, k_prefix, v_prefix, k_cache, v_cache):
         return None

@@ -409,7 +409,7 @@ def memory_sweep(seqlens=(1024, 2048, 4096, 8192, 16384), heads=16, head_dim=128
 
 
 def _memory_point(cp, cuflash, n, heads, head_dim):
-    from ._gpu_memory import peak_bytes
+    from .._ops.gpu_memory import peak_bytes
 
     q, k, v, do = (cp.random.standard_normal((1, n, heads, head_dim), dtype=cp.float32).astype(cp.float16)
                    for _ in range(4))
