@@ -82,7 +82,7 @@ def install(monkeypatch):
     :class:`Recorder` (returned; the decode launcher's too), a fixed sm_90 device, the front door's and the launchers'
     caches emptied."""
     from cuflash._ops import api as _api, kvcache as _kvcache
-    from cuflash._cuda import attention, compile, decode, fa1, spec, tensor_map
+    from cuflash._cuda import attention, compile, decode, fa1, spec, tensor_map, vt
 
     recorder = Recorder()
     module = types.ModuleType("cupy")
@@ -118,7 +118,8 @@ def install(monkeypatch):
 
     module.cuda = types.SimpleNamespace(
         runtime=types.SimpleNamespace(getDevice=lambda: 0, memGetInfo=lambda: (0, 0), getDeviceCount=lambda: 1,
-                                      memsetAsync=memset),
+                                      memsetAsync=memset, memcpyDeviceToDevice=3,
+                                      memcpyAsync=lambda dst, src, size, kind, stream: ctypes.memmove(dst, src, size)),
         get_current_stream=lambda: stream,
         driver=types.SimpleNamespace(launchKernel=launch_kernel),
     )
@@ -161,6 +162,8 @@ def install(monkeypatch):
     monkeypatch.setattr(_api, "_planners", {})
     monkeypatch.setattr(_api, "_checked_calls", _api.CallMemo(_api._checked_calls.size))
     monkeypatch.setattr(_api, "_fp8_calls", _api.CallMemo(_api._fp8_calls.size))
+    monkeypatch.setattr(vt, "_PLANS", _api.CallMemo(vt._PLANS.size))
+    monkeypatch.setattr(vt, "_ONES", {})
     monkeypatch.setattr(decode.CupyRuntime, "function", decode_function)
     monkeypatch.setattr(decode, "_LAUNCHES", type(decode._LAUNCHES)())
     monkeypatch.setattr(_api, "_kvcache_launches", _api.CallMemo(_api._kvcache_launches.size))

@@ -277,6 +277,14 @@ def test_fp8_calls_like_checked_ones_run_their_plan(monkeypatch):
     launches = [launch for launch in recorder.take() if len(launch) == 6]
     assert [launch[0].split(",")[0] for launch in launches] == ["cuflash::transpose_v_kernel<cuflash::e4m3",
                                                                 "cuflash::flash_fwd_sm90_vt_kernel<cuflash::e4m3"]
+
+    def passed_descales(launch):  # (the argument before VariantParams and the three maps: (3, batch, heads_kv))
+        import ctypes
+
+        address = int.from_bytes(launch[5][-5], "little")
+        return np.frombuffer(ctypes.string_at(address, 3 * 4 * 4), np.float32).reshape(3, 2, 2)
+
+    assert np.array_equal(passed_descales(launches[1]), np.stack([np.asarray(a) for a in descales]))
     descales[2][1, 1] = np.float32(np.inf)
     with pytest.raises(ValueError, match="v_descale"):  # (check_finite reads the values at every call)
         call(check_finite=True)
@@ -286,6 +294,13 @@ def test_fp8_calls_like_checked_ones_run_their_plan(monkeypatch):
     descales = [cp.asarray(np.asarray(a)) for a in descales]
     slopes = cp.asarray(np.asarray(slopes))
     call()
+    kept, descales[1] = descales[1], None  # (k's factors not given: ones)
+    for _ in range(2):  # (checked, then remembered)
+        call()
+        launch = [launch for launch in recorder.take() if len(launch) == 6][-1]
+        assert np.array_equal(passed_descales(launch),
+                              np.stack([np.asarray(descales[0]), np.ones((2, 2), np.float32), np.asarray(descales[2])]))
+    descales[1] = kept
     descales[1] = cp.asarray(np.ones((2, 4), np.float32))
     with pytest.raises(ValueError, match="k_descale must be a float32 array of shape"):
         call()

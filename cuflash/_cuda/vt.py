@@ -174,6 +174,34 @@ def plan(q, k, v, scale: float, variant: Variant, dtype: str) -> VtForwardPlan:
     return found
 
 
+_ONES: dict = {}  # (device, batch, heads_kv) -> a float32 array of ones: the factor of a descale not given
+
+
+def stacked_descale(descales, shape: tuple, stream: int | None = None):
+    """The (3, batch, heads_kv) float32 array the kernel reads (q's, k's and v's factors; 1 for one not given), or
+    None when none is given: a new array, each factor copied in by one device-to-device ``cudaMemcpyAsync`` on
+    ``stream`` (the current one by default; a few microseconds of host time each, where stacking by array operations
+    took ~100) where it is C-contiguous, by CuPy's stack otherwise."""
+    import cupy
+
+    if all(a is None for a in descales):
+        return None
+    if not all(a is None or a.flags.c_contiguous for a in descales):
+        return cupy.stack([cupy.ones(shape, np.float32) if a is None else a for a in descales])
+    device = cupy.cuda.runtime.getDevice()
+    ones = _ONES.get((device, *shape))
+    if ones is None and any(a is None for a in descales):
+        ones = _ONES[(device, *shape)] = cupy.ones(shape, np.float32)
+    out = cupy.empty((3, *shape), np.float32)
+    nbytes = out.nbytes // 3
+    if stream is None:
+        stream = cupy.cuda.get_current_stream().ptr
+    for i, a in enumerate(descales):
+        cupy.cuda.runtime.memcpyAsync(out.data.ptr + i * nbytes, (ones if a is None else a).data.ptr, nbytes,
+                                      cupy.cuda.runtime.memcpyDeviceToDevice, stream)
+    return out
+
+
 def _require_supported():
     if not supported():
         raise NotImplementedError(
@@ -198,5 +226,5 @@ def forward_fp8(q, k, v, *, scale: float, variant: Variant, descale=None):
     return plan(q, k, v, scale, variant, "float8_e4m3fn").run(q, k, v, variant.arrays, descale=descale)
 
 
-__all__ = ["FP8_HEAD_DIMS", "KEY_ORDER", "VtForwardPlan", "forward_fp8", "plan", "plan_fp8", "supported", "takes",
-           "transposed_v"]
+__all__ = ["FP8_HEAD_DIMS", "KEY_ORDER", "VtForwardPlan", "forward_fp8", "plan", "plan_fp8", "stacked_descale",
+           "supported", "takes", "transposed_v"]

@@ -527,9 +527,9 @@ def _run_fp8(call: _CheckedFp8, q, k, v, arguments: dict, stream: int):
     arrays = _NO_ARRAYS
     if alibi is not None:
         arrays = VariantArrays(alibi_slopes=_validate.alibi_slopes(alibi, call.problem, xp))
-    stacked = None
-    if any(a is not None for a in descales):
-        stacked = xp.stack([xp.ones(call.descale_shape, np.float32) if a is None else a for a in descales])
+    from .._cuda import vt
+
+    stacked = vt.stacked_descale(descales, call.descale_shape, stream)
     return call.plan.run(q, k, v, arrays, stream, arguments["return_lse"], descale=stacked)
 
 
@@ -596,9 +596,7 @@ def _attention_fp8(q, k, v, arguments: dict):
         if problem.head_dim not in vt.FP8_HEAD_DIMS:
             raise NotImplementedError(f"FP8 attention on the GPU runs head dims {vt.FP8_HEAD_DIMS}; got "
                                       f"{problem.head_dim}")
-        stacked = None
-        if any(a is not None for a in descales):
-            stacked = xp.stack([xp.ones(shape, np.float32) if a is None else a for a in descales])
+        stacked = vt.stacked_descale(descales, shape)
         plan = vt.plan_fp8(q, k, v, scale=options["scale"], variant=options["variant"]) if key is not None else None
         result = None if plan is None else plan.run(q, k, v, options["variant"].arrays, key[0][1], descale=stacked)
         if result is not None:
