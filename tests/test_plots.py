@@ -55,3 +55,20 @@ def test_memory_plot_is_not_clipped(tmp_path):
     path = tmp_path / "cpu-memory.png"
     plot_memory(points, path, title=LONG_TITLE)
     assert not _ink_at_edges(path)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "float32"])
+def test_fp8_and_float32_tables_plot(tmp_path, kind):
+    """bench-gpu --fp8 / --float32 --plot: their rows (FP8's name no dtype) drawn as the throughput panels."""
+    from cuflash.cli.bench_gpu import plot_special
+
+    if kind == "fp8":
+        rows = [{"d": d, "causal": c, "N": n, "maxdiff": 0.01, "cuflash fp8 fwd": 700.0 + n / 100,
+                 "cuflash bf16 fwd": 600.0, "torch-cudnn bf16 fwd": 620.0}
+                for d in (128, 256) for c in (False, True) for n in (1024, 4096)]
+    else:
+        rows = [{"dtype": "float32", "d": d, "causal": c, "N": n, "cuflash tf32x3 fwd": 33.0, "cuflash tf32 fwd": 300.0,
+                 "torch efficient fwd": float("nan")} for d in (64, 128) for c in (False, True) for n in (1024, 4096)]
+    path = tmp_path / f"{kind}.png"
+    plot_special(rows, path, "a GPU")
+    assert path.read_bytes()[:8] == PNG_MAGIC

@@ -268,6 +268,17 @@ def run_fp8(dims=(128, 256), seqlens=(1024, 2048, 4096, 8192, 16384), rep_ms=200
     return rows
 
 
+def plot_special(rows, path, device: str) -> None:
+    """The FP8 or float32 table as :func:`.plots.plot_throughput`'s panels (forward TFLOP/s against N, a column per
+    head dim and mask): rows of :func:`run_fp8` (which name no dtype: "e4m3") or :func:`run_float32`."""
+    from .plots import plot_throughput
+
+    fp8 = "cuflash fp8 fwd" in rows[0]
+    rows = [{"dtype": "e4m3 vs bf16" if fp8 else "float32", **row} for row in rows]
+    what = "FP8 (e4m3) forward beside bf16" if fp8 else "float32 forward"
+    plot_throughput(rows, path, title=f"cuflash {what} on {device}")
+
+
 def format_fp8_table(rows) -> str:
     lines = ["| d | causal | N | cuflash fp8 | cuflash bf16 | torch-cudnn bf16 | fp8 / bf16 | fp8 / cudnn bf16 |",
              "|---|---|---|---|---|---|---|---|"]
@@ -452,20 +463,21 @@ def main(argv=None, prog: str = "python -m cuflash bench-gpu"):
 
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     print(f"device: {props['name'].decode()}")
-    if args.fp8:
-        rows = run_fp8([int(x) for x in (args.dims or "128,256").split(",")],
-                       seqlens if args.seqlens else (1024, 2048, 4096, 8192, 16384), rep_ms=rep)
+    if args.fp8 or args.float32:
+        if args.fp8:
+            rows = run_fp8([int(x) for x in (args.dims or "128,256").split(",")],
+                           seqlens if args.seqlens else (1024, 2048, 4096, 8192, 16384), rep_ms=rep)
+        else:
+            rows = run_float32(dims, seqlens if args.seqlens else [4096], rep_ms=rep)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"rows": rows}, f, indent=1)
-        print(format_fp8_table(rows))
-        return 0
-    if args.float32:
-        rows = run_float32(dims, seqlens if args.seqlens else [4096], rep_ms=rep)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"rows": rows}, f, indent=1)
-        print(format_float32_table(rows))
+        if args.plot:
+            from pathlib import Path
+
+            Path(args.plot).mkdir(parents=True, exist_ok=True)
+            plot_special(rows, Path(args.plot) / ("fp8.png" if args.fp8 else "float32.png"), props["name"].decode())
+        print(format_fp8_table(rows) if args.fp8 else format_float32_table(rows))
         return 0
     rows = run_grid(dtypes, dims, seqlens, rep, fa1=not args.no_fa1)
     ext = {} if args.no_extras else extras()
