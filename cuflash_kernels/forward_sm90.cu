@@ -42,6 +42,15 @@ __device__ __forceinline__ void warpgroup_sync(int wg) {
     asm volatile("bar.sync %0, 128;" :: "r"(wg + 1) : "memory");
 }
 
+// [fwd rescale skip] O's rescale by exp2(m_old - m_new) after each key tile is skipped by a warp whose rows' maxima
+// all stayed (softmax_step then gives the factor as exactly 1, where the FMA's residual made it 1 + a few ulp), which
+// past the first tiles of a long row is most tiles: one vote instead of d / 2 multiplies a thread (as many as the
+// tile's exponentials at d 128).
+// Built, off until measured on a GPU (-DCUFLASH_FWD_RESCALE_SKIP=1, CUFLASH_DEFINES).
+#ifndef CUFLASH_FWD_RESCALE_SKIP
+#define CUFLASH_FWD_RESCALE_SKIP 0
+#endif
+
 // [fa2-fwd 3] and [fa2-fwd 4] on raw (unscaled) scores: m is the running row max of the raw scores, l the
 // lane-partial row sum; S is replaced by P = exp2(scale_log2 * (S - m_new)) and corr[h] =
 // exp2(scale_log2 * (m_old - m_new)) is returned for the caller to rescale O once P V of the previous tile
@@ -58,7 +67,8 @@ __device__ __forceinline__ void softmax_step(float (&s)[kNT][4], float (&m)[2], 
         for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
         mx = quad_max(mx);
         const float m_scaled = mx == -CUFLASH_INF ? 0.f : mx * scale_log2;
-        corr[h] = fast_exp2(fmaf(m[h], scale_log2, -m_scaled));
+        // ([fwd rescale skip]: exactly 1 where the maximum stayed, which the FMA's residual would make 1 + a few ulp)
+        corr[h] = CUFLASH_FWD_RESCALE_SKIP && mx == m[h] ? 1.f : fast_exp2(fmaf(m[h], scale_log2, -m_scaled));
         m[h] = mx;
         float m_p = m_scaled;
         if constexpr (kPOff != 0) m_p -= float(kPOff);
@@ -105,6 +115,7 @@ struct Sm90Config {
 #define CUFLASH_FWD_PINGPONG 1
 #endif
 constexpr int kTurnBar = 3;
+
 
 // The tensor maps of the TMA entry point: q, k and v as 4-d tensors (columns, rows, heads, batch; a packed batch's
 // batch axis of one).
@@ -417,6 +428,9 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
             }
         };
         auto rescale_o = [&]() {
+            if constexpr (CUFLASH_FWD_RESCALE_SKIP) {  // [fwd rescale skip]
+                if (!__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) return;
+            }
 #pragma unroll
             for (int dt = 0; dt < kDT; ++dt) {
                 acc[dt][0] *= corr[0];
