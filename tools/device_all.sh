@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything that needs a GPU: the GPU tests, the demo, and the
 # side-by-side benchmark with its plots. Run from the repository root on the device machine:
-#   TESTS_S=600 SANITIZE=1 [TESTS="tests/test_x.py ..."] bash tools/device_all.sh [REP_MS [bench_gpu options...]]
-# (writes logs, bench.json and plots/ under $OUT; TESTS_S bounds the test run in seconds; SANITIZE=1 adds
-# compute-sanitizer memcheck and racecheck on tools/gpu_check.py's small cases)
+#   TESTS_S=600 SANITIZE=1 [TESTS="tests/test_x.py ..."] [JOBS=8] [SPECIAL=1] bash tools/device_all.sh [REP_MS [bench_gpu options...]]
+# (writes logs, bench.json and plots/ under $OUT; TESTS_S bounds the test run in seconds; JOBS: pytest-xdist workers
+# where it is installed (XLA's preallocation is off, so JAX's tests share the GPU); SANITIZE=1 adds compute-sanitizer
+# memcheck and racecheck on tools/gpu_check.py's small cases; SPECIAL=1 adds the FP8 and float32 tables and plots)
 # The device has no package index: wheels of missing pure-Python dependencies (array-api-compat) travel
 # in .whl/ (git-ignored; name it in the call's carry) and are installed to /tmp/site first.
 set -uo pipefail
@@ -20,7 +21,9 @@ python3 -c "import cupy, torch; print('cupy', cupy.__version__, 'torch', torch._
 tests_s=${TESTS_S:-600}
 # Every GPU test (TESTS="tests/..." narrows it); the log is written as the tests run, so a run cut by the time box
 # still comes back (under $OUT) with every result it reached.
-timeout "$tests_s" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --tb=short ${TESTS:-tests/} 2>&1 \
+jobs=()
+if python3 -c "import xdist" 2>/dev/null; then jobs=(-n "${JOBS:-8}"); fi
+timeout -s INT "$tests_s" python3 -m pytest -q -p no:cacheprovider "${jobs[@]}" -m gpu -rfE --tb=short ${TESTS:-tests/} 2>&1 \
     | tee "$out/pytest-gpu.log" | tail -15
 if [ "${SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
     for tool in memcheck racecheck; do
@@ -31,3 +34,9 @@ fi
 python3 -m cuflash demo 2>&1 | tee "$out/demo.log" | tail -12
 python3 -m cuflash bench-gpu --rep-ms "$rep" --json "$out/bench.json" --plot "$out/plots" "${@:2}" 2>&1 \
     | tee "$out/bench.log" | grep -v '^{'
+if [ "${SPECIAL:-0}" = 1 ]; then
+    python3 -m cuflash bench-gpu --fp8 --rep-ms "$rep" --json "$out/fp8.json" --plot "$out/plots" 2>&1 | tee "$out/fp8.log" \
+        | grep -v '^{'
+    python3 -m cuflash bench-gpu --float32 --dims 64,128 --seqlens 1024,4096,16384 --rep-ms "$rep" \
+        --json "$out/float32.json" --plot "$out/plots" 2>&1 | tee "$out/float32.log" | grep -v '^{'
+fi
