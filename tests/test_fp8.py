@@ -307,3 +307,5 @@ def test_fp8_calls_like_checked_ones_run_their_plan(monkeypatch):
     descales[1] = cp.asarray(np.ones((2, 2), np.float32))
     with pytest.raises(NotImplementedError, match="dropout_p"):
         call(dropout_p=0.1, dropout_seed=1)
+    with pytest.raises(ValueError, match="max_seqlen_q is only used with cu_seqlens"):  # (an option the key holds)
+        call(max_seqlen_q=7)

@@ -496,8 +496,11 @@ class _CheckedFp8(NamedTuple):
     xp: ModuleType
 
 
-# Checked FP8 calls: the key of attention()'s remembered calls over q, k, v, alibi_slopes and the three descale arrays,
-# for calls whose options FP8 refuses are all at their defaults.
+# Checked FP8 calls: the key of attention()'s remembered calls over q, k, v, alibi_slopes and the three descale arrays
+# and the options below (every other option the checks read), for calls whose options FP8 refuses are all at their
+# defaults.
+_FP8_KEYED = ("causal", "softmax_scale", "causal_align", "window_size", "softcap", "max_seqlen_q", "max_seqlen_k",
+              "dropout_seed", "dropout_offset", "algorithm", "fp32_precision")
 _fp8_calls = CallMemo(64)
 
 
@@ -512,8 +515,7 @@ def _fp8_key(q, k, v, arguments: dict):
         return None
     return _call_key(planner, (q, k, v, arguments["alibi_slopes"], arguments["q_descale"], arguments["k_descale"],
                                arguments["v_descale"]),
-                     ("attention_fp8", arguments["causal"], arguments["softmax_scale"], arguments["causal_align"],
-                      arguments["window_size"], arguments["softcap"], arguments["algorithm"]),
+                     ("attention_fp8", *(arguments[name] for name in _FP8_KEYED)),
                      None, None, arguments["window_size"])
 
 
