@@ -3,6 +3,7 @@ steady state: the same shapes, dtypes and options called again and again, as a m
 
     PYTHONPATH=. python3 tools/host_profile.py [--n 512] [--cases causal,document] [--profile causal]
     PYTHONPATH=. python3 tools/host_profile.py --emulator /path/to/emulated/cupy   # no GPU
+    PYTHONPATH=. python3 tools/host_profile.py --stand-in   # no GPU: the tests' stand-in CuPy (tests/_fake_cupy.py)
     PYTHONPATH=. python3 tools/host_profile.py --count   # and the function calls per call (cProfile)
 
 On a GPU: the CPU time of each call, from ``cupyx.profiler.benchmark`` (which synchronizes after the timed call,
@@ -66,6 +67,23 @@ def _stub_launches():
         attention._RUNTIME = stand_in
 
 
+def _stand_in():
+    """The tests' stand-in CuPy (tests/_fake_cupy.py: NumPy memory, an sm_90 device, the launchers' caches fresh) with
+    the planned launches' cuLaunchKernel a no-op: the Python path of a call and the stand-in's allocations."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from _fake_cupy import install
+    from _pytest.monkeypatch import MonkeyPatch
+
+    from cuflash._cuda import compile
+
+    patch = MonkeyPatch()
+    cp, _ = install(patch)
+    patch.setattr(compile.PackedLaunch, "run", lambda self, stream: None)
+    return cp
+
+
 def _calls_per_call(call, n: int) -> str:
     """Function calls per call of ``call`` as cProfile counts them (Python functions and the built-in ones they call;
     with --emulator, the stand-in's too): a measure of host work that the machine's load does not blur."""
@@ -115,20 +133,25 @@ def main():
     ap.add_argument("--profile", default="", help="print the cProfile of this case's loop")
     ap.add_argument("--count", action="store_true",
                     help="print the function calls per call (cProfile's count: all, and cuflash's own Python functions)")
+    ap.add_argument("--stand-in", action="store_true", help="the tests' stand-in CuPy, launches no-ops (no GPU)")
     args = ap.parse_args()
     if args.emulator:
         sys.path.insert(0, args.emulator)
-    import cupy as cp
+    if args.stand_in:
+        cp = _stand_in()
+        args.emulator = "stand-in"
+    else:
+        import cupy as cp
 
-    if args.emulator:
-        _stub_launches()
+        if args.emulator:
+            _stub_launches()
 
     def sync():
         if not args.emulator:
             cp.cuda.Device().synchronize()
 
 
-    where = "emulator (launches stubbed)" if args.emulator else cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    where = f"{args.emulator} (launches stubbed)" if args.emulator else cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(f"host time per call, {where}: (batch {args.batch}, seqlen {args.n}, heads {args.heads}, head_dim "
           f"{args.head_dim}) float16", flush=True)
     for name, call in cases(cp, args.n, args.batch, args.heads, args.head_dim, cp.float16).items():
