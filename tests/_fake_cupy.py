@@ -89,7 +89,8 @@ def install(monkeypatch):
     for name in ("float16", "float32", "float64", "int8", "int32", "int64", "uint8", "inf", "nan"):
         setattr(module, name, getattr(np, name))
     module.ndarray = ndarray
-    for name in ("empty", "zeros", "ones", "full", "zeros_like", "empty_like", "arange", "where", "concatenate", "stack"):
+    for name in ("empty", "zeros", "ones", "full", "zeros_like", "empty_like", "arange", "where", "concatenate",
+                 "stack"):
         setattr(module, name, (lambda fn: lambda *a, **k: _wrap(fn(*a, **k)))(getattr(np, name)))
 
     def zeros(*args, **kwargs):

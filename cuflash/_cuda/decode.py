@@ -767,7 +767,8 @@ def _rotated(q, k, cache_seqlens, rotary_cos, rotary_sin, interleaved: bool, con
 
 
 def _runs_as_prefill(q, k_cache, v_cache, cache: KVCache) -> bool:
-    """Whether a call runs as the forward over the cache (:func:`cuflash._ops.chunked_prefill.eligible`, and a batch)."""
+    """Whether a call runs as the forward over the cache (:func:`cuflash._ops.chunked_prefill.eligible`, and a
+    batch)."""
     return q.shape[0] > 0 and q.shape[2] > 0 and _chunked_prefill.eligible(q.shape[1], cache, q.shape[3],
                                                                             v_cache.shape[3])
 

@@ -20,8 +20,8 @@ import numpy as np
 from .._ops.variant import Variant, VariantArrays
 from . import tensor_map
 from .._ops.api import CallMemo
-from .attention import (_c_strides, _element_strides, _mappable, _Plan, _tensor_map, _VariantArgs, call_context, cdiv, i32,
-                        rows_map, shape_of, strides)
+from .attention import (_c_strides, _element_strides, _mappable, _Plan, _tensor_map, _VariantArgs, call_context, cdiv,
+                        i32, rows_map, shape_of, strides)
 from .compile import PackedLaunch, check_smem, device_info
 from .spec import FP8_HEAD_DIMS, TILES, VARIANT_POINTER_FIELDS, variant_type
 from .spec import spec as kernel_spec
@@ -85,8 +85,8 @@ class VtForwardPlan(_Plan):
                                         *(np.int64(x) for x in a.strides[:3]))))
                 for a in (q, k))
         self._write_rounds = tuple(launch.writer((launch.word(0), launch.word(1))) for _, launch in self._rounds)
-        qk_maps = tuple(rows_map(a.shape, [x * nbytes for x in _c_strides(a.shape)], rows, nbytes) if self._rounds else _tensor_map(a, rows)
-                        for a, rows in ((q, t.block_m), (k, t.block_n)))
+        qk_maps = tuple(rows_map(a.shape, [x * nbytes for x in _c_strides(a.shape)], rows, nbytes) if self._rounds
+                        else _tensor_map(a, rows) for a, rows in ((q, t.block_m), (k, t.block_n)))
         self._maps = (*qk_maps, rows_map((b, d, hkv, n16), (hkv * d * row, row, d * row), d, nbytes))
         # [fp8 v] V^T by transpose_v_kernel (v's strides: multiples of 16 bytes, the caller's check)
         self.vt_shape, self._vt_dtype = (b, hkv, d, n16), q.dtype
@@ -217,8 +217,8 @@ def plan_fp8(q, k, v, *, scale: float, variant: Variant) -> VtForwardPlan | None
 
 
 def forward_fp8(q, k, v, *, scale: float, variant: Variant, descale=None):
-    """``(out, lse)`` of the FP8 forward (the caller validated the call: :func:`cuflash._ops.api.attention`'s FP8 path);
-    ``descale``: a C-contiguous float32 (3, batch, heads_kv) CuPy array or None."""
+    """``(out, lse)`` of the FP8 forward (the caller validated the call: :func:`cuflash._ops.api.attention`'s FP8
+    path); ``descale``: a C-contiguous float32 (3, batch, heads_kv) CuPy array or None."""
     import cupy
 
     _require_supported()

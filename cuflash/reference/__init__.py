@@ -139,7 +139,8 @@ _P_SCALE_FP8 = 256.0
 
 def _resolve_block_sizes(head_dim, block_q, block_k, pass_):
     """The tiles of a call: those given, the others by default; forward from the CPU cache
-    (:func:`~cuflash._ops.blocks.cpu_block_sizes`), backward by the seed rule (:func:`~cuflash._ops.blocks.default_block_sizes`)."""
+    (:func:`~cuflash._ops.blocks.cpu_block_sizes`), backward by the seed rule
+    (:func:`~cuflash._ops.blocks.default_block_sizes`)."""
     if pass_ == "forward":
         default_q, default_k = cpu_block_sizes(head_dim, cache=_l2_bytes())
     else:
