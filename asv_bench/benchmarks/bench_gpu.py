@@ -158,6 +158,32 @@ class ForwardFP8(Forward):
         self.causal = causal
 
 
+class ForwardFloat32(Forward):
+    """float32 forwards on the tensor cores by ``fp32_precision``: "tf32x3" (the default, float32's accuracy) and
+    "tf32" (one TF32 product; on sm_90 at d 64 and 128 the wgmma path), batch 2 and 16 heads (the float32 table's
+    shape: docs/performance.md); checked in setup against naive attention in float64 on the same device (1e-4 for
+    tf32x3, 1e-2 for tf32, on unit-variance inputs). Timed as :class:`Forward` is."""
+
+    params = (SEQLENS, HEAD_DIMS, CAUSAL, ["tf32x3", "tf32"])
+    param_names = ["seqlen", "head_dim", "causal", "fp32_precision"]
+    timeout = 300
+
+    def setup(self, seqlen, head_dim, causal, fp32_precision):
+        self.cp = cp = _cupy()
+        rng = cp.random.default_rng(0)
+        self.q, self.k, self.v = (rng.standard_normal((2, seqlen, 16, head_dim), dtype=cp.float32) for _ in range(3))
+        self.causal, self.precision = causal, fp32_precision
+        out = self._run()
+        truth = cuflash.attention(*(a[:1].astype(cp.float64) for a in (self.q, self.k, self.v)), causal=causal,
+                                  algorithm="naive")
+        err, tolerance = float(cp.abs(out[:1] - truth).max()), {"tf32x3": 1e-4, "tf32": 1e-2}[fp32_precision]
+        if not err <= tolerance:
+            raise AssertionError(f"{fp32_precision} out: max|cuflash - float64| = {err:.3g} > {tolerance}")
+
+    def _run(self):
+        return cuflash.attention(self.q, self.k, self.v, causal=self.causal, fp32_precision=self.precision)
+
+
 _FIRST_CALL = """
 import time, cupy as cp, cuflash
 q = cp.random.standard_normal((1, 128, 2, 64), dtype=cp.float32).astype(cp.float16)
