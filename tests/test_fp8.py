@@ -242,8 +242,8 @@ def test_check_finite_finds_e4m3_nans_and_only_them():
 
 def test_fp8_calls_like_checked_ones_run_their_plan(monkeypatch):
     """(CPU, stand-in CuPy) An FP8 call like one already checked (the same layouts, options and descale arrays' layout:
-    _api._fp8_calls) runs its plan without the checks, with the new descale values stacked, and check_finite still
-    scans the values; a call that differs (descale factors of another shape, an option FP8 refuses) is checked, and
+    _api._fp8_calls) runs its plan without the checks, with the new descale values stacked, its lse into the stream's
+    sink when not returned, and check_finite still scans the values; a call that differs (descale factors of another shape, an option FP8 refuses) is checked, and
     refused, as the first."""
     from test_tensor_map import _tma_stand_in
 
@@ -285,6 +285,15 @@ def test_fp8_calls_like_checked_ones_run_their_plan(monkeypatch):
         return np.frombuffer(ctypes.string_at(address, 3 * 4 * 4), np.float32).reshape(3, 2, 2)
 
     assert np.array_equal(passed_descales(launches[1]), np.stack([np.asarray(a) for a in descales]))
+
+    def lse_address():  # (the kernel's fifth argument)
+        call()
+        return int.from_bytes([launch for launch in recorder.take() if len(launch) == 6][-1][5][4], "little")
+
+    from cuflash._cuda import attention as cuda_attention
+
+    sinks = cuda_attention._LSE_SINKS._sinks.values()  # (without return_lse: the stream's lse sink, no allocation)
+    assert lse_address() in [address for _, _, address in sinks] and len(sinks) == 1
     descales[2][1, 1] = np.float32(np.inf)
     with pytest.raises(ValueError, match="v_descale"):  # (check_finite reads the values at every call)
         call(check_finite=True)

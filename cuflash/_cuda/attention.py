@@ -630,6 +630,12 @@ class _Plan:
         self._rt.make_context_current()
         self._threads.add(threading.get_ident())
 
+    def _new_sink(self, key, count: int):
+        """A new lse sink of ``count`` float32 on the current device (:data:`_LSE_SINKS`, ``key``'s) and its
+        address."""
+        sink = self._empty((count,), dtype=np.float32)
+        return sink, sink.data.ptr
+
 
 # A forward called without return_lse writes its lse into a buffer of its device and stream (CuPy's pool), grown to
 # the largest asked for and never read: no allocation per call.
@@ -742,12 +748,6 @@ class ForwardPlan(_Plan):
     def launch_staged(self, stream: int) -> None:
         """Launch with the packed arguments :meth:`stage` wrote (under the same hold of ``self._lock``)."""
         self._launch.run(stream)
-
-    def _new_sink(self, key, count: int):
-        """A new lse sink of ``count`` float32 on the current device (:data:`_LSE_SINKS`, ``key``'s) and its
-        address."""
-        sink = self._empty((count,), dtype=np.float32)
-        return sink, sink.data.ptr
 
 
 _SCALAR_KINDS = {np.dtype(np.int32): "i32", np.dtype(np.int64): "i64", np.dtype(np.uint64): "u64",

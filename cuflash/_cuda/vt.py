@@ -20,6 +20,7 @@ import numpy as np
 from .._ops.variant import Variant, VariantArrays
 from . import tensor_map
 from .._ops.api import CallMemo
+from . import attention as _attention
 from .attention import (_c_strides, _element_strides, _mappable, _Plan, _tensor_map, _VariantArgs, call_context, cdiv,
                         i32, rows_map, shape_of, strides)
 from .compile import PackedLaunch, check_smem, device_info
@@ -71,6 +72,7 @@ class VtForwardPlan(_Plan):
         spec = kernel_spec(family, dtype, d, t, variant_type(variant))
         check_smem(spec)
         self.out_shape, self.lse_shape = (*q.shape[:-1], d), (shp.batch, shp.heads_q, shp.rows_q)
+        self._lse_size = int(np.prod(self.lse_shape))
         n16 = -(-shp.rows_k // 16) * 16
         b, hq, hkv = shp.batch, shp.heads_q, shp.heads_kv
         # V^T (C-contiguous (batch, heads_kv, d, keys_16)) read as (batch, rows d, heads, columns the keys)
@@ -124,7 +126,14 @@ class VtForwardPlan(_Plan):
         vt = self._empty(self.vt_shape, dtype=self._vt_dtype)
         if out is None:
             out = self._empty(self.out_shape, dtype=self.dtype)
-        lse_array = lse_out if lse_out is not None else self._empty(self.lse_shape, dtype=np.float32)
+        if lse_out is not None:
+            lse_array, lse_ptr = lse_out, lse_out.data.ptr
+        elif lse:
+            lse_array = self._empty(self.lse_shape, dtype=np.float32)
+            lse_ptr = lse_array.data.ptr
+        else:  # (the stream's lse sink, as ForwardPlan's: no allocation)
+            lse_array, lse_ptr = None, _attention._LSE_SINKS.address((self._device, stream), self._lse_size,
+                                                                     self._new_sink)
         inputs = (q, k)
         if self._rounds:  # [tf32 qk] the kernel reads rounded copies
             q, k = (self._empty(shape, dtype=np.float32) for shape, _ in self._rounds)
@@ -134,14 +143,14 @@ class VtForwardPlan(_Plan):
                 launch.run(stream)
             self._write_transpose(v.data.ptr, vt.data.ptr)
             self._transpose.run(stream)
-            self._write(q.data.ptr, k.data.ptr, vt.data.ptr, out.data.ptr, lse_array.data.ptr,
+            self._write(q.data.ptr, k.data.ptr, vt.data.ptr, out.data.ptr, lse_ptr,
                         0 if descale is None else descale.data.ptr)
             for m, ptr in zip(self._maps, (q.data.ptr, k.data.ptr, vt.data.ptr)):
                 m.point(ptr)
             if self._write_variant is not None:
                 self._write_variant(*self._variant.pointers(arrays))
             self._launch.run(stream)
-        return out, (lse_array if lse or lse_out is not None else None)
+        return out, lse_array
 
 
 def supported() -> bool:
