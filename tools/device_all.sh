@@ -32,11 +32,7 @@ if [ "${SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
     done
 fi
 python3 -m cuflash demo 2>&1 | tee "$out/demo.log" | tail -12
-python3 -m cuflash bench-gpu --rep-ms "$rep" --json "$out/bench.json" --plot "$out/plots" "${@:2}" 2>&1 \
+special=()
+if [ "${SPECIAL:-0}" = 1 ]; then special=(--all); fi
+python3 -m cuflash bench-gpu --rep-ms "$rep" --json "$out/bench.json" --plot "$out/plots" "${special[@]}" "${@:2}" 2>&1 \
     | tee "$out/bench.log" | grep -v '^{'
-if [ "${SPECIAL:-0}" = 1 ]; then
-    python3 -m cuflash bench-gpu --fp8 --rep-ms "$rep" --json "$out/fp8.json" --plot "$out/plots" 2>&1 | tee "$out/fp8.log" \
-        | grep -v '^{'
-    python3 -m cuflash bench-gpu --float32 --dims 64,128 --seqlens 1024,4096,16384 --rep-ms "$rep" \
-        --json "$out/float32.json" --plot "$out/plots" 2>&1 | tee "$out/float32.log" | grep -v '^{'
-fi

@@ -449,6 +449,9 @@ def main(argv=None, prog: str = "python -m cuflash bench-gpu"):
     ap.add_argument("--fp8", action="store_true",
                     help="the FP8 (e4m3) forward against cuflash bf16 and torch cuDNN bf16 (sm_90; --dims default "
                          "128,256, --seqlens default 1024-16384)")
+    ap.add_argument("--all", action="store_true",
+                    help="the grid, then the FP8 table (its defaults) and the float32 table (d 64 and 128, N 1024, "
+                         "4096, 16384): every table in one run, one JSON and one plot directory")
     ap.add_argument("--plot", metavar="DIR", default=None,
                     help="write throughput.png (TFLOP/s vs seqlen, peers included) and memory.png "
                          "(peak memory vs seqlen, cuflash vs naive) to DIR (needs matplotlib)")
@@ -463,6 +466,17 @@ def main(argv=None, prog: str = "python -m cuflash bench-gpu"):
 
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     print(f"device: {props['name'].decode()}")
+    device = props["name"].decode()
+
+    def special(kind: str, rows):
+        """Print an FP8 or float32 table, and plot it into --plot's directory."""
+        if args.plot:
+            from pathlib import Path
+
+            Path(args.plot).mkdir(parents=True, exist_ok=True)
+            plot_special(rows, Path(args.plot) / f"{kind}.png", device)
+        print(format_fp8_table(rows) if kind == "fp8" else format_float32_table(rows))
+
     if args.fp8 or args.float32:
         if args.fp8:
             rows = run_fp8([int(x) for x in (args.dims or "128,256").split(",")],
@@ -472,19 +486,17 @@ def main(argv=None, prog: str = "python -m cuflash bench-gpu"):
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"rows": rows}, f, indent=1)
-        if args.plot:
-            from pathlib import Path
-
-            Path(args.plot).mkdir(parents=True, exist_ok=True)
-            plot_special(rows, Path(args.plot) / ("fp8.png" if args.fp8 else "float32.png"), props["name"].decode())
-        print(format_fp8_table(rows) if args.fp8 else format_float32_table(rows))
+        special("fp8" if args.fp8 else "float32", rows)
         return 0
     rows = run_grid(dtypes, dims, seqlens, rep, fa1=not args.no_fa1)
     ext = {} if args.no_extras else extras()
     memory = memory_sweep() if args.plot else []
+    more = {}
+    if args.all:
+        more = {"fp8": run_fp8(rep_ms=rep), "float32": run_float32((64, 128), (1024, 4096, 16384), rep_ms=rep)}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "extras": ext, "memory": memory}, f, indent=1)
+            json.dump({"rows": rows, "extras": ext, "memory": memory, **more}, f, indent=1)
     if args.plot:
         from pathlib import Path
 
@@ -492,7 +504,6 @@ def main(argv=None, prog: str = "python -m cuflash bench-gpu"):
 
         directory = Path(args.plot)
         directory.mkdir(parents=True, exist_ok=True)
-        device = props["name"].decode()
         plot_throughput(rows, directory / "throughput.png", title=f"cuflash vs PyTorch SDPA on {device}")
         plot_memory(memory, directory / "memory.png",
                     title=f"peak memory, batch 1, 16 heads, d 128, fp16, causal, {device}")
@@ -500,6 +511,8 @@ def main(argv=None, prog: str = "python -m cuflash bench-gpu"):
     print(summarize(rows))
     for key, val in ext.items():
         print(f"{key}: {val:.3f}")
+    for kind, special_rows in more.items():
+        special(kind, special_rows)
     return 0
 
 
