@@ -238,7 +238,7 @@ TMA_PADDED = os.environ.get("CUFLASH_TMA_PADDED", "1") == "1"
 TMA_PADDED_BACKWARD = os.environ.get("CUFLASH_TMA_PADDED_BACKWARD", "1") == "1"
 # float32 with fp32_precision="tf32" on sm_90 from the Hopper forward's V^T entry point ([tf32]: one TF32 product on
 # wgmma, q and k rounded to TF32 and V transposed first; .vt) instead of flash_fwd_kernel on TF32 fragments (mma.sync),
-# at head dims 64 and 128. H200 2026-11-28 (batch 2, 16 heads, N 1k-16k): d 128 169-314 TFLOP/s against 86-99 by the
+# at head dims 64 and 128. H200 2026-11-28 (batch 2, 16 heads, N 1k-16k): d 128 91-314 TFLOP/s against 47-95 by the
 # mma.sync kernel, within the same error budget (2x naive attention on TF32-rounded operands); off
 # (CUFLASH_TF32_WGMMA=0): the mma.sync kernel.
 TF32_WGMMA = os.environ.get("CUFLASH_TF32_WGMMA", "1") == "1"
