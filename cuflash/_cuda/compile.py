@@ -56,7 +56,8 @@ def compile_source_for_nvrtc(source: str) -> str:
 def nvrtc_offline(text: str, names: list[str], options: tuple[str, ...], arch: str) -> dict:
     """Compile the name expressions ``names`` of ``text`` with NVRTC for ``arch`` (a real sm_XX), no GPU needed
     (cuda-bindings, the ``nvrtc`` extra): ``ok``, ptxas's ``-v`` ``log``, and when ok the ``lowered`` (mangled)
-    names, the ``ptx`` and the ``cubin``. For the compile tests and tools; the launcher compiles through CuPy."""
+    names, the ``ptx`` and the ``cubin``. For the compile tests and tools; the launcher compiles through CuPy. The
+    environment's debug options and ``CUFLASH_DEFINES`` apply as they do to the launcher's builds."""
     from cuda.bindings import nvrtc
 
     err, prog = nvrtc.nvrtcCreateProgram(text.encode(), b"cuflash.cu", 0, [], [])
@@ -65,7 +66,7 @@ def nvrtc_offline(text: str, names: list[str], options: tuple[str, ...], arch: s
         for name in names:
             (err,) = nvrtc.nvrtcAddNameExpression(prog, name.encode())
             assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, (err, name)
-        opts = [o.encode() for o in options] + [f"-arch={arch}".encode(), b"--ptxas-options=-v"]
+        opts = [o.encode() for o in (*options, *_DEBUG_OPTIONS)] + [f"-arch={arch}".encode(), b"--ptxas-options=-v"]
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         _, size = nvrtc.nvrtcGetProgramLogSize(prog)
         log = b" " * size
