@@ -630,6 +630,17 @@ class _Plan:
         self._rt.make_context_current()
         self._threads.add(threading.get_ident())
 
+    def _lse_target(self, lse: bool, lse_out, stream: int):
+        """``(lse array or None, its address)`` a run writes its lse into: the caller's ``lse_out``, a new array of
+        :attr:`lse_shape` when ``lse`` is asked for, else the stream's sink (:data:`_LSE_SINKS`: no allocation).
+        (A plan sets ``lse_shape`` and ``_lse_size``, its element count.)"""
+        if lse_out is not None:
+            return lse_out, lse_out.data.ptr
+        if lse:
+            array = self._empty(self.lse_shape, dtype=np.float32)
+            return array, array.data.ptr
+        return None, _LSE_SINKS.address((self._device, stream), self._lse_size, self._new_sink)
+
     def _new_sink(self, key, count: int):
         """A new lse sink of ``count`` float32 on the current device (:data:`_LSE_SINKS`, ``key``'s) and its
         address."""
@@ -720,13 +731,7 @@ class ForwardPlan(_Plan):
             stream = self._stream().ptr
         if out is None:
             out = self._empty(self.out_shape, dtype=self.dtype)
-        if lse_out is not None:
-            lse, lse_ptr = lse_out, lse_out.data.ptr
-        elif lse:
-            lse = self._empty(self.lse_shape, dtype=np.float32)
-            lse_ptr = lse.data.ptr
-        else:
-            lse, lse_ptr = None, _LSE_SINKS.address((self._device, stream), self._lse_size, self._new_sink)
+        lse, lse_ptr = self._lse_target(lse, lse_out, stream)
         with self._lock:
             self.stage(pq, pk, pv, out.data.ptr, lse_ptr, arrays)
             self._launch.run(stream)

@@ -20,7 +20,6 @@ import numpy as np
 from .._ops.variant import Variant, VariantArrays
 from . import tensor_map
 from .._ops.api import CallMemo
-from . import attention as _attention
 from .attention import (_c_strides, _element_strides, _mappable, _Plan, _tensor_map, _VariantArgs, call_context, cdiv,
                         i32, rows_map, shape_of, strides)
 from .compile import PackedLaunch, check_smem, device_info
@@ -126,14 +125,7 @@ class VtForwardPlan(_Plan):
         vt = self._empty(self.vt_shape, dtype=self._vt_dtype)
         if out is None:
             out = self._empty(self.out_shape, dtype=self.dtype)
-        if lse_out is not None:
-            lse_array, lse_ptr = lse_out, lse_out.data.ptr
-        elif lse:
-            lse_array = self._empty(self.lse_shape, dtype=np.float32)
-            lse_ptr = lse_array.data.ptr
-        else:  # (the stream's lse sink, as ForwardPlan's: no allocation)
-            lse_array, lse_ptr = None, _attention._LSE_SINKS.address((self._device, stream), self._lse_size,
-                                                                     self._new_sink)
+        lse_array, lse_ptr = self._lse_target(lse, lse_out, stream)
         inputs = (q, k)
         if self._rounds:  # [tf32 qk] the kernel reads rounded copies
             q, k = (self._empty(shape, dtype=np.float32) for shape, _ in self._rounds)
