@@ -47,6 +47,10 @@ __device__ __forceinline__ u32 tf32_round(float x) {
     return r;
 }
 
+// The same rounding on a float32's bits in an integer register (half of TF32's last place added to the magnitude,
+// the 13 bits below it cleared): for copies that move bits, not floats (forward_sm90.cu's V^T and [tf32 qk]).
+__device__ __forceinline__ u32 tf32_round_bits(u32 bits) { return (bits + 0x1000u) & 0xFFFFE000u; }
+
 template <class T> struct Elem;
 
 template <> struct Elem<fp16> {

@@ -679,7 +679,7 @@ __global__ void __launch_bounds__(256) transpose_v_kernel(const unsigned char* _
                 u32 value = 0;
 #pragma unroll
                 for (int e = 0; e < kBytes; ++e) value |= (u32)tile[key * kStride + row * kBytes + e] << (8 * e);
-                if constexpr (kBytes == 4) value = (value + 0x1000u) & 0xFFFFE000u;  // ([tf32] V rounded to TF32)
+                if constexpr (kBytes == 4) value = tf32_round_bits(value);  // ([tf32] V rounded to TF32)
                 word |= value << (8 * byte);
             }
             w[j] = word;
@@ -700,12 +700,9 @@ __global__ void __launch_bounds__(256) round_tf32_kernel(const unsigned char* __
     if (i >= per_batch) return;
     const int c = (int)(i % kVec), h = (int)(i / kVec % heads);
     const i64 r = i / kVec / heads;
-    uint4 w = *reinterpret_cast<const uint4*>(x + blockIdx.y * x_sb + r * x_ss + h * x_sh + c * 16);
-    w.x = (w.x + 0x1000u) & 0xFFFFE000u;
-    w.y = (w.y + 0x1000u) & 0xFFFFE000u;
-    w.z = (w.z + 0x1000u) & 0xFFFFE000u;
-    w.w = (w.w + 0x1000u) & 0xFFFFE000u;
-    y[blockIdx.y * per_batch + i] = w;
+    const uint4 w = *reinterpret_cast<const uint4*>(x + blockIdx.y * x_sb + r * x_ss + h * x_sh + c * 16);
+    y[blockIdx.y * per_batch + i] = make_uint4(tf32_round_bits(w.x), tf32_round_bits(w.y), tf32_round_bits(w.z),
+                                               tf32_round_bits(w.w));
 }
 
 // ... and the V^T entry point ([fp8]: T = e4m3, [tf32]: T = tf32; the TMA tiles; v_map V^T's; descale q's, k's and v's
