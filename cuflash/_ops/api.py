@@ -501,38 +501,40 @@ class _CheckedFp8(NamedTuple):
 # defaults.
 _FP8_KEYED = ("causal", "softmax_scale", "causal_align", "window_size", "softcap", "max_seqlen_q", "max_seqlen_k",
               "dropout_seed", "dropout_offset", "algorithm", "fp32_precision")
+_FP8_DESCALES = ("q_descale", "k_descale", "v_descale")
 _fp8_calls = CallMemo(64)
 
 
 def _fp8_key(q, k, v, arguments: dict):
     """The key of an FP8 call in :data:`_fp8_calls`, or None (NumPy, an option FP8 refuses not at its default)."""
-    planner = _planners.get(type(q), _NOT_PLANNED)
-    if planner is _NOT_PLANNED:
-        planner = _planner(q)
+    planner = _planner(q)
     if planner is None or any(arguments[name] is not default and not (
             type(arguments[name]) is type(default) and arguments[name] == default)
             for name, default in _FP8_UNSUPPORTED.items()):
         return None
-    return _call_key(planner, (q, k, v, arguments["alibi_slopes"], arguments["q_descale"], arguments["k_descale"],
-                               arguments["v_descale"]),
+    return _call_key(planner, (q, k, v, arguments["alibi_slopes"], *(arguments[name] for name in _FP8_DESCALES)),
                      ("attention_fp8", *(arguments[name] for name in _FP8_KEYED)),
                      None, None, arguments["window_size"])
+
+
+def _check_fp8_finite(q, k, v, arguments: dict) -> None:
+    """check_finite's scan of an FP8 call's arrays (q, k, v, alibi_slopes and the descale factors), when asked."""
+    if _validate.finite_checks(arguments["check_finite"]):
+        _validate.check_finite({"q": q, "k": k, "v": v, "alibi_slopes": arguments["alibi_slopes"],
+                                **{name: arguments[name] for name in _FP8_DESCALES}})
 
 
 def _run_fp8(call: _CheckedFp8, q, k, v, arguments: dict, stream: int):
     """A remembered FP8 call: its value checks (alibi_slopes, check_finite), the stacked descale factors and its
     plan's run; None where an input's address needs an aligned copy (the checked call makes it)."""
-    xp, alibi = call.xp, arguments["alibi_slopes"]
-    descales = [arguments[name] for name in ("q_descale", "k_descale", "v_descale")]
-    if _validate.finite_checks(arguments["check_finite"]):
-        _validate.check_finite({"q": q, "k": k, "v": v, "alibi_slopes": alibi,
-                                **{n: a for n, a in zip(("q_descale", "k_descale", "v_descale"), descales)}})
+    _check_fp8_finite(q, k, v, arguments)
+    alibi = arguments["alibi_slopes"]
     arrays = _NO_ARRAYS
     if alibi is not None:
-        arrays = VariantArrays(alibi_slopes=_validate.alibi_slopes(alibi, call.problem, xp))
+        arrays = VariantArrays(alibi_slopes=_validate.alibi_slopes(alibi, call.problem, call.xp))
     from .._cuda import vt
 
-    stacked = vt.stacked_descale(descales, call.descale_shape, stream)
+    stacked = vt.stacked_descale([arguments[name] for name in _FP8_DESCALES], call.descale_shape, stream)
     return call.plan.run(q, k, v, arrays, stream, arguments["return_lse"], descale=stacked)
 
 
@@ -570,20 +572,15 @@ def _attention_fp8(q, k, v, arguments: dict):
         raise ValueError(f"FP8 attention takes a positive softmax_scale; got {options['scale']}")
     xp = _namespace(q)
     shape = (problem.batch, problem.heads_kv)
-    descales = []
-    for name in ("q_descale", "k_descale", "v_descale"):
-        a = arguments[name]
+    descales = [arguments[name] for name in _FP8_DESCALES]
+    for name, a in zip(_FP8_DESCALES, descales):
         if a is None:
-            descales.append(None)
             continue
         _validate.check_same_library(q=q, **{name: a})
         if tuple(a.shape) != shape or np.dtype(a.dtype) != np.float32:
             raise ValueError(f"{name} must be a float32 array of shape (batch, heads_kv) = {shape}; got "
                              f"{np.dtype(a.dtype).name} of shape {tuple(a.shape)}")
-        descales.append(a)
-    if _validate.finite_checks(arguments["check_finite"]):
-        _validate.check_finite({"q": q, "k": k, "v": v, "alibi_slopes": arguments["alibi_slopes"],
-                                **{n: a for n, a in zip(("q_descale", "k_descale", "v_descale"), descales)}})
+    _check_fp8_finite(q, k, v, arguments)
     bf16 = np.dtype(ml_dtypes.bfloat16)
     if problem.is_empty:
         out = xp.zeros(problem.out_shape, dtype=bf16)
