@@ -45,13 +45,14 @@ __device__ __forceinline__ void warpgroup_sync(int wg) {
 // [fwd rescale skip] O's rescale by exp2(m_old - m_new) after each key tile is skipped by a warp whose rows' maxima
 // all stayed (softmax_step then gives the factor as exactly 1, where the FMA's residual made it 1 + a few ulp), which
 // past the first tiles of a long row is most tiles: one vote instead of d / 2 multiplies a thread (as many as the
-// tile's exponentials at d 128).
-// Built, off until measured on a GPU (-DCUFLASH_FWD_RESCALE_SKIP=1, CUFLASH_DEFINES).
+// tile's exponentials at d 128). On in the FP8 kernels, where it measured +2-5 % (H200, 2026-11-28); off in the 16-bit
+// ones (-5 % at d 64, +-3 % at d 128). -DCUFLASH_FWD_RESCALE_SKIP=0 / 1 (CUFLASH_DEFINES) sets it for every kernel.
 #ifndef CUFLASH_FWD_RESCALE_SKIP
-#define CUFLASH_FWD_RESCALE_SKIP 0
+#define CUFLASH_FWD_RESCALE_SKIP -1
 #endif
-#ifndef CUFLASH_FP8_FOLD_DESCALE  // ([fp8 fold], below)
-#define CUFLASH_FP8_FOLD_DESCALE 0
+// [fp8 fold] (below) on; -DCUFLASH_FP8_FOLD_DESCALE=0 for the multiply per score.
+#ifndef CUFLASH_FP8_FOLD_DESCALE
+#define CUFLASH_FP8_FOLD_DESCALE 1
 #endif
 
 // [fa2-fwd 3] and [fa2-fwd 4] on raw (unscaled) scores: m is the running row max of the raw scores, l the
@@ -60,7 +61,7 @@ __device__ __forceinline__ void warpgroup_sync(int wg) {
 // has retired. A row that has seen only masked keys keeps m = -inf and subtracts 0 instead (no NaN). [fp8 p] kPOff:
 // P = exp2(scale_log2 * (S - m_new) + kPOff), at most 2^kPOff (l and O grow by the same factor, lse subtracts it), so
 // that e4m3's 3-bit mantissa holds P's small values as normal numbers rather than subnormals or zeros.
-template <int kNT, int kPOff = 0>
+template <int kNT, int kPOff = 0, bool kRescaleSkip = false>
 __device__ __forceinline__ void softmax_step(float (&s)[kNT][4], float (&m)[2], float (&l)[2], float (&corr)[2],
                                              float scale_log2) {
 #pragma unroll
@@ -71,7 +72,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[kNT][4], float (&m)[2], 
         mx = quad_max(mx);
         const float m_scaled = mx == -CUFLASH_INF ? 0.f : mx * scale_log2;
         // ([fwd rescale skip]: exactly 1 where the maximum stayed, which the FMA's residual would make 1 + a few ulp)
-        corr[h] = CUFLASH_FWD_RESCALE_SKIP && mx == m[h] ? 1.f : fast_exp2(fmaf(m[h], scale_log2, -m_scaled));
+        corr[h] = kRescaleSkip && mx == m[h] ? 1.f : fast_exp2(fmaf(m[h], scale_log2, -m_scaled));
         m[h] = mx;
         float m_p = m_scaled;
         if constexpr (kPOff != 0) m_p -= float(kPOff);
@@ -152,6 +153,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
     using E = Sm90Elem<T>;
     constexpr bool kVt = E::kVt;                          // [fp8], [tf32]: V read as V^T
     constexpr bool kFp8 = E::kBytes == 1;                 // (its descale factors)
+    constexpr bool kRescaleSkip = CUFLASH_FWD_RESCALE_SKIP < 0 ? kFp8 : CUFLASH_FWD_RESCALE_SKIP != 0;
     constexpr bool kOutF32 = sizeof(typename E::Out) == 4;  // [tf32]: O stored as float32 from registers
     static_assert(!kVt || (kTma && !V::Is_varlen && !V::Has_seqused && !V::Bias::kStaged && !V::Has_dropout &&
                            !V::Pads_head_dim && kHeadDim * E::kBytes % 128 == 0 && kBlockN * E::kBytes % 128 == 0),
@@ -215,7 +217,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
     }
     // [fp8 fold] Without score mods, a positive qk_descale goes into the softmax's scale instead of multiplying every
     // raw score (the row maximum of the unscaled scores is the scaled ones' over qk_descale > 0): one multiply a
-    // score less. Built, off until measured on a GPU (-DCUFLASH_FP8_FOLD_DESCALE=1, CUFLASH_DEFINES).
+    // score less: +6-14 % at d 128 (H200, 2026-11-28).
     const bool fold_descale = CUFLASH_FP8_FOLD_DESCALE && kFp8 && !V::Has_mod && qk_descale > 0.f;
     const float softmax_log2 = fold_descale ? scale_log2 * qk_descale : scale_log2;
 
@@ -436,7 +438,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
             }
         };
         auto rescale_o = [&]() {
-            if constexpr (CUFLASH_FWD_RESCALE_SKIP) {  // [fwd rescale skip]
+            if constexpr (kRescaleSkip) {  // [fwd rescale skip]
                 if (!__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) return;
             }
 #pragma unroll
@@ -486,7 +488,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
             fence_regs(s);
             if constexpr (kWS) mbar_arrive(free_k);
             mask(0);
-            softmax_step<kNT, kPOff>(s, m, l, corr, softmax_log2);
+            softmax_step<kNT, kPOff, kRescaleSkip>(s, m, l, corr, softmax_log2);
             pack_p();
 
             for (int j = 1; j < n_end; ++j) {
@@ -517,7 +519,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
                 fence_regs(s);
                 if constexpr (kWS) mbar_arrive(free_k + 8 * (j & 1));
                 mask(j);
-                softmax_step<kNT, kPOff>(s, m, l, corr, softmax_log2);
+                softmax_step<kNT, kPOff, kRescaleSkip>(s, m, l, corr, softmax_log2);
                 wgmma_wait<0>();
                 fence_regs(acc);
                 if constexpr (kWS) mbar_arrive(free_v + 8 * ((j - 1) & 1));

@@ -20,6 +20,7 @@ def _tma_stand_in(monkeypatch):
     gpu_skip_reason()
     cp, recorder = install(monkeypatch)
     monkeypatch.setattr(tensor_map, "available", lambda: True)
+    monkeypatch.setattr(tensor_map, "address_field", lambda: None)  # (every new address encoded, and recorded)
     encoded = []
 
     def encode(address, dtype, rank, ptr, dims, strides, box, elem, interleave, swizzle, l2, oob):
@@ -63,6 +64,108 @@ def test_tensor_maps_and_when_the_mla_kernel_copies_by_tma(monkeypatch):
     assert not fits(seqlen_new=1) and not fits(leftpad=object()) and not fits(page=16) and not fits(switch=False)
     monkeypatch.setattr(tensor_map, "available", lambda: False)
     assert not fits()
+
+
+def _writing_encoder(layout):
+    """A stand-in cuTensorMapEncodeTiled that writes a map: ``layout(ptr, dims)`` -> its 16 words. Returns ``(encode,
+    calls)``, ``calls`` the addresses encoded."""
+    import ctypes
+
+    calls = []
+
+    def encode(address, dtype, rank, ptr, dims, strides, box, elem, interleave, swizzle, l2, oob):
+        if ptr & 15:
+            return 1  # (CUDA_ERROR_INVALID_VALUE: the driver's answer to an unaligned address)
+        calls.append(ptr)
+        (ctypes.c_uint64 * 16).from_address(address)[:] = layout(ptr, tuple(dims[:rank]))
+        return 0
+
+    return encode, calls
+
+
+def _shifted(ptr, dims):  # the address >> 4 in word 1 under a flag bit, the rest the shape's
+    return [dims[0], (ptr >> 4) | 1 << 60, *(d << 3 for d in dims), *[7] * (14 - len(dims))]
+
+
+def _split(ptr, dims):  # the address's low and high halves in two words
+    return [dims[0], ptr & 0xFFFFFFFF, ptr >> 32, *[5] * 13]
+
+
+@pytest.mark.parametrize("layout", [_shifted, _split])
+def test_a_map_writes_new_addresses_where_the_drivers_layout_is_learnt(monkeypatch, layout):
+    """(CPU) TensorMap.point writes a new address into the map's address word, with no encoding, where the layout the
+    driver writes is learnt (address_field: one word, the address shifted, every other byte fixed) and checked on the
+    map's own first encoding; the words are then the encoder's at that address. Where the layout does not fit the rule
+    (the address in two words), or a map's check fails, every new address is encoded."""
+    import numpy as np
+
+    from cuflash._cuda import tensor_map
+
+    encode, calls = _writing_encoder(layout)
+    monkeypatch.setattr(tensor_map, "_encode_tiled", lambda: encode)
+    learnt = tensor_map.address_field
+    learnt.cache_clear()
+    try:
+        field = learnt()
+        assert field == ((1, 4) if layout is _shifted else None)
+        if field:  # (every bit probed; the split layout stops at bit 32, the first in its other word)
+            assert len(calls) == 1 + len(tensor_map._PROBE_BITS)
+        rng = np.random.default_rng()
+        spec = ((128, 300, 4, 2), (1024, 256, 16), (64, 64, 1, 1))
+        m = tensor_map.TensorMap(*spec)
+        first = int(rng.integers(1, 1 << 44)) * 16
+        calls.clear()
+        m.point(first)
+        assert calls == [first] + ([first ^ 1 << 20] if field else [])  # (the map's own check of the rule)
+        for _ in range(20):
+            ptr = int(rng.integers(1, 1 << 44)) * 16
+            calls.clear()
+            m.point(ptr)
+            assert calls == ([] if field else [ptr])
+            assert list(m.words) == layout(ptr, spec[0])
+        with pytest.raises(RuntimeError, match="cuTensorMapEncodeTiled failed"):
+            m.point(first + 8)  # (unaligned: encoded, and the driver's refusal raised)
+
+        # A map whose own encoding does not fit a rule learnt elsewhere encodes every address.
+        monkeypatch.setattr(tensor_map, "address_field", lambda: (1, 4))
+        encode, calls = _writing_encoder(_split)
+        monkeypatch.setattr(tensor_map, "_encode_tiled", lambda: encode)
+        m = tensor_map.TensorMap(*spec)
+        m.point(first)
+        assert list(m.words) == _split(first, spec[0])
+        calls.clear()
+        m.point(first + 4096)
+        assert calls == [first + 4096] and list(m.words) == _split(first + 4096, spec[0])
+    finally:
+        learnt.cache_clear()
+
+
+def test_written_addresses_are_the_drivers_encoding(requires_gpu):
+    """(GPU) With the driver's encoder: the layout is learnt, and a map pointed at random addresses (16-byte aligned,
+    a 49-bit address space) by writing its address word holds what cuTensorMapEncodeTiled writes at each, for 16-,
+    8- and 32-bit maps of ranks 3 and 4."""
+    import numpy as np
+
+    from cuflash._cuda import tensor_map
+
+    requires_gpu.zeros(1)  # (the driver initialized, as it is wherever a map is pointed at an array)
+    tensor_map.address_field.cache_clear()
+    assert tensor_map.address_field() is not None
+    rng = np.random.default_rng()
+    specs = [(((128, 300, 4, 2), (1024, 256, 16), (64, 64, 1, 1)), 2),
+             (((576, 64, 10), (1152, 73728), (64, 64, 1)), 2),
+             (((128, 512, 8, 3), (1024, 128, 16), (128, 128, 1, 1)), 1),
+             (((64, 200, 2, 2), (512, 256, 16), (32, 64, 1, 1)), 4)]
+    for spec, element_bytes in specs:
+        m = tensor_map.TensorMap(*spec, element_bytes=element_bytes)
+        reference = tensor_map.TensorMap(*spec, element_bytes=element_bytes)
+        m.point(int(rng.integers(1, 1 << 45)) * 16)
+        assert m._base is not None, spec
+        for _ in range(200):
+            ptr = int(rng.integers(1, 1 << 45)) * 16
+            m.point(ptr)
+            assert tensor_map._encode(reference.words, reference._dtype, reference._spec, reference._args, ptr) == 0
+            np.testing.assert_array_equal(m.words, reference.words, err_msg=f"{spec} at {ptr:#x}")
 
 
 def test_the_forward_copies_by_tma_where_a_call_allows_it(monkeypatch):
