@@ -140,6 +140,7 @@ def test_a_map_writes_new_addresses_where_the_drivers_layout_is_learnt(monkeypat
         learnt.cache_clear()
 
 
+@pytest.mark.gpu
 def test_written_addresses_are_the_drivers_encoding(requires_gpu):
     """(GPU) With the driver's encoder: the layout is learnt, and a map pointed at random addresses (16-byte aligned,
     a 49-bit address space) by writing its address word holds what cuTensorMapEncodeTiled writes at each, for 16-,

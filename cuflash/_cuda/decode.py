@@ -226,7 +226,8 @@ class CupyRuntime:
     def __init__(self):
         import cupy
 
-        self.empty, self.zeros, self.float32 = cupy.empty, cupy.zeros, cupy.float32
+        # (empty: the ndarray constructor itself, which cupy.empty calls from Python: 0.4 us less a call, H200)
+        self.empty, self.zeros, self.float32 = cupy.ndarray, cupy.zeros, cupy.float32
         self.current_stream = cupy.cuda.get_current_stream
         self.get_device = cupy.cuda.runtime.getDevice
         self.launch = cupy.cuda.driver.launchKernel
