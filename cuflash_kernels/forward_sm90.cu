@@ -646,47 +646,73 @@ flash_fwd_sm90_tma_kernel(CUFLASH_FWD_PARAMS(u16), const VariantParams vp, const
 // [fp8 v] V^T for the V^T entry point: v (batch, keys, heads_kv, kHeadDim) elements of T (e4m3: 1 byte, tf32:
 // float32), strides v_sb, v_ss, v_sh in bytes, to vt (batch, heads_kv, kHeadDim, keys_16) C-contiguous, keys_16 = keys
 // rounded up to 16, each group of Sm90Elem<T>::kVtGroup keys in its vt_key order (the P fragment's), zeros past the
-// keys; float32 values rounded to TF32 (to nearest, ties away: wgmma would truncate them). Block (64-key tile, head,
+// keys; float32 values rounded to TF32 (to nearest, ties away: wgmma would truncate them). Block (kKeys-key tile, head,
 // batch), 256 threads: the tile's rows in with 16-byte loads, out as 16-byte chunks of V^T's rows.
-template <class T, int kHeadDim>
+//   e4m3 (kKeys 128: V^T's rows leave in whole 128-byte lines): a thread takes one group of 16 keys (a 16-byte chunk
+//   of V^T) for 4 consecutive rows of V^T: one 32-bit word of each key's row in, 4 x 4 bytes transposed by __byte_perm,
+//   4 chunks out. Key k's row sits at k * kHeadDim + 16 * (k / 16) bytes of the tile, each group shifted by one more
+//   16 bytes, so that the 8 groups a warp's lanes read at once fall in 8 different banks (x 4 rows' words: all 32).
+//   tf32 (kKeys 64): element by element, each rounded; rows padded by 16 bytes.
+template <class T, int kHeadDim, int kKeys>
 __global__ void __launch_bounds__(256) transpose_v_kernel(const unsigned char* __restrict__ v,
                                                          unsigned char* __restrict__ vt, int keys, int keys16,
                                                          int heads_kv, i64 v_sb, i64 v_ss, i64 v_sh) {
     using E = Sm90Elem<T>;
     constexpr int kBytes = E::kBytes, kGroup = E::kVtGroup;
-    constexpr int kKeys = 64, kRow = kHeadDim * kBytes, kStride = kRow + 16;  // (rows padded: fewer bank conflicts)
+    constexpr bool kBytePerm = kBytes == 1;
+    static_assert(!kBytePerm || (kGroup == 16 && kKeys == 128), "e4m3: 8 groups of 16 keys a tile");
+    constexpr int kRow = kHeadDim * kBytes, kStride = kBytePerm ? kRow : kRow + 16;
     constexpr int kPerChunk = 16 / kBytes;                                   // keys in a 16-byte chunk of V^T
-    __shared__ __align__(16) unsigned char tile[kKeys * kStride];
+    __shared__ __align__(16) unsigned char tile[kKeys * kStride + (kBytePerm ? 16 * kKeys / kGroup : 0)];
+    const auto row_of = [&](int key) { return key * kStride + (kBytePerm ? 16 * (key / kGroup) : 0); };
     const int key0 = blockIdx.x * kKeys, h = blockIdx.y, b = blockIdx.z;
     const unsigned char* src = v + b * v_sb + h * v_sh;
     for (int i = threadIdx.x; i < kKeys * kRow / 16; i += 256) {
         const int r = i / (kRow / 16), c = i % (kRow / 16), key = key0 + r;
         uint4 x = make_uint4(0, 0, 0, 0);
         if (key < keys) x = *reinterpret_cast<const uint4*>(src + key * v_ss + c * 16);
-        *reinterpret_cast<uint4*>(tile + r * kStride + c * 16) = x;
+        *reinterpret_cast<uint4*>(tile + row_of(r) + c * 16) = x;
     }
     __syncthreads();
     unsigned char* dst = vt + ((i64)(b * heads_kv + h) * kHeadDim) * keys16 * kBytes;
-    for (int i = threadIdx.x; i < kHeadDim * (kKeys / kPerChunk); i += 256) {
-        const int row = i / (kKeys / kPerChunk), chunk = i % (kKeys / kPerChunk), first = key0 + chunk * kPerChunk;
-        if (first >= keys16) continue;
-        u32 w[4];
+    if constexpr (kBytePerm) {
+        constexpr int kChunks = kKeys / 16;
+        for (int i = threadIdx.x; i < (kHeadDim / 4) * kChunks; i += 256) {
+            const int chunk = i % kChunks, rows = 4 * (i / kChunks), first = key0 + chunk * 16;
+            if (first >= keys16) continue;
+            u32 x[16];  // bytes rows .. rows + 3 of the group's keys
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            u32 word = 0;
+            for (int k = 0; k < 16; ++k) x[k] = *reinterpret_cast<const u32*>(tile + row_of(chunk * 16 + k) + rows);
+            u32 w[4][4];  // w[t][j]: word j of V^T row rows + t: byte t of the keys at positions 4j .. 4j + 3
 #pragma unroll
-            for (int byte = 0; byte < 4; byte += kBytes) {
-                const int at = chunk * kPerChunk + (4 * j + byte) / kBytes;  // the element's position in the tile
-                const int key = at / kGroup * kGroup + E::vt_key(at % kGroup);
-                u32 value = 0;
-#pragma unroll
-                for (int e = 0; e < kBytes; ++e) value |= (u32)tile[key * kStride + row * kBytes + e] << (8 * e);
-                if constexpr (kBytes == 4) value = tf32_round_bits(value);  // ([tf32] V rounded to TF32)
-                word |= value << (8 * byte);
+            for (int j = 0; j < 4; ++j) {
+                const u32 a = x[E::vt_key(4 * j)], bb = x[E::vt_key(4 * j + 1)];
+                const u32 c = x[E::vt_key(4 * j + 2)], d = x[E::vt_key(4 * j + 3)];
+                const u32 ab_lo = __byte_perm(a, bb, 0x5140), ab_hi = __byte_perm(a, bb, 0x7362);  // a0 b0 a1 b1, a2 b2 a3 b3
+                const u32 cd_lo = __byte_perm(c, d, 0x5140), cd_hi = __byte_perm(c, d, 0x7362);
+                w[0][j] = __byte_perm(ab_lo, cd_lo, 0x5410);  // a0 b0 c0 d0
+                w[1][j] = __byte_perm(ab_lo, cd_lo, 0x7632);  // a1 b1 c1 d1
+                w[2][j] = __byte_perm(ab_hi, cd_hi, 0x5410);
+                w[3][j] = __byte_perm(ab_hi, cd_hi, 0x7632);
             }
-            w[j] = word;
+#pragma unroll
+            for (int t = 0; t < 4; ++t)
+                *reinterpret_cast<uint4*>(dst + (i64)(rows + t) * keys16 + first) =
+                    make_uint4(w[t][0], w[t][1], w[t][2], w[t][3]);
         }
-        *reinterpret_cast<uint4*>(dst + ((i64)row * keys16 + first) * kBytes) = make_uint4(w[0], w[1], w[2], w[3]);
+    } else {
+        for (int i = threadIdx.x; i < kHeadDim * (kKeys / kPerChunk); i += 256) {
+            const int row = i / (kKeys / kPerChunk), chunk = i % (kKeys / kPerChunk), first = key0 + chunk * kPerChunk;
+            if (first >= keys16) continue;
+            u32 w[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int at = chunk * kPerChunk + j;  // the element's position in the tile
+                const int key = at / kGroup * kGroup + E::vt_key(at % kGroup);
+                w[j] = tf32_round_bits(*reinterpret_cast<const u32*>(tile + row_of(key) + row * kBytes));
+            }
+            *reinterpret_cast<uint4*>(dst + ((i64)row * keys16 + first) * kBytes) = make_uint4(w[0], w[1], w[2], w[3]);
+        }
     }
 }
 

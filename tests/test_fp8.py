@@ -161,7 +161,7 @@ def test_kernel_fp8_within_budget_and_near_reference(d, case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float32"])
-@pytest.mark.parametrize("n", [1, 77, 128, 300])
+@pytest.mark.parametrize("n", [1, 77, 128, 300, 1000])
 def test_transpose_kernel_matches_its_definition(n, dtype):
     """[fp8 v] transpose_v_kernel's V^T (what the plans run) equals vt.transposed_v's (CuPy operations), on a strided
     v (heads of a wider array), zeros past the keys included: e4m3 bits (groups of 16 keys) and float32 (groups of 8,
@@ -170,6 +170,7 @@ def test_transpose_kernel_matches_its_definition(n, dtype):
     from cuflash._cuda import vt as vt_module
     from cuflash._cuda.attention import cdiv, i32
     from cuflash._cuda.compile import launch
+    from cuflash._cuda.spec import TRANSPOSE_V_KEYS
     from cuflash._cuda.spec import spec as kernel_spec
 
     rng = np.random.default_rng(n)
@@ -179,7 +180,7 @@ def test_transpose_kernel_matches_its_definition(n, dtype):
         v = wide[:, :, 1:4]
         n16 = -(-n // 16) * 16
         vt = cp.full((2, 3, d, n16), 7, dtype=element)
-        launch(kernel_spec("transpose_v", dtype, d), (cdiv(n16, 64), 3, 2),
+        launch(kernel_spec("transpose_v", dtype, d), (cdiv(n16, TRANSPOSE_V_KEYS[dtype]), 3, 2),
                (v, vt, i32(n), i32(n16), i32(3), *(np.int64(s) for s in v.strides[:3])))
         np.testing.assert_array_equal(cp.asnumpy(vt), cp.asnumpy(vt_module.transposed_v(v, dtype)))
 

@@ -61,6 +61,9 @@ FP8_HEAD_DIMS = (128, 256)
 # The element types of the Hopper forward's V^T entry point (forward_sm90.cu's [fp8] and [tf32]: V read as V^T) by
 # input dtype, and the head dims of its [tf32] path (float32 inputs, fp32_precision="tf32" on sm_90).
 VT_CTYPES = {**FP8_CTYPES, "float32": "cuflash::tf32"}
+# Keys of V per block of transpose_v_kernel, per dtype (its template argument kKeys and the launch's grid): e4m3's
+# 128 keys make each row of V^T a tile writes one whole 128-byte line.
+TRANSPOSE_V_KEYS = {"float8_e4m3fn": 128, "float32": 64}
 TF32_SM90_HEAD_DIMS = (64, 128)
 # float32 on the tensor cores (flash_fwd_kernel on TF32 fragments, tf32_tiles.cuh): fp32_precision -> the family and
 # its element tag. Head dims up to 128 (float32 tiles are twice the 16-bit ones; above, the SIMT kernel runs).
@@ -580,8 +583,9 @@ FAMILIES: dict[str, Family] = {
     "fwd_sm90_tf32": Family(
         "forward_sm90.cu", "flash_fwd_sm90_vt_kernel", lambda s: _t16(s, VT_CTYPES), _fwd_sm90_vt_smem(4),
         SM90A_OPTIONS),
-    # ... and V^T for them ([fp8 v]: one 64-key tile of one head a block; the element type by dtype)
-    "transpose_v": Family("forward_sm90.cu", "transpose_v_kernel", lambda s: f"{VT_CTYPES[s.dtype]}, {s.head_dim}",
+    # ... and V^T for them ([fp8 v]: one tile of TRANSPOSE_V_KEYS keys of one head a block; the element type by dtype)
+    "transpose_v": Family("forward_sm90.cu", "transpose_v_kernel",
+                          lambda s: f"{VT_CTYPES[s.dtype]}, {s.head_dim}, {TRANSPOSE_V_KEYS[s.dtype]}",
                           _no_smem, SM90A_OPTIONS, threads=256),
     # ... and [tf32]'s q and k rounded to TF32 ([tf32 qk]: 256 float4 a block)
     "round_tf32": Family("forward_sm90.cu", "round_tf32_kernel", lambda s: f"{s.head_dim}", _no_smem, SM90A_OPTIONS,

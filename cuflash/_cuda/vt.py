@@ -23,7 +23,7 @@ from .._ops.api import CallMemo
 from .attention import (_c_strides, _element_strides, _mappable, _Plan, _tensor_map, _VariantArgs, call_context, cdiv,
                         i32, rows_map, shape_of, strides)
 from .compile import PackedLaunch, check_smem, device_info
-from .spec import FP8_HEAD_DIMS, TILES, VARIANT_POINTER_FIELDS, variant_type
+from .spec import FP8_HEAD_DIMS, TILES, TRANSPOSE_V_KEYS, VARIANT_POINTER_FIELDS, variant_type
 from .spec import spec as kernel_spec
 
 _LOG2E = 1.4426950408889634
@@ -91,7 +91,8 @@ class VtForwardPlan(_Plan):
         self._maps = (*qk_maps, rows_map((b, d, hkv, n16), (hkv * d * row, row, d * row), d, nbytes))
         # [fp8 v] V^T by transpose_v_kernel (v's strides: multiples of 16 bytes, the caller's check)
         self.vt_shape, self._vt_dtype = (b, hkv, d, n16), q.dtype
-        self._transpose = PackedLaunch(self._rt, kernel_spec("transpose_v", dtype, d), (cdiv(n16, 64), hkv, b),
+        self._transpose = PackedLaunch(self._rt, kernel_spec("transpose_v", dtype, d),
+                                       (cdiv(n16, TRANSPOSE_V_KEYS[dtype]), hkv, b),
                                        (None, None, i32(shp.rows_k), i32(n16), i32(hkv),
                                         *(np.int64(s) for s in (v.strides[0], v.strides[1], v.strides[2]))))
         self._write_transpose = self._transpose.writer((self._transpose.word(0), self._transpose.word(1)))
