@@ -291,7 +291,7 @@ class DecodeLaunch:
 
         # The kernels first (NVRTC, shared memory): nothing that can fail may come after a step's append.
         steps, keep = [], []
-        self._map = None  # the MLA kernel's TensorMap of the latent cache (re-encoded when the cache moves)
+        self._map = None  # the MLA kernel's TensorMap of the latent cache (pointed again when the cache moves)
 
         def step(spec, grid):
             fn, obj = rt.function(spec)

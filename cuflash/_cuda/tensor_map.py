@@ -117,7 +117,7 @@ class TensorMap:
             assert len(strides) == len(dims) - 1 == len(box) - 1 and box[0] * element_bytes == 128
             assert all(s % 16 == 0 for s in strides), strides
             rank = len(dims)
-            # (the encoder's arguments but the address, made once: a call re-encodes at every new address)
+            # (the encoder's arguments but the address, made once: point encodes with them where it cannot write the address)
             self._args = ((ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * (rank - 1))(*strides),
                           (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*([1] * rank)))
         self._pointed = None
