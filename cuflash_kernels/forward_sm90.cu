@@ -648,11 +648,14 @@ flash_fwd_sm90_tma_kernel(CUFLASH_FWD_PARAMS(u16), const VariantParams vp, const
 // rounded up to 16, each group of Sm90Elem<T>::kVtGroup keys in its vt_key order (the P fragment's), zeros past the
 // keys; float32 values rounded to TF32 (to nearest, ties away: wgmma would truncate them). Block (kKeys-key tile, head,
 // batch), 256 threads: the tile's rows in with 16-byte loads, out as 16-byte chunks of V^T's rows.
+// Key k's row sits at k * kRow + 16 * (k / kPerChunk) bytes of the tile: the keys of each 16-byte chunk of V^T
+// shifted by one more 16 bytes, so that the lanes that read the same word of different chunks' keys fall in
+// different banks.
 //   e4m3 (kKeys 128: V^T's rows leave in whole 128-byte lines): a thread takes one group of 16 keys (a 16-byte chunk
 //   of V^T) for 4 consecutive rows of V^T: one 32-bit word of each key's row in, 4 x 4 bytes transposed by __byte_perm,
-//   4 chunks out. Key k's row sits at k * kHeadDim + 16 * (k / 16) bytes of the tile, each group shifted by one more
-//   16 bytes, so that the 8 groups a warp's lanes read at once fall in 8 different banks (x 4 rows' words: all 32).
-//   tf32 (kKeys 64): element by element, each rounded; rows padded by 16 bytes.
+//   4 chunks out; a warp's 8 groups x 4 rows' words fall in all 32 banks.
+//   tf32 (kKeys 64): element by element, each rounded; a warp takes 8 chunks (128 bytes of a row) of 4 rows, its
+//   reads two to a bank.
 template <class T, int kHeadDim, int kKeys>
 __global__ void __launch_bounds__(256) transpose_v_kernel(const unsigned char* __restrict__ v,
                                                          unsigned char* __restrict__ vt, int keys, int keys16,
@@ -661,10 +664,10 @@ __global__ void __launch_bounds__(256) transpose_v_kernel(const unsigned char* _
     constexpr int kBytes = E::kBytes, kGroup = E::kVtGroup;
     constexpr bool kBytePerm = kBytes == 1;
     static_assert(!kBytePerm || (kGroup == 16 && kKeys == 128), "e4m3: 8 groups of 16 keys a tile");
-    constexpr int kRow = kHeadDim * kBytes, kStride = kBytePerm ? kRow : kRow + 16;
+    constexpr int kRow = kHeadDim * kBytes;
     constexpr int kPerChunk = 16 / kBytes;                                   // keys in a 16-byte chunk of V^T
-    __shared__ __align__(16) unsigned char tile[kKeys * kStride + (kBytePerm ? 16 * kKeys / kGroup : 0)];
-    const auto row_of = [&](int key) { return key * kStride + (kBytePerm ? 16 * (key / kGroup) : 0); };
+    __shared__ __align__(16) unsigned char tile[kKeys * kRow + 16 * (kKeys / kPerChunk)];
+    const auto row_of = [&](int key) { return key * kRow + 16 * (key / kPerChunk); };
     const int key0 = blockIdx.x * kKeys, h = blockIdx.y, b = blockIdx.z;
     const unsigned char* src = v + b * v_sb + h * v_sh;
     for (int i = threadIdx.x; i < kKeys * kRow / 16; i += 256) {
@@ -701,8 +704,9 @@ __global__ void __launch_bounds__(256) transpose_v_kernel(const unsigned char* _
                     make_uint4(w[t][0], w[t][1], w[t][2], w[t][3]);
         }
     } else {
-        for (int i = threadIdx.x; i < kHeadDim * (kKeys / kPerChunk); i += 256) {
-            const int row = i / (kKeys / kPerChunk), chunk = i % (kKeys / kPerChunk), first = key0 + chunk * kPerChunk;
+        constexpr int kChunks = kKeys / kPerChunk;
+        for (int i = threadIdx.x; i < kHeadDim * kChunks; i += 256) {
+            const int chunk = (i / 4) % kChunks, row = 4 * (i / (4 * kChunks)) + i % 4, first = key0 + chunk * kPerChunk;
             if (first >= keys16) continue;
             u32 w[4];
 #pragma unroll
