@@ -95,7 +95,8 @@ def _split(ptr, dims):  # the address's low and high halves in two words
 def test_a_map_writes_new_addresses_where_the_drivers_layout_is_learnt(monkeypatch, layout):
     """(CPU) TensorMap.point writes a new address into the map's address word, with no encoding, where the layout the
     driver writes is learnt (address_field: one word, the address shifted, every other byte fixed) and checked on the
-    map's own first encoding; the words are then the encoder's at that address. Where the layout does not fit the rule
+    map's own first encoding; the words are then the encoder's at that address (an address above the probed bits is
+    encoded). Where the layout does not fit the rule
     (the address in two words), or a map's check fails, every new address is encoded."""
     import numpy as np
 
@@ -123,6 +124,10 @@ def test_a_map_writes_new_addresses_where_the_drivers_layout_is_learnt(monkeypat
             m.point(ptr)
             assert calls == ([] if field else [ptr])
             assert list(m.words) == layout(ptr, spec[0])
+        high = (1 << 48) + 4096  # (above the probed bits: encoded, not written)
+        calls.clear()
+        m.point(high)
+        assert calls == [high] and list(m.words) == layout(high, spec[0])
         with pytest.raises(RuntimeError, match="cuTensorMapEncodeTiled failed"):
             m.point(first + 8)  # (unaligned: encoded, and the driver's refusal raised)
 

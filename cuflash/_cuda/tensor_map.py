@@ -43,6 +43,9 @@ def _encode_tiled():
 _PROBE_BASE = 1 << 40
 _PROBE_BITS = range(4, 48)
 _WORD = (1 << 64) - 1
+# The bits of an address that TensorMap.point writes only when zero: below 16-byte alignment, and above the probed ones
+# (such an address is encoded).
+_UNPROBED = _WORD ^ ((1 << _PROBE_BITS.stop) - (1 << _PROBE_BITS.start))
 
 
 def _encode(words, dtype: int, spec: tuple, args: tuple, ptr: int) -> int:
@@ -136,7 +139,7 @@ class TensorMap:
         driver's layout is known (:func:`address_field`, checked on this map's first encoding), else encoded."""
         if ptr == self._pointed or self._spec is None:
             return
-        if self._base is not None and not ptr & 15:
+        if self._base is not None and not ptr & _UNPROBED:
             self._word[self._field] = (self._base + (ptr >> self._shift)) & _WORD
         else:
             result = _encode(self.words, self._dtype, self._spec, self._args, ptr)
