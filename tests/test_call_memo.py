@@ -718,3 +718,21 @@ def test_cascade_calls_plan_once_and_compose_what_the_plan_does_not_take(fake, m
     kernels(*arrays(np.float32))
     kernels(*arrays(np.float32))
     assert len(checked) == 2 and len(composed) == 3 and len(_api._cascade_launches) == 2
+
+
+def test_the_host_profile_tool_runs_on_the_stand_in():
+    """tools/host_profile.py --stand-in (the tests' stand-in CuPy, no GPU): the host time of the front door's planned
+    calls is printed for each case, the calls with new arrays at every call among them."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "tools" / "host_profile.py"), "--stand-in", "--cases", "new-arrays",
+                          "--calls", "20", "--repeats", "1", "--count"], capture_output=True, text=True, timeout=300,
+                         cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [line.split() for line in run.stdout.splitlines() if "-new-arrays" in line]
+    assert [row[0] for row in rows] == ["causal-new-arrays", "dense-new-arrays"], run.stdout
+    assert all(float(row[1]) > 0 and row[2] == "us/call" for row in rows), run.stdout

@@ -5,6 +5,7 @@ steady state: the same shapes, dtypes and options called again and again, as a m
     PYTHONPATH=. python3 tools/host_profile.py --emulator /path/to/emulated/cupy   # no GPU
     PYTHONPATH=. python3 tools/host_profile.py --stand-in   # no GPU: the tests' stand-in CuPy (tests/_fake_cupy.py)
     PYTHONPATH=. python3 tools/host_profile.py --count   # and the function calls per call (cProfile)
+    PYTHONPATH=. python3 tools/host_profile.py --n 2048 --heads 16 --parts   # and the parts of a planned call (GPU)
 
 On a GPU: the CPU time of each call, from ``cupyx.profiler.benchmark`` (which synchronizes after the timed call,
 so the GPU's own time is not in it; printed apart), median and min over ``--calls * --repeats`` calls. With ``--emulator`` (a
@@ -115,6 +116,12 @@ def cases(cp, n: int, b: int, hq: int, d: int, dtype):
     out = {}
     for name, opts in options.items():
         out[name] = (lambda opts=opts: cuflash.attention(q, k, v, **opts))
+    # A model's layers: new q, k, v (new addresses) at every call, four sets in turn.
+    sets = [tuple(cp.asarray(rng.standard_normal((b, n, hq, d)).astype(np.float32)).astype(dtype) for _ in range(3))
+            for _ in range(4)]
+    turn = iter(range(1 << 62))
+    out["causal-new-arrays"] = lambda: cuflash.attention(*sets[next(turn) % 4], causal=True)
+    out["dense-new-arrays"] = lambda: cuflash.attention(*sets[next(turn) % 4])
     o, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
     out["backward-causal"] = lambda: cuflash.attention_backward(do, q, k, v, o, lse, causal=True)
     return out
@@ -134,6 +141,9 @@ def main():
     ap.add_argument("--count", action="store_true",
                     help="print the function calls per call (cProfile's count: all, and cuflash's own Python functions)")
     ap.add_argument("--stand-in", action="store_true", help="the tests' stand-in CuPy, launches no-ops (no GPU)")
+    ap.add_argument("--parts", action="store_true",
+                    help="(GPU) also time the parts of the causal case's call alone: its key, CuPy's allocation of the "
+                         "output, the plan's run, its cuLaunchKernel, pointing a tensor map at a new address")
     args = ap.parse_args()
     if args.emulator:
         sys.path.insert(0, args.emulator)
@@ -178,6 +188,8 @@ def main():
                   flush=True)
         if args.count:
             print(f"{'':22s} {_calls_per_call(call, args.calls)}", flush=True)
+        if args.parts and name == "causal" and not args.emulator:
+            parts(cp, args.n, args.batch, args.heads, args.head_dim, cp.float16, args.calls * args.repeats)
         if args.profile and args.profile in name:
             profile = cProfile.Profile()
             profile.enable()
@@ -185,6 +197,49 @@ def main():
                 call()
             profile.disable()
             pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+
+
+def parts(cp, n: int, b: int, hq: int, d: int, dtype, calls: int) -> None:
+    """The host time of the parts of a planned causal forward (median of ``calls`` calls, each timed alone, the device
+    synchronized every 50 calls outside the timed region)."""
+    import cuflash
+    from cuflash._cuda import tensor_map
+    from cuflash._ops import api
+
+    def timed(name, fn):
+        for _ in range(20):
+            fn()
+        cp.cuda.Device().synchronize()
+        times = []
+        for i in range(calls):
+            t0 = time.perf_counter_ns()
+            fn()
+            times.append(time.perf_counter_ns() - t0)
+            if i % 50 == 49:
+                cp.cuda.Device().synchronize()
+        cp.cuda.Device().synchronize()
+        print(f"  {name:40s} {statistics.median(times) / 1e3:6.2f} us  (p10 {np.percentile(times, 10) / 1e3:.2f})",
+              flush=True)
+
+    rng = np.random.default_rng(1)
+    q, k, v = (cp.asarray(rng.standard_normal((b, n, hq, d)).astype(np.float32)).astype(dtype) for _ in range(3))
+    cuflash.attention(q, k, v, causal=True)
+    planner = api._planner(q)
+    key_args = (planner, q, k, v, None, None, None, None, True, None, "bottom-right", (-1, -1), 0.0, None, None, 0.0,
+                None, 0, None, "fa2", None, None, "tf32x3", None, None)
+    plan = api._checked_calls.get(api._attention_key(*key_args)).plan
+    stream = cp.cuda.get_current_stream().ptr
+    print(f"parts of a causal call ({type(plan).__name__}, {len(plan._maps)} tensor maps; address word "
+          f"{tensor_map.address_field() if plan._maps else None}):", flush=True)
+    timed("key of the call", lambda: api._attention_key(*key_args))
+    timed("output allocation (cupy.ndarray)", lambda: cp.ndarray(plan.out_shape, dtype=plan.dtype))
+    timed("plan.run", lambda: plan.run(q, k, v, api._NO_ARRAYS, stream, False))
+    timed("cuLaunchKernel", lambda: plan._launch.run(stream))
+    if plan._maps:
+        addresses = [q.data.ptr + 256 * i for i in range(4)]
+        turn = iter(range(1 << 62))
+        timed("a tensor map pointed at a new address", lambda: plan._maps[0].point(addresses[next(turn) % 4]))
+        plan._maps[0].point(q.data.ptr)
 
 
 if __name__ == "__main__":
