@@ -651,7 +651,7 @@ flash_fwd_sm90_tma_kernel(CUFLASH_FWD_PARAMS(u16), const VariantParams vp, const
 // Key k's row sits at k * kRow + 16 * (k / kPerChunk) bytes of the tile: the keys of each 16-byte chunk of V^T
 // shifted by one more 16 bytes, so that the lanes that read the same word of different chunks' keys fall in
 // different banks.
-//   e4m3 (kKeys 128: V^T's rows leave in whole 128-byte lines): a thread takes one group of 16 keys (a 16-byte chunk
+//   e4m3 (kKeys 128: V^T's rows leave in whole 128-byte lines where the keys fill the tile): a thread takes one group of 16 keys (a 16-byte chunk
 //   of V^T) for 4 consecutive rows of V^T: one 32-bit word of each key's row in, 4 x 4 bytes transposed by __byte_perm,
 //   4 chunks out; a warp's 8 groups x 4 rows' words fall in all 32 banks.
 //   tf32 (kKeys 64): element by element, each rounded; a warp takes 8 chunks (128 bytes of a row) of 4 rows, its

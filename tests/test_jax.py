@@ -1041,8 +1041,8 @@ def test_kernel_call_on_gpu_equals_cupy(shape, dtname, causal, monkeypatch):
     np.testing.assert_array_equal(np.asarray(again), want)
     with _same_kernel_as_the_route(monkeypatch):  # (entered with kernel calls on: the buffer route's forward below
         monkeypatch.setenv("CUFLASH_JAX_KERNEL_CALL", "0")  # runs the kernel call's kernel)
-        want_grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2),
-                                      argnums=(0, 1, 2)))(q, k, v)
+        want_grads = jax.block_until_ready(jax.jit(jax.grad(
+            lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2), argnums=(0, 1, 2)))(q, k, v))
     for g, w in zip(grads, want_grads):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 

@@ -118,6 +118,7 @@ def test_a_map_writes_new_addresses_where_the_drivers_layout_is_learnt(monkeypat
         calls.clear()
         m.point(first)
         assert calls == [first] + ([first ^ 1 << 20] if field else [])  # (the map's own check of the rule)
+        assert list(m.words) == layout(first, spec[0])  # (the first encoding's words, restored after the check)
         for _ in range(20):
             ptr = int(rng.integers(1, 1 << 44)) * 16
             calls.clear()
@@ -148,8 +149,8 @@ def test_a_map_writes_new_addresses_where_the_drivers_layout_is_learnt(monkeypat
 @pytest.mark.gpu
 def test_written_addresses_are_the_drivers_encoding(requires_gpu):
     """(GPU) With the driver's encoder: the layout is learnt, and a map pointed at random addresses (16-byte aligned,
-    a 49-bit address space) by writing its address word holds what cuTensorMapEncodeTiled writes at each, for 16-,
-    8- and 32-bit maps of ranks 3 and 4."""
+    below 2**48) by writing its address word holds what cuTensorMapEncodeTiled writes at each, for 16-, 8- and 32-bit
+    maps of ranks 3 and 4 (and its first encoding is restored after the map's own check)."""
     import numpy as np
 
     from cuflash._cuda import tensor_map
@@ -157,7 +158,7 @@ def test_written_addresses_are_the_drivers_encoding(requires_gpu):
     requires_gpu.zeros(1)  # (the driver initialized, as it is wherever a map is pointed at an array)
     tensor_map.address_field.cache_clear()
     assert tensor_map.address_field() is not None
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(2026)
     specs = [(((128, 300, 4, 2), (1024, 256, 16), (64, 64, 1, 1)), 2),
              (((576, 64, 10), (1152, 73728), (64, 64, 1)), 2),
              (((128, 512, 8, 3), (1024, 128, 16), (128, 128, 1, 1)), 1),
@@ -165,10 +166,13 @@ def test_written_addresses_are_the_drivers_encoding(requires_gpu):
     for spec, element_bytes in specs:
         m = tensor_map.TensorMap(*spec, element_bytes=element_bytes)
         reference = tensor_map.TensorMap(*spec, element_bytes=element_bytes)
-        m.point(int(rng.integers(1, 1 << 45)) * 16)
+        first = int(rng.integers(1, 1 << 44)) * 16
+        m.point(first)
         assert m._base is not None, spec
+        assert tensor_map._encode(reference.words, reference._dtype, reference._spec, reference._args, first) == 0
+        np.testing.assert_array_equal(m.words, reference.words, err_msg=f"{spec}: the first encoding, restored")
         for _ in range(200):
-            ptr = int(rng.integers(1, 1 << 45)) * 16
+            ptr = int(rng.integers(1, 1 << 44)) * 16  # (below 2**48: written, not encoded)
             m.point(ptr)
             assert tensor_map._encode(reference.words, reference._dtype, reference._spec, reference._args, ptr) == 0
             np.testing.assert_array_equal(m.words, reference.words, err_msg=f"{spec} at {ptr:#x}")

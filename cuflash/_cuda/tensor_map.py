@@ -38,9 +38,9 @@ def _encode_tiled():
     return fn
 
 
-# address_field's probes: the base address (16-byte aligned, never dereferenced: the encoder only records it) and the
-# address bits flipped one at a time.
-_PROBE_BASE = 1 << 40
+# address_field's probes: the base address (16-byte aligned, never dereferenced: the encoder only records it; every
+# other bit set, so that no flipped probe is the null address) and the address bits flipped one at a time.
+_PROBE_BASE = 0x5555_5555_5550
 _PROBE_BITS = range(4, 48)
 _WORD = (1 << 64) - 1
 # The bits of an address that TensorMap.point writes only when zero: below 16-byte alignment, and above the probed ones
