@@ -161,13 +161,10 @@ class TensorMap:
             return
         if field is None:
             return
-        word, shift = field
         first = self.words.copy()
         other = ptr ^ (1 << 20)
-        if _encode(self.words, self._dtype, self._spec, self._args, other) == 0:
-            expected = first.copy()
-            base = (int(first[word]) - (ptr >> shift)) & _WORD
-            expected[word] = (base + (other >> shift)) & _WORD
-            if np.array_equal(expected, self.words):
-                self._field, self._shift, self._base = word, shift, base
+        if (_encode(self.words, self._dtype, self._spec, self._args, other) == 0
+                and _field_of(first, self.words, other - ptr) == field):
+            word, shift = field
+            self._field, self._shift, self._base = word, shift, (int(first[word]) - (ptr >> shift)) & _WORD
         self.words[:] = first
