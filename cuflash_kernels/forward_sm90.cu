@@ -24,7 +24,8 @@
 // of S_j reads it from there (16-bit: one ldmatrix per 16 keys) instead of every thread reading global memory.
 //
 // Grid: (ceil(seqlen_q / kBlockM), heads_q, batch), query tiles last-first (longest causal tiles start
-// first); key/value head = query head / group.
+// first); key/value head = query head / group. [fwd persistent] (the TMA entry point's kPersistent): as many blocks
+// as the GPU holds, each walking the tiles grid-x apart in that order (run_tiles), the K/V buffers' phases carried.
 // Shared memory: 2 * d * (kBlockM + 4 * kBlockN) bytes + 1024 for alignment + 128 for mbarriers, e.g.
 // d = 128, 128 x 128: 161 KiB; d = 64, 128 x 64: 49 KiB (two blocks per SM); a staged bias adds two tiles,
 // 2 * kBlockM * kBlockN * sizeof(element) bytes (d = 128, 128 x 128, bf16: + 64 KiB = 225 KiB). The V^T entry point
@@ -104,9 +105,18 @@ struct Sm90Config {
     static constexpr int kNWG = kBlockM / 64;  // computing (consumer) warpgroups
     static constexpr int kMinBlocks =
         ((!kWS && kNWarps == 8 && kBlockN + kHeadDim <= 128) || (kWS && kNWG == 1)) ? 2 : 1;
-    static constexpr int kProducerRegs = 24;
-    static constexpr int kConsumerRegsRaw = (65536 / kMinBlocks - 128 * kProducerRegs) / (kNWG * 128) / 8 * 8;
-    static constexpr int kConsumerRegs = kConsumerRegsRaw > 240 ? 240 : kConsumerRegsRaw;
+    // The producer warpgroup's registers and the computing warpgroups' (setmaxnreg): [fwd persistent]'s producer
+    // walks the tiles too, and holds 32 (at 24 ptxas spilled its loop's values).
+    __host__ __device__ static constexpr int producer_regs(bool persistent) { return persistent ? 32 : 24; }
+    // (setmaxnreg moves registers within what the block was given at launch, the __launch_bounds__ cap times its
+    // threads: 168 x 384 at d 128, less than the 65536 of the SM; asking for more than that waits forever)
+    static constexpr int kLaunchRegs = 65536 / kMinBlocks / (kNWarps * 32) / 8 * 8;
+    __host__ __device__ static constexpr int consumer_regs(bool persistent) {
+        const int raw = (kLaunchRegs * kNWarps * 32 - 128 * producer_regs(persistent)) / (kNWG * 128) / 8 * 8;
+        return raw > 240 ? 240 : raw;
+    }
+    static constexpr int kProducerRegs = producer_regs(false);
+    static constexpr int kConsumerRegs = consumer_regs(false);
 };
 
 // [ping-pong] With a TMA producer and two computing warpgroups, the two take turns issuing their products (S_j, then
@@ -119,6 +129,9 @@ struct Sm90Config {
 #define CUFLASH_FWD_PINGPONG 1
 #endif
 constexpr int kTurnBar = 3;
+// A thread's role in flash_fwd_sm90's tile (run_tile): the producer warpgroup's copies or the computing warpgroups'
+// products (without a producer: every thread, loads included), or kSplit: by warpgroup, registers moved (setmaxnreg).
+constexpr int kProduce = 0, kConsume = 1, kSplit = 2;
 
 
 // The tensor maps of the TMA entry point: q, k and v as 4-d tensors (columns, rows, heads, batch; a packed batch's
@@ -144,9 +157,11 @@ struct FwdMaps {
 // product): the same with 4-byte elements, k8 steps, V^T's keys in groups of 8, P rounded to TF32 as the A fragment
 // (p_to_tf32), O stored as float32 from registers. Both: padded batches only, no staged bias, no dropout, whole head
 // dims (Sm90Elem: the element policies).
-template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V, bool kTma = false>
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V, bool kTma = false,
+          bool kPersistent = false>
 __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const VariantParams vp,
-                                               const FwdMaps maps = FwdMaps{}, const float* descale = nullptr) {
+                                               const FwdMaps maps = FwdMaps{}, const float* descale = nullptr,
+                                               const int batch = 0) {
     using Cfg = Sm90Config<kHeadDim, kBlockM, kBlockN, kNWarps>;
     constexpr bool kWS = Cfg::kWS;
     static_assert(!kTma || kWS, "TMA: a producer warpgroup");
@@ -180,6 +195,11 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
     constexpr int kKT = kHeadDim / kKStep;  // k steps of Q K^T
     constexpr int kPT = kBlockN / kKStep;   // k steps of P V
     constexpr int kKVTile = kBlockN * kHeadDim * kElemBytes / 2;  // (in 16-bit units)
+    // [fwd persistent] one block per SM (two for one computing warpgroup) walks the query tiles, longest first; 16-bit
+    // padded batches from the TMA entry point, O staged in a buffer of its own (sO) so that the next tile's Q lands
+    // while this tile's last P V and output run.
+    static_assert(!kPersistent || (kTma && !kVt && !V::Is_varlen && !V::Has_seqused && !kStagedBias),
+                  "[fwd persistent]: the 16-bit TMA entry point, padded batches without key counts");
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     // Swizzle atoms need 1024-byte alignment, whatever the alignment of the dynamic shared memory base.
@@ -192,25 +212,34 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
     const u32 bar = smem_u32(sV + 2 * kKVTile);
     const u32 full_q = bar, full_k = bar + 8, full_v = bar + 24, free_k = bar + 40, free_v = bar + 56;
     const u32 tail_v = bar + 72;  // (TMA with sequence lengths: the last V tile's rows past the keys zeroed)
+    const u32 free_q = bar + 80;  // [fwd persistent] every computing thread's last S of a tile has retired
     // [variant bias tile] 2 buffers of kBlockM x kBlockN bias entries, after the mbarriers' 128 bytes.
     using BiasT = typename BlockInfo<V>::BiasT;
     BiasT* sBias = reinterpret_cast<BiasT*>(reinterpret_cast<unsigned char*>(sV + 2 * kKVTile) + 128);
     constexpr int kBiasTile = kBlockM * kBlockN;
-
-    const int m_block = gridDim.x - 1 - blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
+    // O's staging tile ([fwd persistent]: after the mbarriers; else the Q buffer, free once the last S has retired)
+    u16* sO = kPersistent ? reinterpret_cast<u16*>(reinterpret_cast<unsigned char*>(sV + 2 * kKVTile) + 128) : sQ;
     const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, warp_in_wg = (tid >> 5) & 3;
+
+    // One query tile (m_block, h, b) by one role: the producer warpgroup's copies (kProduce), the computing
+    // warpgroups' products (kConsume), or both (no producer: every thread loads). kv_base: the K/V tiles the block's
+    // earlier query tiles streamed through the two buffers (their index and phase continue from there); q_loads: the
+    // Q tiles it loaded before ([fwd persistent]; 0 and 0 for a block of one tile). Returns the tile's key tiles.
+    auto run_tile = [&](const int m_block, const int h, const int b, const int kv_base, const int q_loads,
+                        const int role) -> int {
+    const int h_kv = h / group;
     const int m0 = m_block * kBlockM;
 
     const BlockInfo<V> bi(vp, b, h, seqlen_q, seqlen_k);
-    if (bi.past_queries(m0)) return;  // a shorter sequence of a packed batch (the whole block leaves together)
+    if (bi.past_queries(m0)) return 0;  // a shorter sequence of a packed batch (the whole block leaves together)
     const int len_q = bi.len_q;
     // [fp8] q's and k's factors scale the raw scores (before the mods and masks, whose constants are in real raw-score
     // units), v's the output
     float qk_descale = 1.f, v_descale = 1.f;
     if constexpr (kFp8) {
         if (descale != nullptr) {
-            const int per = gridDim.z * (heads_q / group), at = b * (heads_q / group) + h_kv;
+            const int batches = kPersistent ? batch : int(gridDim.z);
+            const int per = batches * (heads_q / group), at = b * (heads_q / group) + h_kv;
             qk_descale = descale[at] * descale[per + at];
             v_descale = descale[2 * per + at];
         }
@@ -263,6 +292,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
     auto produce = [&]() {
         const int ptid = tid - Cfg::kNWG * 128;
         if (n_end == 0) return;
+        const auto load_slot = [&](int j) { return kv_base + j; };  // (a block's K/V tiles in order: buffer, phase)
         if constexpr (kTma) {
             // One thread: Q, then K_j and V_j into buffer j % 2 once it is free. A tile is kHeadDim / 64 boxes of 64
             // columns by its rows, its barrier told their bytes first. (Rows in the tensor: a packed sequence's
@@ -274,12 +304,18 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
                     mbar_expect_tx(landed, rows * kHeadDim * kElemBytes);
                     tma_load_tile<kHeadDim, 128 / kElemBytes>(dst, map, landed, rows, row, head, batch);
                 };
-                copy(smem_u32(sQ), maps.q, full_q, kBlockM, bi.q0 + m0, h);
+                auto copy_q = [&]() {
+                    // [fwd persistent] once every computing thread's last S of the block's previous tile has retired
+                    if (kPersistent && q_loads > 0) mbar_wait(free_q, (q_loads - 1) & 1);
+                    copy(smem_u32(sQ), maps.q, full_q, kBlockM, bi.q0 + m0, h);
+                };
+                if constexpr (!kPersistent) copy_q();
                 for (int j = 0; j < n_end; ++j) {
-                    const int buf = j & 1, row = bi.k0 + n_shift + tile_row(j);
-                    if (j >= 2) mbar_wait(free_k + 8 * buf, ((j >> 1) - 1) & 1);
+                    const int g = load_slot(j), buf = g & 1, row = bi.k0 + n_shift + tile_row(j);
+                    if (g >= 2) mbar_wait(free_k + 8 * buf, ((g >> 1) - 1) & 1);
                     copy(smem_u32(sK + buf * kKVTile), maps.k, full_k + 8 * buf, kBlockN, row, h_kv);
-                    if (j >= 2) mbar_wait(free_v + 8 * buf, ((j >> 1) - 1) & 1);
+                    if (kPersistent && j == 0) copy_q();  // (K_0's buffer frees before Q: it first)
+                    if (g >= 2) mbar_wait(free_v + 8 * buf, ((g >> 1) - 1) & 1);
                     if constexpr (kVt) {
                         // [fp8], [tf32] V^T: its kHeadDim rows, the tile's keys from key `row` as the columns
                         const u32 landed = full_v + 8 * buf;
@@ -321,12 +357,12 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
             landed = next;
         };
         for (int j = 0; j < n_end; ++j) {
-            const int buf = j & 1;
-            if (j >= 2) mbar_wait(free_k + 8 * buf, ((j >> 1) - 1) & 1);
+            const int g = load_slot(j), buf = g & 1;
+            if (g >= 2) mbar_wait(free_k + 8 * buf, ((g >> 1) - 1) & 1);
             load_k(j, ptid);
             cp_async_commit();
             hand_over(full_k + 8 * buf);
-            if (j >= 2) mbar_wait(free_v + 8 * buf, ((j >> 1) - 1) & 1);
+            if (g >= 2) mbar_wait(free_v + 8 * buf, ((g >> 1) - 1) & 1);
             load_v(j, ptid);
             cp_async_commit();
             hand_over(full_v + 8 * buf);
@@ -456,11 +492,19 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
             __syncthreads();
         };
 
+        // The block's K/V tile of key tile j: its buffer (slot & 1), its barriers' phase (slot >> 1 & 1).
+        const auto slot = [&](int j) { return kv_base + j; };
+        // [fwd persistent] Q's buffer released for the next tile once this thread's last S has retired.
+        const auto release_q = [&](int j) {
+            if constexpr (kPersistent) {
+                if (j == n_end - 1) mbar_arrive(free_q);
+            }
+        };
         if (n_end > 0) {
             // [fa2-fwd 1] the query block and K_0, then (in flight during S_0) K_1 and V_0.
             if constexpr (kWS) {
-                mbar_wait(full_q, 0);
-                mbar_wait(full_k, 0);
+                mbar_wait(full_q, q_loads & 1);
+                mbar_wait(full_k + 8 * (slot(0) & 1), (slot(0) >> 1) & 1);
             } else {
                 load_tile_sw128<kBlockM, kHeadDim, kLoaders>(sQ, qg, q_ss, m0, len_q, tid);
                 load_k(0, tid);
@@ -473,7 +517,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
             }
             turn();
             wgmma_fence();
-            scores(0);
+            scores(slot(0) & 1);
             pass_turn(false);
             if constexpr (!kWS) {
                 if (1 < n_end) {
@@ -486,7 +530,8 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
             draw_keep(0);
             wgmma_wait<0>();
             fence_regs(s);
-            if constexpr (kWS) mbar_arrive(free_k);
+            if constexpr (kWS) mbar_arrive(free_k + 8 * (slot(0) & 1));
+            release_q(0);
             mask(0);
             softmax_step<kNT, kPOff, kRescaleSkip>(s, m, l, corr, softmax_log2);
             pack_p();
@@ -494,16 +539,17 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
             for (int j = 1; j < n_end; ++j) {
                 // K_j and V_{j-1} have landed (and, without a producer, every warpgroup's wgmma reads of
                 // K_{j-1} and V_{j-2} have retired).
+                const int g = slot(j);
                 if constexpr (kWS) {
-                    mbar_wait(full_k + 8 * (j & 1), (j >> 1) & 1);
-                    mbar_wait(full_v + 8 * ((j - 1) & 1), ((j - 1) >> 1) & 1);
+                    mbar_wait(full_k + 8 * (g & 1), (g >> 1) & 1);
+                    mbar_wait(full_v + 8 * ((g - 1) & 1), ((g - 1) >> 1) & 1);
                 } else {
                     landed_all();
                 }
                 turn();
                 wgmma_fence();
-                scores(j & 1);
-                pv((j - 1) & 1);
+                scores(g & 1);
+                pv((g - 1) & 1);
                 pass_turn(false);
                 if constexpr (!kWS) {  // loads for the next iteration while the tensor cores work
                     // (bias buffer (j + 1) % 2 was last read by mask(j - 1), before landed_all's barrier)
@@ -517,19 +563,21 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
                 draw_keep(j);
                 wgmma_wait<1>();  // S_j is ready; P_{j-1} V_{j-1} may still run
                 fence_regs(s);
-                if constexpr (kWS) mbar_arrive(free_k + 8 * (j & 1));
+                if constexpr (kWS) mbar_arrive(free_k + 8 * (g & 1));
+                release_q(j);
                 mask(j);
                 softmax_step<kNT, kPOff, kRescaleSkip>(s, m, l, corr, softmax_log2);
                 wgmma_wait<0>();
                 fence_regs(acc);
-                if constexpr (kWS) mbar_arrive(free_v + 8 * ((j - 1) & 1));
+                if constexpr (kWS) mbar_arrive(free_v + 8 * ((g - 1) & 1));
                 // [fa2-fwd 3] rescale O by exp(m_old - m_new), now that P_{j-1} V_{j-1} is in it.
                 rescale_o();
                 pack_p();
             }
             // The last P V.
             if constexpr (kWS) {
-                mbar_wait(full_v + 8 * ((n_end - 1) & 1), ((n_end - 1) >> 1) & 1);
+                const int g = slot(n_end - 1);
+                mbar_wait(full_v + 8 * (g & 1), (g >> 1) & 1);
                 if constexpr (kTmaTail) {  // [tma tail]
                     if (len_k - tile_row(n_end - 1) < kBlockN) mbar_wait(tail_v, 0);
                 }
@@ -538,15 +586,19 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
             }
             turn();
             wgmma_fence();
-            pv((n_end - 1) & 1);
+            pv(slot(n_end - 1) & 1);
             pass_turn(true);
             wgmma_wait<0>();
             fence_regs(acc);
+            // [fwd persistent] the last V buffer is free for the block's next tile
+            if constexpr (kPersistent) mbar_arrive(free_v + 8 * (slot(n_end - 1) & 1));
         }
 
         // [fa2-fwd 6] O = acc / l, lse = m + log l; rows that saw no key: O = 0, lse = -inf.
-        // O goes through this warpgroup's own rows of the Q buffer (only its own wgmma read them, and
-        // those have retired), then out with 16-byte stores.
+        // O goes through this warpgroup's own rows of sO (the Q buffer, where only its own wgmma read them, and
+        // those have retired; [fwd persistent] a buffer of its own, once the warpgroup's reads of the block's
+        // previous tile are done), then out with 16-byte stores.
+        if constexpr (kPersistent) warpgroup_sync(wg);
         const int g = lane >> 2, t = lane & 3;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
@@ -568,7 +620,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
             } else {
 #pragma unroll
                 for (int dt = 0; dt < kDT; ++dt) {
-                    *reinterpret_cast<u32*>(sQ + sw128_offset<kBlockM>(r, dt) + 2 * t) =
+                    *reinterpret_cast<u32*>(sO + sw128_offset<kBlockM>(r, dt) + 2 * t) =
                         Elem<typename E::Out>::pack(acc[dt][2 * hh] * inv, acc[dt][2 * hh + 1] * inv);
                 }
             }
@@ -590,16 +642,50 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
                 const int row = m0 + r;
                 if (row < len_q && c < v_cols) {
                     *reinterpret_cast<uint4*>(og + (i64)row * o_ss + c * 8) =
-                        *reinterpret_cast<const uint4*>(sQ + sw128_offset<kBlockM>(r, c));
+                        *reinterpret_cast<const uint4*>(sO + sw128_offset<kBlockM>(r, c));
                 }
             }
         }
     };
 
+    if (role == kProduce) {
+        produce();
+    } else if (role == kConsume || !kWS) {
+        consume();
+    } else {  // (kSplit: a block of one tile takes its roles here, after the tile's common values)
+        if (wg == Cfg::kNWG) {
+            setmaxnreg_dec<Cfg::kProducerRegs>();
+            produce();
+        } else {
+            setmaxnreg_inc<Cfg::kConsumerRegs>();
+            consume();
+        }
+    }
+    return n_end;
+    };  // run_tile
+
+    // The block's query tiles, each by this thread's role: one (grid x: the query tiles last-first, y: heads, z:
+    // batch), or [fwd persistent] tile gridDim.x apart from blockIdx.x in the order (query tile last-first, batch,
+    // head).
+    auto run_tiles = [&](const int role) {
+        if constexpr (kPersistent) {
+            const int m_blocks = (seqlen_q + kBlockM - 1) / kBlockM, per_m = heads_q * batch;
+            int kv_base = 0, q_loads = 0;
+            for (int tile = blockIdx.x; tile < m_blocks * per_m; tile += gridDim.x) {
+                const int m_block = m_blocks - 1 - tile / per_m, hb = tile % per_m;
+                const int n = run_tile(m_block, hb % heads_q, hb / heads_q, kv_base, q_loads, role);
+                kv_base += n;
+                q_loads += n > 0;
+            }
+        } else {
+            run_tile(gridDim.x - 1 - blockIdx.x, blockIdx.y, blockIdx.z, 0, 0, role);
+        }
+    };
     if constexpr (kWS) {
         if (tid == 0) {
             constexpr int kLanded = kTma ? 1 : 128;  // (TMA: the issuing thread's arrival with its bytes)
             mbar_init(full_q, kLanded);
+            if constexpr (kPersistent) mbar_init(free_q, Cfg::kNWG * 128);
             if constexpr (kTmaTail) mbar_init(tail_v, 32);
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
@@ -610,17 +696,20 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
             }
         }
         __syncthreads();
+    }
+    if constexpr (kPersistent) {  // (the roles for the whole loop)
         if (wg == Cfg::kNWG) {
-            setmaxnreg_dec<Cfg::kProducerRegs>();
-            produce();
+            setmaxnreg_dec<Cfg::producer_regs(true)>();
+            run_tiles(kProduce);
         } else {
-            setmaxnreg_inc<Cfg::kConsumerRegs>();
-            consume();
+            setmaxnreg_inc<Cfg::consumer_regs(true)>();
+            run_tiles(kConsume);
         }
     } else {
-        consume();
+        run_tiles(kSplit);
     }
 }
+
 
 // flash_fwd_sm90's entry points: the launcher's (VariantParams by value) and the flat one (CUFLASH_VARIANT_FLAT_PARAMS)
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V>
@@ -633,14 +722,16 @@ __global__ void __launch_bounds__(kNWarps * 32, (Sm90Config<kHeadDim, kBlockM, k
 flash_fwd_sm90_flat_kernel(CUFLASH_FWD_PARAMS(u16), CUFLASH_VARIANT_FLAT_PARAMS) {
     flash_fwd_sm90<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, V>(CUFLASH_FWD_ARGS, CUFLASH_VARIANT_FLAT_ARGS);
 }
-// ... and the TMA one (the warp-specialized tiles: the launcher's ("fwd", "sm90a_tma", d) rows), with the tensor maps
-// of q, k and v after the launcher's parameters.
-template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V>
+// ... and the TMA one (the warp-specialized tiles: the launcher's ("fwd", "sm90a_tma", d) rows), with the batch size
+// and the tensor maps of q, k and v after the launcher's parameters. kPersistent: [fwd persistent] (grid: one block per
+// SM, or two for one computing warpgroup; the batch size counts the tiles), else the grid of flash_fwd_sm90.
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V, bool kPersistent = false>
 __global__ void __launch_bounds__(kNWarps * 32, (Sm90Config<kHeadDim, kBlockM, kBlockN, kNWarps>::kMinBlocks))
-flash_fwd_sm90_tma_kernel(CUFLASH_FWD_PARAMS(u16), const VariantParams vp, const __grid_constant__ TensorMap q_map,
-                          const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map) {
-    flash_fwd_sm90<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, V, true>(CUFLASH_FWD_ARGS, vp,
-                                                                             FwdMaps{&q_map, &k_map, &v_map});
+flash_fwd_sm90_tma_kernel(CUFLASH_FWD_PARAMS(u16), const VariantParams vp, const int batch,
+                          const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
+                          const __grid_constant__ TensorMap v_map) {
+    flash_fwd_sm90<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, V, true, kPersistent>(
+        CUFLASH_FWD_ARGS, vp, FwdMaps{&q_map, &k_map, &v_map}, nullptr, batch);
 }
 
 // [fp8 v] V^T for the V^T entry point: v (batch, keys, heads_kv, kHeadDim) elements of T (e4m3: 1 byte, tf32:

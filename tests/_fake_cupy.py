@@ -154,6 +154,7 @@ def install(monkeypatch):
     monkeypatch.setattr(compile, "launch", cupy_launch)
     monkeypatch.setattr(fa1, "launch", cupy_launch)
     monkeypatch.setitem(compile._device_cache, 0, (90, 227 * 1024))
+    monkeypatch.setitem(compile._sm_counts, 0, 132)  # (an H100 SXM's: the persistent kernels' grids)
     # (no driver: no tensor maps; a test that wants them stands in for the encoder, tests/test_tensor_map.py)
     monkeypatch.setattr(tensor_map, "available", lambda: False)
     monkeypatch.setattr(attention, "_RUNTIME", Runtime())

@@ -262,13 +262,29 @@ def test_the_forward_copies_by_tma_where_a_call_allows_it(monkeypatch):
     cuflash.attention(arr(1, 64, 2, 96), arr(1, 64, 2, 96), arr(1, 64, 2, 96))
     assert kernels() == ["cuflash::flash_fwd_kernel"] * 2 and encoded == []
     monkeypatch.setattr(attention, "SM90A_FORWARD", True)
-    # d 64: a short query sequence on the short tile, a longer one on the row's
+    # d 64: a short query sequence on the short tile, a longer one on the row's, by default persistent ([fwd
+    # persistent]: a block per SM walking the tiles, the batch size after VariantParams)
+    monkeypatch.setattr(attention, "PERSISTENT_FORWARD", None)
     short, long = spec.TILES[("fwd", "sm90a_tma_short", 64)], spec.TILES[("fwd", "sm90a_tma", 64)]
     for rows, t in ((attention.TMA_SHORT_MAX_ROWS_Q, short), (attention.TMA_SHORT_MAX_ROWS_Q + 1, long)):
         cuflash.attention(arr(1, rows, 2, 64), arr(1, 64, 2, 64), arr(1, 64, 2, 64))
-        assert kernels() == ["cuflash::flash_fwd_sm90_tma_kernel"]
+        (launch,) = [launch for launch in recorder.take() if len(launch) == 6]
+        assert launch[0].split("<")[0] == "cuflash::flash_fwd_sm90_tma_kernel"
+        assert launch[0].endswith(", true>") == (t is long)
+        tiles = -(-rows // t.block_m) * 2
+        assert launch[1] == ((min(tiles, 132), 1, 1) if t is long else (-(-rows // t.block_m), 2, 1))
         assert [e[3][1] for e in encoded] == [t.block_m, t.block_n, t.block_n]
         encoded.clear()
+    # ... and where asked everywhere it takes (16-bit padded batches without key counts, d 64 to 192), or nowhere
+    monkeypatch.setattr(attention, "PERSISTENT_FORWARD", True)
+    cuflash.attention(arr(3, 300, 4, 128), arr(3, 200, 2, 128), arr(3, 200, 2, 128), causal=True)
+    cuflash.attention(q2, k, v, seqused_k=lens)
+    names = [launch[0] for launch in recorder.take() if len(launch) == 6]
+    assert [n.endswith(", true>") for n in names] == [True, False]
+    monkeypatch.setattr(attention, "PERSISTENT_FORWARD", False)
+    cuflash.attention(arr(1, attention.TMA_SHORT_MAX_ROWS_Q + 1, 2, 64), arr(1, 64, 2, 64), arr(1, 64, 2, 64))
+    assert not any(launch[0].endswith(", true>") for launch in recorder.take() if len(launch) == 6)
+    monkeypatch.setattr(attention, "PERSISTENT_FORWARD", None)
     encoded.clear()
 
     # [variant head dim] d 96 on the d 128 kernel, v of d 64 (its maps hold the arrays' head dims: zeros past them)

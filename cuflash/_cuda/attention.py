@@ -23,10 +23,10 @@ import numpy as np
 from .._ops.gpu_memory import StreamSinks
 from .._ops.variant import Variant, VariantArrays
 from . import fa1, naive, tensor_map, tuning
-from .compile import PackedLaunch, arch_class, check_smem, device_info, launch
+from .compile import PackedLaunch, arch_class, check_smem, device_info, launch, sm_count
 from .spec import (BIAS_CTYPES, BLOCK_COMPACT, BWD_HEAD_DIMS, CTYPES, EXTRA_POINTER_FIELDS, FA1_BWD_HEAD_DIMS,
-                   FA1_HEAD_DIMS, FAMILIES, HEAD_DIMS, TF32_FAMILIES, TF32_HEAD_DIMS, TF32_SM90_HEAD_DIMS, TILES,
-                   VARIANT_POINTER_FIELDS, Tile, device_record, extra_params, extra_record, has_dropout, mask_policy,
+                   FA1_HEAD_DIMS, FAMILIES, HEAD_DIMS, PERSISTENT_HEAD_DIMS, TF32_FAMILIES, TF32_HEAD_DIMS,
+                   TF32_SM90_HEAD_DIMS, TILES, VARIANT_POINTER_FIELDS, Tile, device_record, extra_params, extra_record, has_dropout, mask_policy,
                    staged_bias_bytes, variant_params, variant_type)
 from .spec import spec as kernel_spec
 
@@ -242,6 +242,30 @@ TMA_PADDED_BACKWARD = os.environ.get("CUFLASH_TMA_PADDED_BACKWARD", "1") == "1"
 # mma.sync kernel, within the same error budget (2x naive attention on TF32-rounded operands); off
 # (CUFLASH_TF32_WGMMA=0): the mma.sync kernel.
 TF32_WGMMA = os.environ.get("CUFLASH_TF32_WGMMA", "1") == "1"
+# [fwd persistent] The TMA forward as a persistent kernel (a block per SM walking the query tiles, the next tile's Q
+# and K_0 loaded under this one's last products and output): None (CUFLASH_PERSISTENT_FORWARD unset) where it measured
+# faster (_PERSISTENT_ROWS), True (=1) wherever _persistent_forward takes the call, False (=0) nowhere. Read when a
+# forward is planned. H200 2026-11-28, bf16, TFLOP/s (one-tile blocks / persistent, two rounds): d 64's 192-row tile
+# N 4096-16384 dense 375-469 / 452-512, causal 380-439 / 405-444; d 64's 64-row tile (N <= 2048) 220-444 / 173-312
+# (two blocks an SM of one computing warpgroup: each tile's Q waits for its last S); d 128 N 512-2048 451-625 /
+# 407-509, N 4096-16384 within noise (the ping-pong's first turn of a tile waits for the other warpgroup's output).
+PERSISTENT_FORWARD = {"1": True, "0": False}.get(os.environ.get("CUFLASH_PERSISTENT_FORWARD", ""))
+_PERSISTENT_ROWS = {(64, Tile(192, 128, 16, 2))}  # (head dim, tile) run persistent by default
+
+
+def _persistent_forward(dtype: str, d: int, tile: Tile, variant: Variant) -> bool:
+    """Whether a TMA forward of this kernel head dim and tile runs persistent (:data:`PERSISTENT_FORWARD`): 16-bit
+    inputs, a head dim of PERSISTENT_HEAD_DIMS, padded batches without key counts (the kernel zeroes no tail)."""
+    if PERSISTENT_FORWARD is False or (PERSISTENT_FORWARD is None and (d, tile) not in _PERSISTENT_ROWS):
+        return False
+    return dtype in CTYPES and d in PERSISTENT_HEAD_DIMS and not variant.is_varlen and variant.seqused_k is None
+
+
+def _persistent_grid(tile: Tile, tiles: int) -> tuple[int, int, int]:
+    """[fwd persistent] The grid: as many blocks as the GPU holds at once (two a SM for one computing warpgroup, as
+    Sm90Config's kMinBlocks), at most one per query tile."""
+    per_sm = 2 if tile.block_m == 64 else 1
+    return (min(tiles, sm_count() * per_sm), 1, 1)
 
 
 def _tf32_wgmma(q, k, v, variant: Variant, fp32_precision: str, block_q, block_k) -> bool:
@@ -525,7 +549,7 @@ def switches() -> tuple:
     """The launcher's switches of the Hopper kernels and their TMA entry points, which decide a plan too (benchmarks
     flip them; plans are kept per value)."""
     return (SM90A_FORWARD, SM90A_BACKWARD, TMA_FORWARD, TMA_SEQUENCE_LENGTHS, TMA_PADDED, TMA_BACKWARD,
-            TMA_PADDED_BACKWARD, TF32_WGMMA)
+            TMA_PADDED_BACKWARD, TF32_WGMMA, PERSISTENT_FORWARD)
 
 
 def _ptr(a) -> int:
@@ -684,7 +708,9 @@ class ForwardPlan(_Plan):
         if tma is not None:
             d, tma_tile = tma
             pads = d != shp.head_dim or d != dv
-            spec = kernel_spec("fwd_sm90_tma", dtype, d, tma_tile, variant_type(variant, pads_head_dim=pads))
+            persistent = _persistent_forward(dtype, d, tma_tile, variant)
+            spec = kernel_spec("fwd_sm90_tma_persistent" if persistent else "fwd_sm90_tma", dtype, d, tma_tile,
+                               variant_type(variant, pads_head_dim=pads))
             self._maps = (_tensor_map(q, tma_tile.block_m), _tensor_map(k, tma_tile.block_n),
                           _tensor_map(v, tma_tile.block_n))
         check_smem(spec)
@@ -695,8 +721,12 @@ class ForwardPlan(_Plan):
         args = (None, None, None, None, None, i32(shp.rows_q), i32(shp.rows_k), i32(shp.heads_q), i32(shp.group),
                 *strides(q), *strides(k), *strides(v), *_element_strides(self.out_shape), np.float32(scale * _LOG2E),
                 self._variant.params)
-        self._launch = PackedLaunch(self._rt, spec, (cdiv(shp.max_q, spec.tile.block_m), shp.heads_q, shp.batch), args,
-                                    tuple(m.address for m in self._maps))
+        grid = (cdiv(shp.max_q, spec.tile.block_m), shp.heads_q, shp.batch)
+        if spec.family == "fwd_sm90_tma_persistent":
+            grid = _persistent_grid(spec.tile, grid[0] * grid[1] * grid[2])
+        # (the TMA entry point takes the batch size after VariantParams: the persistent kernel counts its tiles by it)
+        tma_args = (i32(shp.batch),) if tma is not None else ()
+        self._launch = PackedLaunch(self._rt, spec, grid, args + tma_args, tuple(m.address for m in self._maps))
         self._flat = (flat_spec, (cdiv(shp.max_q, flat_spec.tile.block_m), shp.heads_q, shp.batch), args[5:])
         vp = len(args) - 1
         self._write = self._launch.writer(tuple(self._launch.word(i) for i in range(5)))  # q, k, v, out, lse

@@ -18,8 +18,8 @@ import numpy as np
 
 from .spec import KernelSpec, prelude_of
 
-__all__ = ["compile_source_for_nvrtc", "nvrtc_offline", "kernel", "flat_ptx", "device_info", "arch_class", "check_smem",
-           "launch", "PackedLaunch"]
+__all__ = ["compile_source_for_nvrtc", "nvrtc_offline", "kernel", "flat_ptx", "device_info", "sm_count", "arch_class",
+           "check_smem", "launch", "PackedLaunch"]
 
 # Debug builds (docs/testing.md), read once, at import. CUFLASH_LINEINFO=1: line information, so that
 # compute-sanitizer and ncu name source lines. CUFLASH_RACECHECK=1: that, and the build racecheck can follow (a
@@ -103,6 +103,20 @@ def device_info() -> tuple[int, int]:
         dev = cupy.cuda.Device(dev_id)
         info = _device_cache[dev_id] = (int(dev.compute_capability), int(dev.attributes["MaxSharedMemoryPerBlockOptin"]))
     return info
+
+
+def sm_count() -> int:
+    """The current device's multiprocessor count, cached (the persistent kernels' grids)."""
+    import cupy
+
+    dev_id = cupy.cuda.runtime.getDevice()
+    count = _sm_counts.get(dev_id)
+    if count is None:
+        count = _sm_counts[dev_id] = int(cupy.cuda.Device(dev_id).attributes["MultiProcessorCount"])
+    return count
+
+
+_sm_counts: dict = {}
 
 
 def arch_class(cc: int) -> str:

@@ -25,7 +25,7 @@ __all__ = [
     "SM90A_OPTIONS", "FA1_HEAD_DIMS", "FA1_BWD_HEAD_DIMS", "VARIANT_PARAMS_DTYPE", "EXTRA_PARAMS_DTYPE",
     "variant_type", "has_dropout", "extra_params", "extra_record", "device_record",
     "VARIANT_POINTER_FIELDS", "EXTRA_POINTER_FIELDS", "prelude_of", "mask_policy", "variant_params", "instantiations", "spec", "DENSE", "CTYPES",
-    "TF32_FAMILIES", "TF32_HEAD_DIMS", "BIAS_CTYPES", "NO_BIAS", "bias_policy", "policy_args", "staged_bias_bytes",
+    "TF32_FAMILIES", "TF32_HEAD_DIMS", "PERSISTENT_HEAD_DIMS", "BIAS_CTYPES", "NO_BIAS", "bias_policy", "policy_args", "staged_bias_bytes",
 ]
 
 # Options given to NVRTC (CuPy appends the -arch of the current device).
@@ -65,6 +65,9 @@ VT_CTYPES = {**FP8_CTYPES, "float32": "cuflash::tf32"}
 # 128 keys make each row of V^T a tile writes one whole 128-byte line.
 TRANSPOSE_V_KEYS = {"float8_e4m3fn": 128, "float32": 64}
 TF32_SM90_HEAD_DIMS = (64, 128)
+# [fwd persistent] The TMA forward's head dims whose tile leaves room for O's own staging tile (d 256's takes 193 KiB
+# without it).
+PERSISTENT_HEAD_DIMS = (64, 128, 192)
 # float32 on the tensor cores (flash_fwd_kernel on TF32 fragments, tf32_tiles.cuh): fp32_precision -> the family and
 # its element tag. Head dims up to 128 (float32 tiles are twice the 16-bit ones; above, the SIMT kernel runs).
 TF32_FAMILIES = {"tf32x3": "fwd_tf32x3", "tf32": "fwd_tf32"}
@@ -575,6 +578,11 @@ FAMILIES: dict[str, Family] = {
     # staged bias: cuflash.jax's kernel calls and a staged bias take "fwd_sm90").
     "fwd_sm90_tma": Family(
         "forward_sm90.cu", "flash_fwd_sm90_tma_kernel", _t16, _fwd_sm90_smem, SM90A_OPTIONS),
+    # ... run persistent ([fwd persistent]: a block per SM walks the query tiles; + O's staging tile of its own, 16-bit
+    # padded batches without key counts: attention._persistent_forward)
+    "fwd_sm90_tma_persistent": Family(
+        "forward_sm90.cu", "flash_fwd_sm90_tma_kernel", lambda s: f"{_t16(s)}, true",
+        lambda d, t: _fwd_sm90_smem(d, t) + 2 * d * t.block_m, SM90A_OPTIONS),
     # Its V^T entry point (V^T's map, the descale factors' pointer before VariantParams): [fp8] e4m3 inputs, and [tf32]
     # float32 ones with one TF32 product.
     "fwd_sm90_fp8": Family(
@@ -881,6 +889,18 @@ def instantiations() -> list[KernelSpec]:
         add(KernelSpec("fwd_sm90_tma", "bfloat16", 128, tma_tile, _policy(v[:6] + (v[6] and not v[7], v[7])),
                        arch="sm90a"))
     add(KernelSpec("fwd_sm90_tma", "bfloat16", 128, tma_tile, causal_mod, arch="sm90a"))
+    # [fwd persistent] every row it takes (attention._persistent_forward), dense and causal, and the flags of padded
+    # batches without key counts (not a bias with dropout, as above)
+    for (direction, arch, d), t in TILES.items():
+        if (direction, arch) in (("fwd", "sm90a_tma"), ("fwd", "sm90a_tma_short")) and d in PERSISTENT_HEAD_DIMS:
+            for dtype in CTYPES:
+                for var in (DENSE, variant_type(Variant(causal=True))):
+                    add(KernelSpec("fwd_sm90_tma_persistent", dtype, d, t, var, arch="sm90a"))
+    for v in _SHOWCASE:
+        if not v[2] and not v[3]:
+            add(KernelSpec("fwd_sm90_tma_persistent", "bfloat16", 128, tma_tile,
+                           _policy(v[:6] + (v[6] and not v[7], v[7])), arch="sm90a"))
+    add(KernelSpec("fwd_sm90_tma_persistent", "bfloat16", 128, tma_tile, causal_mod, arch="sm90a"))
     # [fp8] every flag of padded batches but a staged bias and dropout (a bias read from global memory)
     fp8_tile = TILES[("fwd", "sm90a_fp8", 128)]
     for v in _SHOWCASE:
@@ -914,6 +934,8 @@ def instantiations() -> list[KernelSpec]:
     # ... and from the forward's TMA entry point (d 96 on the 128 kernel, 32 on the 64 one: attention._tma_forward)
     for d in (64, 128):
         add(KernelSpec("fwd_sm90_tma", "bfloat16", d, TILES[("fwd", "sm90a_tma", d)], causal_pads, arch="sm90a"))
+        add(KernelSpec("fwd_sm90_tma_persistent", "bfloat16", d, TILES[("fwd", "sm90a_tma", d)], causal_pads,
+                       arch="sm90a"))
         # ... and from the backward's ([bwd tma pad]: attention._tma_padded_backward)
         for has_dq in (True, False):
             add(KernelSpec("bwd_dkdv_sm90_tma", "bfloat16", d, TILES[("bwd", "sm90a", d)], causal_pads, has_dq,
