@@ -257,6 +257,9 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
     const auto tile_row = [&](int j) { return (keys.tile(j) - n_begin) * kBlockN; };  // from tile n_begin on
     const int n_shift = n_begin * kBlockN;
     const int len_k = bi.len_k - n_shift;
+    // The block's K/V tile of key tile j (producer and computing warpgroups alike): its buffer (slot & 1), its
+    // barriers' phase (slot >> 1 & 1).
+    const auto slot = [&](int j) { return kv_base + j; };
 
     const u16* qg = bi.q_rows(q, b, h, q_sb, q_sh, q_ss);
     const u16* kg = bi.k_rows(k, b, h_kv, k_sb, k_sh, k_ss) + (i64)n_shift * k_ss;
@@ -292,7 +295,6 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
     auto produce = [&]() {
         const int ptid = tid - Cfg::kNWG * 128;
         if (n_end == 0) return;
-        const auto load_slot = [&](int j) { return kv_base + j; };  // (a block's K/V tiles in order: buffer, phase)
         if constexpr (kTma) {
             // One thread: Q, then K_j and V_j into buffer j % 2 once it is free. A tile is kHeadDim / 64 boxes of 64
             // columns by its rows, its barrier told their bytes first. (Rows in the tensor: a packed sequence's
@@ -311,7 +313,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
                 };
                 if constexpr (!kPersistent) copy_q();
                 for (int j = 0; j < n_end; ++j) {
-                    const int g = load_slot(j), buf = g & 1, row = bi.k0 + n_shift + tile_row(j);
+                    const int g = slot(j), buf = g & 1, row = bi.k0 + n_shift + tile_row(j);
                     if (g >= 2) mbar_wait(free_k + 8 * buf, ((g >> 1) - 1) & 1);
                     copy(smem_u32(sK + buf * kKVTile), maps.k, full_k + 8 * buf, kBlockN, row, h_kv);
                     if (kPersistent && j == 0) copy_q();  // (K_0's buffer frees before Q: it first)
@@ -357,7 +359,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
             landed = next;
         };
         for (int j = 0; j < n_end; ++j) {
-            const int g = load_slot(j), buf = g & 1;
+            const int g = slot(j), buf = g & 1;
             if (g >= 2) mbar_wait(free_k + 8 * buf, ((g >> 1) - 1) & 1);
             load_k(j, ptid);
             cp_async_commit();
@@ -492,8 +494,6 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
             __syncthreads();
         };
 
-        // The block's K/V tile of key tile j: its buffer (slot & 1), its barriers' phase (slot >> 1 & 1).
-        const auto slot = [&](int j) { return kv_base + j; };
         // [fwd persistent] Q's buffer released for the next tile once this thread's last S has retired.
         const auto release_q = [&](int j) {
             if constexpr (kPersistent) {

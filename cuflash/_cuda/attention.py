@@ -26,8 +26,8 @@ from . import fa1, naive, tensor_map, tuning
 from .compile import PackedLaunch, arch_class, check_smem, device_info, launch, sm_count
 from .spec import (BIAS_CTYPES, BLOCK_COMPACT, BWD_HEAD_DIMS, CTYPES, EXTRA_POINTER_FIELDS, FA1_BWD_HEAD_DIMS,
                    FA1_HEAD_DIMS, FAMILIES, HEAD_DIMS, PERSISTENT_HEAD_DIMS, TF32_FAMILIES, TF32_HEAD_DIMS,
-                   TF32_SM90_HEAD_DIMS, TILES, VARIANT_POINTER_FIELDS, Tile, device_record, extra_params, extra_record, has_dropout, mask_policy,
-                   staged_bias_bytes, variant_params, variant_type)
+                   TF32_SM90_HEAD_DIMS, TILES, VARIANT_POINTER_FIELDS, Tile, device_record, extra_params, extra_record,
+                   has_dropout, mask_policy, staged_bias_bytes, variant_params, variant_type)
 from .spec import spec as kernel_spec
 
 __all__ = ["forward", "backward", "check_supported", "plan_forward", "ForwardPlan", "plan_backward", "BackwardPlan",
@@ -261,11 +261,10 @@ def _persistent_forward(dtype: str, d: int, tile: Tile, variant: Variant) -> boo
     return dtype in CTYPES and d in PERSISTENT_HEAD_DIMS and not variant.is_varlen and variant.seqused_k is None
 
 
-def _persistent_grid(tile: Tile, tiles: int) -> tuple[int, int, int]:
-    """[fwd persistent] The grid: as many blocks as the GPU holds at once (two a SM for one computing warpgroup, as
-    Sm90Config's kMinBlocks), at most one per query tile."""
-    per_sm = 2 if tile.block_m == 64 else 1
-    return (min(tiles, sm_count() * per_sm), 1, 1)
+def _persistent_grid(spec, tiles: int) -> tuple[int, int, int]:
+    """[fwd persistent] The grid of ``spec``: as many blocks as the GPU holds at once (its family's blocks per SM),
+    at most one per query tile."""
+    return (min(tiles, sm_count() * spec.fam.min_blocks(spec.head_dim, spec.tile)), 1, 1)
 
 
 def _tf32_wgmma(q, k, v, variant: Variant, fp32_precision: str, block_q, block_k) -> bool:
@@ -723,7 +722,7 @@ class ForwardPlan(_Plan):
                 self._variant.params)
         grid = (cdiv(shp.max_q, spec.tile.block_m), shp.heads_q, shp.batch)
         if spec.family == "fwd_sm90_tma_persistent":
-            grid = _persistent_grid(spec.tile, grid[0] * grid[1] * grid[2])
+            grid = _persistent_grid(spec, grid[0] * grid[1] * grid[2])
         # (the TMA entry point takes the batch size after VariantParams: the persistent kernel counts its tiles by it)
         tma_args = (i32(shp.batch),) if tma is not None else ()
         self._launch = PackedLaunch(self._rt, spec, grid, args + tma_args, tuple(m.address for m in self._maps))

@@ -25,7 +25,8 @@ __all__ = [
     "SM90A_OPTIONS", "FA1_HEAD_DIMS", "FA1_BWD_HEAD_DIMS", "VARIANT_PARAMS_DTYPE", "EXTRA_PARAMS_DTYPE",
     "variant_type", "has_dropout", "extra_params", "extra_record", "device_record",
     "VARIANT_POINTER_FIELDS", "EXTRA_POINTER_FIELDS", "prelude_of", "mask_policy", "variant_params", "instantiations", "spec", "DENSE", "CTYPES",
-    "TF32_FAMILIES", "TF32_HEAD_DIMS", "PERSISTENT_HEAD_DIMS", "BIAS_CTYPES", "NO_BIAS", "bias_policy", "policy_args", "staged_bias_bytes",
+    "TF32_FAMILIES", "TF32_HEAD_DIMS", "BIAS_CTYPES", "NO_BIAS", "bias_policy", "policy_args", "staged_bias_bytes",
+    "PERSISTENT_HEAD_DIMS",
 ]
 
 # Options given to NVRTC (CuPy appends the -arch of the current device).
@@ -582,7 +583,9 @@ FAMILIES: dict[str, Family] = {
     # padded batches without key counts: attention._persistent_forward)
     "fwd_sm90_tma_persistent": Family(
         "forward_sm90.cu", "flash_fwd_sm90_tma_kernel", lambda s: f"{_t16(s)}, true",
-        lambda d, t: _fwd_sm90_smem(d, t) + 2 * d * t.block_m, SM90A_OPTIONS),
+        lambda d, t: _fwd_sm90_smem(d, t) + 2 * d * t.block_m, SM90A_OPTIONS,
+        # Sm90Config::kMinBlocks of the warp-specialized tiles: two blocks an SM of one computing warpgroup (the grid)
+        min_blocks=lambda d, t: 2 if t.block_m == 64 else 1),
     # Its V^T entry point (V^T's map, the descale factors' pointer before VariantParams): [fp8] e4m3 inputs, and [tf32]
     # float32 ones with one TF32 product.
     "fwd_sm90_fp8": Family(
