@@ -39,6 +39,8 @@ struct bf16 {};
 // [tf32]: one product)
 struct tf32 {};
 struct tf32x3 {};
+// float32 as two float16 parts on the Hopper forward ([f16x2]: x * 2^s = hi + lo, three fp16 products a matrix product)
+struct f16x2 {};
 
 // A float32 rounded to TF32 (to nearest, ties away from zero: cvt.rna), as its bits.
 __device__ __forceinline__ u32 tf32_round(float x) {

@@ -29,8 +29,8 @@
 // Shared memory: 2 * d * (kBlockM + 4 * kBlockN) bytes + 1024 for alignment + 128 for mbarriers, e.g.
 // d = 128, 128 x 128: 161 KiB; d = 64, 128 x 64: 49 KiB (two blocks per SM); a staged bias adds two tiles,
 // 2 * kBlockM * kBlockN * sizeof(element) bytes (d = 128, 128 x 128, bf16: + 64 KiB = 225 KiB). The V^T entry point
-// ([fp8], [tf32]): Q's tile at max(2, element bytes) an element, stages x (K, V^T) at the element's bytes (e4m3 d 128,
-// 128 x 128: 97 KiB; tf32 d 128, 128 x 64: 193 KiB).
+// ([fp8], [tf32], [f16x2]'s K and V): Q's tile at max(2, element bytes) an element, stages x (K, V^T) at the
+// element's bytes (e4m3 d 128, 128 x 128: 97 KiB; tf32 and f16x2 d 128, 128 x 64: 193 KiB).
 #include "cuflash_tiles.cuh"
 #include "hopper_tiles.cuh"
 #include "user_mods.cuh"
@@ -155,8 +155,16 @@ struct FwdMaps {
 // k's, v's factors per key/value head, FlashAttention-3's q_descale, k_descale, v_descale; or null, all 1): the raw
 // scores are multiplied by q's and k's before any mod or mask, O by v's. [tf32] T = tf32 (float32 inputs, one TF32
 // product): the same with 4-byte elements, k8 steps, V^T's keys in groups of 8, P rounded to TF32 as the A fragment
-// (p_to_tf32), O stored as float32 from registers. Both: padded batches only, no staged bias, no dropout, whole head
-// dims (Sm90Elem: the element policies).
+// (p_to_tf32), O stored as float32 from registers. [f16x2] T = f16x2 (float32 inputs as pairs of fp16 parts,
+// fp32_precision="fp16x3"): each 4-byte element two fp16 parts, a row's high parts then its low parts
+// (split_f16x2_kernel), so the tiles are the 16-bit kernel's at twice the head dim, V read MN-major as the 16-bit
+// kernel reads it; S = Qh Kh^T + (Qh Kl^T + Ql Kh^T) / 2^11 (the low parts of q and k carry 2^11; their products in
+// an accumulator of their own), P
+// split in registers at 2^14 its value (p_to_f16x2), each tile's P V (Pl Vh + Ph Vl, then Ph Vh) in an accumulator of
+// its own added to O in float32, the products of a tile one after the other (the ping-pong overlaps the warpgroups'
+// softmax); descale: the bits of q's, k's and v's largest magnitudes, whose powers of two the split multiplied by
+// (f16x2_exponent). All three: padded batches only, no staged bias, no dropout, whole head dims (Sm90Elem: the element
+// policies).
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V, bool kTma = false,
           bool kPersistent = false>
 __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const VariantParams vp,
@@ -166,16 +174,20 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
     constexpr bool kWS = Cfg::kWS;
     static_assert(!kTma || kWS, "TMA: a producer warpgroup");
     using E = Sm90Elem<T>;
+    using W = Wgmma<typename E::Mma>;
     constexpr bool kVt = E::kVt;                          // [fp8], [tf32]: V read as V^T
     constexpr bool kFp8 = E::kBytes == 1;                 // (its descale factors)
+    constexpr bool kTwoParts = E::kSplit;                 // [f16x2]: two fp16 parts an operand
+    constexpr bool kDescale = kFp8 || kTwoParts;          // q's, k's and v's factors
     constexpr bool kRescaleSkip = CUFLASH_FWD_RESCALE_SKIP < 0 ? kFp8 : CUFLASH_FWD_RESCALE_SKIP != 0;
     constexpr bool kOutF32 = sizeof(typename E::Out) == 4;  // [tf32]: O stored as float32 from registers
-    static_assert(!kVt || (kTma && !V::Is_varlen && !V::Has_seqused && !V::Bias::kStaged && !V::Has_dropout &&
-                           !V::Pads_head_dim && kHeadDim * E::kBytes % 128 == 0 && kBlockN * E::kBytes % 128 == 0),
-                  "[fp8], [tf32]: the TMA entry point, padded batches, no staged bias or dropout, head dims of whole "
-                  "128-byte rows, key tiles of whole 128-byte boxes of V^T");
+    static_assert(!(kVt || kTwoParts) || (kTma && !V::Is_varlen && !V::Has_seqused && !V::Bias::kStaged &&
+                                          !V::Has_dropout && !V::Pads_head_dim && kHeadDim * E::kBytes % 128 == 0 &&
+                                          kBlockN * E::kBytes % 128 == 0),
+                  "[fp8], [tf32], [f16x2]: the TMA entry point, padded batches, no staged bias or dropout, head dims "
+                  "of whole 128-byte rows, key tiles of whole 128-byte boxes of V^T");
     constexpr int kElemBytes = E::kBytes;
-    constexpr int kKStep = 32 / kElemBytes;  // the k of one wgmma (32 bytes of each operand row)
+    constexpr int kKStep = E::kKStep;        // the k of one wgmma (32 bytes of each operand row)
     constexpr int kPOff = E::kPOff;          // [fp8 p]
     constexpr bool kTmaTail = kTma && (V::Is_varlen || V::Has_seqused);  // [tma tail]
     // [variant head dim] Head dims below the kernel's from the TMA entry point only: the maps hold the arrays' head
@@ -198,7 +210,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
     // [fwd persistent] one block per SM (two for one computing warpgroup) walks the query tiles, longest first; 16-bit
     // padded batches from the TMA entry point, O staged in a buffer of its own (sO) so that the next tile's Q lands
     // while this tile's last P V and output run.
-    static_assert(!kPersistent || (kTma && !kVt && !V::Is_varlen && !V::Has_seqused && !kStagedBias),
+    static_assert(!kPersistent || (kTma && !kVt && !kTwoParts && !V::Is_varlen && !V::Has_seqused && !kStagedBias),
                   "[fwd persistent]: the 16-bit TMA entry point, padded batches without key counts");
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -244,10 +256,17 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
             v_descale = descale[2 * per + at];
         }
     }
+    if constexpr (kTwoParts) {
+        // [f16x2] the kernel reads q, k and v times 2^e_q, 2^e_k, 2^e_v (descale: the bits of each one's largest
+        // magnitude, from which split_f16x2_kernel took e)
+        const u32* max_bits = reinterpret_cast<const u32*>(descale);
+        qk_descale = pow2f(-f16x2_exponent(max_bits[0])) * pow2f(-f16x2_exponent(max_bits[1]));
+        v_descale = pow2f(-f16x2_exponent(max_bits[2]));
+    }
     // [fp8 fold] Without score mods, a positive qk_descale goes into the softmax's scale instead of multiplying every
     // raw score (the row maximum of the unscaled scores is the scaled ones' over qk_descale > 0): one multiply a
     // score less: +6-14 % at d 128 (H200, 2026-11-28).
-    const bool fold_descale = CUFLASH_FP8_FOLD_DESCALE && kFp8 && !V::Has_mod && qk_descale > 0.f;
+    const bool fold_descale = (kTwoParts || (CUFLASH_FP8_FOLD_DESCALE && kFp8)) && !V::Has_mod && qk_descale > 0.f;
     const float softmax_log2 = fold_descale ? scale_log2 * qk_descale : scale_log2;
 
     // Key tiles [n_begin, n_begin + n_end) hold the keys this query tile sees (causal, window). K and V
@@ -396,11 +415,13 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
         auto desc_k = [&](int buf, int kk) {
             return sw128_desc(k_addr + buf * kKVTile * 2 + (kk >> 2) * kBlockN * 128 + (kk & 3) * 32, 16, 1024);
         };
-        auto desc_v = [&](int buf, int kk) {
+        // ([f16x2] part 1: V's low parts, the blocks after the high parts' kHeadDim / 64; Q's and K's: k steps kKT on)
+        auto desc_v = [&](int buf, int kk, int part = 0) {
             if constexpr (kVt) {  // [fp8], [tf32] V^T K-major, as K in S = Q K^T
                 return sw128_desc(v_addr + buf * kKVTile * 2 + (kk >> 2) * kHeadDim * 128 + (kk & 3) * 32, 16, 1024);
             } else {
-                return sw128_desc(v_addr + buf * kKVTile * 2 + kk * 2048, kBlockN * 128, 1024);
+                return sw128_desc(v_addr + buf * kKVTile * 2 + part * (kHeadDim / 64) * kBlockN * 128 + kk * 2048,
+                                  kBlockN * 128, 1024);
             }
         };
 
@@ -410,19 +431,40 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
         float m[2] = {-CUFLASH_INF, -CUFLASH_INF}, l[2] = {0.f, 0.f}, corr[2];
         float s[kNT][4];
         u32 p[kPT][4];
+        // [f16x2] S's cross products (the low parts carry 2^11), P's low parts, and P V of one key tile (added to O in
+        // float32: the tensor core's sums round toward zero, which over many tiles would bias a running O)
+        float sx[kTwoParts ? kNT : 1][4];
+        u32 p2[kTwoParts ? kPT : 1][4];
+        float ot[kTwoParts ? kDT : 1][4];
 
-        // [fa2-fwd 2] S = Q K_buf^T (raw scores), then the mask of key tile j where it is needed.
+        // [fa2-fwd 2] S = Q K_buf^T (raw scores), then the mask of key tile j where it is needed. [f16x2] S = Qh Kh^T,
+        // sx = Qh Kl^T + Ql Kh^T.
         auto scores = [&](int buf) {
 #pragma unroll
             for (int kk = 0; kk < kKT; ++kk) {
-                Wgmma<T>::ss(s, desc_q(kk), desc_k(buf, kk), kk > 0 ? 1 : 0, Int<kBlockN>());
+                W::ss(s, desc_q(kk), desc_k(buf, kk), kk > 0 ? 1 : 0, Int<kBlockN>());
+            }
+            if constexpr (kTwoParts) {
+#pragma unroll
+                for (int kk = 0; kk < kKT; ++kk) {
+                    W::ss(sx, desc_q(kk), desc_k(buf, kKT + kk), kk > 0 ? 1 : 0, Int<kBlockN>());
+                }
+#pragma unroll
+                for (int kk = 0; kk < kKT; ++kk) W::ss(sx, desc_q(kKT + kk), desc_k(buf, kk), 1, Int<kBlockN>());
             }
             wgmma_commit();
         };
         // [variant mod] and [variant mask] of key tile j (counted from n_begin).
         auto mask = [&](int j) {
             const int n0 = n_shift + tile_row(j);
-            if (kFp8 && !fold_descale) {
+            if constexpr (kTwoParts) {  // [f16x2] S += sx / 2^11
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[nt][e] = fmaf(sx[nt][e], 4.8828125e-4f, s[nt][e]);
+                }
+            }
+            if (kDescale && !fold_descale) {
 #pragma unroll
                 for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
@@ -433,21 +475,33 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
                 mod_scores<false>(s, bi, row_base, n0, lane, keys.partial(j),
                                   BiasTile<V, kBlockN>{sBias + (j & 1) * kBiasTile, m0, n0});
             } else {
-                mod_scores<false>(s, bi, row_base, n0, lane, keys.partial(j));
+                mod_scores<false, kTwoParts>(s, bi, row_base, n0, lane, keys.partial(j));
             }
             const bool mask_mod = keys.mask_mod_in_mask(j);
             if (bi.needs_mask(m0, kBlockM, n0, kBlockN) || mask_mod) {
                 mask_block<false>(s, bi, row_base, n0, lane, -CUFLASH_INF, mask_mod);
             }
         };
-        // [fa2-fwd 5] O += P V_buf, P (already 16-bit) straight from registers.
+        // [fa2-fwd 5] O += P V_buf, P (already 16-bit) straight from registers. [f16x2] ot = P V of the tile: Pl Vh +
+        // Ph Vl, then Ph Vh (the tensor core adds each k step's products to its sum rounded toward zero: the cross
+        // products first, while the sum and so its truncations are small).
         auto pv = [&](int buf) {
+            if constexpr (kTwoParts) {
 #pragma unroll
-            for (int kk = 0; kk < kPT; ++kk) {
-                if constexpr (kVt) {
-                    Wgmma<T>::rs(acc, p[kk], desc_v(buf, kk), 1, Int<kHeadDim>());
-                } else {
-                    Wgmma<T>::rs_tb(acc, p[kk], desc_v(buf, kk), 1, Int<kHeadDim>());
+                for (int kk = 0; kk < kPT; ++kk) {
+                    W::rs_tb(ot, p2[kk], desc_v(buf, kk), kk > 0 ? 1 : 0, Int<kHeadDim>());
+                    W::rs_tb(ot, p[kk], desc_v(buf, kk, 1), 1, Int<kHeadDim>());
+                }
+#pragma unroll
+                for (int kk = 0; kk < kPT; ++kk) W::rs_tb(ot, p[kk], desc_v(buf, kk), 1, Int<kHeadDim>());
+            } else {
+#pragma unroll
+                for (int kk = 0; kk < kPT; ++kk) {
+                    if constexpr (kVt) {
+                        W::rs(acc, p[kk], desc_v(buf, kk), 1, Int<kHeadDim>());
+                    } else {
+                        W::rs_tb(acc, p[kk], desc_v(buf, kk), 1, Int<kHeadDim>());
+                    }
                 }
             }
             wgmma_commit();
@@ -461,13 +515,16 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
                 keep_fence(keep);
             }
         };
-        // [variant dropout] (after the row sum) and P to 16 bits (e4m3: [fp8 p]; tf32: [vt p]) for the A operand of P V.
+        // [variant dropout] (after the row sum) and P to 16 bits (e4m3: [fp8 p]; tf32: [vt p]; [f16x2]: two parts) for
+        // the A operand of P V.
         auto pack_p = [&]() {
             if constexpr (V::Has_dropout) dropout_apply<kNT>(s, keep, 1.f);
 #pragma unroll
             for (int kk = 0; kk < kPT; ++kk) {
                 if constexpr (kFp8) {
                     p_to_e4m3<kNT>(p[kk], s, kk);
+                } else if constexpr (kTwoParts) {
+                    p_to_f16x2<kNT>(p[kk], p2[kk], s, kk);
                 } else if constexpr (kVt) {
                     p_to_tf32<kNT>(p[kk], s, kk);
                 } else {
@@ -500,7 +557,48 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
                 if (j == n_end - 1) mbar_arrive(free_q);
             }
         };
-        if (n_end > 0) {
+        if constexpr (kTwoParts) {
+            // [f16x2] Each key tile's products one after the other, S_j, then P_j V_j, the warpgroup waiting on each
+            // (the other computing warpgroup's products fill the tensor cores meanwhile: [ping-pong], a turn per
+            // product): S's two accumulators and P V's (P's two parts, the tile's O) are never live at once, which at
+            // d 128 keeps a warpgroup within its registers. O (frame of the row maxima so far) is rescaled before
+            // the tile's P V is added.
+            if (n_end > 0) {
+                mbar_wait(full_q, q_loads & 1);
+                if constexpr (kPingpong) {
+                    if (wg == 1) pass_turn(false);  // (warpgroup 0 issues first)
+                }
+                for (int j = 0; j < n_end; ++j) {
+                    const int g = slot(j), buf = g & 1, phase = (g >> 1) & 1;
+                    mbar_wait(full_k + 8 * buf, phase);
+                    turn();
+                    wgmma_fence();
+                    scores(buf);
+                    pass_turn(false);
+                    wgmma_wait<0>();
+                    fence_regs(s);
+                    fence_regs(sx);
+                    mbar_arrive(free_k + 8 * buf);
+                    mask(j);
+                    softmax_step<kNT, kPOff, kRescaleSkip>(s, m, l, corr, softmax_log2);
+                    rescale_o();
+                    pack_p();
+                    mbar_wait(full_v + 8 * buf, phase);
+                    turn();
+                    wgmma_fence();
+                    pv(buf);
+                    pass_turn(j == n_end - 1);
+                    wgmma_wait<0>();
+                    fence_regs(ot);
+                    mbar_arrive(free_v + 8 * buf);
+#pragma unroll
+                    for (int dt = 0; dt < kDT; ++dt) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) acc[dt][e] += ot[dt][e];
+                    }
+                }
+            }
+        } else if (n_end > 0) {
             // [fa2-fwd 1] the query block and K_0, then (in flight during S_0) K_1 and V_0.
             if constexpr (kWS) {
                 mbar_wait(full_q, q_loads & 1);
@@ -604,7 +702,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
         for (int hh = 0; hh < 2; ++hh) {
             const float lsum = quad_sum(l[hh]);
             float inv = bi.out_scale(V::Has_dropout ? bi.keep_scale : 1.f, lsum);  // [variant dropout]
-            if constexpr (kFp8) inv *= v_descale;
+            if constexpr (kDescale) inv *= v_descale;
             const int r = wg * 64 + warp_in_wg * 16 + g + 8 * hh;  // row inside the block
             const int row = m0 + r;
             if constexpr (kOutF32) {
@@ -815,20 +913,76 @@ __global__ void __launch_bounds__(256) transpose_v_kernel(const unsigned char* _
 // contiguous) to a C-contiguous copy rounded to TF32 as transpose_v_kernel rounds V (to nearest, ties away): wgmma
 // reads float32 operands as TF32 by dropping their low 13 bits, a truncation whose error, twice the rounding's and of
 // one sign, a product of rounded operands does not have. Block (256 float4 of one batch's copy, batch), 256 threads.
+// The 16 bytes i (counted C-contiguously) of batch b of a (batch, rows, heads, kHeadDim) float32 tensor at byte strides
+// x_sb, x_ss, x_sh, the last axis contiguous (round_tf32_kernel's, absmax_f32_kernel's and split_f16x2_kernel's loads).
+template <int kHeadDim>
+__device__ __forceinline__ uint4 f32_vec4(const unsigned char* x, i64 i, int b, int heads, i64 x_sb, i64 x_ss,
+                                          i64 x_sh) {
+    constexpr int kVec = kHeadDim / 4;
+    const int c = (int)(i % kVec), h = (int)(i / kVec % heads);
+    const i64 r = i / kVec / heads;
+    return *reinterpret_cast<const uint4*>(x + b * x_sb + r * x_ss + h * x_sh + c * 16);
+}
+
 template <int kHeadDim>
 __global__ void __launch_bounds__(256) round_tf32_kernel(const unsigned char* __restrict__ x, uint4* __restrict__ y,
                                                          int rows, int heads, i64 x_sb, i64 x_ss, i64 x_sh) {
-    constexpr int kVec = kHeadDim / 4;
-    const i64 per_batch = (i64)rows * heads * kVec, i = (i64)blockIdx.x * 256 + threadIdx.x;
+    const i64 per_batch = (i64)rows * heads * (kHeadDim / 4), i = (i64)blockIdx.x * 256 + threadIdx.x;
     if (i >= per_batch) return;
-    const int c = (int)(i % kVec), h = (int)(i / kVec % heads);
-    const i64 r = i / kVec / heads;
-    const uint4 w = *reinterpret_cast<const uint4*>(x + blockIdx.y * x_sb + r * x_ss + h * x_sh + c * 16);
+    const uint4 w = f32_vec4<kHeadDim>(x, i, blockIdx.y, heads, x_sb, x_ss, x_sh);
     y[blockIdx.y * per_batch + i] = make_uint4(tf32_round_bits(w.x), tf32_round_bits(w.y), tf32_round_bits(w.z),
                                                tf32_round_bits(w.w));
 }
 
-// ... and the V^T entry point ([fp8]: T = e4m3, [tf32]: T = tf32; the TMA tiles; v_map V^T's; descale q's, k's and v's
+// [f16x2] The largest magnitude of a float32 tensor (batch, rows, heads, kHeadDim) at byte strides x_sb, x_ss, x_sh
+// (the last axis contiguous), its bits atomically maxed into *max_bits (zeroed before; fmaxf passes NaN over). Block
+// (256 threads, batch), each thread a float4 at a time, striding over the batch's.
+template <int kHeadDim>
+__global__ void __launch_bounds__(256) absmax_f32_kernel(const unsigned char* __restrict__ x,
+                                                        u32* __restrict__ max_bits, int rows, int heads, i64 x_sb,
+                                                        i64 x_ss, i64 x_sh) {
+    const i64 per_batch = (i64)rows * heads * (kHeadDim / 4);
+    float mx = 0.f;
+    for (i64 i = (i64)blockIdx.x * 256 + threadIdx.x; i < per_batch; i += (i64)gridDim.x * 256) {
+        const uint4 w = f32_vec4<kHeadDim>(x, i, blockIdx.y, heads, x_sb, x_ss, x_sh);
+        mx = fmaxf(mx, fmaxf(fmaxf(fabsf(__uint_as_float(w.x)), fabsf(__uint_as_float(w.y))),
+                             fmaxf(fabsf(__uint_as_float(w.z)), fabsf(__uint_as_float(w.w)))));
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    if ((threadIdx.x & 31) == 0) atomicMax(max_bits, __float_as_uint(mx));
+}
+
+// [f16x2] x (as absmax_f32_kernel reads it) times 2^e (f16x2_exponent of *max_bits, exact) split into fp16 parts: hi,
+// the product rounded to fp16, and lo, (product - hi) * lo_scale rounded (2^11 for q and k, whose cross products S
+// takes in an accumulator of their own; 1 for v), into the C-contiguous (batch, rows, heads, 2 kHeadDim) fp16 array y:
+// each row's kHeadDim high parts, then its low parts. Block (256 float4 of one batch, batch).
+template <int kHeadDim>
+__global__ void __launch_bounds__(256) split_f16x2_kernel(const unsigned char* __restrict__ x, uint2* __restrict__ y,
+                                                         const u32* __restrict__ max_bits, float lo_scale, int rows,
+                                                         int heads, i64 x_sb, i64 x_ss, i64 x_sh) {
+    constexpr int kVec = kHeadDim / 4;
+    const i64 per_batch = (i64)rows * heads * kVec, i = (i64)blockIdx.x * 256 + threadIdx.x;
+    if (i >= per_batch) return;
+    const int c = (int)(i % kVec);
+    const uint4 w = f32_vec4<kHeadDim>(x, i, blockIdx.y, heads, x_sb, x_ss, x_sh);
+    const float scale = pow2f(f16x2_exponent(*max_bits));
+    const float a[4] = {__uint_as_float(w.x) * scale, __uint_as_float(w.y) * scale, __uint_as_float(w.z) * scale,
+                        __uint_as_float(w.w) * scale};
+    u32 hi[2], lo[2];
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+        hi[t] = Elem<fp16>::pack(a[2 * t], a[2 * t + 1]);
+        lo[t] = Elem<fp16>::pack((a[2 * t] - Elem<fp16>::to_float(u16(hi[t] & 0xffffu))) * lo_scale,
+                                 (a[2 * t + 1] - Elem<fp16>::to_float(u16(hi[t] >> 16))) * lo_scale);
+    }
+    uint2* row = y + 2 * ((i64)blockIdx.y * per_batch + i - c);  // (a row: kVec chunks of 4 high parts, then low)
+    row[c] = make_uint2(hi[0], hi[1]);
+    row[kVec + c] = make_uint2(lo[0], lo[1]);
+}
+
+// ... and the V^T entry point ([fp8]: T = e4m3, [tf32]: T = tf32, [f16x2]: T = f16x2, whose v_map is V's pairs and
+// descale the largest magnitudes' bits; the TMA tiles; v_map V^T's; descale q's, k's and v's
 // factors (e4m3) or null).
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V>
 __global__ void __launch_bounds__(kNWarps * 32, (Sm90Config<kHeadDim, kBlockM, kBlockN, kNWarps>::kMinBlocks))

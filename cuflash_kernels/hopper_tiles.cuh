@@ -485,32 +485,81 @@ __device__ __forceinline__ void p_to_tf32(u32 (&a)[4], const float (&s)[kNT][4],
     a[3] = tf32_round(s[kk][3]);
 }
 
-// Element policies of the Hopper forward (forward_sm90.cu): bytes per element; whether V is read as V^T (8-bit and
-// tf32 wgmma read B K-major only: [fp8], [tf32]), and then the keys of one P fragment's group in V^T (kVtGroup) and
-// the key that position p of a group holds ([vt p]: vt_key, the order p_to_e4m3 / p_to_tf32 pack P in and
-// transpose_v_kernel writes); [fp8 p]'s offset of P (log2); the output's element.
+// Element policies of the Hopper forward (forward_sm90.cu): bytes per element; the k of one wgmma (32 bytes of each
+// operand row: 16 16-bit elements, 32 e4m3, 8 tf32); the wgmma's element type (Mma); whether V is read as V^T (8-bit
+// and tf32 wgmma read B K-major only: [fp8], [tf32]), and then the keys of one P fragment's group in V^T (kVtGroup)
+// and the key that position p of a group holds ([vt p]: vt_key, the order p_to_e4m3 / p_to_tf32 pack P in and
+// transpose_v_kernel writes); whether each operand is two fp16 parts ([f16x2]: kSplit); [fp8 p]'s offset of P (log2);
+// the output's element.
 template <class T> struct Sm90Elem {  // fp16, bf16: V read MN-major (the transpose bit)
     static constexpr int kBytes = 2;
+    static constexpr int kKStep = 16;
+    using Mma = T;
     static constexpr bool kVt = false;
+    static constexpr bool kSplit = false;
     static constexpr int kPOff = 0;
     using Out = T;
 };
 template <> struct Sm90Elem<e4m3> {
     static constexpr int kBytes = 1;
+    static constexpr int kKStep = 32;
+    using Mma = e4m3;
     static constexpr bool kVt = true;
     static constexpr int kVtGroup = 16;  // (two k32 halves' 8 of p_to_e4m3)
     __device__ __forceinline__ static int vt_key(int p) { return 2 * (p >> 2) + (p & 1) + 8 * ((p >> 1) & 1); }
+    static constexpr bool kSplit = false;
     static constexpr int kPOff = 8;
     using Out = bf16;
 };
 template <> struct Sm90Elem<tf32> {
     static constexpr int kBytes = 4;
+    static constexpr int kKStep = 8;
+    using Mma = tf32;
     static constexpr bool kVt = true;
     static constexpr int kVtGroup = 8;  // (one k8 step of p_to_tf32)
     __device__ __forceinline__ static int vt_key(int p) { return 2 * (p & 3) + (p >> 2); }
+    static constexpr bool kSplit = false;
     static constexpr int kPOff = 0;
     using Out = float;
 };
+// [f16x2] float32 q, k, v as pairs of fp16 parts (split_f16x2_kernel): a row of d "elements" of 4 bytes is the d fp16
+// high parts, then the d low parts, so a tile's 64-column blocks hold the high parts first, the low parts after, each
+// block read by fp16 wgmma (k16 steps). P is split in registers at 2^14 its value (kPOff: below fp16's largest
+// power of two, its low part above fp16's subnormals); O leaves as float32.
+template <> struct Sm90Elem<f16x2> {
+    static constexpr int kBytes = 4;
+    static constexpr int kKStep = 16;
+    using Mma = fp16;
+    static constexpr bool kVt = false;
+    static constexpr bool kSplit = true;
+    static constexpr int kPOff = 14;
+    using Out = float;
+};
+
+// [f16x2] P of k16 step kk (keys 16 kk .. 16 kk + 15 of a score block, as c_to_a packs them) as two fp16 A fragments:
+// hi = P rounded to fp16, lo = (P - hi) rounded to fp16 (P - hi is exact in float32).
+template <int kNT>
+__device__ __forceinline__ void p_to_f16x2(u32 (&hi)[4], u32 (&lo)[4], const float (&s)[kNT][4], int kk) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float x = s[2 * kk + (i >> 1)][2 * (i & 1)], y = s[2 * kk + (i >> 1)][2 * (i & 1) + 1];
+        hi[i] = Elem<fp16>::pack(x, y);
+        lo[i] = Elem<fp16>::pack(x - Elem<fp16>::to_float(u16(hi[i] & 0xffffu)),
+                                 y - Elem<fp16>::to_float(u16(hi[i] >> 16)));
+    }
+}
+
+// [f16x2] The power of two 2^e that split_f16x2_kernel multiplies a tensor by before splitting it, from the bits of
+// its largest magnitude (absmax_f32_kernel's): the largest scaled value below 2^14 (fp16's high part and its low
+// part, 2^-11 of it, both normal numbers for values near the largest); 1 for a tensor of zeros or with a NaN or an
+// infinity. e in [-120, 120], so that 2^e and 2^-e are normal float32 numbers.
+__device__ __forceinline__ int f16x2_exponent(u32 max_bits) {
+    const float m = __uint_as_float(max_bits);
+    if (!(m > 0.f) || m == CUFLASH_INF) return 0;
+    const int e = max(int(max_bits >> 23), 1) - 126;  // m < 2^e (m's biased exponent; a subnormal m: 2^-126)
+    return min(max(14 - e, -120), 120);
+}
+__device__ __forceinline__ float pow2f(int e) { return __int_as_float((127 + e) << 23); }
 
 // ---------------------------------------------------------------------------------------------------
 // For backward_sm90.cu.

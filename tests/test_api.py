@@ -140,14 +140,14 @@ def test_unknown_algorithm(no_backend):
 
 @pytest.mark.parametrize("value", ["3xtf32", "fp32", None, 1])
 def test_unknown_fp32_precision(no_backend, value):
-    with pytest.raises(ValueError, match=rf"fp32_precision must be one of 'tf32x3', 'tf32', 'ieee'; got {value!r}"):
+    with pytest.raises(ValueError, match=rf"fp32_precision must be one of 'tf32x3', 'fp16x3', 'tf32', 'ieee'; got {value!r}"):
         cuflash.attention(*_qkv(), fp32_precision=value)
 
 
 def test_fp32_precision_leaves_numpy_in_ieee_float32():
     """NumPy arrays compute float32 in IEEE arithmetic whatever fp32_precision says (the option is the CUDA kernels')."""
     q, k, v = (x.astype(np.float32) for x in _qkv())
-    outs = [cuflash.attention(q, k, v, causal=True, fp32_precision=p) for p in ("tf32x3", "tf32", "ieee")]
+    outs = [cuflash.attention(q, k, v, causal=True, fp32_precision=p) for p in ("tf32x3", "fp16x3", "tf32", "ieee")]
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
 
 

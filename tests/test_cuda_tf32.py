@@ -260,3 +260,99 @@ def test_round_kernel_matches_its_definition(requires_gpu, d):
            (x, y, i32(77), i32(3), *(np.int64(s) for s in x.strides[:3])))
     want = (np.ascontiguousarray(bits[:, :, 1:4]) + np.uint32(0x1000)) & np.uint32(0xFFFFE000)
     assert np.array_equal(cp.asnumpy(y).view(np.uint32), want)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("magnitude", [1.0, 3e4, 2e-3])
+def test_f16x2_split_kernels_match_their_definition(requires_gpu, d, magnitude):
+    """[f16x2] absmax_f32_kernel's largest magnitude and split_f16x2_kernel's pairs of fp16 parts (what the plans run
+    on q, k and v) are .vt.split_f16x2's (x * 2^e rounded to fp16, the rest times lo_scale rounded; e from the
+    largest magnitude), bit for bit, on heads of a wider array, at magnitudes from 2e-3 to 3e4."""
+    cp = requires_gpu
+    from cuflash._cuda import vt
+    from cuflash._cuda.attention import cdiv, i32
+    from cuflash._cuda.compile import launch
+    from cuflash._cuda.spec import spec as kernel_spec
+
+    rng = np.random.default_rng(d)
+    wide = cp.asarray((rng.standard_normal((2, 77, 5, d)) * magnitude).astype(np.float32))
+    x = wide[:, :, 1:4]
+    for lo_scale in (2048.0, 1.0):
+        bits = cp.zeros(1, dtype=cp.uint32)
+        y = cp.full((2, 77, 3, d), np.nan, dtype=cp.float32)
+        shape_args = (i32(77), i32(3), *(np.int64(s) for s in x.strides[:3]))
+        launch(kernel_spec("absmax_f32", "float32", d), (3, 2, 1), (x, bits, *shape_args))
+        launch(kernel_spec("split_f16x2", "float32", d), (cdiv(77 * 3 * d // 4, 256), 2, 1),
+               (x, y, bits, np.float32(lo_scale), *shape_args))
+        want, e = vt.split_f16x2(x, lo_scale)
+        assert int(bits.get()[0]) == int(np.float32(float(cp.abs(x).max())).view(np.uint32))
+        assert np.array_equal(cp.asnumpy(y).view(np.uint32), cp.asnumpy(want).view(np.uint32)), (lo_scale, e)
+
+
+def check_fp16x3(cp, q, k, v, **opts):
+    """fp32_precision="fp16x3" within its stated budget: 4x the error of naive float32 attention, plus the floor of
+    two float32 spacings at the output's magnitude (a row of one key returns v, which naive float32 attention returns
+    exactly and fp16x3 to 22-23 of float32's 24 bits); lse within 1e-4."""
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    out_t, lse_t = cuflash.attention(q64, k64, v64, algorithm="naive", return_lse=True, **opts)
+    out_n, _ = cuflash.attention(q, k, v, algorithm="naive", return_lse=True, **opts)
+    out, lse = _forward(cp, q, k, v, fp32_precision="fp16x3", **opts)
+    assert out.dtype == np.float32 and not np.isnan(out).any(), "forward left unwritten (NaN) elements"
+    floor = max(rounding_floor(out_t, np.float32), 2 * float(np.spacing(np.float32(np.abs(out_t).max()))))
+    assert_within_budget(out, out_t, out_n, 4, floor, "fp16x3 out")
+    lse_err = max_abs_error(lse, lse_t)
+    assert lse_err < 1e-4, f"lse: max|err| = {lse_err:.3e}"
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("scales", [(1.0, 1.0, 1.0), (1e3, 1e-3, 30.0), (1e-3, 1e-3, 1e-3)])
+@pytest.mark.parametrize("shape", [(2, 333, 517, 4, 2), (1, 1023, 1024, 2, 1), (1, 257, 1, 2, 2)])
+def test_fp16x3_on_wgmma_within_its_budget(requires_gpu, monkeypatch, d, causal, scales, shape):
+    """[f16x2] (fp32_precision="fp16x3", attention.F16X2_WGMMA, sm_90): float32 inputs split in fp16 parts, three
+    fp16 products on wgmma from the V^T entry point, within fp16x3's budget (check_fp16x3), over GQA, lengths that end
+    inside a tile, a row of one key, and q, k and v scaled apart (the split's powers of two: q by 1e3 and k by 1e-3
+    leave the scores as they are). The plan that ran is the [f16x2] one."""
+    cp = requires_gpu
+    from cuflash._cuda import attention, vt
+    from cuflash._ops.variant import Variant
+
+    if not vt.supported():
+        pytest.skip("the V^T entry point needs sm_90")
+    monkeypatch.setattr(attention, "F16X2_WGMMA", True)
+    q, k, v, _ = random_inputs(*shape, d, np.float32, seed=d + int(causal), with_do=False)
+    q, k, v = (x * np.float32(f) for x, f in zip((q, k, v), scales))
+    check_fp16x3(cp, q, k, v, causal=causal)
+    cq, ck, cv = (cp.asarray(x) for x in (q, k, v))
+    assert attention._sm90_float32(cq, ck, cv, Variant(causal=causal), "fp16x3", None, None) == "f16x2"
+    assert vt.plan(cq, ck, cv, d ** -0.5, Variant(causal=causal), "f16x2")._split
+
+
+@pytest.mark.parametrize("opts", [dict(causal=True, window_size=(100, 0)), dict(softcap=30.0),
+                                  dict(causal=True, alibi_slopes="alibi")])
+def test_fp16x3_variants(requires_gpu, monkeypatch, opts):
+    """[f16x2] with a window, softcap (the scores' factors applied before the mod; tanhf, as the float32 kernels) and
+    ALiBi slopes: fp16x3's budget."""
+    cp = requires_gpu
+    from cuflash._cuda import attention, vt
+
+    if not vt.supported():
+        pytest.skip("the V^T entry point needs sm_90")
+    monkeypatch.setattr(attention, "F16X2_WGMMA", True)
+    q, k, v, _ = random_inputs(2, 300, 300, 4, 2, 128, np.float32, seed=11, with_do=False)
+    if opts.get("alibi_slopes") == "alibi":
+        opts = dict(opts, alibi_slopes=np.linspace(0.05, 0.4, 4).astype(np.float32))
+    check_fp16x3(cp, q, k, v, **opts)
+
+
+def test_fp16x3_elsewhere_runs_the_3xtf32_kernel(requires_gpu, monkeypatch):
+    """fp32_precision="fp16x3" where [f16x2] does not run (F16X2_WGMMA off here; head dims other than 64 and 128, other
+    GPUs) runs the 3xTF32 kernel: float32's budget, the same output as "tf32x3"."""
+    cp = requires_gpu
+    from cuflash._cuda import attention
+
+    monkeypatch.setattr(attention, "F16X2_WGMMA", False)
+    q, k, v, _ = random_inputs(1, 200, 300, 2, 2, 96, np.float32, seed=3, with_do=False)
+    out, _ = check_float32(cp, q, k, v, fp32_precision="fp16x3", causal=True)
+    ref, _ = _forward(cp, q, k, v, fp32_precision="tf32x3", causal=True)
+    assert np.array_equal(out, ref)

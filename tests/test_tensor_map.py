@@ -468,3 +468,66 @@ def test_the_vt_entry_point_plans(monkeypatch, dtype):
         monkeypatch.setattr(attention, "TF32_WGMMA", True)
         cuflash.attention(q, k, v, causal=True)  # (fp32_precision's default, tf32x3)
         assert kernels() == ["cuflash::flash_fwd_kernel<cuflash::tf32x3"]
+
+
+def test_the_f16x2_plan(monkeypatch):
+    """(CPU, stand-in CuPy) [f16x2] float32 inputs with fp32_precision="fp16x3" on sm_90 (F16X2_WGMMA): the
+    three largest magnitudes' bits zeroed (one memset of 12 bytes), absmax_f32_kernel on q, k and v (from their
+    strides; a (B, H, N, d) layout's for q) into consecutive words, split_f16x2_kernel into three C-contiguous pair
+    arrays of one allocation (low parts at 2^11 for q and k, 1 for v), then flash_fwd_sm90_vt_kernel<f16x2> on the
+    pairs' maps (128-byte boxes of 32 float32 words: 64 fp16 parts) with the bits as its descale pointer. Off, or with
+    block sizes of the caller's: flash_fwd_kernel<tf32x3> (the 3xTF32 split); the default precision runs that too."""
+    import numpy as np
+
+    import cuflash
+    from cuflash._cuda import attention, spec
+
+    cp, recorder, encoded = _tma_stand_in(monkeypatch)
+    monkeypatch.setattr(attention, "F16X2_WGMMA", True)
+    rng = np.random.default_rng(5)
+    d = 128
+    q, k, v = (cp.asarray(rng.standard_normal(shape).astype(np.float32))
+               for shape in ((2, 4, 300, d), (2, 250, 2, d), (2, 250, 2, d)))
+    q = q.transpose(0, 2, 1, 3)
+    tile = spec.TILES[("fwd", "sm90a_f16x2", d)]
+    recorder.take_zeroed()
+    out = cuflash.attention(q, k, v, causal=True, fp32_precision="fp16x3")
+    assert out.dtype == np.float32 and out.shape == (2, 300, 4, d)
+    launches = [launch for launch in recorder.take() if len(launch) == 6]
+    names = [launch[0].split(",")[0] for launch in launches]
+    assert names == (["cuflash::absmax_f32_kernel<128>"] * 3 + ["cuflash::split_f16x2_kernel<128>"] * 3
+                     + ["cuflash::flash_fwd_sm90_vt_kernel<cuflash::f16x2"])
+
+    def value(raw):
+        return int.from_bytes(raw, "little", signed=True)
+
+    bits = value(launches[0][5][1])
+    assert (bits, 12) in recorder.take_zeroed()
+    pairs = []
+    for i, a in enumerate((q, k, v)):
+        absmax, split = launches[i], launches[3 + i]
+        assert value(absmax[5][0]) == a.data.ptr and value(absmax[5][1]) == bits + 4 * i
+        assert tuple(value(x) for x in absmax[5][2:]) == (a.shape[1], a.shape[2], *a.strides[:3])
+        assert split[1] == (-(-a.shape[1] * a.shape[2] * d // 1024), 2, 1)
+        assert value(split[5][0]) == a.data.ptr and value(split[5][2]) == bits + 4 * i
+        assert np.frombuffer(split[5][3], np.float32)[0] == (2048.0, 2048.0, 1.0)[i]
+        assert tuple(value(x) for x in split[5][4:]) == (a.shape[1], a.shape[2], *a.strides[:3])
+        pairs.append(value(split[5][1]))
+    assert pairs[1] - pairs[0] == q.size * 4 and pairs[2] - pairs[1] == k.size * 4
+    assert not set(pairs) & {q.data.ptr, k.data.ptr, v.data.ptr}
+    kernel_args = launches[6][5]
+    assert value(kernel_args[-5]) == bits  # (the descale pointer, before VariantParams and the three maps)
+    (eq, ek, ev) = encoded
+    for (ptr, dims, strides, box), a, rows, at in zip((eq, ek, ev), (q, k, v), (tile.block_m, tile.block_n,
+                                                                                tile.block_n), pairs):
+        n, h = a.shape[1], a.shape[2]
+        assert (ptr, dims, strides, box) == (at, (d, n, h, 2), (4 * d * h, 4 * d, 4 * d * h * n), (32, rows, 1, 1))
+    encoded.clear()
+    cuflash.attention(q, k, v, causal=True, fp32_precision="fp16x3")  # (the plan kept: the same launches)
+    assert [launch[0].split(",")[0] for launch in recorder.take() if len(launch) == 6] == names
+    for extra in ({"fp32_precision": "fp16x3", "block_q": 64}, {}, {"fp32_precision": "fp16x3"}):
+        if len(extra) == 1:
+            monkeypatch.setattr(attention, "F16X2_WGMMA", False)
+        cuflash.attention(q, k, v, causal=True, **extra)
+        assert [launch[0].split(",")[0] for launch in recorder.take()
+                if len(launch) == 6] == ["cuflash::flash_fwd_kernel<cuflash::tf32x3"]

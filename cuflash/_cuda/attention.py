@@ -24,10 +24,11 @@ from .._ops.gpu_memory import StreamSinks
 from .._ops.variant import Variant, VariantArrays
 from . import fa1, naive, tensor_map, tuning
 from .compile import PackedLaunch, arch_class, check_smem, device_info, launch, sm_count
-from .spec import (BIAS_CTYPES, BLOCK_COMPACT, BWD_HEAD_DIMS, CTYPES, EXTRA_POINTER_FIELDS, FA1_BWD_HEAD_DIMS,
-                   FA1_HEAD_DIMS, FAMILIES, HEAD_DIMS, PERSISTENT_HEAD_DIMS, TF32_FAMILIES, TF32_HEAD_DIMS,
-                   TF32_SM90_HEAD_DIMS, TILES, VARIANT_POINTER_FIELDS, Tile, device_record, extra_params, extra_record,
-                   has_dropout, mask_policy, staged_bias_bytes, variant_params, variant_type)
+from .spec import (BIAS_CTYPES, BLOCK_COMPACT, BWD_HEAD_DIMS, CTYPES, EXTRA_POINTER_FIELDS, F16X2_HEAD_DIMS,
+                   FA1_BWD_HEAD_DIMS, FA1_HEAD_DIMS, FAMILIES, HEAD_DIMS, PERSISTENT_HEAD_DIMS, TF32_FAMILIES,
+                   TF32_HEAD_DIMS, TF32_SM90_HEAD_DIMS, TILES, VARIANT_POINTER_FIELDS, Tile, device_record,
+                   extra_params, extra_record, has_dropout, mask_policy, staged_bias_bytes, variant_params,
+                   variant_type)
 from .spec import spec as kernel_spec
 
 __all__ = ["forward", "backward", "check_supported", "plan_forward", "ForwardPlan", "plan_backward", "BackwardPlan",
@@ -242,6 +243,12 @@ TMA_PADDED_BACKWARD = os.environ.get("CUFLASH_TMA_PADDED_BACKWARD", "1") == "1"
 # mma.sync kernel, within the same error budget (2x naive attention on TF32-rounded operands); off
 # (CUFLASH_TF32_WGMMA=0): the mma.sync kernel.
 TF32_WGMMA = os.environ.get("CUFLASH_TF32_WGMMA", "1") == "1"
+# float32 with fp32_precision="fp16x3" on sm_90 from the same entry point with q, k and v split in two fp16 parts each
+# ([f16x2]: three fp16 wgmma products a matrix product, .vt.split_f16x2), at head dims 64 and 128: H200 2026-11-28 (batch
+# 2, 16 heads, N 1k-16k) 44-199 TFLOP/s against 19-35 by 3xTF32 on mma.sync, within 4x naive float32 attention's error
+# (the tensor core truncates each fp16 product to the group's largest one: kernel notes); off (CUFLASH_F16X2_WGMMA=0),
+# elsewhere, or at other head dims: the 3xTF32 mma.sync kernel ("tf32x3", more accurate).
+F16X2_WGMMA = os.environ.get("CUFLASH_F16X2_WGMMA", "1") == "1"
 # [fwd persistent] The TMA forward as a persistent kernel (a block per SM walking the query tiles, the next tile's Q
 # and K_0 loaded under this one's last products and output): None (CUFLASH_PERSISTENT_FORWARD unset) where it measured
 # faster (_PERSISTENT_ROWS), True (=1) wherever _persistent_forward takes the call, False (=0) nowhere. Read when a
@@ -267,17 +274,21 @@ def _persistent_grid(spec, tiles: int) -> tuple[int, int, int]:
     return (min(tiles, sm_count() * spec.fam.min_blocks(spec.head_dim, spec.tile)), 1, 1)
 
 
-def _tf32_wgmma(q, k, v, variant: Variant, fp32_precision: str, block_q, block_k) -> bool:
-    """Whether a float32 forward runs [tf32] (:data:`TF32_WGMMA`): one TF32 product asked for, no block sizes of the
-    caller's, a head dim of TF32_SM90_HEAD_DIMS (v's the same), no bias, dropout or user mods, and a call the V^T
-    entry point takes (.vt.takes: sm_90, padded batches, mappable strides)."""
-    if (not TF32_WGMMA or fp32_precision != "tf32" or np.dtype(q.dtype) != np.float32 or block_q is not None
-            or block_k is not None or q.shape[-1] not in TF32_SM90_HEAD_DIMS or v.shape[-1] != q.shape[-1]
-            or variant.bias is not None or has_dropout(variant) or variant.mods is not None):
-        return False
+def _sm90_float32(q, k, v, variant: Variant, fp32_precision: str, block_q, block_k) -> str | None:
+    """The kind of the V^T entry point's plan (.vt.plan) that runs a float32 forward, or None: "float32" for [tf32]
+    (one TF32 product asked for, :data:`TF32_WGMMA`), "f16x2" for [f16x2] ("fp16x3", :data:`F16X2_WGMMA`); with no
+    block sizes of the caller's, a head dim of TF32_SM90_HEAD_DIMS (F16X2_HEAD_DIMS; v's the same), no bias,
+    dropout or user mods, and a call the entry point takes (.vt.takes: sm_90, padded batches, mappable strides)."""
+    kind = ("float32" if fp32_precision == "tf32" and TF32_WGMMA else
+            "f16x2" if fp32_precision == "fp16x3" and F16X2_WGMMA else None)
+    if (kind is None or np.dtype(q.dtype) != np.float32 or block_q is not None or block_k is not None
+            or q.shape[-1] not in (TF32_SM90_HEAD_DIMS if kind == "float32" else F16X2_HEAD_DIMS)
+            or v.shape[-1] != q.shape[-1] or variant.bias is not None or has_dropout(variant)
+            or variant.mods is not None):
+        return None
     from . import vt
 
-    return vt.takes(q, k, v, variant)
+    return kind if vt.takes(q, k, v, variant) else None
 
 
 def _tma_forward(spec, variant: Variant, arrays, max_q: int, block_q, block_k) -> tuple[int, Tile] | None:
@@ -461,7 +472,7 @@ def _copies_16_bytes(dtype: str, fp32_precision: str) -> bool:
 def _f32_forward_spec(d: int, vtype: str, fp32_precision: str, block_q, block_k):
     """The float32 forward's kernel: flash_fwd_kernel on TF32 fragments (3xTF32 or one product, ``fp32_precision``) on
     sm_80 or newer at head dims up to 128; else (``"ieee"``, older GPUs, larger head dims) the SIMT kernel."""
-    family = TF32_FAMILIES.get(fp32_precision)
+    family = TF32_FAMILIES.get("tf32x3" if fp32_precision == "fp16x3" else fp32_precision)  # (fp16x3: the 3xTF32)
     if family is not None and d in TF32_HEAD_DIMS and device_info()[0] >= 80:
         return kernel_spec(family, "float32", d, plan_tile(family, d, block_q, block_k), vtype)
     return kernel_spec("fwd_f32", "float32", d, TILES[("fwd", "f32", d)], vtype)
@@ -486,10 +497,11 @@ def forward(q, k, v, *, scale, variant: Variant, algorithm, block_q, block_k, fp
     variant = _kernel_ready(variant)
     if _copies_16_bytes(np.dtype(q.dtype).name, fp32_precision):
         q, k, v = aligned(q), aligned(k), aligned(v)
-    if _tf32_wgmma(q, k, v, variant, fp32_precision, block_q, block_k):
+    kind = _sm90_float32(q, k, v, variant, fp32_precision, block_q, block_k)
+    if kind is not None:
         from . import vt
 
-        done = vt.plan(q, k, v, scale, variant, "float32").run(q, k, v, variant.arrays)
+        done = vt.plan(q, k, v, scale, variant, kind).run(q, k, v, variant.arrays)
         if done is not None:
             return done
     return ForwardPlan(q, k, v, scale=scale, variant=variant, block_q=block_q, block_k=block_k,
@@ -507,10 +519,11 @@ def plan_forward(q, k, v, *, scale, variant: Variant, algorithm, block_q, block_
     if _copies_16_bytes(np.dtype(q.dtype).name, fp32_precision) and not (_is_aligned(q) and _is_aligned(k)
                                                                          and _is_aligned(v)):
         return None
-    if _tf32_wgmma(q, k, v, variant, fp32_precision, block_q, block_k):
+    kind = _sm90_float32(q, k, v, variant, fp32_precision, block_q, block_k)
+    if kind is not None:
         from . import vt
 
-        return vt.plan(q, k, v, scale, variant, "float32")
+        return vt.plan(q, k, v, scale, variant, kind)
     return ForwardPlan(q, k, v, scale=scale, variant=variant, block_q=block_q, block_k=block_k,
                        fp32_precision=fp32_precision)
 
@@ -548,7 +561,7 @@ def switches() -> tuple:
     """The launcher's switches of the Hopper kernels and their TMA entry points, which decide a plan too (benchmarks
     flip them; plans are kept per value)."""
     return (SM90A_FORWARD, SM90A_BACKWARD, TMA_FORWARD, TMA_SEQUENCE_LENGTHS, TMA_PADDED, TMA_BACKWARD,
-            TMA_PADDED_BACKWARD, TF32_WGMMA, PERSISTENT_FORWARD)
+            TMA_PADDED_BACKWARD, TF32_WGMMA, PERSISTENT_FORWARD, F16X2_WGMMA)
 
 
 def _ptr(a) -> int:

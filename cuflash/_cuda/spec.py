@@ -66,6 +66,10 @@ VT_CTYPES = {**FP8_CTYPES, "float32": "cuflash::tf32"}
 # 128 keys make each row of V^T a tile writes one whole 128-byte line.
 TRANSPOSE_V_KEYS = {"float8_e4m3fn": 128, "float32": 64}
 TF32_SM90_HEAD_DIMS = (64, 128)
+# [f16x2] float32 inputs with fp32_precision="fp16x3" on sm_90: the same entry point with each operand split in two fp16
+# parts (three fp16 wgmma products a matrix product), at these head dims.
+F16X2_CTYPES = {"float32": "cuflash::f16x2"}
+F16X2_HEAD_DIMS = (64, 128)
 # [fwd persistent] The TMA forward's head dims whose tile leaves room for O's own staging tile (d 256's takes 193 KiB
 # without it).
 PERSISTENT_HEAD_DIMS = (64, 128, 192)
@@ -154,6 +158,10 @@ TILES: dict[tuple[str, str, int], Tile] = {
     # key tiles of whole 32-key boxes of V^T. Built, not yet run on a GPU.
     ("fwd", "sm90a_tf32", 64): Tile(128, 128, 12, 2),
     ("fwd", "sm90a_tf32", 128): Tile(128, 64, 12, 2),
+    # ("fwd", "sm90a_f16x2", d): the same entry point with q, k and v split in fp16 parts ([f16x2]): the tiles (and shared
+    # memory) of [tf32]'s, whose 4-byte elements the pairs of parts are. First version, not yet tuned.
+    ("fwd", "sm90a_f16x2", 64): Tile(128, 128, 12, 2),
+    ("fwd", "sm90a_f16x2", 128): Tile(128, 64, 12, 2),
     # ("bwd", "sm90a", d): flash_bwd_dkdv_sm90_kernel (wgmma; block_n = 64 key rows per warpgroup of 4 warps,
     # block_m = 64 streamed query rows, 2 query buffers).
     ("bwd", "sm90a", 64): Tile(64, 128, 8, 2),
@@ -594,6 +602,16 @@ FAMILIES: dict[str, Family] = {
     "fwd_sm90_tf32": Family(
         "forward_sm90.cu", "flash_fwd_sm90_vt_kernel", lambda s: _t16(s, VT_CTYPES), _fwd_sm90_vt_smem(4),
         SM90A_OPTIONS),
+    # ... and [f16x2] float32 ones split in two fp16 parts each (V read as it is, not as V^T: fp16 wgmma reads it
+    # MN-major), with the largest magnitudes' bits of q, k and v in the descale factors' place
+    "fwd_sm90_f16x2": Family(
+        "forward_sm90.cu", "flash_fwd_sm90_vt_kernel", lambda s: _t16(s, F16X2_CTYPES), _fwd_sm90_vt_smem(4),
+        SM90A_OPTIONS),
+    # ... and the split itself: a tensor's largest magnitude, then its parts (256 float4 a block)
+    "absmax_f32": Family("forward_sm90.cu", "absmax_f32_kernel", lambda s: f"{s.head_dim}", _no_smem, SM90A_OPTIONS,
+                         threads=256),
+    "split_f16x2": Family("forward_sm90.cu", "split_f16x2_kernel", lambda s: f"{s.head_dim}", _no_smem, SM90A_OPTIONS,
+                          threads=256),
     # ... and V^T for them ([fp8 v]: one tile of TRANSPOSE_V_KEYS keys of one head a block; the element type by dtype)
     "transpose_v": Family("forward_sm90.cu", "transpose_v_kernel",
                           lambda s: f"{VT_CTYPES[s.dtype]}, {s.head_dim}, {TRANSPOSE_V_KEYS[s.dtype]}",
@@ -787,7 +805,7 @@ _SHOWCASE = (
 _FA2_FAMILIES = {  # tile direction, arch class -> families that take that row
     ("fwd", "sm90a"): ("fwd_sm90",), ("fwd", "sm90a_tma"): ("fwd_sm90_tma",),
     ("fwd", "sm90a_tma_short"): ("fwd_sm90_tma",), ("fwd", "f32"): ("fwd_f32",), ("fwd", "sm90a_fp8"): ("fwd_sm90_fp8",),
-    ("fwd", "sm90a_tf32"): ("fwd_sm90_tf32",),
+    ("fwd", "sm90a_tf32"): ("fwd_sm90_tf32",), ("fwd", "sm90a_f16x2"): ("fwd_sm90_f16x2",),
     ("bwd", "sm90a"): ("bwd_dkdv_sm90", "bwd_dkdv_sm90_tma"),
     ("fwd_tf32x3", None): ("fwd_tf32x3",), ("fwd_tf32", None): ("fwd_tf32",),
     ("bwd", "f32"): ("bwd_dkdv_f32",), ("fwd", None): ("fwd",), ("bwd", None): ("bwd_dkdv",),
@@ -826,7 +844,7 @@ def instantiations() -> list[KernelSpec]:
         if direction.startswith("decode"):  # below, with its paged / contiguous variants
             continue
         for fam in _row_families(direction, arch):
-            dtypes = (("float32",) if _float32_only(fam, arch) or fam == "fwd_sm90_tf32"
+            dtypes = (("float32",) if _float32_only(fam, arch) or fam in ("fwd_sm90_tf32", "fwd_sm90_f16x2")
                       else tuple(FP8_CTYPES if fam == "fwd_sm90_fp8" else CTYPES))
             is_fa1 = fam.startswith("fa1")
             variants = ("false", "true") if is_fa1 else (DENSE, variant_type(Variant(causal=True)))
@@ -904,22 +922,23 @@ def instantiations() -> list[KernelSpec]:
             add(KernelSpec("fwd_sm90_tma_persistent", "bfloat16", 128, tma_tile,
                            _policy(v[:6] + (v[6] and not v[7], v[7])), arch="sm90a"))
     add(KernelSpec("fwd_sm90_tma_persistent", "bfloat16", 128, tma_tile, causal_mod, arch="sm90a"))
-    # [fp8] every flag of padded batches but a staged bias and dropout (a bias read from global memory)
-    fp8_tile = TILES[("fwd", "sm90a_fp8", 128)]
-    for v in _SHOWCASE:
-        if not v[2] and not v[3] and not v[7]:
-            add(KernelSpec("fwd_sm90_fp8", "float8_e4m3fn", 128, fp8_tile, _policy(v), arch="sm90a"))
-    add(KernelSpec("fwd_sm90_fp8", "float8_e4m3fn", 128, fp8_tile, causal_mod, arch="sm90a"))
+    # The V^T entry point's element types ([fp8], [tf32], [f16x2]): every flag of padded batches but a staged bias and
+    # dropout (a bias read from global memory), at d 128; [fp8] also a user's mods
+    for fam, dtype, row in (("fwd_sm90_fp8", "float8_e4m3fn", "sm90a_fp8"), ("fwd_sm90_tf32", "float32", "sm90a_tf32"),
+                            ("fwd_sm90_f16x2", "float32", "sm90a_f16x2")):
+        for v in _SHOWCASE:
+            if not v[2] and not v[3] and not v[7]:
+                add(KernelSpec(fam, dtype, 128, TILES[("fwd", row, 128)], _policy(v), arch="sm90a"))
+    add(KernelSpec("fwd_sm90_fp8", "float8_e4m3fn", 128, TILES[("fwd", "sm90a_fp8", 128)], causal_mod, arch="sm90a"))
+    # ... and their copies: V^T, q and k rounded to TF32 ([tf32 qk]), the split into fp16 parts
     for d in FP8_HEAD_DIMS:
         add(KernelSpec("transpose_v", "float8_e4m3fn", d, arch="sm90a"))
-    # [tf32] the same flags as [fp8]'s, at d 128
-    tf32_tile = TILES[("fwd", "sm90a_tf32", 128)]
-    for v in _SHOWCASE:
-        if not v[2] and not v[3] and not v[7]:
-            add(KernelSpec("fwd_sm90_tf32", "float32", 128, tf32_tile, _policy(v), arch="sm90a"))
     for d in TF32_SM90_HEAD_DIMS:
         add(KernelSpec("transpose_v", "float32", d, arch="sm90a"))
         add(KernelSpec("round_tf32", "float32", d, arch="sm90a"))
+    for d in F16X2_HEAD_DIMS:
+        add(KernelSpec("absmax_f32", "float32", d, arch="sm90a"))
+        add(KernelSpec("split_f16x2", "float32", d, arch="sm90a"))
     # ... and the backward's: every flag but packed sequences and key counts (attention._tma_backward)
     bwd_tile = TILES[("bwd", "sm90a", 128)]
     for v in (*(v for v in _SHOWCASE if not v[2] and not v[3]), (True, True, False, False, True, True, True, True)):

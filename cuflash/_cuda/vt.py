@@ -8,7 +8,11 @@ reads its B operand K-major only, so that P V needs V transposed:
   (:data:`.attention.TF32_WGMMA`).
 
 Each run first writes V^T, ``(batch, heads_kv, head_dim, keys_16)`` (keys rounded up to 16, zeros past them, each
-group of keys in the P fragment's order: :data:`KEY_ORDER`) with transpose_v_kernel, then runs the kernel."""
+group of keys in the P fragment's order: :data:`KEY_ORDER`) with transpose_v_kernel, then runs the kernel.
+
+The same entry point also takes [f16x2]: float32 q, k, v with ``fp32_precision="fp16x3"``
+(:data:`.attention.F16X2_WGMMA`), each split in two fp16 parts after a power of two (:func:`split_f16x2`), V read as
+it is (fp16 wgmma reads it MN-major), three fp16 products a matrix product; O in float32."""
 
 from __future__ import annotations
 
@@ -34,7 +38,34 @@ KEY_ORDER = {"float8_e4m3fn": np.array([2 * (p >> 2) + (p & 1) + 8 * ((p >> 1) &
              "float32": np.array([2 * (p & 3) + (p >> 2) for p in range(8)], np.int64)}
 # Per input dtype: (family, tile row's arch class, output dtype).
 _KINDS = {"float8_e4m3fn": ("fwd_sm90_fp8", "sm90a_fp8", np.dtype(ml_dtypes.bfloat16)),
-          "float32": ("fwd_sm90_tf32", "sm90a_tf32", np.dtype(np.float32))}
+          "float32": ("fwd_sm90_tf32", "sm90a_tf32", np.dtype(np.float32)),
+          "f16x2": ("fwd_sm90_f16x2", "sm90a_f16x2", np.dtype(np.float32))}
+# [f16x2] The factor of the low parts of q and k (S's cross products, an accumulator of their own), and of v's.
+F16X2_LO_SCALES = (2048.0, 2048.0, 1.0)
+
+
+def f16x2_exponent(max_abs: float) -> int:
+    """[f16x2] e of the power of two 2^e a tensor of largest magnitude ``max_abs`` is multiplied by before its split
+    (hopper_tiles.cuh's f16x2_exponent): its largest scaled value below 2^14; 0 for zeros, NaN or infinity."""
+    m = float(np.float32(max_abs))
+    if not m > 0 or m == np.inf:
+        return 0
+    bits = int(np.float32(m).view(np.uint32))
+    return min(max(14 - (max(bits >> 23, 1) - 126), -120), 120)
+
+
+def split_f16x2(x, lo_scale: float):
+    """[f16x2] The split of float32 ``x`` (batch, rows, heads, d) by CuPy's operations (the definition
+    split_f16x2_kernel, which the plans run, is tested against): ``(pairs, e)``, ``pairs`` the C-contiguous float32
+    array of x's shape whose rows hold x * 2^e's d fp16 high parts (rounded to nearest even) then its d low parts
+    ((x * 2^e - high) * lo_scale, rounded), ``e`` from x's largest magnitude (:func:`f16x2_exponent`)."""
+    import cupy
+
+    e = f16x2_exponent(float(cupy.abs(x).max()))
+    xs = x.astype(cupy.float32) * np.float32(2.0 ** e)
+    hi = xs.astype(cupy.float16)
+    lo = ((xs - hi.astype(cupy.float32)) * np.float32(lo_scale)).astype(cupy.float16)
+    return cupy.ascontiguousarray(cupy.concatenate([hi, lo], axis=-1)).view(cupy.float32), e
 
 
 def transposed_v(v, dtype: str = "float8_e4m3fn"):
@@ -56,9 +87,9 @@ def transposed_v(v, dtype: str = "float8_e4m3fn"):
 
 
 class VtForwardPlan(_Plan):
-    """The V^T entry point's forward of one call's layouts (``dtype``: q's, "float8_e4m3fn" or "float32"): V^T's
-    transpose and the kernel, their grids and packed arguments. :meth:`run` as :class:`.attention.ForwardPlan`'s, with
-    the descale array (FP8) or None."""
+    """The V^T entry point's forward of one call's layouts (``dtype``: q's, "float8_e4m3fn" or "float32", or "f16x2":
+    float32 split in fp16 parts): V^T's transpose (or [f16x2]'s split) and the kernel, their grids and packed
+    arguments. :meth:`run` as :class:`.attention.ForwardPlan`'s, with the descale array (FP8) or None."""
 
     def __init__(self, q, k, v, *, scale: float, variant: Variant, dtype: str):
         super().__init__()
@@ -68,7 +99,7 @@ class VtForwardPlan(_Plan):
         nbytes = np.dtype(q.dtype).itemsize
         assert v.shape[-1] == d and not variant.is_varlen and variant.seqused_k is None
         t = TILES[("fwd", arch, d)]
-        spec = kernel_spec(family, dtype, d, t, variant_type(variant))
+        spec = kernel_spec(family, "float32" if dtype == "f16x2" else dtype, d, t, variant_type(variant))
         check_smem(spec)
         self.out_shape, self.lse_shape = (*q.shape[:-1], d), (shp.batch, shp.heads_q, shp.rows_q)
         self._lse_size = int(np.prod(self.lse_shape))
@@ -86,18 +117,24 @@ class VtForwardPlan(_Plan):
                                         *(np.int64(x) for x in a.strides[:3]))))
                 for a in (q, k))
         self._write_rounds = tuple(launch.writer((launch.word(0), launch.word(1))) for _, launch in self._rounds)
+        self._split = dtype == "f16x2"
+        if self._split:  # [f16x2] q, k and v split into C-contiguous copies of pairs of parts, their maps
+            self._setup_split(q, k, v, t)
         qk_maps = tuple(rows_map(a.shape, [x * nbytes for x in _c_strides(a.shape)], rows, nbytes) if self._rounds
-                        else _tensor_map(a, rows) for a, rows in ((q, t.block_m), (k, t.block_n)))
-        self._maps = (*qk_maps, rows_map((b, d, hkv, n16), (hkv * d * row, row, d * row), d, nbytes))
+                        or self._split else _tensor_map(a, rows) for a, rows in ((q, t.block_m), (k, t.block_n)))
+        v_map = (rows_map(v.shape, [x * nbytes for x in _c_strides(v.shape)], t.block_n, nbytes) if self._split
+                 else rows_map((b, d, hkv, n16), (hkv * d * row, row, d * row), d, nbytes))
+        self._maps = (*qk_maps, v_map)
         # [fp8 v] V^T by transpose_v_kernel (v's strides: multiples of 16 bytes, the caller's check)
         self.vt_shape, self._vt_dtype = (b, hkv, d, n16), q.dtype
-        self._transpose = PackedLaunch(self._rt, kernel_spec("transpose_v", dtype, d),
+        self._transpose = None if self._split else PackedLaunch(self._rt, kernel_spec("transpose_v", dtype, d),
                                        (cdiv(n16, TRANSPOSE_V_KEYS[dtype]), hkv, b),
                                        (None, None, i32(shp.rows_k), i32(n16), i32(hkv),
                                         *(np.int64(s) for s in (v.strides[0], v.strides[1], v.strides[2]))))
-        self._write_transpose = self._transpose.writer((self._transpose.word(0), self._transpose.word(1)))
+        self._write_transpose = None if self._split else self._transpose.writer(
+            (self._transpose.word(0), self._transpose.word(1)))
         self._variant = _VariantArgs(variant, scale, shp, spec)
-        qk_strides = ((*_element_strides(q.shape), *_element_strides(k.shape)) if self._rounds
+        qk_strides = ((*_element_strides(q.shape), *_element_strides(k.shape)) if self._rounds or self._split
                       else (*strides(q), *strides(k)))
         args = (None, None, None, None, None, i32(shp.rows_q), i32(shp.rows_k), i32(hq), i32(shp.group),
                 *qk_strides, *(np.int64(0),) * 3, *_element_strides(self.out_shape),
@@ -108,6 +145,47 @@ class VtForwardPlan(_Plan):
         self._write = self._launch.writer(tuple(self._launch.word(i) for i in (0, 1, 2, 3, 4, vp - 1)))
         self._write_variant = None if self._variant.constant else self._launch.writer(
             tuple(self._launch.word(vp, offset) for offset in VARIANT_POINTER_FIELDS))
+
+    def _setup_split(self, q, k, v, tile) -> None:
+        """[f16x2] The split's launches: the workspace of the three largest magnitudes' bits (zeroed at each run, then
+        maxed by absmax_f32_kernel), and split_f16x2_kernel into one allocation of three pair arrays (C-contiguous,
+        the inputs' shapes in float32 words), read from the inputs' strides."""
+        import cupy
+
+        d = q.shape[-1]
+        self._memset = cupy.cuda.runtime.memsetAsync
+        self._max_bits = self._zeros((4,), dtype=np.uint32)  # (q's, k's, v's; 16 bytes)
+        self._pair_offsets, total = [], 0
+        for a in (q, k, v):
+            self._pair_offsets.append(4 * total)
+            total += int(np.prod(a.shape))
+        self._pair_words = total
+        self._splits = []
+        for i, a in enumerate((q, k, v)):
+            vectors = a.shape[1] * a.shape[2] * d // 4  # (float4 of one batch)
+            shape_args = (i32(a.shape[1]), i32(a.shape[2]), *(np.int64(x) for x in a.strides[:3]))
+            bits = np.uint64(self._max_bits.data.ptr + 4 * i)
+            absmax = PackedLaunch(self._rt, kernel_spec("absmax_f32", "float32", d),
+                                  (max(1, min(cdiv(vectors, 256), 1024 // a.shape[0])), a.shape[0], 1),
+                                  (None, bits, *shape_args))
+            split = PackedLaunch(self._rt, kernel_spec("split_f16x2", "float32", d), (cdiv(vectors, 256), a.shape[0], 1),
+                                 (None, None, bits, np.float32(F16X2_LO_SCALES[i]), *shape_args))
+            self._splits.append((absmax, absmax.writer((absmax.word(0),)), split,
+                                 split.writer((split.word(0), split.word(1)))))
+
+    def _run_split(self, q, k, v, stream: int) -> tuple[int, int, int]:
+        """[f16x2] The split's launches on ``stream`` (the caller holds the lock): the addresses of the pair arrays
+        the kernel reads."""
+        pairs = self._empty((self._pair_words,), dtype=np.float32)
+        self._memset(self._max_bits.data.ptr, 0, 12, stream)
+        for (absmax, write, _, _), a in zip(self._splits, (q, k, v)):
+            write(a.data.ptr)
+            absmax.run(stream)
+        ptrs = tuple(pairs.data.ptr + offset for offset in self._pair_offsets)
+        for (_, _, split, write), a, ptr in zip(self._splits, (q, k, v), ptrs):
+            write(a.data.ptr, ptr)
+            split.run(stream)
+        return ptrs  # (pairs may be freed: the stream orders its memory's next use after the kernel)
 
     def flat_call(self):
         """None: the V^T entry point has no flat twin (cuflash.jax takes its buffer route)."""
@@ -123,7 +201,7 @@ class VtForwardPlan(_Plan):
             self._enter()
         if stream is None:
             stream = self._stream().ptr
-        vt = self._empty(self.vt_shape, dtype=self._vt_dtype)
+        vt = None if self._split else self._empty(self.vt_shape, dtype=self._vt_dtype)
         if out is None:
             out = self._empty(self.out_shape, dtype=self.dtype)
         lse_array, lse_ptr = self._lse_target(lse, lse_out, stream)
@@ -134,11 +212,16 @@ class VtForwardPlan(_Plan):
             for (_, launch), write, src, dst in zip(self._rounds, self._write_rounds, inputs, (q, k)):
                 write(src.data.ptr, dst.data.ptr)
                 launch.run(stream)
-            self._write_transpose(v.data.ptr, vt.data.ptr)
-            self._transpose.run(stream)
-            self._write(q.data.ptr, k.data.ptr, vt.data.ptr, out.data.ptr, lse_ptr,
-                        0 if descale is None else descale.data.ptr)
-            for m, ptr in zip(self._maps, (q.data.ptr, k.data.ptr, vt.data.ptr)):
+            if self._split:  # [f16x2] the kernel reads the pairs, and the largest magnitudes' bits as its descale
+                reads = self._run_split(q, k, v, stream)
+                descale_ptr = self._max_bits.data.ptr
+            else:
+                self._write_transpose(v.data.ptr, vt.data.ptr)
+                self._transpose.run(stream)
+                reads = (q.data.ptr, k.data.ptr, vt.data.ptr)
+                descale_ptr = 0 if descale is None else descale.data.ptr
+            self._write(*reads, out.data.ptr, lse_ptr, descale_ptr)
+            for m, ptr in zip(self._maps, reads):
                 m.point(ptr)
             if self._write_variant is not None:
                 self._write_variant(*self._variant.pointers(arrays))

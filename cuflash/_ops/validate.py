@@ -30,7 +30,7 @@ from .variant import Variant
 ALGORITHMS = ("fa2", "fa1", "naive")
 # How float32 inputs are multiplied (attention's fp32_precision): 3xTF32 on the tensor cores (float32 accuracy), one
 # TF32 product (faster, ~1e-3 relative), or IEEE float32 arithmetic (the SIMT kernels). Triton's tl.dot spellings.
-FP32_PRECISIONS = ("tf32x3", "tf32", "ieee")
+FP32_PRECISIONS = ("tf32x3", "fp16x3", "tf32", "ieee")
 ORDERS = ("kv_outer", "q_outer", "split")
 CAUSAL_ALIGNS = ("bottom-right", "top-left")
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")

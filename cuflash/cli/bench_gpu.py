@@ -7,7 +7,7 @@ same inputs, the FlashAttention FLOP convention of ANCHORS.md.
     python -m cuflash bench-gpu --fp8 [--dims 128,256] [--seqlens ...] [--json FILE]
 
 ``--float32``: float32 inputs at batch 2, 16 heads instead of the grid: cuflash's forward at each
-``fp32_precision`` ("tf32x3", "tf32", "ieee") and PyTorch SDPA's EFFICIENT_ATTENTION and MATH backends (the
+``fp32_precision`` ("tf32x3", "fp16x3", "tf32", "ieee") and PyTorch SDPA's EFFICIENT_ATTENTION and MATH backends (the
 FLASH and cuDNN ones take no float32), each first checked against torch's MATH on float64 inputs (max|error| printed).
 
 ``--fp8``: the FP8 (e4m3) forward on the grid (sm_90) against cuflash's bf16 forward and torch's cuDNN backend in
@@ -135,8 +135,8 @@ def run_grid(dtypes, dims, seqlens, rep_ms=200, log=print, fa1=True):
 
 
 # The float32 comparison: (system, max|out - float64 truth| it must meet before it is timed).
-FLOAT32_SYSTEMS = (("cuflash tf32x3", 1e-4), ("cuflash tf32", 2e-2), ("cuflash ieee", 1e-4),
-                   ("torch efficient", 2e-2), ("torch math", 1e-4))
+FLOAT32_SYSTEMS = (("cuflash tf32x3", 1e-4), ("cuflash fp16x3", 1e-4), ("cuflash tf32", 2e-2),
+                   ("cuflash ieee", 1e-4), ("torch efficient", 2e-2), ("torch math", 1e-4))
 
 
 def _float64_truth(q, k, v, causal: bool, budget_bytes: float = 8e9):
@@ -189,7 +189,8 @@ def run_float32(dims=(128,), seqlens=(4096,), batch=2, heads=16, rep_ms=200, log
                             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
                     return fwd
 
-                fns = {"cuflash tf32x3": cuflash_fwd("tf32x3"), "cuflash tf32": cuflash_fwd("tf32"),
+                fns = {"cuflash tf32x3": cuflash_fwd("tf32x3"), "cuflash fp16x3": cuflash_fwd("fp16x3"),
+                       "cuflash tf32": cuflash_fwd("tf32"),
                        "cuflash ieee": cuflash_fwd("ieee"), "torch efficient": torch_fwd(SDPBackend.EFFICIENT_ATTENTION),
                        "torch math": torch_fwd(SDPBackend.MATH)}
                 flops = 4 * batch * heads * n * n * d / (2 if causal else 1)
@@ -444,8 +445,8 @@ def main(argv=None, prog: str = "python -m cuflash bench-gpu"):
     ap.add_argument("--no-extras", action="store_true")
     ap.add_argument("--json", default=None, help="write all numbers to this file")
     ap.add_argument("--float32", action="store_true",
-                    help="float32 at batch 2, 16 heads: cuflash tf32x3 / tf32 / ieee vs torch SDPA efficient / math "
-                         "(--dims default 128, --seqlens default 4096)")
+                    help="float32 at batch 2, 16 heads: cuflash tf32x3 / fp16x3 / tf32 / ieee vs torch SDPA efficient / "
+                         "math (--dims default 128, --seqlens default 4096)")
     ap.add_argument("--fp8", action="store_true",
                     help="the FP8 (e4m3) forward against cuflash bf16 and torch cuDNN bf16 (sm_90; --dims default "
                          "128,256, --seqlens default 1024-16384)")
