@@ -207,7 +207,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
     constexpr int kKT = kHeadDim / kKStep;  // k steps of Q K^T
     constexpr int kPT = kBlockN / kKStep;   // k steps of P V
     constexpr int kKVTile = kBlockN * kHeadDim * kElemBytes / 2;  // (in 16-bit units)
-    // [fwd persistent] one block per SM (two for one computing warpgroup) walks the query tiles, longest first; 16-bit
+    // [fwd persistent] one block per SM (two for one computing warpgroup) walks the query tiles (run_tiles); 16-bit
     // padded batches from the TMA entry point, O staged in a buffer of its own (sO) so that the next tile's Q lands
     // while this tile's last P V and output run.
     static_assert(!kPersistent || (kTma && !kVt && !kTwoParts && !V::Is_varlen && !V::Has_seqused && !kStagedBias),
@@ -394,16 +394,20 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
     };
 
     // [ping-pong] warpgroup wg's turn to issue (turn), and the other's (pass_turn; the last turn of warpgroup 1 is
-    // handed to no one, warpgroup 0 having issued its last).
+    // handed to no one, warpgroup 0 having issued its last). [fwd persistent] The turns run on from tile to tile:
+    // warpgroup 1 hands its last turn of a tile to warpgroup 0's first of the next (so that warpgroup 0 starts it while
+    // warpgroup 1 stores the output), gives warpgroup 0 the first turn only in the block's first tile with keys, and
+    // warpgroup 0 takes the last one after its last tile (run_tiles).
     constexpr bool kPingpong = CUFLASH_FWD_PINGPONG && kTma && Cfg::kNWG == 2;
     auto turn = [&]() {
         if constexpr (kPingpong) named_bar_sync(kTurnBar + wg, 256);
     };
     auto pass_turn = [&](bool last) {
         if constexpr (kPingpong) {
-            if (!(last && wg == 1)) named_bar_arrive(kTurnBar + (wg ^ 1), 256);
+            if (kPersistent || !(last && wg == 1)) named_bar_arrive(kTurnBar + (wg ^ 1), 256);
         }
     };
+    const bool first_turns = !kPersistent || q_loads == 0;  // (warpgroup 1 gives warpgroup 0 the first turn)
 
     // A computing warpgroup: 64 query rows.
     auto consume = [&]() {
@@ -566,7 +570,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
             if (n_end > 0) {
                 mbar_wait(full_q, q_loads & 1);
                 if constexpr (kPingpong) {
-                    if (wg == 1) pass_turn(false);  // (warpgroup 0 issues first)
+                    if (wg == 1 && first_turns) pass_turn(false);  // (warpgroup 0 issues first)
                 }
                 for (int j = 0; j < n_end; ++j) {
                     const int g = slot(j), buf = g & 1, phase = (g >> 1) & 1;
@@ -611,7 +615,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
                 landed_all();
             }
             if constexpr (kPingpong) {
-                if (wg == 1) pass_turn(false);  // (warpgroup 0 issues first)
+                if (wg == 1 && first_turns) pass_turn(false);  // (warpgroup 0 issues first)
             }
             turn();
             wgmma_fence();
@@ -763,17 +767,26 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
     };  // run_tile
 
     // The block's query tiles, each by this thread's role: one (grid x: the query tiles last-first, y: heads, z:
-    // batch), or [fwd persistent] tile gridDim.x apart from blockIdx.x in the order (query tile last-first, batch,
-    // head).
+    // batch), or [fwd persistent] tile gridDim.x apart from blockIdx.x: where the tiles' work is alike (no band, no
+    // mask_mod) in the one-tile grid's order (query tiles last-first within a head, then heads, then batches: the
+    // blocks at work at once share their heads' K and V in L2, as the one-tile blocks the hardware starts in that
+    // order do), else longest first (query tiles last-first, then batches and heads): blocks given tiles a fixed
+    // stride apart would otherwise each keep one query tile's length.
+    constexpr bool kLongestFirst = V::Has_band || V::Has_block_map;
     auto run_tiles = [&](const int role) {
         if constexpr (kPersistent) {
             const int m_blocks = (seqlen_q + kBlockM - 1) / kBlockM, per_m = heads_q * batch;
             int kv_base = 0, q_loads = 0;
             for (int tile = blockIdx.x; tile < m_blocks * per_m; tile += gridDim.x) {
-                const int m_block = m_blocks - 1 - tile / per_m, hb = tile % per_m;
+                const int m_block = m_blocks - 1 - (kLongestFirst ? tile / per_m : tile % m_blocks);
+                const int hb = kLongestFirst ? tile % per_m : tile / m_blocks;
                 const int n = run_tile(m_block, hb % heads_q, hb / heads_q, kv_base, q_loads, role);
                 kv_base += n;
                 q_loads += n > 0;
+            }
+            // ([ping-pong] warpgroup 1's last turn, handed on after the block's last tile with keys)
+            if (CUFLASH_FWD_PINGPONG && Cfg::kNWG == 2 && role == kConsume && wg == 0 && q_loads > 0) {
+                named_bar_sync(kTurnBar, 256);
             }
         } else {
             run_tile(gridDim.x - 1 - blockIdx.x, blockIdx.y, blockIdx.z, 0, 0, role);

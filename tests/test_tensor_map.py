@@ -285,13 +285,19 @@ def test_the_forward_copies_by_tma_where_a_call_allows_it(monkeypatch):
     cuflash.attention(arr(1, attention.TMA_SHORT_MAX_ROWS_Q + 1, 2, 64), arr(1, 64, 2, 64), arr(1, 64, 2, 64))
     assert not any(launch[0].endswith(", true>") for launch in recorder.take() if len(launch) == 6)
     monkeypatch.setattr(attention, "PERSISTENT_FORWARD", None)
+    # ... by default at d 128 only without a band (causal tiles differ in length: the one-tile grid balances them)
+    for opts, persistent in (({}, True), ({"causal": True}, False), ({"window_size": (50, 50)}, False)):
+        cuflash.attention(arr(2, 300, 4, 128), arr(2, 300, 2, 128), arr(2, 300, 2, 128), **opts)
+        (name,) = [launch[0] for launch in recorder.take() if len(launch) == 6]
+        assert name.endswith(", true>") == persistent, opts
     encoded.clear()
 
     # [variant head dim] d 96 on the d 128 kernel, v of d 64 (its maps hold the arrays' head dims: zeros past them)
     q96, k96, v64 = arr(1, 64, 2, 96), arr(1, 64, 2, 96), arr(1, 64, 2, 64)
     out = cuflash.attention(q96, k96, v64)
     (name,) = [launch[0] for launch in recorder.take() if len(launch) == 6]
-    assert name.startswith("cuflash::flash_fwd_sm90_tma_kernel<cuflash::bf16, 128,") and name.endswith("true>>")
+    # (dense at d 128: persistent by default, its tiles a head at a time)
+    assert name.startswith("cuflash::flash_fwd_sm90_tma_kernel<cuflash::bf16, 128,") and name.endswith("true>, true>")
     assert [e[1] for e in encoded] == [(96, 64, 2, 1), (96, 64, 2, 1), (64, 64, 2, 1)] and out.shape == (1, 64, 2, 64)
 
     plan = attention.ForwardPlan(q, k, v, scale=0.1, variant=cuflash._ops.variant.Variant(causal=True), block_q=None,

@@ -252,19 +252,26 @@ F16X2_WGMMA = os.environ.get("CUFLASH_F16X2_WGMMA", "1") == "1"
 # [fwd persistent] The TMA forward as a persistent kernel (a block per SM walking the query tiles, the next tile's Q
 # and K_0 loaded under this one's last products and output): None (CUFLASH_PERSISTENT_FORWARD unset) where it measured
 # faster (_PERSISTENT_ROWS), True (=1) wherever _persistent_forward takes the call, False (=0) nowhere. Read when a
-# forward is planned. H200 2026-11-28, bf16, TFLOP/s (one-tile blocks / persistent, two rounds): d 64's 192-row tile
-# N 4096-16384 dense 375-469 / 452-512, causal 380-439 / 405-444; d 64's 64-row tile (N <= 2048) 220-444 / 173-312
-# (two blocks an SM of one computing warpgroup: each tile's Q waits for its last S); d 128 N 512-2048 451-625 /
-# 407-509, N 4096-16384 within noise (the ping-pong's first turn of a tile waits for the other warpgroup's output).
+# forward is planned. H200 2026-11-28, bf16, TFLOP/s, one-tile blocks / persistent: d 64's 192-row tile N 4096-16384
+# dense 415-460 / 450-482, causal 380-439 / 405-444; d 128 dense N 512-2048 449-618 / 505-633 (the tiles of a head in
+# one wave: its K and V shared in L2), causal N 512-16384 293-604 / 283-546 (longest first; slower); d 64's 64-row
+# tile (N <= 2048) 220-444 / 173-312 (two blocks an SM of one computing warpgroup: each tile's Q waits for its last S).
 PERSISTENT_FORWARD = {"1": True, "0": False}.get(os.environ.get("CUFLASH_PERSISTENT_FORWARD", ""))
-_PERSISTENT_ROWS = {(64, Tile(192, 128, 16, 2))}  # (head dim, tile) run persistent by default
+# (head dim, tile) run persistent by default -> whether a band or mask_mod (causal, windows) does too
+_PERSISTENT_ROWS = {(64, Tile(192, 128, 16, 2)): True, (128, Tile(128, 128, 12, 2)): False}
 
 
 def _persistent_forward(dtype: str, d: int, tile: Tile, variant: Variant) -> bool:
     """Whether a TMA forward of this kernel head dim and tile runs persistent (:data:`PERSISTENT_FORWARD`): 16-bit
     inputs, a head dim of PERSISTENT_HEAD_DIMS, padded batches without key counts (the kernel zeroes no tail)."""
-    if PERSISTENT_FORWARD is False or (PERSISTENT_FORWARD is None and (d, tile) not in _PERSISTENT_ROWS):
+    if PERSISTENT_FORWARD is False:
         return False
+    if PERSISTENT_FORWARD is None:
+        banded = variant.window_left is not None or variant.right is not None or (
+            variant.mods is not None and variant.mods.has_mask_mod)
+        masked_too = _PERSISTENT_ROWS.get((d, tile))
+        if masked_too is None or (banded and not masked_too):
+            return False
     return dtype in CTYPES and d in PERSISTENT_HEAD_DIMS and not variant.is_varlen and variant.seqused_k is None
 
 
