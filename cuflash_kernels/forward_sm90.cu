@@ -25,7 +25,7 @@
 //
 // Grid: (ceil(seqlen_q / kBlockM), heads_q, batch), query tiles last-first (longest causal tiles start
 // first); key/value head = query head / group. [fwd persistent] (the TMA entry point's kPersistent): as many blocks
-// as the GPU holds, each walking the tiles grid-x apart in that order (run_tiles), the K/V buffers' phases carried.
+// as the GPU holds, each taking tiles in that order from a counter (run_tiles), the K/V buffers' phases carried.
 // Shared memory: 2 * d * (kBlockM + 4 * kBlockN) bytes + 1024 for alignment + 128 for mbarriers, e.g.
 // d = 128, 128 x 128: 161 KiB; d = 64, 128 x 64: 49 KiB (two blocks per SM); a staged bias adds two tiles,
 // 2 * kBlockM * kBlockN * sizeof(element) bytes (d = 128, 128 x 128, bf16: + 64 KiB = 225 KiB). The V^T entry point
@@ -169,7 +169,7 @@ template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kSta
           bool kPersistent = false>
 __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const VariantParams vp,
                                                const FwdMaps maps = FwdMaps{}, const float* descale = nullptr,
-                                               const int batch = 0) {
+                                               const int batch = 0, int* tile_counter = nullptr) {
     using Cfg = Sm90Config<kHeadDim, kBlockM, kBlockN, kNWarps>;
     constexpr bool kWS = Cfg::kWS;
     static_assert(!kTma || kWS, "TMA: a producer warpgroup");
@@ -225,6 +225,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
     const u32 full_q = bar, full_k = bar + 8, full_v = bar + 24, free_k = bar + 40, free_v = bar + 56;
     const u32 tail_v = bar + 72;  // (TMA with sequence lengths: the last V tile's rows past the keys zeroed)
     const u32 free_q = bar + 80;  // [fwd persistent] every computing thread's last S of a tile has retired
+    // ([fwd persistent] bar + 88 .. 127: the tile schedule's two slots, their mbarriers: run_tiles)
     // [variant bias tile] 2 buffers of kBlockM x kBlockN bias entries, after the mbarriers' 128 bytes.
     using BiasT = typename BlockInfo<V>::BiasT;
     BiasT* sBias = reinterpret_cast<BiasT*>(reinterpret_cast<unsigned char*>(sV + 2 * kKVTile) + 128);
@@ -767,26 +768,53 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
     };  // run_tile
 
     // The block's query tiles, each by this thread's role: one (grid x: the query tiles last-first, y: heads, z:
-    // batch), or [fwd persistent] tile gridDim.x apart from blockIdx.x: where the tiles' work is alike (no band, no
-    // mask_mod) in the one-tile grid's order (query tiles last-first within a head, then heads, then batches: the
-    // blocks at work at once share their heads' K and V in L2, as the one-tile blocks the hardware starts in that
-    // order do), else longest first (query tiles last-first, then batches and heads): blocks given tiles a fixed
-    // stride apart would otherwise each keep one query tile's length.
-    constexpr bool kLongestFirst = V::Has_band || V::Has_block_map;
+    // batch), or [fwd persistent] the tiles a block takes from the launch's tile counter in the one-tile grid's order
+    // (query tiles last-first within a head, then heads, then batches: the tiles at work at once share their heads' K
+    // and V in L2, and a block that finishes early takes the next, as the hardware starts one-tile blocks): the
+    // producer's copying thread takes the next tile once it has issued this one's copies and hands its index to the
+    // computing warpgroups through two slots (sched_full / sched_empty mbarriers); an index past the tiles ends both.
+    // The counter (tile_counter[0], the tiles taken after each block's first; [1], the blocks done taking) is zero
+    // at a launch and set back to zero by the block that finishes taking last.
     auto run_tiles = [&](const int role) {
         if constexpr (kPersistent) {
-            const int m_blocks = (seqlen_q + kBlockM - 1) / kBlockM, per_m = heads_q * batch;
+            const int m_blocks = (seqlen_q + kBlockM - 1) / kBlockM, tiles = m_blocks * heads_q * batch;
+            const u32 sched_full = bar + 88, sched_empty = bar + 104;
+            volatile int* sched = reinterpret_cast<volatile int*>(reinterpret_cast<unsigned char*>(sV + 2 * kKVTile) +
+                                                                  120);
             int kv_base = 0, q_loads = 0;
-            for (int tile = blockIdx.x; tile < m_blocks * per_m; tile += gridDim.x) {
-                const int m_block = m_blocks - 1 - (kLongestFirst ? tile / per_m : tile % m_blocks);
-                const int hb = kLongestFirst ? tile % per_m : tile / m_blocks;
-                const int n = run_tile(m_block, hb % heads_q, hb / heads_q, kv_base, q_loads, role);
+            auto run = [&](const int tile) {
+                const int hb = tile / m_blocks;
+                const int n = run_tile(m_blocks - 1 - tile % m_blocks, hb % heads_q, hb / heads_q, kv_base, q_loads,
+                                       role);
                 kv_base += n;
                 q_loads += n > 0;
-            }
-            // ([ping-pong] warpgroup 1's last turn, handed on after the block's last tile with keys)
-            if (CUFLASH_FWD_PINGPONG && Cfg::kNWG == 2 && role == kConsume && wg == 0 && q_loads > 0) {
-                named_bar_sync(kTurnBar, 256);
+            };
+            if (role == kProduce) {
+                if (tid != Cfg::kNWG * 128) return;  // (one thread copies and takes the tiles)
+                for (int i = 0, tile = blockIdx.x;; ++i) {
+                    const int slot_i = i & 1;
+                    if (i >= 2) mbar_wait(sched_empty + 8 * slot_i, ((i >> 1) - 1) & 1);
+                    sched[slot_i] = tile;
+                    mbar_arrive(sched_full + 8 * slot_i);
+                    if (tile >= tiles) break;
+                    run(tile);
+                    tile = atomicAdd(tile_counter, 1) + int(gridDim.x);
+                }
+                if (atomicAdd(tile_counter + 1, 1) == int(gridDim.x) - 1) {  // (every block has taken its last)
+                    tile_counter[0] = 0;
+                    tile_counter[1] = 0;
+                }
+            } else {
+                for (int i = 0;; ++i) {
+                    const int slot_i = i & 1;
+                    mbar_wait(sched_full + 8 * slot_i, (i >> 1) & 1);
+                    const int tile = sched[slot_i];
+                    mbar_arrive(sched_empty + 8 * slot_i);
+                    if (tile >= tiles) break;
+                    run(tile);
+                }
+                // ([ping-pong] warpgroup 1's last turn, handed on after the block's last tile with keys)
+                if (CUFLASH_FWD_PINGPONG && Cfg::kNWG == 2 && wg == 0 && q_loads > 0) named_bar_sync(kTurnBar, 256);
             }
         } else {
             run_tile(gridDim.x - 1 - blockIdx.x, blockIdx.y, blockIdx.z, 0, 0, role);
@@ -796,7 +824,14 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
         if (tid == 0) {
             constexpr int kLanded = kTma ? 1 : 128;  // (TMA: the issuing thread's arrival with its bytes)
             mbar_init(full_q, kLanded);
-            if constexpr (kPersistent) mbar_init(free_q, Cfg::kNWG * 128);
+            if constexpr (kPersistent) {
+                mbar_init(free_q, Cfg::kNWG * 128);
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    mbar_init(bar + 88 + 8 * i, 1);                   // sched_full: the copying thread's index
+                    mbar_init(bar + 104 + 8 * i, Cfg::kNWG * 128);    // sched_empty: every computing thread read it
+                }
+            }
             if constexpr (kTmaTail) mbar_init(tail_v, 32);
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
@@ -838,11 +873,11 @@ flash_fwd_sm90_flat_kernel(CUFLASH_FWD_PARAMS(u16), CUFLASH_VARIANT_FLAT_PARAMS)
 // SM, or two for one computing warpgroup; the batch size counts the tiles), else the grid of flash_fwd_sm90.
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V, bool kPersistent = false>
 __global__ void __launch_bounds__(kNWarps * 32, (Sm90Config<kHeadDim, kBlockM, kBlockN, kNWarps>::kMinBlocks))
-flash_fwd_sm90_tma_kernel(CUFLASH_FWD_PARAMS(u16), const VariantParams vp, const int batch,
+flash_fwd_sm90_tma_kernel(CUFLASH_FWD_PARAMS(u16), const VariantParams vp, const int batch, int* tile_counter,
                           const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
                           const __grid_constant__ TensorMap v_map) {
     flash_fwd_sm90<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, V, true, kPersistent>(
-        CUFLASH_FWD_ARGS, vp, FwdMaps{&q_map, &k_map, &v_map}, nullptr, batch);
+        CUFLASH_FWD_ARGS, vp, FwdMaps{&q_map, &k_map, &v_map}, nullptr, batch, tile_counter);
 }
 
 // [fp8 v] V^T for the V^T entry point: v (batch, keys, heads_kv, kHeadDim) elements of T (e4m3: 1 byte, tf32:

@@ -285,11 +285,14 @@ def test_the_forward_copies_by_tma_where_a_call_allows_it(monkeypatch):
     cuflash.attention(arr(1, attention.TMA_SHORT_MAX_ROWS_Q + 1, 2, 64), arr(1, 64, 2, 64), arr(1, 64, 2, 64))
     assert not any(launch[0].endswith(", true>") for launch in recorder.take() if len(launch) == 6)
     monkeypatch.setattr(attention, "PERSISTENT_FORWARD", None)
-    # ... by default at d 128 only without a band (causal tiles differ in length: the one-tile grid balances them)
-    for opts, persistent in (({}, True), ({"causal": True}, False), ({"window_size": (50, 50)}, False)):
+    # ... by default at d 128 too, dense or not (the blocks take their tiles from a counter: balanced as the one-tile
+    # grid's), with the plan's zeroed tile counter after the batch size
+    for opts, persistent in (({}, True), ({"causal": True}, True), ({"window_size": (50, 50)}, True)):
         cuflash.attention(arr(2, 300, 4, 128), arr(2, 300, 2, 128), arr(2, 300, 2, 128), **opts)
-        (name,) = [launch[0] for launch in recorder.take() if len(launch) == 6]
-        assert name.endswith(", true>") == persistent, opts
+        (launch,) = [launch for launch in recorder.take() if len(launch) == 6]
+        assert launch[0].endswith(", true>") == persistent, opts
+        batch, counter = launch[5][-5:-3]  # (then the three maps)
+        assert int.from_bytes(batch, "little") == 2 and int.from_bytes(counter, "little") != 0
     encoded.clear()
 
     # [variant head dim] d 96 on the d 128 kernel, v of d 64 (its maps hold the arrays' head dims: zeros past them)

@@ -249,29 +249,22 @@ TF32_WGMMA = os.environ.get("CUFLASH_TF32_WGMMA", "1") == "1"
 # (the tensor core truncates each fp16 product to the group's largest one: kernel notes); off (CUFLASH_F16X2_WGMMA=0),
 # elsewhere, or at other head dims: the 3xTF32 mma.sync kernel ("tf32x3", more accurate).
 F16X2_WGMMA = os.environ.get("CUFLASH_F16X2_WGMMA", "1") == "1"
-# [fwd persistent] The TMA forward as a persistent kernel (a block per SM walking the query tiles, the next tile's Q
-# and K_0 loaded under this one's last products and output): None (CUFLASH_PERSISTENT_FORWARD unset) where it measured
-# faster (_PERSISTENT_ROWS), True (=1) wherever _persistent_forward takes the call, False (=0) nowhere. Read when a
-# forward is planned. H200 2026-11-28, bf16, TFLOP/s, one-tile blocks / persistent: d 64's 192-row tile N 4096-16384
-# dense 415-460 / 450-482, causal 380-439 / 405-444; d 128 dense N 512-2048 449-618 / 505-633 (the tiles of a head in
-# one wave: its K and V shared in L2), causal N 512-16384 293-604 / 283-546 (longest first; slower); d 64's 64-row
-# tile (N <= 2048) 220-444 / 173-312 (two blocks an SM of one computing warpgroup: each tile's Q waits for its last S).
+# [fwd persistent] The TMA forward as a persistent kernel (a block per SM taking query tiles from a counter, the next
+# tile's Q and K_0 loaded under this one's last products and output): None (CUFLASH_PERSISTENT_FORWARD unset) where it
+# measured faster (_PERSISTENT_ROWS), True (=1) wherever _persistent_forward takes the call, False (=0) nowhere. Read
+# when a forward is planned. H200 2026-11-28, bf16, TFLOP/s, one-tile blocks / persistent (kernel notes, session 17):
+# d 128 N 512-2048 dense 448-623 / 513-647, causal 290-509 / 332-537 (cuDNN 334-505), N 4096-16384 within noise to
+# +5 %; d 64's 192-row tile N 4096-16384 dense 423-474 / 468-494, causal 386-446 / 405-448; d 64's 64-row tile
+# (N <= 2048) 220-444 / 173-312 (two blocks an SM of one computing warpgroup: each tile's Q waits for its last S).
 PERSISTENT_FORWARD = {"1": True, "0": False}.get(os.environ.get("CUFLASH_PERSISTENT_FORWARD", ""))
-# (head dim, tile) run persistent by default -> whether a band or mask_mod (causal, windows) does too
-_PERSISTENT_ROWS = {(64, Tile(192, 128, 16, 2)): True, (128, Tile(128, 128, 12, 2)): False}
+_PERSISTENT_ROWS = {(64, Tile(192, 128, 16, 2)), (128, Tile(128, 128, 12, 2))}  # (head dim, tile) persistent by default
 
 
 def _persistent_forward(dtype: str, d: int, tile: Tile, variant: Variant) -> bool:
     """Whether a TMA forward of this kernel head dim and tile runs persistent (:data:`PERSISTENT_FORWARD`): 16-bit
     inputs, a head dim of PERSISTENT_HEAD_DIMS, padded batches without key counts (the kernel zeroes no tail)."""
-    if PERSISTENT_FORWARD is False:
+    if PERSISTENT_FORWARD is False or (PERSISTENT_FORWARD is None and (d, tile) not in _PERSISTENT_ROWS):
         return False
-    if PERSISTENT_FORWARD is None:
-        banded = variant.window_left is not None or variant.right is not None or (
-            variant.mods is not None and variant.mods.has_mask_mod)
-        masked_too = _PERSISTENT_ROWS.get((d, tile))
-        if masked_too is None or (banded and not masked_too):
-            return False
     return dtype in CTYPES and d in PERSISTENT_HEAD_DIMS and not variant.is_varlen and variant.seqused_k is None
 
 
@@ -743,8 +736,12 @@ class ForwardPlan(_Plan):
         grid = (cdiv(shp.max_q, spec.tile.block_m), shp.heads_q, shp.batch)
         if spec.family == "fwd_sm90_tma_persistent":
             grid = _persistent_grid(spec, grid[0] * grid[1] * grid[2])
-        # (the TMA entry point takes the batch size after VariantParams: the persistent kernel counts its tiles by it)
-        tma_args = (i32(shp.batch),) if tma is not None else ()
+        # (the TMA entry point takes the batch size after VariantParams, and the tile counter: the persistent kernel
+        # counts its tiles by them; the counter is the plan's, zero between launches: each launch sets it back)
+        tma_args = ()
+        if tma is not None:
+            self._tile_counter = self._zeros((2,), dtype=np.int32) if spec.family == "fwd_sm90_tma_persistent" else None
+            tma_args = (i32(shp.batch), np.uint64(0 if self._tile_counter is None else self._tile_counter.data.ptr))
         self._launch = PackedLaunch(self._rt, spec, grid, args + tma_args, tuple(m.address for m in self._maps))
         self._flat = (flat_spec, (cdiv(shp.max_q, flat_spec.tile.block_m), shp.heads_q, shp.batch), args[5:])
         vp = len(args) - 1
