@@ -147,7 +147,7 @@ def _op_options(opts: types.SimpleNamespace, call: _Call) -> dict:
         mod_arrays=arrays, dropout_seed=None, causal=call.causal, softmax_scale=opts.scale, causal_align=call.align,
         window_left=left, window_right=right, softcap=opts.softcap, max_seqlen_q=None, max_seqlen_k=None,
         dropout_p=0.0, dropout_offset=0, score_mod=None, mask_mod=mask_mod, mod_array_names=names, algorithm="fa2",
-        block_q=None, block_k=None, deterministic=opts.deterministic,
+        block_q=None, block_k=None, fp32_precision="tf32x3", deterministic=opts.deterministic,
     )
 
 

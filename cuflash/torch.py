@@ -243,7 +243,7 @@ def _with_arrays(options: dict) -> dict:
 _SCALAR_OPTIONS = (
     "causal", "softmax_scale", "causal_align", "window_left", "window_right", "softcap", "max_seqlen_q",
     "max_seqlen_k", "dropout_p", "dropout_offset", "score_mod", "mask_mod", "mod_array_names", "algorithm",
-    "block_q", "block_k",
+    "block_q", "block_k", "fp32_precision",
 )
 
 
@@ -256,15 +256,17 @@ def _unsigned64(value: int) -> int:
     return value + 2**64 if value < 0 else value
 
 
-def _front_door_options(args: dict) -> dict:
-    """The variant keywords of cuflash.attention / attention_backward from an operator's arguments (its
-    ``locals()``), the tensors as NumPy or CuPy views (no copies)."""
+def _front_door_options(args: dict, backward: bool = False) -> dict:
+    """The variant keywords of cuflash.attention / attention_backward (``backward``: without the forward's
+    ``fp32_precision``) from an operator's arguments (its ``locals()``), the tensors as NumPy or CuPy views (no
+    copies)."""
     names = args["mod_array_names"].split(",") if args["mod_array_names"] else []
     seed = args["dropout_seed"]
+    skip = ("window_left", "window_right", "dropout_offset", "mod_array_names") + (("fp32_precision",) if backward
+                                                                                  else ())
     return dict(
         _with_arrays({name: args[name] for name in _api.ARRAY_OPTIONS}),
-        **{name: args[name] for name in _SCALAR_OPTIONS if name not in ("window_left", "window_right",
-                                                                         "dropout_offset", "mod_array_names")},
+        **{name: args[name] for name in _SCALAR_OPTIONS if name not in skip},
         window_size=(args["window_left"], args["window_right"]),
         mod_arrays={name: _to_array(a) for name, a in zip(names, args["mod_arrays"])} if names else None,
         # a CPU tensor: read without a device synchronization (a CUDA graph capture refuses dropout, see below)
@@ -329,7 +331,7 @@ def _fwd_impl(
     causal: bool, softmax_scale: Optional[float], causal_align: str, window_left: int, window_right: int,
     softcap: float, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], dropout_p: float, dropout_offset: int,
     score_mod: Optional[str], mask_mod: Optional[str], mod_array_names: str, algorithm: str,
-    block_q: Optional[int], block_k: Optional[int], deterministic: bool,
+    block_q: Optional[int], block_k: Optional[int], fp32_precision: str, deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of :func:`cuflash.attention` (``deterministic`` is the backward's, kept for autograd)."""
     return _forward_backend(locals())
@@ -382,10 +384,11 @@ def _attention_bwd(
     causal: bool, softmax_scale: Optional[float], causal_align: str, window_left: int, window_right: int,
     softcap: float, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], dropout_p: float, dropout_offset: int,
     score_mod: Optional[str], mask_mod: Optional[str], mod_array_names: str, algorithm: str,
-    block_q: Optional[int], block_k: Optional[int], deterministic: bool, want_dbias: bool,
+    block_q: Optional[int], block_k: Optional[int], fp32_precision: str, deterministic: bool, want_dbias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dbias)`` of :func:`cuflash.attention_backward`; ``dbias`` is an empty ``(0,)`` tensor
-    unless ``want_dbias`` (an operator returns tensors, never None)."""
+    unless ``want_dbias`` (an operator returns tensors, never None). ``fp32_precision`` is the forward's (the
+    backward has none)."""
     _check_devices(q=q, dout=dout, k=k, v=v, out=out, lse=lse, bias=bias, alibi_slopes=alibi_slopes,
                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, attn_mask=attn_mask,
                    **{f"mod_arrays[{i}]": a for i, a in enumerate(mod_arrays)})
@@ -396,7 +399,7 @@ def _attention_bwd(
         grads = cuflash.attention_backward(
             _to_array(dout), _to_array(q), _to_array(k), _to_array(v), _to_array(out), _to_array(lse),
             deterministic=deterministic, return_dbias=want_dbias, bias=None if bias is None else _to_array(bias),
-            **_front_door_options(args),
+            **_front_door_options(args, backward=True),
         )
         dq, dk, dv = (_output(g, memory) for g in grads[:3])
         dbias = _output(grads[3], memory) if want_dbias else q.new_empty((0,))
@@ -532,7 +535,7 @@ def _hopper_switches() -> tuple:
 
 
 def _forward_key(q, k, v, causal, softmax_scale, causal_align, window_size, softcap, max_seqlen_q, max_seqlen_k,
-                 dropout_p, dropout_seed, dropout_offset, algorithm, block_q, block_k):
+                 dropout_p, dropout_seed, dropout_offset, algorithm, block_q, block_k, fp32_precision="tf32x3"):
     """The key of an attention call on q, k and v alone in :data:`_forward_plans`, or None: a gradient wanted, not
     plain CUDA tensors run eagerly, dropout, options of unusual types (the checks judge them), the finite checks."""
     if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor and _runs_eagerly()) or (
@@ -548,13 +551,13 @@ def _forward_key(q, k, v, causal, softmax_scale, causal_align, window_size, soft
             and (max_seqlen_k is None or type(max_seqlen_k) is int) and type(dropout_p) in (float, int)
             and dropout_p == 0 and dropout_seed is None and type(dropout_offset) is int and dropout_offset == 0
             and type(algorithm) is str and (block_q is None or type(block_q) is int)
-            and (block_k is None or type(block_k) is int)):
+            and (block_k is None or type(block_k) is int) and fp32_precision in _validate.FP32_PRECISIONS):
         return None
     if _validate.finite_checks(False):
         return None
     return (index, _stream_address(index), _hopper_switches(), _layout(q), _layout(k), _layout(v), causal,
             type(softmax_scale), softmax_scale, causal_align, window_size, type(softcap), softcap, max_seqlen_q,
-            max_seqlen_k, algorithm, block_q, block_k)
+            max_seqlen_k, algorithm, block_q, block_k, fp32_precision)
 
 
 def _forward_run(key, q, k, v):
@@ -804,6 +807,7 @@ def attention(
     algorithm: str = "fa2",
     block_q: int | None = None,
     block_k: int | None = None,
+    fp32_precision: str = "tf32x3",
     deterministic: bool = False,
     return_lse: bool = False,
     q_descale: torch.Tensor | None = None,
@@ -818,7 +822,9 @@ def attention(
 
     Arguments as :func:`cuflash.attention` (the variant arrays as tensors on q's device: int32
     ``cu_seqlens_q``, ``cu_seqlens_k``, ``seqused_k``, float32 ``alibi_slopes``, floating ``bias``, bool
-    ``attn_mask``); ``deterministic`` selects the backward without atomics. Gradients flow to ``q``, ``k``,
+    ``attn_mask``); ``fp32_precision`` how the CUDA forward multiplies float32 tensors (``"tf32x3"``, ``"fp16x3"``,
+    ``"tf32"``, ``"ieee"``: :func:`cuflash.attention`'s; the backward runs float32 arithmetic whatever it says);
+    ``deterministic`` selects the backward without atomics. Gradients flow to ``q``, ``k``,
     ``v`` and ``bias`` (summed over the axes it broadcasts over; computed only when it requires grad); the
     other variant tensors and the logsumexp (with ``return_lse=True``, shape ``(heads_q, total_q)`` when
     packed) are not differentiable.
@@ -853,7 +859,8 @@ def attention(
     if (bias is None and alibi_slopes is None and cu_seqlens_q is None and cu_seqlens_k is None and seqused_k is None
             and attn_mask is None and score_mod is None and mask_mod is None and mod_arrays is None and DIRECT_CALLS):
         key = _forward_key(q, k, v, causal, softmax_scale, causal_align, window_size, softcap, max_seqlen_q,
-                           max_seqlen_k, dropout_p, dropout_seed, dropout_offset, algorithm, block_q, block_k)
+                           max_seqlen_k, dropout_p, dropout_seed, dropout_offset, algorithm, block_q, block_k,
+                           fp32_precision)
         done = None if key is None else _forward_run(key, q, k, v)
         if done is not None:  # inference like a call already run: its plan, at once
             return done if return_lse else done[0]
@@ -884,6 +891,7 @@ def attention(
         block_q, block_k = _validate.block_size("block_q", block_q), _validate.block_size("block_k", block_k)
         max_seqlen_q = _optional_int("max_seqlen_q", max_seqlen_q)
         max_seqlen_k = _optional_int("max_seqlen_k", max_seqlen_k)
+        fp32_precision = _validate.fp32_precision(fp32_precision)
     arrays = {name: _optional_tensor(name, value) for name, value in (
         ("alibi_slopes", alibi_slopes), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
         ("seqused_k", seqused_k), ("attn_mask", attn_mask))}
@@ -903,7 +911,7 @@ def attention(
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
     op_args = (q, k, v, bias, *arrays.values(), mods, seed, causal, softmax_scale, causal_align, left, right, softcap,
                max_seqlen_q, max_seqlen_k, dropout_p, _signed64(dropout_offset), score_mod, mask_mod, names, algorithm,
-               block_q, block_k, bool(deterministic))
+               block_q, block_k, fp32_precision, bool(deterministic))
     if not needs_grad and _runs_eagerly(q, k, v, bias, seed, *arrays.values(), *mods):
         out, lse = _forward_backend(dict(zip(_FWD_PARAMS, op_args)), remember=key)
     else:

@@ -133,7 +133,8 @@ def test_torch_operator_checks_devices_too():
     import cuflash.torch  # noqa: F401  (registers the operators)
 
     q, k, v = torch.zeros(1, 4, 2, 8, device="meta"), torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8)
-    scalars = [False, None, "bottom-right", -1, -1, 0.0, None, None, 0.0, 0, None, None, "", "fa2", None, None, False]
+    scalars = [False, None, "bottom-right", -1, -1, 0.0, None, None, 0.0, 0, None, None, "", "fa2", None, None, "tf32x3",
+               False]
     with pytest.raises(ValueError, match=_device_message("q", "meta", "k", "cpu")):
         torch.ops.cuflash.attention_fwd(q, k, v, None, None, None, None, None, None, [], None, *scalars)
 

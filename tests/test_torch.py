@@ -381,3 +381,19 @@ def test_dbias_only_when_bias_requires_grad(monkeypatch):
     assert asked == [False, True] and bias.grad.shape == bias.shape
     with pytest.raises(TypeError, match="bias must be a torch.Tensor \\(on the device of q\\) or None; got ndarray"):
         cft.attention(q, k, v, bias=bias.detach().numpy())
+
+
+def test_fp32_precision_reaches_the_front_door_and_not_the_backward():
+    """``fp32_precision`` is cuflash.attention's (CPU tensors: the NumPy reference computes IEEE float32 whatever it
+    says; the backward has none): every value gives the default's output and gradients, a bad one is refused in the
+    front door's words before anything runs."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 9, 2, 8, generator=g, requires_grad=True) for _ in range(3))
+    ref = cft.attention(q, k, v, causal=True)
+    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
+    for precision in ("tf32x3", "fp16x3", "tf32", "ieee"):
+        out = cft.attention(q, k, v, causal=True, fp32_precision=precision)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    with pytest.raises(ValueError, match="fp32_precision must be one of 'tf32x3', 'fp16x3', 'tf32', 'ieee'; got 'x'"):
+        cft.attention(q, k, v, fp32_precision="x")

@@ -202,7 +202,8 @@ def _scalars(**changes):
     """The operators' scalar arguments, in schema order, cuflash.attention's defaults but for ``changes``."""
     values = dict(causal=False, softmax_scale=None, causal_align="bottom-right", window_left=-1, window_right=-1,
                   softcap=0.0, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0, dropout_offset=0, score_mod=None,
-                  mask_mod=None, mod_array_names="", algorithm="fa2", block_q=None, block_k=None, deterministic=False)
+                  mask_mod=None, mod_array_names="", algorithm="fa2", block_q=None, block_k=None,
+                  fp32_precision="tf32x3", deterministic=False)
     assert set(changes) <= set(values)
     return [*{**values, **changes}.values()]
 
