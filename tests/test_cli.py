@@ -233,3 +233,18 @@ def test_the_fp8_table_gives_both_ratios_and_the_target_count():
     assert lines[4] == "| 256 | yes | 8192 | 1200 | 700 | 760 | 1.71 | 1.58 |"
     assert lines[5] == "fp8 / bf16 at d 128: 1.00-1.25 (median 1.12); at or above 1.5 in 0 of 2"
     assert lines[6] == "fp8 / bf16 at d 256: 1.71-1.71 (median 1.71); at or above 1.5 in 1 of 1"
+
+
+def test_the_float32_table_sums_up_speed_and_error_per_precision():
+    """bench-gpu --float32's table: a row per shape, then per float32-class precision (tf32x3, fp16x3) its TFLOP/s
+    range, the cells at issue 14's 100 and its error over torch MATH's; a system that failed (NaN) is left out."""
+    from cuflash.cli import bench_gpu
+
+    def row(n, t3, f3, err3, errf, err_math):
+        return {"d": 128, "causal": False, "N": n, "cuflash tf32x3 fwd": t3, "cuflash fp16x3 fwd": f3,
+                "cuflash tf32x3 maxerr": err3, "cuflash fp16x3 maxerr": errf, "torch math maxerr": err_math}
+    rows = [row(1024, 33.0, 106.5, 2e-7, 5e-7, 4e-7), row(4096, 34.0, float("nan"), 1e-7, 9e-7, 3e-7)]
+    lines = bench_gpu.format_float32_table(rows).splitlines()
+    assert len(lines) == 6 and lines[2].startswith(" 128  False   1024 |")
+    assert lines[4] == "cuflash tf32x3: 33.0-34.0 TFLOP/s, at or above 100 in 0 of 2; max|error| / torch math's at most 0.50"
+    assert lines[5] == "cuflash fp16x3: 106.5-106.5 TFLOP/s, at or above 100 in 1 of 1; max|error| / torch math's at most 3.00"

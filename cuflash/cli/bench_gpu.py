@@ -297,6 +297,9 @@ def format_fp8_table(rows) -> str:
 
 
 def format_float32_table(rows) -> str:
+    """The float32 table of :func:`run_float32`'s rows, then per cuflash precision at float32-class accuracy (tf32x3,
+    fp16x3) its TFLOP/s range, its count of cells at issue 14's 100, and its error over torch MATH's (naive float32
+    attention) at most."""
     names = [name for name, _ in FLOAT32_SYSTEMS]
     lines = ["forward TFLOP/s (max|out - float64 truth|), float32, batch 2, 16 heads",
              "   d causal      N | " + " | ".join(f"{name:>24}" for name in names)]
@@ -304,6 +307,14 @@ def format_float32_table(rows) -> str:
         cells = [f"{r.get(name + ' fwd', float('nan')):8.1f} ({r.get(name + ' maxerr', float('nan')):.1e})"
                  for name in names]
         lines.append(f"{r['d']:4d} {str(r['causal']):>6} {r['N']:6d} | " + " | ".join(f"{c:>24}" for c in cells))
+    for name in ("cuflash tf32x3", "cuflash fp16x3"):
+        speed = [r[name + " fwd"] for r in rows if r.get(name + " fwd") == r.get(name + " fwd")]  # (not NaN)
+        errs = [r[name + " maxerr"] / r["torch math maxerr"] for r in rows
+                if name + " maxerr" in r and r.get("torch math maxerr")]
+        if speed:
+            lines.append(f"{name}: {min(speed):.1f}-{max(speed):.1f} TFLOP/s, at or above 100 in "
+                         f"{sum(x >= 100 for x in speed)} of {len(speed)}"
+                         + (f"; max|error| / torch math's at most {max(errs):.2f}" if errs else ""))
     return "\n".join(lines)
 
 
