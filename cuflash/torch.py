@@ -535,7 +535,7 @@ def _hopper_switches() -> tuple:
 
 
 def _forward_key(q, k, v, causal, softmax_scale, causal_align, window_size, softcap, max_seqlen_q, max_seqlen_k,
-                 dropout_p, dropout_seed, dropout_offset, algorithm, block_q, block_k, fp32_precision="tf32x3"):
+                 dropout_p, dropout_seed, dropout_offset, algorithm, block_q, block_k, fp32_precision):
     """The key of an attention call on q, k and v alone in :data:`_forward_plans`, or None: a gradient wanted, not
     plain CUDA tensors run eagerly, dropout, options of unusual types (the checks judge them), the finite checks."""
     if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor and _runs_eagerly()) or (

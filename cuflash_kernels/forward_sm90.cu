@@ -159,12 +159,11 @@ struct FwdMaps {
 // fp32_precision="fp16x3"): each 4-byte element two fp16 parts, a row's high parts then its low parts
 // (split_f16x2_kernel), so the tiles are the 16-bit kernel's at twice the head dim, V read MN-major as the 16-bit
 // kernel reads it; S = Qh Kh^T + (Qh Kl^T + Ql Kh^T) / 2^11 (the low parts of q and k carry 2^11; their products in
-// an accumulator of their own), P
-// split in registers at 2^14 its value (p_to_f16x2), each tile's P V (Pl Vh + Ph Vl, then Ph Vh) in an accumulator of
-// its own added to O in float32, the products of a tile one after the other (the ping-pong overlaps the warpgroups'
-// softmax); descale: the bits of q's, k's and v's largest magnitudes, whose powers of two the split multiplied by
-// (f16x2_exponent). All three: padded batches only, no staged bias, no dropout, whole head dims (Sm90Elem: the element
-// policies).
+// an accumulator of their own), P split in registers at 2^14 its value (p_to_f16x2), each tile's P V (Pl Vh + Ph Vl,
+// then Ph Vh) in an accumulator of its own added to O in float32, the products of a tile one after the other (the
+// ping-pong overlaps the warpgroups' softmax); descale: the bits of q's, k's and v's largest magnitudes, whose powers
+// of two the split multiplied by (f16x2_exponent). All three: padded batches only, no staged bias, no dropout, whole
+// head dims (Sm90Elem: the element policies).
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V, bool kTma = false,
           bool kPersistent = false>
 __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const VariantParams vp,
@@ -225,7 +224,9 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
     const u32 full_q = bar, full_k = bar + 8, full_v = bar + 24, free_k = bar + 40, free_v = bar + 56;
     const u32 tail_v = bar + 72;  // (TMA with sequence lengths: the last V tile's rows past the keys zeroed)
     const u32 free_q = bar + 80;  // [fwd persistent] every computing thread's last S of a tile has retired
-    // ([fwd persistent] bar + 88 .. 127: the tile schedule's two slots, their mbarriers: run_tiles)
+    // [fwd persistent] the tile schedule (run_tiles): its two slots' mbarriers and the slots, to bar + 128
+    const u32 sched_full = bar + 88, sched_empty = bar + 104;
+    volatile int* sched = reinterpret_cast<volatile int*>(reinterpret_cast<unsigned char*>(sV + 2 * kKVTile) + 120);
     // [variant bias tile] 2 buffers of kBlockM x kBlockN bias entries, after the mbarriers' 128 bytes.
     using BiasT = typename BlockInfo<V>::BiasT;
     BiasT* sBias = reinterpret_cast<BiasT*>(reinterpret_cast<unsigned char*>(sV + 2 * kKVTile) + 128);
@@ -778,9 +779,6 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
     auto run_tiles = [&](const int role) {
         if constexpr (kPersistent) {
             const int m_blocks = (seqlen_q + kBlockM - 1) / kBlockM, tiles = m_blocks * heads_q * batch;
-            const u32 sched_full = bar + 88, sched_empty = bar + 104;
-            volatile int* sched = reinterpret_cast<volatile int*>(reinterpret_cast<unsigned char*>(sV + 2 * kKVTile) +
-                                                                  120);
             int kv_base = 0, q_loads = 0;
             auto run = [&](const int tile) {
                 const int hb = tile / m_blocks;
@@ -828,8 +826,8 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
                 mbar_init(free_q, Cfg::kNWG * 128);
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
-                    mbar_init(bar + 88 + 8 * i, 1);                   // sched_full: the copying thread's index
-                    mbar_init(bar + 104 + 8 * i, Cfg::kNWG * 128);    // sched_empty: every computing thread read it
+                    mbar_init(sched_full + 8 * i, 1);                 // the copying thread's index
+                    mbar_init(sched_empty + 8 * i, Cfg::kNWG * 128);  // every computing thread read it
                 }
             }
             if constexpr (kTmaTail) mbar_init(tail_v, 32);

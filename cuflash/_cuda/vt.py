@@ -119,7 +119,7 @@ class VtForwardPlan(_Plan):
         self._write_rounds = tuple(launch.writer((launch.word(0), launch.word(1))) for _, launch in self._rounds)
         self._split = dtype == "f16x2"
         if self._split:  # [f16x2] q, k and v split into C-contiguous copies of pairs of parts, their maps
-            self._setup_split(q, k, v, t)
+            self._setup_split(q, k, v)
         qk_maps = tuple(rows_map(a.shape, [x * nbytes for x in _c_strides(a.shape)], rows, nbytes) if self._rounds
                         or self._split else _tensor_map(a, rows) for a, rows in ((q, t.block_m), (k, t.block_n)))
         v_map = (rows_map(v.shape, [x * nbytes for x in _c_strides(v.shape)], t.block_n, nbytes) if self._split
@@ -146,7 +146,7 @@ class VtForwardPlan(_Plan):
         self._write_variant = None if self._variant.constant else self._launch.writer(
             tuple(self._launch.word(vp, offset) for offset in VARIANT_POINTER_FIELDS))
 
-    def _setup_split(self, q, k, v, tile) -> None:
+    def _setup_split(self, q, k, v) -> None:
         """[f16x2] The split's launches: the workspace of the three largest magnitudes' bits (zeroed at each run, then
         maxed by absmax_f32_kernel), and split_f16x2_kernel into one allocation of three pair arrays (C-contiguous,
         the inputs' shapes in float32 words), read from the inputs' strides."""

@@ -308,7 +308,7 @@ def format_float32_table(rows) -> str:
                  for name in names]
         lines.append(f"{r['d']:4d} {str(r['causal']):>6} {r['N']:6d} | " + " | ".join(f"{c:>24}" for c in cells))
     for name in ("cuflash tf32x3", "cuflash fp16x3"):
-        speed = [r[name + " fwd"] for r in rows if r.get(name + " fwd") == r.get(name + " fwd")]  # (not NaN)
+        speed = [x for x in (r.get(name + " fwd") for r in rows) if x is not None and not math.isnan(x)]
         errs = [r[name + " maxerr"] / r["torch math maxerr"] for r in rows
                 if name + " maxerr" in r and r.get("torch math maxerr")]
         if speed:
