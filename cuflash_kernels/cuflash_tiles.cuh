@@ -28,6 +28,21 @@ typedef long long i64;
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+
+// [pdl] Programmatic dependent launch (sm_90 on): a kernel launched with programmatic stream serialization may start
+// while the kernel before it on the stream still runs. grid_dependency_wait() waits until that kernel has completed
+// and its writes are visible (a no-op in a kernel launched the ordinary way); launch_dependents() lets such a kernel
+// after this one start as soon as every block of this one has issued it (or exited).
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 #define CUFLASH_INF __int_as_float(0x7f800000)
 #define CUFLASH_NAN __int_as_float(0x7fffffff)
 

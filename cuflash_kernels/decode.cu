@@ -119,8 +119,24 @@ __device__ __forceinline__ bool sequence_in_range(const DecodeParams& p, int seq
 // of range is not written.
 template <bool kPaged>
 __global__ void __launch_bounds__(128) decode_append_kernel(const DecodeParams p) {
+    launch_dependents();  // [pdl] chunked prefill's forward may start (it waits for this kernel before reading)
     const int per_sequence = max(p.seqlen_new, 1);  // (chunked prefill without new tokens: one block a sequence)
     const int b = blockIdx.x / per_sequence, i = blockIdx.x % per_sequence;
+    const u16* ksrc = p.k_new + b * p.kn_sb + (i64)i * p.kn_ss;
+    const u16* vsrc = p.v_new + b * p.vn_sb + (i64)i * p.vn_ss;
+    const int width = max(p.head_dim, p.head_dim_v);
+    const int per_head = width / 8;
+    // The token's 16-byte chunks read before its slot is known (one a thread, where they are that and fit the block:
+    // the common layouts), so that their loads overlap the length's instead of following it
+    const bool early = i < p.seqlen_new && ((p.head_dim | p.head_dim_v | p.kn_sh | p.vn_sh) & 7) == 0
+                       && ((reinterpret_cast<size_t>(ksrc) | reinterpret_cast<size_t>(vsrc)) & 15) == 0
+                       && p.heads_kv * per_head <= int(blockDim.x);
+    const int eh = threadIdx.x / max(per_head, 1), ec = threadIdx.x % max(per_head, 1) * 8;
+    uint4 kx = make_uint4(0, 0, 0, 0), vx = kx;
+    if (early && eh < p.heads_kv) {
+        if (ec < p.head_dim_v) vx = *reinterpret_cast<const uint4*>(vsrc + eh * p.vn_sh + ec);
+        if (ec < p.head_dim) kx = *reinterpret_cast<const uint4*>(ksrc + eh * p.kn_sh + ec);
+    }
     const int seqlen = p.cache_seqlens[b];
     const int leftpad = p.cache_leftpad ? p.cache_leftpad[b] : 0;
     const int cache_row = kPaged ? 0 : (p.cache_batch_idx ? p.cache_batch_idx[b] : b);
@@ -142,15 +158,18 @@ __global__ void __launch_bounds__(128) decode_append_kernel(const DecodeParams p
     }
     u16* kdst = p.k_cache + row * p.k_sb + pos * p.k_ss;
     u16* vdst = p.v_cache + row * p.v_sb + pos * p.v_ss;
-    const u16* ksrc = p.k_new + b * p.kn_sb + (i64)i * p.kn_ss;
-    const u16* vsrc = p.v_new + b * p.vn_sb + (i64)i * p.vn_ss;
-    const int width = max(p.head_dim, p.head_dim_v);
     // 16-byte chunks where every row starts at a multiple of 16 bytes (the common layouts), else 16-bit elements
     const bool chunks = ((p.head_dim | p.head_dim_v | p.k_sh | p.v_sh | p.kn_sh | p.vn_sh) & 7) == 0
                         && ((reinterpret_cast<size_t>(kdst) | reinterpret_cast<size_t>(vdst)
                              | reinterpret_cast<size_t>(ksrc) | reinterpret_cast<size_t>(vsrc)) & 15) == 0;
+    if (chunks && early) {  // (the chunks read above: v's before k's, as below)
+        if (eh < p.heads_kv) {
+            if (ec < p.head_dim_v) *reinterpret_cast<uint4*>(vdst + eh * p.v_sh + ec) = vx;
+            if (ec < p.head_dim) *reinterpret_cast<uint4*>(kdst + eh * p.k_sh + ec) = kx;
+        }
+        return;
+    }
     if (chunks) {
-        const int per_head = width / 8;
         for (int e = threadIdx.x; e < p.heads_kv * per_head; e += blockDim.x) {
             const int h = e / per_head, c = e % per_head * 8;
             if (c < p.head_dim_v)

@@ -841,6 +841,9 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
         }
         __syncthreads();
     }
+    // [pdl] key counts (seqused_k) may come from the kernel launched before this one (chunked prefill's append, which
+    // also writes the keys): launched with programmatic serialization, the block has set up its barriers meanwhile
+    if constexpr (V::Has_seqused) grid_dependency_wait();
     if constexpr (kPersistent) {  // (the roles for the whole loop)
         if (wg == Cfg::kNWG) {
             setmaxnreg_dec<Cfg::producer_regs(true)>();

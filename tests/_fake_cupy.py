@@ -61,6 +61,7 @@ class Recorder:
 
     def __init__(self):
         self.launches = []
+        self.programmatic = []  # [pdl] the indices in launches of those launched with programmatic serialization
         self.names = {}  # function handle -> kernel name
         self.zeroed = []  # (address, bytes) of what cupy.zeros allocated and memsetAsync zeroed
         # keep_zeroed: cupy.zeros' arrays kept alive until take_zeroed, so that a later allocation of the call (an upcast
@@ -69,7 +70,7 @@ class Recorder:
         self._zeroed_arrays = []
 
     def take(self):
-        out, self.launches = self.launches, []
+        out, self.launches, self.programmatic = self.launches, [], []
         return out
 
     def take_zeroed(self):
@@ -116,6 +117,11 @@ def install(monkeypatch):
         pointers = (ctypes.c_uint64 * len(spec["sizes"])).from_address(argv)
         args = [ctypes.string_at(p, size) for p, size in zip(pointers, spec["sizes"])]
         recorder.launches.append((spec["name"], (gx, gy, gz), (bx, by, bz), smem, stream_ptr, args))
+
+    def launch_programmatic(self, config, fn, argv):  # [pdl] cuLaunchKernelEx: recorded as a launch, its index noted
+        grid, block, smem, stream_ptr = compile.unpack_config(config)
+        recorder.programmatic.append(len(recorder.launches))
+        launch_kernel(fn, *grid, *block, smem, stream_ptr, argv, 0)
 
     module.cuda = types.SimpleNamespace(
         runtime=types.SimpleNamespace(getDevice=lambda: 0, memGetInfo=lambda: (0, 0), getDeviceCount=lambda: 1,
@@ -167,8 +173,10 @@ def install(monkeypatch):
     monkeypatch.setattr(vt, "_PLANS", _api.CallMemo(vt._PLANS.size))
     monkeypatch.setattr(vt, "_ONES", {})
     monkeypatch.setattr(decode.CupyRuntime, "function", decode_function)
+    monkeypatch.setattr(decode.CupyRuntime, "launch_programmatic", launch_programmatic)
     monkeypatch.setattr(decode, "_LAUNCHES", type(decode._LAUNCHES)())
     monkeypatch.setattr(_api, "_kvcache_launches", _api.CallMemo(_api._kvcache_launches.size))
+    monkeypatch.setattr(_api, "_device_stream", None)  # (CuPy's functions bound at the first call: the stand-in's)
     monkeypatch.setattr(_kvcache, "_SEQLEN_TABLES", {})
     try:  # cuflash.torch's launches of decode steps like ones already run: the stand-in's must not outlive the test
         import cuflash.torch as cuflash_torch

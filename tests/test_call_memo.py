@@ -628,6 +628,68 @@ def test_the_layers_of_a_step_share_the_lengths_of_an_int_cache_seqlens(fake):
         cp.cuda.get_current_stream().capturing = False
 
 
+def test_chunked_prefill_launches_its_forward_after_the_append_programmatically(fake, monkeypatch):
+    """[pdl] A chunked prefill (64 query tokens over a contiguous cache) is the append kernel, then the forward kernel
+    launched with programmatic stream serialization (its kernel waits for the append in-kernel), the same kernel,
+    grid, block, shared memory and arguments as its ordinary launch (PROGRAMMATIC_PREFILL off), call after call."""
+    cp, recorder = fake
+    from cuflash._cuda import decode
+
+    rng = np.random.default_rng(72)
+
+    def array(shape):
+        return cp.asarray(rng.standard_normal(shape).astype(np.float16))
+
+    q, k, v = array((1, 64, 8, 128)), array((1, 64, 2, 128)), array((1, 64, 2, 128))
+    k_cache, v_cache = array((1, 400, 2, 128)), array((1, 400, 2, 128))
+    lens = cp.asarray(np.array([300], np.int32))
+
+    def call():
+        out = cuflash.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, causal=True)
+        launches, programmatic = recorder.launches, recorder.programmatic
+        recorder.take()
+        return [(name, grid, block, smem, args[:3]) for name, grid, block, smem, _, args in launches], programmatic, out
+
+    steps = []
+    for switch in (True, False):
+        monkeypatch.setattr(decode, "PROGRAMMATIC_PREFILL", switch)
+        _api._kvcache_launches.clear()
+        decode._LAUNCHES.clear()
+        recorder.take()
+        steps.append([call() for _ in range(3)])
+    for (after, programmatic, out), (plain, none, _) in zip(*steps):
+        assert [name for name, *_ in after] == [name for name, *_ in plain]
+        assert "decode_append_kernel" in after[0][0] and "flash_fwd_sm90" in after[1][0], after
+        assert programmatic == [1] and none == []
+        assert after[1][1:4] == plain[1][1:4]
+        assert out.shape == q.shape
+    launch = next(iter(_api._kvcache_launches._entries.values()))
+    assert isinstance(launch, decode.ChunkedPrefillLaunch) and not launch._after_append  # (the last: switch off)
+
+
+def test_a_call_without_lse_writes_it_into_an_array_the_launch_keeps(fake):
+    """A remembered decode call without return_lse writes its lse into the launch's own array (lse_sink: nothing
+    allocated for it, the same address at every call); with return_lse each call gets a new lse array."""
+    cp, recorder = fake
+    from cuflash._cuda.decode import DECODE_PARAMS_DTYPE
+
+    q = cp.zeros((1, 1, 8, 64), np.float16)
+    k_cache = cp.zeros((1, 40, 2, 64), np.float16)
+    lens = cp.asarray(np.array([40], np.int32))
+
+    def lse_address(**options):
+        result = cuflash.attention_with_kvcache(q, k_cache, k_cache, cache_seqlens=lens, **options)
+        (*_, (record,)), = recorder.take()
+        return int(np.frombuffer(record, DECODE_PARAMS_DTYPE)[0]["lse"]), result
+
+    lse_address()  # (checked and planned)
+    sinks = [lse_address()[0] for _ in range(3)]
+    assert len(set(sinks)) == 1
+    kept = [lse_address(return_lse=True) for _ in range(2)]  # (the results kept: their memory is not reused)
+    assert kept[0][0] == kept[0][1][1].data.ptr and kept[1][0] == kept[1][1][1].data.ptr
+    assert len({sinks[0], kept[0][0], kept[1][0]}) == 3
+
+
 def test_an_int_cache_seqlens_that_changes_reuses_the_launch(fake, monkeypatch):
     """A decode loop that appends with an int cache_seqlens (a new value at every step), contiguous or paged: one
     remembered launch, checked once, launching what a fresh call launches; a value that leaves no room for the new

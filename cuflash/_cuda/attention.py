@@ -749,6 +749,7 @@ class ForwardPlan(_Plan):
         self._write_variant = None if self._variant.constant else self._launch.writer(
             tuple(self._launch.word(vp, offset) for offset in VARIANT_POINTER_FIELDS))
         self._lse_size = int(np.prod(self.lse_shape))
+        self._has_seqused = variant.seqused_k is not None
 
     def flat_call(self):
         """The planned launch for launchers that load the kernel themselves and pass its parameters one by one
@@ -796,9 +797,19 @@ class ForwardPlan(_Plan):
         if self._write_variant is not None:
             self._write_variant(*self._variant.pointers(arrays))
 
-    def launch_staged(self, stream: int) -> None:
-        """Launch with the packed arguments :meth:`stage` wrote (under the same hold of ``self._lock``)."""
-        self._launch.run(stream)
+    def launch_staged(self, stream: int, after_prior: bool = False) -> None:
+        """Launch with the packed arguments :meth:`stage` wrote (under the same hold of ``self._lock``); ``after_prior``
+        ([pdl], where :attr:`waits_for_prior_grid`): with programmatic stream serialization."""
+        if after_prior:
+            self._launch.run_after_prior(stream)
+        else:
+            self._launch.run(stream)
+
+    @property
+    def waits_for_prior_grid(self) -> bool:
+        """[pdl] Whether the planned kernel waits for the kernel launched before it (it reads key counts that one may
+        write: :attr:`.spec.Family.waits_for_prior_grid`)."""
+        return self._launch.spec.fam.waits_for_prior_grid and self._has_seqused
 
 
 _SCALAR_KINDS = {np.dtype(np.int32): "i32", np.dtype(np.int64): "i64", np.dtype(np.uint64): "u64",

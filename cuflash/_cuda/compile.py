@@ -19,7 +19,7 @@ import numpy as np
 from .spec import KernelSpec, prelude_of
 
 __all__ = ["compile_source_for_nvrtc", "nvrtc_offline", "kernel", "flat_ptx", "device_info", "sm_count", "arch_class",
-           "check_smem", "launch", "PackedLaunch"]
+           "check_smem", "launch", "PackedLaunch", "programmatic_config", "unpack_config", "launch_kernel_ex"]
 
 # Debug builds (docs/testing.md), read once, at import. CUFLASH_LINEINFO=1: line information, so that
 # compute-sanitizer and ncu name source lines. CUFLASH_RACECHECK=1: that, and the build racecheck can follow (a
@@ -237,8 +237,11 @@ class PackedLaunch:
 
     def __init__(self, runtime, spec: KernelSpec, grid: tuple[int, int, int], args: tuple, more: tuple[int, ...] = ()):
         self.fn, self._module = runtime.function(spec)  # (the module object keeps the function loaded)
+        self.spec = spec
         self.grid, self.threads, self.smem = tuple(int(g) for g in grid), spec.threads, spec.smem
         self._launch = runtime.launch
+        self._runtime = runtime
+        self._config = None  # (run_after_prior's CUlaunchConfig, made at its first run)
         values = [np.zeros((), np.uint64) if a is None else a if isinstance(a, np.generic) else np.uint64(a.data.ptr)
                   for a in args]
         self.offsets, size = [], 0
@@ -283,3 +286,61 @@ class PackedLaunch:
     def run(self, stream: int) -> None:
         gx, gy, gz = self.grid
         self._launch(self.fn, gx, gy, gz, self.threads, 1, 1, self.smem, stream, self._argv_ptr, 0)
+
+    def run_after_prior(self, stream: int) -> None:
+        """[pdl] :meth:`run` with programmatic stream serialization: the kernel may start while the kernel launched
+        before it on ``stream`` runs (``cuLaunchKernelEx``). Only for a kernel that waits for that one before reading
+        what it writes (:attr:`.spec.Family.waits_for_prior_grid` with key counts)."""
+        if self._config is None:
+            self._config = programmatic_config(self.grid, self.threads, self.smem)
+        words = self._config[1]
+        words[4] = stream
+        self._runtime.launch_programmatic(self._config[2], self.fn, self._argv_ptr)
+
+
+# [pdl] cuLaunchKernelEx's CUlaunchConfig (cuda.h): grid x, y, z, block x, y, z and the dynamic shared memory as seven
+# uint32, the stream at byte 32, the attributes' address at 40 and their count at 48 (56 bytes); then its one
+# CUlaunchAttribute (72 bytes: the id at 0, the value at 8): programmatic stream serialization, allowed.
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+_CONFIG_BYTES, _ATTRIBUTE_BYTES = 56, 72
+
+
+def programmatic_config(grid: tuple[int, int, int], threads: int, smem: int):
+    """``(buffer, its uint64 words, its address)``: a CUlaunchConfig of one launch with programmatic stream
+    serialization, the stream (word 4) written by each run."""
+    buffer = np.zeros((_CONFIG_BYTES + _ATTRIBUTE_BYTES) // 8, np.uint64)
+    address = int(buffer.ctypes.data)
+    struct.pack_into("<7I", buffer, 0, *grid, threads, 1, 1, smem)
+    struct.pack_into("<QI", buffer, 40, address + _CONFIG_BYTES, 1)
+    struct.pack_into("<II", buffer, _CONFIG_BYTES, _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 0)
+    struct.pack_into("<I", buffer, _CONFIG_BYTES + 8, 1)
+    return buffer, memoryview(buffer).cast("B").cast("Q"), address
+
+
+def unpack_config(address: int) -> tuple:
+    """``(grid, block, shared memory, stream)`` of a CUlaunchConfig at ``address`` (stand-in runtimes read it)."""
+    import ctypes
+
+    raw = ctypes.string_at(address, _CONFIG_BYTES)
+    gx, gy, gz, bx, by, bz, smem = struct.unpack_from("<7I", raw, 0)
+    return (gx, gy, gz), (bx, by, bz), smem, struct.unpack_from("<Q", raw, 32)[0]
+
+
+@functools.cache
+def launch_kernel_ex():
+    """The driver's ``cuLaunchKernelEx(config, function, kernelParams, extra)`` through ctypes (CuPy does not wrap
+    it): ``launch(config address, function handle, argv address)``, raising on an error."""
+    import ctypes
+
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuLaunchKernelEx
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+
+    def launch(config: int, function: int, argv: int) -> None:
+        result = fn(config, function, argv, None)
+        if result:
+            name = ctypes.c_char_p()
+            lib.cuGetErrorName(result, ctypes.byref(name))
+            raise RuntimeError(f"cuLaunchKernelEx failed: {(name.value or b'CUresult').decode()} ({result})")
+    return launch

@@ -25,6 +25,7 @@ operations (:func:`cuflash.reference.decode.apply_rotary`) before the kernels.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -36,7 +37,7 @@ from .._ops import chunked_prefill as _chunked_prefill
 from .._ops.kvcache import KVCache
 from .._ops.variant import Variant
 from ..reference.decode import apply_rotary
-from .compile import check_smem, device_info, kernel, launch
+from .compile import check_smem, device_info, kernel, launch, launch_kernel_ex
 from . import spec as _spec
 from .spec import CTYPES, DECODE_HEAD_DIMS, DECODE_MLA_DIMS, decode_family
 from .spec import spec as kernel_spec
@@ -251,6 +252,10 @@ class CupyRuntime:
         runtime call that needs it does."""
         self._mem_get_info()
 
+    def launch_programmatic(self, config: int, function: int, argv: int) -> None:
+        """[pdl] ``cuLaunchKernelEx`` of a CUlaunchConfig at host address ``config`` (:func:`.compile.programmatic_config`)."""
+        launch_kernel_ex()(config, function, argv)
+
 
 class DecodeLaunch:
     """The launches of one decode call's shapes, strides, dtype and options, planned once.
@@ -283,6 +288,7 @@ class DecodeLaunch:
         self.dtype = q.dtype
         self.out_shape = (batch, seqlen_q, heads_q, dv)
         self.lse_shape = (batch, heads_q, seqlen_q)
+        self._lse_sink = None  # (lse_sink: made at its first use)
         self.rotary = None if cache.rotary is None else (cache.rotary.interleaved, cache.rotary.consecutive_q)
         self.num_splits = 1
         self.o_part = self.lse_part = self.split_count = None
@@ -454,6 +460,15 @@ class DecodeLaunch:
                              f"(use `with cupy.cuda.Device({self.device}):`)")
         self._runtime.make_context_current()
         self._threads.add(threading.get_ident())
+
+    @property
+    def lse_sink(self):
+        """A float32 array of :attr:`lse_shape` the launch keeps for steps whose lse nobody reads (the front door's
+        calls without ``return_lse``): no allocation at those steps, and the same object at every one."""
+        sink = self._lse_sink
+        if sink is None:
+            sink = self._lse_sink = self._empty(self.lse_shape, dtype=self._float32)
+        return sink
 
     def run(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad=None, cache_batch_idx=None,
             block_table=None, alibi_slopes=None, rotary_cos=None, rotary_sin=None, out=None, lse=None):
@@ -629,6 +644,12 @@ class DecodeLaunch:
         return out, lse
 
 
+# [pdl] Chunked prefill's forward launched with programmatic stream serialization where its kernel waits for the append
+# in-kernel (the Hopper forward kernels): its blocks start, set up their barriers and wait while the append runs,
+# instead of starting after it. False: two ordinary launches (for comparison).
+PROGRAMMATIC_PREFILL = os.environ.get("CUFLASH_PROGRAMMATIC_PREFILL", "1") != "0"
+
+
 class ChunkedPrefillLaunch:
     """A decode call with many query tokens over a contiguous cache (chunked prefill), planned once and run as
     two launches on the current stream (:mod:`cuflash._ops.chunked_prefill`; ``decode.cu``):
@@ -665,6 +686,7 @@ class ChunkedPrefillLaunch:
         self.dtype = q.dtype
         self.out_shape = (batch, seqlen_q, heads_q, v_cache.shape[3])
         self.lse_shape = (batch, heads_q, seqlen_q)
+        self._lse_sink = None  # (lse_sink: made at its first use)
         self.num_splits = 1
         self.validate = None
         self._rotary = None if cache.rotary is None else (cache.rotary.interleaved, cache.rotary.consecutive_q)
@@ -683,6 +705,8 @@ class ChunkedPrefillLaunch:
         q_planned = q if self._rotary is None else rt.empty(q.shape, dtype=q.dtype)
         self._forward = attention.ForwardPlan(q_planned, k_cache[:batch], v_cache[:batch], scale=scale,
                                               variant=forward_variant, block_q=None, block_k=None)
+        # [pdl] the forward launched to start while the append runs (its blocks set up, then wait for the append)
+        self._after_append = PROGRAMMATIC_PREFILL and self._forward.waits_for_prior_grid
         self._arrays = VariantArrays
         self._plain_arrays = VariantArrays(seqused_k=self._seqused)
         rec = self._record = decode_record(q, k_cache, v_cache, k, v, out=None, cache=cache, scale=scale,
@@ -699,6 +723,7 @@ class ChunkedPrefillLaunch:
 
     expect = DecodeLaunch.expect
     _ensure_context = DecodeLaunch._ensure_context
+    lse_sink = DecodeLaunch.lse_sink
 
     def run(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad=None, cache_batch_idx=None,
             block_table=None, alibi_slopes=None, rotary_cos=None, rotary_sin=None, out=None, lse=None):
@@ -710,7 +735,8 @@ class ChunkedPrefillLaunch:
                           alibi_slopes, rotary_cos, rotary_sin, out, lse)
         if self._get_device() != self.device or threading.get_ident() not in self._threads:
             self._ensure_context()
-        _check_row_addresses({0: q.data.ptr, 1: k_cache.data.ptr, 2: v_cache.data.ptr})
+        if (q.data.ptr | k_cache.data.ptr | v_cache.data.ptr) & 15:
+            _check_row_addresses({0: q.data.ptr, 1: k_cache.data.ptr, 2: v_cache.data.ptr})
         if self._rotary is not None:  # [decode rotary] in CuPy array operations, into contiguous copies
             q, k = _rotated(q, k, cache_seqlens, rotary_cos, rotary_sin, *self._rotary)
         given = out
@@ -735,7 +761,7 @@ class ChunkedPrefillLaunch:
                 words[index[i]] = ptr
             words[index[7]] = cache_seqlens.data.ptr
             launch(self._append[0], self._append_grid, 1, 1, 128, 1, 1, 0, stream, argv, 0)  # (record copied now)
-            forward.launch_staged(stream)
+            forward.launch_staged(stream, self._after_append)
         if given is not None and given is not out:  # an out= of other strides: a copy of the result
             _chunked_prefill.bits(given)[...] = _chunked_prefill.bits(out)
             out = given

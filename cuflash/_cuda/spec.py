@@ -489,6 +489,9 @@ class Family:
     # the kernel's flat entry point (its VariantParams' fields as separate parameters: launchers that pass only
     # pointers and scalars, cuflash.jax's kernel calls), or "" where it has none
     flat_kernel: str = ""
+    # [pdl] its instantiations with key counts (seqused_k) wait for the kernel launched before them (griddepcontrol.wait)
+    # before reading: a launcher may start them with programmatic stream serialization (chunked prefill's forward)
+    waits_for_prior_grid: bool = False
 
 
 def _t16(s: "KernelSpec", ctypes: dict = CTYPES) -> str:  # <T, d, block_m, block_n, warps, stages, V>
@@ -582,11 +585,11 @@ FAMILIES: dict[str, Family] = {
         "forward_sm90.cu", "flash_fwd_sm90_kernel", _t16, _fwd_sm90_smem, SM90A_OPTIONS, bias_tiles=2,
         # Sm90Config::kMinBlocks: two 8-warp blocks where S, O and P fit 128 registers (no producer warpgroup)
         min_blocks=lambda d, t: 2 if t.warps == 8 and t.block_m == 16 * t.warps and t.block_n + d <= 128 else 1,
-        flat_kernel="flash_fwd_sm90_flat_kernel"),
+        flat_kernel="flash_fwd_sm90_flat_kernel", waits_for_prior_grid=True),
     # Its TMA entry point (the tensor maps of q, k and v after the launcher's parameters; no flat entry point and no
     # staged bias: cuflash.jax's kernel calls and a staged bias take "fwd_sm90").
     "fwd_sm90_tma": Family(
-        "forward_sm90.cu", "flash_fwd_sm90_tma_kernel", _t16, _fwd_sm90_smem, SM90A_OPTIONS),
+        "forward_sm90.cu", "flash_fwd_sm90_tma_kernel", _t16, _fwd_sm90_smem, SM90A_OPTIONS, waits_for_prior_grid=True),
     # ... run persistent ([fwd persistent]: a block per SM walks the query tiles; + O's staging tile of its own, 16-bit
     # padded batches without key counts: attention._persistent_forward)
     "fwd_sm90_tma_persistent": Family(

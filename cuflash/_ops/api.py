@@ -940,8 +940,9 @@ def attention_with_kvcache(
     if launch is not None:  # the same layouts and options as a call already checked: its launch, at once
         if type(cache_seqlens) is int:
             cache_seqlens = _kvcache.uniform_seqlens(_namespace(q), q.shape[0], cache_seqlens)
+        # (without return_lse, the launch's own lse array: nothing allocated for what nobody reads)
         result, lse = launch.run(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx, block_table,
-                                 alibi_slopes, rotary_cos, rotary_sin, out, None)
+                                 alibi_slopes, rotary_cos, rotary_sin, out, None if return_lse else launch.lse_sink)
         return (result, lse) if return_lse else result
     library, problem, cache, scale, variant = _kvcache_call(
         q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
@@ -1055,23 +1056,35 @@ def _kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_si
     if not plain_decode_options(causal, rotary_interleaved, num_splits, window_size, softcap, softmax_scale):
         return None
     try:
-        cache_key = _slots_key if grows else _array_key  # (a growing call has no rotary)
-        caches = (cache_key(k_cache, kind), cache_key(v_cache, kind))
-        lens = (("int",) if rotary_cos is None and rotary_sin is None else ("int", cache_seqlens)) \
-            if type(cache_seqlens) is int else _array_key(cache_seqlens, kind)
-        arrays = (_array_key(q, kind), *caches, _array_key(k, kind),
-                  _array_key(v, kind), lens, _array_key(rotary_cos, kind), _array_key(rotary_sin, kind),
-                  _array_key(cache_batch_idx, kind), _array_key(cache_leftpad, kind), _array_key(block_table, kind),
-                  _array_key(alibi_slopes, kind), _array_key(out, kind))
+        # (one Python call for the arrays of fixed layout; a growing call's caches by their slots key, no rotary)
+        caches = (_slots_key(k_cache, kind), _slots_key(v_cache, kind)) if grows else (k_cache, v_cache)
+        int_lens = type(cache_seqlens) is int
+        arrays = _arrays_key((q, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
+                              alibi_slopes, out, *(() if int_lens else (cache_seqlens,)), *(() if grows else caches)),
+                             kind)
+        lens = (("int",) if rotary_cos is None and rotary_sin is None else ("int", cache_seqlens)) if int_lens else None
+        extra = (lens, caches if grows else None)
     except _Unkeyed:  # an array of another type: not remembered (the checks will say what is wrong)
         return None
-    import cupy
-
-    stream = cupy.cuda.get_current_stream().ptr
+    device, stream = _current_device_stream()
     # cudaStreamPerThread (2) is one stream per thread under one handle: a launch's workspace per thread
     owner = threading.get_ident() if stream == 2 else None
-    return (cupy.cuda.runtime.getDevice(), stream, owner, arrays, rotary_interleaved, causal, window_size,
+    return (device, stream, owner, arrays, extra, rotary_interleaved, causal, window_size,
             type(softcap), softcap, type(softmax_scale), softmax_scale, num_splits, grows)
+
+
+_device_stream = None
+
+
+def _current_device_stream() -> tuple[int, int]:
+    """CuPy's current device and the current stream's pointer (CuPy's functions bound once)."""
+    global _device_stream
+    if _device_stream is None:
+        import cupy
+
+        get_stream, get_device = cupy.cuda.get_current_stream, cupy.cuda.runtime.getDevice
+        _device_stream = lambda: (get_device(), get_stream().ptr)  # noqa: E731
+    return _device_stream()
 
 
 def _kvcache_call(q, k_cache, v_cache, k, v, *, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved,
