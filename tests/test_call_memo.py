@@ -793,7 +793,8 @@ def test_the_host_profile_tool_runs_on_the_stand_in():
     root = Path(__file__).resolve().parents[1]
     run = subprocess.run([sys.executable, str(root / "tools" / "host_profile.py"), "--stand-in", "--cases", "new-arrays",
                           "--calls", "20", "--repeats", "1", "--count"], capture_output=True, text=True, timeout=300,
-                         cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+                         cwd=root, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             [str(root), *filter(None, [os.environ.get("PYTHONPATH")])])})
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [line.split() for line in run.stdout.splitlines() if "-new-arrays" in line]
     assert [row[0] for row in rows] == ["causal-new-arrays", "dense-new-arrays"], run.stdout
