@@ -14,6 +14,10 @@ def main() -> None:
     p.add_argument("--new", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--profile", action="store_true", help="also cProfile the host side of both calls (first shape)")
+    p.add_argument("--back-to-back", action="store_true",
+                   help="also the GPU's time of each part, 20 calls between two events (median of 5 rounds): the step "
+                        "with and without the forward's programmatic launch ([pdl]), the append alone, the forward "
+                        "alone, the dense plan")
     args = p.parse_args()
     import cupy
     import ml_dtypes
@@ -99,6 +103,9 @@ def main() -> None:
                 f"{name} {host_us(fn):6.1f} us" for name, fn in (("chunked call", chunked), ("dense call", dense),
                                                                  ("launch.run", run_allocating),
                                                                  ("dense plan.run", dense_plan))))
+            if args.back_to_back:
+                print("  back to back: " + " | ".join(f"{name} {us:7.2f} us" for name, us in _back_to_back_parts(
+                    cupy, launch, append_only, forward_only, dense_plan, run_only).items()))
             if args.profile:  # the host side of each call, by function
                 import cProfile
                 import pstats
@@ -115,6 +122,35 @@ def main() -> None:
                 args.profile = False
             _api._kvcache_launches.clear()
             decode._LAUNCHES.clear()
+
+
+def _back_to_back_parts(cupy, launch, append_only, forward_only, dense_plan, run_only, calls=20, rounds=5) -> dict:
+    """Microseconds per call of each part, ``calls`` calls enqueued between two events, the median of ``rounds``
+    rounds taken in turn: the step with the forward's programmatic launch and without, and its parts."""
+    def step_with(after):
+        def run():
+            launch._after_append = after
+            run_only()
+        return run
+
+    saved = launch._after_append
+    parts = {"step (pdl)": step_with(True), "step (two launches)": step_with(False), "append": append_only,
+             "forward (seqused_k)": forward_only, "dense plan.run": dense_plan}
+    times = {name: [] for name in parts}
+    try:
+        for _ in range(rounds):
+            for name, fn in parts.items():
+                fn()
+                start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+                start.record()
+                for _ in range(calls):
+                    fn()
+                stop.record()
+                stop.synchronize()
+                times[name].append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / calls)
+    finally:
+        launch._after_append = saved
+    return {name: float(np.median(t)) for name, t in times.items()}
 
 
 if __name__ == "__main__":
