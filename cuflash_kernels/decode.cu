@@ -122,8 +122,9 @@ __global__ void __launch_bounds__(128) decode_append_kernel(const DecodeParams p
     launch_dependents();  // [pdl] chunked prefill's forward may start (it waits for this kernel before reading)
     const int per_sequence = max(p.seqlen_new, 1);  // (chunked prefill without new tokens: one block a sequence)
     const int b = blockIdx.x / per_sequence, i = blockIdx.x % per_sequence;
-    const u16* ksrc = p.k_new + b * p.kn_sb + (i64)i * p.kn_ss;
-    const u16* vsrc = p.v_new + b * p.vn_sb + (i64)i * p.vn_ss;
+    // (no new tokens: k_new and v_new may be null, and nothing is read from them)
+    const u16* ksrc = i < p.seqlen_new ? p.k_new + b * p.kn_sb + (i64)i * p.kn_ss : nullptr;
+    const u16* vsrc = i < p.seqlen_new ? p.v_new + b * p.vn_sb + (i64)i * p.vn_ss : nullptr;
     const int width = max(p.head_dim, p.head_dim_v);
     const int per_head = width / 8;
     // The token's 16-byte chunks read before its slot is known (one a thread, where they are that and fit the block:

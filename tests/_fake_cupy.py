@@ -174,6 +174,7 @@ def install(monkeypatch):
     monkeypatch.setattr(vt, "_ONES", {})
     monkeypatch.setattr(decode.CupyRuntime, "function", decode_function)
     monkeypatch.setattr(decode.CupyRuntime, "launch_programmatic", launch_programmatic)
+    monkeypatch.setattr(decode.CupyRuntime, "prepare_programmatic", lambda self: None)
     monkeypatch.setattr(decode, "_LAUNCHES", type(decode._LAUNCHES)())
     monkeypatch.setattr(_api, "_kvcache_launches", _api.CallMemo(_api._kvcache_launches.size))
     monkeypatch.setattr(_api, "_device_stream", None)  # (CuPy's functions bound at the first call: the stand-in's)

@@ -667,6 +667,33 @@ def test_chunked_prefill_launches_its_forward_after_the_append_programmatically(
     assert isinstance(launch, decode.ChunkedPrefillLaunch) and not launch._after_append  # (the last: switch off)
 
 
+def test_a_refused_programmatic_launch_falls_back_to_the_ordinary_one(fake, monkeypatch):
+    """[pdl] Where the driver refuses the forward's programmatic launch, the ordinary launch runs in its place (after
+    the append, with a RuntimeWarning), and the launch asks no more."""
+    cp, recorder = fake
+    from cuflash._cuda import decode
+
+    def refuse(self, config, fn, argv):
+        raise RuntimeError("cuLaunchKernelEx failed: CUDA_ERROR_NOT_SUPPORTED (801)")
+
+    monkeypatch.setattr(decode.CupyRuntime, "launch_programmatic", refuse)
+    rng = np.random.default_rng(73)
+    q, k, v = (cp.asarray(rng.standard_normal(shape).astype(np.float16))
+               for shape in ((1, 64, 8, 128), (1, 64, 2, 128), (1, 64, 2, 128)))
+    k_cache, v_cache = (cp.asarray(rng.standard_normal((1, 400, 2, 128)).astype(np.float16)) for _ in range(2))
+    lens = cp.asarray(np.array([300], np.int32))
+    recorder.take()
+    with pytest.warns(RuntimeWarning, match="programmatic dependent launch refused"):
+        cuflash.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, causal=True)
+    launches = recorder.take()
+    assert [name.split("<")[0] for name, *_ in launches][-2:] == ["cuflash::decode_append_kernel",
+                                                                  "cuflash::flash_fwd_sm90_kernel"], launches
+    launch = next(iter(_api._kvcache_launches._entries.values()))
+    assert isinstance(launch, decode.ChunkedPrefillLaunch) and not launch._after_append
+    cuflash.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, causal=True)  # (no warning)
+    assert len(recorder.take()) == 2 and not recorder.programmatic
+
+
 def test_a_call_without_lse_writes_it_into_an_array_the_launch_keeps(fake):
     """A remembered decode call without return_lse writes its lse into the launch's own array (lse_sink: nothing
     allocated for it, the same address at every call); with return_lse each call gets a new lse array."""

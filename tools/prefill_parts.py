@@ -134,8 +134,10 @@ def _back_to_back_parts(cupy, launch, append_only, forward_only, dense_plan, run
         return run
 
     saved = launch._after_append
-    parts = {"step (pdl)": step_with(True), "step (two launches)": step_with(False), "append": append_only,
-             "forward (seqused_k)": forward_only, "dense plan.run": dense_plan}
+    parts = {"step (two launches)": step_with(False), "append": append_only, "forward (seqused_k)": forward_only,
+             "dense plan.run": dense_plan}
+    if launch._forward.waits_for_prior_grid:  # (a forward that does not wait must not be launched so: it would race)
+        parts = {"step (pdl)": step_with(True), **parts}
     times = {name: [] for name in parts}
     try:
         for _ in range(rounds):

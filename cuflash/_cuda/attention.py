@@ -797,13 +797,18 @@ class ForwardPlan(_Plan):
         if self._write_variant is not None:
             self._write_variant(*self._variant.pointers(arrays))
 
-    def launch_staged(self, stream: int, after_prior: bool = False) -> None:
+    def launch_staged(self, stream: int, after_prior: bool = False) -> bool:
         """Launch with the packed arguments :meth:`stage` wrote (under the same hold of ``self._lock``); ``after_prior``
-        ([pdl], where :attr:`waits_for_prior_grid`): with programmatic stream serialization."""
+        ([pdl], where :attr:`waits_for_prior_grid`): with programmatic stream serialization. Returns whether it was
+        launched so (False: the ordinary launch, asked for or in place of a refused one)."""
         if after_prior:
-            self._launch.run_after_prior(stream)
-        else:
-            self._launch.run(stream)
+            return self._launch.run_after_prior(stream)
+        self._launch.run(stream)
+        return False
+
+    def prepare_after_prior(self) -> None:
+        """[pdl] What :meth:`launch_staged` with ``after_prior`` needs, made now (when planning)."""
+        self._launch.prepare_after_prior()
 
     @property
     def waits_for_prior_grid(self) -> bool:

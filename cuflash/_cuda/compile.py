@@ -13,6 +13,7 @@ import os
 import re
 import struct
 import threading
+import warnings
 
 import numpy as np
 
@@ -287,15 +288,30 @@ class PackedLaunch:
         gx, gy, gz = self.grid
         self._launch(self.fn, gx, gy, gz, self.threads, 1, 1, self.smem, stream, self._argv_ptr, 0)
 
-    def run_after_prior(self, stream: int) -> None:
+    def prepare_after_prior(self) -> None:
+        """[pdl] Make :meth:`run_after_prior`'s CUlaunchConfig and bind the driver's entry point now (a planning step's
+        failure, not a run's)."""
+        if self._config is None:
+            self._runtime.prepare_programmatic()
+            self._config = programmatic_config(self.grid, self.threads, self.smem)
+
+    def run_after_prior(self, stream: int) -> bool:
         """[pdl] :meth:`run` with programmatic stream serialization: the kernel may start while the kernel launched
         before it on ``stream`` runs (``cuLaunchKernelEx``). Only for a kernel that waits for that one before reading
-        what it writes (:attr:`.spec.Family.waits_for_prior_grid` with key counts)."""
-        if self._config is None:
-            self._config = programmatic_config(self.grid, self.threads, self.smem)
+        what it writes (:attr:`.spec.Family.waits_for_prior_grid` with key counts). Where the driver refuses the
+        launch, the ordinary one runs in its place (the same order, without the overlap), with a warning, and this
+        returns False (the caller stops asking); else True."""
+        self.prepare_after_prior()
         words = self._config[1]
         words[4] = stream
-        self._runtime.launch_programmatic(self._config[2], self.fn, self._argv_ptr)
+        try:
+            self._runtime.launch_programmatic(self._config[2], self.fn, self._argv_ptr)
+        except RuntimeError as exc:
+            warnings.warn(f"programmatic dependent launch refused ({exc}); launching the ordinary way",
+                          RuntimeWarning, stacklevel=2)
+            self.run(stream)
+            return False
+        return True
 
 
 # [pdl] cuLaunchKernelEx's CUlaunchConfig (cuda.h): grid x, y, z, block x, y, z and the dynamic shared memory as seven

@@ -252,8 +252,13 @@ class CupyRuntime:
         runtime call that needs it does."""
         self._mem_get_info()
 
+    def prepare_programmatic(self) -> None:
+        """[pdl] Bind the driver's ``cuLaunchKernelEx`` (raises where the driver has none)."""
+        launch_kernel_ex()
+
     def launch_programmatic(self, config: int, function: int, argv: int) -> None:
-        """[pdl] ``cuLaunchKernelEx`` of a CUlaunchConfig at host address ``config`` (:func:`.compile.programmatic_config`)."""
+        """[pdl] ``cuLaunchKernelEx`` of a CUlaunchConfig at host address ``config`` (:func:`.compile.programmatic_config`);
+        raises RuntimeError where the driver refuses it."""
         launch_kernel_ex()(config, function, argv)
 
 
@@ -705,8 +710,14 @@ class ChunkedPrefillLaunch:
         q_planned = q if self._rotary is None else rt.empty(q.shape, dtype=q.dtype)
         self._forward = attention.ForwardPlan(q_planned, k_cache[:batch], v_cache[:batch], scale=scale,
                                               variant=forward_variant, block_q=None, block_k=None)
-        # [pdl] the forward launched to start while the append runs (its blocks set up, then wait for the append)
+        # [pdl] the forward launched to start while the append runs (its blocks set up, then wait for the append);
+        # the driver's entry point bound now, so that nothing new can fail after a step's append
         self._after_append = PROGRAMMATIC_PREFILL and self._forward.waits_for_prior_grid
+        if self._after_append:
+            try:
+                self._forward.prepare_after_prior()
+            except (OSError, AttributeError):  # a driver without cuLaunchKernelEx: the ordinary launch
+                self._after_append = False
         self._arrays = VariantArrays
         self._plain_arrays = VariantArrays(seqused_k=self._seqused)
         rec = self._record = decode_record(q, k_cache, v_cache, k, v, out=None, cache=cache, scale=scale,
@@ -761,7 +772,8 @@ class ChunkedPrefillLaunch:
                 words[index[i]] = ptr
             words[index[7]] = cache_seqlens.data.ptr
             launch(self._append[0], self._append_grid, 1, 1, 128, 1, 1, 0, stream, argv, 0)  # (record copied now)
-            forward.launch_staged(stream, self._after_append)
+            if not forward.launch_staged(stream, self._after_append):
+                self._after_append = False  # (a refused programmatic launch: the ordinary one from now on)
         if given is not None and given is not out:  # an out= of other strides: a copy of the result
             _chunked_prefill.bits(given)[...] = _chunked_prefill.bits(out)
             out = given
