@@ -667,6 +667,40 @@ def test_chunked_prefill_launches_its_forward_after_the_append_programmatically(
     assert isinstance(launch, decode.ChunkedPrefillLaunch) and not launch._after_append  # (the last: switch off)
 
 
+def test_threads_on_the_per_thread_default_stream_get_plans_of_their_own(fake):
+    """On CUDA's per-thread default stream (handle 2: a stream per thread) each thread's calls get plans of their own
+    (a plan's workspace, the persistent forward's tile counter, serves one launch at a time); on any other stream the
+    threads share them."""
+    import threading
+
+    cp, recorder = fake
+    rng = np.random.default_rng(74)
+    q, k, v = (cp.asarray(rng.standard_normal((1, 256, 4, 128)).astype(np.float16)) for _ in range(3))
+    stream = cp.cuda.get_current_stream()
+
+    def plans():
+        got = []
+
+        def call():
+            cuflash.attention(q, k, v, causal=True)
+            got.append(_api.attention_plan(q, k, v, causal=True))
+
+        call()
+        worker = threading.Thread(target=call)
+        worker.start()
+        worker.join()
+        return got
+
+    try:
+        stream.ptr = 2
+        mine, theirs = plans()
+        assert mine is not None and theirs is not None and mine is not theirs
+    finally:
+        stream.ptr = 0
+    mine, theirs = plans()
+    assert mine is not None and mine is theirs
+
+
 def test_a_refused_programmatic_launch_falls_back_to_the_ordinary_one(fake, monkeypatch):
     """[pdl] Where the driver refuses the forward's programmatic launch, the ordinary launch runs in its place (after
     the append, with a RuntimeWarning), and the launch asks no more."""

@@ -551,10 +551,13 @@ def runtime():
 
 def call_context() -> tuple:
     """What decides a plan besides the call's arguments: the current device and stream's pointer (a plan's
-    ExtraParams copy and block lists are made on one; its run takes the pointer), and the benchmarks' switches of
-    the Hopper kernels."""
+    ExtraParams copy and block lists are made on one; its run takes the pointer), the thread where that stream is
+    CUDA's per-thread default stream (2: one handle, a stream per thread; the persistent forward's tile counter
+    serves one launch at a time, so each thread gets plans of its own), and the benchmarks' switches of the Hopper
+    kernels."""
     rt = runtime()
-    return (rt.get_device(), rt.current_stream().ptr, *switches())
+    stream = rt.current_stream().ptr
+    return (rt.get_device(), stream, threading.get_ident() if stream == 2 else None, *switches())
 
 
 def switches() -> tuple:
