@@ -53,6 +53,9 @@ class _Stream:
     def is_capturing(self):
         return self.capturing
 
+    def synchronize(self):
+        pass
+
 
 class Recorder:
     """The launches since the last :meth:`take`: ``(kernel name, grid, block, shared memory, stream, [bytes of each
@@ -167,6 +170,7 @@ def install(monkeypatch):
     monkeypatch.setattr(spec, "_EXTRA_CACHE", {})  # (device copies: the stand-in's must not outlive the test)
     monkeypatch.setattr(attention, "_LISTS_CACHE", {})
     monkeypatch.setattr(attention, "_LSE_SINKS", type(attention._LSE_SINKS)())
+    monkeypatch.setattr(attention, "_COUNTERS", type(attention._COUNTERS)())
     monkeypatch.setattr(_api, "_planners", {})
     monkeypatch.setattr(_api, "_checked_calls", _api.CallMemo(_api._checked_calls.size))
     monkeypatch.setattr(_api, "_fp8_calls", _api.CallMemo(_api._fp8_calls.size))

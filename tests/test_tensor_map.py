@@ -540,3 +540,75 @@ def test_the_f16x2_plan(monkeypatch):
         cuflash.attention(q, k, v, causal=True, **extra)
         assert [launch[0].split(",")[0] for launch in recorder.take()
                 if len(launch) == 6] == ["cuflash::flash_fwd_kernel<cuflash::tf32x3"]
+
+
+def test_tile_counters_outlive_their_plans_and_a_capture_plans_no_persistent_forward(monkeypatch):
+    """(CPU, stand-in CuPy) The persistent forward's tile counters come from chunks that are never freed (a CUDA graph
+    that captured a launch keeps its counter's address after the front door's memory dropped the plan): distinct
+    zeroed counters of one chunk, the chunk kept when every plan is gone. A call first planned during a CUDA graph
+    capture (no chunk can be made then) runs the one-tile kernel, without a counter."""
+    import gc
+
+    import ml_dtypes
+    import numpy as np
+
+    import cuflash
+    from cuflash._cuda import attention
+    from cuflash._ops import api as _api
+
+    cp, recorder, encoded = _tma_stand_in(monkeypatch)
+    monkeypatch.setattr(attention, "PERSISTENT_FORWARD", None)
+    rng = np.random.default_rng(6)
+
+    def arr(*shape):
+        return cp.asarray(rng.standard_normal(shape).astype(ml_dtypes.bfloat16))
+
+    def counter_of_call(n):
+        cuflash.attention(arr(2, n, 4, 128), arr(2, n, 2, 128), arr(2, n, 2, 128))
+        (launch,) = [launch for launch in recorder.take() if len(launch) == 6]
+        return launch[0].endswith(", true>"), int.from_bytes(launch[5][-4], "little")
+
+    calls = [counter_of_call(n) for n in (300, 301, 302)]
+    assert all(persistent for persistent, _ in calls)
+    counters = [c for _, c in calls]
+    (chunk,) = attention._COUNTERS._kept
+    base = int(chunk.data.ptr)
+    assert counters == [base, base + 8, base + 16]  # (two int32 each)
+    assert not np.asarray(chunk).any()
+    _api._checked_calls.clear()
+    gc.collect()
+    assert attention._COUNTERS._kept == [chunk]  # (the plans gone, the chunk kept)
+    stream = cp.cuda.get_current_stream()
+    stream.capturing = True
+    try:
+        persistent, counter = counter_of_call(303)
+    finally:
+        stream.capturing = False
+    assert not persistent and counter == 0 and len(attention._COUNTERS._kept) == 1
+
+
+def test_stream_sinks_keep_what_they_replace():
+    """A sink replaced by a larger one (at least twice the old size) or retired with the oldest key is kept, never
+    freed: a CUDA graph that captured a launch writing it goes on writing its address."""
+    import weakref
+
+    from cuflash._ops.gpu_memory import StreamSinks
+
+    class Buffer:
+        pass
+
+    made = []
+
+    def allocate(key, count):
+        buffer = Buffer()
+        made.append((weakref.ref(buffer), count))
+        return buffer, 1000 * len(made)
+
+    sinks = StreamSinks(size=2)
+    assert sinks.address("a", 10, allocate) == 1000
+    assert sinks.address("a", 8, allocate) == 1000  # (large enough)
+    assert sinks.address("a", 11, allocate) == 2000 and made[-1][1] == 20  # (doubled)
+    sinks.address("b", 5, allocate)
+    sinks.address("c", 5, allocate)  # ("a", the oldest, retired)
+    assert len(sinks) == 2 and sinks.buffer("a") is None
+    assert all(ref() is not None for ref, _ in made)  # (every buffer ever made still alive)

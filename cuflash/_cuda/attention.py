@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._ops.gpu_memory import StreamSinks
+from .._ops.gpu_memory import CounterArena, StreamSinks
 from .._ops.variant import Variant, VariantArrays
 from . import fa1, naive, tensor_map, tuning
 from .compile import PackedLaunch, arch_class, check_smem, device_info, launch, sm_count
@@ -690,6 +690,8 @@ class _Plan:
 # A forward called without return_lse writes its lse into a buffer of its device and stream (CuPy's pool), grown to
 # the largest asked for and never read: no allocation per call.
 _LSE_SINKS = StreamSinks()
+# The persistent forward's tile counters (two int32 a plan), in chunks never freed.
+_COUNTERS = CounterArena()
 
 
 class ForwardPlan(_Plan):
@@ -723,7 +725,8 @@ class ForwardPlan(_Plan):
         if tma is not None:
             d, tma_tile = tma
             pads = d != shp.head_dim or d != dv
-            persistent = _persistent_forward(dtype, d, tma_tile, variant)
+            # (not planned during a CUDA graph capture: its tile counter's chunk cannot be made and zeroed then)
+            persistent = _persistent_forward(dtype, d, tma_tile, variant) and not self._rt.capturing()
             spec = kernel_spec("fwd_sm90_tma_persistent" if persistent else "fwd_sm90_tma", dtype, d, tma_tile,
                                variant_type(variant, pads_head_dim=pads))
             self._maps = (_tensor_map(q, tma_tile.block_m), _tensor_map(k, tma_tile.block_n),
@@ -740,11 +743,15 @@ class ForwardPlan(_Plan):
         if spec.family == "fwd_sm90_tma_persistent":
             grid = _persistent_grid(spec, grid[0] * grid[1] * grid[2])
         # (the TMA entry point takes the batch size after VariantParams, and the tile counter: the persistent kernel
-        # counts its tiles by them; the counter is the plan's, zero between launches: each launch sets it back)
+        # counts its tiles by them; the counter is the plan's, from _COUNTERS (never freed: a graph that captured the
+        # launch keeps its address), zero between launches: each launch sets it back)
         tma_args = ()
         if tma is not None:
-            self._tile_counter = self._zeros((2,), dtype=np.int32) if spec.family == "fwd_sm90_tma_persistent" else None
-            tma_args = (i32(shp.batch), np.uint64(0 if self._tile_counter is None else self._tile_counter.data.ptr))
+            counter = 0
+            if spec.family == "fwd_sm90_tma_persistent":
+                counter = _COUNTERS.take(self._device, 2, lambda n: self._zeros((n,), dtype=np.int32),
+                                         self._rt.synchronize)
+            tma_args = (i32(shp.batch), np.uint64(counter))
         self._launch = PackedLaunch(self._rt, spec, grid, args + tma_args, tuple(m.address for m in self._maps))
         self._flat = (flat_spec, (cdiv(shp.max_q, flat_spec.tile.block_m), shp.heads_q, shp.batch), args[5:])
         vp = len(args) - 1

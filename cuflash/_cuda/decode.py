@@ -252,6 +252,17 @@ class CupyRuntime:
         runtime call that needs it does."""
         self._mem_get_info()
 
+    def capturing(self) -> bool:
+        """Whether the current stream is capturing a CUDA graph (a stream that cannot tell: as if it were)."""
+        try:
+            return bool(self.current_stream().is_capturing())
+        except Exception:
+            return True
+
+    def synchronize(self) -> None:
+        """Wait for the current stream."""
+        self.current_stream().synchronize()
+
     def prepare_programmatic(self) -> None:
         """[pdl] Bind the driver's ``cuLaunchKernelEx`` (raises where the driver has none)."""
         launch_kernel_ex()

@@ -1,4 +1,5 @@
-"""Device memory helpers: the peak of a piece of CuPy work (a CuPy memory hook), and per-stream scratch buffers.
+"""Device memory helpers: the peak of a piece of CuPy work (a CuPy memory hook), per-stream scratch buffers and the
+launches' counters (both never freed: CUDA graphs keep their addresses).
 
 Peak: 
 CuPy's pool keeps freed blocks and splits its chunks, so the growth of the pool during a call misses
@@ -8,6 +9,8 @@ peak. Used by ``python -m cuflash demo`` and the GPU benchmark.
 """
 
 from __future__ import annotations
+
+import threading
 
 
 def peak_bytes(fn):
@@ -43,12 +46,15 @@ def peak_bytes(fn):
 class StreamSinks:
     """Buffers written by launches and never read (an lse that no caller asked for), one per key (a device and a
     stream), each grown to the largest asked for, so that such a launch allocates nothing. The launches that write one
-    are ordered by its stream; one freed when it grows returns to its allocator's pool for that stream. At most
-    ``size`` keys (the oldest dropped). The allocator (CuPy's, torch's) is the caller's."""
+    are ordered by its stream. A buffer is never freed: one that a grown or newer one replaces is kept, since a CUDA
+    graph that captured a launch writing it goes on writing its address at every replay (growth at least doubles, so
+    what is kept stays below twice what is in use). At most ``size`` keys in use (the oldest retired, kept as well).
+    The allocator (CuPy's, torch's) is the caller's."""
 
     def __init__(self, size: int = 16):
         self.size = size
         self._sinks: dict = {}  # key -> (buffer, elements, address)
+        self._retired: list = []  # the buffers replaced: kept, never freed
 
     def address(self, key, count: int, allocate) -> int:
         """The address of ``key``'s buffer of at least ``count`` elements; ``allocate(key, count)`` gives ``(buffer,
@@ -56,7 +62,12 @@ class StreamSinks:
         entry = self._sinks.get(key)
         if entry is None or entry[1] < count:
             if entry is None and len(self._sinks) >= self.size:
-                self._sinks.pop(next(iter(self._sinks), None), None)
+                oldest = self._sinks.pop(next(iter(self._sinks), None), None)
+                if oldest is not None:
+                    self._retired.append(oldest[0])
+            if entry is not None:
+                self._retired.append(entry[0])
+                count = max(count, 2 * entry[1])
             buffer, ptr = allocate(key, count)
             entry = self._sinks[key] = (buffer, count, ptr)
         return entry[2]
@@ -68,3 +79,31 @@ class StreamSinks:
 
     def __len__(self) -> int:
         return len(self._sinks)
+
+
+class CounterArena:
+    """Zeroed int32 counters that launches use and leave at zero (the persistent forward's tile counter), taken from
+    device chunks that are never freed: a CUDA graph that captured a launch reads its counter's address at every
+    replay, whatever becomes of the plan that took it (the front door's memory drops plans). A chunk is zeroed and
+    the stream synchronized before any counter of it is handed out, so it is zero for every stream; none is made
+    during a CUDA graph capture (the caller plans without a counter then)."""
+
+    def __init__(self, chunk: int = 4096):
+        self.chunk = chunk
+        self._chunks: dict = {}   # device -> [array, counters handed out]
+        self._kept: list = []     # every chunk ever made
+        self._lock = threading.Lock()
+
+    def take(self, device: int, count: int, zeros, synchronize) -> int:
+        """The address of ``count`` zeroed int32 counters on ``device``, the current one: ``zeros(n)`` makes a zeroed
+        int32 device array of ``n`` there, ``synchronize()`` waits for the current stream."""
+        with self._lock:
+            entry = self._chunks.get(device)
+            if entry is None or entry[1] + count > entry[0].size:
+                array = zeros(max(self.chunk, count))
+                synchronize()
+                self._kept.append(array)
+                entry = self._chunks[device] = [array, 0]
+            ptr = int(entry[0].data.ptr) + 4 * entry[1]
+            entry[1] += count
+            return ptr
