@@ -546,7 +546,8 @@ def test_tile_counters_outlive_their_plans_and_a_capture_plans_no_persistent_for
     """(CPU, stand-in CuPy) The persistent forward's tile counters come from chunks that are never freed (a CUDA graph
     that captured a launch keeps its counter's address after the front door's memory dropped the plan): distinct
     zeroed counters of one chunk, the chunk kept when every plan is gone. A call first planned during a CUDA graph
-    capture (no chunk can be made then) runs the one-tile kernel, without a counter."""
+    capture takes a counter of the chunk there is; where a new chunk would be needed (none can be made then) it runs
+    the one-tile kernel, without a counter. A plan made for one call has a counter of its own."""
     import gc
 
     import ml_dtypes
@@ -581,10 +582,20 @@ def test_tile_counters_outlive_their_plans_and_a_capture_plans_no_persistent_for
     stream = cp.cuda.get_current_stream()
     stream.capturing = True
     try:
+        # under a capture: a counter of the chunk there is (no new chunk), and with the chunk used up none
         persistent, counter = counter_of_call(303)
+        assert persistent and counter == base + 24
+        attention._COUNTERS._chunks[0][1] = chunk.size
+        persistent, counter = counter_of_call(304)
     finally:
         stream.capturing = False
     assert not persistent and counter == 0 and len(attention._COUNTERS._kept) == 1
+    # a plan for one call (not kept by the front door) has a counter of its own
+    variant = cuflash._ops.variant.Variant()
+    q, k, v = arr(2, 305, 4, 128), arr(2, 305, 2, 128), arr(2, 305, 2, 128)
+    plan = attention.ForwardPlan(q, k, v, scale=0.1, variant=variant, block_q=None, block_k=None, kept=False)
+    assert plan._launch.spec.family == "fwd_sm90_tma_persistent" and plan._counter is not None
+    assert len(attention._COUNTERS._kept) == 1
 
 
 def test_stream_sinks_keep_what_they_replace():

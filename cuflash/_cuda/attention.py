@@ -505,7 +505,7 @@ def forward(q, k, v, *, scale, variant: Variant, algorithm, block_q, block_k, fp
         if done is not None:
             return done
     return ForwardPlan(q, k, v, scale=scale, variant=variant, block_q=block_q, block_k=block_k,
-                       fp32_precision=fp32_precision).run(q, k, v, variant.arrays)
+                       fp32_precision=fp32_precision, kept=False).run(q, k, v, variant.arrays)
 
 
 def plan_forward(q, k, v, *, scale, variant: Variant, algorithm, block_q, block_k,
@@ -699,9 +699,11 @@ class ForwardPlan(_Plan):
     has a row, the mma.sync one otherwise; for float32 the mma.sync one on TF32 fragments, or the SIMT one:
     :func:`_f32_forward_spec`), its grid and packed arguments. :meth:`run`
     takes q, k, v and :class:`VariantArrays` of the planned layouts (the caller checks them: the front door keys its
-    plans by layout) and returns ``(out, lse)``."""
+    plans by layout) and returns ``(out, lse)``. ``kept=False``: a plan made for one call (the persistent forward's
+    tile counter its own, freed with it, not one of :data:`_COUNTERS`, which are never freed)."""
 
-    def __init__(self, q, k, v, *, scale: float, variant: Variant, block_q, block_k, fp32_precision="tf32x3"):
+    def __init__(self, q, k, v, *, scale: float, variant: Variant, block_q, block_k, fp32_precision="tf32x3",
+                 kept: bool = True):
         super().__init__()
         shp = shape_of(q, k, variant)
         dtype, dv = np.dtype(q.dtype).name, v.shape[-1]
@@ -725,8 +727,17 @@ class ForwardPlan(_Plan):
         if tma is not None:
             d, tma_tile = tma
             pads = d != shp.head_dim or d != dv
-            # (not planned during a CUDA graph capture: its tile counter's chunk cannot be made and zeroed then)
-            persistent = _persistent_forward(dtype, d, tma_tile, variant) and not self._rt.capturing()
+            persistent = _persistent_forward(dtype, d, tma_tile, variant)
+            counter = 0
+            if persistent and kept:  # (from _COUNTERS; under a capture only where a chunk has room: none is made)
+                taken = _COUNTERS.take(self._device, 2, lambda n: self._zeros((n,), dtype=np.int32),
+                                       self._rt.synchronize, grow=not self._rt.capturing())
+                persistent, counter = taken is not None, taken or 0
+            elif persistent:  # (a plan for one call: a counter of its own, freed with it)
+                persistent = not self._rt.capturing()
+                if persistent:
+                    self._counter = self._zeros((2,), dtype=np.int32)
+                    counter = self._counter.data.ptr
             spec = kernel_spec("fwd_sm90_tma_persistent" if persistent else "fwd_sm90_tma", dtype, d, tma_tile,
                                variant_type(variant, pads_head_dim=pads))
             self._maps = (_tensor_map(q, tma_tile.block_m), _tensor_map(k, tma_tile.block_n),
@@ -747,10 +758,6 @@ class ForwardPlan(_Plan):
         # launch keeps its address), zero between launches: each launch sets it back)
         tma_args = ()
         if tma is not None:
-            counter = 0
-            if spec.family == "fwd_sm90_tma_persistent":
-                counter = _COUNTERS.take(self._device, 2, lambda n: self._zeros((n,), dtype=np.int32),
-                                         self._rt.synchronize)
             tma_args = (i32(shp.batch), np.uint64(counter))
         self._launch = PackedLaunch(self._rt, spec, grid, args + tma_args, tuple(m.address for m in self._maps))
         self._flat = (flat_spec, (cdiv(shp.max_q, flat_spec.tile.block_m), shp.heads_q, shp.batch), args[5:])

@@ -54,7 +54,7 @@ class StreamSinks:
     def __init__(self, size: int = 16):
         self.size = size
         self._sinks: dict = {}  # key -> (buffer, elements, address)
-        self._retired: list = []  # the buffers replaced: kept, never freed
+        self._made: list = []   # every buffer ever made: kept, never freed (also when two threads grow one key at once)
 
     def address(self, key, count: int, allocate) -> int:
         """The address of ``key``'s buffer of at least ``count`` elements; ``allocate(key, count)`` gives ``(buffer,
@@ -62,13 +62,11 @@ class StreamSinks:
         entry = self._sinks.get(key)
         if entry is None or entry[1] < count:
             if entry is None and len(self._sinks) >= self.size:
-                oldest = self._sinks.pop(next(iter(self._sinks), None), None)
-                if oldest is not None:
-                    self._retired.append(oldest[0])
+                self._sinks.pop(next(iter(self._sinks), None), None)
             if entry is not None:
-                self._retired.append(entry[0])
                 count = max(count, 2 * entry[1])
             buffer, ptr = allocate(key, count)
+            self._made.append(buffer)
             entry = self._sinks[key] = (buffer, count, ptr)
         return entry[2]
 
@@ -94,16 +92,29 @@ class CounterArena:
         self._kept: list = []     # every chunk ever made
         self._lock = threading.Lock()
 
-    def take(self, device: int, count: int, zeros, synchronize) -> int:
+    def take(self, device: int, count: int, zeros, synchronize, grow: bool = True) -> int | None:
         """The address of ``count`` zeroed int32 counters on ``device``, the current one: ``zeros(n)`` makes a zeroed
-        int32 device array of ``n`` there, ``synchronize()`` waits for the current stream."""
+        int32 device array of ``n`` there, ``synchronize()`` waits for the current stream. None where the current
+        chunk is used up and ``grow`` is False (a CUDA graph capture: no chunk can be made and zeroed then). The
+        chunk is made outside the lock (its synchronize must not hold up other threads' plans)."""
         with self._lock:
-            entry = self._chunks.get(device)
-            if entry is None or entry[1] + count > entry[0].size:
-                array = zeros(max(self.chunk, count))
-                synchronize()
-                self._kept.append(array)
-                entry = self._chunks[device] = [array, 0]
-            ptr = int(entry[0].data.ptr) + 4 * entry[1]
-            entry[1] += count
+            ptr = self._slot(device, count)
+        if ptr is not None or not grow:
             return ptr
+        array = zeros(max(self.chunk, count))
+        synchronize()
+        with self._lock:
+            self._kept.append(array)
+            ptr = self._slot(device, count)  # (another thread's new chunk meanwhile: this one stays spare)
+            if ptr is None:
+                self._chunks[device] = [array, 0]
+                ptr = self._slot(device, count)
+            return ptr
+
+    def _slot(self, device: int, count: int) -> int | None:
+        entry = self._chunks.get(device)
+        if entry is None or entry[1] + count > entry[0].size:
+            return None
+        ptr = int(entry[0].data.ptr) + 4 * entry[1]
+        entry[1] += count
+        return ptr
