@@ -397,3 +397,38 @@ def test_fp32_precision_reaches_the_front_door_and_not_the_backward():
         assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
     with pytest.raises(ValueError, match="fp32_precision must be one of 'tf32x3', 'fp16x3', 'tf32', 'ieee'; got 'x'"):
         cft.attention(q, k, v, fp32_precision="x")
+
+
+def test_direct_call_keys_name_the_thread_on_the_per_thread_default_stream(monkeypatch):
+    """cuflash.torch's keys of calls it runs straight from a kept plan or launch (forward and decode) name the thread
+    where the stream's handle is 2 (CUDA's per-thread default stream: a stream per thread, so the plans' workspaces
+    must not be shared), and not on another stream. (CPU tensors posing as CUDA ones on device 0.)"""
+    import threading
+
+    import cuflash.torch as ct
+
+    monkeypatch.setattr(ct, "_gpu_index", lambda t: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    q = torch.zeros(1, 4, 8, 64, dtype=torch.float16)
+    k = torch.zeros(1, 16, 2, 64, dtype=torch.float16)
+
+    def keys():
+        got = []
+
+        def make():
+            got.append((ct._forward_key(q, k, k, True, None, "bottom-right", (-1, -1), 0.0, None, None, 0.0, None, 0,
+                                        "fa2", None, None, "tf32x3"),
+                        ct._decode_key(q[:, :1], k, k, 16, None, None, True, True, (-1, -1), 0.0, None, 0)))
+
+        make()
+        worker = threading.Thread(target=make)
+        worker.start()
+        worker.join()
+        return got
+
+    with torch.no_grad():
+        for handle, per_thread in ((2, True), (7, False)):
+            monkeypatch.setattr(ct, "_stream_address", lambda index, handle=handle: handle)
+            (mine_fwd, mine_dec), (theirs_fwd, theirs_dec) = keys()
+            assert None not in (mine_fwd, mine_dec, theirs_fwd, theirs_dec)
+            assert (mine_fwd != theirs_fwd) == per_thread and (mine_dec != theirs_dec) == per_thread, handle
