@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from .._ops.variant import Variant, VariantArrays
-from . import tensor_map
+from . import attention, tensor_map
 from .._ops.api import CallMemo
 from .attention import (_c_strides, _element_strides, _mappable, _Plan, _tensor_map, _VariantArgs, call_context, cdiv,
                         i32, rows_map, shape_of, strides)
@@ -154,7 +154,14 @@ class VtForwardPlan(_Plan):
 
         d = q.shape[-1]
         self._memset = cupy.cuda.runtime.memsetAsync
-        self._max_bits = self._zeros((4,), dtype=np.uint32)  # (q's, k's, v's; 16 bytes)
+        # (q's, k's, v's; 16 bytes) from the never-freed counters (a graph that captured the launches keeps writing
+        # them after the plan is dropped); under a capture where no chunk has room, an array of the plan's own
+        self._max_bits = None
+        self._max_bits_ptr = attention._COUNTERS.take(self._device, 4, lambda n: self._zeros((n,), dtype=np.int32),
+                                                      self._rt.synchronize, grow=not self._rt.capturing())
+        if self._max_bits_ptr is None:
+            self._max_bits = self._zeros((4,), dtype=np.uint32)
+            self._max_bits_ptr = self._max_bits.data.ptr
         self._pair_offsets, total = [], 0
         for a in (q, k, v):
             self._pair_offsets.append(4 * total)
@@ -164,7 +171,7 @@ class VtForwardPlan(_Plan):
         for i, a in enumerate((q, k, v)):
             vectors = a.shape[1] * a.shape[2] * d // 4  # (float4 of one batch)
             shape_args = (i32(a.shape[1]), i32(a.shape[2]), *(np.int64(x) for x in a.strides[:3]))
-            bits = np.uint64(self._max_bits.data.ptr + 4 * i)
+            bits = np.uint64(self._max_bits_ptr + 4 * i)
             absmax = PackedLaunch(self._rt, kernel_spec("absmax_f32", "float32", d),
                                   (max(1, min(cdiv(vectors, 256), 1024 // a.shape[0])), a.shape[0], 1),
                                   (None, bits, *shape_args))
@@ -177,7 +184,7 @@ class VtForwardPlan(_Plan):
         """[f16x2] The split's launches on ``stream`` (the caller holds the lock): the addresses of the pair arrays
         the kernel reads."""
         pairs = self._empty((self._pair_words,), dtype=np.float32)
-        self._memset(self._max_bits.data.ptr, 0, 12, stream)
+        self._memset(self._max_bits_ptr, 0, 12, stream)
         for (absmax, write, _, _), a in zip(self._splits, (q, k, v)):
             write(a.data.ptr)
             absmax.run(stream)
@@ -214,7 +221,7 @@ class VtForwardPlan(_Plan):
                 launch.run(stream)
             if self._split:  # [f16x2] the kernel reads the pairs, and the largest magnitudes' bits as its descale
                 reads = self._run_split(q, k, v, stream)
-                descale_ptr = self._max_bits.data.ptr
+                descale_ptr = self._max_bits_ptr
             else:
                 self._write_transpose(v.data.ptr, vt.data.ptr)
                 self._transpose.run(stream)
