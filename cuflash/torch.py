@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-import threading
 import weakref
 from collections.abc import Mapping
 from typing import Optional
@@ -48,7 +47,7 @@ import torch
 
 import cuflash
 from cuflash._ops import api as _api, chunked_prefill as _chunked_prefill, kvcache as _kvcache, validate as _validate
-from cuflash._ops.gpu_memory import StreamSinks
+from cuflash._ops.gpu_memory import StreamSinks, stream_owner
 
 __all__ = ["attention", "attention_with_kvcache", "draw_dropout_seed"]
 
@@ -556,9 +555,8 @@ def _forward_key(q, k, v, causal, softmax_scale, causal_align, window_size, soft
         return None
     if _validate.finite_checks(False):
         return None
-    stream = _stream_address(index)  # (2, the per-thread default stream: a plan per thread, as the front door's)
-    return (index, stream, threading.get_ident() if stream == 2 else None, _hopper_switches(), _layout(q), _layout(k),
-            _layout(v), causal,
+    stream = _stream_address(index)  # (and its owner: a plan per thread on the per-thread default stream)
+    return (index, stream, stream_owner(stream), _hopper_switches(), _layout(q), _layout(k), _layout(v), causal,
             type(softmax_scale), softmax_scale, causal_align, window_size, type(softcap), softcap, max_seqlen_q,
             max_seqlen_k, algorithm, block_q, block_k, fp32_precision)
 
@@ -600,12 +598,11 @@ def _decode_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, alibi_slopes,
         return None
     if _validate.device_value_checks() or torch.cuda.is_current_stream_capturing():
         return None
-    stream = _stream_address(index)  # (2, the per-thread default stream: a launch per thread, as the front door's)
+    stream = _stream_address(index)  # (and its owner: a launch per thread on the per-thread default stream)
     return (index, stream, qs, q.stride(), q.dtype, ks[0], ks[2], ks[3], k_cache.stride(3),
             k_cache.dtype, k_cache.get_device(), vs[0], vs[2], v_cache.stride(3), v_cache.dtype, v_cache.get_device(),
             lens, _layout(cache_leftpad), _layout(alibi_slopes), rotary_interleaved, causal, window_size,
-            type(softcap), softcap, type(softmax_scale), softmax_scale, num_splits,
-            threading.get_ident() if stream == 2 else None)
+            type(softcap), softcap, type(softmax_scale), softmax_scale, num_splits, stream_owner(stream))
 
 
 # A direct decode step whose caller wants no lse writes it into a buffer of its device and stream (torch's

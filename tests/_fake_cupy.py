@@ -181,7 +181,6 @@ def install(monkeypatch):
     monkeypatch.setattr(decode.CupyRuntime, "prepare_programmatic", lambda self: None)
     monkeypatch.setattr(decode, "_LAUNCHES", type(decode._LAUNCHES)())
     monkeypatch.setattr(_api, "_kvcache_launches", _api.CallMemo(_api._kvcache_launches.size))
-    monkeypatch.setattr(_api, "_device_stream", None)  # (CuPy's functions bound at the first call: the stand-in's)
     monkeypatch.setattr(_kvcache, "_SEQLEN_TABLES", {})
     try:  # cuflash.torch's launches of decode steps like ones already run: the stand-in's must not outlive the test
         import cuflash.torch as cuflash_torch

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._ops.gpu_memory import CounterArena, StreamSinks
+from .._ops.gpu_memory import CounterArena, StreamSinks, stream_owner
 from .._ops.variant import Variant, VariantArrays
 from . import fa1, naive, tensor_map, tuning
 from .compile import PackedLaunch, arch_class, check_smem, device_info, launch, sm_count
@@ -552,12 +552,11 @@ def runtime():
 def call_context() -> tuple:
     """What decides a plan besides the call's arguments: the current device and stream's pointer (a plan's
     ExtraParams copy and block lists are made on one; its run takes the pointer), the thread where that stream is
-    CUDA's per-thread default stream (2: one handle, a stream per thread; the persistent forward's tile counter
-    serves one launch at a time, so each thread gets plans of its own), and the benchmarks' switches of the Hopper
-    kernels."""
+    CUDA's per-thread default stream (:func:`stream_owner`: the persistent forward's tile counter serves one launch
+    at a time, so each thread gets plans of its own), and the benchmarks' switches of the Hopper kernels."""
     rt = runtime()
     stream = rt.current_stream().ptr
-    return (rt.get_device(), stream, threading.get_ident() if stream == 2 else None, *switches())
+    return (rt.get_device(), stream, stream_owner(stream), *switches())
 
 
 def switches() -> tuple:
@@ -669,6 +668,13 @@ class _Plan:
         self._rt.make_context_current()
         self._threads.add(threading.get_ident())
 
+    def _kept_counters(self, count: int) -> int | None:
+        """The address of ``count`` zeroed 32-bit words of :data:`_COUNTERS` (never freed: a graph that captured a
+        launch of the plan keeps writing them after the plan is dropped), or None under a CUDA graph capture where no
+        chunk has room (none can be made and zeroed then)."""
+        return _COUNTERS.take(self._device, count, lambda n: self._zeros((n,), dtype=np.int32), self._rt.synchronize,
+                              grow=not self._rt.capturing())
+
     def _lse_target(self, lse: bool, lse_out, stream: int):
         """``(lse array or None, its address)`` a run writes its lse into: the caller's ``lse_out``, a new array of
         :attr:`lse_shape` when ``lse`` is asked for, else the stream's sink (:data:`_LSE_SINKS`: no allocation).
@@ -729,9 +735,8 @@ class ForwardPlan(_Plan):
             pads = d != shp.head_dim or d != dv
             persistent = _persistent_forward(dtype, d, tma_tile, variant)
             counter = 0
-            if persistent and kept:  # (from _COUNTERS; under a capture only where a chunk has room: none is made)
-                taken = _COUNTERS.take(self._device, 2, lambda n: self._zeros((n,), dtype=np.int32),
-                                       self._rt.synchronize, grow=not self._rt.capturing())
+            if persistent and kept:
+                taken = self._kept_counters(2)
                 persistent, counter = taken is not None, taken or 0
             elif persistent:  # (a plan for one call: a counter of its own, freed with it)
                 persistent = not self._rt.capturing()

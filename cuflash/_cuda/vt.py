@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from .._ops.variant import Variant, VariantArrays
-from . import attention, tensor_map
+from . import tensor_map
 from .._ops.api import CallMemo
 from .attention import (_c_strides, _element_strides, _mappable, _Plan, _tensor_map, _VariantArgs, call_context, cdiv,
                         i32, rows_map, shape_of, strides)
@@ -154,11 +154,10 @@ class VtForwardPlan(_Plan):
 
         d = q.shape[-1]
         self._memset = cupy.cuda.runtime.memsetAsync
-        # (q's, k's, v's; 16 bytes) from the never-freed counters (a graph that captured the launches keeps writing
-        # them after the plan is dropped); under a capture where no chunk has room, an array of the plan's own
+        # (q's, k's, v's; 16 bytes) kept with the launches' counters; under a capture where no chunk has room, an
+        # array of the plan's own
         self._max_bits = None
-        self._max_bits_ptr = attention._COUNTERS.take(self._device, 4, lambda n: self._zeros((n,), dtype=np.int32),
-                                                      self._rt.synchronize, grow=not self._rt.capturing())
+        self._max_bits_ptr = self._kept_counters(4)
         if self._max_bits_ptr is None:
             self._max_bits = self._zeros((4,), dtype=np.uint32)
             self._max_bits_ptr = self._max_bits.data.ptr

@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import importlib
 import numbers
-import threading
 import weakref
 from collections.abc import Mapping
 from types import ModuleType
@@ -1066,25 +1065,14 @@ def _kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_si
         extra = (lens, caches if grows else None)
     except _Unkeyed:  # an array of another type: not remembered (the checks will say what is wrong)
         return None
-    device, stream = _current_device_stream()
-    # cudaStreamPerThread (2) is one stream per thread under one handle: a launch's workspace per thread
-    owner = threading.get_ident() if stream == 2 else None
-    return (device, stream, owner, arrays, extra, rotary_interleaved, causal, window_size,
+    planner = _planners.get(kind, _NOT_PLANNED)
+    if planner is _NOT_PLANNED:
+        planner = _planner(q)
+    if planner is None:
+        return None
+    # (the backend's device, stream and, on the per-thread default stream, thread: a launch's workspace per stream)
+    return (planner.call_context(), arrays, extra, rotary_interleaved, causal, window_size,
             type(softcap), softcap, type(softmax_scale), softmax_scale, num_splits, grows)
-
-
-_device_stream = None
-
-
-def _current_device_stream() -> tuple[int, int]:
-    """CuPy's current device and the current stream's pointer (CuPy's functions bound once)."""
-    global _device_stream
-    if _device_stream is None:
-        import cupy
-
-        get_stream, get_device = cupy.cuda.get_current_stream, cupy.cuda.runtime.getDevice
-        _device_stream = lambda: (get_device(), get_stream().ptr)  # noqa: E731
-    return _device_stream()
 
 
 def _kvcache_call(q, k_cache, v_cache, k, v, *, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved,

@@ -43,6 +43,13 @@ def peak_bytes(fn):
     return result, hook.peak
 
 
+def stream_owner(stream: int) -> int | None:
+    """The thread whose stream a stream handle is where that handle is CUDA's per-thread default stream (2: one
+    handle, a stream per thread, whose launches can overlap another thread's), else None: what keys a plan or launch
+    with a workspace (a tile counter, split partials) besides the handle, so that each such stream gets its own."""
+    return threading.get_ident() if stream == 2 else None
+
+
 class StreamSinks:
     """Buffers written by launches and never read (an lse that no caller asked for), one per key (a device and a
     stream), each grown to the largest asked for, so that such a launch allocates nothing. The launches that write one
