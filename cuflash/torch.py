@@ -660,6 +660,114 @@ def _current_device() -> int:
     return torch.cuda.current_device()
 
 
+# transformers' decode steps, whose tensors are heads first (q (batch, heads_q, 1, d), k and v (batch, heads_kv,
+# slots, d), a new, longer cache at every step): a step like one already run, by a key of those layouts and options,
+# straight to the launch the front door made for it (the _decode_launches entry of its transposed views, a launch
+# that follows the slot count), with no transposed views, few torch calls and its outputs from chunks of several
+# (below). cuflash.integrations.transformers calls it first at every decode step of every layer.
+_heads_first_steps = _api.CallMemo(64)
+# (torch.cuda's is_current_stream_capturing and current_device without their Python wrappers: CUDA builds only, called
+# once a tensor is known to be on a GPU)
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+_current_device_fast = getattr(torch._C, "_cuda_getDevice", None)
+
+
+class _HeadsFirstStep:
+    """A remembered heads-first decode step: its launch, the lse sink's address, and outputs handed out one by one
+    from chunks of several (:meth:`output`)."""
+
+    __slots__ = ("launch", "lse_ptr", "itemsize", "_outs", "_chunk", "_dtype", "_device")
+
+    # outputs a chunk holds: as many as fit in 1 MiB, at most 64
+    CHUNK_BYTES, CHUNK_MAX = 1 << 20, 64
+
+    def __init__(self, launch, lse_ptr: int, dtype: torch.dtype, device: torch.device):
+        self.launch, self.lse_ptr, self._dtype, self._device = launch, lse_ptr, dtype, device
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        size = math.prod(launch.out_shape) * self.itemsize
+        self._chunk = max(1, min(self.CHUNK_MAX, self.CHUNK_BYTES // max(size, 1)))
+        self._outs: list = []
+
+    def output(self) -> torch.Tensor:
+        """A new output of the launch's shape: one of a chunk's disjoint views (torch.unbind), each handed out
+        once; the chunk's memory goes back to torch's allocator when its last view is dropped. (One torch.empty per
+        chunk instead of one per step: a few microseconds of a step's host time.)"""
+        try:
+            return self._outs.pop()
+        except IndexError:
+            chunk = torch.empty((self._chunk, *self.launch.out_shape), dtype=self._dtype, device=self._device)
+            self._outs = outs = list(chunk.unbind(0))[::-1]
+            return outs.pop()
+
+
+def _heads_first_key(q, k, v, cache_leftpad, causal, window_size, softcap, softmax_scale):
+    """The key of a heads-first decode step in :data:`_heads_first_steps` (q, k, v plain CUDA tensors, run eagerly,
+    without gradient; cache_leftpad None or a tensor), or None."""
+    if not (DIRECT_CALLS and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+            and (cache_leftpad is None or type(cache_leftpad) is torch.Tensor)):
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return None
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._is_torch_function_mode_enabled()):
+        return None
+    index = _gpu_index(q)
+    if index < 0 or _capturing() or _validate.device_value_checks():
+        return None
+    stream = _stream_address(index)
+    qs, ks, vs = q.shape, k.shape, v.shape
+    return (index, stream, stream_owner(stream), qs, q.stride(), q.dtype, ks[0], ks[1], ks[3], k.stride(3), k.dtype,
+            k.get_device(), vs[0], vs[1], vs[3], v.stride(3), v.dtype, v.get_device(),
+            None if cache_leftpad is None else _layout(cache_leftpad), causal, window_size, type(softcap), softcap,
+            type(softmax_scale), softmax_scale)
+
+
+def decode_heads_first(q, k, v, cache_leftpad, causal, window_size, softcap, softmax_scale):
+    """``out`` ``(batch, 1, heads_q, head_dim)`` of a decode step over transformers' heads-first tensors (q
+    ``(batch, heads_q, 1, head_dim)``, k and v ``(batch, heads_kv, slots, head_dim)``, every slot a key of every
+    sequence but its first ``cache_leftpad[b]``), as :func:`attention_with_kvcache` on their transposed views with
+    ``cache_seqlens=slots`` computes it; None where no step like it has run (:func:`remember_heads_first`) or where
+    this call needs the front door's checks (its caches' strides, the current device, a length the shared table of
+    lengths does not hold yet)."""
+    key = _heads_first_key(q, k, v, cache_leftpad, causal, window_size, softcap, softmax_scale)
+    step = None if key is None else _heads_first_steps.get(key)
+    if step is None:
+        return None
+    slots, ks, vs, itemsize = k.shape[2], k.stride(), v.stride(), step.itemsize
+    if slots <= 0 or v.shape[2] != slots or ((ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]) * itemsize) & 15:
+        return None
+    index = key[0]
+    lens = _kvcache.uniform_seqlens_address(index, key[3][0], slots)
+    if lens is None or index != _current_device_fast():
+        return None
+    out = step.output()
+    # (the record's slots: q, k_cache, v_cache, k, v, out, lse, cache_seqlens, cache_leftpad, cache_batch_idx,
+    # block_table, alibi_slopes; the caches' byte strides in the (batch, slots, heads) order of their transposes)
+    step.launch.run_addresses(
+        (q.data_ptr(), k.data_ptr(), v.data_ptr(), 0, 0, out.data_ptr(), step.lse_ptr, lens,
+         0 if cache_leftpad is None else cache_leftpad.data_ptr(), 0, 0, 0),
+        slots, (ks[0] * itemsize, ks[2] * itemsize, ks[1] * itemsize),
+        (vs[0] * itemsize, vs[2] * itemsize, vs[1] * itemsize), itemsize, key[1])
+    return out
+
+
+def remember_heads_first(q, k, v, cache_leftpad, causal, window_size, softcap, softmax_scale) -> None:
+    """After a decode step over heads-first tensors ran through :func:`attention_with_kvcache` (on their transposed
+    views, ``cache_seqlens=slots``, no lse asked for): keep the launch the front door made for it under the step's
+    heads-first key, for :func:`decode_heads_first`. Nothing where the step is not one the direct path takes."""
+    key = _heads_first_key(q, k, v, cache_leftpad, causal, window_size, softcap, softmax_scale)
+    if key is None or _heads_first_steps.get(key) is not None:
+        return
+    kt = k.transpose(1, 2)
+    std = _decode_key(q.transpose(1, 2), kt, v.transpose(1, 2), kt.shape[1], cache_leftpad, None, True, causal,
+                      window_size, softcap, softmax_scale, 0)
+    launch = None if std is None else _decode_launches.get(std)
+    if launch is None or not getattr(launch, "grows", False):
+        return
+    lse_ptr = _lse_sinks.address((q.device, key[1]), math.prod(launch.lse_shape), _new_sink)
+    _heads_first_steps.put(key, _HeadsFirstStep(launch, lse_ptr, q.dtype, q.device))
+
+
 def _kvcache_backend(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, rotary_cos, rotary_sin,
                      cache_batch_idx, cache_leftpad, block_table, alibi_slopes, rotary_interleaved, causal, window_left,
                      window_right, softcap, softmax_scale, num_splits, remember=None):

@@ -89,7 +89,8 @@ FAMILIES = ["llama", "qwen2", "gemma2"]
 @pytest.fixture
 def calls(monkeypatch):
     """The keyword arguments and shapes of every cuflash.torch.attention and cuflash.torch.attention_with_kvcache
-    call the integration makes (the latter with ``decode=True``, ``k`` the cache's shape)."""
+    call the integration makes (the latter with ``decode=True``, ``k`` the cache's shape), and of every step
+    cuflash.torch.decode_heads_first runs (as the latter, with ``heads_first=True``)."""
     seen = []
     real, real_decode = cuflash.torch.attention, cuflash.torch.attention_with_kvcache
 
@@ -101,8 +102,19 @@ def calls(monkeypatch):
         seen.append(dict(q=tuple(q.shape), k=tuple(k_cache.shape), decode=True, **kw))
         return real_decode(q, k_cache, v_cache, **kw)
 
+    real_heads_first = cuflash.torch.decode_heads_first
+
+    def heads_first_spy(q, k, v, cache_leftpad, *args):  # (a step it runs, in the layout the others are seen in)
+        out = real_heads_first(q, k, v, cache_leftpad, *args)
+        if out is not None:
+            seen.append(dict(q=tuple(q.transpose(1, 2).shape), k=tuple(k.transpose(1, 2).shape), decode=True,
+                             cache_seqlens=k.shape[2], cache_leftpad=cache_leftpad, causal=args[0],
+                             window_size=args[1], softcap=args[2], softmax_scale=args[3], heads_first=True))
+        return out
+
     monkeypatch.setattr(cti.cuflash_torch, "attention", spy)
     monkeypatch.setattr(cti.cuflash_torch, "attention_with_kvcache", decode_spy)
+    monkeypatch.setattr(cti.cuflash_torch, "decode_heads_first", heads_first_spy)
     return seen
 
 
@@ -620,6 +632,7 @@ def test_decode_steps_match_the_reference_cuda(family, padded, calls):
         del model
     decode = [c for c in calls if c["q"][1] == 1]
     assert len(decode) == 40 * 2 and all(c.get("decode") for c in decode)
+    assert sum(bool(c.get("heads_first")) for c in decode) >= 40  # (the layers' steps after their first)
     if padded:
         assert any(c["cache_leftpad"] is not None for c in decode)
     err = _max_diff(results[NAME], results["truth"])
@@ -829,6 +842,72 @@ def test_a_decode_step_like_one_already_run_goes_straight_to_its_launch(monkeypa
     with pytest.raises(ValueError, match="cache_seqlens"):
         step(48, cache_seqlens=49)
     assert len(through_front_door) == 5
+
+
+def test_a_transformers_decode_step_like_one_already_run_goes_straight_to_its_launch(monkeypatch):
+    """cufa's attention_forward on (stand-in) CUDA tensors heads first, as a DynamicCache hands them over: the first
+    decode step of a layout goes through the front door and its launch is kept under the heads-first key; the next
+    ones (a cache one token longer each, new tensors) run it from cuflash.torch.decode_heads_first, with no transposed
+    views: one launch whose record holds this call's addresses (q, the caches, out), slot count and the caches'
+    strides in (batch, slots, heads) order, and outputs that are distinct views. Left padding (the mask function's
+    attribute) has a key of its own; another window goes through the front door."""
+    import numpy as np
+
+    import cuflash.integrations.transformers as cti
+    from cuflash._cuda.decode import DECODE_PARAMS_DTYPE
+
+    recorder, through_front_door = _posed_cuda(monkeypatch, "_kvcache_backend")
+    ct = cuflash.torch
+    batch, heads_q, heads_kv, d = 2, 8, 2, 64
+
+    class Layer(torch.nn.Module):
+        is_causal = True
+
+    layer = Layer()
+    query = torch.randn(batch, heads_q, 1, d).to(torch.bfloat16)
+
+    def step(n, mask=None, **kw):
+        key, value = (torch.randn(batch, heads_kv, n, d).to(torch.bfloat16) for _ in range(2))
+        recorder.take()
+        with torch.no_grad():
+            out, weights = cti.attention_forward(layer, query, key, value, mask, scaling=0.125, **kw)
+        assert weights is None and out.shape == (batch, 1, heads_q, d) and out.dtype == torch.bfloat16
+        return key, value, out, recorder.take()
+
+    step(40)
+    assert len(through_front_door) == 1 and len(ct._heads_first_steps) == 1
+    outs = []
+    for n in (41, 43, 44):
+        key, value, out, launches = step(n)
+        assert len(through_front_door) == 1, "a step like the first one went through the front door"
+        assert len(launches) == 1 and launches[0][4] == 0
+        record = np.frombuffer(launches[0][5][0], dtype=DECODE_PARAMS_DTYPE)[0]
+        assert (record["q"], record["k_cache"], record["v_cache"], record["out"]) == (
+            query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr())
+        assert (record["capacity"], record["k_sb"], record["k_ss"], record["k_sh"]) == (
+            n, key.stride(0), key.stride(2), key.stride(1))
+        assert (record["v_sb"], record["v_ss"], record["v_sh"]) == (value.stride(0), value.stride(2), value.stride(1))
+        assert out.is_contiguous()
+        outs.append(out)
+    assert len({o.data_ptr() for o in outs}) == len(outs)  # (each step its own output)
+    # left padding: the 2-D mask with the mask function's attribute, a key of its own, then direct
+    mask = torch.ones(batch, 45, dtype=torch.bool)
+    mask[0, :3] = False
+    leftpad = torch.tensor([3, 0], dtype=torch.int32)
+    setattr(mask, cti._LEFTPAD, leftpad)
+    step(45, mask)
+    assert len(through_front_door) == 2
+    mask46 = torch.ones(batch, 46, dtype=torch.bool)
+    mask46[0, :3] = False
+    setattr(mask46, cti._LEFTPAD, leftpad)
+    _, _, _, launches = step(46, mask46)
+    assert len(through_front_door) == 2
+    assert np.frombuffer(launches[0][5][0], dtype=DECODE_PARAMS_DTYPE)[0]["cache_leftpad"] == leftpad.data_ptr()
+    step(47, sliding_window=8)  # (another window: the front door, then remembered)
+    assert len(through_front_door) == 3
+    monkeypatch.setattr(ct, "DIRECT_CALLS", False)
+    step(48)
+    assert len(through_front_door) == 4
 
 
 def test_an_inference_call_like_one_already_run_goes_straight_to_its_plan(monkeypatch):

@@ -313,6 +313,8 @@ def pose_cpu_as_cuda(patch, cp):
     patch.setattr(ct, "_gpu_index", lambda t: 0)
     patch.setattr(ct, "_stream_address", lambda index: 0)
     patch.setattr(ct, "_current_device", lambda: 0)
+    patch.setattr(ct, "_current_device_fast", lambda: 0)
+    patch.setattr(ct, "_capturing", lambda: False)
     return to_array
 
 

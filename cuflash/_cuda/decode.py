@@ -34,6 +34,7 @@ from typing import Callable
 import numpy as np
 
 from .._ops import chunked_prefill as _chunked_prefill
+from .._ops.blocks import decode_block_sizes
 from .._ops.kvcache import KVCache
 from .._ops.variant import Variant
 from ..reference.decode import apply_rotary
@@ -402,6 +403,13 @@ class DecodeLaunch:
             assert not (appends or paged or self.rotary or self._shared_kv) and self._steps == self._two_launches
             self._tile_n, self._window, self._seqlen_q = tile_n, (variant.window_left, variant.right), seqlen_q
             self._split_step = self._steps[-1] if self._steps else None
+            self._fit_words = None  # (_fit_layout's record words, found at its first call)
+            # the kernel's key tiles -> split count (splits_for's, clamped): one count per tile count, since the
+            # rule counts tiles of a multiple of the kernel's (every slot count of one kernel tile count has one of
+            # the rule's)
+            self._split_counts: dict = {}
+            assert not tile_n or decode_block_sizes(d, dv)[1] % tile_n == 0, (d, dv, tile_n)
+
     def _select(self, fused: bool) -> None:
         """[decode append] fused or not (the step's k and v at multiples of 16 bytes: the fused kernel copies their
         rows in 16-byte chunks): the launches and the record's fuse_new. Called with the lock held, before the
@@ -418,33 +426,49 @@ class DecodeLaunch:
         self._fit_layout(k_cache.shape[1], k_cache.strides, v_cache.strides, k_cache.itemsize)
 
     def _fit_layout(self, slots: int, k_strides: tuple, v_strides: tuple, itemsize: int) -> None:
-        """:meth:`_fit` for caches of ``slots`` slots and these byte strides."""
+        """:meth:`_fit` for caches of ``slots`` slots and these byte strides. (A transformers cache changes both at
+        every step: the words written are found once per launch, and the split count once per key-tile count.)"""
         fit = (slots, k_strides, v_strides)
         if fit == self._fit_key:
             return
-        longs, ints, words, fields = self._longs, self._ints, self._words, DECODE_PARAMS_DTYPE.fields
-        for prefix, strides in (("k", k_strides), ("v", v_strides)):
-            for axis, name in enumerate(("sb", "ss", "sh")):
-                longs[fields[f"{prefix}_{name}"][1] // 8] = strides[axis] // itemsize
-        ints[fields["capacity"][1] // 4] = slots
+        longs, ints = self._longs, self._ints
+        if self._fit_words is None:
+            fields = DECODE_PARAMS_DTYPE.fields
+            self._fit_words = (
+                tuple(fields[f"{prefix}_{name}"][1] // 8 for prefix in "kv" for name in ("sb", "ss", "sh")),
+                fields["capacity"][1] // 4,
+                tuple((fields[name][1] // 4, edge) for name, edge in zip(("window_left", "window_right"), self._window)
+                      if edge is not None))
+        strides_at, capacity_at, edges = self._fit_words
+        for at, stride in zip(strides_at, (*k_strides[:3], *v_strides[:3])):
+            longs[at] = stride // itemsize
+        ints[capacity_at] = slots
         reach = slots + self._seqlen_q  # (as when planning: a band edge past every key is no edge)
-        for name, edge in zip(("window_left", "window_right"), self._window):
-            if edge is not None:
-                ints[fields[name][1] // 4] = min(edge, reach)
+        for at, edge in edges:
+            ints[at] = min(edge, reach)
         if self._split_step is not None:
-            splits = max(1, min(int(self._splits_for(slots)), -(-slots // self._tile_n), 65535))
-            if splits > 1 and (self.o_part is None or self.o_part.shape[0] < splits):
-                batch, seqlen_q, heads_q, dv = self.out_shape
-                self.o_part = self._empty((splits, batch, heads_q, seqlen_q, dv), dtype=self._float32)
-                self.lse_part = self._empty((splits, batch, heads_q, seqlen_q), dtype=self._float32)
-                words[fields["o_part"][1] // 8] = self.o_part.data.ptr
-                words[fields["lse_part"][1] // 8] = self.lse_part.data.ptr
+            tiles = -(-slots // self._tile_n)
+            splits = self._split_counts.get(tiles)
+            if splits is None:
+                splits = self._split_counts[tiles] = max(1, min(int(self._splits_for(slots)), tiles, 65535))
             if splits != self.num_splits:
-                fn, gx, _, gz, threads, smem = self._split_step
-                self._split_step = (fn, gx, splits, gz, threads, smem)
-                self._steps = self._fused = self._two_launches = (self._split_step,)
-                ints[fields["num_splits"][1] // 4] = self.num_splits = splits
+                self._set_splits(splits)
         self._fit_key = fit
+
+    def _set_splits(self, splits: int) -> None:
+        """A growing launch's split count (its grid, the record's count, a larger workspace for the partials when
+        the count outgrows it)."""
+        words, fields = self._words, DECODE_PARAMS_DTYPE.fields
+        if splits > 1 and (self.o_part is None or self.o_part.shape[0] < splits):
+            batch, seqlen_q, heads_q, dv = self.out_shape
+            self.o_part = self._empty((splits, batch, heads_q, seqlen_q, dv), dtype=self._float32)
+            self.lse_part = self._empty((splits, batch, heads_q, seqlen_q), dtype=self._float32)
+            words[fields["o_part"][1] // 8] = self.o_part.data.ptr
+            words[fields["lse_part"][1] // 8] = self.lse_part.data.ptr
+        fn, gx, _, gz, threads, smem = self._split_step
+        self._split_step = (fn, gx, splits, gz, threads, smem)
+        self._steps = self._fused = self._two_launches = (self._split_step,)
+        self._ints[fields["num_splits"][1] // 4] = self.num_splits = splits
 
     @property
     def grows(self) -> bool:

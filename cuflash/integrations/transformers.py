@@ -267,13 +267,23 @@ def _decodes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: dict) -
             and _decode_kernels_run(q, k, v))
 
 
-def _decode_step(q, k, v, leftpad, options: dict) -> torch.Tensor:
+def _decode_step(query, key, value, leftpad, options: dict) -> torch.Tensor:
     """One query per sequence against all the keys transformers' cache handed over (it has appended the new token
     itself: nothing is appended here), the first ``leftpad[b]`` of them padding: the decode kernels, reading the
-    cache in place through its transposed view (GQA rows packed, the keys split across the GPU)."""
-    return cuflash_torch.attention_with_kvcache(
-        q, k, v, cache_seqlens=k.shape[1], cache_leftpad=leftpad, causal=options["causal"],
-        window_size=options["window_size"], softcap=options["softcap"], softmax_scale=options["softmax_scale"])
+    cache in place through its transposed view (GQA rows packed, the keys split across the GPU). ``query``, ``key``,
+    ``value`` heads first, as transformers holds them; the step's launch is then kept for
+    :func:`cuflash.torch.decode_heads_first`, which runs the next steps like it."""
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    args = (leftpad, options["causal"], options["window_size"], options["softcap"], options["softmax_scale"])
+    out = cuflash_torch.attention_with_kvcache(
+        q, k, v, cache_seqlens=k.shape[1], cache_leftpad=leftpad, causal=args[1], window_size=args[2],
+        softcap=args[3], softmax_scale=args[4])
+    cuflash_torch.remember_heads_first(query, key, value, *args)
+    return out
+
+
+# kwargs that keep a call off the decode fast path (attention_forward checks them in its general path)
+_NOT_PLAIN = ("output_attentions", "s_aux", "position_bias", "cache", "cu_seq_lens_q")
 
 
 def attention_forward(
@@ -297,6 +307,16 @@ def attention_forward(
     else ``module.is_causal``. Returns ``(attn_output, None)``, ``attn_output`` of shape ``(batch, seqlen_q,
     heads_q, head_dim_v)``: there are no attention weights to return.
     """
+    if DECODE_WITH_KVCACHE and query.shape[2] == 1 and not dropout and not any(kwargs.get(n) for n in _NOT_PLAIN):
+        # a decode step like one already run (transformers' cache grew by the new token), with no mask or a padding
+        # mask of left padding only: its launch, at once
+        leftpad = None if attention_mask is None else getattr(attention_mask, _LEFTPAD, None)
+        if attention_mask is None or (leftpad is not None and attention_mask.shape[-1] == key.shape[2]):
+            causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+            out = cuflash_torch.decode_heads_first(query, key, value, leftpad, causal, _window(sliding_window, causal),
+                                                   float(softcap) if softcap else 0.0, scaling)
+            if out is not None:
+                return out, None
     if kwargs.get("output_attentions", False):
         _logger.warning_once(f"attn_implementation={NAME!r} does not return attention weights "
                              "(output_attentions=True); use 'eager' for them.")
@@ -339,7 +359,7 @@ def attention_forward(
     options.update(causal=causal, window_size=_window(sliding_window, causal))
     if attention_mask is None:
         if _decodes(q, k, v, options):
-            return _decode_step(q, k, v, None, options), None
+            return _decode_step(query, key, value, None, options), None
         return cuflash_torch.attention(q, k, v, **options), None
 
     if attention_mask.dim() != 2:
@@ -357,7 +377,7 @@ def attention_forward(
         leftpad = getattr(attention_mask, _LEFTPAD, None)  # left padding only, found by the mask function
         if (leftpad is not None and attention_mask.shape[1] == k.shape[1] and leftpad.device == q.device
                 and _decodes(q, k, v, options)):
-            return _decode_step(q, k, v, leftpad, options), None
+            return _decode_step(*(t.transpose(1, 2) for t in (q, k, v)), leftpad, options), None
         return cuflash_torch.attention(q, k, v, attn_mask=mask[:, None, None, :], **options), None
     return _unpadded(q, k, v, mask, **options), None
 

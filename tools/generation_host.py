@@ -1,0 +1,200 @@
+"""Where a generated token's host time goes, cufa against "sdpa", inside ``model.generate`` itself (issues 12 and 13:
+generation at >= 1.0x sdpa's best backend, which is host-bound).
+
+On the GPU machine, from the repository root::
+
+    PYTHONPATH=. python3 tools/generation_host.py [--prompt 512] [--new-tokens 48] [--rounds 5]
+
+The Llama model of ``tools/transformers_bench.py`` (random weights, 8 layers, d 128, GQA 16/4, bfloat16, batch 1).
+The attention and mask functions that transformers looks up by name at every call (``AttentionInterface``,
+``AttentionMaskInterface``) are wrapped with a timer for the run, so that each call's host time (``perf_counter``
+around it; the GPU is never waited for there) is recorded in the real loop. Each round runs ``generate`` once per
+implementation, in turn (cufa, sdpa on its flash backend, sdpa on its default choice); per implementation it prints
+the median over rounds of: the wall time per generated token (CUDA-synchronized at the end), the attention
+function's host time per call and per token (all layers), the mask function's per token, and what is left (the
+rest of the model and of ``generate``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--parts", action="store_true",
+                    help="instead: the host time of one decode call's parts, each in a loop of its own")
+    args = ap.parse_args(argv)
+    if args.parts:
+        return parts()
+
+    import torch
+    import transformers
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    import cuflash.integrations.transformers as cti
+
+    config = transformers.LlamaConfig(vocab_size=32000, num_hidden_layers=args.layers, num_attention_heads=16,
+                                      max_position_embeddings=32768, rope_theta=1e6, hidden_size=2048,
+                                      intermediate_size=5632, num_key_value_heads=4)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa",
+                                                       dtype=torch.bfloat16).eval().to("cuda")
+    prompt = torch.randint(0, config.vocab_size, (1, args.prompt), device="cuda")
+
+    spent: dict = {}  # (function kind) -> list of seconds per call
+
+    def timed(kind, fn):
+        calls = spent.setdefault(kind, [])
+
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                calls.append(time.perf_counter() - t0)
+        return wrapper
+
+    attn_map, mask_map = AttentionInterface._global_mapping, AttentionMaskInterface._global_mapping
+    maps = {"attention": attn_map, "mask": mask_map}
+    originals = {(kind, name): m[name] for kind, m in maps.items() for name in ("sdpa", cti.NAME)}
+    for (kind, name), fn in originals.items():
+        maps[kind][name] = timed((kind, name), fn)
+
+    impls = {"cufa": (cti.NAME, None), "sdpa/flash": ("sdpa", SDPBackend.FLASH_ATTENTION),
+             "sdpa/default": ("sdpa", None)}
+    rows: dict = {name: [] for name in impls}
+    order = list(impls)
+    for round_ in range(args.rounds + 1):  # round 0: warm-up
+        for name in order[round_ % len(order):] + order[:round_ % len(order)]:
+            impl, backend = impls[name]
+            model.set_attn_implementation(impl)
+            context = sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()
+            for calls in spent.values():
+                calls.clear()
+            with context, torch.no_grad():
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=args.new_tokens,
+                               min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - t0
+            attn = spent.get(("attention", impl), [])
+            mask = spent.get(("mask", impl), [])
+            decode = attn[args.layers:]  # (the prompt's calls first)
+            if round_:
+                rows[name].append(dict(
+                    token_us=wall / args.new_tokens * 1e6,
+                    attn_call_us=statistics.median(decode) * 1e6 if decode else float("nan"),
+                    attn_token_us=sum(decode) / max(args.new_tokens - 1, 1) * 1e6,
+                    mask_token_us=sum(mask[1:]) / max(args.new_tokens - 1, 1) * 1e6,
+                    calls=len(attn)))
+    for (kind, name), fn in originals.items():
+        maps[kind][name] = fn
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}; "
+          f"Llama {args.layers} layers d 128 16/4 heads bf16, prompt {args.prompt}, {args.new_tokens} new tokens, "
+          f"median of {args.rounds} rounds")
+    print(f"{'impl':14s} {'tokens/s':>9s} {'us/token':>9s} {'attn us/call':>13s} {'attn us/token':>14s} "
+          f"{'mask us/token':>14s} {'rest us/token':>14s}")
+    for name, samples in rows.items():
+        med = {key: statistics.median(s[key] for s in samples) for key in samples[0]}
+        rest = med["token_us"] - med["attn_token_us"] - med["mask_token_us"]
+        print(f"{name:14s} {1e6 / med['token_us']:9.1f} {med['token_us']:9.1f} {med['attn_call_us']:13.1f} "
+              f"{med['attn_token_us']:14.1f} {med['mask_token_us']:14.1f} {rest:14.1f}")
+    return 0
+
+
+def parts(calls: int = 2000) -> int:
+    """Host microseconds per call (median) of a decode step's attention (Llama's shapes, context ~1024, a new cache
+    view at every call as a DynamicCache makes) and of the parts of cufa's path, each timed in a loop of its own."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    import cuflash.integrations.transformers as cti
+    import cuflash.torch as ct
+
+    class Module(torch.nn.Module):
+        is_causal, num_key_value_groups, training = True, 4, False
+
+    module = Module()
+    b, hq, hkv, d, n0 = 1, 16, 4, 128, 1024
+    dev, dtype = "cuda", torch.bfloat16
+    q = torch.randn(b, hq, 1, d, device=dev, dtype=dtype)
+    big_k = torch.randn(b, hkv, n0 + calls + 8, d, device=dev, dtype=dtype)
+    big_v = torch.randn_like(big_k)
+    scale = d ** -0.5
+    kvs = [(big_k[:, :, :n], big_v[:, :, :n]) for n in range(n0, n0 + calls)]
+
+    def loop(fn):
+        for i in range(20):
+            fn(i)
+        torch.cuda.synchronize()
+        times = []
+        for i in range(calls):
+            t0 = time.perf_counter()
+            fn(i)
+            times.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        return statistics.median(times) * 1e6
+
+    qt = q.transpose(1, 2)
+    kts = [(k.transpose(1, 2), v.transpose(1, 2)) for k, v in kvs]
+    cases = {
+        "sdpa_attention_forward (transformers'), flash": lambda i: sdpa_attention_forward(
+            module, q, *kvs[i], None, dropout=0.0, scaling=scale),
+        "cufa attention_forward": lambda i: cti.attention_forward(module, q, *kvs[i], None, dropout=0.0,
+                                                                  scaling=scale),
+        "cuflash.torch.attention_with_kvcache": lambda i: ct.attention_with_kvcache(
+            qt, *kts[i], cache_seqlens=kts[i][0].shape[1], causal=True, softmax_scale=scale),
+    }
+    cases["  cuflash.torch.decode_heads_first"] = lambda i: ct.decode_heads_first(
+        q, *kvs[i], None, True, (-1, -1), 0.0, scale)
+    key = ct._decode_key(qt, *kts[0], kts[0][0].shape[1], None, None, True, True, (-1, -1), 0.0, scale, 0)
+    cases.update({
+        "  _decode_key": lambda i: ct._decode_key(qt, *kts[i], kts[i][0].shape[1], None, None, True, True, (-1, -1),
+                                                 0.0, scale, 0),
+        "  _decode_run": lambda i: ct._decode_run(key, qt, *kts[i], kts[i][0].shape[1], None, None, False),
+        "  three transposes": lambda i: [t.transpose(1, 2) for t in (q, *kvs[i])],
+        "  _decodes": lambda i: cti._decodes(qt, *kts[i], dict(dropout_p=0.0)),
+        "    torch.empty (out)": lambda i: torch.empty((1, 1, hq, d), dtype=dtype, device=q.device),
+        "    torch.cuda.current_device()": lambda i: torch.cuda.current_device(),
+        "    is_current_stream_capturing()": lambda i: torch.cuda.is_current_stream_capturing(),
+        "    _stream_address": lambda i: ct._stream_address(0),
+        "    _runs_eagerly()": lambda i: ct._runs_eagerly(None, None),
+        "    stride() x 3, data_ptr() x 3": lambda i: (qt.stride(), kts[i][0].stride(), kts[i][1].stride(),
+                                                     qt.data_ptr(), kts[i][0].data_ptr(), kts[i][1].data_ptr()),
+    })
+    launch = ct._decode_launches.get(key)
+    if launch is not None:
+        out = torch.empty((1, 1, hq, d), dtype=dtype, device=dev)
+        lse = torch.empty((1, hq, 1), dtype=torch.float32, device=dev)
+
+        def run(i):
+            k, v = kts[i]
+            launch.run_addresses((qt.data_ptr(), k.data_ptr(), v.data_ptr(), 0, 0, out.data_ptr(), lse.data_ptr(),
+                                  ct._kvcache.uniform_seqlens_address(0, 1, k.shape[1]), 0, 0, 0, 0),
+                                 k.shape[1], tuple(x * 2 for x in k.stride()), tuple(x * 2 for x in v.stride()), 2,
+                                 key[1])
+        cases["    launch.run_addresses"] = run
+    print(f"{torch.cuda.get_device_name()}: host us per call, median of {calls} (decode step, 16/4 heads, d 128, "
+          f"bf16, context {n0}+)")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with torch.no_grad():
+        for name, fn in cases.items():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if "flash" in name else contextlib.nullcontext():
+                print(f"  {name:46s} {loop(fn):8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
