@@ -262,17 +262,18 @@ def test_the_forward_copies_by_tma_where_a_call_allows_it(monkeypatch):
     cuflash.attention(arr(1, 64, 2, 96), arr(1, 64, 2, 96), arr(1, 64, 2, 96))
     assert kernels() == ["cuflash::flash_fwd_kernel"] * 2 and encoded == []
     monkeypatch.setattr(attention, "SM90A_FORWARD", True)
-    # d 64: a short query sequence on the short tile, a longer one on the row's, by default persistent ([fwd
-    # persistent]: a block per SM walking the tiles, the batch size after VariantParams)
+    # d 64: a short query sequence on the short tile, a longer one on the row's, both by default persistent ([fwd
+    # persistent]: as many blocks as the SMs hold walking the tiles (the short tile's two an SM), the batch size after
+    # VariantParams)
     monkeypatch.setattr(attention, "PERSISTENT_FORWARD", None)
     short, long = spec.TILES[("fwd", "sm90a_tma_short", 64)], spec.TILES[("fwd", "sm90a_tma", 64)]
     for rows, t in ((attention.TMA_SHORT_MAX_ROWS_Q, short), (attention.TMA_SHORT_MAX_ROWS_Q + 1, long)):
         cuflash.attention(arr(1, rows, 2, 64), arr(1, 64, 2, 64), arr(1, 64, 2, 64))
         (launch,) = [launch for launch in recorder.take() if len(launch) == 6]
         assert launch[0].split("<")[0] == "cuflash::flash_fwd_sm90_tma_kernel"
-        assert launch[0].endswith(", true>") == (t is long)
+        assert launch[0].endswith(", true>")
         tiles = -(-rows // t.block_m) * 2
-        assert launch[1] == ((min(tiles, 132), 1, 1) if t is long else (-(-rows // t.block_m), 2, 1))
+        assert launch[1] == (min(tiles, 132 * (1 if t is long else 2)), 1, 1)
         assert [e[3][1] for e in encoded] == [t.block_m, t.block_n, t.block_n]
         encoded.clear()
     # ... and where asked everywhere it takes (16-bit padded batches without key counts, d 64 to 192), or nowhere

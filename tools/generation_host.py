@@ -31,9 +31,14 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--parts", action="store_true",
                     help="instead: the host time of one decode call's parts, each in a loop of its own")
+    ap.add_argument("--prefill", type=int, nargs="*", default=[],
+                    help="instead: prefills of these lengths, each attention call synchronized and timed alone")
+    ap.add_argument("--model", choices=("llama", "qwen2"), default="llama")
     args = ap.parse_args(argv)
     if args.parts:
         return parts()
+    if args.prefill:
+        return prefill(args)
 
     import torch
     import transformers
@@ -43,12 +48,7 @@ def main(argv=None) -> int:
 
     import cuflash.integrations.transformers as cti
 
-    config = transformers.LlamaConfig(vocab_size=32000, num_hidden_layers=args.layers, num_attention_heads=16,
-                                      max_position_embeddings=32768, rope_theta=1e6, hidden_size=2048,
-                                      intermediate_size=5632, num_key_value_heads=4)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa",
-                                                       dtype=torch.bfloat16).eval().to("cuda")
+    model, config = _model(args)
     prompt = torch.randint(0, config.vocab_size, (1, args.prompt), device="cuda")
 
     spent: dict = {}  # (function kind) -> list of seconds per call
@@ -110,6 +110,80 @@ def main(argv=None) -> int:
         rest = med["token_us"] - med["attn_token_us"] - med["mask_token_us"]
         print(f"{name:14s} {1e6 / med['token_us']:9.1f} {med['token_us']:9.1f} {med['attn_call_us']:13.1f} "
               f"{med['attn_token_us']:14.1f} {med['mask_token_us']:14.1f} {rest:14.1f}")
+    return 0
+
+
+def _model(args):
+    """The benchmark's Llama (d 128, 16 / 4 heads) or Qwen2 (d 64, 16 / 2 heads), random weights, bf16, on the GPU."""
+    import torch
+    import transformers
+
+    common = dict(vocab_size=32000, num_hidden_layers=args.layers, num_attention_heads=16,
+                  max_position_embeddings=32768, rope_theta=1e6)
+    if getattr(args, "model", "llama") == "qwen2":
+        config, cls = transformers.Qwen2Config(**common, hidden_size=1024, intermediate_size=2816,
+                                               num_key_value_heads=2), transformers.Qwen2ForCausalLM
+    else:
+        config, cls = transformers.LlamaConfig(**common, hidden_size=2048, intermediate_size=5632,
+                                               num_key_value_heads=4), transformers.LlamaForCausalLM
+    torch.manual_seed(0)
+    return cls._from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16).eval().to("cuda"), config
+
+
+def prefill(args, reps: int = 5) -> int:
+    """A forward pass over a prompt (no cache), per implementation: its time (CUDA events, median of ``reps``) and
+    each attention call's time with the GPU synchronized before and after it (host and GPU), summed per pass."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers import AttentionInterface
+
+    import cuflash.integrations.transformers as cti
+
+    model, config = _model(args)
+    attn_map = AttentionInterface._global_mapping
+    originals = {name: attn_map[name] for name in ("sdpa", cti.NAME)}
+    spent: list = []
+
+    def synced(fn):
+        def wrapper(*a, **kw):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            torch.cuda.synchronize()
+            spent.append(time.perf_counter() - t0)
+            return out
+        return wrapper
+
+    impls = {"cufa": (cti.NAME, None), "sdpa/flash": ("sdpa", SDPBackend.FLASH_ATTENTION),
+             "sdpa/cudnn": ("sdpa", SDPBackend.CUDNN_ATTENTION)}
+    print(f"{torch.cuda.get_device_name()}, {args.model} {args.layers} layers, bf16, batch 1: forward ms (events, "
+          f"median of {reps}); attention ms per pass (each call synchronized, median of {reps})")
+    for n in args.prefill:
+        ids = torch.randint(0, config.vocab_size, (1, n), device="cuda")
+        for name, (impl, backend) in impls.items():
+            model.set_attn_implementation(impl)
+            context = sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()
+            with context, torch.no_grad():
+                model(ids, use_cache=False)
+                times = []
+                for _ in range(reps):
+                    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    model(ids, use_cache=False)
+                    stop.record()
+                    stop.synchronize()
+                    times.append(start.elapsed_time(stop))
+                attn = []
+                attn_map[impl] = synced(originals[impl])
+                try:
+                    for _ in range(reps):
+                        spent.clear()
+                        model(ids, use_cache=False)
+                        attn.append(sum(spent) * 1e3)
+                finally:
+                    attn_map[impl] = originals[impl]
+            print(f"  prefill {n:6d} {name:12s} forward {statistics.median(times):8.2f} ms   attention "
+                  f"{statistics.median(attn):7.2f} ms ({len(spent)} calls)")
     return 0
 
 

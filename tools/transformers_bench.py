@@ -7,7 +7,7 @@ On the GPU machine, from the repository root::
     PYTHONPATH=. python3 tools/transformers_bench.py --prefill 4096 16384 --new-tokens 128
 
 Random-weight models (no download) in bfloat16, batch 1. Prefill: one forward pass over the prompt without a cache
-(CUDA events, the median of ``--reps``). Generation: ``model.generate`` (greedy, the model's default dynamic cache)
+(CUDA events; the implementations in turn over ``--reps`` rounds, the median of each). Generation: ``model.generate`` (greedy, the model's default dynamic cache)
 of ``--new-tokens`` after a prompt of ``--prompt`` tokens, the implementations timed in turn over ``--rounds``
 rounds (the median of each); tokens per second of the generated tokens. "sdpa" runs
 under ``torch.nn.attention.sdpa_kernel`` with one backend at a time (a backend that refuses a shape is reported as
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", type=int, nargs="+", default=[4096, 16384], help="prompt lengths of the prefill")
     ap.add_argument("--prompt", type=int, default=512, help="prompt length before generating")
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=5, help="prefill: timed calls per implementation (the median)")
+    ap.add_argument("--reps", type=int, default=5, help="prefill: rounds, each timing every implementation once in turn (the median)")
     ap.add_argument("--rounds", type=int, default=5,
                     help="generation: rounds, each timing every implementation once in turn (the median)")
     ap.add_argument("--smoke", action="store_true", help="tiny float32 models on the CPU (checks the script)")
@@ -106,21 +106,33 @@ def main(argv=None) -> int:
         rows = {}
         for n in args.prefill:
             ids = torch.randint(0, config.vocab_size, (1, n), generator=generator).to(device)
-            reference = None
+            # each implementation checked and warmed up, then timed call by call in rounds, each round from another
+            # first implementation (a GPU's clocks and a shared host drift: every implementation sees the same
+            # drift), the median of each one's ``reps`` calls
+            reference, samples, order = None, {}, []
             for name, (impl, backend) in impls.items():
                 model.set_attn_implementation(cti.NAME if impl == "cufa" else "sdpa")
                 context = sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()
                 try:
                     with context, torch.no_grad():
                         logits = model(ids, use_cache=False).logits[0, -8:].float()
-                        s = timed(lambda: model(ids, use_cache=False), args.reps)
+                        timed(lambda: model(ids, use_cache=False), 1)
                 except RuntimeError as exc:
                     rows[(name, f"prefill {n}")] = f"refused ({str(exc).splitlines()[0][:40]})"
                     continue
                 if reference is None:
                     reference = logits
-                check = f" (max |logits - {next(iter(backends))}'s| {float((logits - reference).abs().max()):.2g})"
-                rows[(name, f"prefill {n}")] = s
+                samples[name] = (f" (max |logits - {next(iter(backends))}'s| "
+                                 f"{float((logits - reference).abs().max()):.2g})", [])
+                order.append((name, impl, backend))
+            for round_ in range(args.reps):
+                for name, impl, backend in order[round_ % len(order):] + order[:round_ % len(order)]:
+                    model.set_attn_implementation(cti.NAME if impl == "cufa" else "sdpa")
+                    context = sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()
+                    with context, torch.no_grad():
+                        samples[name][1].append(timed(lambda: model(ids, use_cache=False), 1, warm=False))
+            for name, (check, times) in samples.items():
+                s = rows[(name, f"prefill {n}")] = statistics.median(times)
                 print(f"{label:20s} {name:16s} prefill {n:6d} tokens: {s * 1e3:9.2f} ms "
                       f"{n / s:10.0f} tokens/s{check}")
         prompt = torch.randint(0, config.vocab_size, (1, args.prompt), generator=generator).to(device)

@@ -256,8 +256,12 @@ F16X2_WGMMA = os.environ.get("CUFLASH_F16X2_WGMMA", "1") == "1"
 # d 128 N 512-2048 dense 448-623 / 513-647, causal 290-509 / 332-537 (cuDNN 334-505), N 4096-16384 within noise to
 # +5 %; d 64's 192-row tile N 4096-16384 dense 423-474 / 468-494, causal 386-446 / 405-448; d 64's 64-row tile
 # (N <= 2048) 220-444 / 173-312 (two blocks an SM of one computing warpgroup: each tile's Q waits for its last S).
+# With the tile counter (session 18) d 64's 64-row tile turned: H200 2026-11-28 (session 19, tools/tile_trial.py, bf16,
+# batch x N = 16384, 32 heads), N 512 / 1024 / 2048, one-tile / persistent, dense 333 / 387 / 427 against 372 / 418 /
+# 447, causal 215 / 301 / 359 against 238 / 315 / 373 (cuDNN 390 / 433 / 434 and 262 / 339 / 394): persistent there too.
 PERSISTENT_FORWARD = {"1": True, "0": False}.get(os.environ.get("CUFLASH_PERSISTENT_FORWARD", ""))
-_PERSISTENT_ROWS = {(64, Tile(192, 128, 16, 2)), (128, Tile(128, 128, 12, 2))}  # (head dim, tile) persistent by default
+_PERSISTENT_ROWS = {(64, Tile(192, 128, 16, 2)), (64, Tile(64, 128, 8, 2)),
+                    (128, Tile(128, 128, 12, 2))}  # (head dim, tile) persistent by default
 
 
 def _persistent_forward(dtype: str, d: int, tile: Tile, variant: Variant) -> bool:
