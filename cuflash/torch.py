@@ -700,11 +700,11 @@ class _HeadsFirstStep:
             return outs.pop()
 
 
-def _heads_first_key(q, k, v, cache_leftpad, causal, window_size, softcap, softmax_scale):
-    """The key of a heads-first decode step in :data:`_heads_first_steps` (q, k, v plain CUDA tensors, run eagerly,
-    without gradient; cache_leftpad None or a tensor), or None."""
-    if not (DIRECT_CALLS and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
-            and (cache_leftpad is None or type(cache_leftpad) is torch.Tensor)):
+def _direct_context(q, k, v, checks) -> tuple | None:
+    """``(device index, stream, its owner)`` of a heads-first call that may run directly (q, k, v plain CUDA tensors
+    run eagerly, no gradient wanted, no capture, ``checks()`` off: the debug mode's or the finite checks'), or
+    None."""
+    if not (DIRECT_CALLS and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor):
         return None
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return None
@@ -712,11 +712,23 @@ def _heads_first_key(q, k, v, cache_leftpad, causal, window_size, softcap, softm
             or torch._C._is_torch_function_mode_enabled()):
         return None
     index = _gpu_index(q)
-    if index < 0 or _capturing() or _validate.device_value_checks():
+    if index < 0 or _capturing() or checks():
         return None
     stream = _stream_address(index)
+    return index, stream, stream_owner(stream)
+
+
+def _heads_first_key(q, k, v, cache_leftpad, causal, window_size, softcap, softmax_scale):
+    """The key of a heads-first decode step in :data:`_heads_first_steps` (cache_leftpad None or a tensor), or
+    None."""
+    if cache_leftpad is not None and type(cache_leftpad) is not torch.Tensor:
+        return None
+    context = _direct_context(q, k, v, _validate.device_value_checks)
+    if context is None:
+        return None
+    index, stream, owner = context
     qs, ks, vs = q.shape, k.shape, v.shape
-    return (index, stream, stream_owner(stream), qs, q.stride(), q.dtype, ks[0], ks[1], ks[3], k.stride(3), k.dtype,
+    return (index, stream, owner, qs, q.stride(), q.dtype, ks[0], ks[1], ks[3], k.stride(3), k.dtype,
             k.get_device(), vs[0], vs[1], vs[3], v.stride(3), v.dtype, v.get_device(),
             None if cache_leftpad is None else _layout(cache_leftpad), causal, window_size, type(softcap), softcap,
             type(softmax_scale), softmax_scale)
@@ -766,6 +778,58 @@ def remember_heads_first(q, k, v, cache_leftpad, causal, window_size, softcap, s
         return
     lse_ptr = _lse_sinks.address((q.device, key[1]), math.prod(launch.lse_shape), _new_sink)
     _heads_first_steps.put(key, _HeadsFirstStep(launch, lse_ptr, q.dtype, q.device))
+
+
+# transformers' inference calls of more than one query (a prefill; q, k, v heads first): a call like one already run,
+# by a key of those layouts and options, straight to the front door's plan of its transposed views (the
+# _forward_plans entry), with no transposed views and the lse written into a buffer of the stream's.
+_heads_first_plans = _api.CallMemo(64)
+
+
+def _forward_heads_first_key(q, k, v, causal, window_size, softcap, softmax_scale):
+    context = _direct_context(q, k, v, _finite_checks_on)
+    if context is None:
+        return None
+    return (*context, _hopper_switches(), q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, k.get_device(),
+            v.shape, v.stride(), v.dtype, v.get_device(), causal, window_size, type(softcap), softcap,
+            type(softmax_scale), softmax_scale)
+
+
+def _finite_checks_on() -> bool:
+    return _validate.finite_checks(False)
+
+
+def forward_heads_first(q, k, v, causal, window_size, softcap, softmax_scale):
+    """``out`` ``(batch, seqlen_q, heads_q, head_dim_v)`` of an inference call over heads-first tensors (q ``(batch,
+    heads_q, seqlen_q, d)``, k and v ``(batch, heads_kv, seqlen_k, d)``, as transformers holds them), as
+    :func:`attention` on their transposed views with these options computes it; None where no call like it has run
+    (:func:`remember_forward_heads_first`), or where it needs the front door (another current device, an address
+    that needs an aligned copy)."""
+    key = _forward_heads_first_key(q, k, v, causal, window_size, softcap, softmax_scale)
+    entry = None if key is None else _heads_first_plans.get(key)
+    if entry is None or key[0] != _current_device_fast():
+        return None
+    plan, lse_ptr, device = entry
+    out = torch.empty(plan.out_shape, dtype=q.dtype, device=device)
+    done = plan.run(_Address(q.data_ptr()), _Address(k.data_ptr()), _Address(v.data_ptr()), stream=key[1],
+                    out=_Address(out.data_ptr()), lse_out=_Address(lse_ptr))
+    return None if done is None else out
+
+
+def remember_forward_heads_first(q, k, v, causal, window_size, softcap, softmax_scale) -> None:
+    """After an inference call on heads-first tensors ran through :func:`attention` on their transposed views (with
+    these options, the others at their defaults): keep the plan the front door made for it under the call's
+    heads-first key, for :func:`forward_heads_first`. Nothing where the call is not one the direct path takes."""
+    key = _forward_heads_first_key(q, k, v, causal, window_size, softcap, softmax_scale)
+    if key is None or _heads_first_plans.get(key) is not None:
+        return
+    std = _forward_key(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, softmax_scale, "bottom-right",
+                       window_size, softcap, None, None, 0.0, None, 0, "fa2", None, None, "tf32x3")
+    plan = None if std is None else _forward_plans.get(std)
+    if plan is None:
+        return
+    lse_ptr = _lse_sinks.address((q.device, key[1]), math.prod(plan.lse_shape), _new_sink)
+    _heads_first_plans.put(key, (plan, lse_ptr, q.device))
 
 
 def _kvcache_backend(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, rotary_cos, rotary_sin,

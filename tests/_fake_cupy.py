@@ -187,6 +187,6 @@ def install(monkeypatch):
     except ImportError:
         pass
     else:
-        for name in ("_decode_launches", "_forward_plans", "_heads_first_steps"):
+        for name in ("_decode_launches", "_forward_plans", "_heads_first_steps", "_heads_first_plans"):
             monkeypatch.setattr(cuflash_torch, name, _api.CallMemo(getattr(cuflash_torch, name).size))
     return module, recorder

@@ -910,6 +910,49 @@ def test_a_transformers_decode_step_like_one_already_run_goes_straight_to_its_la
     assert len(through_front_door) == 4
 
 
+def test_a_transformers_inference_call_like_one_already_run_goes_straight_to_its_plan(monkeypatch):
+    """cufa's attention_forward on (stand-in) CUDA tensors heads first, no mask, no gradient (a prefill): the first
+    call of a layout goes through the front door and its plan is kept under the heads-first key; the next ones with new
+    tensors run it from cuflash.torch.forward_heads_first, one launch whose arguments hold this call's addresses (q, k,
+    v, out) and the stream's lse buffer. Another option, or a gradient wanted, goes through the front door."""
+    import numpy as np
+
+    import cuflash.integrations.transformers as cti
+
+    recorder, through_front_door = _posed_cuda(monkeypatch, "_forward_backend")
+    ct = cuflash.torch
+
+    class Layer(torch.nn.Module):
+        is_causal = True
+
+    layer = Layer()
+
+    def call(grad=False, **kw):
+        q = torch.randn(2, 4, 64, 64).to(torch.bfloat16).requires_grad_(grad)
+        k, v = (torch.randn(2, 2, 64, 64).to(torch.bfloat16) for _ in range(2))
+        recorder.take()
+        with torch.set_grad_enabled(grad):
+            out, _ = cti.attention_forward(layer, q, k, v, None, scaling=0.125, **kw)
+        assert out.shape == (2, 64, 4, 64) and out.dtype == torch.bfloat16
+        return (q, k, v), out, recorder.take()
+
+    call()
+    assert len(through_front_door) == 1 and len(ct._heads_first_plans) == 1
+    lse_words = set()
+    for _ in range(2):
+        tensors, out, launches = call()
+        assert len(through_front_door) == 1, "a call like the first one went through the front door"
+        assert len(launches) == 1 and launches[0][4] == 0
+        words = {int(x) for arg in launches[0][5] if len(arg) == 8 for x in np.frombuffer(arg, np.uint64)}
+        assert {t.data_ptr() for t in (*tensors, out)} <= words
+        lse_words.add(frozenset(words - {t.data_ptr() for t in (*tensors, out)}))
+    assert len(lse_words) == 1  # (the same lse buffer, the stream's, at every call)
+    call(sliding_window=16)
+    assert len(through_front_door) == 2
+    call(grad=True)
+    assert len(through_front_door) == 3
+
+
 def test_an_inference_call_like_one_already_run_goes_straight_to_its_plan(monkeypatch):
     """cuflash.torch.attention on (stand-in) CUDA tensors with no gradient wanted: the first call of a layout runs the
     front door and keeps its plan; the next ones with new tensors of that layout run the plan directly, one launch

@@ -154,6 +154,16 @@ def prefill(args, reps: int = 5) -> int:
             return out
         return wrapper
 
+    spent_host: dict = {}
+
+    def timed(kind, fn):  # (the host time alone: the GPU not waited for)
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            spent_host[kind].append(time.perf_counter() - t0)
+            return out
+        return wrapper
+
     impls = {"cufa": (cti.NAME, None), "sdpa/flash": ("sdpa", SDPBackend.FLASH_ATTENTION),
              "sdpa/cudnn": ("sdpa", SDPBackend.CUDNN_ATTENTION)}
     print(f"{torch.cuda.get_device_name()}, {args.model} {args.layers} layers, bf16, batch 1: forward ms (events, "
@@ -173,17 +183,43 @@ def prefill(args, reps: int = 5) -> int:
                     stop.record()
                     stop.synchronize()
                     times.append(start.elapsed_time(stop))
-                attn = []
+                attn, host = [], []
                 attn_map[impl] = synced(originals[impl])
                 try:
                     for _ in range(reps):
                         spent.clear()
                         model(ids, use_cache=False)
                         attn.append(sum(spent) * 1e3)
+                    attn_map[impl] = timed(("prefill", impl), originals[impl])
+                    for _ in range(reps):
+                        calls = spent_host.setdefault(("prefill", impl), [])
+                        calls.clear()
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        model(ids, use_cache=False)
+                        enqueued = time.perf_counter() - t0
+                        torch.cuda.synchronize()
+                        host.append((enqueued * 1e3, statistics.median(calls) * 1e6))
                 finally:
                     attn_map[impl] = originals[impl]
+            import collections
+            import os
+            import sys
+
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import transformers_profile
+
+            found: collections.Counter = collections.Counter()
+            context = sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()
+            model.set_attn_implementation(impl)
+            with transformers_profile._synchronizations(torch, found), context, torch.no_grad():
+                model(ids, use_cache=False)
+            for (what, culprit), count in found.items():
+                print(f"  prefill {n:6d} {name:12s} {count} x {what[:60]} at {culprit}")
             print(f"  prefill {n:6d} {name:12s} forward {statistics.median(times):8.2f} ms   attention "
-                  f"{statistics.median(attn):7.2f} ms ({len(spent)} calls)")
+                  f"{statistics.median(attn):7.2f} ms ({len(spent)} calls); the pass enqueued in "
+                  f"{statistics.median(h[0] for h in host):7.2f} ms, attention's host time per call "
+                  f"{statistics.median(h[1] for h in host):7.1f} us")
     return 0
 
 

@@ -282,8 +282,17 @@ def _decode_step(query, key, value, leftpad, options: dict) -> torch.Tensor:
     return out
 
 
-# kwargs that keep a call off the decode fast path (attention_forward checks them in its general path)
+# kwargs that keep a call off the direct paths where given (attention_forward judges them in its general path)
 _NOT_PLAIN = ("output_attentions", "s_aux", "position_bias", "cache", "cu_seq_lens_q")
+
+
+def _plain(kwargs: dict) -> bool:
+    """Whether none of :data:`_NOT_PLAIN` is given (None or False: not given)."""
+    for name in _NOT_PLAIN:
+        value = kwargs.get(name)
+        if value is not None and value is not False:
+            return False
+    return True
 
 
 def attention_forward(
@@ -307,14 +316,16 @@ def attention_forward(
     else ``module.is_causal``. Returns ``(attn_output, None)``, ``attn_output`` of shape ``(batch, seqlen_q,
     heads_q, head_dim_v)``: there are no attention weights to return.
     """
-    if DECODE_WITH_KVCACHE and query.shape[2] == 1 and not dropout and not any(kwargs.get(n) for n in _NOT_PLAIN):
-        # a decode step like one already run (transformers' cache grew by the new token), with no mask or a padding
-        # mask of left padding only: its launch, at once
+    if not dropout and _plain(kwargs):
+        # a call like one already run, heads first, straight to its launch: a decode step (transformers' cache grew by
+        # the new token) with no mask or a padding mask of left padding only, or an inference call with no mask
         leftpad = None if attention_mask is None else getattr(attention_mask, _LEFTPAD, None)
-        if attention_mask is None or (leftpad is not None and attention_mask.shape[-1] == key.shape[2]):
+        decode = DECODE_WITH_KVCACHE and query.shape[2] == 1
+        if attention_mask is None or (decode and leftpad is not None and attention_mask.shape[-1] == key.shape[2]):
             causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-            out = cuflash_torch.decode_heads_first(query, key, value, leftpad, causal, _window(sliding_window, causal),
-                                                   float(softcap) if softcap else 0.0, scaling)
+            args = (causal, _window(sliding_window, causal), float(softcap) if softcap else 0.0, scaling)
+            out = (cuflash_torch.decode_heads_first(query, key, value, leftpad, *args) if decode else
+                   cuflash_torch.forward_heads_first(query, key, value, *args))
             if out is not None:
                 return out, None
     if kwargs.get("output_attentions", False):
@@ -360,7 +371,11 @@ def attention_forward(
     if attention_mask is None:
         if _decodes(q, k, v, options):
             return _decode_step(query, key, value, None, options), None
-        return cuflash_torch.attention(q, k, v, **options), None
+        out = cuflash_torch.attention(q, k, v, **options)
+        if not options["dropout_p"]:  # (its plan kept for cuflash.torch.forward_heads_first, where it has one)
+            cuflash_torch.remember_forward_heads_first(query, key, value, options["causal"], options["window_size"],
+                                                       options["softcap"], options["softmax_scale"])
+        return out, None
 
     if attention_mask.dim() != 2:
         raise ValueError(f"attention_mask must be None, a 2-D padding mask (batch, seqlen_k) or a 4-D mask; got "
