@@ -276,6 +276,12 @@ def test_the_forward_copies_by_tma_where_a_call_allows_it(monkeypatch):
         assert launch[1] == (min(tiles, 132 * (1 if t is long else 2)), 1, 1)
         assert [e[3][1] for e in encoded] == [t.block_m, t.block_n, t.block_n]
         encoded.clear()
+    # (causal: the short tile up to TMA_SHORT_MAX_ROWS_Q_CAUSAL rows)
+    for rows, t in ((attention.TMA_SHORT_MAX_ROWS_Q_CAUSAL, short), (attention.TMA_SHORT_MAX_ROWS_Q_CAUSAL + 1, long)):
+        cuflash.attention(arr(1, rows, 2, 64), arr(1, rows, 2, 64), arr(1, rows, 2, 64), causal=True)
+        (launch,) = [launch for launch in recorder.take() if len(launch) == 6]
+        assert [e[3][1] for e in encoded] == [t.block_m, t.block_n, t.block_n]
+        encoded.clear()
     # ... and where asked everywhere it takes (16-bit padded batches without key counts, d 64 to 192), or nowhere
     monkeypatch.setattr(attention, "PERSISTENT_FORWARD", True)
     cuflash.attention(arr(3, 300, 4, 128), arr(3, 200, 2, 128), arr(3, 200, 2, 128), causal=True)

@@ -228,6 +228,9 @@ TMA_BACKWARD = os.environ.get("CUFLASH_TMA_BACKWARD", "1") == "1"
 # computing warpgroup of 64 rows, two blocks per SM: 1.03-1.31x the 192-row tile and 1.05-1.20x the cp.async kernel
 # at N 512-2048, H100 2026-11-28).
 TMA_SHORT_MAX_ROWS_Q = 2048
+# ... and for causal calls (d 64's short tile persistent: N 4096 causal 417-419 TFLOP/s against the 192-row tile's
+# 382-398, cuDNN 415-426; N 8192 both 446; H200 2026-11-28, tools/tile_trial.py, two runs)
+TMA_SHORT_MAX_ROWS_Q_CAUSAL = 4096
 # Head dims below a TMA row's (d 32 on the d 64 kernel, 96 on 128, ...) from the TMA entry point too (the maps read
 # zeros in the missing columns; H100 2026-11-28: d 96 1.4-1.8x its own mma.sync kernel, 160 and 224 2.0-2.3x, d 32
 # 1.0-1.2x); off (CUFLASH_TMA_PADDED=0): the kernel of their own head dim.
@@ -300,7 +303,7 @@ def _tma_forward(spec, variant: Variant, arrays, max_q: int, block_q, block_k) -
     wgmma kernel's or the mma.sync one's), or None. Its head dim: the arrays' (q and k's, v's) rounded up to a
     multiple of 64 with a ("fwd", "sm90a_tma", d) row; below it ([variant head dim], :data:`TMA_PADDED`) the maps
     read zeros in the missing columns; its tile the row's, or the ("fwd", "sm90a_tma_short", d) row's where there is
-    one and the query sequence has at most :data:`TMA_SHORT_MAX_ROWS_Q` rows. Also: an sm_90 device and no block
+    one and the query sequence has at most :data:`TMA_SHORT_MAX_ROWS_Q` rows (causal: :data:`TMA_SHORT_MAX_ROWS_Q_CAUSAL`). Also: an sm_90 device and no block
     sizes of the caller's, no staged bias (the producer stages none) and not a bias with dropout (with both, a
     window and key counts, its computing warpgroups spill at their 240 registers), strides of q, k and v that are
     non-zero multiples of 16 bytes with contiguous rows (the tensor maps'), and a driver that encodes maps. Packed
@@ -315,7 +318,8 @@ def _tma_forward(spec, variant: Variant, arrays, max_q: int, block_q, block_k) -
     q, _, v = arrays
     d = -(-max(q.shape[-1], v.shape[-1]) // 64) * 64
     padded = d != q.shape[-1] or d != v.shape[-1]
-    tile = TILES.get(("fwd", "sm90a_tma_short", d)) if max_q <= TMA_SHORT_MAX_ROWS_Q else None
+    short_rows = TMA_SHORT_MAX_ROWS_Q_CAUSAL if variant.causal else TMA_SHORT_MAX_ROWS_Q
+    tile = TILES.get(("fwd", "sm90a_tma_short", d)) if max_q <= short_rows else None
     tile = tile or TILES.get(("fwd", "sm90a_tma", d))
     # (the mma.sync kernel's spec only for head dims below a row's: at a row's own, it is the caller's choice of the
     # Hopper kernels being off, SM90A_FORWARD)
