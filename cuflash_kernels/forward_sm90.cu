@@ -138,7 +138,39 @@ constexpr int kProduce = 0, kConsume = 1, kSplit = 2;
 // batch axis of one).
 struct FwdMaps {
     const TensorMap *q, *k, *v;
+    const TensorMap *k_new = nullptr, *v_new = nullptr;  // [prefill append] the new keys' and values'
 };
+
+// [prefill append] Chunked prefill's append fused into its forward (flash_fwd_sm90_tma_append_kernel): the call's
+// new keys and values (k_new, v_new: batch x seqlen_new x heads_kv x kHeadDim, element strides; seqlen_new == the
+// query rows) belong at slots cache_seqlens[b] .. of the cache, which is the kernel's k and v (capacity slots). The
+// kernel's key count of sequence b is cache_seqlens[b] + seqlen_new, or -1 (void rows, nothing written) where
+// cache_seqlens[b] is negative or leaves no room (the decode kernels' [decode guard]); VariantParams' seqused_k is
+// cache_seqlens. Key tile j is copied from where its keys are: wholly below cache_seqlens[b], through the cache's
+// map; wholly at or past it, through k_new's and v_new's maps (row - cache_seqlens[b]: rows past the new ones read
+// zeros); the one tile that straddles it, through the cache's map after the block's producer warp 1 has written
+// that tile's new rows into the cache (fence.proxy.async.global, then the straddle mbarrier). The cache gets every
+// new row from the blocks of each key/value head's first query head (warps 2 and 3 of their producer warpgroup, the
+// rows of their query tile), which no block of the launch reads back (the straddling rows are written by their
+// readers too: the same bytes). So no block waits for another, and the append needs no launch of its own.
+struct PrefillAppend {
+    const int* cache_seqlens;
+    const u16* k_new;
+    const u16* v_new;
+    i64 kn_sb, kn_ss, kn_sh, vn_sb, vn_ss, vn_sh;
+    int seqlen_new;
+    int capacity;
+};
+
+// [prefill append] BlockInfo's key count and band for the appended sequence (its len_k read cache_seqlens[b]).
+template <class V>
+__device__ __forceinline__ void append_lengths(BlockInfo<V>& bi, const VariantParams& p, const PrefillAppend& ap) {
+    const int cached = bi.len_k;
+    bi.len_k = (cached >= 0 && cached <= ap.capacity - ap.seqlen_new) ? cached + ap.seqlen_new : -1;
+    bi.offset = p.bottom_right ? bi.len_k - bi.len_q : 0;
+    bi.lo = bi.offset - p.window_left;
+    bi.hi = bi.offset + p.window_right;
+}
 
 // Template arguments as the launcher's tile table: kBlockM query rows (kBlockM / 64 computing
 // warpgroups), kBlockN key rows, kNWarps warps (see Sm90Config), kStages = 2 K/V buffers; kTma: the
@@ -165,10 +197,11 @@ struct FwdMaps {
 // of two the split multiplied by (f16x2_exponent). All three: padded batches only, no staged bias, no dropout, whole
 // head dims (Sm90Elem: the element policies).
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V, bool kTma = false,
-          bool kPersistent = false>
+          bool kPersistent = false, bool kAppend = false>
 __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const VariantParams vp,
                                                const FwdMaps maps = FwdMaps{}, const float* descale = nullptr,
-                                               const int batch = 0, int* tile_counter = nullptr) {
+                                               const int batch = 0, int* tile_counter = nullptr,
+                                               const PrefillAppend ap = PrefillAppend{}) {
     using Cfg = Sm90Config<kHeadDim, kBlockM, kBlockN, kNWarps>;
     constexpr bool kWS = Cfg::kWS;
     static_assert(!kTma || kWS, "TMA: a producer warpgroup");
@@ -211,6 +244,10 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
     // while this tile's last P V and output run.
     static_assert(!kPersistent || (kTma && !kVt && !kTwoParts && !V::Is_varlen && !V::Has_seqused && !kStagedBias),
                   "[fwd persistent]: the 16-bit TMA entry point, padded batches without key counts");
+    static_assert(!kAppend || (kTma && !kPersistent && !kVt && !kTwoParts && !V::Is_varlen && V::Has_seqused &&
+                               !V::Has_block_map),
+                  "[prefill append]: the 16-bit TMA entry point, one tile a block, padded batches with key counts, "
+                  "no block map");
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     // Swizzle atoms need 1024-byte alignment, whatever the alignment of the dynamic shared memory base.
@@ -226,6 +263,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
     const u32 free_q = bar + 80;  // [fwd persistent] every computing thread's last S of a tile has retired
     // [fwd persistent] the tile schedule (run_tiles): its two slots' mbarriers and the slots, to bar + 128
     const u32 sched_full = bar + 88, sched_empty = bar + 104;
+    const u32 straddle = bar + 88;  // [prefill append] (not persistent) the straddling key tile's new rows written
     volatile int* sched = reinterpret_cast<volatile int*>(reinterpret_cast<unsigned char*>(sV + 2 * kKVTile) + 120);
     // [variant bias tile] 2 buffers of kBlockM x kBlockN bias entries, after the mbarriers' 128 bytes.
     using BiasT = typename BlockInfo<V>::BiasT;
@@ -244,7 +282,8 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
     const int h_kv = h / group;
     const int m0 = m_block * kBlockM;
 
-    const BlockInfo<V> bi(vp, b, h, seqlen_q, seqlen_k);
+    BlockInfo<V> bi(vp, b, h, seqlen_q, seqlen_k);
+    if constexpr (kAppend) append_lengths(bi, vp, ap);
     if (bi.past_queries(m0)) return 0;  // a shorter sequence of a packed batch (the whole block leaves together)
     const int len_q = bi.len_q;
     // [fp8] q's and k's factors scale the raw scores (before the mods and masks, whose constants are in real raw-score
@@ -309,12 +348,60 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
         }
     };
 
+    // [prefill append] The producer warpgroup's warps 1-3 (t: 0..95), in a sequence that appends (len_k >= 0): warp 1
+    // writes the new rows of the key tile that straddles cache_seqlens[b], where this block reads that tile, into the
+    // cache and tells the copying thread (straddle); warps 2 and 3 of the blocks of each key/value head's first query
+    // head write the new rows of their query tile into the cache (16-byte chunks, v's rows then k's, as the decode
+    // kernels' append).
+    auto append_rows = [&](const int t) {
+        if constexpr (kAppend) {
+            if (bi.len_k < 0) return;
+            const int cached = bi.len_k - ap.seqlen_new;
+            constexpr int kChunks = kHeadDim / 8;
+            // new rows [first, first + count) of v, then of k, by `stride` threads (a multiple of the row's chunks):
+            // thread t0 copies chunk t0 % kChunks of every (stride / kChunks)-th row from first + t0 / kChunks (a row
+            // pointer stepped along: the producer runs on few registers)
+            auto write = [&](const int first, const int count, const int t0, const int stride) {
+                const int c = (t0 % kChunks) * 8, step = stride / kChunks, r0 = t0 / kChunks;
+#pragma unroll 1
+                for (int is_k = 0; is_k < 2; ++is_k) {
+                    const i64 src_ss = is_k ? ap.kn_ss : ap.vn_ss, dst_ss = is_k ? k_ss : v_ss;
+                    const u16* src = (is_k ? ap.k_new + b * ap.kn_sb + h_kv * ap.kn_sh
+                                           : ap.v_new + b * ap.vn_sb + h_kv * ap.vn_sh) + (first + r0) * src_ss + c;
+                    u16* dst = (is_k ? const_cast<u16*>(k) + b * k_sb + h_kv * k_sh
+                                     : const_cast<u16*>(v) + b * v_sb + h_kv * v_sh) + (cached + first + r0) * dst_ss + c;
+#pragma unroll 1
+                    for (int r = r0; r < count; r += step, src += step * src_ss, dst += step * dst_ss) {
+                        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+                    }
+                }
+            };
+            if (t < 32) {
+                const int js = cached / kBlockN;  // the key tile holding slot `cached`
+                if (cached % kBlockN != 0 && js >= n_begin && js < n_begin + n_end) {
+                    write(0, min((js + 1) * kBlockN - cached, ap.seqlen_new), t, 32);
+                    asm volatile("fence.proxy.async.global;" ::: "memory");  // (before the map's copy reads them)
+                    __syncwarp();
+                    if (t == 0) mbar_arrive(straddle);
+                }
+            } else if (h % group == 0 && m0 < ap.seqlen_new) {
+                write(m0, min(kBlockM, ap.seqlen_new - m0), t - 32, 64);
+            }
+        }
+    };
+
     // The producer warpgroup of the warp-specialized variant: loads Q, then K_0, V_0, K_1, V_1, ... one
     // commit group each; once a group has landed (wait_group 1 after the next commit), fence it for the
     // tensor cores and arrive on its "landed" barrier. Buffer j % 2 is refilled once both computing
     // warpgroups have released tile j - 2 from it.
     auto produce = [&]() {
         const int ptid = tid - Cfg::kNWG * 128;
+        if constexpr (kAppend) {
+            if (ptid >= 32) {  // [prefill append] warps 1-3: the new rows into the cache
+                append_rows(ptid - 32);
+                return;
+            }
+        }
         if (n_end == 0) return;
         if constexpr (kTma) {
             // One thread: Q, then K_j and V_j into buffer j % 2 once it is free. A tile is kHeadDim / 64 boxes of 64
@@ -334,9 +421,21 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
                 };
                 if constexpr (!kPersistent) copy_q();
                 for (int j = 0; j < n_end; ++j) {
-                    const int g = slot(j), buf = g & 1, row = bi.k0 + n_shift + tile_row(j);
+                    const int g = slot(j), buf = g & 1;
+                    int row = bi.k0 + n_shift + tile_row(j);
+                    const TensorMap *k_src = maps.k, *v_src = maps.v;
+                    if constexpr (kAppend) {  // [prefill append] the tile from where its keys are
+                        const int cached = bi.len_k - ap.seqlen_new;
+                        if (row >= cached) {
+                            k_src = maps.k_new;
+                            v_src = maps.v_new;
+                            row -= cached;
+                        } else if (row + kBlockN > cached) {
+                            mbar_wait(straddle, 0);
+                        }
+                    }
                     if (g >= 2) mbar_wait(free_k + 8 * buf, ((g >> 1) - 1) & 1);
-                    copy(smem_u32(sK + buf * kKVTile), maps.k, full_k + 8 * buf, kBlockN, row, h_kv);
+                    copy(smem_u32(sK + buf * kKVTile), k_src, full_k + 8 * buf, kBlockN, row, h_kv);
                     if (kPersistent && j == 0) copy_q();  // (K_0's buffer frees before Q: it first)
                     if (g >= 2) mbar_wait(free_v + 8 * buf, ((g >> 1) - 1) & 1);
                     if constexpr (kVt) {
@@ -346,7 +445,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
                         tma_load_tile<kBlockN, 128 / kElemBytes>(smem_u32(sV + buf * kKVTile), maps.v, landed,
                                                                  kHeadDim, 0, h_kv, batch, row);
                     } else {
-                        copy(smem_u32(sV + buf * kKVTile), maps.v, full_v + 8 * buf, kBlockN, row, h_kv);
+                        copy(smem_u32(sV + buf * kKVTile), v_src, full_v + 8 * buf, kBlockN, row, h_kv);
                     }
                 }
             }
@@ -758,10 +857,11 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
         consume();
     } else {  // (kSplit: a block of one tile takes its roles here, after the tile's common values)
         if (wg == Cfg::kNWG) {
-            setmaxnreg_dec<Cfg::kProducerRegs>();
+            // ([prefill append]: the producer's copy loops take the persistent form's 32 registers)
+            setmaxnreg_dec<Cfg::producer_regs(kAppend)>();
             produce();
         } else {
-            setmaxnreg_inc<Cfg::kConsumerRegs>();
+            setmaxnreg_inc<Cfg::consumer_regs(kAppend)>();
             consume();
         }
     }
@@ -831,6 +931,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
                 }
             }
             if constexpr (kTmaTail) mbar_init(tail_v, 32);
+            if constexpr (kAppend) mbar_init(straddle, 1);
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 mbar_init(full_k + 8 * i, kLanded);
@@ -843,7 +944,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
     }
     // [pdl] key counts (seqused_k) may come from the kernel launched before this one (chunked prefill's append, which
     // also writes the keys): launched with programmatic serialization, the block has set up its barriers meanwhile
-    if constexpr (V::Has_seqused) grid_dependency_wait();
+    if constexpr (V::Has_seqused && !kAppend) grid_dependency_wait();
     if constexpr (kPersistent) {  // (the roles for the whole loop)
         if (wg == Cfg::kNWG) {
             setmaxnreg_dec<Cfg::producer_regs(true)>();
@@ -879,6 +980,19 @@ flash_fwd_sm90_tma_kernel(CUFLASH_FWD_PARAMS(u16), const VariantParams vp, const
                           const __grid_constant__ TensorMap v_map) {
     flash_fwd_sm90<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, V, true, kPersistent>(
         CUFLASH_FWD_ARGS, vp, FwdMaps{&q_map, &k_map, &v_map}, nullptr, batch, tile_counter);
+}
+
+// ... and [prefill append]'s (chunked prefill: the forward over the cache appending the new keys and values first),
+// one tile a block, with the append's parameters and the maps of q, k and v (the cache) and of the new keys and
+// values after the launcher's parameters.
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V>
+__global__ void __launch_bounds__(kNWarps * 32, (Sm90Config<kHeadDim, kBlockM, kBlockN, kNWarps>::kMinBlocks))
+flash_fwd_sm90_tma_append_kernel(CUFLASH_FWD_PARAMS(u16), const VariantParams vp, const PrefillAppend ap,
+                                 const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
+                                 const __grid_constant__ TensorMap v_map, const __grid_constant__ TensorMap k_new_map,
+                                 const __grid_constant__ TensorMap v_new_map) {
+    flash_fwd_sm90<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, V, true, false, true>(
+        CUFLASH_FWD_ARGS, vp, FwdMaps{&q_map, &k_map, &v_map, &k_new_map, &v_new_map}, nullptr, 0, nullptr, ap);
 }
 
 // [fp8 v] V^T for the V^T entry point: v (batch, keys, heads_kv, kHeadDim) elements of T (e4m3: 1 byte, tf32:

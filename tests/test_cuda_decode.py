@@ -279,6 +279,46 @@ def test_chunked_prefill_matches_the_decode_kernels(requires_gpu, monkeypatch, d
     _api._kvcache_launches.clear()
 
 
+@pytest.mark.parametrize("label", [label for label in CASES if label.startswith("prefill")] + ["no-room"])
+def test_chunked_prefill_with_the_append_fused_matches_two_launches(requires_gpu, monkeypatch, label):
+    """[prefill append] The append fused into the TMA forward (decode.FUSED_PREFILL_APPEND: one launch a step) gives
+    the two launches' output and lse bit for bit and leaves the caches bit for bit as they leave them: the chunked
+    prefill cases (GQA, rotary, a window, ALiBi, softcap; d 64 and 128; a call that appends nothing stays two-launch
+    free as before), and "no-room", a sequence whose cache_seqlens leaves no room (its rows NaN, nothing appended)."""
+    from cuflash._cuda import decode
+
+    cp = requires_gpu
+    if label == "no-room":
+        rng = np.random.default_rng(91)
+        q, k_cache, v_cache, k, v, seqlens, _ = _case(rng, batch=3, heads_q=8, heads_kv=2, d=128, seqlen_q=200,
+                                                      seqlen_new=200, capacity=1000, page_size=None,
+                                                      dtype=DTYPES["bfloat16"])
+        seqlens[1] = 900  # (200 new tokens do not fit in 1000 slots)
+        extra = dict(cache_seqlens=seqlens, return_lse=True, causal=True)
+    else:
+        q, k_cache, v_cache, k, v, extra, _, _ = _call_of(label, "bfloat16", None)
+        extra.pop("block_table")
+    dev = {name: (cp.asarray(val) if isinstance(val, np.ndarray) else val) for name, val in extra.items()}
+    results, kinds = {}, {}
+    for fused in (False, True):
+        monkeypatch.setattr(decode, "FUSED_PREFILL_APPEND", fused)
+        decode._LAUNCHES.clear()
+        _api._kvcache_launches.clear()
+        ck, cv = cp.asarray(k_cache), cp.asarray(v_cache)
+        poison(cp)
+        out, lse = cuflash.attention_with_kvcache(cp.asarray(q), ck, cv, None if k is None else cp.asarray(k),
+                                                 None if v is None else cp.asarray(v), **dev)
+        kinds[fused] = {getattr(launch, "_fused_append", None) for launch in decode._LAUNCHES.values()}
+        results[fused] = [cp.asnumpy(x) for x in (out.view(cp.uint16), lse, ck.view(cp.uint16), cv.view(cp.uint16))]
+    assert kinds[False] == {False} and kinds[True] == {k is not None}, kinds
+    for name, a, b in zip(("out", "lse", "k_cache", "v_cache"), results[True], results[False]):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    if label == "no-room":
+        assert np.isnan(results[True][1][1]).all() and np.isfinite(results[True][1][[0, 2]]).all()
+    decode._LAUNCHES.clear()
+    _api._kvcache_launches.clear()
+
+
 def test_chunked_prefill_writes_an_out_of_other_strides(requires_gpu):
     """Chunked prefill given an ``out=`` that is not C-contiguous (a view into a wider buffer): the result lands in
     it, bit for bit what a call without ``out`` returns, and nothing else of the buffer changes."""

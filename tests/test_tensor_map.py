@@ -630,3 +630,61 @@ def test_stream_sinks_keep_what_they_replace():
     sinks.address("c", 5, allocate)  # ("a", the oldest, retired)
     assert len(sinks) == 2 and sinks.buffer("a") is None
     assert all(ref() is not None for ref, _ in made)  # (every buffer ever made still alive)
+
+
+def test_chunked_prefill_with_the_append_fused_is_one_launch(monkeypatch):
+    """(CPU) [prefill append] With FUSED_PREFILL_APPEND a chunked prefill step is one launch, the TMA forward's append
+    form, whose arguments hold this step's addresses: VariantParams' key counts are cache_seqlens; PrefillAppend holds
+    cache_seqlens, k and v, their element strides, the new tokens' count and the cache's slots; the kernel's k and v
+    are the caches; its five maps are q's, the caches' and then k's and v's (boxes of the key tile's rows). A step with
+    new k and v arrays points those two maps at them. Off (the default), the append kernel and the forward."""
+    import numpy as np
+
+    import cuflash
+    from cuflash._cuda import decode
+    from cuflash._cuda.spec import PREFILL_APPEND_DTYPE, VARIANT_PARAMS_DTYPE
+    from cuflash._ops import api as _api
+
+    cp, recorder, encoded = _tma_stand_in(monkeypatch)
+    rng = np.random.default_rng(73)
+
+    def array(shape):
+        return cp.asarray(rng.standard_normal(shape).astype(np.float16))
+
+    q = array((2, 64, 8, 128))
+    k_cache, v_cache = array((2, 400, 2, 128)), array((2, 400, 2, 128))
+    lens = cp.asarray(np.array([300, 100], np.int32))
+
+    def step():
+        k, v = array((2, 64, 2, 128)), array((2, 64, 2, 128))
+        recorder.take()
+        encoded.clear()
+        out = cuflash.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, causal=True)
+        return k, v, out, [launch for launch in recorder.take() if len(launch) == 6]
+
+    _, _, _, launches = step()
+    assert [name.split("<")[0] for name, *_ in launches] == ["cuflash::decode_append_kernel",
+                                                           "cuflash::flash_fwd_sm90_tma_kernel"]
+    monkeypatch.setattr(decode, "FUSED_PREFILL_APPEND", True)
+    _api._kvcache_launches.clear()
+    decode._LAUNCHES.clear()
+    for i in range(3):
+        k, v, out, launches = step()
+        assert [name.split("<")[0] for name, *_ in launches] == ["cuflash::flash_fwd_sm90_tma_append_kernel"]
+        name, grid, block, smem, stream, args = launches[0]
+        assert [int.from_bytes(a, "little") for a in args[:4]] == [q.data.ptr, k_cache.data.ptr, v_cache.data.ptr,
+                                                                   out.data.ptr]
+        assert np.frombuffer(args[-7], VARIANT_PARAMS_DTYPE)[0]["seqused_k"] == lens.data.ptr
+        record = np.frombuffer(args[-6], PREFILL_APPEND_DTYPE)[0]
+        assert (record["cache_seqlens"], record["k_new"], record["v_new"]) == (lens.data.ptr, k.data.ptr, v.data.ptr)
+        assert (record["kn_sb"], record["kn_ss"], record["kn_sh"]) == tuple(x // 2 for x in k.strides[:3])
+        assert (record["vn_sb"], record["vn_ss"], record["vn_sh"]) == tuple(x // 2 for x in v.strides[:3])
+        assert (record["seqlen_new"], record["capacity"]) == (64, 400)
+        assert grid == (1, 8, 2)  # (one tile a block: 64 query rows; heads; batch)
+        if i == 0:  # planned: the five maps
+            assert [e[0] for e in encoded] == [q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, k.data.ptr, v.data.ptr]
+            assert [e[3][1] for e in encoded][3:] == [encoded[1][3][1]] * 2
+        else:  # new k and v: their maps pointed at them
+            assert [e[0] for e in encoded] == [k.data.ptr, v.data.ptr]
+    launch = next(iter(_api._kvcache_launches._entries.values()))
+    assert isinstance(launch, decode.ChunkedPrefillLaunch) and launch._fused_append and launch._append is None

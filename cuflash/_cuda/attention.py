@@ -25,7 +25,8 @@ from .._ops.variant import Variant, VariantArrays
 from . import fa1, naive, tensor_map, tuning
 from .compile import PackedLaunch, arch_class, check_smem, device_info, launch, sm_count
 from .spec import (BIAS_CTYPES, BLOCK_COMPACT, BWD_HEAD_DIMS, CTYPES, EXTRA_POINTER_FIELDS, F16X2_HEAD_DIMS,
-                   FA1_BWD_HEAD_DIMS, FA1_HEAD_DIMS, FAMILIES, HEAD_DIMS, PERSISTENT_HEAD_DIMS, TF32_FAMILIES,
+                   FA1_BWD_HEAD_DIMS, FA1_HEAD_DIMS, FAMILIES, HEAD_DIMS, PERSISTENT_HEAD_DIMS, PREFILL_APPEND_DTYPE,
+                   TF32_FAMILIES,
                    TF32_HEAD_DIMS, TF32_SM90_HEAD_DIMS, TILES, VARIANT_POINTER_FIELDS, Tile, device_record,
                    extra_params, extra_record, has_dropout, mask_policy, staged_bias_bytes, variant_params,
                    variant_type)
@@ -717,7 +718,7 @@ class ForwardPlan(_Plan):
     tile counter its own, freed with it, not one of :data:`_COUNTERS`, which are never freed)."""
 
     def __init__(self, q, k, v, *, scale: float, variant: Variant, block_q, block_k, fp32_precision="tf32x3",
-                 kept: bool = True):
+                 kept: bool = True, append=None):
         super().__init__()
         shp = shape_of(q, k, variant)
         dtype, dv = np.dtype(q.dtype).name, v.shape[-1]
@@ -738,10 +739,15 @@ class ForwardPlan(_Plan):
                 spec = kernel_spec("fwd", dtype, d, plan_tile("fwd", d, block_q, block_k), vtype)
         flat_spec = spec  # (the kernel of flat_call: the TMA entry point has no flat twin)
         tma = None if dtype not in CTYPES else _tma_forward(spec, variant, (q, k, v), shp.max_q, block_q, block_k)
+        # [prefill append] the new keys and values appended by the forward itself, where the TMA entry point runs it
+        # at the arrays' own head dim, one new key per query row, and their maps can be made
+        self.appends = (append is not None and tma is not None and tma[0] == shp.head_dim == dv
+                        and variant.seqused_k is not None and not variant.is_varlen
+                        and append[0].shape[:2] == q.shape[:2] and _mappable(append))
         if tma is not None:
             d, tma_tile = tma
             pads = d != shp.head_dim or d != dv
-            persistent = _persistent_forward(dtype, d, tma_tile, variant)
+            persistent = _persistent_forward(dtype, d, tma_tile, variant) and not self.appends
             counter = 0
             if persistent and kept:
                 taken = self._kept_counters(2)
@@ -751,10 +757,13 @@ class ForwardPlan(_Plan):
                 if persistent:
                     self._counter = self._zeros((2,), dtype=np.int32)
                     counter = self._counter.data.ptr
-            spec = kernel_spec("fwd_sm90_tma_persistent" if persistent else "fwd_sm90_tma", dtype, d, tma_tile,
-                               variant_type(variant, pads_head_dim=pads))
+            family = ("fwd_sm90_tma_append" if self.appends else
+                      "fwd_sm90_tma_persistent" if persistent else "fwd_sm90_tma")
+            spec = kernel_spec(family, dtype, d, tma_tile, variant_type(variant, pads_head_dim=pads))
             self._maps = (_tensor_map(q, tma_tile.block_m), _tensor_map(k, tma_tile.block_n),
                           _tensor_map(v, tma_tile.block_n))
+            if self.appends:
+                self._maps += tuple(_tensor_map(a, tma_tile.block_n) for a in append)
         check_smem(spec)
         self._aligned = spec.family != "fwd_f32"  # the tensor-core kernels copy tiles with 16-byte cp.async
         self.dtype, self.out_shape = q.dtype, (*q.shape[:-1], dv)
@@ -770,7 +779,14 @@ class ForwardPlan(_Plan):
         # counts its tiles by them; the counter is the plan's, from _COUNTERS (never freed: a graph that captured the
         # launch keeps its address), zero between launches: each launch sets it back)
         tma_args = ()
-        if tma is not None:
+        if self.appends:  # (PrefillAppend: its pointers written at each run, :meth:`stage_append`)
+            record = np.zeros((), PREFILL_APPEND_DTYPE)
+            for prefix, a in zip(("kn", "vn"), append):
+                record[f"{prefix}_sb"], record[f"{prefix}_ss"], record[f"{prefix}_sh"] = (
+                    s // a.itemsize for s in a.strides[:3])
+            record["seqlen_new"], record["capacity"] = append[0].shape[1], k.shape[1]
+            tma_args = (record[()],)
+        elif tma is not None:
             tma_args = (i32(shp.batch), np.uint64(counter))
         self._launch = PackedLaunch(self._rt, spec, grid, args + tma_args, tuple(m.address for m in self._maps))
         self._flat = (flat_spec, (cdiv(shp.max_q, flat_spec.tile.block_m), shp.heads_q, shp.batch), args[5:])
@@ -778,6 +794,9 @@ class ForwardPlan(_Plan):
         self._write = self._launch.writer(tuple(self._launch.word(i) for i in range(5)))  # q, k, v, out, lse
         self._write_variant = None if self._variant.constant else self._launch.writer(
             tuple(self._launch.word(vp, offset) for offset in VARIANT_POINTER_FIELDS))
+        self._write_append = None if not self.appends else self._launch.writer(tuple(
+            self._launch.word(vp + 1, PREFILL_APPEND_DTYPE.fields[name][1])
+            for name in ("cache_seqlens", "k_new", "v_new")))
         self._lse_size = int(np.prod(self.lse_shape))
         self._has_seqused = variant.seqused_k is not None
 
@@ -820,12 +839,20 @@ class ForwardPlan(_Plan):
         first launch, so that its launches follow each other with no host work between them)."""
         self._write(pq, pk, pv, pout, plse)
         if self._maps:
-            q_map, k_map, v_map = self._maps
+            q_map, k_map, v_map = self._maps[:3]
             q_map.point(pq)
             k_map.point(pk)
             v_map.point(pv)
         if self._write_variant is not None:
             self._write_variant(*self._variant.pointers(arrays))
+
+    def stage_append(self, pcache_seqlens: int, pk_new: int, pv_new: int) -> None:
+        """[prefill append] A run's cache_seqlens and new keys' and values' addresses, after :meth:`stage` (the same
+        hold of ``self._lock``): the maps of k_new and v_new pointed at them. (The run's seqused_k, staged through
+        the VariantArrays, is cache_seqlens too.)"""
+        self._write_append(pcache_seqlens, pk_new, pv_new)
+        self._maps[3].point(pk_new)
+        self._maps[4].point(pv_new)
 
     def launch_staged(self, stream: int, after_prior: bool = False) -> bool:
         """Launch with the packed arguments :meth:`stage` wrote (under the same hold of ``self._lock``); ``after_prior``

@@ -688,6 +688,10 @@ class DecodeLaunch:
 # in-kernel (the Hopper forward kernels): its blocks start, set up their barriers and wait while the append runs,
 # instead of starting after it. False: two ordinary launches (for comparison).
 PROGRAMMATIC_PREFILL = os.environ.get("CUFLASH_PROGRAMMATIC_PREFILL", "1") != "0"
+# [prefill append] Chunked prefill in one launch, the append fused into the TMA forward (forward_sm90.cu's
+# flash_fwd_sm90_tma_append_kernel), where the forward runs from its TMA entry point at the arrays' head dim with one
+# new key per query token. Off by default until it has run on a GPU (CUFLASH_FUSED_PREFILL_APPEND=1: on).
+FUSED_PREFILL_APPEND = os.environ.get("CUFLASH_FUSED_PREFILL_APPEND", "0") == "1"
 
 
 class ChunkedPrefillLaunch:
@@ -732,8 +736,6 @@ class ChunkedPrefillLaunch:
         self._rotary = None if cache.rotary is None else (cache.rotary.interleaved, cache.rotary.consecutive_q)
         # [prefill lengths] the forward's key counts, written by the append kernel at every step
         self._seqused = rt.empty((batch,), dtype=np.int32)
-        self._append = rt.function(kernel_spec("decode_append", dtype, 0, variant="false"))
-        self._append_grid = batch * max(cache.seqlen_new, 1)
         # The forward, planned over the caches' first batch rows: ALiBi slopes of one row per head read at batch
         # stride 0; q and k at the rotated copies' contiguous strides under rotary.
         slopes = variant.alibi_slopes
@@ -743,11 +745,19 @@ class ChunkedPrefillLaunch:
             slopes = cupy.broadcast_to(slopes, (batch, heads_q))
         forward_variant = dataclasses.replace(variant, alibi_slopes=slopes, seqused_k=self._seqused)
         q_planned = q if self._rotary is None else rt.empty(q.shape, dtype=q.dtype)
+        # [prefill append] the new keys (the rotated copy's layout under rotary) and values, for the fused form
+        append = None
+        if FUSED_PREFILL_APPEND and k is not None and cache.seqlen_new == seqlen_q:
+            append = (k if self._rotary is None else rt.empty(k.shape, dtype=k.dtype), v)
         self._forward = attention.ForwardPlan(q_planned, k_cache[:batch], v_cache[:batch], scale=scale,
-                                              variant=forward_variant, block_q=None, block_k=None)
+                                              variant=forward_variant, block_q=None, block_k=None, append=append)
+        self._fused_append = self._forward.appends  # (one launch a step: the forward, appending first)
+        self._append = None if self._fused_append else rt.function(
+            kernel_spec("decode_append", dtype, 0, variant="false"))
+        self._append_grid = batch * max(cache.seqlen_new, 1)
         # [pdl] the forward launched to start while the append runs (its blocks set up, then wait for the append);
         # the driver's entry point bound now, so that nothing new can fail after a step's append
-        self._after_append = PROGRAMMATIC_PREFILL and self._forward.waits_for_prior_grid
+        self._after_append = PROGRAMMATIC_PREFILL and self._forward.waits_for_prior_grid and not self._fused_append
         if self._after_append:
             try:
                 self._forward.prepare_after_prior()
@@ -796,9 +806,21 @@ class ChunkedPrefillLaunch:
         pq, pk, pv, pout, plse = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, out.data.ptr, lse.data.ptr
         stream, launch, argv, words, index = (self._current_stream().ptr, self._launch, self._argv_ptr, self._words,
                                               self._word_index)
+        forward = self._forward
+        if self._fused_append:  # [prefill append] one launch: the forward reads cache_seqlens as its key counts' base
+            if (k.data.ptr | v.data.ptr) & 15:
+                _check_row_addresses({3: k.data.ptr, 4: v.data.ptr})
+            arrays = self._arrays(seqused_k=cache_seqlens, alibi_slopes=alibi_slopes)
+            with forward._lock:
+                forward.stage(pq, pk, pv, pout, plse, arrays)
+                forward.stage_append(cache_seqlens.data.ptr, k.data.ptr, v.data.ptr)
+                forward.launch_staged(stream)
+            if given is not None and given is not out:
+                _chunked_prefill.bits(given)[...] = _chunked_prefill.bits(out)
+                out = given
+            return out, lse
         arrays = self._plain_arrays if alibi_slopes is None else self._arrays(seqused_k=self._seqused,
                                                                               alibi_slopes=alibi_slopes)
-        forward = self._forward
         with self._lock, forward._lock:
             # Both records written first, then the two launches back to back: the GPU does not wait for the host
             # between them (the append takes a few microseconds).
@@ -816,9 +838,10 @@ class ChunkedPrefillLaunch:
 
 
 def _check_row_addresses(ptrs: dict) -> None:
-    """q and the caches (record slots 0, 1, 2 -> address) at multiples of 16 bytes: the decode kernels and the
-    forward read them in 16-byte rows (their layouts were checked when planning)."""
-    for slot, name in ((0, "q"), (1, "k_cache"), (2, "v_cache")):
+    """q and the caches (record slots 0, 1, 2 -> address), and chunked prefill's new keys and values where its forward
+    appends them (3, 4: their maps), at multiples of 16 bytes: the decode kernels and the forward read them in 16-byte
+    rows (their layouts were checked when planning)."""
+    for slot, name in ((0, "q"), (1, "k_cache"), (2, "v_cache"), (3, "k"), (4, "v")):
         ptr = ptrs.get(slot, 0)
         if ptr & 15:
             raise NotImplementedError(f"{name}: the decode kernel reads 16-byte rows; its base address must "

@@ -279,6 +279,15 @@ EXTRA_PARAMS_DTYPE = np.dtype(
     align=True,
 )
 assert EXTRA_PARAMS_DTYPE.itemsize == 176
+
+# Layout of `struct PrefillAppend` (forward_sm90.cu, [prefill append]): passed by value after VariantParams.
+PREFILL_APPEND_DTYPE = np.dtype(
+    [("cache_seqlens", np.uint64), ("k_new", np.uint64), ("v_new", np.uint64), ("kn_sb", np.int64),
+     ("kn_ss", np.int64), ("kn_sh", np.int64), ("vn_sb", np.int64), ("vn_ss", np.int64), ("vn_sh", np.int64),
+     ("seqlen_new", np.int32), ("capacity", np.int32)],
+    align=True,
+)
+assert PREFILL_APPEND_DTYPE.itemsize == 80
 # The pointer fields of each record that a planned launch rewrites at every run, as byte offsets: VariantParams'
 # arrays and its ExtraParams; ExtraParams' bias, dbias, the user mods' four arrays and the block lists.
 VARIANT_POINTER_FIELDS = tuple(VARIANT_PARAMS_DTYPE.fields[name][1]
@@ -590,6 +599,10 @@ FAMILIES: dict[str, Family] = {
     # staged bias: cuflash.jax's kernel calls and a staged bias take "fwd_sm90").
     "fwd_sm90_tma": Family(
         "forward_sm90.cu", "flash_fwd_sm90_tma_kernel", _t16, _fwd_sm90_smem, SM90A_OPTIONS, waits_for_prior_grid=True),
+    # ... with chunked prefill's append fused in ([prefill append]: the append's parameters and the new keys' and
+    # values' maps after VariantParams; one tile a block, key counts)
+    "fwd_sm90_tma_append": Family(
+        "forward_sm90.cu", "flash_fwd_sm90_tma_append_kernel", _t16, _fwd_sm90_smem, SM90A_OPTIONS),
     # ... run persistent ([fwd persistent]: a block per SM walks the query tiles; + O's staging tile of its own, 16-bit
     # padded batches without key counts: attention._persistent_forward)
     "fwd_sm90_tma_persistent": Family(
@@ -925,6 +938,16 @@ def instantiations() -> list[KernelSpec]:
             add(KernelSpec("fwd_sm90_tma_persistent", "bfloat16", 128, tma_tile,
                            _policy(v[:6] + (v[6] and not v[7], v[7])), arch="sm90a"))
     add(KernelSpec("fwd_sm90_tma_persistent", "bfloat16", 128, tma_tile, causal_mod, arch="sm90a"))
+    # [prefill append] chunked prefill's variants (key counts, bottom-right causal; and with a window, softcap and
+    # ALiBi) at the tiles the launcher runs it with (d 64: the short tile up to 2048 or 4096 query rows, the row's
+    # above)
+    prefill = variant_type(Variant(causal=True, seqused_k=np.zeros(1, np.int32)))
+    prefill_all = _policy((True, True, False, True, True, True, False, False))
+    for (direction, arch, d), t in TILES.items():
+        if (direction, arch) in (("fwd", "sm90a_tma"), ("fwd", "sm90a_tma_short")) and d in (64, 128):
+            for dtype in CTYPES:
+                add(KernelSpec("fwd_sm90_tma_append", dtype, d, t, prefill, arch="sm90a"))
+    add(KernelSpec("fwd_sm90_tma_append", "bfloat16", 128, tma_tile, prefill_all, arch="sm90a"))
     # The V^T entry point's element types ([fp8], [tf32], [f16x2]): every flag of padded batches but a staged bias and
     # dropout (a bias read from global memory), at d 128; [fp8] also a user's mods
     for fam, dtype, row in (("fwd_sm90_fp8", "float8_e4m3fn", "sm90a_fp8"), ("fwd_sm90_tf32", "float32", "sm90a_tf32"),

@@ -789,6 +789,27 @@ class _decode_kernels_forced:
         decode._LAUNCHES.clear()
 
 
+class _FusedAppend:
+    """[prefill append] Calls of a chunked-prefill function with the append fused into the forward or not
+    (``cuflash._cuda.decode.FUSED_PREFILL_APPEND``), side by side: switching forgets the launches planned under the
+    other setting (the next call plans again: the timers' untimed first call)."""
+
+    def __init__(self):
+        self.state = None
+
+    def __call__(self, fn, on: bool):
+        def call():
+            if self.state is not on:
+                from .._cuda import decode
+                from .._ops import api as _api
+
+                decode.FUSED_PREFILL_APPEND, self.state = on, on
+                _api._kvcache_launches.clear()
+                decode._LAUNCHES.clear()
+            return fn()
+        return call
+
+
 def _prefill_row(batch, cache, new, hq, hkv, d, chunked_s, dense_s, decode_s, err) -> dict:
     flops = _prefill_flops(batch, new, cache, hq, d)
     return dict(prefill=True, batch=batch, cache=cache, new_tokens=new, heads_q=hq, heads_kv=hkv, head_dim=d,
@@ -802,7 +823,10 @@ def _print_prefill(row: dict, unit: str, scale: float = 1e12, rate: str = "TFLOP
           f"attention (same work) {row['dense_us']:9.1f} us | decode kernels {row['decode_kernels_us']:9.1f} us | "
           f"{row['chunked_vs_dense']:4.2f}x dense (target >= 0.95) | max |diff| {row['max_abs_diff']:.1e}{unit}"
           + (f" | back to back {row['chunked_back_to_back_us']:9.1f} / {row['dense_back_to_back_us']:9.1f} us, "
-             f"{row['chunked_vs_dense_back_to_back']:4.2f}x" if "chunked_back_to_back_us" in row else ""))
+             f"{row['chunked_vs_dense_back_to_back']:4.2f}x" if "chunked_back_to_back_us" in row else "")
+          + (f" | append fused: {row['fused_us']:9.1f} us, {row['fused_vs_dense']:4.2f}x dense; back to back "
+             f"{row['fused_back_to_back_us']:9.1f} us, {row['fused_vs_dense_back_to_back']:4.2f}x (max |diff| "
+             f"{row['fused_max_abs_diff']:.1e})" if "fused_us" in row else ""))
 
 
 def _prefill_rows_gpu(args) -> list[dict]:
@@ -815,25 +839,38 @@ def _prefill_rows_gpu(args) -> list[dict]:
     timed = _timer(torch, args.rep_ms)
     hq, hkv, d = args.heads[0], args.heads[1], args.head_dim
     rng, rows = np.random.default_rng(0), []
+    switch = _FusedAppend()
+    from .._cuda import decode
+
+    shipped = decode.FUSED_PREFILL_APPEND
     stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream())
     with stream:
         for batch in args.batch or (1,):
             for cache in args.cache or (8192, 32768):
                 for new in args.new_tokens or (512, 2048):
                     c = _prefill_case(cupy, rng, ml_dtypes.bfloat16, batch, cache, new, hq, hkv, d)
-                    chunked, dense = _prefill_calls(cuflash, c)
-                    err = float(cupy.abs(chunked().astype(cupy.float32) - dense().astype(cupy.float32)).max())
-                    chunked_s, dense_s = _side_by_side(timed, chunked, dense)
+                    plain, dense = _prefill_calls(cuflash, c)
+                    # the chunked call with the append kernel, and [prefill append] with the append fused (where its
+                    # launch is the forward's append form: else both are the same call)
+                    chunked, fused = switch(plain, False), switch(plain, True)
+                    want = dense().astype(cupy.float32)
+                    err = float(cupy.abs(chunked().astype(cupy.float32) - want).max())
+                    fused_err = float(cupy.abs(fused().astype(cupy.float32) - want).max())
+                    chunked_s, dense_s, fused_s = _side_by_side(timed, chunked, dense, fused)
                     # ... and back to back (the GPU's time: the host's hidden behind it, as in a model's loop)
-                    b2b = _side_by_side(lambda fn: _back_to_back(torch, fn, calls=10, reps=3), chunked, dense)
+                    b2b = _side_by_side(lambda fn: _back_to_back(torch, fn, calls=10, reps=3), chunked, dense, fused)
                     with _decode_kernels_forced():
                         decode_s = timed(chunked)
                     row = _prefill_row(batch, cache, new, hq, hkv, d, chunked_s, dense_s, decode_s, err)
                     row.update(chunked_back_to_back_us=b2b[0] * 1e6, dense_back_to_back_us=b2b[1] * 1e6,
-                               chunked_vs_dense_back_to_back=b2b[1] / b2b[0])
+                               chunked_vs_dense_back_to_back=b2b[1] / b2b[0], fused_us=fused_s * 1e6,
+                               fused_vs_dense=dense_s / fused_s, fused_back_to_back_us=b2b[2] * 1e6,
+                               fused_vs_dense_back_to_back=b2b[1] / b2b[2], fused_max_abs_diff=fused_err)
+                    err = max(err, fused_err)
                     rows.append(row)
                     _print_prefill(row, "" if err <= 2e-2 else "  MISMATCH")
                     del c
+    switch(lambda: None, shipped)()  # (the setting as it was)
     return rows
 
 
