@@ -107,12 +107,15 @@ struct Sm90Config {
         ((!kWS && kNWarps == 8 && kBlockN + kHeadDim <= 128) || (kWS && kNWG == 1)) ? 2 : 1;
     // The producer warpgroup's registers and the computing warpgroups' (setmaxnreg): [fwd persistent]'s producer
     // walks the tiles too, and holds 32 (at 24 ptxas spilled its loop's values).
-    __host__ __device__ static constexpr int producer_regs(bool persistent) { return persistent ? 32 : 24; }
+    // [prefill append]'s producer (its copy loops spilled at 24) the persistent form's 32.
+    __host__ __device__ static constexpr int producer_regs(bool persistent, bool append = false) {
+        return persistent || append ? 32 : 24;
+    }
     // (setmaxnreg moves registers within what the block was given at launch, the __launch_bounds__ cap times its
     // threads: 168 x 384 at d 128, less than the 65536 of the SM; asking for more than that waits forever)
     static constexpr int kLaunchRegs = 65536 / kMinBlocks / (kNWarps * 32) / 8 * 8;
-    __host__ __device__ static constexpr int consumer_regs(bool persistent) {
-        const int raw = (kLaunchRegs * kNWarps * 32 - 128 * producer_regs(persistent)) / (kNWG * 128) / 8 * 8;
+    __host__ __device__ static constexpr int consumer_regs(bool persistent, bool append = false) {
+        const int raw = (kLaunchRegs * kNWarps * 32 - 128 * producer_regs(persistent, append)) / (kNWG * 128) / 8 * 8;
         return raw > 240 ? 240 : raw;
     }
     static constexpr int kProducerRegs = producer_regs(false);
@@ -160,6 +163,8 @@ struct PrefillAppend {
     i64 kn_sb, kn_ss, kn_sh, vn_sb, vn_ss, vn_sh;
     int seqlen_new;
     int capacity;
+    u16* k_cache;  // the kernel's k and v, to write into (its k and v parameters are read-only)
+    u16* v_cache;
 };
 
 // [prefill append] BlockInfo's key count and band for the appended sequence (its len_k read cache_seqlens[b]).
@@ -358,18 +363,20 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
             if (bi.len_k < 0) return;
             const int cached = bi.len_k - ap.seqlen_new;
             constexpr int kChunks = kHeadDim / 8;
-            // new rows [first, first + count) of v, then of k, by `stride` threads (a multiple of the row's chunks):
-            // thread t0 copies chunk t0 % kChunks of every (stride / kChunks)-th row from first + t0 / kChunks (a row
-            // pointer stepped along: the producer runs on few registers)
+            // new rows [first, first + count) of v, then of k, by `stride` threads: thread t0 copies chunk t0 % kChunks
+            // of every (stride / kChunks)-th row from first + t0 / kChunks (threads past the last whole row group
+            // idle), a row pointer stepped along (one row in flight: two spilled at the producer's 32 and 40
+            // registers; the straddling tile is reached late in a long cache's loop, the case this form is for)
             auto write = [&](const int first, const int count, const int t0, const int stride) {
-                const int c = (t0 % kChunks) * 8, step = stride / kChunks, r0 = t0 / kChunks;
+                const int step = stride / kChunks, c = (t0 % kChunks) * 8, r0 = t0 / kChunks;
+                if (r0 >= step) return;
 #pragma unroll 1
                 for (int is_k = 0; is_k < 2; ++is_k) {
                     const i64 src_ss = is_k ? ap.kn_ss : ap.vn_ss, dst_ss = is_k ? k_ss : v_ss;
                     const u16* src = (is_k ? ap.k_new + b * ap.kn_sb + h_kv * ap.kn_sh
                                            : ap.v_new + b * ap.vn_sb + h_kv * ap.vn_sh) + (first + r0) * src_ss + c;
-                    u16* dst = (is_k ? const_cast<u16*>(k) + b * k_sb + h_kv * k_sh
-                                     : const_cast<u16*>(v) + b * v_sb + h_kv * v_sh) + (cached + first + r0) * dst_ss + c;
+                    u16* dst = (is_k ? ap.k_cache + b * k_sb + h_kv * k_sh : ap.v_cache + b * v_sb + h_kv * v_sh) +
+                               (cached + first + r0) * dst_ss + c;
 #pragma unroll 1
                     for (int r = r0; r < count; r += step, src += step * src_ss, dst += step * dst_ss) {
                         *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
@@ -857,11 +864,10 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
         consume();
     } else {  // (kSplit: a block of one tile takes its roles here, after the tile's common values)
         if (wg == Cfg::kNWG) {
-            // ([prefill append]: the producer's copy loops take the persistent form's 32 registers)
-            setmaxnreg_dec<Cfg::producer_regs(kAppend)>();
+            setmaxnreg_dec<Cfg::producer_regs(false, kAppend)>();
             produce();
         } else {
-            setmaxnreg_inc<Cfg::consumer_regs(kAppend)>();
+            setmaxnreg_inc<Cfg::consumer_regs(false, kAppend)>();
             consume();
         }
     }

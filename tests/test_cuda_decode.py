@@ -279,22 +279,37 @@ def test_chunked_prefill_matches_the_decode_kernels(requires_gpu, monkeypatch, d
     _api._kvcache_launches.clear()
 
 
-@pytest.mark.parametrize("label", [label for label in CASES if label.startswith("prefill")] + ["no-room"])
+# [prefill append] fixed lengths for the fused form: (batch, heads_q, heads_kv, d, new tokens (= query rows), capacity,
+# cache_seqlens, options). "edges": a cache of 0, of a whole number of 128-key tiles, of less than a tile; "short-new":
+# fewer new tokens than the rest of the straddling tile; "window-skips": query tiles whose window starts past the
+# straddling tile; "d64-long": d 64's 192-row tile (2100 query rows, not causal), GQA 4, several query tiles;
+# "no-room": a sequence whose length leaves no room (NaN rows, nothing appended).
+FUSED_PREFILL_CASES = {
+    "edges": (3, 8, 2, 128, 96, 1000, [0, 256, 100], dict(causal=True)),
+    "short-new": (2, 8, 2, 64, 64, 1000, [130, 250], dict(causal=True)),
+    "window-skips": (1, 8, 2, 128, 400, 1400, [900], dict(causal=True, window_size=(32, 0))),
+    "d64-long": (1, 16, 4, 64, 2100, 3000, [500], dict()),
+    "no-room": (3, 8, 2, 128, 200, 1000, [300, 900, 0], dict(causal=True)),
+}
+
+
+@pytest.mark.parametrize("label", [label for label in CASES if label.startswith("prefill")] + list(FUSED_PREFILL_CASES))
 def test_chunked_prefill_with_the_append_fused_matches_two_launches(requires_gpu, monkeypatch, label):
     """[prefill append] The append fused into the TMA forward (decode.FUSED_PREFILL_APPEND: one launch a step) gives
     the two launches' output and lse bit for bit and leaves the caches bit for bit as they leave them: the chunked
-    prefill cases (GQA, rotary, a window, ALiBi, softcap; d 64 and 128; a call that appends nothing stays two-launch
-    free as before), and "no-room", a sequence whose cache_seqlens leaves no room (its rows NaN, nothing appended)."""
+    prefill cases (GQA, rotary, a window, ALiBi, softcap; d 64 and 128; a call that appends nothing runs as before)
+    and FUSED_PREFILL_CASES' fixed lengths."""
     from cuflash._cuda import decode
 
     cp = requires_gpu
-    if label == "no-room":
-        rng = np.random.default_rng(91)
-        q, k_cache, v_cache, k, v, seqlens, _ = _case(rng, batch=3, heads_q=8, heads_kv=2, d=128, seqlen_q=200,
-                                                      seqlen_new=200, capacity=1000, page_size=None,
+    if label in FUSED_PREFILL_CASES:
+        batch, hq, hkv, d, new, cap, lengths, opts = FUSED_PREFILL_CASES[label]
+        rng = np.random.default_rng(len(label))
+        q, k_cache, v_cache, k, v, seqlens, _ = _case(rng, batch=batch, heads_q=hq, heads_kv=hkv, d=d, seqlen_q=new,
+                                                      seqlen_new=new, capacity=cap, page_size=None,
                                                       dtype=DTYPES["bfloat16"])
-        seqlens[1] = 900  # (200 new tokens do not fit in 1000 slots)
-        extra = dict(cache_seqlens=seqlens, return_lse=True, causal=True)
+        seqlens[:] = lengths
+        extra = dict(cache_seqlens=seqlens, return_lse=True, **opts)
     else:
         q, k_cache, v_cache, k, v, extra, _, _ = _call_of(label, "bfloat16", None)
         extra.pop("block_table")
@@ -778,7 +793,7 @@ def test_plan_refuses_arrays_of_another_layout(requires_gpu):
     # the same shape and strides at a base 2 bytes past a multiple of 16: refused at each step, before any launch
     wide = cp.zeros(q.shape[:3] + (q.shape[3] + 8,), dtype=cq.dtype)
     plan = cuflash.plan_kvcache(wide[..., :64], ck, cv, cache_seqlens=lens)
-    misaligned = "q: the decode kernel reads 16-byte rows; its base address must be a multiple of 16 bytes"
+    misaligned = "q: the kernels read 16-byte rows; its base address must be a multiple of 16 bytes"
     with pytest.raises(NotImplementedError, match=misaligned):
         plan.run(wide[..., 1:65], ck, cv, cache_seqlens=lens)
     cuflash.attention_with_kvcache(wide[..., :64], ck, cv, cache_seqlens=lens)  # remembered

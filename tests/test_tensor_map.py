@@ -680,6 +680,7 @@ def test_chunked_prefill_with_the_append_fused_is_one_launch(monkeypatch):
         assert (record["kn_sb"], record["kn_ss"], record["kn_sh"]) == tuple(x // 2 for x in k.strides[:3])
         assert (record["vn_sb"], record["vn_ss"], record["vn_sh"]) == tuple(x // 2 for x in v.strides[:3])
         assert (record["seqlen_new"], record["capacity"]) == (64, 400)
+        assert (record["k_cache"], record["v_cache"]) == (k_cache.data.ptr, v_cache.data.ptr)
         assert grid == (1, 8, 2)  # (one tile a block: 64 query rows; heads; batch)
         if i == 0:  # planned: the five maps
             assert [e[0] for e in encoded] == [q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, k.data.ptr, v.data.ptr]

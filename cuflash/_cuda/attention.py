@@ -796,7 +796,7 @@ class ForwardPlan(_Plan):
             tuple(self._launch.word(vp, offset) for offset in VARIANT_POINTER_FIELDS))
         self._write_append = None if not self.appends else self._launch.writer(tuple(
             self._launch.word(vp + 1, PREFILL_APPEND_DTYPE.fields[name][1])
-            for name in ("cache_seqlens", "k_new", "v_new")))
+            for name in ("cache_seqlens", "k_new", "v_new", "k_cache", "v_cache")))
         self._lse_size = int(np.prod(self.lse_shape))
         self._has_seqused = variant.seqused_k is not None
 
@@ -818,6 +818,9 @@ class ForwardPlan(_Plan):
         copy). ``stream``: the current stream's pointer, when the caller has it (:func:`call_context`). ``out``,
         ``lse_out``: C-contiguous arrays of :attr:`out_shape` (q's dtype) and :attr:`lse_shape` (float32) to write
         into instead of new ones (the caller checks them; JAX's buffers)."""
+        if self.appends:
+            raise RuntimeError("a plan that appends ([prefill append]) runs through its ChunkedPrefillLaunch "
+                               "(stage, stage_append, launch_staged), not run()")
         pq, pk, pv = q.data.ptr, k.data.ptr, v.data.ptr
         if self._aligned and (pq | pk | pv) & 15:
             return None
@@ -846,11 +849,12 @@ class ForwardPlan(_Plan):
         if self._write_variant is not None:
             self._write_variant(*self._variant.pointers(arrays))
 
-    def stage_append(self, pcache_seqlens: int, pk_new: int, pv_new: int) -> None:
-        """[prefill append] A run's cache_seqlens and new keys' and values' addresses, after :meth:`stage` (the same
-        hold of ``self._lock``): the maps of k_new and v_new pointed at them. (The run's seqused_k, staged through
-        the VariantArrays, is cache_seqlens too.)"""
-        self._write_append(pcache_seqlens, pk_new, pv_new)
+    def stage_append(self, pcache_seqlens: int, pk_new: int, pv_new: int, pk_cache: int, pv_cache: int) -> None:
+        """[prefill append] A run's cache_seqlens, new keys' and values' and caches' addresses (the caches: the staged
+        k and v, which the kernel writes through these), after :meth:`stage` (the same hold of ``self._lock``): the
+        maps of k_new and v_new pointed at them. (The run's seqused_k, staged through the VariantArrays, is
+        cache_seqlens too.)"""
+        self._write_append(pcache_seqlens, pk_new, pv_new, pk_cache, pv_cache)
         self._maps[3].point(pk_new)
         self._maps[4].point(pv_new)
 

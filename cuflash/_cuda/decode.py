@@ -813,7 +813,7 @@ class ChunkedPrefillLaunch:
             arrays = self._arrays(seqused_k=cache_seqlens, alibi_slopes=alibi_slopes)
             with forward._lock:
                 forward.stage(pq, pk, pv, pout, plse, arrays)
-                forward.stage_append(cache_seqlens.data.ptr, k.data.ptr, v.data.ptr)
+                forward.stage_append(cache_seqlens.data.ptr, k.data.ptr, v.data.ptr, pk, pv)
                 forward.launch_staged(stream)
             if given is not None and given is not out:
                 _chunked_prefill.bits(given)[...] = _chunked_prefill.bits(out)
@@ -844,7 +844,7 @@ def _check_row_addresses(ptrs: dict) -> None:
     for slot, name in ((0, "q"), (1, "k_cache"), (2, "v_cache"), (3, "k"), (4, "v")):
         ptr = ptrs.get(slot, 0)
         if ptr & 15:
-            raise NotImplementedError(f"{name}: the decode kernel reads 16-byte rows; its base address must "
+            raise NotImplementedError(f"{name}: the kernels read 16-byte rows; its base address must "
                                       f"be a multiple of 16 bytes (got one {ptr % 16} bytes past a multiple)")
 
 

@@ -284,10 +284,10 @@ assert EXTRA_PARAMS_DTYPE.itemsize == 176
 PREFILL_APPEND_DTYPE = np.dtype(
     [("cache_seqlens", np.uint64), ("k_new", np.uint64), ("v_new", np.uint64), ("kn_sb", np.int64),
      ("kn_ss", np.int64), ("kn_sh", np.int64), ("vn_sb", np.int64), ("vn_ss", np.int64), ("vn_sh", np.int64),
-     ("seqlen_new", np.int32), ("capacity", np.int32)],
+     ("seqlen_new", np.int32), ("capacity", np.int32), ("k_cache", np.uint64), ("v_cache", np.uint64)],
     align=True,
 )
-assert PREFILL_APPEND_DTYPE.itemsize == 80
+assert PREFILL_APPEND_DTYPE.itemsize == 96
 # The pointer fields of each record that a planned launch rewrites at every run, as byte offsets: VariantParams'
 # arrays and its ExtraParams; ExtraParams' bias, dbias, the user mods' four arrays and the block lists.
 VARIANT_POINTER_FIELDS = tuple(VARIANT_PARAMS_DTYPE.fields[name][1]
