@@ -151,7 +151,7 @@ struct FwdMaps {
 // cache_seqlens[b] is negative or leaves no room (the decode kernels' [decode guard]); VariantParams' seqused_k is
 // cache_seqlens. Key tile j is copied from where its keys are: wholly below cache_seqlens[b], through the cache's
 // map; wholly at or past it, through k_new's and v_new's maps (row - cache_seqlens[b]: rows past the new ones read
-// zeros); the one tile that straddles it, through the cache's map after the block's producer warp 1 has written
+// zeros); the one tile that straddles it, through the cache's map after the block's producer warps 1-3 have written
 // that tile's new rows into the cache (fence.proxy.async.global, then the straddle mbarrier). The cache gets every
 // new row from the blocks of each key/value head's first query head (warps 2 and 3 of their producer warpgroup, the
 // rows of their query tile), which no block of the launch reads back (the straddling rows are written by their
@@ -353,11 +353,11 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
         }
     };
 
-    // [prefill append] The producer warpgroup's warps 1-3 (t: 0..95), in a sequence that appends (len_k >= 0): warp 1
-    // writes the new rows of the key tile that straddles cache_seqlens[b], where this block reads that tile, into the
-    // cache and tells the copying thread (straddle); warps 2 and 3 of the blocks of each key/value head's first query
-    // head write the new rows of their query tile into the cache (16-byte chunks, v's rows then k's, as the decode
-    // kernels' append).
+    // [prefill append] The producer warpgroup's warps 1-3 (t: 0..95), in a sequence that appends (len_k >= 0): the
+    // three write the new rows of the key tile that straddles cache_seqlens[b], where this block reads that tile, into
+    // the cache and tell the copying thread (straddle: each thread's fence, then its arrival); then warps 2 and 3 of
+    // the blocks of each key/value head's first query head write the new rows of their query tile into the cache
+    // (16-byte chunks, v's rows then k's, as the decode kernels' append).
     auto append_rows = [&](const int t) {
         if constexpr (kAppend) {
             if (bi.len_k < 0) return;
@@ -383,15 +383,13 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
                     }
                 }
             };
-            if (t < 32) {
-                const int js = cached / kBlockN;  // the key tile holding slot `cached`
-                if (cached % kBlockN != 0 && js >= n_begin && js < n_begin + n_end) {
-                    write(0, min((js + 1) * kBlockN - cached, ap.seqlen_new), t, 32);
-                    asm volatile("fence.proxy.async.global;" ::: "memory");  // (before the map's copy reads them)
-                    __syncwarp();
-                    if (t == 0) mbar_arrive(straddle);
-                }
-            } else if (h % group == 0 && m0 < ap.seqlen_new) {
+            const int js = cached / kBlockN;  // the key tile holding slot `cached`
+            if (cached % kBlockN != 0 && js >= n_begin && js < n_begin + n_end) {
+                write(0, min((js + 1) * kBlockN - cached, ap.seqlen_new), t, 96);
+                asm volatile("fence.proxy.async.global;" ::: "memory");  // (before the map's copy reads them)
+                mbar_arrive(straddle);  // (each of the 96 threads)
+            }
+            if (t >= 32 && h % group == 0 && m0 < ap.seqlen_new) {
                 write(m0, min(kBlockM, ap.seqlen_new - m0), t - 32, 64);
             }
         }
@@ -937,7 +935,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
                 }
             }
             if constexpr (kTmaTail) mbar_init(tail_v, 32);
-            if constexpr (kAppend) mbar_init(straddle, 1);
+            if constexpr (kAppend) mbar_init(straddle, 96);  // (the producer's warps 1-3)
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 mbar_init(full_k + 8 * i, kLanded);
