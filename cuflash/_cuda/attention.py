@@ -849,6 +849,23 @@ class ForwardPlan(_Plan):
         if self._write_variant is not None:
             self._write_variant(*self._variant.pointers(arrays))
 
+    @property
+    def stages_pointers(self) -> bool:
+        """Whether :meth:`stage_pointers` may stage a run (a variant with no ExtraParams record: bias, dropout or mods)."""
+        return not self._variant._has_extra
+
+    def stage_pointers(self, pq: int, pk: int, pv: int, pout: int, plse: int, variant_pointers: tuple) -> None:
+        """:meth:`stage` with VariantParams' pointer fields given as addresses (cu_seqlens_q, cu_seqlens_k, seqused_k,
+        alibi_slopes, extra: 0 for none), where :attr:`stages_pointers`: no VariantArrays to build (chunked prefill's
+        fused step, whose key counts' base is a new array at every step)."""
+        self._write(pq, pk, pv, pout, plse)
+        q_map, k_map, v_map = self._maps[:3]
+        q_map.point(pq)
+        k_map.point(pk)
+        v_map.point(pv)
+        if self._write_variant is not None:
+            self._write_variant(*variant_pointers)
+
     def stage_append(self, pcache_seqlens: int, pk_new: int, pv_new: int, pk_cache: int, pv_cache: int) -> None:
         """[prefill append] A run's cache_seqlens, new keys' and values' and caches' addresses (the caches: the staged
         k and v, which the kernel writes through these), after :meth:`stage` (the same hold of ``self._lock``): the

@@ -810,10 +810,15 @@ class ChunkedPrefillLaunch:
         if self._fused_append:  # [prefill append] one launch: the forward reads cache_seqlens as its key counts' base
             if (k.data.ptr | v.data.ptr) & 15:
                 _check_row_addresses({3: k.data.ptr, 4: v.data.ptr})
-            arrays = self._arrays(seqused_k=cache_seqlens, alibi_slopes=alibi_slopes)
+            pseqlens = cache_seqlens.data.ptr
             with forward._lock:
-                forward.stage(pq, pk, pv, pout, plse, arrays)
-                forward.stage_append(cache_seqlens.data.ptr, k.data.ptr, v.data.ptr, pk, pv)
+                if forward.stages_pointers:  # (no VariantArrays built: VariantParams' pointers, as stage writes them)
+                    forward.stage_pointers(pq, pk, pv, pout, plse,
+                                           (0, 0, pseqlens, 0 if alibi_slopes is None else alibi_slopes.data.ptr, 0))
+                else:
+                    forward.stage(pq, pk, pv, pout, plse,
+                                  self._arrays(seqused_k=cache_seqlens, alibi_slopes=alibi_slopes))
+                forward.stage_append(pseqlens, k.data.ptr, v.data.ptr, pk, pv)
                 forward.launch_staged(stream)
             if given is not None and given is not out:
                 _chunked_prefill.bits(given)[...] = _chunked_prefill.bits(out)
