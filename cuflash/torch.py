@@ -617,6 +617,12 @@ def _new_sink(key, count: int):
     return sink, sink.data_ptr()
 
 
+def _rows_fit(slots: int, v_slots: int, ks: tuple, vs: tuple, itemsize: int) -> bool:
+    """What a remembered decode launch checks of caches whose slot count and strides its key leaves out (as the front
+    door's ``_fits``): slots, the same in both, and strides (elements, any axis order) of multiples of 16 bytes."""
+    return slots > 0 and v_slots == slots and not ((ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]) * itemsize) & 15
+
+
 def _decode_run(key, q, k_cache, v_cache, cache_seqlens, cache_leftpad, alibi_slopes, want_lse=True):
     """``(out, lse)`` of a call whose key :data:`_decode_launches` holds, run by that launch (``want_lse`` False:
     ``(out, None)``, the lse written into the stream's sink); None where there is none, or where the caches or an int
@@ -629,7 +635,7 @@ def _decode_run(key, q, k_cache, v_cache, cache_seqlens, cache_leftpad, alibi_sl
     index = key[0]
     slots, itemsize = k_cache.shape[1], k_cache.element_size()
     ks, vs = k_cache.stride(), v_cache.stride()
-    if slots <= 0 or v_cache.shape[1] != slots or ((ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]) * itemsize) & 15:
+    if not _rows_fit(slots, v_cache.shape[1], ks, vs, itemsize):
         return None
     if type(cache_seqlens) is int:
         lens = (_kvcache.uniform_seqlens_address(index, q.shape[0], cache_seqlens)
@@ -700,16 +706,13 @@ class _HeadsFirstStep:
             return outs.pop()
 
 
-def _direct_context(q, k, v, checks) -> tuple | None:
+def _direct_context(q, k, v, checks, *others) -> tuple | None:
     """``(device index, stream, its owner)`` of a heads-first call that may run directly (q, k, v plain CUDA tensors
-    run eagerly, no gradient wanted, no capture, ``checks()`` off: the debug mode's or the finite checks'), or
-    None."""
-    if not (DIRECT_CALLS and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor):
+    and ``others`` plain tensors or None, run eagerly (:func:`_runs_eagerly`), no gradient wanted, no capture,
+    ``checks()`` off: the debug mode's or the finite checks'), or None."""
+    if not DIRECT_CALLS or q is None or k is None or v is None or not _runs_eagerly(q, k, v, *others):
         return None
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return None
-    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or torch._C._is_torch_function_mode_enabled()):
         return None
     index = _gpu_index(q)
     if index < 0 or _capturing() or checks():
@@ -721,9 +724,7 @@ def _direct_context(q, k, v, checks) -> tuple | None:
 def _heads_first_key(q, k, v, cache_leftpad, causal, window_size, softcap, softmax_scale):
     """The key of a heads-first decode step in :data:`_heads_first_steps` (cache_leftpad None or a tensor), or
     None."""
-    if cache_leftpad is not None and type(cache_leftpad) is not torch.Tensor:
-        return None
-    context = _direct_context(q, k, v, _validate.device_value_checks)
+    context = _direct_context(q, k, v, _validate.device_value_checks, cache_leftpad)
     if context is None:
         return None
     index, stream, owner = context
@@ -746,7 +747,7 @@ def decode_heads_first(q, k, v, cache_leftpad, causal, window_size, softcap, sof
     if step is None:
         return None
     slots, ks, vs, itemsize = k.shape[2], k.stride(), v.stride(), step.itemsize
-    if slots <= 0 or v.shape[2] != slots or ((ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]) * itemsize) & 15:
+    if not _rows_fit(slots, v.shape[2], ks, vs, itemsize):
         return None
     index = key[0]
     lens = _kvcache.uniform_seqlens_address(index, key[3][0], slots)

@@ -832,7 +832,8 @@ class ForwardPlan(_Plan):
             out = self._empty(self.out_shape, dtype=self.dtype)
         lse, lse_ptr = self._lse_target(lse, lse_out, stream)
         with self._lock:
-            self.stage(pq, pk, pv, out.data.ptr, lse_ptr, arrays)
+            self.stage_pointers(pq, pk, pv, out.data.ptr, lse_ptr,
+                                None if self._write_variant is None else self._variant.pointers(arrays))
             self._launch.run(stream)
         return out, lse
 
@@ -840,29 +841,24 @@ class ForwardPlan(_Plan):
         """Write one run's addresses into the packed arguments, for :meth:`launch_staged`: the caller holds
         ``self._lock`` and has entered the plan's context (a step of several launches stages its forward before its
         first launch, so that its launches follow each other with no host work between them)."""
-        self._write(pq, pk, pv, pout, plse)
-        if self._maps:
-            q_map, k_map, v_map = self._maps[:3]
-            q_map.point(pq)
-            k_map.point(pk)
-            v_map.point(pv)
-        if self._write_variant is not None:
-            self._write_variant(*self._variant.pointers(arrays))
+        self.stage_pointers(pq, pk, pv, pout, plse,
+                            None if self._write_variant is None else self._variant.pointers(arrays))
 
     @property
     def stages_pointers(self) -> bool:
         """Whether :meth:`stage_pointers` may stage a run (a variant with no ExtraParams record: bias, dropout or mods)."""
         return not self._variant._has_extra
 
-    def stage_pointers(self, pq: int, pk: int, pv: int, pout: int, plse: int, variant_pointers: tuple) -> None:
+    def stage_pointers(self, pq: int, pk: int, pv: int, pout: int, plse: int, variant_pointers: tuple | None) -> None:
         """:meth:`stage` with VariantParams' pointer fields given as addresses (cu_seqlens_q, cu_seqlens_k, seqused_k,
-        alibi_slopes, extra: 0 for none), where :attr:`stages_pointers`: no VariantArrays to build (chunked prefill's
-        fused step, whose key counts' base is a new array at every step)."""
+        alibi_slopes, extra: 0 for none; None for a plan that writes none), where :attr:`stages_pointers`: no
+        VariantArrays to build (chunked prefill's fused step, whose key counts' base is a new array at every step)."""
         self._write(pq, pk, pv, pout, plse)
-        q_map, k_map, v_map = self._maps[:3]
-        q_map.point(pq)
-        k_map.point(pk)
-        v_map.point(pv)
+        if self._maps:
+            q_map, k_map, v_map = self._maps[:3]
+            q_map.point(pq)
+            k_map.point(pk)
+            v_map.point(pv)
         if self._write_variant is not None:
             self._write_variant(*variant_pointers)
 

@@ -820,22 +820,19 @@ class ChunkedPrefillLaunch:
                                   self._arrays(seqused_k=cache_seqlens, alibi_slopes=alibi_slopes))
                 forward.stage_append(pseqlens, k.data.ptr, v.data.ptr, pk, pv)
                 forward.launch_staged(stream)
-            if given is not None and given is not out:
-                _chunked_prefill.bits(given)[...] = _chunked_prefill.bits(out)
-                out = given
-            return out, lse
-        arrays = self._plain_arrays if alibi_slopes is None else self._arrays(seqused_k=self._seqused,
-                                                                              alibi_slopes=alibi_slopes)
-        with self._lock, forward._lock:
-            # Both records written first, then the two launches back to back: the GPU does not wait for the host
-            # between them (the append takes a few microseconds).
-            forward.stage(pq, pk, pv, pout, plse, arrays)
-            for i, ptr in enumerate((pq, pk, pv, 0 if k is None else k.data.ptr, 0 if v is None else v.data.ptr)):
-                words[index[i]] = ptr
-            words[index[7]] = cache_seqlens.data.ptr
-            launch(self._append[0], self._append_grid, 1, 1, 128, 1, 1, 0, stream, argv, 0)  # (record copied now)
-            if not forward.launch_staged(stream, self._after_append):
-                self._after_append = False  # (a refused programmatic launch: the ordinary one from now on)
+        else:
+            arrays = self._plain_arrays if alibi_slopes is None else self._arrays(seqused_k=self._seqused,
+                                                                                  alibi_slopes=alibi_slopes)
+            with self._lock, forward._lock:
+                # Both records written first, then the two launches back to back: the GPU does not wait for the host
+                # between them (the append takes a few microseconds).
+                forward.stage(pq, pk, pv, pout, plse, arrays)
+                for i, ptr in enumerate((pq, pk, pv, 0 if k is None else k.data.ptr, 0 if v is None else v.data.ptr)):
+                    words[index[i]] = ptr
+                words[index[7]] = cache_seqlens.data.ptr
+                launch(self._append[0], self._append_grid, 1, 1, 128, 1, 1, 0, stream, argv, 0)  # (record copied now)
+                if not forward.launch_staged(stream, self._after_append):
+                    self._after_append = False  # (a refused programmatic launch: the ordinary one from now on)
         if given is not None and given is not out:  # an out= of other strides: a copy of the result
             _chunked_prefill.bits(given)[...] = _chunked_prefill.bits(out)
             out = given

@@ -804,8 +804,7 @@ class _FusedAppend:
                 from .._ops import api as _api
 
                 decode.FUSED_PREFILL_APPEND, self.state = on, on
-                _api._kvcache_launches.clear()
-                decode._LAUNCHES.clear()
+                _decode_kernels_forced._forget(_api)
             return fn()
         return call
 
