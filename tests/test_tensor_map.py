@@ -637,7 +637,7 @@ def test_chunked_prefill_with_the_append_fused_is_one_launch(monkeypatch):
     form, whose arguments hold this step's addresses: VariantParams' key counts are cache_seqlens; PrefillAppend holds
     cache_seqlens, k and v, their element strides, the new tokens' count and the cache's slots; the kernel's k and v
     are the caches; its five maps are q's, the caches' and then k's and v's (boxes of the key tile's rows). A step with
-    new k and v arrays points those two maps at them. Off (the default), the append kernel and the forward."""
+    new k and v arrays points those two maps at them. Off, the append kernel and the forward."""
     import numpy as np
 
     import cuflash
@@ -662,6 +662,7 @@ def test_chunked_prefill_with_the_append_fused_is_one_launch(monkeypatch):
         out = cuflash.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, causal=True)
         return k, v, out, [launch for launch in recorder.take() if len(launch) == 6]
 
+    monkeypatch.setattr(decode, "FUSED_PREFILL_APPEND", False)
     _, _, _, launches = step()
     assert [name.split("<")[0] for name, *_ in launches] == ["cuflash::decode_append_kernel",
                                                            "cuflash::flash_fwd_sm90_tma_kernel"]

@@ -852,8 +852,10 @@ def _prefill_rows_gpu(args) -> list[dict]:
                     # the chunked call with the append kernel, and [prefill append] with the append fused (where its
                     # launch is the forward's append form: else both are the same call)
                     chunked, fused = switch(plain, False), switch(plain, True)
+                    # (the chunked call first: the dense call reads the new tokens from the slots it appends to)
+                    got = chunked().astype(cupy.float32)
                     want = dense().astype(cupy.float32)
-                    err = float(cupy.abs(chunked().astype(cupy.float32) - want).max())
+                    err = float(cupy.abs(got - want).max())
                     fused_err = float(cupy.abs(fused().astype(cupy.float32) - want).max())
                     chunked_s, dense_s, fused_s = _side_by_side(timed, chunked, dense, fused)
                     # ... and back to back (the GPU's time: the host's hidden behind it, as in a model's loop)
