@@ -7,8 +7,8 @@
 // swizzle, nine column chunks of 64). The warpgroups work out of phase (a "seesaw"): each computes S for one tile of
 // the pair, and each holds half of O's 512 columns (128 float32 registers a thread), so that one warpgroup's softmax
 // runs while the other's products keep the tensor cores busy:
-//   wg 0: [fa2-fwd 2] S0 = Q K0^T; [fa2-fwd 3] m0 = max(m, rowmax S0) -> shared; [fa2-fwd 4] P0 = exp2(S0 - m0);
-//         [fa2-fwd 5] O[:, :256] = O corr0 + P0 V0 (P0 from registers); then, with wg 1's m1: P0 exp2(m0 - m1) into
+//   wg 0: [fa2-fwd 2] S0 = Q K0^T (issued at the end of the pair before: [mla early s0]); [fa2-fwd 3] m0 =
+//         max(m, rowmax S0) -> shared; [fa2-fwd 4] P0 = exp2(S0 - m0); [fa2-fwd 5] O[:, :256] = O corr0 + P0 V0 (P0 from registers); then, with wg 1's m1: P0 exp2(m0 - m1) into
 //         shared memory for wg 1, O[:, :256] = O exp2(m0 - m1) + P1 V1 (P1 from shared memory).
 //   wg 1: [fa2-fwd 2] S1 = Q K1^T; [fa2-fwd 3] m1 = max(m0, rowmax S1), exp2(m0 - m1) -> shared; [fa2-fwd 4]
 //         P1 = exp2(S1 - m1) -> shared; [fa2-fwd 5] O[:, 256:] = O corr1 + P1 V1 + (P0 exp2(m0 - m1)) V0.
@@ -22,7 +22,20 @@
 #include "decode.cu"
 #include "hopper_tiles.cuh"
 
+// [mla early s0] Warpgroup 0 issues the next pair's S0 at the end of a pair, under its own last P V (chunks 0-3 of its
+// buffer, which it loaded itself early in the pair) and after it (chunks 4-8), instead of at the top of the next pair
+// beside warpgroup 1's S1: the next pair's m0 is then ready when it starts, and warpgroup 0's softmax runs under
+// warpgroup 1's S1 (FlashMLA's order for its first warpgroup). 0: both S at the top of each pair.
+#ifndef CUFLASH_MLA_EARLY_S0
+#define CUFLASH_MLA_EARLY_S0 1
+#endif
+
 namespace cuflash {
+
+template <bool B>
+struct Flag {
+    static constexpr bool value = B;
+};
 
 // The 128-byte-swizzled layout of a kRows-row tile (hopper_tiles.cuh), as decode.cu's loads take a layout.
 template <int kRows>
@@ -303,31 +316,49 @@ flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ Tenso
         else named_bar_arrive(bar, kThreads);
     };
 
+    // [fa2-fwd 2] S = Q K^T of this warpgroup's tile: the chunks at positions [i0, i1) of the order they are loaded
+    // in, each once it has landed (barrier phase ph), committed as one group (not waited for). The order: wg 0's
+    // buffer-0 chunks 0-3 (by itself, early), then 4-8 (by wg 1, late); wg 1's buffer-1 chunks 4-7 (by itself), then
+    // 0-3 and 8 (by wg 0)
+    float s[kNT][4];
+    auto issue_s = [&](const int i0, const int i1, const int ph) {
+#pragma unroll
+        for (int i = i0; i < i1; ++i) {
+            const int c = wg == 0 ? i : (i < 4 ? i + 4 : i < 8 ? i - 4 : 8);
+            mbar_wait(full(wg, c), ph);
+            fence_proxy_async();
+            wgmma_fence();
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+                Wgmma<T>::ss(s, desc_q(4 * c + q), desc_k(4 * c + q), i + q > 0, Int<kBlockN>());
+        }
+        wgmma_commit();
+    };
+    constexpr bool kEarlyS0 = CUFLASH_MLA_EARLY_S0 != 0;  // [mla early s0]
+
     mbar_wait(bar_q, 0);
     fence_proxy_async();
-    for (int j0 = part_first, phase = 0; j0 < part_end; j0 += 2, phase ^= 1) {
-        const bool has1 = j0 + 1 < part_end;
+    if (kEarlyS0 && wg == 0 && part_first < part_end) {  // (the first pair's S0)
+        issue_s(0, 9, 0);
+        wgmma_wait<0>();
+    }
+    // One pair of tiles, j0 and j0 + 1 (kLast: the split's last pair, whose second tile may be missing; [mla early s0]
+    // issues no next S0 there: the other pairs issue theirs in straight-line code, where ptxas keeps the products
+    // asynchronous)
+    auto pair = [&](const int j0, const int phase, auto last) {
+        constexpr bool kLast = decltype(last)::value;
+        const bool has1 = !kLast || j0 + 1 < part_end;  // (every pair but the last has both tiles)
         // this pair's successors' source rows (their page lookups in flight during the products)
         const TileSource next0 = source(j0 + 2), next1 = source(j0 + 3);
 
-        // [fa2-fwd 2] S = Q K^T of this warpgroup's tile, chunk by chunk as the chunks land
-        float s[kNT][4];
+        // [fa2-fwd 2] S = Q K^T of this warpgroup's tile, chunk by chunk as the chunks land ([mla early s0]: wg 0's
+        // issued at the end of the pair before)
         bool tail = false;  // this warpgroup's tile is a partial last one, its V tail zeroed (kTma)
         if (wg == 0 || has1) {
-#pragma unroll
-            for (int i = 0; i < 9; ++i) {
-                // the chunks in the order they were loaded: wg 0's buffer-0 chunks 0-3 (by itself, early), then
-                // 4-8 (by wg 1, late); wg 1's buffer-1 chunks 4-7 (by itself), then 0-3 and 8 (by wg 0)
-                const int c = wg == 0 ? i : (i < 4 ? i + 4 : i < 8 ? i - 4 : 8);
-                mbar_wait(full(wg, c), phase);
-                fence_proxy_async();
-                wgmma_fence();
-#pragma unroll
-                for (int q = 0; q < 4; ++q)
-                    Wgmma<T>::ss(s, desc_q(4 * c + q), desc_k(4 * c + q), i + q > 0, Int<kBlockN>());
+            if (!kEarlyS0 || wg == 1) {
+                issue_s(0, 9, phase);
+                wgmma_wait<0>();
             }
-            wgmma_commit();
-            wgmma_wait<0>();
             fence_regs(s);
             tail = zero_tail(wg == 0 ? tile0 : tile1, j0 + wg);
             mod_mask_scale(s, p, (j0 + wg) * kBlockN, row_t, slope, blk.offset, blk.len_k, lane & 3);
@@ -367,7 +398,15 @@ flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ Tenso
 #pragma unroll
                 for (int kk = 0; kk < kPT; ++kk) load_a<kBlockN>(a[kk], sP1, rw, kk, lane);
                 issue_pv(a, 1);
-                wgmma_wait<0>();
+                // [mla early s0] the next pair's S0 over the chunks this warpgroup loaded (its P0 is in shared
+                // memory: s is free), under P1 V1
+                constexpr bool early = kEarlyS0 && !kLast;
+                if constexpr (early) {
+                    issue_s(0, 4, phase ^ 1);
+                    wgmma_wait<1>();
+                } else {
+                    wgmma_wait<0>();
+                }
                 fence_regs(acc);
                 // buffer 1's chunks 0-3 (V1's left half) and its rope chunk (P1) are done with: the product that
                 // read P1 has completed, so every warp of the warpgroup has read it (TMA: one thread overwrites
@@ -375,6 +414,10 @@ flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ Tenso
                 if (j0 + 3 < part_end) {
                     loader.template load<0, 4>(tile1, full(1, 0), next1);
                     loader.template load<8, 9>(tile1, full(1, 0), next1);
+                }
+                if constexpr (early) {
+                    issue_s(4, 9, phase ^ 1);  // (the chunks wg 1 loads at the end of its pair)
+                    wgmma_wait<0>();  // (waited for within the pair: nothing in flight across the loop's back edge)
                 }
             }
         } else {
@@ -414,7 +457,10 @@ flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ Tenso
             fence_regs(acc);
             if (j0 + 2 < part_end) loader.template load<4, 9>(tile0, full(0, 0), next0);
         }
-    }
+    };
+    int j0 = part_first, phase = 0;
+    for (; j0 + 2 < part_end; j0 += 2, phase ^= 1) pair(j0, phase, Flag<false>());
+    if (j0 < part_end) pair(j0, phase, Flag<true>());
 
     finish_wide_rows<T, kDV, kBlockM, kNWarps, 2, kDT>(p, blk, acc, m, l, sSum, page_fault, rw, wg, tid);
 }
