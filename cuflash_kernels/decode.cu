@@ -187,6 +187,81 @@ __global__ void __launch_bounds__(128) decode_append_kernel(const DecodeParams p
     }
 }
 
+// [decode rotary] Rotary embedding of a decode step's queries and new keys, before the append and the attention
+// (cuflash/reference/decode.py: apply_rotary, the reference's step): one block per row (b, t) of q (t < seqlen_q)
+// or of k (the new key t - seqlen_q), its threads over (head, column), writing the row into contiguous copies that the
+// launch owns (q_rot, k_rot: the arrays the next launches read). Query token t sits at position cache_seqlens[b] + t
+// (consecutive_q: causal or a window) or cache_seqlens[b]; new key i at cache_seqlens[b] + i. Each pair (x1, x2) of
+// the first 2 * half columns -- (x[2i], x[2i + 1]) interleaved (GPT-J), (x[i], x[i + half]) otherwise (GPT-NeoX) --
+// becomes (x1 c - x2 s, x2 c + x1 s) with c, s row `position` of the tables (float32, or q's dtype: kTable), in
+// float32 products and sums rounded one by one (no fused multiply-add: the reference's array operations), then
+// rounded to the input dtype; the other columns are copied. [decode guard] The tables are read nowhere else: a
+// sequence some of whose positions fall outside them (a length below 0, or past seqlen_ro - 1) gets those rows NaN
+// (never a read out of bounds) and, in seqlens_out (the lengths the launch's next kernels read), -1: the decode
+// kernels' out-of-range sequence, which appends nothing and whose output rows are NaN.
+struct RotaryParams {
+    const u16* q;              // (batch, seqlen_q, heads_q, d) at strides q_*
+    const u16* k_new;          // (batch, seqlen_new, heads_kv, d) at strides kn_*, or null
+    const void* cos;           // (seqlen_ro, half) at strides cos_s0, cos_s1
+    const void* sin;           // (seqlen_ro, half) at strides sin_s0, sin_s1
+    const int* cache_seqlens;  // (batch,)
+    u16* q_rot;                // (batch, seqlen_q, heads_q, d), contiguous
+    u16* k_rot;                // (batch, seqlen_new, heads_kv, d), contiguous, or null
+    int* seqlens_out;          // (batch,): cache_seqlens[b], or -1 where a position falls outside the tables
+    i64 q_sb, q_ss, q_sh, kn_sb, kn_ss, kn_sh;  // (elements)
+    i64 cos_s0, cos_s1, sin_s0, sin_s1;
+    int seqlen_q, seqlen_new, heads_q, heads_kv, head_dim, half, seqlen_ro, interleaved, consecutive_q, pad_;
+};
+
+// An entry of a rotary table of C's type: float (float32), or fp16 / bf16 (16-bit words).
+template <class C>
+__device__ __forceinline__ float rotary_table(const void* table, i64 at) {
+    return Elem<C>::to_float(static_cast<const u16*>(table)[at]);
+}
+template <>
+__device__ __forceinline__ float rotary_table<float>(const void* table, i64 at) {
+    return static_cast<const float*>(table)[at];
+}
+
+template <class T, class C>
+__global__ void __launch_bounds__(128) decode_rotary_kernel(const RotaryParams p) {
+    const int rows = p.seqlen_q + p.seqlen_new;
+    const int b = blockIdx.x / rows, t = blockIdx.x % rows;
+    const bool is_q = t < p.seqlen_q;
+    const int i = is_q ? t : t - p.seqlen_q;
+    const int heads = is_q ? p.heads_q : p.heads_kv, d = p.head_dim, half = p.half;
+    const u16* src = is_q ? p.q + b * p.q_sb + (i64)i * p.q_ss : p.k_new + b * p.kn_sb + (i64)i * p.kn_ss;
+    const i64 src_sh = is_q ? p.q_sh : p.kn_sh;
+    u16* dst = is_q ? p.q_rot + ((i64)b * p.seqlen_q + i) * p.heads_q * d
+                    : p.k_rot + ((i64)b * p.seqlen_new + i) * p.heads_kv * d;
+    const int seqlen = p.cache_seqlens[b];
+    const int position = seqlen + (is_q && !p.consecutive_q ? 0 : i);
+    const bool known = position >= 0 && position < p.seqlen_ro;
+    if (t == 0 && threadIdx.x == 0) {  // the sequence's last positions: its last query token's and new key's
+        const int last = seqlen + max(p.consecutive_q ? p.seqlen_q : 1, p.seqlen_new) - 1;
+        p.seqlens_out[b] = seqlen >= 0 && last < p.seqlen_ro ? seqlen : -1;
+    }
+    for (int e = threadIdx.x; e < heads * d; e += blockDim.x) {
+        const int h = e / d, j = e % d;
+        const u16* x = src + h * src_sh;
+        if (known && j >= 2 * half) {  // (not rotated: its bits)
+            dst[e] = x[j];
+            continue;
+        }
+        float r = CUFLASH_NAN;
+        if (known) {
+            const bool first = p.interleaved ? (j & 1) == 0 : j < half;
+            const int pair = p.interleaved ? j >> 1 : (first ? j : j - half);
+            const int j1 = p.interleaved ? j & ~1 : pair, j2 = p.interleaved ? j1 + 1 : pair + half;
+            const float c = rotary_table<C>(p.cos, position * p.cos_s0 + pair * p.cos_s1);
+            const float s = rotary_table<C>(p.sin, position * p.sin_s0 + pair * p.sin_s1);
+            const float x1 = Elem<T>::to_float(x[j1]), x2 = Elem<T>::to_float(x[j2]);
+            r = first ? __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)) : __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+        }
+        dst[e] = static_cast<u16>(Elem<T>::pack(r, 0.f) & 0xffffu);
+    }
+}
+
 // Loads through L2 only (ld.global.cg): the fused merge reads partials that other blocks of the same launch
 // wrote, which an SM's L1 (not coherent between SMs) must not serve.
 __device__ __forceinline__ float ld_cg(const float* ptr) {

@@ -136,6 +136,10 @@ def install(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", module)
 
     class Runtime(decode.CupyRuntime):
+        @staticmethod
+        def raw_zeros(count, dtype):  # (the stand-in's memory: NumPy's)
+            return zeros((count,), dtype=dtype)
+
         def function(self, spec):
             handle = 0x1000 + len(recorder.names)
             recorder.names[handle] = {"name": spec.name, "sizes": None}
@@ -143,8 +147,9 @@ def install(monkeypatch):
             return handle, None
 
     def decode_function(self, spec):  # the decode launcher's kernels, which take one argument: the DecodeParams record
-        handle = 0x1000 + len(recorder.names)
-        recorder.names[handle] = {"name": spec.name, "sizes": [decode.DECODE_PARAMS_DTYPE.itemsize]}
+        handle = 0x1000 + len(recorder.names)  # (or the rotary kernel's RotaryParams)
+        record = decode.ROTARY_PARAMS_DTYPE if spec.family == "decode_rotary" else decode.DECODE_PARAMS_DTYPE
+        recorder.names[handle] = {"name": spec.name, "sizes": [record.itemsize]}
         return handle, None
 
     original_init = compile.PackedLaunch.__init__

@@ -156,6 +156,72 @@ def test_decode_against_the_truth(requires_gpu, label, dtname, splits):
 FUSED_CASES = [label for label, case in CASES.items() if case[5] and not label.startswith("prefill")]
 
 
+def _switch(monkeypatch, name: str, value) -> None:
+    """A switch of cuflash._cuda.decode set for the test, the launches planned under its other value forgotten."""
+    from cuflash._cuda import decode
+
+    monkeypatch.setattr(decode, name, value)
+    decode._LAUNCHES.clear()
+    _api._kvcache_launches.clear()
+
+
+@pytest.mark.parametrize("seqlen_q, causal", [(1, True), (3, False), (80, True)],
+                         ids=["decode", "speculative-not-causal", "chunked-prefill"])
+@pytest.mark.parametrize("table", ["float32", "q"])
+@pytest.mark.parametrize("interleaved", [True, False], ids=["gptj", "neox"])
+def test_rotary_kernel_matches_the_array_operations(requires_gpu, monkeypatch, seqlen_q, causal, table, interleaved):
+    """[decode rotary] decode_rotary_kernel (decode.ROTARY_KERNEL, the default) gives what the CuPy array operations
+    give (the reference's apply_rotary on CuPy arrays, ROTARY_KERNEL off): out, lse and both caches bit for bit, for
+    decode steps, a non-causal speculative step (every query token at cache_seqlens[b]) and chunked prefill, tables of
+    float32 and of q's dtype, both pair layouts, a rotary_dim below the head dim."""
+
+    cp = requires_gpu
+    rng = np.random.default_rng(90 + seqlen_q)
+    dtype = DTYPES["bfloat16"]
+    batch, heads_q, heads_kv, d, capacity = 3, 8, 2, 128, 1024
+    q, k_cache, v_cache, k, v, seqlens, _ = _case(rng, batch=batch, heads_q=heads_q, heads_kv=heads_kv, d=d,
+                                                  seqlen_q=seqlen_q, seqlen_new=seqlen_q, capacity=capacity,
+                                                  page_size=None, dtype=dtype)
+    angles = np.outer(np.arange(capacity + 5), 1e-2 ** (np.arange(40) / 40))  # rotary_dim 80
+    cast = np.float32 if table == "float32" else dtype
+    cos, sin = cp.asarray(np.cos(angles).astype(cast)), cp.asarray(np.sin(angles).astype(cast))
+    results = {}
+    for kernel in (True, False):
+        _switch(monkeypatch, "ROTARY_KERNEL", kernel)
+        ck, cv = cp.asarray(k_cache), cp.asarray(v_cache)
+        poison(cp)
+        out, lse = cuflash.attention_with_kvcache(cp.asarray(q), ck, cv, cp.asarray(k), cp.asarray(v),
+                                                  cache_seqlens=cp.asarray(seqlens), rotary_cos=cos, rotary_sin=sin,
+                                                  rotary_interleaved=interleaved, causal=causal, return_lse=True)
+        (launch,) = _api._kvcache_launches._entries.values()
+        assert (launch._rotary_step is not None) == kernel
+        results[kernel] = [cp.asnumpy(x).view(np.uint8) for x in (out, lse, ck, cv)]
+    for name, a, b in zip(("out", "lse", "k_cache", "v_cache"), results[True], results[False]):
+        assert np.array_equal(a, b), name
+
+
+def test_rotary_kernel_makes_a_sequence_past_its_tables_nan(requires_gpu):
+    """[decode guard] A position past the rotary tables (a device length the host does not read): the rotary kernel
+    never reads past the tables and gives the sequence the length -1 for the kernels after it, so it appends nothing
+    and its output rows are NaN; the other sequences are computed and appended as usual."""
+    cp = requires_gpu
+    rng = np.random.default_rng(95)
+    dtype = DTYPES["float16"]
+    q, k_cache, v_cache, k, v, _, _ = _case(rng, batch=2, heads_q=4, heads_kv=2, d=64, seqlen_q=1, seqlen_new=1,
+                                            capacity=512, page_size=None, dtype=dtype)
+    angles = np.outer(np.arange(300), 1e-2 ** (np.arange(32) / 32))
+    cos, sin = cp.asarray(np.cos(angles).astype(np.float32)), cp.asarray(np.sin(angles).astype(np.float32))
+    lens = cp.asarray(np.array([100, 400], np.int32))  # (sequence 1's position 400: past the tables' 300 rows)
+    ck, cv = cp.asarray(k_cache), cp.asarray(v_cache)
+    out = cuflash.attention_with_kvcache(cp.asarray(q), ck, cv, cp.asarray(k), cp.asarray(v), cache_seqlens=lens,
+                                         rotary_cos=cos, rotary_sin=sin, causal=True)
+    host = cp.asnumpy(out).astype(np.float32)
+    assert np.isfinite(host[0]).all() and np.isnan(host[1]).all()
+    kc, vc = cp.asnumpy(ck), cp.asnumpy(cv)
+    assert np.array_equal(kc[1], k_cache[1]) and np.array_equal(vc[1], v_cache[1])  # (nothing appended)
+    assert np.array_equal(vc[0, 100], v[0, 0]) and not np.array_equal(kc[0, 100], k_cache[0, 100])
+
+
 @pytest.mark.parametrize("label", FUSED_CASES)
 @pytest.mark.parametrize("splits", [None, 1])
 def test_fused_append_matches_the_two_launches(requires_gpu, monkeypatch, label, splits):
@@ -179,9 +245,7 @@ def test_fused_append_matches_the_two_launches(requires_gpu, monkeypatch, label,
     dev = {name: (cp.asarray(x) if isinstance(x, np.ndarray) else x) for name, x in extra.items()}
     results = {}
     for mode, launches in (("fused", 1), ("two", 2), ("odd-k", 1 if rotary else 2)):
-        monkeypatch.setattr(decode, "FUSE_APPEND", mode != "two")
-        decode._LAUNCHES.clear()
-        _api._kvcache_launches.clear()
+        _switch(monkeypatch, "FUSE_APPEND", mode != "two")
         ck, cv = caches(cp.asarray)
         ck_new = cp.asarray(k)
         if mode == "odd-k":
@@ -193,7 +257,8 @@ def test_fused_append_matches_the_two_launches(requires_gpu, monkeypatch, label,
         out, lse = cuflash.attention_with_kvcache(cp.asarray(q), ck, cv, ck_new, cp.asarray(v), **dev)
         (launch,) = decode._LAUNCHES.values()
         merge = int(dv is not None and launch.num_splits > 1)  # MLA's merge of several splits: a launch of its own
-        assert launch.launches_per_step == launches + merge, (mode, launch.launches_per_step)
+        # (+1: [decode rotary]'s kernel before them)
+        assert launch.launches_per_step == launches + merge + rotary, (mode, launch.launches_per_step)
         assert int(launch._record[0]["fuse_new"]) == (launches == 1)
         assert np.array_equal(cp.asnumpy(ck).view(np.uint16), kn.view(np.uint16)), mode
         assert np.array_equal(cp.asnumpy(cv).view(np.uint16), vn.view(np.uint16)), mode
@@ -316,9 +381,7 @@ def test_chunked_prefill_with_the_append_fused_matches_two_launches(requires_gpu
     dev = {name: (cp.asarray(val) if isinstance(val, np.ndarray) else val) for name, val in extra.items()}
     results, kinds = {}, {}
     for fused in (False, True):
-        monkeypatch.setattr(decode, "FUSED_PREFILL_APPEND", fused)
-        decode._LAUNCHES.clear()
-        _api._kvcache_launches.clear()
+        _switch(monkeypatch, "FUSED_PREFILL_APPEND", fused)
         ck, cv = cp.asarray(k_cache), cp.asarray(v_cache)
         poison(cp)
         out, lse = cuflash.attention_with_kvcache(cp.asarray(q), ck, cv, None if k is None else cp.asarray(k),
@@ -813,49 +876,62 @@ def test_plan_checks_device_values_in_the_debug_mode(requires_gpu, monkeypatch):
         plan.run(cq, ck, cv, cache_seqlens=lens)
 
 
-def _graph_inputs(cp, rng, dtype, *, paged, seqlen_q=1):
+def _graph_inputs(cp, rng, dtype, *, paged, seqlen_q=1, rotary=False):
     capacity = 600 if seqlen_q == 1 else 2048
     q, k_cache, v_cache, seqlens, table = _steps_case(rng, dtype, paged=paged, batch=2, capacity=capacity,
                                                       seqlen_q=seqlen_q)
     batch, _, heads_q, d = q.shape
     heads_kv = k_cache.shape[2]
     k, v = (rng.standard_normal((batch, seqlen_q, heads_kv, d)).astype(dtype) for _ in range(2))
+    # [decode rotary] tables of q's dtype, rotary_dim d / 2, GPT-NeoX pairs
+    angles = np.outer(np.arange(capacity + seqlen_q), 1e-2 ** (np.arange(d // 4) / (d // 4)))
+    tables = (np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)) if rotary else None
 
     def fresh():  # one copy of everything a step reads and writes
         return dict(q=cp.asarray(q), k_cache=cp.asarray(k_cache), v_cache=cp.asarray(v_cache), k=cp.asarray(k),
                     v=cp.asarray(v), cache_seqlens=cp.asarray(seqlens),
                     block_table=None if table is None else cp.asarray(table),
                     out=cp.empty((batch, seqlen_q, heads_q, d), dtype=dtype),
-                    lse=cp.empty((batch, heads_q, seqlen_q), cp.float32))
+                    lse=cp.empty((batch, heads_q, seqlen_q), cp.float32),
+                    rotary=None if tables is None else tuple(cp.asarray(t) for t in tables))
     return fresh
+
+
+def _rotary_args(a) -> dict:
+    return {} if a.get("rotary") is None else dict(rotary_cos=a["rotary"][0], rotary_sin=a["rotary"][1],
+                                               rotary_interleaved=False)
 
 
 def _run(plan, a):
     return plan.run(a["q"], a["k_cache"], a["v_cache"], a["k"], a["v"], cache_seqlens=a["cache_seqlens"],
-                    block_table=a["block_table"], out=a["out"], lse=a["lse"])
+                    block_table=a["block_table"], out=a["out"], lse=a["lse"],
+                    **{name: value for name, value in _rotary_args(a).items() if name != "rotary_interleaved"})
 
 
-@pytest.mark.parametrize("paged, seqlen_q", [(False, 1), (True, 1), (False, 96)],
-                         ids=["contiguous", "paged16", "chunked-prefill"])
-def test_plan_run_in_a_cupy_graph(requires_gpu, paged, seqlen_q):
+@pytest.mark.parametrize("paged, seqlen_q, rotary", [(False, 1, False), (True, 1, False), (False, 96, False),
+                                                     (True, 1, True), (False, 96, True)],
+                         ids=["contiguous", "paged16", "chunked-prefill", "paged16-rotary", "chunked-prefill-rotary"])
+def test_plan_run_in_a_cupy_graph(requires_gpu, paged, seqlen_q, rotary):
     """plan.run captured by CuPy's stream capture (append, attention, merge; chunked prefill's append, forward and
-    guard) and replayed for three steps gives what eager runs give, bit for bit; the caller advances the lengths on
-    the device between steps."""
+    guard; [decode rotary]'s kernel before them) and replayed for three steps gives what eager runs give, bit for bit;
+    the caller advances the lengths on the device between steps."""
     cp = requires_gpu
     rng = np.random.default_rng(8)
-    fresh = _graph_inputs(cp, rng, DTYPES["bfloat16"], paged=paged, seqlen_q=seqlen_q)
+    fresh = _graph_inputs(cp, rng, DTYPES["bfloat16"], paged=paged, seqlen_q=seqlen_q, rotary=rotary)
     eager, captured = fresh(), fresh()
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         plan = cuflash.plan_kvcache(eager["q"], eager["k_cache"], eager["v_cache"], eager["k"], eager["v"],
                                     cache_seqlens=eager["cache_seqlens"], block_table=eager["block_table"],
-                                    causal=True, out=eager["out"])
+                                    causal=True, out=eager["out"], **_rotary_args(eager))
         # batch 2 x 2 heads: the split kernel merges (its counters reset each replay); chunked prefill's forward
         assert plan.num_splits > 1 or seqlen_q > 1
         assert (type(plan._runner.__self__).__name__ == "ChunkedPrefillLaunch") == (seqlen_q > 1)
+        assert (plan._runner.__self__._rotary_step is not None) == rotary
         graph_plan = cuflash.plan_kvcache(captured["q"], captured["k_cache"], captured["v_cache"], captured["k"],
                                           captured["v"], cache_seqlens=captured["cache_seqlens"],
-                                          block_table=captured["block_table"], causal=True, out=captured["out"])
+                                          block_table=captured["block_table"], causal=True, out=captured["out"],
+                                          **_rotary_args(captured))
         _run(graph_plan, fresh())  # a first eager run on this thread (the context), outside the capture
         stream.synchronize()
         stream.begin_capture()

@@ -298,10 +298,10 @@ def _layout_asserts(struct: str, dtype, rename=None) -> str:
 
 
 def test_parameter_structs_match_the_launchers_layouts():
-    """VariantParams, ExtraParams, DecodeParams, CascadeParams and PrefillAppend are packed by NumPy structured dtypes: C++ must
-    agree on every offset, or a kernel would read one field as another."""
+    """VariantParams, ExtraParams, DecodeParams, CascadeParams, RotaryParams and PrefillAppend are packed by NumPy
+    structured dtypes: C++ must agree on every offset, or a kernel would read one field as another."""
     from cuflash._cuda.cascade import CASCADE_PARAMS_DTYPE
-    from cuflash._cuda.decode import DECODE_PARAMS_DTYPE
+    from cuflash._cuda.decode import DECODE_PARAMS_DTYPE, ROTARY_PARAMS_DTYPE
     from cuflash._cuda.spec import EXTRA_PARAMS_DTYPE, PREFILL_APPEND_DTYPE, VARIANT_PARAMS_DTYPE
 
     nvrtc = _nvrtc()
@@ -313,7 +313,7 @@ def test_parameter_structs_match_the_launchers_layouts():
     ok, log = compile_with_nvrtc(nvrtc, text, [], _cuda.NVRTC_OPTIONS, "sm_80")
     assert ok, log[-3000:]
     text = _cuda.compile_source_for_nvrtc("decode.cu") + _layout_asserts("DecodeParams", DECODE_PARAMS_DTYPE)
-    text += _layout_asserts("CascadeParams", CASCADE_PARAMS_DTYPE)
+    text += _layout_asserts("CascadeParams", CASCADE_PARAMS_DTYPE) + _layout_asserts("RotaryParams", ROTARY_PARAMS_DTYPE)
     ok, log = compile_with_nvrtc(nvrtc, text, [], _cuda.NVRTC_OPTIONS, "sm_80")
     assert ok, log[-3000:]
     text = _cuda.compile_source_for_nvrtc("forward_sm90.cu") + _layout_asserts("PrefillAppend", PREFILL_APPEND_DTYPE)

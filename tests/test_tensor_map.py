@@ -690,3 +690,73 @@ def test_chunked_prefill_with_the_append_fused_is_one_launch(monkeypatch):
             assert [e[0] for e in encoded] == [k.data.ptr, v.data.ptr]
     launch = next(iter(_api._kvcache_launches._entries.values()))
     assert isinstance(launch, decode.ChunkedPrefillLaunch) and launch._fused_append and launch._append is None
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 64], ids=["decode", "chunked-prefill"])
+def test_rotary_steps_rotate_by_one_kernel_into_the_launchs_copies(monkeypatch, seqlen_q):
+    """(CPU) [decode rotary] A rotary step's first launch is decode_rotary_kernel, one block per row of q and of the new
+    k, its record holding the step's q, k, tables (their strides and shape) and lengths, and the launch's own
+    contiguous copies and guarded lengths, which the next launches read in place of q, k and cache_seqlens (the decode
+    kernels' record; chunked prefill's forward, whose append is fused): the same copies at every step, so that a step
+    with out= allocates nothing. Tables
+    of another type than float32 or q's: no rotary kernel (CuPy array operations)."""
+    import numpy as np
+
+    import cuflash
+    from cuflash._cuda import decode
+    from cuflash._cuda.decode import DECODE_PARAMS_DTYPE, ROTARY_PARAMS_DTYPE
+    from cuflash._ops import api as _api
+
+    cp, recorder, _ = _tma_stand_in(monkeypatch)
+    rng = np.random.default_rng(74)
+
+    def array(shape, dtype=np.float16):
+        return cp.asarray(rng.standard_normal(shape).astype(dtype))
+
+    q = array((2, seqlen_q, 8, 128))
+    k_cache, v_cache = array((2, 400, 2, 128)), array((2, 400, 2, 128))
+    lens = cp.asarray(np.array([100, 200], np.int32))
+    cos, sin = array((500, 24), np.float32)[::2], array((250, 40), np.float32)[:, :24]  # (tables of other row strides)
+    out = cp.empty((2, seqlen_q, 8, 128), dtype=np.float16)
+    copies = None
+    for step in range(2):
+        k, v = array((2, seqlen_q, 2, 128)), array((2, seqlen_q, 2, 128))
+        recorder.take()
+        cuflash.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, rotary_cos=cos, rotary_sin=sin,
+                                       rotary_interleaved=False, causal=True, out=out)
+        launches = [launch for launch in recorder.take() if len(launch) == 6]
+        assert launches[0][0] == "cuflash::decode_rotary_kernel<cuflash::fp16, float>", launches[0][0]
+        assert launches[0][1] == (2 * 2 * seqlen_q, 1, 1) and launches[0][2] == (128, 1, 1)
+        rec = np.frombuffer(launches[0][5][0], ROTARY_PARAMS_DTYPE)[0]
+        assert (rec["q"], rec["k_new"], rec["cos"], rec["sin"], rec["cache_seqlens"]) == (
+            q.data.ptr, k.data.ptr, cos.data.ptr, sin.data.ptr, lens.data.ptr)
+        assert (rec["cos_s0"], rec["cos_s1"], rec["sin_s0"], rec["sin_s1"]) == (48, 1, 40, 1)
+        assert (rec["half"], rec["seqlen_ro"], rec["interleaved"], rec["consecutive_q"]) == (24, 250, 0, 1)
+        assert (rec["q_sb"], rec["q_ss"], rec["q_sh"]) == (seqlen_q * 8 * 128, 8 * 128, 128)
+        assert (rec["seqlen_q"], rec["seqlen_new"], rec["heads_q"], rec["heads_kv"], rec["head_dim"]) == (
+            seqlen_q, seqlen_q, 8, 2, 128)
+        (launch,) = _api._kvcache_launches._entries.values()
+        rotated = launch._rotary_step
+        assert (rec["q_rot"], rec["k_rot"], rec["seqlens_out"]) == (rotated.q_rot.data.ptr, rotated.k_rot.data.ptr,
+                                                                    rotated.seqlens.data.ptr)
+        assert rotated.q_rot.flags.c_contiguous and rotated.k_rot.shape == k.shape
+        if copies is not None:
+            assert copies == (rotated.q_rot.data.ptr, rotated.k_rot.data.ptr)  # (the same copies at every step)
+        copies = (rotated.q_rot.data.ptr, rotated.k_rot.data.ptr)
+        if seqlen_q == 1:  # the split kernel, appending (fused): its record reads the copies
+            assert [name.split("<")[0] for name, *_ in launches[1:]] == ["cuflash::flash_decode_kernel"]
+            drec = np.frombuffer(launches[1][5][0], DECODE_PARAMS_DTYPE)[0]
+            assert (drec["q"], drec["k_new"], drec["v_new"]) == (*copies, v.data.ptr)
+            assert drec["cache_seqlens"] == rotated.seqlens.data.ptr  # (the lengths the rotary kernel guarded)
+            assert launch.launches_per_step == 2
+        else:  # chunked prefill: the forward, appending the copy of k
+            assert [name.split("<")[0] for name, *_ in launches[1:]] == ["cuflash::flash_fwd_sm90_tma_append_kernel"]
+            assert int.from_bytes(launches[1][5][0], "little") == copies[0]
+    # tables of float64: rotated by CuPy array operations (no rotary kernel)
+    monkeypatch.setattr(decode, "ROTARY_KERNEL", True)
+    launch = decode.DecodeLaunch(q[:, :1], k_cache, v_cache, k[:, :1], v[:, :1], cache=_api._kvcache_call(
+        q[:, :1], k_cache, v_cache, k[:, :1], v[:, :1], cache_seqlens=lens, rotary_cos=cos.astype(np.float64),
+        rotary_sin=sin.astype(np.float64), rotary_interleaved=True, cache_batch_idx=None, cache_leftpad=None,
+        block_table=None, causal=True, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, softmax_scale=None,
+        num_splits=0, out=None)[2], scale=0.1, variant=cuflash._ops.variant.Variant(causal=True))
+    assert launch._rotary_step is None

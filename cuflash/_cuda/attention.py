@@ -680,8 +680,10 @@ class _Plan:
     def _kept_counters(self, count: int) -> int | None:
         """The address of ``count`` zeroed 32-bit words of :data:`_COUNTERS` (never freed: a graph that captured a
         launch of the plan keeps writing them after the plan is dropped), or None under a CUDA graph capture where no
-        chunk has room (none can be made and zeroed then)."""
-        return _COUNTERS.take(self._device, count, lambda n: self._zeros((n,), dtype=np.int32), self._rt.synchronize,
+        chunk has room (none can be made and zeroed then). A chunk is device memory of its own (``raw_zeros``), not
+        the allocator's of the call: under torch's CUDA graph trees a chunk made in a warm-up run would otherwise sit
+        in the graph's pool, alive and not an output, which the trees refuse."""
+        return _COUNTERS.take(self._device, count, lambda n: self._rt.raw_zeros(n, np.int32), self._rt.synchronize,
                               grow=not self._rt.capturing())
 
     def _lse_target(self, lse: bool, lse_out, stream: int):

@@ -46,7 +46,7 @@ from . import tensor_map
 from .tensor_map import TensorMap
 
 __all__ = ["forward_kvcache", "plan_kvcache", "merge_partials", "DecodeLaunch", "ChunkedPrefillLaunch", "CupyRuntime",
-           "DECODE_PARAMS_DTYPE", "check_decode_supported"]
+           "DECODE_PARAMS_DTYPE", "ROTARY_PARAMS_DTYPE", "check_decode_supported"]
 
 _LOG2E = 1.4426950408889634
 
@@ -73,6 +73,16 @@ DECODE_PARAMS_DTYPE = np.dtype(
 )
 assert DECODE_PARAMS_DTYPE.itemsize == 384
 _FUSE_WORD = DECODE_PARAMS_DTYPE.fields["fuse_new"][1] // 4  # its index among the record's 32-bit words
+# Layout of `struct RotaryParams` (decode.cu: decode_rotary_kernel's, [decode rotary]).
+ROTARY_PARAMS_DTYPE = np.dtype(
+    [*((name, np.uint64) for name in ("q", "k_new", "cos", "sin", "cache_seqlens", "q_rot", "k_rot", "seqlens_out")),
+     *((name, np.int64) for name in ("q_sb", "q_ss", "q_sh", "kn_sb", "kn_ss", "kn_sh", "cos_s0", "cos_s1", "sin_s0",
+                                      "sin_s1")),
+     *((name, np.int32) for name in ("seqlen_q", "seqlen_new", "heads_q", "heads_kv", "head_dim", "half", "seqlen_ro",
+                                      "interleaved", "consecutive_q", "pad_"))],
+    align=True,
+)
+assert ROTARY_PARAMS_DTYPE.itemsize == 184
 # Each step pointer's byte offset in the record, in _STEP_POINTERS order, and its index among the record's 64-bit words.
 _STEP_OFFSETS = tuple(DECODE_PARAMS_DTYPE.fields[name][1] for name in _STEP_POINTERS)
 _WORD_INDEX = tuple(off // 8 for off in _STEP_OFFSETS)
@@ -81,6 +91,10 @@ _WORD_INDEX = tuple(off // 8 for off in _STEP_OFFSETS)
 # at every step (two launches), for comparison. Read when a DecodeLaunch is planned (the front door keeps its
 # launches: clear _LAUNCHES after changing it).
 FUSE_APPEND = True
+# [decode rotary] in one kernel (decode_rotary_kernel) into copies the launch owns, where the tables are float32 or of
+# q's dtype: a rotary step then allocates nothing and can be captured in a CUDA graph. False (CUFLASH_ROTARY_KERNEL=0)
+# or other tables: CuPy array operations (_rotated), new copies at every step. Read when a launch is planned.
+ROTARY_KERNEL = os.environ.get("CUFLASH_ROTARY_KERNEL", "1") != "0"
 
 # The front door's launches: (everything a launch depends on) -> DecodeLaunch, least recently used first. A
 # launch holds its workspace (a few MB at most: splits are chosen only for grids that do not fill the GPU).
@@ -253,6 +267,19 @@ class CupyRuntime:
         runtime call that needs it does."""
         self._mem_get_info()
 
+    @staticmethod
+    def raw_zeros(count: int, dtype):
+        """A zeroed array of ``count`` elements in device memory of its own (cudaMalloc), outside CuPy's pool and
+        outside any allocator set around the call (cuflash.torch's, torch's caching allocator): for what is kept for
+        the process's life (the tile counters' chunks), which must not sit in a pool that torch's CUDA graph trees
+        check for live allocations. Never called under a capture (cudaMalloc is not allowed there)."""
+        import cupy
+
+        memory = cupy.cuda.memory.Memory(max(1, count) * np.dtype(dtype).itemsize)
+        array = cupy.ndarray((count,), dtype=dtype, memptr=cupy.cuda.memory.MemoryPointer(memory, 0))
+        array.fill(0)
+        return array
+
     def capturing(self) -> bool:
         """Whether the current stream is capturing a CUDA graph (a stream that cannot tell: as if it were)."""
         try:
@@ -349,6 +376,8 @@ class DecodeLaunch:
             if merge_apart:
                 step(kernel_spec("decode_merge", dtype, dv), (-(-(batch * heads_q * seqlen_q) // 4), 1, 1))
         self._kernels = tuple(keep)
+        # [decode rotary] its kernel and copies (None: CuPy array operations at each step)
+        self._rotary_step = _RotaryStep.make(rt, q, k, cache) if steps else None
         self._reads_rows = row_tiles > 0  # the split kernel runs: it reads q and the caches in 16-byte chunks
         self._shared_kv = (d, dv) == DECODE_MLA_DIMS  # the MLA kernel reads V from the K tiles
         # [decode append] fused into the split kernel (one launch a step; decode.cu: append_head, NewRows) where
@@ -479,8 +508,8 @@ class DecodeLaunch:
     def launches_per_step(self) -> int:
         """Kernel launches of a step as the last one was planned or run: 1 with the append fused into the split
         kernel (or nothing to append), 2 with the append kernel first, 0 for an empty call; one more for MLA's
-        merge of several splits."""
-        return len(self._steps)
+        merge of several splits, and one more for the rotary kernel ([decode rotary])."""
+        return len(self._steps) + (self._rotary_step is not None and bool(self._steps))
 
     def expect(self, layouts: tuple, out_layout, lse_layout, validate) -> None:
         """Every step's arrays must have these layouts (``(type, shape, strides, dtype)`` or None for an array not
@@ -515,7 +544,7 @@ class DecodeLaunch:
         """One step: ``(out, lse)``, appending ``k``, ``v`` first. The arrays must have the planned shapes, strides
         and dtype and lie on the plan's device (compared here after :meth:`expect`, else the caller's guarantee:
         the front door's). ``out`` and ``lse`` are allocated when not given; with both given the step allocates
-        nothing (without rotary) and does no host synchronization: the work is the launches, enqueued on the
+        nothing (rotary too, where its kernel runs: :class:`_RotaryStep`) and does no host synchronization: the work is the launches, enqueued on the
         current stream."""
         if self._get_device() != self.device or threading.get_ident() not in self._threads:
             self._ensure_context()
@@ -651,8 +680,10 @@ class DecodeLaunch:
             self.validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, cache_batch_idx, block_table,
                           alibi_slopes, rotary_cos, rotary_sin, out, lse)
         given = (q, k_cache, v_cache, k, v)
-        if self.rotary is not None:  # [decode rotary] in CuPy array operations, into contiguous copies
-            q, k = _rotated(q, k, cache_seqlens, rotary_cos, rotary_sin, *self.rotary)
+        rotating = None
+        if self.rotary is not None:
+            q, k, cache_seqlens, rotating = _rotate(self._rotary_step, self.rotary, q, k, cache_seqlens, rotary_cos,
+                                                    rotary_sin)
         if out is None:
             out = self._empty(self.out_shape, dtype=self.dtype)
         if lse is None:
@@ -676,10 +707,12 @@ class DecodeLaunch:
                 words[index] = ptr
             if self._can_fuse:
                 self._select(not ((ptrs[3] | ptrs[4]) & 15))
+            if rotating is not None:
+                self._rotary_step.launch(launch, stream, *rotating)
             # cuLaunchKernel copies the record (and the map) when it is called: the next step may rewrite it at once.
             for fn, gx, gy, gz, threads, smem in self._steps:
                 launch(fn, gx, gy, gz, threads, 1, 1, smem, stream, argv, 0)
-            # The fast path may skip the pointers only for the arrays the user gave (rotary's copies are new).
+            # The fast path may skip the pointers only for the arrays the user gave (a rotary step writes them all).
             self._last = refs if self.rotary is None else _FORGOTTEN
         return out, lse
 
@@ -713,7 +746,7 @@ class ChunkedPrefillLaunch:
 
     The interface of :class:`DecodeLaunch` (``run``, ``num_splits``, ``expect``, ``out_shape``, ``lse_shape``), so
     that the front door's memory and :class:`cuflash.DecodePlan` take either. A step writes its arrays' addresses
-    into the two launches' records and launches: with ``out`` and ``lse`` given (C-contiguous) and no rotary it
+    into the two launches' records and launches: with ``out`` and ``lse`` given (C-contiguous) and no rotary (or its kernel's) it
     allocates nothing and can be captured in a CUDA graph. Rotary embedding rotates copies of q and the new k first
     (CuPy array operations, as :class:`DecodeLaunch`); an ``out`` that is not C-contiguous receives a copy. Holds no
     array of the planned call (the ALiBi slopes and rotary tables come with each step).
@@ -749,11 +782,15 @@ class ChunkedPrefillLaunch:
 
             slopes = cupy.broadcast_to(slopes, (batch, heads_q))
         forward_variant = dataclasses.replace(variant, alibi_slopes=slopes, seqused_k=self._seqused)
-        q_planned = q if self._rotary is None else rt.empty(q.shape, dtype=q.dtype)
-        # [prefill append] the new keys (the rotated copy's layout under rotary) and values, for the fused form
+        # [decode rotary] its kernel's copies, where it applies: q's is the array the forward is planned over
+        self._rotary_step = _RotaryStep.make(rt, q, k, cache) if batch else None
+        rotated = self._rotary_step
+        q_planned = q if self._rotary is None else rotated.q_rot if rotated else rt.empty(q.shape, dtype=q.dtype)
+        # [prefill append] the new keys (the rotated copy under rotary) and values, for the fused form
         append = None
         if FUSED_PREFILL_APPEND and k is not None and cache.seqlen_new == seqlen_q:
-            append = (k if self._rotary is None else rt.empty(k.shape, dtype=k.dtype), v)
+            append = (k if self._rotary is None else rotated.k_rot if rotated else rt.empty(k.shape, dtype=k.dtype),
+                      v)
         self._forward = attention.ForwardPlan(q_planned, k_cache[:batch], v_cache[:batch], scale=scale,
                                               variant=forward_variant, block_q=None, block_k=None, append=append)
         self._fused_append = self._forward.appends  # (one launch a step: the forward, appending first)
@@ -798,8 +835,10 @@ class ChunkedPrefillLaunch:
             self._ensure_context()
         if (q.data.ptr | k_cache.data.ptr | v_cache.data.ptr) & 15:
             _check_row_addresses({0: q.data.ptr, 1: k_cache.data.ptr, 2: v_cache.data.ptr})
-        if self._rotary is not None:  # [decode rotary] in CuPy array operations, into contiguous copies
-            q, k = _rotated(q, k, cache_seqlens, rotary_cos, rotary_sin, *self._rotary)
+        rotating = None
+        if self._rotary is not None:
+            q, k, cache_seqlens, rotating = _rotate(self._rotary_step, self._rotary, q, k, cache_seqlens, rotary_cos,
+                                                    rotary_sin)
         given = out
         if out is not None and not out.flags.c_contiguous:
             out = None
@@ -824,6 +863,8 @@ class ChunkedPrefillLaunch:
                     forward.stage(pq, pk, pv, pout, plse,
                                   self._arrays(seqused_k=cache_seqlens, alibi_slopes=alibi_slopes))
                 forward.stage_append(pseqlens, k.data.ptr, v.data.ptr, pk, pv)
+                if rotating is not None:
+                    self._rotary_step.launch(self._launch, stream, *rotating)
                 forward.launch_staged(stream)
         else:
             arrays = self._plain_arrays if alibi_slopes is None else self._arrays(seqused_k=self._seqused,
@@ -835,6 +876,8 @@ class ChunkedPrefillLaunch:
                 for i, ptr in enumerate((pq, pk, pv, 0 if k is None else k.data.ptr, 0 if v is None else v.data.ptr)):
                     words[index[i]] = ptr
                 words[index[7]] = cache_seqlens.data.ptr
+                if rotating is not None:
+                    self._rotary_step.launch(launch, stream, *rotating)
                 launch(self._append[0], self._append_grid, 1, 1, 128, 1, 1, 0, stream, argv, 0)  # (record copied now)
                 if not forward.launch_staged(stream, self._after_append):
                     self._after_append = False  # (a refused programmatic launch: the ordinary one from now on)
@@ -853,6 +896,86 @@ def _check_row_addresses(ptrs: dict) -> None:
         if ptr & 15:
             raise NotImplementedError(f"{name}: the kernels read 16-byte rows; its base address must "
                                       f"be a multiple of 16 bytes (got one {ptr % 16} bytes past a multiple)")
+
+
+_ROTARY_WORDS = {name: ROTARY_PARAMS_DTYPE.fields[name][1] // 8 for name in
+                 ("q", "k_new", "cos", "sin", "cache_seqlens", "cos_s0", "cos_s1", "sin_s0", "sin_s1")}
+_ROTARY_INTS = {name: ROTARY_PARAMS_DTYPE.fields[name][1] // 4 for name in ("half", "seqlen_ro")}
+
+
+class _RotaryStep:
+    """[decode rotary] in one launch: ``decode_rotary_kernel`` rotates a step's q and new k into contiguous copies that
+    this object owns (:attr:`q_rot`, :attr:`k_rot`: the arrays its launch's other kernels are planned over), and the
+    step's lengths into :attr:`seqlens` (the lengths they read: -1 for a sequence with a position outside the tables,
+    [decode guard]), so that a rotary step allocates nothing and can be captured in a CUDA graph. :meth:`make` returns None where it does not
+    apply (:data:`ROTARY_KERNEL` off, tables neither float32 nor of q's dtype): the launch rotates with CuPy array
+    operations then (:func:`_rotated`)."""
+
+    @classmethod
+    def make(cls, rt, q, k, cache: KVCache) -> "_RotaryStep | None":
+        rotary = cache.rotary
+        if rotary is None or not ROTARY_KERNEL:
+            return None
+        dtype = np.dtype(q.dtype)
+        table = np.dtype(rotary.cos.dtype)
+        if np.dtype(rotary.sin.dtype) != table or table not in (np.dtype(np.float32), dtype):
+            return None
+        return cls(rt, q, k, cache, table)
+
+    def __init__(self, rt, q, k, cache: KVCache, table):
+        dtype = np.dtype(q.dtype)
+        batch, seqlen_q, heads_q, d = q.shape
+        self.table = table
+        fn, self._kernel = rt.function(kernel_spec(
+            "decode_rotary", dtype.name, 0, variant="float" if table == np.float32 else CTYPES[dtype.name]))
+        self.q_rot = rt.empty(q.shape, dtype=q.dtype)
+        self.k_rot = None if k is None else rt.empty(k.shape, dtype=k.dtype)
+        self.seqlens = rt.empty((batch,), dtype=np.int32)
+        rec = self._record = np.zeros(1, ROTARY_PARAMS_DTYPE)
+        r = rec[0]
+        r["q_rot"], r["k_rot"] = self.q_rot.data.ptr, 0 if k is None else self.k_rot.data.ptr
+        r["seqlens_out"] = self.seqlens.data.ptr
+        r["q_sb"], r["q_ss"], r["q_sh"] = (st // q.itemsize for st in q.strides[:3])
+        if k is not None:
+            r["kn_sb"], r["kn_ss"], r["kn_sh"] = (st // k.itemsize for st in k.strides[:3])
+        r["seqlen_q"], r["seqlen_new"], r["heads_q"] = seqlen_q, 0 if k is None else k.shape[1], heads_q
+        r["heads_kv"], r["head_dim"] = 1 if k is None else k.shape[2], d
+        r["interleaved"], r["consecutive_q"] = cache.rotary.interleaved, cache.rotary.consecutive_q
+        self._argv, self._argv_ptr = record_argv(rec)
+        self._words = memoryview(rec.view(np.uint8)).cast("Q")
+        self._longs = memoryview(rec.view(np.uint8)).cast("q")
+        self._ints = memoryview(rec.view(np.uint8)).cast("i")
+        rows = batch * (seqlen_q + int(r["seqlen_new"]))
+        self._step = (fn, rows, 1, 1, 128, 0)
+
+    def takes(self, rotary_cos, rotary_sin) -> bool:
+        """Whether a step's tables are of the planned element type (another step's: CuPy array operations)."""
+        return rotary_cos.dtype == self.table and rotary_sin.dtype == self.table
+
+    def launch(self, launch, stream: int, q, k, rotary_cos, rotary_sin, cache_seqlens) -> None:
+        """The step's arrays into the record (the tables' strides and shape too), then the kernel on ``stream``
+        (called with the launch's lock held, before its other kernels)."""
+        words, longs, ints, at = self._words, self._longs, self._ints, _ROTARY_WORDS
+        words[at["q"]], words[at["k_new"]] = q.data.ptr, 0 if k is None else k.data.ptr
+        words[at["cos"]], words[at["sin"]] = rotary_cos.data.ptr, rotary_sin.data.ptr
+        words[at["cache_seqlens"]] = cache_seqlens.data.ptr
+        size = rotary_cos.itemsize
+        longs[at["cos_s0"]], longs[at["cos_s1"]] = rotary_cos.strides[0] // size, rotary_cos.strides[1] // size
+        longs[at["sin_s0"]], longs[at["sin_s1"]] = rotary_sin.strides[0] // size, rotary_sin.strides[1] // size
+        ints[_ROTARY_INTS["half"]], ints[_ROTARY_INTS["seqlen_ro"]] = rotary_cos.shape[1], rotary_cos.shape[0]
+        fn, gx, gy, gz, threads, smem = self._step
+        if gx:
+            launch(fn, gx, gy, gz, threads, 1, 1, smem, stream, self._argv_ptr, 0)
+
+
+def _rotate(rotary_step, rotary, q, k, cache_seqlens, rotary_cos, rotary_sin):
+    """[decode rotary] ``(q, k, cache_seqlens, rotating)`` as a step's launches read them: the rotary kernel's copies
+    and guarded lengths, with ``rotating`` the arguments of its launch (made with the launch's lock held, first), or
+    the copies of CuPy array operations (``rotary_step`` None, or tables of another type) and None."""
+    if rotary_step is not None and rotary_step.takes(rotary_cos, rotary_sin):
+        return rotary_step.q_rot, rotary_step.k_rot, rotary_step.seqlens, (q, k, rotary_cos, rotary_sin, cache_seqlens)
+    q, k = _rotated(q, k, cache_seqlens, rotary_cos, rotary_sin, *rotary)
+    return q, k, cache_seqlens, None
 
 
 def _rotated(q, k, cache_seqlens, rotary_cos, rotary_sin, interleaved: bool, consecutive_q: bool):

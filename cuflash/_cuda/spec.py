@@ -707,6 +707,10 @@ FAMILIES: dict[str, Family] = {
     "decode_append": Family("decode.cu", "decode_append_kernel", lambda s: s.variant, _no_smem, threads=128),
     "decode_merge": Family(
         "decode.cu", "decode_merge_kernel", lambda s: f"{CTYPES[s.dtype]}, {s.head_dim}", _no_smem, threads=128),
+    # [decode rotary] q and the new k rotated into the launch's contiguous copies, before the append (the variant slot
+    # holds the tables' element type: "float", or q's cuflash::fp16 / cuflash::bf16; any head dim: no dim in the name)
+    "decode_rotary": Family(
+        "decode.cu", "decode_rotary_kernel", lambda s: f"{CTYPES[s.dtype]}, {s.variant}", _no_smem, threads=128),
     # Cascade attention's [cascade prefix] packing of q (16-bit words: no dtype in the name) and [cascade merge] of
     # the prefix chunks and the suffix (head_dim = v's head dim).
     "cascade_pack": Family("decode.cu", "cascade_pack_kernel", lambda s: "", _no_smem, threads=128),
@@ -998,6 +1002,9 @@ def instantiations() -> list[KernelSpec]:
             add(KernelSpec("decode_merge", dtype, dv, arch="any"))
     for paged in ("false", "true"):
         add(KernelSpec("decode_append", "bfloat16", 0, variant=paged, arch="any"))
+    for dtype, ctype in CTYPES.items():
+        for table in ("float", ctype):
+            add(KernelSpec("decode_rotary", dtype, 0, variant=table, arch="any"))
     for dtype in CTYPES:
         for d in DECODE_HEAD_DIMS:
             add(KernelSpec("cascade_merge", dtype, d, arch="any"))
