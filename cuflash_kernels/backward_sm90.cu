@@ -74,6 +74,12 @@ struct Sm90BwdConfig {
 #ifndef CUFLASH_BWD_DQ_BULK
 #define CUFLASH_BWD_DQ_BULK 0
 #endif
+// [bwd dq v4] (an experiment, off: 0) dQ added by 16-byte vector reductions (red.global.add.v4.f32): the lanes of
+// each pair of a quad swap a half of their accumulator pairs (two shuffles a column block), so that each adds four
+// neighbouring columns of one row; half the reductions of the v2 form, for two shuffles each.
+#ifndef CUFLASH_BWD_DQ_V4
+#define CUFLASH_BWD_DQ_V4 0
+#endif
 // [bwd flow] on (1, the default: the TMA entry point with dQ has no barrier at the loop's top. A query buffer's lse
 // and D copies arrive on its mbarrier with Q's and dO's (cp.async.mbarrier.arrive; the barrier expects one arrival per
 // thread more); the next tile's copies are issued after dS^T's barrier, which every warp passes only once done with
@@ -429,6 +435,23 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
             wgmma_commit();
         };
         auto add_dq = [&](float (&dq)[kDqChunk / 8][4], int col0) {
+            if constexpr (CUFLASH_BWD_DQ_V4 && !kDqBulk) {  // [bwd dq v4]
+                // even lanes of a pair: row g, columns 2t .. 2t + 3 (their own pair, then the odd lane's); odd lanes:
+                // row g + 8, the even lane's pair then their own
+                const int odd = t & 1, r = warp_in_wg * 16 + g + 8 * odd;
+                float* dqr = dqg + (i64)(m0 + r) * kHeadDim + col0 + 2 * (t & ~1);
+                const bool in = m0 + r < len_q;
+#pragma unroll
+                for (int dt = 0; dt < kDqChunk / 8; ++dt) {
+                    const float x = __shfl_xor_sync(0xffffffffu, odd ? dq[dt][0] : dq[dt][2], 1);
+                    const float y = __shfl_xor_sync(0xffffffffu, odd ? dq[dt][1] : dq[dt][3], 1);
+                    if (in) {
+                        if (odd) red_add_v4_f32(dqr + dt * 8, x, y, dq[dt][2], dq[dt][3]);
+                        else red_add_v4_f32(dqr + dt * 8, dq[dt][0], dq[dt][1], x, y);
+                    }
+                }
+                return;
+            }
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
                 const int r = warp_in_wg * 16 + g + 8 * hh;

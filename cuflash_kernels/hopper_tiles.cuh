@@ -619,5 +619,9 @@ template <> struct WgmmaTT<bf16> { CUFLASH_WGMMA_TT_OPS("bf16") };
 __device__ __forceinline__ void red_add_v2_f32(float* p, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(p), "f"(a), "f"(b) : "memory");
 }
+// ... four (16-byte aligned).
+__device__ __forceinline__ void red_add_v4_f32(float* p, float a, float b, float c, float d) {
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
 
 }  // namespace cuflash

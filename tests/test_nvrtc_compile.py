@@ -201,10 +201,12 @@ def test_mla_kernel_without_its_early_s0_compiles_without_spills():
                                    "decode_sm90.cu with CUFLASH_MLA_EARLY_S0=0")
 
 
-_BWD_SCHEDULE_DEFAULTS = {"CUFLASH_BWD_DQ_BULK": 0, "CUFLASH_BWD_DQ_FIRST": 1, "CUFLASH_BWD_FLOW": 1}
+_BWD_SCHEDULE_DEFAULTS = {"CUFLASH_BWD_DQ_BULK": 0, "CUFLASH_BWD_DQ_FIRST": 1, "CUFLASH_BWD_FLOW": 1,
+                          "CUFLASH_BWD_DQ_V4": 0}
 
 
 @pytest.mark.parametrize("changes", [{"CUFLASH_BWD_DQ_BULK": 1}, {"CUFLASH_BWD_DQ_FIRST": 0}, {"CUFLASH_BWD_FLOW": 0},
+                                     {"CUFLASH_BWD_DQ_V4": 1},
                                      {"CUFLASH_BWD_FLOW": 0, "CUFLASH_BWD_DQ_FIRST": 0},
                                      {"CUFLASH_BWD_DQ_BULK": 1, "CUFLASH_BWD_FLOW": 0}],
                          ids=lambda c: ",".join(f"{k[len('CUFLASH_BWD_'):]}={v}" for k, v in c.items()))
@@ -213,7 +215,8 @@ def test_other_schedules_of_the_tma_backward_compile_without_spills(changes):
     [bwd dq bulk] (dQ added by bulk reductions, cp.reduce.async.bulk, where the shipped build has red.global.add only;
     off by default), [bwd dq first] (dQ's product issued before dV's and dK's, waited for alone: wait_group 2; on) and
     [bwd flow] (lse and D copies counted by the query buffers' mbarriers, cp.async.mbarrier.arrive, instead of a block
-    barrier; on) compile for sm_90a without spills, each schedule's instructions present exactly where it is on."""
+    barrier; on) and [bwd dq v4] (16-byte vector reductions of dQ; off) compile for sm_90a without spills, each
+    schedule's instructions present exactly where it is on."""
     nvrtc = _nvrtc()
     names = [s.name for s in _cuda.instantiations() if s.family == "bwd_dkdv_sm90_tma" and s.has_dq
              and not variant_flags(s.name)][:2]
@@ -226,6 +229,7 @@ def test_other_schedules_of_the_tma_backward_compile_without_spills(changes):
         assert settings["CUFLASH_BWD_DQ_BULK"] or "red.global.add" in ptx
         assert ("wgmma.wait_group.sync.aligned 2;" in ptx) == bool(settings["CUFLASH_BWD_DQ_FIRST"])
         assert ("cp.async.mbarrier.arrive.noinc" in ptx) == bool(settings["CUFLASH_BWD_FLOW"])
+        assert ("red.global.add.v4.f32" in ptx) == bool(settings["CUFLASH_BWD_DQ_V4"] and not settings["CUFLASH_BWD_DQ_BULK"])
 
     shipped = _cuda.compile.nvrtc_offline(text, names, _cuda.SM90A_OPTIONS, "sm_90a")
     assert shipped["ok"], shipped["log"][-3000:]

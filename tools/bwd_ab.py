@@ -1,0 +1,102 @@
+"""A/B of backward builds (``CUFLASH_DEFINES``: the dK/dV kernel's compile-time schedules, e.g. ``CUFLASH_BWD_DQ_V4=1``),
+one process per build, in alternating rounds: the backward alone (``cuflash.attention_backward``, CUDA events, median
+of repeats) in TFLOP/s at bf16 d 64 and 128, dense and causal, and whether each build's dK and dV are bit for bit the
+first build's (dQ: its max |difference|, the float32 additions' order).
+
+    python tools/bwd_ab.py --builds "" "CUFLASH_BWD_DQ_V4=1" [--rounds 3] [--n 4096 16384] [--dims 64 128]
+
+(run on the GPU machine from the repository root; ``--one`` is the per-process worker)."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+
+def one(args) -> None:
+    import cupy
+    import ml_dtypes
+
+    import cuflash
+
+    rows = []
+    for d in args.dims:
+        for causal in (False, True):
+            for n in args.n:
+                batch, heads = max(1, args.tokens // n), args.heads
+                rng = np.random.default_rng(d * 1000 + n + causal)
+
+                def draw():
+                    return cupy.asarray(rng.standard_normal((batch, n, heads, d), np.float32).astype(ml_dtypes.bfloat16))
+                q, k, v, do = draw(), draw(), draw(), draw()
+                out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+
+                def bwd():
+                    return cuflash.attention_backward(do, q, k, v, out, lse, causal=causal)
+                dq, dk, dv = bwd()
+                cupy.cuda.Device().synchronize()
+                start, stop, times = cupy.cuda.Event(), cupy.cuda.Event(), []
+                for _ in range(args.reps):
+                    start.record()
+                    bwd()
+                    stop.record()
+                    stop.synchronize()
+                    times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e-3)
+                flops = 2.5 * 4 * batch * heads * n * n * d / (2 if causal else 1)
+                digest = hashlib.sha1(cupy.asnumpy(dk).tobytes() + cupy.asnumpy(dv).tobytes()).hexdigest()[:12]
+                np.save(f"/tmp/bwd_ab_dq_{d}_{int(causal)}_{n}_{os.getpid()}.npy", cupy.asnumpy(dq).astype(np.float32))
+                rows.append(dict(d=d, causal=causal, n=n, tflops=flops / float(np.median(times)) / 1e12,
+                                 dkdv=digest, dq=f"/tmp/bwd_ab_dq_{d}_{int(causal)}_{n}_{os.getpid()}.npy"))
+    print(json.dumps(rows))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--builds", nargs="+", default=["", "CUFLASH_BWD_DQ_V4=1"])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--n", type=int, nargs="+", default=[4096, 16384])
+    p.add_argument("--tokens", type=int, default=32768, help="batch x N")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--one", action="store_true")
+    args = p.parse_args()
+    if args.one:
+        return one(args)
+    common = ["--dims", *map(str, args.dims), "--n", *map(str, args.n), "--tokens", str(args.tokens), "--heads",
+              str(args.heads), "--reps", str(args.reps), "--one"]
+    results: dict = {b: [] for b in args.builds}
+    for r in range(args.rounds):
+        for b in args.builds:
+            done = subprocess.run([sys.executable, __file__, *common], env=dict(os.environ, CUFLASH_DEFINES=b),
+                                  capture_output=True, text=True)
+            if done.returncode:
+                print(f"build {b!r} failed:\n{done.stderr[-3000:]}")
+                continue
+            rows = json.loads(done.stdout.strip().splitlines()[-1])
+            results[b].append(rows)
+            print(f"round {r} {b or 'shipped'!r}: " + "; ".join(
+                f"d{x['d']} {'c' if x['causal'] else 'n'}{x['n']} {x['tflops']:.0f}" for x in rows), flush=True)
+    base = results[args.builds[0]][0] if results[args.builds[0]] else None
+    print("median TFLOP/s (backward alone); dK, dV against the first build; dQ max |diff|:")
+    for b, runs in results.items():
+        if not runs:
+            continue
+        cells = []
+        for i, x in enumerate(runs[0]):
+            tf = np.median([run[i]["tflops"] for run in runs])
+            same = base is not None and all(run[i]["dkdv"] == base[i]["dkdv"] for run in runs)
+            dq = 0.0 if base is None else float(np.abs(np.load(x["dq"]) - np.load(base[i]["dq"])).max())
+            cells.append(f"d{x['d']} {'causal' if x['causal'] else 'dense'} N{x['n']} {tf:.0f}"
+                         f"{'' if same else ' dK/dV DIFFER'} dq {dq:.1e}")
+        print(f"  {b or 'shipped':28s} " + " | ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
