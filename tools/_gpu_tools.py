@@ -1,5 +1,6 @@
-"""Helpers shared by the device scripts in tools/ (gpu_check.py, fa1_check.py, variants_check.py): PyTorch
-inputs and the naive reference attention on the GPU, and the NaN-poisoned CuPy memory pool.
+"""Helpers shared by the device scripts in tools/ (gpu_check.py, fa1_check.py, variants_check.py, mla_ab.py,
+bwd_ab.py): PyTorch inputs and the naive reference attention on the GPU, the NaN-poisoned CuPy memory pool, and the
+builds' A/B rounds.
 Run the scripts as ``python3 tools/<script>.py``: this directory is then first on ``sys.path``."""
 
 
@@ -51,3 +52,26 @@ def variant_for(offset, seqlen_q, seqlen_k):
     if offset is None:
         return Variant()
     return Variant(causal=True, bottom_right=offset == seqlen_k - seqlen_q)
+
+
+def ab_rounds(script: str, builds: list, rounds: int, argv: list, describe) -> dict:
+    """Run ``script`` (its per-process worker, ``argv``) once per build (``CUFLASH_DEFINES`` values) in each of
+    ``rounds`` alternating rounds; each run's last stdout line is its JSON list of rows. Returns build -> [rows per
+    round]; ``describe(rows)`` is printed per run."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    results: dict = {b: [] for b in builds}
+    for r in range(rounds):
+        for b in builds:
+            done = subprocess.run([sys.executable, script, *argv], env=dict(os.environ, CUFLASH_DEFINES=b),
+                                  capture_output=True, text=True)
+            if done.returncode:
+                print(f"build {b!r} failed:\n{done.stderr[-3000:]}")
+                continue
+            rows = json.loads(done.stdout.strip().splitlines()[-1])
+            results[b].append(rows)
+            print(f"round {r} build {b or 'shipped'!r}: {describe(rows)}", flush=True)
+    return results

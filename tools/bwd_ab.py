@@ -13,10 +13,10 @@ import argparse
 import hashlib
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
+
+from _gpu_tools import ab_rounds
 
 
 def one(args) -> None:
@@ -71,18 +71,8 @@ def main() -> None:
         return one(args)
     common = ["--dims", *map(str, args.dims), "--n", *map(str, args.n), "--tokens", str(args.tokens), "--heads",
               str(args.heads), "--reps", str(args.reps), "--one"]
-    results: dict = {b: [] for b in args.builds}
-    for r in range(args.rounds):
-        for b in args.builds:
-            done = subprocess.run([sys.executable, __file__, *common], env=dict(os.environ, CUFLASH_DEFINES=b),
-                                  capture_output=True, text=True)
-            if done.returncode:
-                print(f"build {b!r} failed:\n{done.stderr[-3000:]}")
-                continue
-            rows = json.loads(done.stdout.strip().splitlines()[-1])
-            results[b].append(rows)
-            print(f"round {r} {b or 'shipped'!r}: " + "; ".join(
-                f"d{x['d']} {'c' if x['causal'] else 'n'}{x['n']} {x['tflops']:.0f}" for x in rows), flush=True)
+    results = ab_rounds(__file__, args.builds, args.rounds, common, lambda rows: "; ".join(
+        f"d{x['d']} {'c' if x['causal'] else 'n'}{x['n']} {x['tflops']:.0f}" for x in rows))
     base = results[args.builds[0]][0] if results[args.builds[0]] else None
     print("median TFLOP/s (backward alone); dK, dV against the first build; dQ max |diff|:")
     for b, runs in results.items():

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
+
+from _gpu_tools import ab_rounds
 
 
 def one(args) -> None:
@@ -74,21 +73,10 @@ def main() -> None:
     args = p.parse_args()
     if args.one:
         return one(args)
-    results: dict = {b: [] for b in args.builds}
     common = ["--batch", *map(str, args.batch), "--cache", *map(str, args.cache), "--heads", str(args.heads),
               "--seqlen-q", str(args.seqlen_q), "--rep-ms", str(args.rep_ms), "--one"]
-    for r in range(args.rounds):
-        for b in args.builds:
-            env = dict(os.environ, CUFLASH_DEFINES=b)
-            done = subprocess.run([sys.executable, __file__, *common], env=env, capture_output=True, text=True)
-            if done.returncode:
-                print(f"build {b!r} failed:\n{done.stderr[-3000:]}")
-                continue
-            rows = json.loads(done.stdout.strip().splitlines()[-1])
-            results[b].append(rows)
-            print(f"round {r} build {b or 'shipped'!r}: " + "; ".join(
-                f"b{x['batch']} n{x['cache']} {x['per_call']:.0f}/{x['b2b']:.0f} TFLOP/s err {x['err']:.1e}"
-                for x in rows), flush=True)
+    results = ab_rounds(__file__, args.builds, args.rounds, common, lambda rows: "; ".join(
+        f"b{x['batch']} n{x['cache']} {x['per_call']:.0f}/{x['b2b']:.0f} TFLOP/s err {x['err']:.1e}" for x in rows))
     print("median TFLOP/s per call / back to back:")
     for b, runs in results.items():
         if not runs:
