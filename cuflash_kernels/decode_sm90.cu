@@ -29,6 +29,12 @@
 #ifndef CUFLASH_MLA_EARLY_S0
 #define CUFLASH_MLA_EARLY_S0 1
 #endif
+// [mla p0 first] (an experiment, off: 0) Warpgroup 1 multiplies P0 V0 before P1 V1 in every pair but the split's last,
+// so that buffer 0's chunks 4-8 (the next pair's S0 waits for them) are reloaded one product earlier; P1 V1 then waits
+// for warpgroup 0's P0 to be in shared memory.
+#ifndef CUFLASH_MLA_P0_FIRST
+#define CUFLASH_MLA_P0_FIRST 0
+#endif
 
 namespace cuflash {
 
@@ -441,21 +447,40 @@ flash_decode_mla_sm90_kernel(const DecodeParams p, const __grid_constant__ Tenso
             if (has1) store_p<T>(sP1, s, one, rw, lane);
             handover(kBarM1, tail);
             u32 a[kPT][4];
-            if (has1) {
+            if constexpr (CUFLASH_MLA_P0_FIRST && !kLast) {
+                // [mla p0 first] P0 V0 before P1 V1: buffer 0's chunks 4-8, which the next pair's S0 waits for, are
+                // reloaded one product earlier
+                named_bar_sync(kBarP0, kThreads);  // P0 at max m1
+                u32 a0[kPT][4];
+#pragma unroll
+                for (int kk = 0; kk < kPT; ++kk) load_a<kBlockN>(a0[kk], sP0, rw, kk, lane);
+                issue_pv(a0, 0);
 #pragma unroll
                 for (int kk = 0; kk < kPT; ++kk) c_to_a<T, kNT>(a[kk], s, kk);
                 issue_pv(a, 1);
-            }
-            named_bar_sync(kBarP0, kThreads);  // P0 at max m1
-            u32 a0[kPT][4];
+                wgmma_wait<1>();  // P0 V0 done: buffer 0's chunks 4-7 and its rope chunk (P0) are free
+                if (j0 + 2 < part_end) loader.template load<4, 9>(tile0, full(0, 0), next0);
+                wgmma_wait<0>();  // P1 V1 done: buffer 1's chunks 4-7 are free
+                fence_regs(acc);
+                if (j0 + 3 < part_end) loader.template load<4, 8>(tile1, full(1, 0), next1);
+            } else {
+                if (has1) {
 #pragma unroll
-            for (int kk = 0; kk < kPT; ++kk) load_a<kBlockN>(a0[kk], sP0, rw, kk, lane);
-            issue_pv(a0, 0);
-            wgmma_wait<1>();  // P1 V1 done: buffer 1's chunks 4-7 are free
-            if (j0 + 3 < part_end) loader.template load<4, 8>(tile1, full(1, 0), next1);
-            wgmma_wait<0>();  // P0 V0 done: buffer 0's chunks 4-7 and its rope chunk (P0, read by every warp) are free
-            fence_regs(acc);
-            if (j0 + 2 < part_end) loader.template load<4, 9>(tile0, full(0, 0), next0);
+                    for (int kk = 0; kk < kPT; ++kk) c_to_a<T, kNT>(a[kk], s, kk);
+                    issue_pv(a, 1);
+                }
+                named_bar_sync(kBarP0, kThreads);  // P0 at max m1
+                u32 a0[kPT][4];
+#pragma unroll
+                for (int kk = 0; kk < kPT; ++kk) load_a<kBlockN>(a0[kk], sP0, rw, kk, lane);
+                issue_pv(a0, 0);
+                wgmma_wait<1>();  // P1 V1 done: buffer 1's chunks 4-7 are free
+                if (j0 + 3 < part_end) loader.template load<4, 8>(tile1, full(1, 0), next1);
+                wgmma_wait<0>();  // P0 V0 done: buffer 0's chunks 4-7 and its rope chunk (P0, read by every warp) are
+                                  // free
+                fence_regs(acc);
+                if (j0 + 2 < part_end) loader.template load<4, 9>(tile0, full(0, 0), next0);
+            }
         }
     };
     int j0 = part_first, phase = 0;

@@ -189,16 +189,17 @@ def test_racecheck_build_of_the_mla_kernel_compiles():
     assert "bar.arrive" in shipped["ptx"] and "bar.arrive" not in debug["ptx"]
 
 
-def test_mla_kernel_without_its_early_s0_compiles_without_spills():
-    """[mla early s0] (decode_sm90.cu, on by default): the MLA kernel built with both warpgroups' S at the top of each
-    pair instead (CUFLASH_MLA_EARLY_S0=0, the comparison build) compiles for sm_90a without spills or serialized
+@pytest.mark.parametrize("switch", ["CUFLASH_MLA_EARLY_S0=0", "CUFLASH_MLA_P0_FIRST=1"])
+def test_mla_kernel_schedules_compile_without_spills(switch):
+    """The MLA kernel's other schedules (decode_sm90.cu): [mla early s0] off (both warpgroups' S at the top of each
+    pair, the comparison build) and the [mla p0 first] experiment compile for sm_90a without spills or serialized
     wgmma, as the shipped build does (test_every_instantiation_compiles_without_spills)."""
     nvrtc = _nvrtc()
     names = [s.name for s in _cuda.instantiations() if s.family == "decode_mla_sm90"][:2]
     assert names, "no MLA sm90 instantiation listed"
     text = _cuda.compile_source_for_nvrtc("decode_sm90.cu")
-    assert_compiles_without_spills(nvrtc, text, names, _cuda.SM90A_OPTIONS + ("-DCUFLASH_MLA_EARLY_S0=0",), "sm_90a",
-                                   "decode_sm90.cu with CUFLASH_MLA_EARLY_S0=0")
+    assert_compiles_without_spills(nvrtc, text, names, _cuda.SM90A_OPTIONS + (f"-D{switch}",), "sm_90a",
+                                   f"decode_sm90.cu with {switch}")
 
 
 _BWD_SCHEDULE_DEFAULTS = {"CUFLASH_BWD_DQ_BULK": 0, "CUFLASH_BWD_DQ_FIRST": 1, "CUFLASH_BWD_FLOW": 1,
