@@ -552,7 +552,8 @@ def test_the_f16x2_plan(monkeypatch):
 def test_tile_counters_outlive_their_plans_and_a_capture_plans_no_persistent_forward(monkeypatch):
     """(CPU, stand-in CuPy) The persistent forward's tile counters come from chunks that are never freed (a CUDA graph
     that captured a launch keeps its counter's address after the front door's memory dropped the plan): distinct
-    zeroed counters of one chunk, the chunk kept when every plan is gone. A call first planned during a CUDA graph
+    zeroed counters of one chunk (device memory of its own, not the call's allocator's), the chunk kept when every
+    plan is gone. A call first planned during a CUDA graph
     capture takes a counter of the chunk there is; where a new chunk would be needed (none can be made then) it runs
     the one-tile kernel, without a counter. A plan made for one call has a counter of its own."""
     import gc
@@ -576,7 +577,14 @@ def test_tile_counters_outlive_their_plans_and_a_capture_plans_no_persistent_for
         (launch,) = [launch for launch in recorder.take() if len(launch) == 6]
         return launch[0].endswith(", true>"), int.from_bytes(launch[5][-4], "little")
 
+    # the chunks from device memory of their own (raw_zeros), never from the call's allocator (zeros: torch's under
+    # cuflash.torch, whose CUDA graph trees refuse a pool allocation that outlives the recording)
+    raw = []
+    runtime = attention.runtime()
+    monkeypatch.setattr(runtime, "raw_zeros", lambda count, dtype: raw.append(count) or np.zeros(count, dtype)
+                        .view(cp.ndarray))
     calls = [counter_of_call(n) for n in (300, 301, 302)]
+    assert raw == [attention._COUNTERS.chunk]
     assert all(persistent for persistent, _ in calls)
     counters = [c for _, c in calls]
     (chunk,) = attention._COUNTERS._kept
