@@ -54,10 +54,22 @@ def variant_for(offset, seqlen_q, seqlen_k):
     return Variant(causal=True, bottom_right=offset == seqlen_k - seqlen_q)
 
 
-def ab_rounds(script: str, builds: list, rounds: int, argv: list, describe) -> dict:
-    """Run ``script`` (its per-process worker, ``argv``) once per build (``CUFLASH_DEFINES`` values) in each of
-    ``rounds`` alternating rounds; each run's last stdout line is its JSON list of rows. Returns build -> [rows per
-    round]; ``describe(rows)`` is printed per run."""
+def ab_parser(description: str, experiment: str):
+    """The argument parser of an A/B tool: ``--builds`` (``CUFLASH_DEFINES`` values; default the shipped build and
+    ``experiment``), ``--rounds`` and ``--one`` (the per-process worker); the tool adds its own options."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--builds", nargs="+", default=["", experiment])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--one", action="store_true", help="(the per-process worker)")
+    return p
+
+
+def ab_rounds(script: str, builds: list, rounds: int, describe) -> dict:
+    """Run ``script`` with its own command line and ``--one`` (its per-process worker) once per build
+    (``CUFLASH_DEFINES`` values) in each of ``rounds`` alternating rounds; each run's last stdout line is its JSON
+    list of rows. Returns build -> [rows per round]; ``describe(rows)`` is printed per run."""
     import json
     import os
     import subprocess
@@ -66,8 +78,8 @@ def ab_rounds(script: str, builds: list, rounds: int, argv: list, describe) -> d
     results: dict = {b: [] for b in builds}
     for r in range(rounds):
         for b in builds:
-            done = subprocess.run([sys.executable, script, *argv], env=dict(os.environ, CUFLASH_DEFINES=b),
-                                  capture_output=True, text=True)
+            done = subprocess.run([sys.executable, script, *sys.argv[1:], "--one"],
+                                  env=dict(os.environ, CUFLASH_DEFINES=b), capture_output=True, text=True)
             if done.returncode:
                 print(f"build {b!r} failed:\n{done.stderr[-3000:]}")
                 continue

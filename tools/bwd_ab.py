@@ -9,14 +9,13 @@ first build's (dQ: its max |difference|, the float32 additions' order).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
 
 import numpy as np
 
-from _gpu_tools import ab_rounds
+from _gpu_tools import ab_parser, ab_rounds
 
 
 def one(args) -> None:
@@ -57,21 +56,16 @@ def one(args) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--builds", nargs="+", default=["", "CUFLASH_BWD_DQ_V4=1"])
-    p.add_argument("--rounds", type=int, default=3)
+    p = ab_parser(__doc__, "CUFLASH_BWD_DQ_V4=1")
     p.add_argument("--dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--n", type=int, nargs="+", default=[4096, 16384])
     p.add_argument("--tokens", type=int, default=32768, help="batch x N")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--one", action="store_true")
     args = p.parse_args()
     if args.one:
         return one(args)
-    common = ["--dims", *map(str, args.dims), "--n", *map(str, args.n), "--tokens", str(args.tokens), "--heads",
-              str(args.heads), "--reps", str(args.reps), "--one"]
-    results = ab_rounds(__file__, args.builds, args.rounds, common, lambda rows: "; ".join(
+    results = ab_rounds(__file__, args.builds, args.rounds, lambda rows: "; ".join(
         f"d{x['d']} {'c' if x['causal'] else 'n'}{x['n']} {x['tflops']:.0f}" for x in rows))
     base = results[args.builds[0]][0] if results[args.builds[0]] else None
     print("median TFLOP/s (backward alone); dK, dV against the first build; dQ max |diff|:")

@@ -8,12 +8,11 @@ heads over one latent head of 576, page 64, bfloat16), and each build's max |err
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import numpy as np
 
-from _gpu_tools import ab_rounds
+from _gpu_tools import ab_parser, ab_rounds
 
 
 def one(args) -> None:
@@ -61,21 +60,16 @@ def one(args) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--builds", nargs="+", default=["", "CUFLASH_MLA_EARLY_S0=0"])
-    p.add_argument("--rounds", type=int, default=3)
+    p = ab_parser(__doc__, "CUFLASH_MLA_EARLY_S0=0")
     p.add_argument("--batch", type=int, nargs="+", default=[64, 128])
     p.add_argument("--cache", type=int, nargs="+", default=[4096, 32768])
     p.add_argument("--heads", type=int, default=128)
     p.add_argument("--seqlen-q", type=int, default=1)
     p.add_argument("--rep-ms", type=float, default=40)
-    p.add_argument("--one", action="store_true")
     args = p.parse_args()
     if args.one:
         return one(args)
-    common = ["--batch", *map(str, args.batch), "--cache", *map(str, args.cache), "--heads", str(args.heads),
-              "--seqlen-q", str(args.seqlen_q), "--rep-ms", str(args.rep_ms), "--one"]
-    results = ab_rounds(__file__, args.builds, args.rounds, common, lambda rows: "; ".join(
+    results = ab_rounds(__file__, args.builds, args.rounds, lambda rows: "; ".join(
         f"b{x['batch']} n{x['cache']} {x['per_call']:.0f}/{x['b2b']:.0f} TFLOP/s err {x['err']:.1e}" for x in rows))
     print("median TFLOP/s per call / back to back:")
     for b, runs in results.items():
