@@ -824,13 +824,27 @@ def remember_forward_heads_first(q, k, v, causal, window_size, softcap, softmax_
     key = _forward_heads_first_key(q, k, v, causal, window_size, softcap, softmax_scale)
     if key is None or _heads_first_plans.get(key) is not None:
         return
-    std = _forward_key(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, softmax_scale, "bottom-right",
-                       window_size, softcap, None, None, 0.0, None, 0, "fa2", None, None, "tf32x3")
+    std = _forward_key(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **{
+        **_forward_key_defaults(), "causal": causal, "softmax_scale": softmax_scale, "window_size": window_size,
+        "softcap": softcap})
     plan = None if std is None else _forward_plans.get(std)
     if plan is None:
         return
     lse_ptr = _lse_sinks.address((q.device, key[1]), math.prod(plan.lse_shape), _new_sink)
     _heads_first_plans.put(key, (plan, lse_ptr, q.device))
+
+
+_FORWARD_KEY_DEFAULTS: dict = {}
+
+
+def _forward_key_defaults() -> dict:
+    """:func:`attention`'s defaults of the options :func:`_forward_key` takes after q, k and v (read from its
+    signature once: a call that gave only the options of :func:`remember_forward_heads_first`)."""
+    if not _FORWARD_KEY_DEFAULTS:
+        given = inspect.signature(attention).parameters
+        _FORWARD_KEY_DEFAULTS.update((name, given[name].default)
+                                     for name in list(inspect.signature(_forward_key).parameters)[3:])
+    return _FORWARD_KEY_DEFAULTS
 
 
 def _kvcache_backend(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, rotary_cos, rotary_sin,
