@@ -8,8 +8,9 @@
 // the pair, and each holds half of O's 512 columns (128 float32 registers a thread), so that one warpgroup's softmax
 // runs while the other's products keep the tensor cores busy:
 //   wg 0: [fa2-fwd 2] S0 = Q K0^T (issued at the end of the pair before: [mla early s0]); [fa2-fwd 3] m0 =
-//         max(m, rowmax S0) -> shared; [fa2-fwd 4] P0 = exp2(S0 - m0); [fa2-fwd 5] O[:, :256] = O corr0 + P0 V0 (P0 from registers); then, with wg 1's m1: P0 exp2(m0 - m1) into
-//         shared memory for wg 1, O[:, :256] = O exp2(m0 - m1) + P1 V1 (P1 from shared memory).
+//         max(m, rowmax S0) -> shared; [fa2-fwd 4] P0 = exp2(S0 - m0); [fa2-fwd 5] O[:, :256] = O corr0 + P0 V0 (P0
+//         from registers); then, with wg 1's m1: P0 exp2(m0 - m1) into shared memory for wg 1, O[:, :256] =
+//         O exp2(m0 - m1) + P1 V1 (P1 from shared memory).
 //   wg 1: [fa2-fwd 2] S1 = Q K1^T; [fa2-fwd 3] m1 = max(m0, rowmax S1), exp2(m0 - m1) -> shared; [fa2-fwd 4]
 //         P1 = exp2(S1 - m1) -> shared; [fa2-fwd 5] O[:, 256:] = O corr1 + P1 V1 + (P0 exp2(m0 - m1)) V0.
 // Both end the pair at max m1; each keeps the row sums of its own P (added in finish_wide_rows). P of a tile is

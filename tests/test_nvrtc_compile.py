@@ -230,7 +230,8 @@ def test_other_schedules_of_the_tma_backward_compile_without_spills(changes):
         assert settings["CUFLASH_BWD_DQ_BULK"] or "red.global.add" in ptx
         assert ("wgmma.wait_group.sync.aligned 2;" in ptx) == bool(settings["CUFLASH_BWD_DQ_FIRST"])
         assert ("cp.async.mbarrier.arrive.noinc" in ptx) == bool(settings["CUFLASH_BWD_FLOW"])
-        assert ("red.global.add.v4.f32" in ptx) == bool(settings["CUFLASH_BWD_DQ_V4"] and not settings["CUFLASH_BWD_DQ_BULK"])
+        assert ("red.global.add.v4.f32" in ptx) == bool(settings["CUFLASH_BWD_DQ_V4"]
+                                                        and not settings["CUFLASH_BWD_DQ_BULK"])
 
     shipped = _cuda.compile.nvrtc_offline(text, names, _cuda.SM90A_OPTIONS, "sm_90a")
     assert shipped["ok"], shipped["log"][-3000:]
@@ -318,7 +319,8 @@ def test_parameter_structs_match_the_launchers_layouts():
     ok, log = compile_with_nvrtc(nvrtc, text, [], _cuda.NVRTC_OPTIONS, "sm_80")
     assert ok, log[-3000:]
     text = _cuda.compile_source_for_nvrtc("decode.cu") + _layout_asserts("DecodeParams", DECODE_PARAMS_DTYPE)
-    text += _layout_asserts("CascadeParams", CASCADE_PARAMS_DTYPE) + _layout_asserts("RotaryParams", ROTARY_PARAMS_DTYPE)
+    text += _layout_asserts("CascadeParams", CASCADE_PARAMS_DTYPE)
+    text += _layout_asserts("RotaryParams", ROTARY_PARAMS_DTYPE)
     ok, log = compile_with_nvrtc(nvrtc, text, [], _cuda.NVRTC_OPTIONS, "sm_80")
     assert ok, log[-3000:]
     text = _cuda.compile_source_for_nvrtc("forward_sm90.cu") + _layout_asserts("PrefillAppend", PREFILL_APPEND_DTYPE)

@@ -26,10 +26,9 @@ from . import fa1, naive, tensor_map, tuning
 from .compile import PackedLaunch, arch_class, check_smem, device_info, launch, sm_count
 from .spec import (BIAS_CTYPES, BLOCK_COMPACT, BWD_HEAD_DIMS, CTYPES, EXTRA_POINTER_FIELDS, F16X2_HEAD_DIMS,
                    FA1_BWD_HEAD_DIMS, FA1_HEAD_DIMS, FAMILIES, HEAD_DIMS, PERSISTENT_HEAD_DIMS, PREFILL_APPEND_DTYPE,
-                   TF32_FAMILIES,
-                   TF32_HEAD_DIMS, TF32_SM90_HEAD_DIMS, TILES, VARIANT_POINTER_FIELDS, Tile, device_record,
-                   extra_params, extra_record, has_dropout, mask_policy, staged_bias_bytes, variant_params,
-                   variant_type)
+                   TF32_FAMILIES, TF32_HEAD_DIMS, TF32_SM90_HEAD_DIMS, TILES, VARIANT_POINTER_FIELDS, Tile,
+                   device_record, extra_params, extra_record, has_dropout, mask_policy, staged_bias_bytes,
+                   variant_params, variant_type)
 from .spec import spec as kernel_spec
 
 __all__ = ["forward", "backward", "check_supported", "plan_forward", "ForwardPlan", "plan_backward", "BackwardPlan",
@@ -304,10 +303,11 @@ def _tma_forward(spec, variant: Variant, arrays, max_q: int, block_q, block_k) -
     wgmma kernel's or the mma.sync one's), or None. Its head dim: the arrays' (q and k's, v's) rounded up to a
     multiple of 64 with a ("fwd", "sm90a_tma", d) row; below it ([variant head dim], :data:`TMA_PADDED`) the maps
     read zeros in the missing columns; its tile the row's, or the ("fwd", "sm90a_tma_short", d) row's where there is
-    one and the query sequence has at most :data:`TMA_SHORT_MAX_ROWS_Q` rows (causal: :data:`TMA_SHORT_MAX_ROWS_Q_CAUSAL`). Also: an sm_90 device and no block
-    sizes of the caller's, no staged bias (the producer stages none) and not a bias with dropout (with both, a
-    window and key counts, its computing warpgroups spill at their 240 registers), strides of q, k and v that are
-    non-zero multiples of 16 bytes with contiguous rows (the tensor maps'), and a driver that encodes maps. Packed
+    one and the query sequence has at most :data:`TMA_SHORT_MAX_ROWS_Q` rows (causal:
+    :data:`TMA_SHORT_MAX_ROWS_Q_CAUSAL`). Also: an sm_90 device and no block sizes of the caller's, no staged bias
+    (the producer stages none) and not a bias with dropout (with both, a window and key counts, its computing
+    warpgroups spill at their 240 registers), strides of q, k and v that are non-zero multiples of 16 bytes with
+    contiguous rows (the tensor maps'), and a driver that encodes maps. Packed
     batches and key counts with :data:`TMA_SEQUENCE_LENGTHS` (the kernel zeroes the rows past a sequence's keys that
     a box reads, forward_sm90.cu's [tma tail])."""
     if (not TMA_FORWARD or not SM90A_FORWARD or spec.family not in ("fwd_sm90", "fwd")
@@ -848,7 +848,8 @@ class ForwardPlan(_Plan):
 
     @property
     def stages_pointers(self) -> bool:
-        """Whether :meth:`stage_pointers` may stage a run (a variant with no ExtraParams record: bias, dropout or mods)."""
+        """Whether :meth:`stage_pointers` may stage a run (a variant with no ExtraParams record: bias, dropout or
+        mods)."""
         return not self._variant._has_extra
 
     def stage_pointers(self, pq: int, pk: int, pv: int, pout: int, plse: int, variant_pointers: tuple | None) -> None:

@@ -544,8 +544,8 @@ class DecodeLaunch:
         """One step: ``(out, lse)``, appending ``k``, ``v`` first. The arrays must have the planned shapes, strides
         and dtype and lie on the plan's device (compared here after :meth:`expect`, else the caller's guarantee:
         the front door's). ``out`` and ``lse`` are allocated when not given; with both given the step allocates
-        nothing (rotary too, where its kernel runs: :class:`_RotaryStep`) and does no host synchronization: the work is the launches, enqueued on the
-        current stream."""
+        nothing (rotary too, where its kernel runs: :class:`_RotaryStep`) and does no host synchronization: the work
+        is the launches, enqueued on the current stream."""
         if self._get_device() != self.device or threading.get_ident() not in self._threads:
             self._ensure_context()
         last = self._last
@@ -746,9 +746,10 @@ class ChunkedPrefillLaunch:
 
     The interface of :class:`DecodeLaunch` (``run``, ``num_splits``, ``expect``, ``out_shape``, ``lse_shape``), so
     that the front door's memory and :class:`cuflash.DecodePlan` take either. A step writes its arrays' addresses
-    into the two launches' records and launches: with ``out`` and ``lse`` given (C-contiguous) and no rotary (or its kernel's) it
-    allocates nothing and can be captured in a CUDA graph. Rotary embedding rotates copies of q and the new k first
-    (CuPy array operations, as :class:`DecodeLaunch`); an ``out`` that is not C-contiguous receives a copy. Holds no
+    into the two launches' records and launches: with ``out`` and ``lse`` given (C-contiguous) it allocates nothing
+    and can be captured in a CUDA graph. Rotary embedding rotates q and the new k first, as :class:`DecodeLaunch`
+    does (:class:`_RotaryStep`'s kernel into copies the launch owns; other tables: CuPy array operations, which
+    allocate); an ``out`` that is not C-contiguous receives a copy. Holds no
     array of the planned call (the ALiBi slopes and rotary tables come with each step).
     """
 
@@ -907,9 +908,9 @@ class _RotaryStep:
     """[decode rotary] in one launch: ``decode_rotary_kernel`` rotates a step's q and new k into contiguous copies that
     this object owns (:attr:`q_rot`, :attr:`k_rot`: the arrays its launch's other kernels are planned over), and the
     step's lengths into :attr:`seqlens` (the lengths they read: -1 for a sequence with a position outside the tables,
-    [decode guard]), so that a rotary step allocates nothing and can be captured in a CUDA graph. :meth:`make` returns None where it does not
-    apply (:data:`ROTARY_KERNEL` off, tables neither float32 nor of q's dtype): the launch rotates with CuPy array
-    operations then (:func:`_rotated`)."""
+    [decode guard]), so that a rotary step allocates nothing and can be captured in a CUDA graph. :meth:`make`
+    returns None where it does not apply (:data:`ROTARY_KERNEL` off, tables neither float32 nor of q's dtype): the
+    launch rotates with CuPy array operations then (:func:`_rotated`)."""
 
     @classmethod
     def make(cls, rt, q, k, cache: KVCache) -> "_RotaryStep | None":

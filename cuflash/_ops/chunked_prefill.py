@@ -22,11 +22,11 @@ launch (:class:`cuflash._cuda.decode.ChunkedPrefillLaunch`) runs it in two kerne
    written with the values they hold), reads no key (``seqused_k`` 0) and gets NaN in its output rows and lse
    (CUDA: its ``seqused_k`` is -1, and the forward writes NaN rows for a negative count).
 
-``[prefill append]`` (CUDA, ``cuflash._cuda.decode.FUSED_PREFILL_APPEND``; on by default where the forward takes its TMA entry point):
-steps 2 and 3 in one launch, the TMA forward appending as it goes (each key tile copied from the cache or from
-``k`` / ``v`` themselves, the new rows written into the cache by the blocks of each key/value head's first query
-head, the key count ``cache_seqlens[b] + seqlen_new`` or -1 computed by each block): the same values, the same
-output; this composition is its reference too.
+``[prefill append]`` (CUDA, ``cuflash._cuda.decode.FUSED_PREFILL_APPEND``; on by default where the forward takes its
+TMA entry point): steps 2 and 3 in one launch, the TMA forward appending as it goes (each key tile copied from the
+cache or from ``k`` / ``v`` themselves, the new rows written into the cache by the blocks of each key/value head's
+first query head, the key count ``cache_seqlens[b] + seqlen_new`` or -1 computed by each block): the same values, the
+same output; this composition is its reference too.
 
 When it applies (:func:`eligible`): ``seqlen_q >= MIN_SEQLEN_Q``, a contiguous cache (no ``block_table``), no
 ``cache_leftpad`` (the forward's keys start at slot 0) and no ``cache_batch_idx`` (row ``b`` of the cache is batch
