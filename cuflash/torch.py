@@ -605,16 +605,23 @@ def _decode_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, alibi_slopes,
             type(softcap), softcap, type(softmax_scale), softmax_scale, num_splits, stream_owner(stream))
 
 
-# A direct decode step whose caller wants no lse writes it into a buffer of its device and stream (torch's
-# allocator), grown to the largest asked for and never read: one allocation fewer per step.
+# A direct decode step whose caller wants no lse writes it into a buffer of its device and stream (memory of its
+# own), grown to the largest asked for and never read: one allocation fewer per step.
 _lse_sinks = StreamSinks()
 
 
 def _new_sink(key, count: int):
     """A new lse sink of ``count`` float32 on device ``key[0]`` (:data:`_lse_sinks`: (device, stream)) and its
-    address."""
-    sink = torch.empty(count, dtype=torch.float32, device=key[0])
-    return sink, sink.data_ptr()
+    address: device memory of its own (cudaMalloc), not torch's allocator, whose CUDA graph trees refuse a warm-up
+    run that leaves a buffer alive in the graph's pool; torch's under a capture (where cudaMalloc is not allowed)."""
+    if torch.cuda.is_current_stream_capturing():
+        sink = torch.empty(count, dtype=torch.float32, device=key[0])
+        return sink, sink.data_ptr()
+    import cupy
+
+    with cupy.cuda.Device(key[0].index):
+        memory = cupy.cuda.memory.Memory(4 * max(1, count))
+    return memory, memory.ptr
 
 
 def _rows_fit(slots: int, v_slots: int, ks: tuple, vs: tuple, itemsize: int) -> bool:

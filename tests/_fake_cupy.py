@@ -184,6 +184,7 @@ def install(monkeypatch):
     monkeypatch.setattr(decode.CupyRuntime, "function", decode_function)
     monkeypatch.setattr(decode.CupyRuntime, "launch_programmatic", launch_programmatic)
     monkeypatch.setattr(decode.CupyRuntime, "prepare_programmatic", lambda self: None)
+    monkeypatch.setattr(decode.CupyRuntime, "kept", lambda self, shape, dtype, zero=False: zeros(shape, dtype=dtype))
     monkeypatch.setattr(decode, "_LAUNCHES", type(decode._LAUNCHES)())
     monkeypatch.setattr(_api, "_kvcache_launches", _api.CallMemo(_api._kvcache_launches.size))
     monkeypatch.setattr(_kvcache, "_SEQLEN_TABLES", {})

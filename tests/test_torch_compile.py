@@ -356,6 +356,42 @@ def test_compile_reduce_overhead_replays_forward_and_backward_cuda():
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
 
+@pytest.mark.gpu
+def test_compile_reduce_overhead_inference_cuda():
+    """Inference under torch.compile(mode="reduce-overhead"): a forward without lse (its lse written into a stream's
+    sink) and a read-only decode step over a cache (whose launch keeps buffers between calls) are recorded and
+    replayed by CUDA graph trees with no graph skipped and no complaint about buffers the pool does not own, and
+    match eager bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    if _inductor_skip_reason():
+        pytest.skip(_inductor_skip_reason())
+    from torch._dynamo.utils import counters
+
+    def prefill(q, k, v):
+        return cft.attention(q, k, v, causal=True) * 2
+
+    def decode(q, k_cache, v_cache, lens):
+        return cft.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens) * 2
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = [torch.compile(f, mode="reduce-overhead", fullgraph=True) for f in (prefill, decode)]
+    g = torch.Generator().manual_seed(61)
+    with torch.no_grad():
+        for step in range(5):
+            torch.compiler.cudagraph_mark_step_begin()
+            q, k, v = (_randn(g, 2, 256, h, 128, dtype=torch.bfloat16).cuda() for h in (8, 4, 4))
+            got = compiled[0](q, k, v).clone()
+            assert torch.equal(got, prefill(q, k, v)), f"prefill, step {step}"
+            caches = [_randn(g, 2, 1024, 4, 128, dtype=torch.bfloat16).cuda() for _ in range(2)]
+            qd = _randn(g, 2, 1, 8, 128, dtype=torch.bfloat16).cuda()
+            lens = torch.tensor([700, 1024], dtype=torch.int32, device="cuda")
+            got = compiled[1](qd, *caches, lens).clone()
+            assert torch.equal(got, decode(qd, *caches, lens)), f"decode, step {step}"
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
 # ---------------------------------------------------------------------------------------------------
 # cuflash::attention_with_kvcache (the decode operator, which appends to the caches in place)
 # ---------------------------------------------------------------------------------------------------

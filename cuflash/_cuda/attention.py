@@ -699,13 +699,13 @@ class _Plan:
 
     def _new_sink(self, key, count: int):
         """A new lse sink of ``count`` float32 on the current device (:data:`_LSE_SINKS`, ``key``'s) and its
-        address."""
-        sink = self._empty((count,), dtype=np.float32)
+        address: memory of its own outside a capture (``kept``: never in a pool torch's CUDA graph trees check)."""
+        sink = self._rt.kept((count,), np.float32)
         return sink, sink.data.ptr
 
 
-# A forward called without return_lse writes its lse into a buffer of its device and stream (CuPy's pool), grown to
-# the largest asked for and never read: no allocation per call.
+# A forward called without return_lse writes its lse into a buffer of its device and stream (device memory of its
+# own), grown to the largest asked for and never read: no allocation per call.
 _LSE_SINKS = StreamSinks()
 # The persistent forward's tile counters (two int32 a plan), in chunks never freed.
 _COUNTERS = CounterArena()

@@ -25,6 +25,7 @@ operations (:func:`cuflash.reference.decode.apply_rotary`) before the kernels.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import threading
 import weakref
@@ -233,6 +234,18 @@ def _tensor_map(k_cache, tma: bool) -> TensorMap:
     return TensorMap((d, slots, n), (k_cache.strides[1], k_cache.strides[0]), (64, 64, 1))
 
 
+def _own_memory(shape, dtype):
+    """An array of ``shape`` in device memory of its own (cudaMalloc on the current device, freed when the array
+    goes), outside CuPy's pool and outside any allocator set around the call (cuflash.torch's: torch's caching
+    allocator, whose CUDA graph trees refuse a warm-up run that leaves a buffer alive in the graph's pool that is
+    not an output)."""
+    import cupy
+
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    memory = cupy.cuda.memory.Memory(max(1, math.prod(shape)) * np.dtype(dtype).itemsize)
+    return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.memory.MemoryPointer(memory, 0))
+
+
 class CupyRuntime:
     """What a :class:`DecodeLaunch` takes from CuPy, bound once (an attribute lookup through CuPy's modules costs
     as much as a pointer write): allocation, the current device and stream, the compiled kernels and
@@ -269,15 +282,23 @@ class CupyRuntime:
 
     @staticmethod
     def raw_zeros(count: int, dtype):
-        """A zeroed array of ``count`` elements in device memory of its own (cudaMalloc), outside CuPy's pool and
-        outside any allocator set around the call (cuflash.torch's, torch's caching allocator): for what is kept for
-        the process's life (the tile counters' chunks), which must not sit in a pool that torch's CUDA graph trees
-        check for live allocations. Never called under a capture (cudaMalloc is not allowed there)."""
-        import cupy
-
-        memory = cupy.cuda.memory.Memory(max(1, count) * np.dtype(dtype).itemsize)
-        array = cupy.ndarray((count,), dtype=dtype, memptr=cupy.cuda.memory.MemoryPointer(memory, 0))
+        """A zeroed array of ``count`` elements in device memory of its own (:func:`_own_memory`): for what is kept
+        for the process's life (the tile counters' chunks). Never called under a capture (cudaMalloc is not allowed
+        there)."""
+        array = _own_memory((count,), dtype)
         array.fill(0)
+        return array
+
+    def kept(self, shape, dtype, zero: bool = False):
+        """An array a launch keeps from call to call (split workspace, rotated copies, lse sinks; zeroed with
+        ``zero``): device memory of its own (:func:`_own_memory`, freed with the array), so that under torch's CUDA
+        graph trees a warm-up run leaves nothing alive in the graph's pool; under a capture, where cudaMalloc is not
+        allowed, the call's allocator's (a graph's pool keeps it for the graph)."""
+        if self.capturing():
+            return (self.zeros if zero else self.empty)(shape, dtype=dtype)
+        array = _own_memory(shape, dtype)
+        if zero:
+            array.fill(0)
         return array
 
     def capturing(self) -> bool:
@@ -369,10 +390,10 @@ class DecodeLaunch:
             # last split's block alone (no counters: the split kernel leaves the merge to it)
             merge_apart = self.num_splits > 1 and (d, dv) == DECODE_MLA_DIMS
             if self.num_splits > 1:
-                self.o_part = rt.empty((self.num_splits, batch, heads_q, seqlen_q, dv), dtype=np.float32)
-                self.lse_part = rt.empty((self.num_splits, batch, heads_q, seqlen_q), dtype=np.float32)
+                self.o_part = rt.kept((self.num_splits, batch, heads_q, seqlen_q, dv), np.float32)
+                self.lse_part = rt.kept((self.num_splits, batch, heads_q, seqlen_q), np.float32)
             if (self.num_splits > 1 and not merge_apart) or splits_for is not None:  # (growing: may split later)
-                self.split_count = rt.zeros((batch, heads_kv * row_tiles), dtype=np.int32)
+                self.split_count = rt.kept((batch, heads_kv * row_tiles), np.int32, zero=True)
             if merge_apart:
                 step(kernel_spec("decode_merge", dtype, dv), (-(-(batch * heads_q * seqlen_q) // 4), 1, 1))
         self._kernels = tuple(keep)
@@ -416,7 +437,7 @@ class DecodeLaunch:
         self._last = _FORGOTTEN
 
         # What run calls, bound once.
-        self._empty, self._float32 = rt.empty, rt.float32
+        self._empty, self._kept, self._float32 = rt.empty, rt.kept, rt.float32
         self._current_stream = rt.current_stream
         self._get_device = rt.get_device
         self._launch = rt.launch
@@ -490,8 +511,8 @@ class DecodeLaunch:
         words, fields = self._words, DECODE_PARAMS_DTYPE.fields
         if splits > 1 and (self.o_part is None or self.o_part.shape[0] < splits):
             batch, seqlen_q, heads_q, dv = self.out_shape
-            self.o_part = self._empty((splits, batch, heads_q, seqlen_q, dv), dtype=self._float32)
-            self.lse_part = self._empty((splits, batch, heads_q, seqlen_q), dtype=self._float32)
+            self.o_part = self._kept((splits, batch, heads_q, seqlen_q, dv), np.float32)
+            self.lse_part = self._kept((splits, batch, heads_q, seqlen_q), np.float32)
             words[fields["o_part"][1] // 8] = self.o_part.data.ptr
             words[fields["lse_part"][1] // 8] = self.lse_part.data.ptr
         fn, gx, _, gz, threads, smem = self._split_step
@@ -536,7 +557,7 @@ class DecodeLaunch:
         calls without ``return_lse``): no allocation at those steps, and the same object at every one."""
         sink = self._lse_sink
         if sink is None:
-            sink = self._lse_sink = self._empty(self.lse_shape, dtype=self._float32)
+            sink = self._lse_sink = self._kept(self.lse_shape, np.float32)
         return sink
 
     def run(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad=None, cache_batch_idx=None,
@@ -774,7 +795,7 @@ class ChunkedPrefillLaunch:
         self.validate = None
         self._rotary = None if cache.rotary is None else (cache.rotary.interleaved, cache.rotary.consecutive_q)
         # [prefill lengths] the forward's key counts, written by the append kernel at every step
-        self._seqused = rt.empty((batch,), dtype=np.int32)
+        self._seqused = rt.kept((batch,), np.int32)
         # The forward, planned over the caches' first batch rows: ALiBi slopes of one row per head read at batch
         # stride 0; q and k at the rotated copies' contiguous strides under rotary.
         slopes = variant.alibi_slopes
@@ -815,7 +836,7 @@ class ChunkedPrefillLaunch:
         self._words = memoryview(rec.view(np.uint8)).cast("Q")
         self._word_index = _WORD_INDEX
         self._lock = threading.Lock()  # one step at a time writes the records and launches
-        self._empty, self._float32 = rt.empty, rt.float32
+        self._empty, self._kept, self._float32 = rt.empty, rt.kept, rt.float32
         self._current_stream, self._get_device, self._launch = rt.current_stream, rt.get_device, rt.launch
         self._runtime = rt
         self._threads: set = set()
@@ -929,9 +950,9 @@ class _RotaryStep:
         self.table = table
         fn, self._kernel = rt.function(kernel_spec(
             "decode_rotary", dtype.name, 0, variant="float" if table == np.float32 else CTYPES[dtype.name]))
-        self.q_rot = rt.empty(q.shape, dtype=q.dtype)
-        self.k_rot = None if k is None else rt.empty(k.shape, dtype=k.dtype)
-        self.seqlens = rt.empty((batch,), dtype=np.int32)
+        self.q_rot = rt.kept(q.shape, q.dtype)
+        self.k_rot = None if k is None else rt.kept(k.shape, k.dtype)
+        self.seqlens = rt.kept((batch,), np.int32)
         rec = self._record = np.zeros(1, ROTARY_PARAMS_DTYPE)
         r = rec[0]
         r["q_rot"], r["k_rot"] = self.q_rot.data.ptr, 0 if k is None else self.k_rot.data.ptr

@@ -56,7 +56,7 @@ class StreamSinks:
     are ordered by its stream. A buffer is never freed: one that a grown or newer one replaces is kept, since a CUDA
     graph that captured a launch writing it goes on writing its address at every replay (growth at least doubles, so
     what is kept stays below twice what is in use). At most ``size`` keys in use (the oldest retired, kept as well).
-    The allocator (CuPy's, torch's) is the caller's."""
+    ``allocate`` is the caller's (device memory of its own outside a capture: see ``CupyRuntime.kept``)."""
 
     def __init__(self, size: int = 16):
         self.size = size

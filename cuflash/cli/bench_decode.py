@@ -187,6 +187,9 @@ class _HostRuntime:
     def zeros(self, shape, dtype):
         return _HostArray(np.zeros(shape, dtype))
 
+    def kept(self, shape, dtype, zero=False):
+        return _HostArray(np.zeros(shape, dtype))
+
     def current_stream(self):
         return self._stream
 
