@@ -77,9 +77,43 @@ struct Sm90BwdConfig {
 // [bwd dq v4] (an experiment, off: 0) dQ added by 16-byte vector reductions (red.global.add.v4.f32): the lanes of
 // each pair of a quad swap a half of their accumulator pairs (two shuffles a column block), so that each adds four
 // neighbouring columns of one row; half the reductions of the v2 form, for two shuffles each.
+// H200 2026-11-29, bf16, backward alone, three rounds: slower everywhere, d 64 338-354 against 351-372 TFLOP/s,
+// d 128 399-430 against 411-451 (-3 to -5 %): the shuffles cost more than the halved reductions save.
 #ifndef CUFLASH_BWD_DQ_V4
 #define CUFLASH_BWD_DQ_V4 0
 #endif
+// [bwd dq tile] (an experiment, off: 0) the TMA entry point adds its dQ tile by one bulk reduction (FlashAttention-3's
+// dQaccum order): each thread stores its dQ accumulators contiguously to a float32 tile in shared memory, in the
+// fragments' order (its float4 chunks rotated by dq_tile_slot: a quarter-warp's 16-byte stores fall in distinct
+// banks), and after a named barrier one thread adds the whole tile (64 rows, 16 or 32 KiB) with one
+// cp.reduce.async.bulk .add.f32 into the workspace, whose per-head planes are then padded to a multiple of 64 rows
+// and in that order too; flash_bwd_convert_dq_tiles_kernel reads them back. One bulk operation a query tile in place
+// of 2048-4096 red.global.add.v2.f32. The launcher reads the switch too (attention.BWD_DQ_TILE). H200 2026-11-29,
+// bf16, backward alone (tools/bwd_ab.py, one round, against the shipped build): d 128 N 8192 dense 557 against 467
+// TFLOP/s, causal 547 against 471; N 1000 379 / 279 against 335 / 258; d 64 N 8192 390 / 390 against 370 / 348,
+// N 1000 +2-6 %; dK, dV bit for bit, dQ within the additions' order (max |diff| 5e-4 - 1e-3); 66 GPU tests pass
+// with it (awkward lengths at every head dim, GQA views, rows that see no key). Off until the whole GPU grid and
+// the sanitizers have run with it.
+#ifndef CUFLASH_BWD_DQ_TILE
+#define CUFLASH_BWD_DQ_TILE 0
+#endif
+// [bwd dq tile] The float4 chunk of shared memory (and of the workspace tile) that holds accumulators dq[dt][0..3] of
+// computing thread `thread` (of 256: two warpgroups, each kHeadDim / 2 columns of dQ): chunks rotated per thread so
+// that the 8 threads of a 128-byte store phase hit 8 different 16-byte bank groups.
+template <int kHeadDim>
+__device__ __forceinline__ int dq_tile_slot(int thread, int dt) {
+    constexpr int kChunks = kHeadDim / 16;  // float4 chunks a thread: (kHeadDim / 2) / 8
+    return dt ^ ((thread / (8 / kChunks)) % kChunks);
+}
+// ... and the float of that tile that holds element (r, c) (row r < 64 of the query tile, column c < kHeadDim).
+template <int kHeadDim>
+__device__ __forceinline__ int dq_tile_pos(int r, int c) {
+    constexpr int kDqN = kHeadDim / 2;
+    const int cc = c % kDqN;
+    const int thread = (c / kDqN) * 128 + (r >> 4) * 32 + (r & 7) * 4 + ((cc & 7) >> 1);
+    return thread * (kDqN / 2) + dq_tile_slot<kHeadDim>(thread, cc >> 3) * 4 + ((r >> 3) & 1) * 2 + (c & 1);
+}
+
 // [bwd flow] on (1, the default: the TMA entry point with dQ has no barrier at the loop's top. A query buffer's lse
 // and D copies arrive on its mbarrier with Q's and dO's (cp.async.mbarrier.arrive; the barrier expects one arrival per
 // thread more); the next tile's copies are issued after dS^T's barrier, which every warp passes only once done with
@@ -159,6 +193,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
     const u32 full_kv = smem_u32(sD + 2 * kBlockM), full_q = full_kv + 8;
     // [bwd dq bulk] the float32 dQ tile (kBlockM x kDqStride), after the 64 bytes of mbarriers
     constexpr bool kDqBulk = kTma && Has_dQ && CUFLASH_BWD_DQ_BULK;
+    // [bwd dq tile] (the whole tile in fragment order, in the same shared memory; thread kDqIssuer adds it)
+    constexpr bool kDqTile = kTma && Has_dQ && CUFLASH_BWD_DQ_TILE && !kDqBulk;
+    constexpr int kDqIssuer = 32;  // (warp 1's first lane: thread 0 issues the TMA copies)
     float* sDq = sD + 2 * kBlockM + 16;
     // [bwd flow] the TMA entry point with dQ: no barrier at the loop's top, dS^T in two buffers (the second after the
     // dQ tile)
@@ -167,6 +204,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
         smem_raw + (((smem_u32(sDq + kBlockM * Cfg::kDqStride) + 1023u) & ~1023u) - raw_addr));
     // [bwd dq first] where a warpgroup's dQ slice is one batch of columns (two computing warpgroups)
     constexpr bool kDqFirst = Has_dQ && CUFLASH_BWD_DQ_FIRST && Cfg::kDqN == kDqChunk;
+    static_assert(!kDqTile || (kDqFirst && Cfg::kNWG == 2), "[bwd dq tile]: one dQ product a tile, two warpgroups");
 
     int n_block, h, b;
     interleaved_block(interleave, n_block, h, b);
@@ -269,7 +307,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
         for (int e = 0; e < 4; ++e) dk_acc[dt][e] = dv_acc[dt][e] = 0.f;
     }
     const float scale_log2 = scale * kLog2e;
-    float* dqg = Has_dQ ? dq_accum + bi.row_index(h, heads_q, seqlen_q, 0) * kHeadDim : nullptr;
+    // ([bwd dq tile] planes of whole tiles: rows padded to a multiple of 64; the TMA entry point takes no packed rows)
+    float* dqg = !Has_dQ ? nullptr
+                 : kDqTile ? dq_accum + ((i64)b * heads_q + h) * ((seqlen_q + kBlockM - 1) / kBlockM * kBlockM) * kHeadDim
+                           : dq_accum + bi.row_index(h, heads_q, seqlen_q, 0) * kHeadDim;
 
     for (int it = 0; it < m_count; ++it) {
         const int mi = q_tile(it);
@@ -435,7 +476,14 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
             wgmma_commit();
         };
         auto add_dq = [&](float (&dq)[kDqChunk / 8][4], int col0) {
-            if constexpr (CUFLASH_BWD_DQ_V4 && !kDqBulk) {  // [bwd dq v4]
+            if constexpr (kDqTile) {  // [bwd dq tile] this thread's accumulators, contiguous, chunks rotated
+                float* st = sDq + tid * (kDqChunk / 2);
+#pragma unroll
+                for (int dt = 0; dt < kDqChunk / 8; ++dt) {
+                    *reinterpret_cast<float4*>(st + dq_tile_slot<kHeadDim>(tid, dt) * 4) =
+                        make_float4(dq[dt][0], dq[dt][1], dq[dt][2], dq[dt][3]);
+                }
+            } else if constexpr (CUFLASH_BWD_DQ_V4 && !kDqBulk) {  // [bwd dq v4]
                 // even lanes of a pair: row g, columns 2t .. 2t + 3 (their own pair, then the odd lane's); odd lanes:
                 // row g + 8, the even lane's pair then their own
                 const int odd = t & 1, r = warp_in_wg * 16 + g + 8 * odd;
@@ -450,21 +498,23 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
                         else red_add_v4_f32(dqr + dt * 8, dq[dt][0], dq[dt][1], x, y);
                     }
                 }
-                return;
-            }
+            } else {
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const int r = warp_in_wg * 16 + g + 8 * hh;
-                if constexpr (kDqBulk) {  // [bwd dq bulk] into the dQ tile
-                    float* sr = sDq + r * Cfg::kDqStride + col0 + 2 * t;
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int r = warp_in_wg * 16 + g + 8 * hh;
+                    if constexpr (kDqBulk) {  // [bwd dq bulk] into the dQ tile
+                        float* sr = sDq + r * Cfg::kDqStride + col0 + 2 * t;
 #pragma unroll
-                    for (int dt = 0; dt < kDqChunk / 8; ++dt) {
-                        *reinterpret_cast<float2*>(sr + dt * 8) = make_float2(dq[dt][2 * hh], dq[dt][2 * hh + 1]);
+                        for (int dt = 0; dt < kDqChunk / 8; ++dt) {
+                            *reinterpret_cast<float2*>(sr + dt * 8) = make_float2(dq[dt][2 * hh], dq[dt][2 * hh + 1]);
+                        }
+                    } else if (m0 + r < len_q) {
+                        float* dqr = dqg + (i64)(m0 + r) * kHeadDim + col0 + 2 * t;
+#pragma unroll
+                        for (int dt = 0; dt < kDqChunk / 8; ++dt) {
+                            red_add_v2_f32(dqr + dt * 8, dq[dt][2 * hh], dq[dt][2 * hh + 1]);
+                        }
                     }
-                } else if (m0 + r < len_q) {
-                    float* dqr = dqg + (i64)(m0 + r) * kHeadDim + col0 + 2 * t;
-#pragma unroll
-                    for (int dt = 0; dt < kDqChunk / 8; ++dt) red_add_v2_f32(dqr + dt * 8, dq[dt][2 * hh], dq[dt][2 * hh + 1]);
                 }
             }
         };
@@ -486,6 +536,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
             if constexpr (kDqBulk) {
                 if (lane < 16) bulk_wait_read<0>();
             }
+            if constexpr (kDqTile) {  // [bwd dq tile] the tile is free once the last tile's reduction has read it
+                if (tid == kDqIssuer) bulk_wait_read<0>();
+            }
             if constexpr (kDqFirst) {
                 // [bwd dq first] dQ's product issued first, then dV's and dK's; this tile's dQ is added while they
                 // run (wait_group 2: the two younger groups, dV and dK, stay in flight).
@@ -498,6 +551,21 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
                 wgmma_wait<2>();
                 fence_regs(dq);
                 add_dq(dq, dq_col0);
+                if constexpr (kDqTile) {
+                    // [bwd dq tile] every thread's stores visible to the bulk copy, then one thread adds the tile
+                    // (rows past seqlen_q add zeros into the plane's padding: their dO, D and lse are zeros)
+                    // (a barrier instruction is a whole warp's: the issuer's warp waits, the others arrive)
+                    fence_proxy_async();
+                    if (tid / 32 == kDqIssuer / 32) {
+                        named_bar_sync(1, kThreads);
+                        if (tid == kDqIssuer) {
+                            bulk_reduce_add_f32(dqg + (i64)m0 * kHeadDim, smem_u32(sDq), kBlockM * kHeadDim * 4);
+                            bulk_commit();
+                        }
+                    } else {
+                        named_bar_arrive(1, kThreads);
+                    }
+                }
                 wgmma_wait<0>();
             } else {
                 wgmma_fence();
@@ -537,6 +605,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
     cp_async_wait<0>();
     if constexpr (kDqBulk) {
         if (lane < 16) bulk_wait<0>();  // [bwd dq bulk] (the dQ tile stays while the last reductions read it)
+    }
+    if constexpr (kDqTile) {
+        if (tid == kDqIssuer) bulk_wait<0>();  // [bwd dq tile] (likewise)
     }
     fence_regs(dk_acc);
     fence_regs(dv_acc);
@@ -601,6 +672,30 @@ flash_bwd_dkdv_sm90_tma_kernel(CUFLASH_BWD_DKDV_PARAMS, const VariantParams vp, 
                                const __grid_constant__ TensorMap do_map) {
     flash_bwd_dkdv_sm90<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, V, Has_dQ, true>(
         CUFLASH_BWD_DKDV_ARGS, vp, BwdMaps{&q_map, &k_map, &v_map, &do_map});
+}
+
+// [bwd dq tile] dQ = scale * dq_accum, cast, from the workspace that the TMA entry point fills in fragment order
+// (planes of (seqlen_q rounded up to 64) x kHeadDim floats, each 64-row tile in dq_tile_pos's order): a block copies
+// one tile into shared memory as it lies (coalesced) and writes its rows in order; dq has the first `cols` columns.
+// Grid (ceil(seqlen_q / 64), heads_q, batch), 256 threads.
+template <class T, int kHeadDim>
+__global__ void __launch_bounds__(256)
+flash_bwd_convert_dq_tiles_kernel(const float* __restrict__ dq_accum, u16* __restrict__ dq, int seqlen_q, int heads_q,
+                                  i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale, int cols) {
+    constexpr int kTile = 64 * kHeadDim;
+    __shared__ __align__(16) float tile[kTile];
+    const int m0 = blockIdx.x * 64, h = blockIdx.y, b = blockIdx.z;
+    const i64 rows = (seqlen_q + 63) / 64 * 64;
+    const float4* src = reinterpret_cast<const float4*>(dq_accum + (((i64)b * heads_q + h) * rows + m0) * kHeadDim);
+    for (int i = threadIdx.x; i < kTile / 4; i += 256) reinterpret_cast<float4*>(tile)[i] = src[i];
+    __syncthreads();
+    for (int e = threadIdx.x; e < kTile / 2; e += 256) {
+        const int r = e / (kHeadDim / 2), c = 2 * (e % (kHeadDim / 2));
+        if (m0 + r >= seqlen_q || c >= cols) continue;
+        const float2 x = *reinterpret_cast<const float2*>(tile + dq_tile_pos<kHeadDim>(r, c));
+        *reinterpret_cast<u32*>(dq + b * dq_sb + h * dq_sh + (i64)(m0 + r) * dq_ss + c) =
+            Elem<T>::pack(x.x * scale, x.y * scale);
+    }
 }
 
 }  // namespace cuflash

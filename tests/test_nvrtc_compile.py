@@ -203,11 +203,11 @@ def test_mla_kernel_schedules_compile_without_spills(switch):
 
 
 _BWD_SCHEDULE_DEFAULTS = {"CUFLASH_BWD_DQ_BULK": 0, "CUFLASH_BWD_DQ_FIRST": 1, "CUFLASH_BWD_FLOW": 1,
-                          "CUFLASH_BWD_DQ_V4": 0}
+                          "CUFLASH_BWD_DQ_V4": 0, "CUFLASH_BWD_DQ_TILE": 0}
 
 
 @pytest.mark.parametrize("changes", [{"CUFLASH_BWD_DQ_BULK": 1}, {"CUFLASH_BWD_DQ_FIRST": 0}, {"CUFLASH_BWD_FLOW": 0},
-                                     {"CUFLASH_BWD_DQ_V4": 1},
+                                     {"CUFLASH_BWD_DQ_V4": 1}, {"CUFLASH_BWD_DQ_TILE": 1},
                                      {"CUFLASH_BWD_FLOW": 0, "CUFLASH_BWD_DQ_FIRST": 0},
                                      {"CUFLASH_BWD_DQ_BULK": 1, "CUFLASH_BWD_FLOW": 0}],
                          ids=lambda c: ",".join(f"{k[len('CUFLASH_BWD_'):]}={v}" for k, v in c.items()))
@@ -216,8 +216,9 @@ def test_other_schedules_of_the_tma_backward_compile_without_spills(changes):
     [bwd dq bulk] (dQ added by bulk reductions, cp.reduce.async.bulk, where the shipped build has red.global.add only;
     off by default), [bwd dq first] (dQ's product issued before dV's and dK's, waited for alone: wait_group 2; on) and
     [bwd flow] (lse and D copies counted by the query buffers' mbarriers, cp.async.mbarrier.arrive, instead of a block
-    barrier; on) and [bwd dq v4] (16-byte vector reductions of dQ; off) compile for sm_90a without spills, each
-    schedule's instructions present exactly where it is on."""
+    barrier; on), [bwd dq v4] (16-byte vector reductions of dQ; off) and [bwd dq tile] (one bulk reduction a query
+    tile, issued by one thread after a named barrier; off) compile for sm_90a without spills, each schedule's
+    instructions present exactly where it is on."""
     nvrtc = _nvrtc()
     names = [s.name for s in _cuda.instantiations() if s.family == "bwd_dkdv_sm90_tma" and s.has_dq
              and not variant_flags(s.name)][:2]
@@ -225,13 +226,13 @@ def test_other_schedules_of_the_tma_backward_compile_without_spills(changes):
     text = _cuda.compile_source_for_nvrtc("backward_sm90.cu")
 
     def check(ptx, settings):
-        assert ("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx) == bool(
-            settings["CUFLASH_BWD_DQ_BULK"])
-        assert settings["CUFLASH_BWD_DQ_BULK"] or "red.global.add" in ptx
+        bulk = settings["CUFLASH_BWD_DQ_BULK"] or settings["CUFLASH_BWD_DQ_TILE"]
+        assert ("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx) == bool(bulk)
+        assert ("red.global.add" in ptx) == (not bulk)
+        assert ("bar.arrive" in ptx) == bool(settings["CUFLASH_BWD_DQ_TILE"] and not settings["CUFLASH_BWD_DQ_BULK"])
         assert ("wgmma.wait_group.sync.aligned 2;" in ptx) == bool(settings["CUFLASH_BWD_DQ_FIRST"])
         assert ("cp.async.mbarrier.arrive.noinc" in ptx) == bool(settings["CUFLASH_BWD_FLOW"])
-        assert ("red.global.add.v4.f32" in ptx) == bool(settings["CUFLASH_BWD_DQ_V4"]
-                                                        and not settings["CUFLASH_BWD_DQ_BULK"])
+        assert ("red.global.add.v4.f32" in ptx) == bool(settings["CUFLASH_BWD_DQ_V4"] and not bulk)
 
     shipped = _cuda.compile.nvrtc_offline(text, names, _cuda.SM90A_OPTIONS, "sm_90a")
     assert shipped["ok"], shipped["log"][-3000:]

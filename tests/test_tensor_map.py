@@ -768,3 +768,51 @@ def test_rotary_steps_rotate_by_one_kernel_into_the_launchs_copies(monkeypatch, 
         block_table=None, causal=True, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, softmax_scale=None,
         num_splits=0, out=None)[2], scale=0.1, variant=cuflash._ops.variant.Variant(causal=True))
     assert launch._rotary_step is None
+
+
+def test_the_backward_adds_dq_a_tile_at_a_time_where_switched_on(monkeypatch):
+    """(CPU, stand-in CuPy) [bwd dq tile] With BWD_DQ_TILE (the kernels' CUFLASH_BWD_DQ_TILE), a planned backward whose
+    dK/dV launch is the TMA entry point pads dQ's float32 planes to whole 64-row tiles (200 rows: 256) and converts
+    them with flash_bwd_convert_dq_tiles_kernel, a block a tile; its flat calls (the cp.async kernel, rows in order)
+    keep the unpadded planes and flash_bwd_convert_dq_kernel; without the switch, the row-order conversion."""
+    import ml_dtypes
+    import numpy as np
+
+    from cuflash._cuda import attention
+    from cuflash._ops.variant import Variant
+
+    cp, recorder, _ = _tma_stand_in(monkeypatch)
+    monkeypatch.setattr(attention, "TMA_BACKWARD", True)
+    rng = np.random.default_rng(13)
+
+    def arr(*shape, dtype=ml_dtypes.bfloat16):
+        return cp.asarray(rng.standard_normal(shape).astype(np.float32).astype(dtype))
+
+    q, do, out = arr(2, 200, 4, 128), arr(2, 200, 4, 128), arr(2, 200, 4, 128)
+    k, v = arr(2, 300, 2, 128), arr(2, 300, 2, 128)
+    lse = arr(2, 4, 200, dtype=np.float32)
+
+    def plan():
+        return attention.BackwardPlan(do, q, k, v, out, lse, scale=0.1, variant=Variant(causal=True), algorithm="fa2",
+                                      block_q=None, block_k=None, order="kv_outer")
+
+    for on in (True, False):
+        monkeypatch.setattr(attention, "BWD_DQ_TILE", on)
+        recorder.take()
+        p = plan()
+        names = [step[0].spec.name.split("<")[0] for step in p._steps]
+        assert names[1] == "cuflash::flash_bwd_dkdv_sm90_tma_kernel"
+        convert = names[2]
+        assert convert == ("cuflash::flash_bwd_convert_dq_tiles_kernel" if on else "cuflash::flash_bwd_convert_dq_kernel")
+        grid = p._steps[2][0].grid
+        assert tuple(grid) == ((4, 4, 2) if on else (-(-200 * 128 // 2 // 256), 4, 2))
+        # the workspace: dQ's planes (padded when on: 2 x 4 x 256 x 128 floats), the GQA sums, then D
+        dq_bytes = 2 * 4 * (256 if on else 200) * 128 * 4
+        assert p._offsets[1] == 0 and p._offsets[2] == dq_bytes
+        calls, workspace = p.flat_calls()
+        flat_names = [name.split("<")[0] for _, name, _, _ in calls]
+        assert flat_names[2] == "cuflash::flash_bwd_convert_dq_kernel"
+        assert workspace["dq_accum"] == (2, 4, 200, 128)
+        # (a run: the zeroed part covers the padded planes)
+        p.run(do, q, k, v, out, lse)
+        assert p._zero_bytes >= dq_bytes

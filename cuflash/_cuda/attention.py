@@ -23,7 +23,7 @@ import numpy as np
 from .._ops.gpu_memory import CounterArena, StreamSinks, stream_owner
 from .._ops.variant import Variant, VariantArrays
 from . import fa1, naive, tensor_map, tuning
-from .compile import PackedLaunch, arch_class, check_smem, device_info, launch, sm_count
+from .compile import PackedLaunch, arch_class, check_smem, define, device_info, launch, sm_count
 from .spec import (BIAS_CTYPES, BLOCK_COMPACT, BWD_HEAD_DIMS, CTYPES, EXTRA_POINTER_FIELDS, F16X2_HEAD_DIMS,
                    FA1_BWD_HEAD_DIMS, FA1_HEAD_DIMS, FAMILIES, HEAD_DIMS, PERSISTENT_HEAD_DIMS, PREFILL_APPEND_DTYPE,
                    TF32_FAMILIES, TF32_HEAD_DIMS, TF32_SM90_HEAD_DIMS, TILES, VARIANT_POINTER_FIELDS, Tile,
@@ -224,6 +224,10 @@ TMA_SEQUENCE_LENGTHS = os.environ.get("CUFLASH_TMA_SEQUENCE_LENGTHS", "1") == "1
 # (_tma_backward; H100 2026-11-28: dK and dV bit for bit the cp.async kernel's, 1.01-1.07x its speed;
 # CUFLASH_TMA_BACKWARD=0 turns it off).
 TMA_BACKWARD = os.environ.get("CUFLASH_TMA_BACKWARD", "1") == "1"
+# [bwd dq tile] the TMA dK/dV kernel's dQ added a whole query tile at a time, in its fragments' order (the kernels'
+# compile-time switch CUFLASH_BWD_DQ_TILE, read here too): the workspace's planes padded to whole 64-row tiles and
+# converted by flash_bwd_convert_dq_tiles_kernel. Off (an experiment).
+BWD_DQ_TILE = bool(define("CUFLASH_BWD_DQ_TILE", 0))
 # The longest query sequence that runs a head dim's ("fwd", "sm90a_tma_short", d) tile instead of its row's (d 64: one
 # computing warpgroup of 64 rows, two blocks per SM: 1.03-1.31x the 192-row tile and 1.05-1.20x the cp.async kernel
 # at N 512-2048, H100 2026-11-28).
@@ -1096,9 +1100,12 @@ class BackwardPlan(_Plan):
                                ((q, "q", t.block_m), (k, "k", t.block_n), (v, "v", t.block_n), (do, "do", t.block_m)))
         # (the cp.async entry point reads whole rows of the kernel's head dim: never a padded one's)
         assert not tma_pad or spec.family == "bwd_dkdv_sm90_tma", spec.name
+        # [bwd dq tile] dQ's planes of whole 64-row tiles, in fragment order (the flat twin keeps rows in order)
+        dq_tile = BWD_DQ_TILE and spec.family == "bwd_dkdv_sm90_tma" and spec.has_dq
+        dq_rows = cdiv(shp.rows_q, spec.tile.block_m) * spec.tile.block_m if dq_tile else shp.rows_q
         f32 = np.dtype(np.float32).itemsize
         # The workspace: the accumulators the kernels add into first (zeroed), then D. 256-byte aligned parts.
-        parts = {"dq_accum": None if split else (shp.ws_batch, shp.heads_q, shp.rows_q, d),
+        parts = {"dq_accum": None if split else (shp.ws_batch, shp.heads_q, dq_rows, d),
                  "dkv_accum": (2, shp.ws_batch, shp.heads_q, shp.rows_k, d) if shp.group > 1 else None,
                  "delta": (shp.ws_batch, shp.heads_q, shp.rows_q)}
         zeroed = {"dq_accum": True, "dkv_accum": variant.seqused_k is not None, "delta": False}
@@ -1125,8 +1132,10 @@ class BackwardPlan(_Plan):
 
         self._steps, flat = [], []
         for launch_spec, grid, args in _backward_launches(buffers, shp, d, dtype, spec, spec_q, np.float32(scale),
-                                                          params, backward_interleave(variant, shp)):
-            flat.append((flat_spec if launch_spec is spec else launch_spec, grid, args))
+                                                          params, backward_interleave(variant, shp), dq_tile):
+            flat.append((flat_spec if launch_spec is spec else launch_spec, grid, args) if launch_spec.family !=
+                        "bwd_convert_dq_tiles" else _convert_dq_launch(buffers.dq_accum, buffers.dq, dtype, d, shp,
+                                                                       np.float32(scale)))
             more = tuple(m.address for m, _ in self._maps) if launch_spec is spec else ()
             launch = PackedLaunch(self._rt, launch_spec, grid,
                                   tuple(None if isinstance(a, _Layout) else a for a in args), more)
@@ -1147,6 +1156,8 @@ class BackwardPlan(_Plan):
         # (flat_calls: the launches, and the workspace's parts as buffers of their own)
         # [bwd tma pad] no flat twin: the cp.async entry point cannot read head dims below its own
         constant = all(step[3] is None for step in self._steps) and not self._zero_grads and not tma_pad
+        if dq_tile:  # (the flat twin's dQ rows in order)
+            parts["dq_accum"] = (shp.ws_batch, shp.heads_q, shp.rows_q, d)
         self._flat = (flat, {name: parts[name] for name in ("delta", "dq_accum", "dkv_accum") if parts[name]}
                       ) if constant else None
 
@@ -1454,10 +1465,11 @@ def backward_interleave(variant: Variant, shp: Shape) -> int:
 
 
 def _backward_launches(a: _BackwardBuffers, shp: Shape, d: int, dtype: str, spec, spec_q, fscale, params,
-                       interleave: int = 1) -> list:
+                       interleave: int = 1, dq_tile: bool = False) -> list:
     """The 16-bit backward's launches at kernel head dim ``d``, in order, as ``(spec, grid, args)``: [bwd 0] D; dK,
     dV (and dQ into the float32 dq_accum, atomically) by key tiles; dQ by query tiles (split order) or dq_accum's
-    conversion; GQA's sum of dK, dV over each group. ``params(spec, transposed)``: a launch's VariantParams.
+    conversion (``dq_tile``: from [bwd dq tile]'s fragment order); GQA's sum of dK, dV over each group.
+    ``params(spec, transposed)``: a launch's VariantParams.
     The one description of these launches: :func:`_backward` launches it through CuPy, :class:`BackwardPlan`
     packs it once."""
     null = np.uintp(0)
@@ -1474,7 +1486,7 @@ def _backward_launches(a: _BackwardBuffers, shp: Shape, d: int, dtype: str, spec
             i32(shp.group), *strides(a.q), *strides(a.k), *strides(a.v), *strides(a.do), *strides(a.dq), fscale,
             params(spec_q))))
     else:
-        launches.append(_convert_dq_launch(a.dq_accum, a.dq, dtype, d, shp, fscale))
+        launches.append(_convert_dq_launch(a.dq_accum, a.dq, dtype, d, shp, fscale, dq_tile))
     if shp.group > 1:
         launches.append(_reduce_dkv_launch(a.dkv_accum, a.dk, a.dv, dtype, d, shp))
     return launches
@@ -1486,9 +1498,12 @@ def convert_dq(dq_accum, dq, dtype: str, d: int, shp: Shape, fscale) -> None:
     launch(*_convert_dq_launch(dq_accum, dq, dtype, d, shp, fscale))
 
 
-def _convert_dq_launch(dq_accum, dq, dtype: str, d: int, shp: Shape, fscale):
-    return (kernel_spec("bwd_convert_dq", dtype, d), (cdiv(shp.rows_q * d // 2, 256), shp.heads_q, shp.ws_batch),
-            (dq_accum, dq, i32(shp.rows_q), i32(shp.heads_q), *strides(dq), fscale, i32(dq.shape[-1])))
+def _convert_dq_launch(dq_accum, dq, dtype: str, d: int, shp: Shape, fscale, tiles: bool = False):
+    """dQ's conversion launch; ``tiles``: from [bwd dq tile]'s workspace (a block a 64-row tile)."""
+    spec, grid = ((kernel_spec("bwd_convert_dq_tiles", dtype, d), (cdiv(shp.rows_q, 64), shp.heads_q, shp.ws_batch))
+                  if tiles else
+                  (kernel_spec("bwd_convert_dq", dtype, d), (cdiv(shp.rows_q * d // 2, 256), shp.heads_q, shp.ws_batch)))
+    return spec, grid, (dq_accum, dq, i32(shp.rows_q), i32(shp.heads_q), *strides(dq), fscale, i32(dq.shape[-1]))
 
 
 def reduce_dkv(dkv_accum, dk, dv, dtype: str, d: int, shp: Shape) -> None:

@@ -31,6 +31,18 @@ _DEBUG_OPTIONS = (("-lineinfo",) if os.environ.get("CUFLASH_LINEINFO") or os.env
     ("-DCUFLASH_RACECHECK",) if os.environ.get("CUFLASH_RACECHECK") else ()) + tuple(
     f"-D{d.strip()}" for d in os.environ.get("CUFLASH_DEFINES", "").split(",") if d.strip())
 
+
+
+def define(name: str, default: int) -> int:
+    """The value of a kernels' compile-time switch as this process builds them: ``CUFLASH_DEFINES``'s, else the
+    kernels' default (given here as theirs is): for a launcher whose launches depend on the switch."""
+    for option in _DEBUG_OPTIONS:
+        key, _, value = option[2:].partition("=")
+        if option.startswith("-D") and key == name:
+            return int(value or 1)
+    return default
+
+
 _INCLUDE_RE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
 
 
