@@ -6,8 +6,8 @@
          lengths, non-contiguous views): max |err| vs a float64 truth against 2x (forward) / 3x (grads)
          the error of naive attention in the same dtype; NaN-poisoned memory pool; split bitwise repeat.
 --bench  TFLOP/s of cuflash and torch SDPA FLASH_ATTENTION on the ANCHORS.md grid (subset with --quick).
---sanitize  small calls for compute-sanitizer (no timing): forward+backward, then the decode launches (only those
-         with --decode-only). Run racecheck on the CUFLASH_RACECHECK=1 build (docs/testing.md: the MLA kernel's
+--sanitize  small calls for compute-sanitizer (no timing): forward+backward (the launcher's and the front door's planned
+         ones: the TMA entry points), then the decode launches (only those with --decode-only). Run racecheck on the CUFLASH_RACECHECK=1 build (docs/testing.md: the MLA kernel's
          bar.arrive handovers).
 Prints a short table last; full logs go to --out (default $OUT or /tmp).
 """
@@ -309,6 +309,31 @@ def sanitize_decode(cp):
         bool(cp.isnan(out[1]).all()))
 
 
+def sanitize_planned(cp):
+    """Small calls through the front door for compute-sanitizer: the planned forward and backward (the TMA entry points
+    where the device has them: flash_bwd_dkdv_sm90_tma_kernel and, with CUFLASH_BWD_DQ_TILE=1, its whole-tile dQ and
+    flash_bwd_convert_dq_tiles_kernel), bf16 at d 64 and 128, dense and causal, lengths that end inside a tile
+    (GQA 4 / 2), with dQ, dK, dV checked finite."""
+    import ml_dtypes
+    import numpy as np
+
+    import cuflash
+
+    rng = np.random.default_rng(1)
+
+    def bf16(*shape):
+        return cp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(ml_dtypes.bfloat16))
+
+    for d in (64, 128):
+        for causal in (False, True):
+            q, do = bf16(2, 200, 4, d), bf16(2, 200, 4, d)
+            k, v = bf16(2, 333, 2, d), bf16(2, 333, 2, d)
+            out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+            grads = cuflash.attention_backward(do, q, k, v, out, lse, causal=causal)
+            log("sanitize planned backward d", d, "causal", causal, "finite:",
+                all(bool(cp.isfinite(g).all()) for g in (out, *grads)))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
@@ -334,6 +359,8 @@ def main():
                                   (64, "float32", "br"), (256, "float32", None)):
             case = (1, 77, 131, 2, 1, d, dtname, causal, "bhnd")
             check_case(torch, cp, cuda, case, [])
+        if not args.decode_only:
+            sanitize_planned(cp)
         sanitize_decode(cp)
         return
 
