@@ -617,11 +617,10 @@ def _new_sink(key, count: int):
     if torch.cuda.is_current_stream_capturing():
         sink = torch.empty(count, dtype=torch.float32, device=key[0])
         return sink, sink.data_ptr()
-    import cupy
+    from ._cuda.decode import own_memory
 
-    with cupy.cuda.Device(key[0].index):
-        memory = cupy.cuda.memory.Memory(4 * max(1, count))
-    return memory, memory.ptr
+    sink = own_memory((count,), np.float32, key[0].index)
+    return sink, sink.data.ptr
 
 
 def _rows_fit(slots: int, v_slots: int, ks: tuple, vs: tuple, itemsize: int) -> bool:

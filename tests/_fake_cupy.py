@@ -136,9 +136,6 @@ def install(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", module)
 
     class Runtime(decode.CupyRuntime):
-        @staticmethod
-        def raw_zeros(count, dtype):  # (the stand-in's memory: NumPy's)
-            return zeros((count,), dtype=dtype)
 
         def function(self, spec):
             handle = 0x1000 + len(recorder.names)
@@ -184,7 +181,8 @@ def install(monkeypatch):
     monkeypatch.setattr(decode.CupyRuntime, "function", decode_function)
     monkeypatch.setattr(decode.CupyRuntime, "launch_programmatic", launch_programmatic)
     monkeypatch.setattr(decode.CupyRuntime, "prepare_programmatic", lambda self: None)
-    monkeypatch.setattr(decode.CupyRuntime, "kept", lambda self, shape, dtype, zero=False: zeros(shape, dtype=dtype))
+    # (memory of a launch's own, outside a capture: the stand-in's, NumPy's)
+    monkeypatch.setattr(decode, "own_memory", lambda shape, dtype, device=None: zeros(shape, dtype=dtype))
     monkeypatch.setattr(decode, "_LAUNCHES", type(decode._LAUNCHES)())
     monkeypatch.setattr(_api, "_kvcache_launches", _api.CallMemo(_api._kvcache_launches.size))
     monkeypatch.setattr(_kvcache, "_SEQLEN_TABLES", {})

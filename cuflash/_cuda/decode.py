@@ -234,13 +234,16 @@ def _tensor_map(k_cache, tma: bool) -> TensorMap:
     return TensorMap((d, slots, n), (k_cache.strides[1], k_cache.strides[0]), (64, 64, 1))
 
 
-def _own_memory(shape, dtype):
-    """An array of ``shape`` in device memory of its own (cudaMalloc on the current device, freed when the array
-    goes), outside CuPy's pool and outside any allocator set around the call (cuflash.torch's: torch's caching
-    allocator, whose CUDA graph trees refuse a warm-up run that leaves a buffer alive in the graph's pool that is
-    not an output)."""
+def own_memory(shape, dtype, device: int | None = None):
+    """An array of ``shape`` in device memory of its own (cudaMalloc on ``device``, else the current one; freed when
+    the array goes), outside CuPy's pool and outside any allocator set around the call (cuflash.torch's: torch's
+    caching allocator, whose CUDA graph trees refuse a warm-up run that leaves a buffer alive in the graph's pool that
+    is not an output)."""
     import cupy
 
+    if device is not None:
+        with cupy.cuda.Device(device):
+            return own_memory(shape, dtype)
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     memory = cupy.cuda.memory.Memory(max(1, math.prod(shape)) * np.dtype(dtype).itemsize)
     return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.memory.MemoryPointer(memory, 0))
@@ -282,21 +285,21 @@ class CupyRuntime:
 
     @staticmethod
     def raw_zeros(count: int, dtype):
-        """A zeroed array of ``count`` elements in device memory of its own (:func:`_own_memory`): for what is kept
+        """A zeroed array of ``count`` elements in device memory of its own (:func:`own_memory`): for what is kept
         for the process's life (the tile counters' chunks). Never called under a capture (cudaMalloc is not allowed
         there)."""
-        array = _own_memory((count,), dtype)
+        array = own_memory((count,), dtype)
         array.fill(0)
         return array
 
     def kept(self, shape, dtype, zero: bool = False):
         """An array a launch keeps from call to call (split workspace, rotated copies, lse sinks; zeroed with
-        ``zero``): device memory of its own (:func:`_own_memory`, freed with the array), so that under torch's CUDA
+        ``zero``): device memory of its own (:func:`own_memory`, freed with the array), so that under torch's CUDA
         graph trees a warm-up run leaves nothing alive in the graph's pool; under a capture, where cudaMalloc is not
         allowed, the call's allocator's (a graph's pool keeps it for the graph)."""
         if self.capturing():
             return (self.zeros if zero else self.empty)(shape, dtype=dtype)
-        array = _own_memory(shape, dtype)
+        array = own_memory(shape, dtype)
         if zero:
             array.fill(0)
         return array
