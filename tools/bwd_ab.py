@@ -1,7 +1,8 @@
-"""A/B of backward builds (``CUFLASH_DEFINES``: the dK/dV kernel's compile-time schedules, e.g. ``CUFLASH_BWD_DQ_V4=1``),
-one process per build, in alternating rounds: the backward alone (``cuflash.attention_backward``, CUDA events, median
-of repeats) in TFLOP/s at bf16 d 64 and 128, dense and causal, and whether each build's dK and dV are bit for bit the
-first build's (dQ: its max |difference|, the float32 additions' order).
+"""A/B of backward builds (``CUFLASH_DEFINES``: the dK/dV kernel's compile-time schedules, e.g.
+``CUFLASH_BWD_DQ_TILE=1``), one process per build, in alternating rounds: the backward alone
+(``cuflash.attention_backward``, CUDA events, median of repeats) in TFLOP/s at d 64 and 128 (bf16, or --dtype
+float16; --heads-kv for GQA), dense and causal, and whether each build's dK and dV are bit for bit the first build's
+(dQ: its max |difference|, the float32 additions' order).
 
     python tools/bwd_ab.py --builds "" "CUFLASH_BWD_DQ_V4=1" [--rounds 3] [--n 4096 16384] [--dims 64 128]
 
@@ -28,12 +29,13 @@ def one(args) -> None:
     for d in args.dims:
         for causal in (False, True):
             for n in args.n:
-                batch, heads = max(1, args.tokens // n), args.heads
+                batch, heads, heads_kv = max(1, args.tokens // n), args.heads, args.heads_kv or args.heads
                 rng = np.random.default_rng(d * 1000 + n + causal)
+                dtype = ml_dtypes.bfloat16 if args.dtype == "bfloat16" else np.float16
 
-                def draw():
-                    return cupy.asarray(rng.standard_normal((batch, n, heads, d), np.float32).astype(ml_dtypes.bfloat16))
-                q, k, v, do = draw(), draw(), draw(), draw()
+                def draw(h):
+                    return cupy.asarray(rng.standard_normal((batch, n, h, d), np.float32).astype(dtype))
+                q, k, v, do = draw(heads), draw(heads_kv), draw(heads_kv), draw(heads)
                 out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
 
                 def bwd():
@@ -61,6 +63,8 @@ def main() -> None:
     p.add_argument("--n", type=int, nargs="+", default=[4096, 16384])
     p.add_argument("--tokens", type=int, default=32768, help="batch x N")
     p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--heads-kv", type=int, default=0, help="key/value heads (GQA; default: --heads)")
+    p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     p.add_argument("--reps", type=int, default=10)
     args = p.parse_args()
     if args.one:
