@@ -56,15 +56,64 @@ __device__ __forceinline__ void warpgroup_sync(int wg) {
 #define CUFLASH_FP8_FOLD_DESCALE 1
 #endif
 
+// [fp8 exp16] (an experiment, off: 0) The FP8 forward's P on the 16-bit path, two scores an instruction: the
+// arguments (float32, as now) rounded to an fp16 pair, one ex2.approx.f16x2 (one MUFU operation for two exponentials),
+// the row sums accumulated in fp16 pairs within a tile (widened to float32 once a tile), and P packed to e4m3 from
+// the pairs (cvt e4m3x2.f16x2). Per two scores about 6.5 issue slots where the float32 path takes 7.5: the d 128 FP8
+// kernel's pace is its issue slots' (kernel-notes: MUFU 42 % busy). Precision: an argument's fp16 rounding moves P by
+// at most 2^-8 of itself where P >= 2^-8 of its row's maximum (e4m3 rounds P by 2^-4), and the tile's sums add about
+// 2^-11 relative per addition (2^-7 |O| is the FP8 budget's). Arguments below -24 (P under 2^-24 of the maximum
+// after [fp8 p]'s offset) flush to zero, which e4m3's smallest subnormal (2^-9) does anyway.
+#ifndef CUFLASH_FP8_EXP16
+#define CUFLASH_FP8_EXP16 0
+#endif
+
+// [fp8 exp16] exp2 of a (low half) and b (high half) as an fp16 pair.
+__device__ __forceinline__ u32 exp2_f16x2(float a, float b) {
+    u32 x, e;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(x) : "f"(b), "f"(a));
+    asm("ex2.approx.f16x2 %0, %1;" : "=r"(e) : "r"(x));
+    return e;
+}
+__device__ __forceinline__ u32 add_f16x2(u32 a, u32 b) {
+    u32 d;
+    asm("add.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+__device__ __forceinline__ float sum_f16x2(u32 a) {
+    float lo, hi;
+    asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}"
+        : "=f"(lo), "=f"(hi) : "r"(a));
+    return lo + hi;
+}
+// ... and [fp8 p]'s A fragment from such pairs, ph[n][0] row g's and ph[n][1] row g + 8's of n8 tile n (p_to_e4m3's
+// order: the low half is the pair's first key).
+template <int kNT>
+__device__ __forceinline__ void p_f16x2_to_e4m3(u32 (&a)[4], const u32 (&ph)[kNT][2], int kk) {
+    auto pack = [](u32 p01, u32 p23) {
+        unsigned short lo, hi;
+        asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(lo) : "r"(p01));
+        asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(hi) : "r"(p23));
+        return (u32)lo | ((u32)hi << 16);
+    };
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int n = 4 * kk + 2 * h;
+        a[2 * h] = pack(ph[n][0], ph[n + 1][0]);
+        a[2 * h + 1] = pack(ph[n][1], ph[n + 1][1]);
+    }
+}
+
 // [fa2-fwd 3] and [fa2-fwd 4] on raw (unscaled) scores: m is the running row max of the raw scores, l the
 // lane-partial row sum; S is replaced by P = exp2(scale_log2 * (S - m_new)) and corr[h] =
 // exp2(scale_log2 * (m_old - m_new)) is returned for the caller to rescale O once P V of the previous tile
 // has retired. A row that has seen only masked keys keeps m = -inf and subtracts 0 instead (no NaN). [fp8 p] kPOff:
 // P = exp2(scale_log2 * (S - m_new) + kPOff), at most 2^kPOff (l and O grow by the same factor, lse subtracts it), so
-// that e4m3's 3-bit mantissa holds P's small values as normal numbers rather than subnormals or zeros.
-template <int kNT, int kPOff = 0, bool kRescaleSkip = false>
-__device__ __forceinline__ void softmax_step(float (&s)[kNT][4], float (&m)[2], float (&l)[2], float (&corr)[2],
-                                             float scale_log2) {
+// that e4m3's 3-bit mantissa holds P's small values as normal numbers rather than subnormals or zeros. [fp8 exp16]
+// kExp16: P as fp16 pairs in ph instead (ph[nt][h]: row h's two scores of n8 tile nt), s left as the raw scores.
+template <int kNT, int kPOff = 0, bool kRescaleSkip = false, bool kExp16 = false>
+__device__ __forceinline__ void softmax_step(u32 (&ph)[kExp16 ? kNT : 1][2], float (&s)[kNT][4], float (&m)[2],
+                                             float (&l)[2], float (&corr)[2], float scale_log2) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         float mx = m[h];
@@ -78,11 +127,21 @@ __device__ __forceinline__ void softmax_step(float (&s)[kNT][4], float (&m)[2], 
         float m_p = m_scaled;
         if constexpr (kPOff != 0) m_p -= float(kPOff);
         float sum = 0.f;
+        if constexpr (kExp16) {  // [fp8 exp16] the pairs in ph (p_f16x2_to_e4m3 reads them there)
+            u32 pairs = 0u;
 #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
-            s[nt][2 * h] = fast_exp2(fmaf(s[nt][2 * h], scale_log2, -m_p));
-            s[nt][2 * h + 1] = fast_exp2(fmaf(s[nt][2 * h + 1], scale_log2, -m_p));
-            sum += s[nt][2 * h] + s[nt][2 * h + 1];
+            for (int nt = 0; nt < kNT; ++nt) {
+                ph[nt][h] = exp2_f16x2(fmaf(s[nt][2 * h], scale_log2, -m_p), fmaf(s[nt][2 * h + 1], scale_log2, -m_p));
+                pairs = add_f16x2(pairs, ph[nt][h]);
+            }
+            sum = sum_f16x2(pairs);
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt) {
+                s[nt][2 * h] = fast_exp2(fmaf(s[nt][2 * h], scale_log2, -m_p));
+                s[nt][2 * h + 1] = fast_exp2(fmaf(s[nt][2 * h + 1], scale_log2, -m_p));
+                sum += s[nt][2 * h] + s[nt][2 * h + 1];
+            }
         }
         l[h] = l[h] * corr[h] + sum;
     }
@@ -217,6 +276,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
     constexpr bool kTwoParts = E::kSplit;                 // [f16x2]: two fp16 parts an operand
     constexpr bool kDescale = kFp8 || kTwoParts;          // q's, k's and v's factors
     constexpr bool kRescaleSkip = CUFLASH_FWD_RESCALE_SKIP < 0 ? kFp8 : CUFLASH_FWD_RESCALE_SKIP != 0;
+    constexpr bool kExp16 = kFp8 && CUFLASH_FP8_EXP16;  // [fp8 exp16]
     constexpr bool kOutF32 = sizeof(typename E::Out) == 4;  // [tf32]: O stored as float32 from registers
     static_assert(!(kVt || kTwoParts) || (kTma && !V::Is_varlen && !V::Has_seqused && !V::Bias::kStaged &&
                                           !V::Has_dropout && !V::Pads_head_dim && kHeadDim * E::kBytes % 128 == 0 &&
@@ -541,6 +601,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
         float m[2] = {-CUFLASH_INF, -CUFLASH_INF}, l[2] = {0.f, 0.f}, corr[2];
         float s[kNT][4];
         u32 p[kPT][4];
+        u32 ph[kExp16 ? kNT : 1][2];  // [fp8 exp16] P as fp16 pairs
         // [f16x2] S's cross products (the low parts carry 2^11), P's low parts, and P V of one key tile (added to O in
         // float32: the tensor core's sums round toward zero, which over many tiles would bias a running O)
         float sx[kTwoParts ? kNT : 1][4];
@@ -631,7 +692,9 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
             if constexpr (V::Has_dropout) dropout_apply<kNT>(s, keep, 1.f);
 #pragma unroll
             for (int kk = 0; kk < kPT; ++kk) {
-                if constexpr (kFp8) {
+                if constexpr (kExp16) {  // [fp8 exp16]
+                    p_f16x2_to_e4m3<kNT>(p[kk], ph, kk);
+                } else if constexpr (kFp8) {
                     p_to_e4m3<kNT>(p[kk], s, kk);
                 } else if constexpr (kTwoParts) {
                     p_to_f16x2<kNT>(p[kk], p2[kk], s, kk);
@@ -690,7 +753,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
                     fence_regs(sx);
                     mbar_arrive(free_k + 8 * buf);
                     mask(j);
-                    softmax_step<kNT, kPOff, kRescaleSkip>(s, m, l, corr, softmax_log2);
+                    softmax_step<kNT, kPOff, kRescaleSkip, kExp16>(ph, s, m, l, corr, softmax_log2);
                     rescale_o();
                     pack_p();
                     mbar_wait(full_v + 8 * buf, phase);
@@ -741,7 +804,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
             if constexpr (kWS) mbar_arrive(free_k + 8 * (slot(0) & 1));
             release_q(0);
             mask(0);
-            softmax_step<kNT, kPOff, kRescaleSkip>(s, m, l, corr, softmax_log2);
+            softmax_step<kNT, kPOff, kRescaleSkip, kExp16>(ph, s, m, l, corr, softmax_log2);
             pack_p();
 
             for (int j = 1; j < n_end; ++j) {
@@ -774,7 +837,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
                 if constexpr (kWS) mbar_arrive(free_k + 8 * (g & 1));
                 release_q(j);
                 mask(j);
-                softmax_step<kNT, kPOff, kRescaleSkip>(s, m, l, corr, softmax_log2);
+                softmax_step<kNT, kPOff, kRescaleSkip, kExp16>(ph, s, m, l, corr, softmax_log2);
                 wgmma_wait<0>();
                 fence_regs(acc);
                 if constexpr (kWS) mbar_arrive(free_v + 8 * ((g - 1) & 1));

@@ -202,6 +202,20 @@ def test_mla_kernel_schedules_compile_without_spills(switch):
                                    f"decode_sm90.cu with {switch}")
 
 
+def test_fp8_exponentials_on_the_16_bit_path_compile_without_spills():
+    """[fp8 exp16] (forward_sm90.cu, an experiment, off): the FP8 forward built with its exponentials as
+    ex2.approx.f16x2 compiles for sm_90a without spills or serialized wgmma, and only that build has the instruction."""
+    nvrtc = _nvrtc()
+    names = [s.name for s in _cuda.instantiations() if s.family == "fwd_sm90_fp8"][:2]
+    assert names, "no FP8 forward instantiation listed"
+    text = _cuda.compile_source_for_nvrtc("forward_sm90.cu")
+    options = _cuda.SM90A_OPTIONS + ("-DCUFLASH_FP8_EXP16=1",)
+    assert_compiles_without_spills(nvrtc, text, names, options, "sm_90a", "forward_sm90.cu with CUFLASH_FP8_EXP16=1")
+    shipped = _cuda.compile.nvrtc_offline(text, names, _cuda.SM90A_OPTIONS, "sm_90a")
+    assert "ex2.approx.f16x2" not in shipped["ptx"]
+    assert "ex2.approx.f16x2" in _cuda.compile.nvrtc_offline(text, names, options, "sm_90a")["ptx"]
+
+
 _BWD_SCHEDULE_DEFAULTS = {"CUFLASH_BWD_DQ_BULK": 0, "CUFLASH_BWD_DQ_FIRST": 1, "CUFLASH_BWD_FLOW": 1,
                           "CUFLASH_BWD_DQ_V4": 0, "CUFLASH_BWD_DQ_TILE": 0}
 
