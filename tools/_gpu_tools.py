@@ -66,6 +66,19 @@ def ab_parser(description: str, experiment: str):
     return p
 
 
+def ab_run(parser, one, describe):
+    """Parse an A/B tool's command line (:func:`ab_parser`'s and the tool's options); with ``--one`` run ``one(args)``
+    (this process is a worker) and return ``(args, None)``, else run the rounds (:func:`ab_rounds`, workers started
+    from the running script) and return ``(args, results)``."""
+    import sys
+
+    args = parser.parse_args()
+    if args.one:
+        one(args)
+        return args, None
+    return args, ab_rounds(sys.argv[0], args.builds, args.rounds, describe)
+
+
 def ab_rounds(script: str, builds: list, rounds: int, describe) -> dict:
     """Run ``script`` with its own command line and ``--one`` (its per-process worker) once per build
     (``CUFLASH_DEFINES`` values) in each of ``rounds`` alternating rounds; each run's last stdout line is its JSON

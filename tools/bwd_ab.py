@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from _gpu_tools import ab_parser, ab_rounds
+from _gpu_tools import ab_parser, ab_run
 
 
 def one(args) -> None:
@@ -66,11 +66,10 @@ def main() -> None:
     p.add_argument("--heads-kv", type=int, default=0, help="key/value heads (GQA; default: --heads)")
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     p.add_argument("--reps", type=int, default=10)
-    args = p.parse_args()
-    if args.one:
-        return one(args)
-    results = ab_rounds(__file__, args.builds, args.rounds, lambda rows: "; ".join(
+    args, results = ab_run(p, one, lambda rows: "; ".join(
         f"d{x['d']} {'c' if x['causal'] else 'n'}{x['n']} {x['tflops']:.0f}" for x in rows))
+    if results is None:
+        return
     base = results[args.builds[0]][0] if results[args.builds[0]] else None
     print("median TFLOP/s (backward alone); dK, dV against the first build; dQ max |diff|:")
     for b, runs in results.items():

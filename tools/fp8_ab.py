@@ -13,7 +13,7 @@ import json
 
 import numpy as np
 
-from _gpu_tools import ab_parser, ab_rounds
+from _gpu_tools import ab_parser, ab_run
 
 
 def one(args) -> None:
@@ -57,11 +57,10 @@ def main() -> None:
     p.add_argument("--dims", type=int, nargs="+", default=[128, 256])
     p.add_argument("--n", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--rep-ms", type=int, default=100)
-    args = p.parse_args()
-    if args.one:
-        return one(args)
-    results = ab_rounds(__file__, args.builds, args.rounds, lambda rows: "; ".join(
+    args, results = ab_run(p, one, lambda rows: "; ".join(
         f"d{x['d']} {'c' if x['causal'] else 'n'}{x['n']} {x['fp8']:.0f} ({x['fp8'] / x['bf16']:.2f}x)" for x in rows))
+    if results is None:
+        return
     print("median TFLOP/s of the FP8 forward (its ratio to the bf16 forward of the same process); max |FP8 - bf16| "
           "against the budget:")
     for b, runs in results.items():

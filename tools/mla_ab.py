@@ -12,7 +12,7 @@ import json
 
 import numpy as np
 
-from _gpu_tools import ab_parser, ab_rounds
+from _gpu_tools import ab_parser, ab_run
 
 
 def one(args) -> None:
@@ -66,11 +66,10 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=128)
     p.add_argument("--seqlen-q", type=int, default=1)
     p.add_argument("--rep-ms", type=float, default=40)
-    args = p.parse_args()
-    if args.one:
-        return one(args)
-    results = ab_rounds(__file__, args.builds, args.rounds, lambda rows: "; ".join(
+    args, results = ab_run(p, one, lambda rows: "; ".join(
         f"b{x['batch']} n{x['cache']} {x['per_call']:.0f}/{x['b2b']:.0f} TFLOP/s err {x['err']:.1e}" for x in rows))
+    if results is None:
+        return
     print("median TFLOP/s per call / back to back:")
     for b, runs in results.items():
         if not runs:
