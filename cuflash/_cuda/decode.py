@@ -234,19 +234,27 @@ def _tensor_map(k_cache, tma: bool) -> TensorMap:
     return TensorMap((d, slots, n), (k_cache.strides[1], k_cache.strides[0]), (64, 64, 1))
 
 
+# The memory pool of own_memory (a cupy.cuda.MemoryPool of cuflash's own, made at its first use).
+_OWN_POOL = None
+
+
 def own_memory(shape, dtype, device: int | None = None):
-    """An array of ``shape`` in device memory of its own (cudaMalloc on ``device``, else the current one; freed when
-    the array goes), outside CuPy's pool and outside any allocator set around the call (cuflash.torch's: torch's
-    caching allocator, whose CUDA graph trees refuse a warm-up run that leaves a buffer alive in the graph's pool that
-    is not an output)."""
+    """An array of ``shape`` in device memory of cuflash's own (on ``device``, else the current one): from a memory
+    pool that is neither CuPy's default pool nor any allocator set around the call (cuflash.torch's: torch's caching
+    allocator, whose CUDA graph trees refuse a warm-up run that leaves a buffer alive in the graph's pool that is not
+    an output). The pool grows by cudaMalloc; a buffer freed with its array goes back to it, without the device
+    synchronization a cudaFree makes (a launch the front door forgets frees its buffers at some later call)."""
+    global _OWN_POOL
     import cupy
 
     if device is not None:
         with cupy.cuda.Device(device):
             return own_memory(shape, dtype)
+    if _OWN_POOL is None:
+        _OWN_POOL = cupy.cuda.MemoryPool()
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    memory = cupy.cuda.memory.Memory(max(1, math.prod(shape)) * np.dtype(dtype).itemsize)
-    return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.memory.MemoryPointer(memory, 0))
+    nbytes = max(1, math.prod(shape)) * np.dtype(dtype).itemsize
+    return cupy.ndarray(shape, dtype=dtype, memptr=_OWN_POOL.malloc(nbytes))
 
 
 class CupyRuntime:
@@ -294,9 +302,9 @@ class CupyRuntime:
 
     def kept(self, shape, dtype, zero: bool = False):
         """An array a launch keeps from call to call (split workspace, rotated copies, lse sinks; zeroed with
-        ``zero``): device memory of its own (:func:`own_memory`, freed with the array), so that under torch's CUDA
-        graph trees a warm-up run leaves nothing alive in the graph's pool; under a capture, where cudaMalloc is not
-        allowed, the call's allocator's (a graph's pool keeps it for the graph)."""
+        ``zero``): device memory of cuflash's own (:func:`own_memory`, back to its pool with the array), so that under
+        torch's CUDA graph trees a warm-up run leaves nothing alive in the graph's pool; under a capture, where
+        cudaMalloc is not allowed, the call's allocator's (a graph's pool keeps it for the graph)."""
         if self.capturing():
             return (self.zeros if zero else self.empty)(shape, dtype=dtype)
         array = own_memory(shape, dtype)
