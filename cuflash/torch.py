@@ -612,8 +612,9 @@ _lse_sinks = StreamSinks()
 
 def _new_sink(key, count: int):
     """A new lse sink of ``count`` float32 on device ``key[0]`` (:data:`_lse_sinks`: (device, stream)) and its
-    address: device memory of its own (cudaMalloc), not torch's allocator, whose CUDA graph trees refuse a warm-up
-    run that leaves a buffer alive in the graph's pool; torch's under a capture (where cudaMalloc is not allowed)."""
+    address: device memory of cuflash's own (``decode.own_memory``, as ``CupyRuntime.kept``), not torch's allocator,
+    whose CUDA graph trees refuse a warm-up run that leaves a buffer alive in the graph's pool; torch's under a
+    capture (where cudaMalloc is not allowed)."""
     if torch.cuda.is_current_stream_capturing():
         sink = torch.empty(count, dtype=torch.float32, device=key[0])
         return sink, sink.data_ptr()

@@ -79,6 +79,16 @@ def ab_run(parser, one, describe):
     return args, ab_rounds(sys.argv[0], args.builds, args.rounds, describe)
 
 
+def ab_report(results: dict, title: str, cell) -> None:
+    """Print ``title``, then a line per build that ran: ``cell(i, rows)`` for each row index ``i`` of its worker's
+    list, ``rows`` that row of every round (:func:`ab_rounds`' results)."""
+    print(title)
+    for b, runs in results.items():
+        if runs:
+            cells = [cell(i, [run[i] for run in runs]) for i in range(len(runs[0]))]
+            print(f"  {b or 'shipped':28s} " + " | ".join(cells))
+
+
 def ab_rounds(script: str, builds: list, rounds: int, describe) -> dict:
     """Run ``script`` with its own command line and ``--one`` (its per-process worker) once per build
     (``CUFLASH_DEFINES`` values) in each of ``rounds`` alternating rounds; each run's last stdout line is its JSON

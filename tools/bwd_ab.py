@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from _gpu_tools import ab_parser, ab_run
+from _gpu_tools import ab_parser, ab_report, ab_run
 
 
 def one(args) -> None:
@@ -71,18 +71,14 @@ def main() -> None:
     if results is None:
         return
     base = results[args.builds[0]][0] if results[args.builds[0]] else None
-    print("median TFLOP/s (backward alone); dK, dV against the first build; dQ max |diff|:")
-    for b, runs in results.items():
-        if not runs:
-            continue
-        cells = []
-        for i, x in enumerate(runs[0]):
-            tf = np.median([run[i]["tflops"] for run in runs])
-            same = base is not None and all(run[i]["dkdv"] == base[i]["dkdv"] for run in runs)
-            dq = 0.0 if base is None else float(np.abs(np.load(x["dq"]) - np.load(base[i]["dq"])).max())
-            cells.append(f"d{x['d']} {'causal' if x['causal'] else 'dense'} N{x['n']} {tf:.0f}"
-                         f"{'' if same else ' dK/dV DIFFER'} dq {dq:.1e}")
-        print(f"  {b or 'shipped':28s} " + " | ".join(cells))
+
+    def cell(i, rows):
+        x, tf = rows[0], np.median([r["tflops"] for r in rows])
+        same = base is not None and all(r["dkdv"] == base[i]["dkdv"] for r in rows)
+        dq = 0.0 if base is None else float(np.abs(np.load(x["dq"]) - np.load(base[i]["dq"])).max())
+        return (f"d{x['d']} {'causal' if x['causal'] else 'dense'} N{x['n']} {tf:.0f}"
+                f"{'' if same else ' dK/dV DIFFER'} dq {dq:.1e}")
+    ab_report(results, "median TFLOP/s (backward alone); dK, dV against the first build; dQ max |diff|:", cell)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import json
 
 import numpy as np
 
-from _gpu_tools import ab_parser, ab_run
+from _gpu_tools import ab_parser, ab_report, ab_run
 
 
 def one(args) -> None:
@@ -61,19 +61,14 @@ def main() -> None:
         f"d{x['d']} {'c' if x['causal'] else 'n'}{x['n']} {x['fp8']:.0f} ({x['fp8'] / x['bf16']:.2f}x)" for x in rows))
     if results is None:
         return
-    print("median TFLOP/s of the FP8 forward (its ratio to the bf16 forward of the same process); max |FP8 - bf16| "
-          "against the budget:")
-    for b, runs in results.items():
-        if not runs:
-            continue
-        cells = []
-        for i, x in enumerate(runs[0]):
-            tf = np.median([run[i]["fp8"] for run in runs])
-            ratio = np.median([run[i]["fp8"] / run[i]["bf16"] for run in runs])
-            ok = all(run[i]["diff"] <= run[i]["budget"] for run in runs)
-            cells.append(f"d{x['d']} {'causal' if x['causal'] else 'dense'} N{x['n']} {tf:.0f} ({ratio:.2f}x)"
-                         f"{'' if ok else ' OVER BUDGET'} diff {x['diff']:.1e}")
-        print(f"  {b or 'shipped':28s} " + " | ".join(cells))
+    def cell(i, rows):
+        x, tf = rows[0], np.median([r["fp8"] for r in rows])
+        ratio = np.median([r["fp8"] / r["bf16"] for r in rows])
+        ok = all(r["diff"] <= r["budget"] for r in rows)
+        return (f"d{x['d']} {'causal' if x['causal'] else 'dense'} N{x['n']} {tf:.0f} ({ratio:.2f}x)"
+                f"{'' if ok else ' OVER BUDGET'} diff {x['diff']:.1e}")
+    ab_report(results, "median TFLOP/s of the FP8 forward (its ratio to the bf16 forward of the same process); "
+              "max |FP8 - bf16| against the budget:", cell)
 
 
 if __name__ == "__main__":

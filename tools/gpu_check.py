@@ -6,9 +6,9 @@
          lengths, non-contiguous views): max |err| vs a float64 truth against 2x (forward) / 3x (grads)
          the error of naive attention in the same dtype; NaN-poisoned memory pool; split bitwise repeat.
 --bench  TFLOP/s of cuflash and torch SDPA FLASH_ATTENTION on the ANCHORS.md grid (subset with --quick).
---sanitize  small calls for compute-sanitizer (no timing): forward+backward (the launcher's and the front door's planned
-         ones: the TMA entry points), then the decode launches (only those with --decode-only). Run racecheck on the CUFLASH_RACECHECK=1 build (docs/testing.md: the MLA kernel's
-         bar.arrive handovers).
+--sanitize  small calls for compute-sanitizer (no timing): forward+backward (the launcher's and the front door's
+         planned ones: the TMA entry points), then the decode launches (only those with --decode-only). Run racecheck
+         on the CUFLASH_RACECHECK=1 build (docs/testing.md: the MLA kernel's bar.arrive handovers).
 Prints a short table last; full logs go to --out (default $OUT or /tmp).
 """
 

@@ -12,7 +12,7 @@ import json
 
 import numpy as np
 
-from _gpu_tools import ab_parser, ab_run
+from _gpu_tools import ab_parser, ab_report, ab_run
 
 
 def one(args) -> None:
@@ -70,16 +70,9 @@ def main() -> None:
         f"b{x['batch']} n{x['cache']} {x['per_call']:.0f}/{x['b2b']:.0f} TFLOP/s err {x['err']:.1e}" for x in rows))
     if results is None:
         return
-    print("median TFLOP/s per call / back to back:")
-    for b, runs in results.items():
-        if not runs:
-            continue
-        cells = []
-        for i, x in enumerate(runs[0]):
-            pc = np.median([run[i]["per_call"] for run in runs])
-            bb = np.median([run[i]["b2b"] for run in runs])
-            cells.append(f"b{x['batch']} n{x['cache']} q{args.seqlen_q} {pc:.0f}/{bb:.0f}")
-        print(f"  {b or 'shipped':28s} " + " | ".join(cells))
+    ab_report(results, "median TFLOP/s per call / back to back:", lambda i, rows: (
+        f"b{rows[0]['batch']} n{rows[0]['cache']} q{args.seqlen_q} {np.median([r['per_call'] for r in rows]):.0f}/"
+        f"{np.median([r['b2b'] for r in rows]):.0f}"))
 
 
 if __name__ == "__main__":

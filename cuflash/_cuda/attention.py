@@ -1156,9 +1156,8 @@ class BackwardPlan(_Plan):
         # (flat_calls: the launches, and the workspace's parts as buffers of their own)
         # [bwd tma pad] no flat twin: the cp.async entry point cannot read head dims below its own
         constant = all(step[3] is None for step in self._steps) and not self._zero_grads and not tma_pad
-        if dq_tile:  # (the flat twin's dQ rows in order)
-            parts["dq_accum"] = (shp.ws_batch, shp.heads_q, shp.rows_q, d)
-        self._flat = (flat, {name: parts[name] for name in ("delta", "dq_accum", "dkv_accum") if parts[name]}
+        flat_parts = {**parts, "dq_accum": (shp.ws_batch, shp.heads_q, shp.rows_q, d)} if dq_tile else parts
+        self._flat = (flat, {name: flat_parts[name] for name in ("delta", "dq_accum", "dkv_accum") if flat_parts[name]}
                       ) if constant else None
 
     def flat_calls(self):
@@ -1500,10 +1499,10 @@ def convert_dq(dq_accum, dq, dtype: str, d: int, shp: Shape, fscale) -> None:
 
 def _convert_dq_launch(dq_accum, dq, dtype: str, d: int, shp: Shape, fscale, tiles: bool = False):
     """dQ's conversion launch; ``tiles``: from [bwd dq tile]'s workspace (a block a 64-row tile)."""
-    spec, grid = ((kernel_spec("bwd_convert_dq_tiles", dtype, d), (cdiv(shp.rows_q, 64), shp.heads_q, shp.ws_batch))
-                  if tiles else
-                  (kernel_spec("bwd_convert_dq", dtype, d), (cdiv(shp.rows_q * d // 2, 256), shp.heads_q, shp.ws_batch)))
-    return spec, grid, (dq_accum, dq, i32(shp.rows_q), i32(shp.heads_q), *strides(dq), fscale, i32(dq.shape[-1]))
+    spec = kernel_spec("bwd_convert_dq_tiles" if tiles else "bwd_convert_dq", dtype, d)
+    blocks = cdiv(shp.rows_q, 64) if tiles else cdiv(shp.rows_q * d // 2, 256)
+    return spec, (blocks, shp.heads_q, shp.ws_batch), (dq_accum, dq, i32(shp.rows_q), i32(shp.heads_q), *strides(dq),
+                                                      fscale, i32(dq.shape[-1]))
 
 
 def reduce_dkv(dkv_accum, dk, dv, dtype: str, d: int, shp: Shape) -> None:

@@ -32,7 +32,6 @@ _DEBUG_OPTIONS = (("-lineinfo",) if os.environ.get("CUFLASH_LINEINFO") or os.env
     f"-D{d.strip()}" for d in os.environ.get("CUFLASH_DEFINES", "").split(",") if d.strip())
 
 
-
 def define(name: str, default: int) -> int:
     """The value of a kernels' compile-time switch as this process builds them: ``CUFLASH_DEFINES``'s, else the
     kernels' default (given here as theirs is): for a launcher whose launches depend on the switch."""
