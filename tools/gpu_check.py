@@ -7,8 +7,9 @@
          the error of naive attention in the same dtype; NaN-poisoned memory pool; split bitwise repeat.
 --bench  TFLOP/s of cuflash and torch SDPA FLASH_ATTENTION on the ANCHORS.md grid (subset with --quick).
 --sanitize  small calls for compute-sanitizer (no timing): forward+backward (the launcher's and the front door's
-         planned ones: the TMA entry points), then the decode launches (only those with --decode-only). Run racecheck
-         on the CUFLASH_RACECHECK=1 build (docs/testing.md: the MLA kernel's bar.arrive handovers).
+         planned ones: the TMA entry points), then the decode launches (only those with --decode-only; only the
+         planned calls with --planned-only). Run racecheck on the CUFLASH_RACECHECK=1 build (docs/testing.md: the MLA
+         kernel's bar.arrive handovers).
 Prints a short table last; full logs go to --out (default $OUT or /tmp).
 """
 
@@ -341,6 +342,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sanitize", action="store_true")
     ap.add_argument("--decode-only", action="store_true", help="--sanitize: the decode launches only")
+    ap.add_argument("--planned-only", action="store_true", help="--sanitize: the front door's planned calls only")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args()
@@ -355,13 +357,14 @@ def main():
         "cupy", cp.__version__, "torch", torch.__version__, "bf16 in cupy:", hasattr(cp, "bfloat16"))
 
     if args.sanitize:
-        for d, dtname, causal in () if args.decode_only else ((64, "bfloat16", "br"), (128, "float16", None), (128, "bfloat16", "tl"),
+        for d, dtname, causal in () if args.decode_only or args.planned_only else ((64, "bfloat16", "br"), (128, "float16", None), (128, "bfloat16", "tl"),
                                   (64, "float32", "br"), (256, "float32", None)):
             case = (1, 77, 131, 2, 1, d, dtname, causal, "bhnd")
             check_case(torch, cp, cuda, case, [])
         if not args.decode_only:
             sanitize_planned(cp)
-        sanitize_decode(cp)
+        if not args.planned_only:
+            sanitize_decode(cp)
         return
 
     t0 = time.time()

@@ -226,8 +226,8 @@ TMA_SEQUENCE_LENGTHS = os.environ.get("CUFLASH_TMA_SEQUENCE_LENGTHS", "1") == "1
 TMA_BACKWARD = os.environ.get("CUFLASH_TMA_BACKWARD", "1") == "1"
 # [bwd dq tile] the TMA dK/dV kernel's dQ added a whole query tile at a time, in its fragments' order (the kernels'
 # compile-time switch CUFLASH_BWD_DQ_TILE, read here too): the workspace's planes padded to whole 64-row tiles and
-# converted by flash_bwd_convert_dq_tiles_kernel. Off (an experiment).
-BWD_DQ_TILE = bool(define("CUFLASH_BWD_DQ_TILE", 0))
+# converted by flash_bwd_convert_dq_tiles_kernel. On (CUFLASH_DEFINES=CUFLASH_BWD_DQ_TILE=0 turns it off).
+BWD_DQ_TILE = bool(define("CUFLASH_BWD_DQ_TILE", 1))
 # The longest query sequence that runs a head dim's ("fwd", "sm90a_tma_short", d) tile instead of its row's (d 64: one
 # computing warpgroup of 64 rows, two blocks per SM: 1.03-1.31x the 192-row tile and 1.05-1.20x the cp.async kernel
 # at N 512-2048, H100 2026-11-28).
