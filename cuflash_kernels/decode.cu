@@ -17,7 +17,7 @@
 // [decode pack]: the rows of a block are packed rows r = t * group + g (query token t, query head
 // h_kv * group + g), so every query head that reads a key/value head is computed from one load of each K/V
 // tile. [decode split]: the block walks its part of the sequence's key tiles (cuflash/_blocks.py:split_range
-// over the tiles the rows see), loading K and V tiles of kBlockN keys through a two-stage cp.async ring;
+// over the tiles the rows see), loading K and V tiles of kBlockN keys through a cp.async ring of kStages tiles;
 // [decode page]: key j of the sequence is cache slot leftpad + j, found through the block table (kPaged) or in
 // cache row cache_batch_idx[b]. With one split the block writes the output in the input dtype and lse; else
 // its normalized partial O (float32) and lse per row into the workspace, and the last of the splits of its
@@ -48,7 +48,7 @@
 // j < len_k, j <= t + len_k - len_q + right (causal: right = 0) and j >= t + len_k - len_q - left; softcap and
 // ALiBi (slope of the row's query head) on the raw score as in variants.cuh.
 //
-// Shared memory (16-bit tiles): flash_decode_kernel Q 16 x d + 2 stages x (K + V) kBlockN x d, the float32 warp
+// Shared memory (16-bit tiles): flash_decode_kernel Q 16 x d + kStages x (K + V) kBlockN x d, the float32 warp
 // states reusing the K/V ring at the end (kNWarps x 16 x (d + 2) floats); flash_decode_wide_kernel Q kBlockM x d
 // + 2 stages x (K kBlockN x d + V kBlockN x dv unless kSharedKV) + P kBlockM x kBlockN + 2 x kBlockM x
 // kColSplit floats (MLA, 64 rows and 64 keys: 225 KiB). The append and merge kernels use none (the fused merge
@@ -466,12 +466,13 @@ __device__ __forceinline__ void mod_mask_scale(float (&s)[kNT][4], const DecodeP
     }
 }
 
-template <int kHeadDim, int kBlockN, int kNWarps>
+template <int kHeadDim, int kBlockN, int kNWarps, int kStages>
 struct DecodeConfig {
     static constexpr int kRows = 16;
     static constexpr int kTile = kBlockN * kHeadDim;
-    static constexpr int kSmemBytes = 2 * (kRows * kHeadDim + 2 * 2 * kTile);
-    static_assert(kNWarps * kRows * (kHeadDim + 2) * 4 <= 2 * 2 * 2 * kTile, "the warp states fit in the K/V ring");
+    static constexpr int kSmemBytes = 2 * (kRows * kHeadDim + 2 * kStages * kTile);
+    static_assert(kStages >= 2, "a ring of at least two tiles");
+    static_assert(kNWarps * kRows * (kHeadDim + 2) * 4 <= 2 * 2 * kStages * kTile, "the warp states fit in the K/V ring");
 };
 
 // [decode page] The page and the place in it of each cache slot a thread copies for a tile of kBlockN rows of
@@ -600,10 +601,10 @@ __device__ __forceinline__ void load_cache_tile(u16* tile, const u16* base, i64 
     }
 }
 
-template <class T, int kHeadDim, int kBlockN, int kNWarps, bool kPaged>
+template <class T, int kHeadDim, int kBlockN, int kNWarps, int kStages, bool kPaged>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 flash_decode_kernel(const DecodeParams p) {
-    using Cfg = DecodeConfig<kHeadDim, kBlockN, kNWarps>;
+    using Cfg = DecodeConfig<kHeadDim, kBlockN, kNWarps, kStages>;
     constexpr int kRows = Cfg::kRows, kTile = Cfg::kTile, kThreads = kNWarps * 32;
     constexpr int kWN = kBlockN / kNWarps;  // keys of a tile per warp
     static_assert(kWN % 16 == 0 && kHeadDim % 32 == 0, "tile shape");
@@ -612,7 +613,7 @@ flash_decode_kernel(const DecodeParams p) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     u16* sQ = reinterpret_cast<u16*>(smem_raw);
     u16* sK = sQ + kRows * kHeadDim;
-    u16* sV = sK + 2 * kTile;
+    u16* sV = sK + kStages * kTile;
 
     // grid (heads_kv * row_tiles, splits, batch): x has no 65535 limit (a long chunked prefill has many row tiles)
     const int row_tiles = p.row_tiles;
@@ -650,14 +651,24 @@ flash_decode_kernel(const DecodeParams p) {
     if constexpr (kPaged) {
         if (part_first < part_end) slots.fetch(p, pages, leftpad, part_first * kBlockN, len_k, tid);
     }
-    if (part_first < part_end) {
-        load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged>(sK, kbase, p.k_sb, p.k_ss, p, slots, cache_row, leftpad,
-                                                             part_first * kBlockN, len_k, tid, page_fault, knew);
-        load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged>(sV, vbase, p.v_sb, p.v_ss, p, slots, cache_row, leftpad,
-                                                             part_first * kBlockN, len_k, tid, page_fault, vnew);
-        if constexpr (kPaged) {
-            if (part_first + 1 < part_end) slots.fetch(p, pages, leftpad, (part_first + 1) * kBlockN, len_k, tid);
+    // Tile j goes to stage (j - part_first) % kStages; the first kStages - 1 tiles in flight before the loop (one
+    // commit group each, the first with Q), the loop's tile j + kStages - 1 issued before tile j is waited for.
+    auto load_tile = [&](int j) {
+        const int stage = (j - part_first) % kStages;
+        load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged>(sK + stage * kTile, kbase, p.k_sb, p.k_ss, p, slots,
+                                                             cache_row, leftpad, j * kBlockN, len_k, tid, page_fault,
+                                                             knew);
+        load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged>(sV + stage * kTile, vbase, p.v_sb, p.v_ss, p, slots,
+                                                             cache_row, leftpad, j * kBlockN, len_k, tid, page_fault,
+                                                             vnew);
+        if constexpr (kPaged) {  // the pages of the tile after it, in flight while the tiles before it are computed
+            if (j + 1 < part_end) slots.fetch(p, pages, leftpad, (j + 1) * kBlockN, len_k, tid);
         }
+    };
+#pragma unroll
+    for (int i = 0; i < kStages - 1; ++i) {
+        if (part_first + i < part_end) load_tile(part_first + i);
+        if (i + 1 < kStages - 1) cp_async_commit();
     }
     cp_async_commit();
     // [decode append] fused: one block per (sequence, key/value head) writes the new tokens, while the tiles land
@@ -675,21 +686,12 @@ flash_decode_kernel(const DecodeParams p) {
     sm.init();
 
     for (int j = part_first; j < part_end; ++j) {
-        const int buf = (j - part_first) & 1;
-        if (j + 1 < part_end) {  // the next tile into the other buffer (freed at the end of the last iteration)
-            load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged>(sK + (buf ^ 1) * kTile, kbase, p.k_sb, p.k_ss, p, slots,
-                                                                 cache_row, leftpad, (j + 1) * kBlockN, len_k, tid,
-                                                                 page_fault, knew);
-            load_cache_tile<kBlockN, kHeadDim, kThreads, kPaged>(sV + (buf ^ 1) * kTile, vbase, p.v_sb, p.v_ss, p, slots,
-                                                                 cache_row, leftpad, (j + 1) * kBlockN, len_k, tid,
-                                                                 page_fault, vnew);
-            if constexpr (kPaged) {  // the pages of tile j + 2, in flight while tile j is computed
-                if (j + 2 < part_end) slots.fetch(p, pages, leftpad, (j + 2) * kBlockN, len_k, tid);
-            }
-        }
+        // the tile kStages - 1 ahead into the stage freed at the end of the last iteration
+        if (j + kStages - 1 < part_end) load_tile(j + kStages - 1);
         cp_async_commit();
-        cp_async_wait<1>();  // Q and tile j have landed
+        cp_async_wait<kStages - 1>();  // Q and tile j have landed
         __syncthreads();
+        const int buf = (j - part_first) % kStages;
         const u16* tK = sK + buf * kTile;
         const u16* tV = sV + buf * kTile;
 

@@ -54,6 +54,14 @@ def variant_for(offset, seqlen_q, seqlen_k):
     return Variant(causal=True, bottom_right=offset == seqlen_k - seqlen_q)
 
 
+def back_to_back(torch, fn) -> float:
+    """Seconds a call of ``fn``: 20 calls enqueued back to back between two CUDA events (the kernels' time, the host's
+    hidden behind them), as bench-decode times them."""
+    from cuflash.cli.bench_decode import _back_to_back
+
+    return _back_to_back(torch, fn, reps=1)
+
+
 def ab_parser(description: str, experiment: str):
     """The argument parser of an A/B tool: ``--builds`` (``CUFLASH_DEFINES`` values; default the shipped build and
     ``experiment``), ``--rounds`` and ``--one`` (the per-process worker); the tool adds its own options."""

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from _gpu_tools import back_to_back
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
@@ -50,16 +52,7 @@ def main(argv=None) -> int:
         ct._forward_plans.clear()
 
     def timed(fn):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            fn()
-        stop.record()
-        stop.synchronize()
-        return start.elapsed_time(stop) / 20 * 1e-3
+        return back_to_back(torch, fn)
 
     names = ["shipped", *args.tiles]
     print(f"{torch.cuda.get_device_name()}, bf16, d {d}, TFLOP/s (batch x N = 16384, heads x d = 2048)")

@@ -391,7 +391,8 @@ class DecodeLaunch:
             if family == "decode_mla_sm90":  # (the kernel takes the map as its second argument, used or not)
                 self._map = _tensor_map(k_cache, tma)
             spec = kernel_spec(family, dtype, d, tile, ("true" if paged else "false") + (", true" if tma else ""))
-            assert spec.tile.block_m % 16 == 0 and spec.tile.stages == 2, "decode.cu's packed-row tiles and ring"
+            # (flash_decode_kernel takes its ring's stage count from the tile; the wide and MLA kernels have two)
+            assert spec.tile.block_m % 16 == 0 and (family == "decode" or spec.tile.stages == 2), "decode.cu's tiles"
             # Splits past the number of key tiles would be empty: at most one per tile (and grid y's 65535).
             self.num_splits = max(1, min(int(cache.num_splits), -(-cache.capacity // spec.tile.block_n), 65535))
             row_tiles, tile_n = -(-(seqlen_q * group) // spec.tile.block_m), spec.tile.block_n

@@ -228,8 +228,9 @@ TILES: dict[tuple[str, str, int], Tile] = {
     ("fa1_bwd", "sm86", 64): Tile(64, 64, 4, 2),
     ("fa1_bwd", "sm86", 96): Tile(64, 64, 4, 1),
     ("fa1_bwd", "sm86", 128): Tile(32, 64, 4, 2),
-    # direction "decode": flash_decode_kernel (any arch): 16 packed query rows, block_n keys per tile in a
-    # two-stage ring, the warps taking block_n / warps keys each (first version; not yet tuned on a GPU).
+    # direction "decode": flash_decode_kernel (any arch): 16 packed query rows, block_n keys per tile in a ring of
+    # `stages` tiles, the warps taking block_n / warps keys each. d 128 tried on the H200 (2026-11-29,
+    # tools/decode_tile_trial.py, docs/decoding.md): 64 / 4 / 2 best but in one cell of nine (3 stages 2-5 % slower).
     **{("decode", "any", d): Tile(16, 64, 4, 2) for d in DECODE_HEAD_DIMS},
     # d 256 and MLA (flash_decode_wide_kernel): block_m packed rows in 16-row groups; the warps of a group split
     # the keys of S and the columns of O (d 256: one group of 4 warps, 64 columns each; MLA: 4 groups of 2
@@ -690,8 +691,8 @@ FAMILIES: dict[str, Family] = {
     # 16 packed query rows, block_n keys per tile, warps splitting each tile's keys.
     "decode": Family(
         "decode.cu", "flash_decode_kernel",
-        lambda s: f"{CTYPES[s.dtype]}, {s.head_dim}, {s.tile.block_n}, {s.tile.warps}, {s.variant}",
-        lambda d, t: 2 * (t.block_m * d + 4 * t.block_n * d)),  # Q + 2 stages x (K + V), 16-bit
+        lambda s: f"{CTYPES[s.dtype]}, {s.head_dim}, {s.tile.block_n}, {s.tile.warps}, {s.tile.stages}, {s.variant}",
+        lambda d, t: 2 * (t.block_m * d + 2 * t.stages * t.block_n * d)),  # Q + stages x (K + V), 16-bit
     # Head dims whose O does not fit a warp at 16 rows: flash_decode_wide_kernel, with the cache policy
     # cuflash::DecodeCache<dv, kSharedKV, kPaged> (the variant slot holds kPaged). "decode_wide": V its own
     # cache of head dim d; "decode_mla": V the first d - 64 columns of the K tile (MLA's latent; 64 rope dims).
