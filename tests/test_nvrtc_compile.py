@@ -228,11 +228,12 @@ _BWD_SCHEDULE_DEFAULTS = {"CUFLASH_BWD_DQ_BULK": 0, "CUFLASH_BWD_DQ_FIRST": 1, "
                          ids=lambda c: ",".join(f"{k[len('CUFLASH_BWD_'):]}={v}" for k, v in c.items()))
 def test_other_schedules_of_the_tma_backward_compile_without_spills(changes):
     """The backward's TMA entry point built with its dQ schedules (backward_sm90.cu) other than the shipped ones:
-    [bwd dq bulk] (dQ added by a bulk reduction a fragment row, cp.reduce.async.bulk; off by default), [bwd dq first] (dQ's product issued before dV's and dK's, waited for alone: wait_group 2; on) and
+    [bwd dq bulk] (dQ added by a bulk reduction a fragment row, cp.reduce.async.bulk; off by default), [bwd dq first]
+    (dQ's product issued before dV's and dK's, waited for alone: wait_group 2; on) and
     [bwd flow] (lse and D copies counted by the query buffers' mbarriers, cp.async.mbarrier.arrive, instead of a block
     barrier; on), [bwd dq v4] (16-byte vector reductions of dQ; off) and [bwd dq tile] (one bulk reduction a query
-    tile, issued by one thread after a named barrier; on; off, dQ's red.global.add) compile for sm_90a without spills, each schedule's
-    instructions present exactly where it is on."""
+    tile, issued by one thread after a named barrier; on; off, dQ's red.global.add) compile for sm_90a without
+    spills, each schedule's instructions present exactly where it is on."""
     nvrtc = _nvrtc()
     names = [s.name for s in _cuda.instantiations() if s.family == "bwd_dkdv_sm90_tma" and s.has_dq
              and not variant_flags(s.name)][:2]
