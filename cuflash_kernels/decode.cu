@@ -601,8 +601,18 @@ __device__ __forceinline__ void load_cache_tile(u16* tile, const u16* base, i64 
     }
 }
 
+// [decode occupancy] (an experiment, off: 1) the blocks an SM holds of the contiguous-cache kernel, as its launch
+// bounds ask: 3 caps it at 168 registers (d 128: 44 bytes of spills; d 32-96 none; the paged kernel keeps 1), so
+// three 4-warp blocks fit an SM (70 KiB of shared memory each) instead of two (204-213 registers): batch 64's 512
+// blocks in 1.3 waves of 396 instead of 2 of 264, and more loads in flight an SM. H200 2026-11-29: batch 32-64 at
+// 16k-64k keys ran 0.95-0.98x cuDNN (tools/decode_tile_trial.py; a third ring stage was slower). To measure:
+// decode_tile_trial.py with and without CUFLASH_DEFINES=CUFLASH_DECODE_MIN_BLOCKS=3.
+#ifndef CUFLASH_DECODE_MIN_BLOCKS
+#define CUFLASH_DECODE_MIN_BLOCKS 1
+#endif
+
 template <class T, int kHeadDim, int kBlockN, int kNWarps, int kStages, bool kPaged>
-__global__ void __launch_bounds__(kNWarps * 32, 1)
+__global__ void __launch_bounds__(kNWarps * 32, kPaged ? 1 : CUFLASH_DECODE_MIN_BLOCKS)
 flash_decode_kernel(const DecodeParams p) {
     using Cfg = DecodeConfig<kHeadDim, kBlockN, kNWarps, kStages>;
     constexpr int kRows = Cfg::kRows, kTile = Cfg::kTile, kThreads = kNWarps * 32;

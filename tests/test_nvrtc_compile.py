@@ -189,6 +189,26 @@ def test_racecheck_build_of_the_mla_kernel_compiles():
     assert "bar.arrive" in shipped["ptx"] and "bar.arrive" not in debug["ptx"]
 
 
+def test_decode_occupancy_build_asks_three_blocks_of_the_contiguous_kernel_only():
+    """[decode occupancy] (off) With CUFLASH_DECODE_MIN_BLOCKS=3 the contiguous-cache decode kernel's launch bounds ask
+    three blocks an SM (.minnctapersm 3 in its PTX) and ptxas keeps it within 168 registers; the paged kernel and the
+    shipped build ask one."""
+    _nvrtc()
+    names = [s.name for s in _cuda.instantiations() if s.family == "decode" and s.head_dim == 128
+             and s.dtype == "bfloat16"]
+    assert sorted(n.endswith("true>") for n in names) == [False, True], names
+    text = _cuda.compile_source_for_nvrtc("decode.cu")
+    options = _cuda.SM90A_OPTIONS + ("-Xptxas=-v",)
+    shipped = _cuda.compile.nvrtc_offline(text, names, options, "sm_90a")
+    built = _cuda.compile.nvrtc_offline(text, names, options + ("-DCUFLASH_DECODE_MIN_BLOCKS=3",), "sm_90a")
+    assert shipped["ok"] and built["ok"], built["log"][-3000:]
+    assert shipped["ptx"].count(".minnctapersm 1") == 2 and ".minnctapersm 3" not in shipped["ptx"]
+    assert built["ptx"].count(".minnctapersm 3") == 1 and built["ptx"].count(".minnctapersm 1") == 1
+    regs = {r["fn"]: r["regs"] for r in parse_resources(built["log"])}
+    contiguous = next(n for n in names if n.endswith("false>"))
+    assert regs[built["lowered"][contiguous]] <= 168
+
+
 @pytest.mark.parametrize("switch", ["CUFLASH_MLA_EARLY_S0=0", "CUFLASH_MLA_P0_FIRST=1"])
 def test_mla_kernel_schedules_compile_without_spills(switch):
     """The MLA kernel's other schedules (decode_sm90.cu): [mla early s0] off (both warpgroups' S at the top of each
