@@ -564,6 +564,27 @@ __device__ __forceinline__ void append_head(const DecodeParams& p, int b, int h_
     }
 }
 
+// [decode l2] (an experiment, off: 0) the cache tiles' copies with L2 hints, each read once and streamed: 1 asks the
+// L2 to fetch 256 bytes around each 16-byte chunk (.L2::256B: a d-128 key row of 16-bit elements whole), 2 also
+// marks the lines evict-first (createpolicy, .L2::cache_hint). For the memory-bound decode (batch 32-64 at 16k-64k
+// keys ran 0.95-0.98x cuDNN on the H200, 2026-11-29). To measure: tools/decode_tile_trial.py with and without
+// CUFLASH_DEFINES=CUFLASH_DECODE_L2=1 (or 2).
+#ifndef CUFLASH_DECODE_L2
+#define CUFLASH_DECODE_L2 0
+#endif
+__device__ __forceinline__ void cp_async_16_cache(u32 dst, const void* src, bool valid) {
+#if CUFLASH_DECODE_L2 == 1
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+#elif CUFLASH_DECODE_L2 == 2
+    unsigned long long policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;" ::"r"(dst), "l"(src),
+                 "r"(valid ? 16 : 0), "l"(policy));
+#else
+    cp_async_16(dst, src, valid);
+#endif
+}
+
 // K or V rows [n0, n0 + kBlockN) of the sequence (cache slots leftpad + n0, ...) into a swizzled tile; keys past
 // len_k as zeros; keys from fresh.first on from k_new / v_new (fused append). [decode page] Paged: the slots' pages from `slots` (PageSlots::fetch of the same rows).
 // [decode guard] A slot whose page id is out of range reads as zeros and sets page_fault. base: the cache with the
@@ -597,7 +618,7 @@ __device__ __forceinline__ void load_cache_tile(u16* tile, const u16* base, i64 
         }
         // [decode append] fused: a new token's row from k_new / v_new, not from its (not yet written) cache slot
         if (valid && n0 + r >= fresh.first) src = fresh.base + (i64)(n0 + r - fresh.first) * fresh.ss + c * 8;
-        cp_async_16(smem_u32(tile + Swizzle<kHeadDim>::offset(r, c)), src, valid);
+        cp_async_16_cache(smem_u32(tile + Swizzle<kHeadDim>::offset(r, c)), src, valid);
     }
 }
 

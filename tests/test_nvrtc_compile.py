@@ -209,6 +209,23 @@ def test_decode_occupancy_build_asks_three_blocks_of_the_contiguous_kernel_only(
     assert regs[built["lowered"][contiguous]] <= 168
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_decode_l2_hints_compile_without_spills(level):
+    """[decode l2] (off) With CUFLASH_DECODE_L2=1 the decode kernels' cache copies ask 256-byte L2 fetches
+    (cp.async ... .L2::256B), with 2 also an evict-first policy (createpolicy, .L2::cache_hint); no spills; the
+    shipped build has neither."""
+    nvrtc = _nvrtc()
+    names = [s.name for s in _cuda.instantiations() if s.family == "decode" and s.head_dim == 128]
+    text = _cuda.compile_source_for_nvrtc("decode.cu")
+    shipped = _cuda.compile.nvrtc_offline(text, names, _cuda.SM90A_OPTIONS, "sm_90a")
+    assert shipped["ok"] and "L2::256B" not in shipped["ptx"] and "createpolicy" not in shipped["ptx"]
+    options = _cuda.SM90A_OPTIONS + (f"-DCUFLASH_DECODE_L2={level}",)
+    assert_compiles_without_spills(nvrtc, text, names, options, "sm_90a", f"decode.cu with CUFLASH_DECODE_L2={level}")
+    ptx = _cuda.compile.nvrtc_offline(text, names, options, "sm_90a")["ptx"]
+    assert "cp.async.cg.shared.global" + (".L2::cache_hint" if level == 2 else "") + ".L2::256B" in ptx
+    assert ("createpolicy.fractional.L2::evict_first" in ptx) == (level == 2)
+
+
 @pytest.mark.parametrize("switch", ["CUFLASH_MLA_EARLY_S0=0", "CUFLASH_MLA_P0_FIRST=1"])
 def test_mla_kernel_schedules_compile_without_spills(switch):
     """The MLA kernel's other schedules (decode_sm90.cu): [mla early s0] off (both warpgroups' S at the top of each
