@@ -12,6 +12,7 @@ median of 5 rounds, every candidate and cuDNN in each round in turn; each output
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 from _gpu_tools import back_to_back
@@ -24,8 +25,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", nargs="+", default=["1x16384", "1x65536", "4x65536", "8x16384", "32x4096",
                                                     "32x16384", "32x65536", "64x16384", "64x65536"],
                     help="batch x cached tokens")
-    ap.add_argument("--tiles", nargs="+", default=["64,4,3", "32,2,4", "32,2,3", "128,8,2"],
-                    help="candidates: block_n,warps,stages")
+    ap.add_argument("--tiles", nargs="*", default=["64,4,3", "32,2,4", "32,2,3", "128,8,2"],
+                    help="candidates: block_n,warps,stages (none: the shipped tile against cuDNN, e.g. for a build of "
+                         "CUFLASH_DEFINES)")
     args = ap.parse_args(argv)
 
     import cupy
@@ -49,8 +51,8 @@ def main(argv=None) -> int:
         return back_to_back(torch, fn)
 
     names = ["shipped", *args.tiles]
-    print(f"{torch.cuda.get_device_name()}, bf16, {hq} / {hkv} heads, d {d}, shipped tile {tuple(shipped)}; "
-          "TB/s of K and V (splits chosen)", flush=True)
+    print(f"{torch.cuda.get_device_name()}, bf16, {hq} / {hkv} heads, d {d}, shipped tile {tuple(shipped)}, "
+          f"CUFLASH_DEFINES={os.environ.get('CUFLASH_DEFINES', '')!r}; TB/s of K and V (splits chosen)", flush=True)
     print(f"{'batch':>5s} {'cache':>6s} " + " ".join(f"{n:>14s}" for n in names) + f" {'cudnn':>8s}", flush=True)
     stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream())
     for shape in args.shapes:

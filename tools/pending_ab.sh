@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The experiments built and switched off, each measured against the shipped build, in one call on the GPU machine
+# (run from the repository root with PYTHONPATH set as tools/device_all.sh sets it; about 3 minutes):
+#   bash tools/pending_ab.sh
+# [decode occupancy] and [decode l2] (docs/decoding.md): the decode step's bandwidth beside cuDNN's, a process a build.
+set -uo pipefail
+for defines in "" "CUFLASH_DECODE_MIN_BLOCKS=3" "CUFLASH_DECODE_L2=1" "CUFLASH_DECODE_L2=2"; do
+    CUFLASH_DEFINES="$defines" timeout 120 python3 tools/decode_tile_trial.py --tiles 2>&1 | grep -v Warning | tail -11
+done
