@@ -3,8 +3,9 @@
 # (run from the repository root with PYTHONPATH set as tools/device_all.sh sets it; about 3 minutes):
 #   bash tools/pending_ab.sh
 # [decode occupancy] and [decode l2] (docs/decoding.md): the decode step's bandwidth beside cuDNN's, a process a build.
-# Then the forward's d 128 at N <= 2048 (0.88-0.91x cuDNN on the H200, 2026-11-29) on 64-row tiles, one computing
-# warpgroup and two blocks an SM as d 64's short tile (they compile: 83-165 KiB, 128 registers, no spills).
+# Then the forward's d 128 at N <= 2048 (0.88-0.91x cuDNN on the H200, 2026-11-29) on 64-row tiles of one computing
+# warpgroup, as d 64's short tile (they compile, 128 registers, no spills; 64 x 64: 83-99 KiB, two blocks an SM;
+# 64 x 128: 149-165 KiB, one).
 set -uo pipefail
 for defines in "" "CUFLASH_DECODE_MIN_BLOCKS=3" "CUFLASH_DECODE_L2=1" "CUFLASH_DECODE_L2=2"; do
     CUFLASH_DEFINES="$defines" timeout 120 python3 tools/decode_tile_trial.py --tiles 2>&1 | grep -v Warning | tail -11
