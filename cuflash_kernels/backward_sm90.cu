@@ -56,7 +56,10 @@ namespace cuflash {
 template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps>
 struct Sm90BwdConfig {
     static constexpr int kNWG = kNWarps / 4;  // computing warpgroups, 64 key rows each
-    static constexpr int kDqN = kHeadDim / kNWG;  // dQ = dS K: head-dim columns per warpgroup, over all keys
+    // dQ = dS K over all keys: each warpgroup a slice of the head-dim columns of the 64 query rows, or [bwd rows 128]
+    // with 128 query rows, its own 64 rows and every column
+    static constexpr bool kDqRowSplit = kBlockM == 128;
+    static constexpr int kDqN = kDqRowSplit ? kHeadDim : kHeadDim / kNWG;  // dQ columns per warpgroup
     static constexpr int kSmemBytes =
         2 * (2 * kBlockN * kHeadDim + 4 * kBlockM * kHeadDim + kBlockN * kBlockM) + 4 * 4 * kBlockM + 1024;
     // [bwd dq bulk] the TMA entry point's float32 dQ tile, rows padded by 8 floats (a half-warp's 64-bit stores,
@@ -98,20 +101,22 @@ struct Sm90BwdConfig {
 #define CUFLASH_BWD_DQ_TILE 1
 #endif
 // [bwd dq tile] The float4 chunk of shared memory (and of the workspace tile) that holds accumulators dq[dt][0..3] of
-// computing thread `thread` (of 256: two warpgroups, each kHeadDim / 2 columns of dQ): chunks rotated per thread so
-// that the 8 threads of a 128-byte store phase hit 8 different 16-byte bank groups.
-template <int kHeadDim>
+// computing thread `thread` (of 256: two warpgroups, each a slice of kDqN columns of dQ: kChunks = kDqN / 8 float4
+// chunks a thread): chunks rotated per thread so that the 8 threads of a 128-byte store phase hit 8 different 16-byte
+// bank groups.
+template <int kChunks>
 __device__ __forceinline__ int dq_tile_slot(int thread, int dt) {
-    constexpr int kChunks = kHeadDim / 16;  // float4 chunks a thread: (kHeadDim / 2) / 8
     return dt ^ ((thread / (8 / kChunks)) % kChunks);
 }
-// ... and the float of that tile that holds element (r, c) (row r < 64 of the query tile, column c < kHeadDim).
-template <int kHeadDim>
+// ... and the float of that tile that holds element (r, c) (row r < kRows of the query tile, column c < kHeadDim):
+// 64 rows, the warpgroups splitting the columns, or [bwd rows 128] 128 rows, each warpgroup 64 of them.
+template <int kHeadDim, int kRows = 64>
 __device__ __forceinline__ int dq_tile_pos(int r, int c) {
-    constexpr int kDqN = kHeadDim / 2;
-    const int cc = c % kDqN;
-    const int thread = (c / kDqN) * 128 + (r >> 4) * 32 + (r & 7) * 4 + ((cc & 7) >> 1);
-    return thread * (kDqN / 2) + dq_tile_slot<kHeadDim>(thread, cc >> 3) * 4 + ((r >> 3) & 1) * 2 + (c & 1);
+    static_assert(kRows == 64 || kRows == 128, "dQ tile rows");
+    constexpr int kDqN = kRows == 128 ? kHeadDim : kHeadDim / 2;
+    const int cc = c % kDqN, rr = r % 64, wg = kRows == 128 ? r / 64 : c / kDqN;
+    const int thread = wg * 128 + (rr >> 4) * 32 + (rr & 7) * 4 + ((cc & 7) >> 1);
+    return thread * (kDqN / 2) + dq_tile_slot<kDqN / 8>(thread, cc >> 3) * 4 + ((rr >> 3) & 1) * 2 + (c & 1);
 }
 
 // [bwd flow] on (1, the default: the TMA entry point with dQ has no barrier at the loop's top. A query buffer's lse
@@ -158,7 +163,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim: whole 64-column swizzle blocks, n = d <= 128");
     static_assert(kNWarps == 4 || kNWarps == 8, "one or two computing warpgroups");
     static_assert(kBlockN == 16 * kNWarps, "each warpgroup owns 64 key rows");
-    static_assert(kBlockM == 64, "query tile: wgmma n = 64 for S^T, m = 64 for dQ");
+    // [bwd rows 128] 128 query rows: the TMA entry point at d 64 with the whole-tile dQ (each warpgroup its 64 rows)
+    static_assert(kBlockM == 64 || (kBlockM == 128 && kTma && kHeadDim == 64),
+                  "query tile: 64 rows (wgmma n = 64 for S^T, m = 64 for dQ), or 128 for the TMA entry point at d 64");
     static_assert(kStages == 2, "two query buffers (the loop loads one tile ahead)");
     static_assert(Cfg::kDqN % 32 == 0, "dQ slice shape");
     static_assert(!kTma || (!V::Is_varlen && !V::Has_seqused && !V::Bias::kStaged),
@@ -205,6 +212,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
     // [bwd dq first] where a warpgroup's dQ slice is one batch of columns (two computing warpgroups)
     constexpr bool kDqFirst = Has_dQ && CUFLASH_BWD_DQ_FIRST && Cfg::kDqN == kDqChunk;
     static_assert(!kDqTile || (kDqFirst && Cfg::kNWG == 2), "[bwd dq tile]: one dQ product a tile, two warpgroups");
+    static_assert(!Cfg::kDqRowSplit || !Has_dQ || kDqTile, "[bwd rows 128]: dQ by the whole-tile path only");
 
     int n_block, h, b;
     interleaved_block(interleave, n_block, h, b);
@@ -294,8 +302,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
     // dQ: A = dS^T read as dS (queries x keys), MN-major (M = 64: one column block, LBO unused);
     // B = K read as (keys x d), MN-major, from this warpgroup's first dQ column.
     constexpr int kDqKT = kBlockN / 16;
-    const int dq_col0 = wg * Cfg::kDqN;
-    auto desc_ds = [&](u32 base, int kk) { return sw128_desc(base + kk * 2048, kBlockN * 128, 1024); };
+    const int dq_col0 = Cfg::kDqRowSplit ? 0 : wg * Cfg::kDqN;
+    // ([bwd rows 128] A: this warpgroup's 64 queries, a column block of dS^T)
+    const u32 ds_wg = Cfg::kDqRowSplit ? wg * kBlockN * 128 : 0;
+    auto desc_ds = [&](u32 base, int kk) { return sw128_desc(base + ds_wg + kk * 2048, kBlockN * 128, 1024); };
     auto desc_kmn = [&](int col, int kk) {
         return sw128_desc(k_addr + (col >> 6) * kBlockN * 128 + (col & 63) * 2 + kk * 2048, kBlockN * 128, 1024);
     };
@@ -480,7 +490,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
                 float* st = sDq + tid * (kDqChunk / 2);
 #pragma unroll
                 for (int dt = 0; dt < kDqChunk / 8; ++dt) {
-                    *reinterpret_cast<float4*>(st + dq_tile_slot<kHeadDim>(tid, dt) * 4) =
+                    *reinterpret_cast<float4*>(st + dq_tile_slot<kDqChunk / 8>(tid, dt) * 4) =
                         make_float4(dq[dt][0], dq[dt][1], dq[dt][2], dq[dt][3]);
                 }
             } else if constexpr (CUFLASH_BWD_DQ_V4 && !kDqBulk) {  // [bwd dq v4]
@@ -675,24 +685,25 @@ flash_bwd_dkdv_sm90_tma_kernel(CUFLASH_BWD_DKDV_PARAMS, const VariantParams vp, 
 }
 
 // [bwd dq tile] dQ = scale * dq_accum, cast, from the workspace that the TMA entry point fills in fragment order
-// (planes of (seqlen_q rounded up to 64) x kHeadDim floats, each 64-row tile in dq_tile_pos's order): a block copies
-// one tile into shared memory as it lies (coalesced) and writes its rows in order; dq has the first `cols` columns.
-// Grid (ceil(seqlen_q / 64), heads_q, batch), 256 threads.
-template <class T, int kHeadDim>
+// (planes of (seqlen_q rounded up to kRows) x kHeadDim floats, each kRows-row tile in dq_tile_pos's order): a block
+// copies one tile into shared memory as it lies (coalesced) and writes its rows in order; dq has the first `cols`
+// columns. Grid (ceil(seqlen_q / kRows), heads_q, batch), 256 threads. kRows: the dK/dV launch's query tile (64, or
+// [bwd rows 128] 128).
+template <class T, int kHeadDim, int kRows>
 __global__ void __launch_bounds__(256)
 flash_bwd_convert_dq_tiles_kernel(const float* __restrict__ dq_accum, u16* __restrict__ dq, int seqlen_q, int heads_q,
                                   i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale, int cols) {
-    constexpr int kTile = 64 * kHeadDim;
+    constexpr int kTile = kRows * kHeadDim;
     __shared__ __align__(16) float tile[kTile];
-    const int m0 = blockIdx.x * 64, h = blockIdx.y, b = blockIdx.z;
-    const i64 rows = (seqlen_q + 63) / 64 * 64;
+    const int m0 = blockIdx.x * kRows, h = blockIdx.y, b = blockIdx.z;
+    const i64 rows = (seqlen_q + kRows - 1) / kRows * kRows;
     const float4* src = reinterpret_cast<const float4*>(dq_accum + (((i64)b * heads_q + h) * rows + m0) * kHeadDim);
     for (int i = threadIdx.x; i < kTile / 4; i += 256) reinterpret_cast<float4*>(tile)[i] = src[i];
     __syncthreads();
     for (int e = threadIdx.x; e < kTile / 2; e += 256) {
         const int r = e / (kHeadDim / 2), c = 2 * (e % (kHeadDim / 2));
         if (m0 + r >= seqlen_q || c >= cols) continue;
-        const float2 x = *reinterpret_cast<const float2*>(tile + dq_tile_pos<kHeadDim>(r, c));
+        const float2 x = *reinterpret_cast<const float2*>(tile + dq_tile_pos<kHeadDim, kRows>(r, c));
         *reinterpret_cast<u32*>(dq + b * dq_sb + h * dq_sh + (i64)(m0 + r) * dq_ss + c) =
             Elem<T>::pack(x.x * scale, x.y * scale);
     }

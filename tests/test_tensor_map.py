@@ -816,3 +816,44 @@ def test_the_backward_adds_dq_a_tile_at_a_time_where_switched_on(monkeypatch):
         # (a run: the zeroed part covers the padded planes)
         p.run(do, q, k, v, out, lse)
         assert p._zero_bytes >= dq_bytes
+
+
+def test_the_d64_backward_on_128_row_query_tiles_where_switched_on(monkeypatch):
+    """(CPU, stand-in CuPy) [bwd rows 128] With BWD_TMA_TILES (CUFLASH_BWD_ROWS128=1), a planned d-64 backward's TMA
+    dK/dV launch takes 128-row query tiles: Q's and dO's maps copy 128-row boxes, dQ's planes are padded to whole
+    128-row tiles (200 rows: 256) and converted a block a 128-row tile; the split order (no dQ in the launch) and the
+    flat twin keep the table's 64-row tile (the flat twin: rows in order)."""
+    import ml_dtypes
+    import numpy as np
+
+    from cuflash._cuda import attention
+    from cuflash._cuda.spec import Tile
+    from cuflash._ops.variant import Variant
+
+    cp, _, _ = _tma_stand_in(monkeypatch)
+    monkeypatch.setattr(attention, "TMA_BACKWARD", True)
+    monkeypatch.setattr(attention, "BWD_DQ_TILE", True)
+    monkeypatch.setattr(attention, "BWD_TMA_TILES", {64: Tile(128, 128, 8, 2)})
+    rng = np.random.default_rng(23)
+
+    def arr(*shape, dtype=ml_dtypes.bfloat16):
+        return cp.asarray(rng.standard_normal(shape).astype(np.float32).astype(dtype))
+
+    q, do, out = arr(2, 200, 4, 64), arr(2, 200, 4, 64), arr(2, 200, 4, 64)
+    k, v = arr(2, 300, 2, 64), arr(2, 300, 2, 64)
+    lse = arr(2, 4, 200, dtype=np.float32)
+    for order, rows in (("kv_outer", 128), ("split", 64)):
+        p = attention.BackwardPlan(do, q, k, v, out, lse, scale=0.125, variant=Variant(causal=True), algorithm="fa2",
+                                   block_q=None, block_k=None, order=order)
+        dkdv = p._steps[1][0]
+        assert dkdv.spec.family == "bwd_dkdv_sm90_tma" and dkdv.spec.tile.block_m == rows
+        assert [m._spec[2][1] for m, _ in p._maps] == [rows, 128, 128, rows]  # (the boxes' rows: q, k, v, dO)
+        if order == "kv_outer":
+            convert = p._steps[2][0]
+            assert convert.spec.name.startswith("cuflash::flash_bwd_convert_dq_tiles_kernel<cuflash::bf16, 64, 128>")
+            assert tuple(convert.grid) == (2, 4, 2)
+            assert p._offsets[1] == 0 and p._offsets[2] == 2 * 4 * 256 * 64 * 4  # (dQ's padded planes, then GQA's)
+            calls, workspace = p.flat_calls()
+            names = [name.split("<")[0] for _, name, _, _ in calls]
+            assert names[1:3] == ["cuflash::flash_bwd_dkdv_sm90_flat_kernel", "cuflash::flash_bwd_convert_dq_kernel"]
+            assert ", 64, 64, 128, 8, 2," in calls[1][1] and workspace["dq_accum"] == (2, 4, 200, 64)

@@ -228,6 +228,10 @@ TMA_BACKWARD = os.environ.get("CUFLASH_TMA_BACKWARD", "1") == "1"
 # compile-time switch CUFLASH_BWD_DQ_TILE, read here too): the workspace's planes padded to whole 64-row tiles and
 # converted by flash_bwd_convert_dq_tiles_kernel. On (CUFLASH_DEFINES=CUFLASH_BWD_DQ_TILE=0 turns it off).
 BWD_DQ_TILE = bool(define("CUFLASH_BWD_DQ_TILE", 1))
+# [bwd rows 128] (an experiment, off) the TMA dK/dV launch at d 64 with query tiles of 128 rows (FlashAttention-3's d 64
+# tile: half the per-tile copies, barriers and dQ reductions; each warpgroup its own 64 rows of dQ), where the
+# whole-tile dQ is on: CUFLASH_DEFINES=CUFLASH_BWD_ROWS128=1 (read here only). Built, not yet run on a GPU.
+BWD_TMA_TILES = {64: Tile(128, 128, 8, 2)} if define("CUFLASH_BWD_ROWS128", 0) and BWD_DQ_TILE else {}
 # The longest query sequence that runs a head dim's ("fwd", "sm90a_tma_short", d) tile instead of its row's (d 64: one
 # computing warpgroup of 64 rows, two blocks per SM: 1.03-1.31x the 192-row tile and 1.05-1.20x the cp.async kernel
 # at N 512-2048, H100 2026-11-28).
@@ -1093,14 +1097,15 @@ class BackwardPlan(_Plan):
         # maps of q, k, v and dO, each pointed at a run's array ((map, slot) pairs)
         flat_spec = spec
         if _tma_backward(spec, variant, (q, k, v, do)):
-            spec = kernel_spec("bwd_dkdv_sm90_tma", dtype, d, spec.tile, spec.variant, spec.has_dq)
+            spec = kernel_spec("bwd_dkdv_sm90_tma", dtype, d, BWD_TMA_TILES.get(d, spec.tile) if spec.has_dq
+                               else spec.tile, spec.variant, spec.has_dq)
             check_smem(spec)
             t = spec.tile
             self._maps = tuple((_tensor_map(a, rows), slot(name)) for a, name, rows in
                                ((q, "q", t.block_m), (k, "k", t.block_n), (v, "v", t.block_n), (do, "do", t.block_m)))
         # (the cp.async entry point reads whole rows of the kernel's head dim: never a padded one's)
         assert not tma_pad or spec.family == "bwd_dkdv_sm90_tma", spec.name
-        # [bwd dq tile] dQ's planes of whole 64-row tiles, in fragment order (the flat twin keeps rows in order)
+        # [bwd dq tile] dQ's planes of whole tiles (64 or 128 rows), in fragment order (the flat twin keeps rows in order)
         dq_tile = BWD_DQ_TILE and spec.family == "bwd_dkdv_sm90_tma" and spec.has_dq
         dq_rows = cdiv(shp.rows_q, spec.tile.block_m) * spec.tile.block_m if dq_tile else shp.rows_q
         f32 = np.dtype(np.float32).itemsize
@@ -1485,7 +1490,8 @@ def _backward_launches(a: _BackwardBuffers, shp: Shape, d: int, dtype: str, spec
             i32(shp.group), *strides(a.q), *strides(a.k), *strides(a.v), *strides(a.do), *strides(a.dq), fscale,
             params(spec_q))))
     else:
-        launches.append(_convert_dq_launch(a.dq_accum, a.dq, dtype, d, shp, fscale, dq_tile))
+        launches.append(_convert_dq_launch(a.dq_accum, a.dq, dtype, d, shp, fscale,
+                                           spec.tile.block_m if dq_tile else 0))
     if shp.group > 1:
         launches.append(_reduce_dkv_launch(a.dkv_accum, a.dk, a.dv, dtype, d, shp))
     return launches
@@ -1497,10 +1503,12 @@ def convert_dq(dq_accum, dq, dtype: str, d: int, shp: Shape, fscale) -> None:
     launch(*_convert_dq_launch(dq_accum, dq, dtype, d, shp, fscale))
 
 
-def _convert_dq_launch(dq_accum, dq, dtype: str, d: int, shp: Shape, fscale, tiles: bool = False):
-    """dQ's conversion launch; ``tiles``: from [bwd dq tile]'s workspace (a block a 64-row tile)."""
-    spec = kernel_spec("bwd_convert_dq_tiles" if tiles else "bwd_convert_dq", dtype, d)
-    blocks = cdiv(shp.rows_q, 64) if tiles else cdiv(shp.rows_q * d // 2, 256)
+def _convert_dq_launch(dq_accum, dq, dtype: str, d: int, shp: Shape, fscale, tile_rows: int = 0):
+    """dQ's conversion launch; ``tile_rows``: from [bwd dq tile]'s workspace of tiles of that many rows (a block a
+    tile), else rows in order."""
+    spec = (kernel_spec("bwd_convert_dq_tiles", dtype, d, Tile(tile_rows, 0, 8, 1)) if tile_rows
+            else kernel_spec("bwd_convert_dq", dtype, d))
+    blocks = cdiv(shp.rows_q, tile_rows) if tile_rows else cdiv(shp.rows_q * d // 2, 256)
     return spec, (blocks, shp.heads_q, shp.ws_batch), (dq_accum, dq, i32(shp.rows_q), i32(shp.heads_q), *strides(dq),
                                                       fscale, i32(dq.shape[-1]))
 

@@ -673,7 +673,8 @@ FAMILIES: dict[str, Family] = {
         threads=256),
     # [bwd dq tile] ... from the workspace that the TMA dK/dV entry point fills in fragment order (backward_sm90.cu)
     "bwd_convert_dq_tiles": Family(
-        "backward_sm90.cu", "flash_bwd_convert_dq_tiles_kernel", lambda s: f"{CTYPES[s.dtype]}, {s.head_dim}",
+        "backward_sm90.cu", "flash_bwd_convert_dq_tiles_kernel",
+        lambda s: f"{CTYPES[s.dtype]}, {s.head_dim}, {s.tile.block_m}",  # (block_m: the tiles' rows)
         _no_smem, SM90A_OPTIONS, threads=256),
     "bwd_reduce_dkv": Family(
         "backward.cu", "flash_bwd_reduce_dkv_kernel", lambda s: f"{CTYPES[s.dtype]}, {s.head_dim}", _no_smem,
@@ -981,7 +982,8 @@ def instantiations() -> list[KernelSpec]:
     add(KernelSpec("bwd_dkdv_sm90_tma", "bfloat16", 128, bwd_tile, causal_mod, True, "sm90a"))
     for d in (64, 128):  # [bwd dq tile] (the TMA dK/dV entry point's head dims)
         for dtype in CTYPES:
-            add(KernelSpec("bwd_convert_dq_tiles", dtype, d, arch="sm90a"))
+            add(KernelSpec("bwd_convert_dq_tiles", dtype, d, Tile(TILES[("bwd", "sm90a", d)].block_m, 0, 8, 1),
+                           arch="sm90a"))
     # [variant head dim] head dims read in place below the kernel's (d 80 on the 96 kernel; 200 on 224), causal.
     causal_pads = _policy((False, True, False, False, False, False, False, False), None, True)
     # (d 80: its own instantiation, rows padded to 96 in shared memory; 200: the 208 one with zero-filled chunks)
