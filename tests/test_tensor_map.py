@@ -35,6 +35,21 @@ def _tma_stand_in(monkeypatch):
     return cp, recorder, encoded
 
 
+def _backward_inputs(cp, seed: int, d: int, batch: int = 2, nk: int = 300):
+    """Random bf16 (q, k, v, do, out) of a GQA 4 / 2 call, 200 queries and ``nk`` keys of head dim ``d``, and a float32
+    lse, on the stand-in CuPy: a backward plan's arguments (their values unused by the plan)."""
+    import ml_dtypes
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+
+    def arr(*shape, dtype=ml_dtypes.bfloat16):
+        return cp.asarray(rng.standard_normal(shape).astype(np.float32).astype(dtype))
+
+    return (arr(batch, 200, 4, d), arr(batch, nk, 2, d), arr(batch, nk, 2, d), arr(batch, 200, 4, d),
+            arr(batch, 200, 4, d), arr(batch, 4, 200, dtype=np.float32))
+
+
 def test_tensor_maps_and_when_the_mla_kernel_copies_by_tma(monkeypatch):
     """(CPU) A TensorMap's 128 bytes are 64-byte aligned (cuTensorMapEncodeTiled's requirement), an unused one is
     never encoded; the MLA kernel copies by TMA only where every 64-key tile lies whole in one page or the contiguous
@@ -775,22 +790,13 @@ def test_the_backward_adds_dq_a_tile_at_a_time_where_switched_on(monkeypatch):
     dK/dV launch is the TMA entry point pads dQ's float32 planes to whole 64-row tiles (200 rows: 256) and converts
     them with flash_bwd_convert_dq_tiles_kernel, a block a tile; its flat calls (the cp.async kernel, rows in order)
     keep the unpadded planes and flash_bwd_convert_dq_kernel; without the switch, the row-order conversion."""
-    import ml_dtypes
-    import numpy as np
 
     from cuflash._cuda import attention
     from cuflash._ops.variant import Variant
 
     cp, recorder, _ = _tma_stand_in(monkeypatch)
     monkeypatch.setattr(attention, "TMA_BACKWARD", True)
-    rng = np.random.default_rng(13)
-
-    def arr(*shape, dtype=ml_dtypes.bfloat16):
-        return cp.asarray(rng.standard_normal(shape).astype(np.float32).astype(dtype))
-
-    q, do, out = arr(2, 200, 4, 128), arr(2, 200, 4, 128), arr(2, 200, 4, 128)
-    k, v = arr(2, 300, 2, 128), arr(2, 300, 2, 128)
-    lse = arr(2, 4, 200, dtype=np.float32)
+    q, k, v, do, out, lse = _backward_inputs(cp, 13, 128)
 
     def plan():
         return attention.BackwardPlan(do, q, k, v, out, lse, scale=0.1, variant=Variant(causal=True), algorithm="fa2",
@@ -823,8 +829,6 @@ def test_the_d64_backward_on_128_row_query_tiles_where_switched_on(monkeypatch):
     dK/dV launch takes 128-row query tiles: Q's and dO's maps copy 128-row boxes, dQ's planes are padded to whole
     128-row tiles (200 rows: 256) and converted a block a 128-row tile; the split order (no dQ in the launch) and the
     flat twin keep the table's 64-row tile (the flat twin: rows in order)."""
-    import ml_dtypes
-    import numpy as np
 
     from cuflash._cuda import attention
     from cuflash._cuda.spec import Tile
@@ -834,14 +838,7 @@ def test_the_d64_backward_on_128_row_query_tiles_where_switched_on(monkeypatch):
     monkeypatch.setattr(attention, "TMA_BACKWARD", True)
     monkeypatch.setattr(attention, "BWD_DQ_TILE", True)
     monkeypatch.setattr(attention, "BWD_TMA_TILES", {64: Tile(128, 128, 8, 2)})
-    rng = np.random.default_rng(23)
-
-    def arr(*shape, dtype=ml_dtypes.bfloat16):
-        return cp.asarray(rng.standard_normal(shape).astype(np.float32).astype(dtype))
-
-    q, do, out = arr(2, 200, 4, 64), arr(2, 200, 4, 64), arr(2, 200, 4, 64)
-    k, v = arr(2, 300, 2, 64), arr(2, 300, 2, 64)
-    lse = arr(2, 4, 200, dtype=np.float32)
+    q, k, v, do, out, lse = _backward_inputs(cp, 23, 64)
     for order, rows in (("kv_outer", 128), ("split", 64)):
         p = attention.BackwardPlan(do, q, k, v, out, lse, scale=0.125, variant=Variant(causal=True), algorithm="fa2",
                                    block_q=None, block_k=None, order=order)
