@@ -85,18 +85,18 @@ struct Sm90BwdConfig {
 #ifndef CUFLASH_BWD_DQ_V4
 #define CUFLASH_BWD_DQ_V4 0
 #endif
-// [bwd dq tile] (on: 1; 0 restores the per-fragment red.global.add) the TMA entry point adds its dQ tile by one
-// bulk reduction (FlashAttention-3's dQaccum order): each thread stores its dQ accumulators contiguously to a float32
-// tile in shared memory, in the fragments' order (its float4 chunks rotated by dq_tile_slot: a quarter-warp's 16-byte
-// stores fall in distinct banks), and after a named barrier one thread adds the whole tile (64 rows, 16 or 32 KiB) with one
-// cp.reduce.async.bulk .add.f32 into the workspace, whose per-head planes are then padded to a multiple of 64 rows
-// and in that order too; flash_bwd_convert_dq_tiles_kernel reads them back. One bulk operation a query tile in place
-// of 2048-4096 red.global.add.v2.f32. The launcher reads the switch too (attention.BWD_DQ_TILE). H200 2026-11-29,
-// bf16, backward alone (tools/bwd_ab.py, one round, against the shipped build): d 128 N 8192 dense 557 against 467
-// TFLOP/s, causal 547 against 471; N 1000 379 / 279 against 335 / 258; d 64 N 8192 390 / 390 against 370 / 348,
-// N 1000 +2-6 %; dK, dV bit for bit, dQ within the additions' order (max |diff| 5e-4 - 1e-3). Switched on after
-// 607 GPU tests (13 files: attention, variants, head dims, torch, compile, graphs, flash_attn) passed with it and
-// compute-sanitizer memcheck found 0 errors (H200 2026-11-29, session 22).
+// [bwd dq tile] (on: 1; 0 restores the per-fragment red.global.add) the TMA entry point adds its dQ tile by one bulk
+// reduction (FlashAttention-3's dQaccum order): each thread stores its dQ accumulators contiguously to a float32 tile
+// in shared memory, in the fragments' order (its float4 chunks rotated by dq_tile_slot: a quarter-warp's 16-byte stores
+// fall in distinct banks), and after a named barrier one thread adds the whole tile (64 rows, 16 or 32 KiB) with one
+// cp.reduce.async.bulk .add.f32 into the workspace, whose per-head planes are then padded to a multiple of 64 rows and
+// in that order too; flash_bwd_convert_dq_tiles_kernel reads them back. One bulk operation a query tile in place of
+// 2048-4096 red.global.add.v2.f32. The launcher reads the switch too (attention.BWD_DQ_TILE). H200 2026-11-29, bf16,
+// backward alone (tools/bwd_ab.py, one round, against the shipped build): d 128 N 8192 dense 557 against 467 TFLOP/s,
+// causal 547 against 471; N 1000 379 / 279 against 335 / 258; d 64 N 8192 390 / 390 against 370 / 348, N 1000 +2-6 %;
+// dK, dV bit for bit, dQ within the additions' order (max |diff| 5e-4 - 1e-3). Switched on after 607 GPU tests (13
+// files: attention, variants, head dims, torch, compile, graphs, flash_attn) passed with it and compute-sanitizer
+// memcheck found 0 errors (H200 2026-11-29, session 22).
 #ifndef CUFLASH_BWD_DQ_TILE
 #define CUFLASH_BWD_DQ_TILE 1
 #endif
