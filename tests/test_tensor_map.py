@@ -827,8 +827,8 @@ def test_the_backward_adds_dq_a_tile_at_a_time_where_switched_on(monkeypatch):
 def test_the_d64_backward_on_128_row_query_tiles_where_switched_on(monkeypatch):
     """(CPU, stand-in CuPy) [bwd rows 128] With BWD_TMA_TILES (CUFLASH_BWD_ROWS128=1), a planned d-64 backward's TMA
     dK/dV launch takes 128-row query tiles: Q's and dO's maps copy 128-row boxes, dQ's planes are padded to whole
-    128-row tiles (200 rows: 256) and converted a block a 128-row tile; the split order (no dQ in the launch) and the
-    flat twin keep the table's 64-row tile (the flat twin: rows in order)."""
+    128-row tiles (200 rows: 256) and converted a block a 128-row tile; the split order (no dQ in the launch), the flat
+    twin (rows in order) and a softcap keep the table's 64-row tile."""
 
     from cuflash._cuda import attention
     from cuflash._cuda.spec import Tile
@@ -854,3 +854,7 @@ def test_the_d64_backward_on_128_row_query_tiles_where_switched_on(monkeypatch):
             names = [name.split("<")[0] for _, name, _, _ in calls]
             assert names[1:3] == ["cuflash::flash_bwd_dkdv_sm90_flat_kernel", "cuflash::flash_bwd_convert_dq_kernel"]
             assert ", 64, 64, 128, 8, 2," in calls[1][1] and workspace["dq_accum"] == (2, 4, 200, 64)
+    # (softcap's d mod / d s would spill at 128 rows: 64)
+    p = attention.BackwardPlan(do, q, k, v, out, lse, scale=0.125, variant=Variant(causal=True, softcap=30.0),
+                               algorithm="fa2", block_q=None, block_k=None, order="kv_outer")
+    assert p._steps[1][0].spec.tile.block_m == 64

@@ -345,6 +345,12 @@ def _tma_backward(spec, variant: Variant, arrays):
                                                                                                           arrays)
 
 
+def _rows128_takes(variant: Variant) -> bool:
+    """[bwd rows 128] Whether a variant's dK/dV kernel fits 128-row query tiles without spills: not with d mod / d s
+    (softcap, a score_mod: 8-420 bytes of spills at d 64) or a bias's gradient (48 bytes)."""
+    return not variant.softcap and variant.bias is None and not (variant.mods is not None and variant.mods.has_score_mod)
+
+
 def _tma_backward_takes(variant: Variant, arrays) -> bool:
     """Whether the dK/dV kernel's TMA entry point takes a call of these arrays (q, k, v, dO): sequences that end with
     their tensors (no packed batch, no key counts: the kernel zeroes no tail), strides as :func:`_tma_forward`'s, and
@@ -1098,7 +1104,7 @@ class BackwardPlan(_Plan):
         flat_spec = spec
         if _tma_backward(spec, variant, (q, k, v, do)):
             spec = kernel_spec("bwd_dkdv_sm90_tma", dtype, d, BWD_TMA_TILES.get(d, spec.tile) if spec.has_dq
-                               else spec.tile, spec.variant, spec.has_dq)
+                               and _rows128_takes(variant) else spec.tile, spec.variant, spec.has_dq)
             check_smem(spec)
             t = spec.tile
             self._maps = tuple((_tensor_map(a, rows), slot(name)) for a, name, rows in
