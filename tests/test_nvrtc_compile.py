@@ -215,7 +215,8 @@ def test_decode_l2_hints_compile_without_spills(level):
     (cp.async ... .L2::256B), with 2 also an evict-first policy (createpolicy, .L2::cache_hint); no spills; the
     shipped build has neither."""
     nvrtc = _nvrtc()
-    names = [s.name for s in _cuda.instantiations() if s.family == "decode" and s.head_dim == 128]
+    names = [s.name for s in _cuda.instantiations() if s.family == "decode" and s.head_dim == 128
+             and s.dtype == "bfloat16"]  # (contiguous and paged)
     text = _cuda.compile_source_for_nvrtc("decode.cu")
     shipped = _cuda.compile.nvrtc_offline(text, names, _cuda.SM90A_OPTIONS, "sm_90a")
     assert shipped["ok"] and "L2::256B" not in shipped["ptx"] and "createpolicy" not in shipped["ptx"]
