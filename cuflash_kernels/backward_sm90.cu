@@ -109,12 +109,14 @@ __device__ __forceinline__ int dq_tile_slot(int thread, int dt) {
     return dt ^ ((thread / (8 / kChunks)) % kChunks);
 }
 // ... and the float of that tile that holds element (r, c) (row r < kRows of the query tile, column c < kHeadDim):
-// 64 rows, the warpgroups splitting the columns, or [bwd rows 128] 128 rows, each warpgroup 64 of them.
+// as the dK/dV kernel's two warpgroups split dQ (Sm90BwdConfig: 64 rows, the columns split; or [bwd rows 128] 128
+// rows, each warpgroup 64 of them).
 template <int kHeadDim, int kRows = 64>
 __device__ __forceinline__ int dq_tile_pos(int r, int c) {
+    using Cfg = Sm90BwdConfig<kHeadDim, kRows, 128, 8>;
     static_assert(kRows == 64 || kRows == 128, "dQ tile rows");
-    constexpr int kDqN = kRows == 128 ? kHeadDim : kHeadDim / 2;
-    const int cc = c % kDqN, rr = r % 64, wg = kRows == 128 ? r / 64 : c / kDqN;
+    constexpr int kDqN = Cfg::kDqN;
+    const int cc = c % kDqN, rr = r % 64, wg = Cfg::kDqRowSplit ? r / 64 : c / kDqN;
     const int thread = wg * 128 + (rr >> 4) * 32 + (rr & 7) * 4 + ((cc & 7) >> 1);
     return thread * (kDqN / 2) + dq_tile_slot<kDqN / 8>(thread, cc >> 3) * 4 + ((rr >> 3) & 1) * 2 + (c & 1);
 }

@@ -909,15 +909,15 @@ def _plot(rows: list[dict], path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     # one colour a batch, one line style a method: cuflash's plan.run solid, its front door dotted, SDPA dashed
-    styles = (("cuflash_plan_tbs", "-o", "cuflash plan.run"), ("cuflash_tbs", ":x", "cuflash (front door)"),
-              ("sdpa_tbs", "--s", "SDPA best"), ("numpy_gbs", "-o", "NumPy reference"))
+    # (key, style, name, TB per the key's unit)
+    styles = (("cuflash_plan_tbs", "-o", "cuflash plan.run", 1), ("cuflash_tbs", ":x", "cuflash (front door)", 1),
+              ("sdpa_tbs", "--s", "SDPA best", 1), ("numpy_gbs", "-o", "NumPy reference", 1e-3))
     for i, batch in enumerate(sorted({r["batch"] for r in rows})):
         sel = [r for r in rows if r["batch"] == batch]
         xs = [r["cache"] for r in sel]
-        for key, style, name in styles:
+        for key, style, name, unit in styles:
             if sel[0].get(key) is not None:
-                ys = [r[key] / (1e3 if key == "numpy_gbs" else 1) for r in sel]
-                ax.plot(xs, ys, style, color=f"C{i}", label=f"{name}, batch {batch}")
+                ax.plot(xs, [r[key] * unit for r in sel], style, color=f"C{i}", label=f"{name}, batch {batch}")
     if rows and rows[0].get("copy_tbs"):
         ax.axhline(rows[0]["copy_tbs"], color="k", lw=0.8, label="device copy")
     ax.set_xscale("log", base=2)
