@@ -8,6 +8,9 @@
 # 64 x 128: 149-165 KiB, one). Then [bwd rows 128] (docs/kernel-notes.md): the d 64 backward on 128-row query tiles,
 # its GPU tests first (it has never run), then backward alone against the shipped build.
 set -uo pipefail
+# First the decode GPU tests: flash_decode_kernel's ring took its stage count from the tile after this suite last ran
+# (its contiguous path then ran on the H200 beside cuDNN in tools/decode_tile_trial.py; paged, append and guards not).
+timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -x -rfE --tb=short tests/test_cuda_decode.py 2>&1 | tail -4
 for defines in "" "CUFLASH_DECODE_MIN_BLOCKS=3" "CUFLASH_DECODE_L2=1" "CUFLASH_DECODE_L2=2"; do
     CUFLASH_DEFINES="$defines" timeout 120 python3 tools/decode_tile_trial.py --tiles 2>&1 | grep -v Warning | tail -11
 done
