@@ -24,8 +24,8 @@
 //       point can add it by bulk reductions instead: each warp stores its 16 rows of the slice to a float32 tile
 //       in shared memory and 16 of its lanes each add one row's slice (cp.reduce.async.bulk .add.f32, 128-256
 //       bytes) into the workspace: 128 bulk operations per query tile in place of 4096 vector reductions. The
-//       warpgroups split the head-dim columns of dQ (measured on the H100 against splitting the keys, each warpgroup a full-width
-//       partial over its own 64 keys: the column split is 15-30% faster, half the reductions).
+//       warpgroups split the head-dim columns of dQ (measured on the H100 against splitting the keys, each warpgroup a
+//       full-width partial over its own 64 keys: the column split is 15-30% faster, half the reductions).
 // dK = scale * dK_acc and dV are written as backward.cu does: straight to dk / dv for MHA, per query head
 // into the float32 workspace (2, B, H_q, N_k, d) for GQA/MQA (flash_bwd_reduce_dkv_kernel sums groups).
 // Causal: query tiles wholly above the key tile's diagonal are skipped (query i sees key j iff
@@ -121,6 +121,15 @@ __device__ __forceinline__ int dq_tile_pos(int r, int c) {
     return thread * (kDqN / 2) + dq_tile_slot<kDqN / 8>(thread, cc >> 3) * 4 + ((rr >> 3) & 1) * 2 + (c & 1);
 }
 
+// [bwd persistent] (kPersistent, family bwd_dkdv_sm90_tma_persistent) the TMA entry point as a persistent kernel:
+// one block per SM takes the tiles of the (key tile, head, sequence) grid in interleaved_block's order from a counter
+// (its first blockIdx.x, then the next untaken one as it starts each tile: as the hardware hands out one-tile blocks,
+// so causal masking's unequal tiles spread as they do there; a static walk of every gridDim.x-th tile was 4-14 %
+// slower causal, H200 2026-11-29), and issues the next tile's first copies (K, V, the first query tile) before its
+// stores of the current tile's dK and dV, so that their latency hides under the epilogue instead of opening every
+// block. The launcher picks it by head dim (attention.BWD_PERSISTENT_DIMS: d 64, backward alone +3-6 % on the H200;
+// d 128 within -2..+2 %).
+
 // [bwd flow] on (1, the default: the TMA entry point with dQ has no barrier at the loop's top. A query buffer's lse
 // and D copies arrive on its mbarrier with Q's and dO's (cp.async.mbarrier.arrive; the barrier expects one arrival per
 // thread more); the next tile's copies are issued after dS^T's barrier, which every warp passes only once done with
@@ -145,6 +154,7 @@ __device__ __forceinline__ int dq_tile_pos(int r, int c) {
 // The tensor maps of the TMA entry point: q, k, v and dO as 4-d tensors (columns, rows, heads, batch).
 struct BwdMaps {
     const TensorMap *q, *k, *v, *dout;
+    int* tiles;  // [bwd persistent] the launch's tile counter (two int32, zero at a launch)
 };
 
 // Template arguments as flash_bwd_dkdv_kernel's (the launcher's Tile): kBlockM streamed query rows (64),
@@ -158,7 +168,7 @@ struct BwdMaps {
 // products see zero columns; dK and dV are stored in the arrays' columns only (the GQA workspace and dQ's keep the
 // kernel's width: the reduce and convert kernels cut them).
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V, bool Has_dQ,
-          bool kTma = false>
+          bool kTma = false, bool kPersistent = false>
 __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, const VariantParams vp,
                                                     const BwdMaps maps = BwdMaps{}) {
     using Cfg = Sm90BwdConfig<kHeadDim, kBlockM, kBlockN, kNWarps>;
@@ -216,51 +226,74 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
     static_assert(!kDqTile || (kDqFirst && Cfg::kNWG == 2), "[bwd dq tile]: one dQ product a tile, two warpgroups");
     static_assert(!Cfg::kDqRowSplit || !Has_dQ || kDqTile, "[bwd rows 128]: dQ by the whole-tile path only");
 
-    int n_block, h, b;
-    interleaved_block(interleave, n_block, h, b);
-    const int h_kv = h / group;
     const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, warp_in_wg = (tid >> 5) & 3;
     const int g = lane >> 2, t = lane & 3;
-    const int n0 = n_block * kBlockN;
-    const int key_base = n0 + wg * 64 + warp_in_wg * 16;  // this warp's fragment rows: + g, + g + 8
 
-    const BlockInfo<V> bi(vp, b, h, seqlen_q, seqlen_k);
-    if (bi.past_keys(n0)) return;  // keys of a shorter sequence (padding keys' dK, dV are zeroed by the launcher)
-    const int len_q = bi.len_q, len_k = bi.len_k;
-
-    const u16* qg = bi.q_rows(q, b, h, q_sb, q_sh, q_ss);
-    const u16* dog = bi.q_rows(dout, b, h, do_sb, do_sh, do_ss);
-    const float* lse_row = lse + bi.row_index(h, heads_q, seqlen_q, 0);
-    const float* delta_row = delta + bi.row_index(h, heads_q, seqlen_q, 0);
-    // The m_count query tiles q_tile(0), q_tile(1), ... hold the queries that see this key tile (causal, window).
-    const TileLoop<V> queries = bi.template query_loop<kBlockM, kBlockN>(n_block);  // [variant mask] a block map's list
-    const int m_count = queries.count;
-    const auto q_tile = [&](int it) { return queries.tile(it); };
-
-    // One query tile: Q, dO, and its rows' lse and D (rows past seqlen_q read as zeros).
-    auto load_q_stage = [&](int buf, int mi) {
-        load_tile_sw128<kBlockM, kHeadDim, kThreads>(sQ + buf * kQTile, qg, q_ss, mi * kBlockM, len_q, tid);
-        load_tile_sw128<kBlockM, kHeadDim, kThreads>(sdO + buf * kQTile, dog, do_ss, mi * kBlockM, len_q, tid);
-        load_row_stats_async<kBlockM, kThreads>(sLse + buf * kBlockM, sD + buf * kBlockM, lse_row, delta_row,
-                                                mi * kBlockM, len_q, tid);
-        if constexpr (kStagedBias) {  // [variant bias tile] the tile's bias, queries x this block's keys
-            load_bias_tile<V, kBlockM, kBlockN, kThreads>(sBias + buf * kBiasTile, bi, mi * kBlockM, n0, seqlen_k, tid);
+    // [bwd persistent] The tiles this block runs: its own (blockIdx), or with kPersistent those of the (key tile,
+    // head, sequence) grid in interleaved_block's order it takes from maps.tiles ([0]: the tiles taken after each
+    // block's first; [1]: the blocks done taking, the last of which sets both back to zero), blockIdx.x first
+    // (`interleave` then holds the order's pairs in its low 8 bits and the batch above them: the launch's grid is one
+    // dimension). Thread 0 takes the next tile as a tile starts and stores it in sched[pass & 1] at the tile's end
+    // (the atomic's latency hidden under the tile), read by every thread after the tile's barrier.
+    static_assert(kTma || !kPersistent, "[bwd persistent]: the TMA entry point's");
+    const int tiles_x = (seqlen_k + kBlockN - 1) / kBlockN;
+    const int batches = kPersistent ? interleave >> 8 : 1;
+    const int n_tiles = tiles_x * heads_q * batches;
+    int linear = blockIdx.x, pass = 0;
+    __shared__ int sched[2];
+    auto tile_of = [&](int lin, int& nb, int& hh, int& bb) {
+        if constexpr (kPersistent) {
+            interleaved_tile(interleave & 0xff, lin, tiles_x, heads_q, batches, nb, hh, bb);
+        } else {
+            interleaved_block(interleave, nb, hh, bb);
         }
     };
-
-    // Query tile mi's Q and dO into buffer buf (one thread); its lse and D by cp.async (every thread, committed by the
-    // caller).
-    auto copy_q_stage = [&](int buf, int mi) {
+    // [bwd persistent] a block done taking tiles: the last one sets the counter back to zero for the next launch
+    // (the fences order this block's takes before its count, and every block's before the reset)
+    auto done_taking = [&]() {
+        if (tid != 0) return;
+        __threadfence();
+        if (atomicAdd(maps.tiles + 1, 1) == int(gridDim.x) - 1) {
+            __threadfence();
+            maps.tiles[0] = 0;
+            maps.tiles[1] = 0;
+        }
+    };
+    if (kPersistent && linear >= n_tiles) {  // (none: the launcher's grid has at most a block a tile)
+        done_taking();
+        return;
+    }
+    // [bwd tma] [bwd persistent] The query tiles copied before this tile's (their buffers alternate: tile j of the
+    // block's sequence lands in buffer j & 1, the (j >> 1)-th completion of its mbarrier) and the K / V copies before
+    // it.
+    int q_base = 0, kv_loads = 0;
+    // [bwd tma] A tile's first copies: K and V, the first query tile's Q and dO (one thread, tensor copies), its lse
+    // and D (every thread, cp.async; [bwd flow] counted by the buffer's mbarrier). Nothing for a tile no query sees:
+    // its loop, which waits on the copies, does not run, and a copy still in flight when the block exits would land in
+    // the shared memory of the next block on the SM.
+    auto copy_first = [&](int lin) {
+        int nb, hh, bb;
+        tile_of(lin, nb, hh, bb);
+        const BlockInfo<V> nbi(vp, bb, hh, seqlen_q, seqlen_k);
+        const TileLoop<V> nq = nbi.template query_loop<kBlockM, kBlockN>(nb);
+        if (nq.count <= 0) return;
+        const int buf = q_base & 1, mi = nq.tile(0);
         if (tid == 0) {
+            mbar_expect_tx(full_kv, 2 * kKVTile * 2);
+            tma_load_tile<kHeadDim>(smem_u32(sK), maps.k, full_kv, kBlockN, nb * kBlockN, hh / group, bb);
+            tma_load_tile<kHeadDim>(smem_u32(sV), maps.v, full_kv, kBlockN, nb * kBlockN, hh / group, bb);
             mbar_expect_tx(full_q + 8 * buf, 2 * kQTile * 2);
-            tma_load_tile<kHeadDim>(smem_u32(sQ + buf * kQTile), maps.q, full_q + 8 * buf, kBlockM, mi * kBlockM, h, b);
-            tma_load_tile<kHeadDim>(smem_u32(sdO + buf * kQTile), maps.dout, full_q + 8 * buf, kBlockM, mi * kBlockM, h,
-                                    b);
+            tma_load_tile<kHeadDim>(smem_u32(sQ + buf * kQTile), maps.q, full_q + 8 * buf, kBlockM, mi * kBlockM, hh,
+                                    bb);
+            tma_load_tile<kHeadDim>(smem_u32(sdO + buf * kQTile), maps.dout, full_q + 8 * buf, kBlockM, mi * kBlockM,
+                                    hh, bb);
         }
-        load_row_stats_async<kBlockM, kThreads>(sLse + buf * kBlockM, sD + buf * kBlockM, lse_row, delta_row,
-                                                mi * kBlockM, len_q, tid);
+        const i64 rows = nbi.row_index(hh, heads_q, seqlen_q, 0);
+        load_row_stats_async<kBlockM, kThreads>(sLse + buf * kBlockM, sD + buf * kBlockM, lse + rows, delta + rows,
+                                                mi * kBlockM, nbi.len_q, tid);
+        if constexpr (kFlow) cp_async_mbar_arrive(full_q + 8 * buf);
+        cp_async_commit();
     };
-
     if constexpr (kTma) {
         if (tid == 0) {  // ([bwd flow] the query buffers' barriers also count each thread's lse and D copies)
             mbar_init(full_kv, 1);
@@ -268,398 +301,474 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
             mbar_init(full_q + 8, kFlow ? 1 + kThreads : 1);
         }
         __syncthreads();
-        // (a block that no query sees copies nothing: its loop, which waits on the copies, does not run, and a copy
-        // still in flight when the block exits would land in the shared memory of the next block on the SM)
-        if (tid == 0 && 0 < m_count) {
-            mbar_expect_tx(full_kv, 2 * kKVTile * 2);
-            tma_load_tile<kHeadDim>(smem_u32(sK), maps.k, full_kv, kBlockN, n0, h_kv, b);
-            tma_load_tile<kHeadDim>(smem_u32(sV), maps.v, full_kv, kBlockN, n0, h_kv, b);
-        }
-        if (0 < m_count) {
-            copy_q_stage(0, q_tile(0));
-            if constexpr (kFlow) cp_async_mbar_arrive(full_q);
-        }
-    } else {
-        const u16* kg = k + b * k_sb + h_kv * k_sh + (i64)bi.k0 * k_ss;
-        const u16* vg = v + b * v_sb + h_kv * v_sh + (i64)bi.k0 * v_ss;
-        load_tile_sw128<kBlockN, kHeadDim, kThreads>(sK, kg, k_ss, n0, len_k, tid);
-        load_tile_sw128<kBlockN, kHeadDim, kThreads>(sV, vg, v_ss, n0, len_k, tid);
-        if (0 < m_count) load_q_stage(0, q_tile(0));
+        copy_first(linear);
     }
-    cp_async_commit();
 
-    // Descriptors (layouts in hopper_tiles.cuh). K-major operands advance 32 bytes per k16 step inside a
-    // 64-column block; MN-major operands advance 2048 bytes (16 rows of the reduction dim) per k16 step.
-    const u32 k_addr = smem_u32(sK), v_addr = smem_u32(sV), q_addr = smem_u32(sQ), do_addr = smem_u32(sdO);
-    // A of S^T / dP^T: this warpgroup's 64 rows of K / V.
-    auto desc_kv = [&](u32 base, int kk) {
-        return sw128_desc(base + wg * 64 * 128 + (kk >> 2) * kBlockN * 128 + (kk & 3) * 32, 16, 1024);
-    };
-    // B of S^T / dP^T: the kBlockM rows of Q / dO, K-major.
-    auto desc_qk = [&](u32 base, int kk) {
-        return sw128_desc(base + (kk >> 2) * kBlockM * 128 + (kk & 3) * 32, 16, 1024);
-    };
-    // B of dV / dK: dO / Q read as (queries x d), MN-major.
-    auto desc_qmn = [&](u32 base, int kk) { return sw128_desc(base + kk * 2048, kBlockM * 128, 1024); };
-    // dQ: A = dS^T read as dS (queries x keys), MN-major (M = 64: one column block, LBO unused);
-    // B = K read as (keys x d), MN-major, from this warpgroup's first dQ column.
-    constexpr int kDqKT = kBlockN / 16;
-    const int dq_col0 = Cfg::kDqRowSplit ? 0 : wg * Cfg::kDqN;
-    // ([bwd rows 128] A: this warpgroup's 64 queries, a column block of dS^T)
-    const u32 ds_wg = Cfg::kDqRowSplit ? wg * kBlockN * 128 : 0;
-    auto desc_ds = [&](u32 base, int kk) { return sw128_desc(base + ds_wg + kk * 2048, kBlockN * 128, 1024); };
-    auto desc_kmn = [&](int col, int kk) {
-        return sw128_desc(k_addr + (col >> 6) * kBlockN * 128 + (col & 63) * 2 + kk * 2048, kBlockN * 128, 1024);
-    };
-
-    float dk_acc[kDT][4], dv_acc[kDT][4];
-#pragma unroll
-    for (int dt = 0; dt < kDT; ++dt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dk_acc[dt][e] = dv_acc[dt][e] = 0.f;
-    }
-    const float scale_log2 = scale * kLog2e;
-    // ([bwd dq tile] planes of whole tiles: rows padded to a multiple of 64; the TMA entry point takes no packed rows)
-    float* dqg = !Has_dQ ? nullptr
-                 : kDqTile ? dq_accum + ((i64)b * heads_q + h) * ((seqlen_q + kBlockM - 1) / kBlockM * kBlockM) * kHeadDim
-                           : dq_accum + bi.row_index(h, heads_q, seqlen_q, 0) * kHeadDim;
-
-    for (int it = 0; it < m_count; ++it) {
-        const int mi = q_tile(it);
-        const int buf = it & 1;
-        const int m0 = mi * kBlockM;
-        const u32 tq = q_addr + buf * kQTile * 2, tdo = do_addr + buf * kQTile * 2;
-        const float* tLse = sLse + buf * kBlockM;
-        const float* tD = sD + buf * kBlockM;
-
-        // This tile's stage (and, the first time, K and V) landed and is visible to the tensor cores;
-        // every warpgroup is done with the previous tile (its wgmma retired), so buf ^ 1 and dS^T are free.
-        // [bwd flow] Not this barrier: the stage's mbarrier counts its lse and D copies too, the next copies wait for
-        // dS^T's barrier below (next_stage), and dS^T alternates between two buffers.
-        if constexpr (!kFlow) {
-            cp_async_wait<0>();
-            fence_proxy_async();
-            __syncthreads();
+    for (;;) {  // [bwd persistent] one tile a pass (one pass without kPersistent)
+        // [bwd persistent] the next tile taken as this one starts; its index stored (and waited for) only at the end
+        int taken = 0;
+        if constexpr (kPersistent) {
+            if (tid == 0) taken = atomicAdd(maps.tiles, 1) + int(gridDim.x);
         }
-        u16* const sds = kFlow && buf ? sdSt2 : sdSt;  // ([bwd flow] this tile's dS^T buffer)
-        const u32 ds_addr = smem_u32(sds);
-        if constexpr (kTma) {  // [bwd tma] (the barrier above: every wgmma that read buffer buf ^ 1 has retired;
-                               // [bwd flow] copies into buf ^ 1 in next_stage instead)
-            if (it == 0) mbar_wait(full_kv, 0);
-            mbar_wait(full_q + 8 * buf, (it >> 1) & 1);
-            if (!kFlow && it + 1 < m_count) copy_q_stage(buf ^ 1, q_tile(it + 1));
-        } else {
-            if (it + 1 < m_count) load_q_stage(buf ^ 1, q_tile(it + 1));
-        }
-        cp_async_commit();
+        int n_block, h, b;
+        tile_of(linear, n_block, h, b);
+        const int h_kv = h / group;
+        const int n0 = n_block * kBlockN;
+        const int key_base = n0 + wg * 64 + warp_in_wg * 16;  // this warp's fragment rows: + g, + g + 8
 
-        // [bwd 1] S^T = K Q^T and [bwd 3] dP^T = V dO^T, both in flight at once.
-        float st[kNT][4], dpt[kNT][4];
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kKT; ++kk) Wgmma<T>::ss(st, desc_kv(k_addr, kk), desc_qk(tq, kk), kk > 0 ? 1 : 0, Int<kBlockM>());
-        wgmma_commit();
-#pragma unroll
-        for (int kk = 0; kk < kKT; ++kk) Wgmma<T>::ss(dpt, desc_kv(v_addr, kk), desc_qk(tdo, kk), kk > 0 ? 1 : 0, Int<kBlockM>());
-        wgmma_commit();
-        // [variant dropout] The keep bits of the tile (indices only), drawn while the tensor cores work; P^T and
-        // dP^T both use them.
-        u32 keep_bits[V::Has_dropout ? (4 * kNT + 31) / 32 : 1];
-        if constexpr (V::Has_dropout) {
-            dropout_bits<true, kNT>(keep_bits, bi, key_base, m0, lane);
-            keep_fence(keep_bits);
+        const BlockInfo<V> bi(vp, b, h, seqlen_q, seqlen_k);
+        // keys of a shorter sequence (padding keys' dK, dV are zeroed by the launcher; never in the TMA entry point's
+        // padded batches, so never in a persistent launch, whose counter needs every block to the end)
+        if (bi.past_keys(n0)) return;
+        const int len_q = bi.len_q, len_k = bi.len_k;
+
+        const u16* qg = bi.q_rows(q, b, h, q_sb, q_sh, q_ss);
+        const u16* dog = bi.q_rows(dout, b, h, do_sb, do_sh, do_ss);
+        const float* lse_row = lse + bi.row_index(h, heads_q, seqlen_q, 0);
+        const float* delta_row = delta + bi.row_index(h, heads_q, seqlen_q, 0);
+        // The m_count query tiles q_tile(0), q_tile(1), ... hold the queries that see this key tile (causal, window).
+        // ([variant mask] a block map's list)
+        const TileLoop<V> queries = bi.template query_loop<kBlockM, kBlockN>(n_block);
+        const int m_count = queries.count;
+        const auto q_tile = [&](int it) { return queries.tile(it); };
+
+        // One query tile: Q, dO, and its rows' lse and D (rows past seqlen_q read as zeros).
+        auto load_q_stage = [&](int buf, int mi) {
+            load_tile_sw128<kBlockM, kHeadDim, kThreads>(sQ + buf * kQTile, qg, q_ss, mi * kBlockM, len_q, tid);
+            load_tile_sw128<kBlockM, kHeadDim, kThreads>(sdO + buf * kQTile, dog, do_ss, mi * kBlockM, len_q, tid);
+            load_row_stats_async<kBlockM, kThreads>(sLse + buf * kBlockM, sD + buf * kBlockM, lse_row, delta_row,
+                                                    mi * kBlockM, len_q, tid);
+            if constexpr (kStagedBias) {  // [variant bias tile] the tile's bias, queries x this block's keys
+                load_bias_tile<V, kBlockM, kBlockN, kThreads>(sBias + buf * kBiasTile, bi, mi * kBlockM, n0, seqlen_k,
+                                                              tid);
+            }
+        };
+
+        // Query tile mi's Q and dO into buffer buf (one thread); its lse and D by cp.async (every thread, committed by
+        // the caller).
+        auto copy_q_stage = [&](int buf, int mi) {
+            if (tid == 0) {
+                mbar_expect_tx(full_q + 8 * buf, 2 * kQTile * 2);
+                tma_load_tile<kHeadDim>(smem_u32(sQ + buf * kQTile), maps.q, full_q + 8 * buf, kBlockM, mi * kBlockM,
+                                        h, b);
+                tma_load_tile<kHeadDim>(smem_u32(sdO + buf * kQTile), maps.dout, full_q + 8 * buf, kBlockM,
+                                        mi * kBlockM, h, b);
+            }
+            load_row_stats_async<kBlockM, kThreads>(sLse + buf * kBlockM, sD + buf * kBlockM, lse_row, delta_row,
+                                                    mi * kBlockM, len_q, tid);
+        };
+
+        if constexpr (!kTma) {  // ([bwd tma] copy_first, above or at the end of the block's previous tile)
+            const u16* kg = k + b * k_sb + h_kv * k_sh + (i64)bi.k0 * k_ss;
+            const u16* vg = v + b * v_sb + h_kv * v_sh + (i64)bi.k0 * v_ss;
+            load_tile_sw128<kBlockN, kHeadDim, kThreads>(sK, kg, k_ss, n0, len_k, tid);
+            load_tile_sw128<kBlockN, kHeadDim, kThreads>(sV, vg, v_ss, n0, len_k, tid);
+            if (0 < m_count) load_q_stage(0, q_tile(0));
+            cp_async_commit();
         }
 
-        // [bwd 1] P^T = exp(scale mod(K Q^T) - lse) while dP^T runs. A row that saw no key has lse = -inf:
-        // its P here is +inf, but every tile it meets crosses an edge of its band and is masked to 0 below.
-        wgmma_wait<1>();
-        fence_regs(st);
-        u32 dmod[V::Has_grad ? kNT : 1][2];  // [variant grad] d mod / d s
-        if constexpr (kStagedBias) {  // [variant mod] with the staged bias ([variant bias tile])
-            const BiasTile<V, kBlockN> bt{sBias + buf * kBiasTile, m0, n0};
-            if constexpr (V::Has_grad) {
-                mod_scores_grad<true>(st, dmod, bi, key_base, m0, lane, queries.partial(it), bt);
+        // Descriptors (layouts in hopper_tiles.cuh). K-major operands advance 32 bytes per k16 step inside a
+        // 64-column block; MN-major operands advance 2048 bytes (16 rows of the reduction dim) per k16 step.
+        const u32 k_addr = smem_u32(sK), v_addr = smem_u32(sV), q_addr = smem_u32(sQ), do_addr = smem_u32(sdO);
+        // A of S^T / dP^T: this warpgroup's 64 rows of K / V.
+        auto desc_kv = [&](u32 base, int kk) {
+            return sw128_desc(base + wg * 64 * 128 + (kk >> 2) * kBlockN * 128 + (kk & 3) * 32, 16, 1024);
+        };
+        // B of S^T / dP^T: the kBlockM rows of Q / dO, K-major.
+        auto desc_qk = [&](u32 base, int kk) {
+            return sw128_desc(base + (kk >> 2) * kBlockM * 128 + (kk & 3) * 32, 16, 1024);
+        };
+        // B of dV / dK: dO / Q read as (queries x d), MN-major.
+        auto desc_qmn = [&](u32 base, int kk) { return sw128_desc(base + kk * 2048, kBlockM * 128, 1024); };
+        // dQ: A = dS^T read as dS (queries x keys), MN-major (M = 64: one column block, LBO unused);
+        // B = K read as (keys x d), MN-major, from this warpgroup's first dQ column.
+        constexpr int kDqKT = kBlockN / 16;
+        const int dq_col0 = Cfg::kDqRowSplit ? 0 : wg * Cfg::kDqN;
+        // ([bwd rows 128] A: this warpgroup's 64 queries, a column block of dS^T)
+        const u32 ds_wg = Cfg::kDqRowSplit ? wg * kBlockN * 128 : 0;
+        auto desc_ds = [&](u32 base, int kk) { return sw128_desc(base + ds_wg + kk * 2048, kBlockN * 128, 1024); };
+        auto desc_kmn = [&](int col, int kk) {
+            return sw128_desc(k_addr + (col >> 6) * kBlockN * 128 + (col & 63) * 2 + kk * 2048, kBlockN * 128, 1024);
+        };
+
+        float dk_acc[kDT][4], dv_acc[kDT][4];
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dk_acc[dt][e] = dv_acc[dt][e] = 0.f;
+        }
+        const float scale_log2 = scale * kLog2e;
+        // ([bwd dq tile] planes of whole tiles: rows padded to a multiple of 64; the TMA entry point takes no packed
+        // rows)
+        float* dqg = !Has_dQ ? nullptr
+                     : kDqTile ? dq_accum + ((i64)b * heads_q + h) * ((seqlen_q + kBlockM - 1) / kBlockM * kBlockM) *
+                                                 kHeadDim
+                               : dq_accum + bi.row_index(h, heads_q, seqlen_q, 0) * kHeadDim;
+
+        for (int it = 0; it < m_count; ++it) {
+            const int mi = q_tile(it);
+            const int buf = (q_base + it) & 1;
+            const int m0 = mi * kBlockM;
+            const u32 tq = q_addr + buf * kQTile * 2, tdo = do_addr + buf * kQTile * 2;
+            const float* tLse = sLse + buf * kBlockM;
+            const float* tD = sD + buf * kBlockM;
+
+            // This tile's stage (and, the first time, K and V) landed and is visible to the tensor cores;
+            // every warpgroup is done with the previous tile (its wgmma retired), so buf ^ 1 and dS^T are free.
+            // [bwd flow] Not this barrier: the stage's mbarrier counts its lse and D copies too, the next copies wait
+            // for dS^T's barrier below (next_stage), and dS^T alternates between two buffers.
+            if constexpr (!kFlow) {
+                cp_async_wait<0>();
+                fence_proxy_async();
+                __syncthreads();
+            }
+            u16* const sds = kFlow && buf ? sdSt2 : sdSt;  // ([bwd flow] this tile's dS^T buffer)
+            const u32 ds_addr = smem_u32(sds);
+            if constexpr (kTma) {  // [bwd tma] (the barrier above: every wgmma that read buffer buf ^ 1 has retired;
+                                   // [bwd flow] copies into buf ^ 1 in next_stage instead)
+                if (it == 0) mbar_wait(full_kv, kv_loads & 1);
+                mbar_wait(full_q + 8 * buf, ((q_base + it) >> 1) & 1);
+                if (!kFlow && it + 1 < m_count) copy_q_stage(buf ^ 1, q_tile(it + 1));
             } else {
-                mod_scores<true>(st, bi, key_base, m0, lane, queries.partial(it), bt);
+                if (it + 1 < m_count) load_q_stage(buf ^ 1, q_tile(it + 1));
             }
-        } else if constexpr (V::Has_grad) {
-            mod_scores_grad<true>(st, dmod, bi, key_base, m0, lane, queries.partial(it));
-        } else {
-            mod_scores<true>(st, bi, key_base, m0, lane, queries.partial(it));  // [variant mod]
-        }
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
-            const float2 l2 = *reinterpret_cast<const float2*>(tLse + nt * 8 + 2 * t);
-            const float nl0 = bi.neg_lse_log2(l2.x), nl1 = bi.neg_lse_log2(l2.y);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) st[nt][e] = fast_exp2(fmaf(st[nt][e], scale_log2, e & 1 ? nl1 : nl0));
-        }
-        const bool mask_mod = queries.mask_mod_in_mask(it);  // [variant mask]
-        if (bi.needs_mask(m0, kBlockM, n0, kBlockN) || mask_mod) mask_block<true>(st, bi, key_base, m0, lane, 0.f, mask_mod);
-        // P^T in the input dtype as A fragments (as it enters dV, and as dS^T uses it). [variant dropout]
-        // dV takes P^T dropped (its 1 / (1 - p) applied to dV once, at the end), dS^T the dropped dP^T.
-        u32 pt[kMT][4];
-#pragma unroll
-        for (int kk = 0; kk < kMT; ++kk) c_to_a<T, kNT>(pt[kk], st, kk);
-        u32 ptd[V::Has_dropout ? kMT : 1][4];
-        if constexpr (V::Has_dropout) {
-#pragma unroll
-            for (int kk = 0; kk < kMT; ++kk) dropout_pairs<kNT>(ptd[kk], pt[kk], keep_bits, kk);
-        }
+            cp_async_commit();
 
-        // [bwd 4] dS^T = P^T (dP^T - D), in place of dP^T, then packed to the input dtype.
-        wgmma_wait<0>();
-        fence_regs(dpt);
+            // [bwd 1] S^T = K Q^T and [bwd 3] dP^T = V dO^T, both in flight at once.
+            float st[kNT][4], dpt[kNT][4];
+            wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kMT; ++kk) {
-#pragma unroll
-            for (int hn = 0; hn < 2; ++hn) {
-                const int nt = 2 * kk + hn;
-                const float2 d2 = *reinterpret_cast<const float2*>(tD + nt * 8 + 2 * t);
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const u32 w = pt[kk][2 * hn + (e >> 1)];
-                    const float p = Elem<T>::to_float(static_cast<u16>(e & 1 ? w >> 16 : w & 0xffffu));
-                    float dp = dpt[nt][e];
-                    if constexpr (V::Has_dropout) dp = kept<kNT>(keep_bits, nt, e) ? dp * bi.keep_scale : 0.f;
-                    dpt[nt][e] = p * (dp - (e & 1 ? d2.y : d2.x));
-                }
+            for (int kk = 0; kk < kKT; ++kk) {
+                Wgmma<T>::ss(st, desc_kv(k_addr, kk), desc_qk(tq, kk), kk > 0 ? 1 : 0, Int<kBlockM>());
             }
-        }
-        // [variant grad] dbias = dS (the bias is added after softcap), then dS times softcap's derivative.
-        if constexpr (V::Has_bias) {
-            for_each_score<true>(dpt, key_base, m0, lane, [&](float& x, int qi, int kj, int nt, int e) {
-                // (a score_mod comes after the bias: its derivative is in dbias)
-                if constexpr (V::Mod::Has_score_mod) {
-                    bi.store_dbias(qi, kj, x * grad_at(dmod, nt, e));
+            wgmma_commit();
+#pragma unroll
+            for (int kk = 0; kk < kKT; ++kk) {
+                Wgmma<T>::ss(dpt, desc_kv(v_addr, kk), desc_qk(tdo, kk), kk > 0 ? 1 : 0, Int<kBlockM>());
+            }
+            wgmma_commit();
+            // [variant dropout] The keep bits of the tile (indices only), drawn while the tensor cores work; P^T and
+            // dP^T both use them.
+            u32 keep_bits[V::Has_dropout ? (4 * kNT + 31) / 32 : 1];
+            if constexpr (V::Has_dropout) {
+                dropout_bits<true, kNT>(keep_bits, bi, key_base, m0, lane);
+                keep_fence(keep_bits);
+            }
+
+            // [bwd 1] P^T = exp(scale mod(K Q^T) - lse) while dP^T runs. A row that saw no key has lse = -inf:
+            // its P here is +inf, but every tile it meets crosses an edge of its band and is masked to 0 below.
+            wgmma_wait<1>();
+            fence_regs(st);
+            u32 dmod[V::Has_grad ? kNT : 1][2];  // [variant grad] d mod / d s
+            if constexpr (kStagedBias) {  // [variant mod] with the staged bias ([variant bias tile])
+                const BiasTile<V, kBlockN> bt{sBias + buf * kBiasTile, m0, n0};
+                if constexpr (V::Has_grad) {
+                    mod_scores_grad<true>(st, dmod, bi, key_base, m0, lane, queries.partial(it), bt);
                 } else {
-                    bi.store_dbias(qi, kj, x);
+                    mod_scores<true>(st, bi, key_base, m0, lane, queries.partial(it), bt);
                 }
-            });
-        }
-        if constexpr (V::Has_grad) {
-            for_each_score<true>(dpt, 0, 0, lane, [&](float& x, int, int, int nt, int e) { x *= grad_at(dmod, nt, e); });
-        }
-        u32 dst[kMT][4];
-#pragma unroll
-        for (int kk = 0; kk < kMT; ++kk) c_to_a<T, kNT>(dst[kk], dpt, kk);
-
-        if constexpr (Has_dQ) {
-            // [bwd 5] dQ += dS K, part 1: dS^T to shared memory (row = key, 32-bit stores: the 8 rows of a store
-            // phase hit 8 different 16-byte chunks, conflict-free), visible to the tensor cores of both
-            // warpgroups after the proxy fence and the barrier below. Stored before dK's wgmma is issued:
-            // the PTX ISA leaves any access to an in-flight wgmma's A registers undefined.
-            {
-                const int r = wg * 64 + warp_in_wg * 16 + g;
-#pragma unroll
-                for (int kk = 0; kk < kMT; ++kk) {
-                    *reinterpret_cast<u32*>(sds + sw128_offset<kBlockN>(r, 2 * kk) + 2 * t) = dst[kk][0];
-                    *reinterpret_cast<u32*>(sds + sw128_offset<kBlockN>(r + 8, 2 * kk) + 2 * t) = dst[kk][1];
-                    *reinterpret_cast<u32*>(sds + sw128_offset<kBlockN>(r, 2 * kk + 1) + 2 * t) = dst[kk][2];
-                    *reinterpret_cast<u32*>(sds + sw128_offset<kBlockN>(r + 8, 2 * kk + 1) + 2 * t) = dst[kk][3];
-                }
+            } else if constexpr (V::Has_grad) {
+                mod_scores_grad<true>(st, dmod, bi, key_base, m0, lane, queries.partial(it));
+            } else {
+                mod_scores<true>(st, bi, key_base, m0, lane, queries.partial(it));  // [variant mod]
             }
-            fence_proxy_async();
-        }
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt) {
+                const float2 l2 = *reinterpret_cast<const float2*>(tLse + nt * 8 + 2 * t);
+                const float nl0 = bi.neg_lse_log2(l2.x), nl1 = bi.neg_lse_log2(l2.y);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) st[nt][e] = fast_exp2(fmaf(st[nt][e], scale_log2, e & 1 ? nl1 : nl0));
+            }
+            const bool mask_mod = queries.mask_mod_in_mask(it);  // [variant mask]
+            if (bi.needs_mask(m0, kBlockM, n0, kBlockN) || mask_mod) {
+                mask_block<true>(st, bi, key_base, m0, lane, 0.f, mask_mod);
+            }
+            // P^T in the input dtype as A fragments (as it enters dV, and as dS^T uses it). [variant dropout]
+            // dV takes P^T dropped (its 1 / (1 - p) applied to dV once, at the end), dS^T the dropped dP^T.
+            u32 pt[kMT][4];
+#pragma unroll
+            for (int kk = 0; kk < kMT; ++kk) c_to_a<T, kNT>(pt[kk], st, kk);
+            u32 ptd[V::Has_dropout ? kMT : 1][4];
+            if constexpr (V::Has_dropout) {
+#pragma unroll
+                for (int kk = 0; kk < kMT; ++kk) dropout_pairs<kNT>(ptd[kk], pt[kk], keep_bits, kk);
+            }
 
-        // [bwd 2] dV += P^T dO and [bwd 6] dK += dS^T Q (scale applied once at the end), A from registers
-        // (the caller fenced the registers: wgmma_fence).
-        auto issue_dv_dk = [&]() {
+            // [bwd 4] dS^T = P^T (dP^T - D), in place of dP^T, then packed to the input dtype.
+            wgmma_wait<0>();
+            fence_regs(dpt);
 #pragma unroll
             for (int kk = 0; kk < kMT; ++kk) {
-                if constexpr (V::Has_dropout) {
-                    Wgmma<T>::rs_tb(dv_acc, ptd[kk], desc_qmn(tdo, kk), 1, Int<kHeadDim>());
-                } else {
-                    Wgmma<T>::rs_tb(dv_acc, pt[kk], desc_qmn(tdo, kk), 1, Int<kHeadDim>());
-                }
-            }
-            wgmma_commit();
 #pragma unroll
-            for (int kk = 0; kk < kMT; ++kk) Wgmma<T>::rs_tb(dk_acc, dst[kk], desc_qmn(tq, kk), 1, Int<kHeadDim>());
-            wgmma_commit();
-        };
-        // [bwd 5] part 2: dS K, kDqChunk columns from col0, once every warpgroup's dS^T is in shared memory; then
-        // this warp's 16 query rows (+ g, + g + 8) of the warpgroup's 64 x kDqChunk slice added into dQ.
-        auto issue_dq = [&](float (&dq)[kDqChunk / 8][4], int col0) {
+                for (int hn = 0; hn < 2; ++hn) {
+                    const int nt = 2 * kk + hn;
+                    const float2 d2 = *reinterpret_cast<const float2*>(tD + nt * 8 + 2 * t);
 #pragma unroll
-            for (int kk = 0; kk < kDqKT; ++kk) {
-                WgmmaTT<T>::ss_tt(dq, desc_ds(ds_addr, kk), desc_kmn(col0, kk), kk > 0 ? 1 : 0, Int<kDqChunk>());
-            }
-            wgmma_commit();
-        };
-        auto add_dq = [&](float (&dq)[kDqChunk / 8][4], int col0) {
-            if constexpr (kDqTile) {  // [bwd dq tile] this thread's accumulators, contiguous, chunks rotated
-                float* st = sDq + tid * (kDqChunk / 2);
-#pragma unroll
-                for (int dt = 0; dt < kDqChunk / 8; ++dt) {
-                    *reinterpret_cast<float4*>(st + dq_tile_slot<kDqChunk / 8>(tid, dt) * 4) =
-                        make_float4(dq[dt][0], dq[dt][1], dq[dt][2], dq[dt][3]);
-                }
-            } else if constexpr (CUFLASH_BWD_DQ_V4 && !kDqBulk) {  // [bwd dq v4]
-                // even lanes of a pair: row g, columns 2t .. 2t + 3 (their own pair, then the odd lane's); odd lanes:
-                // row g + 8, the even lane's pair then their own
-                const int odd = t & 1, r = warp_in_wg * 16 + g + 8 * odd;
-                float* dqr = dqg + (i64)(m0 + r) * kHeadDim + col0 + 2 * (t & ~1);
-                const bool in = m0 + r < len_q;
-#pragma unroll
-                for (int dt = 0; dt < kDqChunk / 8; ++dt) {
-                    const float x = __shfl_xor_sync(0xffffffffu, odd ? dq[dt][0] : dq[dt][2], 1);
-                    const float y = __shfl_xor_sync(0xffffffffu, odd ? dq[dt][1] : dq[dt][3], 1);
-                    if (in) {
-                        if (odd) red_add_v4_f32(dqr + dt * 8, x, y, dq[dt][2], dq[dt][3]);
-                        else red_add_v4_f32(dqr + dt * 8, dq[dt][0], dq[dt][1], x, y);
-                    }
-                }
-            } else {
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    const int r = warp_in_wg * 16 + g + 8 * hh;
-                    if constexpr (kDqBulk) {  // [bwd dq bulk] into the dQ tile
-                        float* sr = sDq + r * Cfg::kDqStride + col0 + 2 * t;
-#pragma unroll
-                        for (int dt = 0; dt < kDqChunk / 8; ++dt) {
-                            *reinterpret_cast<float2*>(sr + dt * 8) = make_float2(dq[dt][2 * hh], dq[dt][2 * hh + 1]);
-                        }
-                    } else if (m0 + r < len_q) {
-                        float* dqr = dqg + (i64)(m0 + r) * kHeadDim + col0 + 2 * t;
-#pragma unroll
-                        for (int dt = 0; dt < kDqChunk / 8; ++dt) {
-                            red_add_v2_f32(dqr + dt * 8, dq[dt][2 * hh], dq[dt][2 * hh + 1]);
-                        }
+                    for (int e = 0; e < 4; ++e) {
+                        const u32 w = pt[kk][2 * hn + (e >> 1)];
+                        const float p = Elem<T>::to_float(static_cast<u16>(e & 1 ? w >> 16 : w & 0xffffu));
+                        float dp = dpt[nt][e];
+                        if constexpr (V::Has_dropout) dp = kept<kNT>(keep_bits, nt, e) ? dp * bi.keep_scale : 0.f;
+                        dpt[nt][e] = p * (dp - (e & 1 ? d2.y : d2.x));
                     }
                 }
             }
-        };
-
-        // [bwd flow] The next tile's copies, after dS^T's barrier: every warp past it is done with the previous tile,
-        // whose buffer they overwrite.
-        auto next_stage = [&]() {
-            if constexpr (kFlow) {
-                if (it + 1 < m_count) {
-                    copy_q_stage(buf ^ 1, q_tile(it + 1));
-                    cp_async_mbar_arrive(full_q + 8 * (buf ^ 1));
-                }
-            }
-        };
-
-        if constexpr (Has_dQ) {
-            // [bwd dq bulk] This warp's rows of the dQ tile are free once the bulk reductions its lanes issued for
-            // the previous tile have read them.
-            if constexpr (kDqBulk) {
-                if (lane < 16) bulk_wait_read<0>();
-            }
-            if constexpr (kDqTile) {  // [bwd dq tile] the tile is free once the last tile's reduction has read it
-                if (tid == kDqIssuer) bulk_wait_read<0>();
-            }
-            if constexpr (kDqFirst) {
-                // [bwd dq first] dQ's product issued first, then dV's and dK's; this tile's dQ is added while they
-                // run (wait_group 2: the two younger groups, dV and dK, stay in flight).
-                __syncthreads();
-                next_stage();
-                float dq[kDqChunk / 8][4];
-                wgmma_fence();
-                issue_dq(dq, dq_col0);
-                issue_dv_dk();
-                wgmma_wait<2>();
-                fence_regs(dq);
-                add_dq(dq, dq_col0);
-                if constexpr (kDqTile) {
-                    // [bwd dq tile] every thread's stores visible to the bulk copy, then one thread adds the tile
-                    // (rows past seqlen_q add zeros into the plane's padding: their dO, D and lse are zeros)
-                    // (a barrier instruction is a whole warp's: the issuer's warp waits, the others arrive)
-                    fence_proxy_async();
-                    if (tid / 32 == kDqIssuer / 32) {
-                        named_bar_sync(1, kThreads);
-                        if (tid == kDqIssuer) {
-                            bulk_reduce_add_f32(dqg + (i64)m0 * kHeadDim, smem_u32(sDq), kBlockM * kHeadDim * 4);
-                            bulk_commit();
-                        }
+            // [variant grad] dbias = dS (the bias is added after softcap), then dS times softcap's derivative.
+            if constexpr (V::Has_bias) {
+                for_each_score<true>(dpt, key_base, m0, lane, [&](float& x, int qi, int kj, int nt, int e) {
+                    // (a score_mod comes after the bias: its derivative is in dbias)
+                    if constexpr (V::Mod::Has_score_mod) {
+                        bi.store_dbias(qi, kj, x * grad_at(dmod, nt, e));
                     } else {
-                        named_bar_arrive(1, kThreads);
+                        bi.store_dbias(qi, kj, x);
+                    }
+                });
+            }
+            if constexpr (V::Has_grad) {
+                for_each_score<true>(dpt, 0, 0, lane,
+                                     [&](float& x, int, int, int nt, int e) { x *= grad_at(dmod, nt, e); });
+            }
+            u32 dst[kMT][4];
+#pragma unroll
+            for (int kk = 0; kk < kMT; ++kk) c_to_a<T, kNT>(dst[kk], dpt, kk);
+
+            if constexpr (Has_dQ) {
+                // [bwd 5] dQ += dS K, part 1: dS^T to shared memory (row = key, 32-bit stores: the 8 rows of a store
+                // phase hit 8 different 16-byte chunks, conflict-free), visible to the tensor cores of both
+                // warpgroups after the proxy fence and the barrier below. Stored before dK's wgmma is issued:
+                // the PTX ISA leaves any access to an in-flight wgmma's A registers undefined.
+                {
+                    const int r = wg * 64 + warp_in_wg * 16 + g;
+#pragma unroll
+                    for (int kk = 0; kk < kMT; ++kk) {
+                        *reinterpret_cast<u32*>(sds + sw128_offset<kBlockN>(r, 2 * kk) + 2 * t) = dst[kk][0];
+                        *reinterpret_cast<u32*>(sds + sw128_offset<kBlockN>(r + 8, 2 * kk) + 2 * t) = dst[kk][1];
+                        *reinterpret_cast<u32*>(sds + sw128_offset<kBlockN>(r, 2 * kk + 1) + 2 * t) = dst[kk][2];
+                        *reinterpret_cast<u32*>(sds + sw128_offset<kBlockN>(r + 8, 2 * kk + 1) + 2 * t) = dst[kk][3];
                     }
                 }
-                wgmma_wait<0>();
-            } else {
-                wgmma_fence();
-                issue_dv_dk();
-                __syncthreads();
-                next_stage();
-                // At most 64 columns at a time (32 accumulator registers): a 128-column slice (one warpgroup
-                // at d = 128) would spill next to dK and dV.
+                fence_proxy_async();
+            }
+
+            // [bwd 2] dV += P^T dO and [bwd 6] dK += dS^T Q (scale applied once at the end), A from registers
+            // (the caller fenced the registers: wgmma_fence).
+            auto issue_dv_dk = [&]() {
 #pragma unroll
-                for (int c = 0; c < Cfg::kDqN / kDqChunk; ++c) {
+                for (int kk = 0; kk < kMT; ++kk) {
+                    if constexpr (V::Has_dropout) {
+                        Wgmma<T>::rs_tb(dv_acc, ptd[kk], desc_qmn(tdo, kk), 1, Int<kHeadDim>());
+                    } else {
+                        Wgmma<T>::rs_tb(dv_acc, pt[kk], desc_qmn(tdo, kk), 1, Int<kHeadDim>());
+                    }
+                }
+                wgmma_commit();
+#pragma unroll
+                for (int kk = 0; kk < kMT; ++kk) Wgmma<T>::rs_tb(dk_acc, dst[kk], desc_qmn(tq, kk), 1, Int<kHeadDim>());
+                wgmma_commit();
+            };
+            // [bwd 5] part 2: dS K, kDqChunk columns from col0, once every warpgroup's dS^T is in shared memory; then
+            // this warp's 16 query rows (+ g, + g + 8) of the warpgroup's 64 x kDqChunk slice added into dQ.
+            auto issue_dq = [&](float (&dq)[kDqChunk / 8][4], int col0) {
+#pragma unroll
+                for (int kk = 0; kk < kDqKT; ++kk) {
+                    WgmmaTT<T>::ss_tt(dq, desc_ds(ds_addr, kk), desc_kmn(col0, kk), kk > 0 ? 1 : 0, Int<kDqChunk>());
+                }
+                wgmma_commit();
+            };
+            auto add_dq = [&](float (&dq)[kDqChunk / 8][4], int col0) {
+                if constexpr (kDqTile) {  // [bwd dq tile] this thread's accumulators, contiguous, chunks rotated
+                    float* st = sDq + tid * (kDqChunk / 2);
+#pragma unroll
+                    for (int dt = 0; dt < kDqChunk / 8; ++dt) {
+                        *reinterpret_cast<float4*>(st + dq_tile_slot<kDqChunk / 8>(tid, dt) * 4) =
+                            make_float4(dq[dt][0], dq[dt][1], dq[dt][2], dq[dt][3]);
+                    }
+                } else if constexpr (CUFLASH_BWD_DQ_V4 && !kDqBulk) {  // [bwd dq v4]
+                    // even lanes of a pair: row g, columns 2t .. 2t + 3 (their own pair, then the odd lane's); odd
+                    // lanes: row g + 8, the even lane's pair then their own
+                    const int odd = t & 1, r = warp_in_wg * 16 + g + 8 * odd;
+                    float* dqr = dqg + (i64)(m0 + r) * kHeadDim + col0 + 2 * (t & ~1);
+                    const bool in = m0 + r < len_q;
+#pragma unroll
+                    for (int dt = 0; dt < kDqChunk / 8; ++dt) {
+                        const float x = __shfl_xor_sync(0xffffffffu, odd ? dq[dt][0] : dq[dt][2], 1);
+                        const float y = __shfl_xor_sync(0xffffffffu, odd ? dq[dt][1] : dq[dt][3], 1);
+                        if (in) {
+                            if (odd) red_add_v4_f32(dqr + dt * 8, x, y, dq[dt][2], dq[dt][3]);
+                            else red_add_v4_f32(dqr + dt * 8, dq[dt][0], dq[dt][1], x, y);
+                        }
+                    }
+                } else {
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        const int r = warp_in_wg * 16 + g + 8 * hh;
+                        if constexpr (kDqBulk) {  // [bwd dq bulk] into the dQ tile
+                            float* sr = sDq + r * Cfg::kDqStride + col0 + 2 * t;
+#pragma unroll
+                            for (int dt = 0; dt < kDqChunk / 8; ++dt) {
+                                *reinterpret_cast<float2*>(sr + dt * 8) =
+                                    make_float2(dq[dt][2 * hh], dq[dt][2 * hh + 1]);
+                            }
+                        } else if (m0 + r < len_q) {
+                            float* dqr = dqg + (i64)(m0 + r) * kHeadDim + col0 + 2 * t;
+#pragma unroll
+                            for (int dt = 0; dt < kDqChunk / 8; ++dt) {
+                                red_add_v2_f32(dqr + dt * 8, dq[dt][2 * hh], dq[dt][2 * hh + 1]);
+                            }
+                        }
+                    }
+                }
+            };
+
+            // [bwd flow] The next tile's copies, after dS^T's barrier: every warp past it is done with the previous
+            // tile, whose buffer they overwrite.
+            auto next_stage = [&]() {
+                if constexpr (kFlow) {
+                    if (it + 1 < m_count) {
+                        copy_q_stage(buf ^ 1, q_tile(it + 1));
+                        cp_async_mbar_arrive(full_q + 8 * (buf ^ 1));
+                    }
+                }
+            };
+
+            if constexpr (Has_dQ) {
+                // [bwd dq bulk] This warp's rows of the dQ tile are free once the bulk reductions its lanes issued for
+                // the previous tile have read them.
+                if constexpr (kDqBulk) {
+                    if (lane < 16) bulk_wait_read<0>();
+                }
+                if constexpr (kDqTile) {  // [bwd dq tile] the tile is free once the last tile's reduction has read it
+                    if (tid == kDqIssuer) bulk_wait_read<0>();
+                }
+                if constexpr (kDqFirst) {
+                    // [bwd dq first] dQ's product issued first, then dV's and dK's; this tile's dQ is added while they
+                    // run (wait_group 2: the two younger groups, dV and dK, stay in flight).
+                    __syncthreads();
+                    next_stage();
                     float dq[kDqChunk / 8][4];
                     wgmma_fence();
-                    issue_dq(dq, dq_col0 + c * kDqChunk);
-                    wgmma_wait<0>();
+                    issue_dq(dq, dq_col0);
+                    issue_dv_dk();
+                    wgmma_wait<2>();
                     fence_regs(dq);
-                    add_dq(dq, dq_col0 + c * kDqChunk);
+                    add_dq(dq, dq_col0);
+                    if constexpr (kDqTile) {
+                        // [bwd dq tile] every thread's stores visible to the bulk copy, then one thread adds the tile
+                        // (rows past seqlen_q add zeros into the plane's padding: their dO, D and lse are zeros)
+                        // (a barrier instruction is a whole warp's: the issuer's warp waits, the others arrive)
+                        fence_proxy_async();
+                        if (tid / 32 == kDqIssuer / 32) {
+                            named_bar_sync(1, kThreads);
+                            if (tid == kDqIssuer) {
+                                bulk_reduce_add_f32(dqg + (i64)m0 * kHeadDim, smem_u32(sDq), kBlockM * kHeadDim * 4);
+                                bulk_commit();
+                            }
+                        } else {
+                            named_bar_arrive(1, kThreads);
+                        }
+                    }
+                    wgmma_wait<0>();
+                } else {
+                    wgmma_fence();
+                    issue_dv_dk();
+                    __syncthreads();
+                    next_stage();
+                    // At most 64 columns at a time (32 accumulator registers): a 128-column slice (one warpgroup
+                    // at d = 128) would spill next to dK and dV.
+#pragma unroll
+                    for (int c = 0; c < Cfg::kDqN / kDqChunk; ++c) {
+                        float dq[kDqChunk / 8][4];
+                        wgmma_fence();
+                        issue_dq(dq, dq_col0 + c * kDqChunk);
+                        wgmma_wait<0>();
+                        fence_regs(dq);
+                        add_dq(dq, dq_col0 + c * kDqChunk);
+                    }
                 }
-            }
-            if constexpr (kDqBulk) {
-                // [bwd dq bulk] the warp's stores visible to the bulk copies; lane i adds row i of the warp's 16
-                // (its slice of the warpgroup's columns).
-                fence_proxy_async();
-                __syncwarp();
-                const int r = warp_in_wg * 16 + lane;
-                if (lane < 16 && m0 + r < len_q) {
-                    bulk_reduce_add_f32(dqg + (i64)(m0 + r) * kHeadDim + dq_col0,
-                                        smem_u32(sDq + r * Cfg::kDqStride + dq_col0), Cfg::kDqN * 4);
+                if constexpr (kDqBulk) {
+                    // [bwd dq bulk] the warp's stores visible to the bulk copies; lane i adds row i of the warp's 16
+                    // (its slice of the warpgroup's columns).
+                    fence_proxy_async();
+                    __syncwarp();
+                    const int r = warp_in_wg * 16 + lane;
+                    if (lane < 16 && m0 + r < len_q) {
+                        bulk_reduce_add_f32(dqg + (i64)(m0 + r) * kHeadDim + dq_col0,
+                                            smem_u32(sDq + r * Cfg::kDqStride + dq_col0), Cfg::kDqN * 4);
+                    }
+                    if (lane < 16) bulk_commit();
                 }
-                if (lane < 16) bulk_commit();
+            } else {
+                wgmma_fence();
+                issue_dv_dk();
+                wgmma_wait<0>();
             }
-        } else {
-            wgmma_fence();
-            issue_dv_dk();
-            wgmma_wait<0>();
         }
-    }
-    cp_async_wait<0>();
+        cp_async_wait<0>();
+        fence_regs(dk_acc);
+        fence_regs(dv_acc);
+        q_base += m_count;
+        kv_loads += m_count > 0;
+        if constexpr (kPersistent) {
+            // [bwd persistent] the next tile's first copies, under this tile's stores of dK and dV: every warp is past
+            // its last products (their wgmma retired), so K, V and the query buffers are free.
+            if (tid == 0) sched[pass & 1] = taken;
+            __syncthreads();
+            linear = sched[pass & 1];
+            ++pass;
+            if (linear < n_tiles) copy_first(linear);
+        }
+
+        // Write dK = scale * dK_acc and dV: straight to dk/dv (group == 1) or per query head to the float32
+        // workspace that flash_bwd_reduce_dkv_kernel sums over the group. [variant dropout] dV times 1 / (1 - p).
+        if constexpr (V::Has_dropout) {
+#pragma unroll
+            for (int dt = 0; dt < kDT; ++dt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dv_acc[dt][e] *= bi.keep_scale;
+            }
+        }
+        const int qk8 = bi.template qk_cols8<kHeadDim>(), v8 = bi.template v_cols8<kHeadDim>();  // [bwd tma pad]
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int row = key_base + g + 8 * hh;
+            if (row >= len_k) continue;
+            const int col0 = 2 * t;
+            if (group == 1) {
+                u16* dkr = dk + b * dk_sb + h * dk_sh + (i64)(bi.k0 + row) * dk_ss + col0;
+                u16* dvr = dv + b * dv_sb + h * dv_sh + (i64)(bi.k0 + row) * dv_ss + col0;
+#pragma unroll
+                for (int dt = 0; dt < kDT; ++dt) {
+                    if (!V::Pads_head_dim || dt < qk8) {  // [bwd tma pad] the arrays' columns only
+                        *reinterpret_cast<u32*>(dkr + dt * 8) =
+                            Elem<T>::pack(dk_acc[dt][2 * hh] * scale, dk_acc[dt][2 * hh + 1] * scale);
+                    }
+                    if (!V::Pads_head_dim || dt < v8) {
+                        *reinterpret_cast<u32*>(dvr + dt * 8) =
+                            Elem<T>::pack(dv_acc[dt][2 * hh], dv_acc[dt][2 * hh + 1]);
+                    }
+                }
+            } else {
+                // (the workspace's batch: [bwd persistent]'s grid is one-dimensional)
+                const i64 plane = (i64)(V::Is_varlen ? 1 : kPersistent ? batches : gridDim.z) * heads_q * seqlen_k *
+                                  kHeadDim;
+                float* dkr = dkv_accum + bi.key_row_index(h, heads_q, seqlen_k, row) * kHeadDim + col0;
+#pragma unroll
+                for (int dt = 0; dt < kDT; ++dt) {
+                    *reinterpret_cast<float2*>(dkr + dt * 8) =
+                        make_float2(dk_acc[dt][2 * hh] * scale, dk_acc[dt][2 * hh + 1] * scale);
+                    *reinterpret_cast<float2*>(dkr + plane + dt * 8) =
+                        make_float2(dv_acc[dt][2 * hh], dv_acc[dt][2 * hh + 1]);
+                }
+            }
+        }
+        if (!kPersistent || linear >= n_tiles) break;
+    }  // (the tiles' loop)
+    if constexpr (kPersistent) done_taking();  // (its last take, past the tiles, was in its last pass)
     if constexpr (kDqBulk) {
         if (lane < 16) bulk_wait<0>();  // [bwd dq bulk] (the dQ tile stays while the last reductions read it)
     }
     if constexpr (kDqTile) {
         if (tid == kDqIssuer) bulk_wait<0>();  // [bwd dq tile] (likewise)
-    }
-    fence_regs(dk_acc);
-    fence_regs(dv_acc);
-
-    // Write dK = scale * dK_acc and dV: straight to dk/dv (group == 1) or per query head to the float32
-    // workspace that flash_bwd_reduce_dkv_kernel sums over the group. [variant dropout] dV times 1 / (1 - p).
-    if constexpr (V::Has_dropout) {
-#pragma unroll
-        for (int dt = 0; dt < kDT; ++dt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dv_acc[dt][e] *= bi.keep_scale;
-        }
-    }
-    const int qk8 = bi.template qk_cols8<kHeadDim>(), v8 = bi.template v_cols8<kHeadDim>();  // [bwd tma pad]
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const int row = key_base + g + 8 * hh;
-        if (row >= len_k) continue;
-        const int col0 = 2 * t;
-        if (group == 1) {
-            u16* dkr = dk + b * dk_sb + h * dk_sh + (i64)(bi.k0 + row) * dk_ss + col0;
-            u16* dvr = dv + b * dv_sb + h * dv_sh + (i64)(bi.k0 + row) * dv_ss + col0;
-#pragma unroll
-            for (int dt = 0; dt < kDT; ++dt) {
-                if (!V::Pads_head_dim || dt < qk8) {  // [bwd tma pad] the arrays' columns only
-                    *reinterpret_cast<u32*>(dkr + dt * 8) = Elem<T>::pack(dk_acc[dt][2 * hh] * scale, dk_acc[dt][2 * hh + 1] * scale);
-                }
-                if (!V::Pads_head_dim || dt < v8) {
-                    *reinterpret_cast<u32*>(dvr + dt * 8) = Elem<T>::pack(dv_acc[dt][2 * hh], dv_acc[dt][2 * hh + 1]);
-                }
-            }
-        } else {
-            const i64 plane = (i64)(V::Is_varlen ? 1 : gridDim.z) * heads_q * seqlen_k * kHeadDim;
-            float* dkr = dkv_accum + bi.key_row_index(h, heads_q, seqlen_k, row) * kHeadDim + col0;
-#pragma unroll
-            for (int dt = 0; dt < kDT; ++dt) {
-                *reinterpret_cast<float2*>(dkr + dt * 8) = make_float2(dk_acc[dt][2 * hh] * scale, dk_acc[dt][2 * hh + 1] * scale);
-                *reinterpret_cast<float2*>(dkr + plane + dt * 8) = make_float2(dv_acc[dt][2 * hh], dv_acc[dt][2 * hh + 1]);
-            }
-        }
     }
 }
 
@@ -676,14 +785,16 @@ flash_bwd_dkdv_sm90_flat_kernel(CUFLASH_BWD_DKDV_PARAMS, CUFLASH_VARIANT_FLAT_PA
     flash_bwd_dkdv_sm90<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, V, Has_dQ>(CUFLASH_BWD_DKDV_ARGS,
                                                                                     CUFLASH_VARIANT_FLAT_ARGS);
 }
-// ... and the TMA one ([bwd tma]), with the tensor maps of q, k, v and dO after the launcher's parameters.
-template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V, bool Has_dQ>
+// ... and the TMA one ([bwd tma]), with [bwd persistent]'s tile counter (unused without kPersistent) and the tensor
+// maps of q, k, v and dO after the launcher's parameters.
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, class V, bool Has_dQ,
+          bool kPersistent = false>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
-flash_bwd_dkdv_sm90_tma_kernel(CUFLASH_BWD_DKDV_PARAMS, const VariantParams vp, const __grid_constant__ TensorMap q_map,
-                               const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map,
-                               const __grid_constant__ TensorMap do_map) {
-    flash_bwd_dkdv_sm90<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, V, Has_dQ, true>(
-        CUFLASH_BWD_DKDV_ARGS, vp, BwdMaps{&q_map, &k_map, &v_map, &do_map});
+flash_bwd_dkdv_sm90_tma_kernel(CUFLASH_BWD_DKDV_PARAMS, const VariantParams vp, int* tile_counter,
+                               const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
+                               const __grid_constant__ TensorMap v_map, const __grid_constant__ TensorMap do_map) {
+    flash_bwd_dkdv_sm90<T, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, V, Has_dQ, true, kPersistent>(
+        CUFLASH_BWD_DKDV_ARGS, vp, BwdMaps{&q_map, &k_map, &v_map, &do_map, tile_counter});
 }
 
 // [bwd dq tile] dQ = scale * dq_accum, cast, from the workspace that the TMA entry point fills in fragment order

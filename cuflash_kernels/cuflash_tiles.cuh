@@ -160,16 +160,21 @@ template <int kWidth> struct Swizzle {
 // index outermost: under causal masking key tile 0 sees the most queries, so the longest blocks of those pairs
 // start first and the short ones fill the end of the wave (longest-processing-time order), while only that many
 // heads' Q, dO and dQ accumulator share the L2 cache at once. interleave = 1: plain (tile, head, sequence) order.
-__device__ __forceinline__ void interleaved_block(int interleave, int& x, int& y, int& z) {
-    const int nx = gridDim.x, pairs = gridDim.y * gridDim.z;
-    const int linear = blockIdx.x + nx * (blockIdx.y + gridDim.y * blockIdx.z);
+// interleaved_tile: the same order for tile `linear` of a grid of (nx, ny, nz) tiles that a persistent kernel walks.
+__device__ __forceinline__ void interleaved_tile(int interleave, int linear, int nx, int ny, int nz, int& x, int& y,
+                                                 int& z) {
+    const int pairs = ny * nz;
     const int first = linear / (nx * interleave) * interleave;  // the group's first pair
     const int size = min(interleave, pairs - first);
     const int r = linear - first * nx;
     x = r / size;
     const int pair = first + r % size;
-    y = pair % gridDim.y;
-    z = pair / gridDim.y;
+    y = pair % ny;
+    z = pair / ny;
+}
+__device__ __forceinline__ void interleaved_block(int interleave, int& x, int& y, int& z) {
+    interleaved_tile(interleave, blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z), gridDim.x, gridDim.y,
+                     gridDim.z, x, y, z);
 }
 
 __device__ __forceinline__ u32 smem_u32(const void* p) {

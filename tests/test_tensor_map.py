@@ -817,6 +817,7 @@ def test_the_backward_adds_dq_a_tile_at_a_time_where_switched_on(monkeypatch):
         assert p._offsets[1] == 0 and p._offsets[2] == dq_bytes
         calls, workspace = p.flat_calls()
         flat_names = [name.split("<")[0] for _, name, _, _ in calls]
+        assert flat_names[1] == "cuflash::flash_bwd_dkdv_sm90_flat_kernel"  # (VariantParams' fields, no counter)
         assert flat_names[2] == "cuflash::flash_bwd_convert_dq_kernel"
         assert workspace["dq_accum"] == (2, 4, 200, 128)
         # (a run: the zeroed part covers the padded planes)
@@ -843,7 +844,7 @@ def test_the_d64_backward_on_128_row_query_tiles_where_switched_on(monkeypatch):
         p = attention.BackwardPlan(do, q, k, v, out, lse, scale=0.125, variant=Variant(causal=True), algorithm="fa2",
                                    block_q=None, block_k=None, order=order)
         dkdv = p._steps[1][0]
-        assert dkdv.spec.family == "bwd_dkdv_sm90_tma" and dkdv.spec.tile.block_m == rows
+        assert dkdv.spec.family.startswith("bwd_dkdv_sm90_tma") and dkdv.spec.tile.block_m == rows  # ([bwd persistent])
         assert [m._spec[2][1] for m, _ in p._maps] == [rows, 128, 128, rows]  # (the boxes' rows: q, k, v, dO)
         if order == "kv_outer":
             convert = p._steps[2][0]
@@ -858,3 +859,52 @@ def test_the_d64_backward_on_128_row_query_tiles_where_switched_on(monkeypatch):
     p = attention.BackwardPlan(do, q, k, v, out, lse, scale=0.125, variant=Variant(causal=True, softcap=30.0),
                                algorithm="fa2", block_q=None, block_k=None, order="kv_outer")
     assert p._steps[1][0].spec.tile.block_m == 64
+
+
+def test_the_persistent_backward_takes_the_key_tiles_from_one_block_per_sm(monkeypatch):
+    """(CPU, stand-in CuPy) [bwd persistent] At a head dim of BWD_PERSISTENT_DIMS, a planned backward whose dK/dV
+    launch is the TMA entry point runs it persistent (flash_bwd_dkdv_sm90_tma_kernel<..., true>): one block per SM (at
+    most one per key tile) in a one-dimensional grid, its `interleave` argument the order's pairs plus 256 times the
+    batch, and a tile counter of its own after VariantParams (two zeroed int32 from the kept chunks, a different one
+    for each plan); its flat calls keep a block per key tile; at other head dims, the (key tiles, heads, batch) grid
+    and a null counter."""
+    import ml_dtypes
+    import numpy as np
+
+    from cuflash._cuda import attention
+    from cuflash._ops.variant import Variant
+
+    cp, _, _ = _tma_stand_in(monkeypatch)
+    monkeypatch.setattr(attention, "TMA_BACKWARD", True)
+    rng = np.random.default_rng(17)
+
+    def arr(*shape, dtype=ml_dtypes.bfloat16):
+        return cp.asarray(rng.standard_normal(shape).astype(np.float32).astype(dtype))
+
+    counters = set()
+    for batch, nk, causal in ((3, 300, True), (1, 130, False)):
+        q, do, out = arr(batch, 200, 4, 128), arr(batch, 200, 4, 128), arr(batch, 200, 4, 128)
+        k, v = arr(batch, nk, 2, 128), arr(batch, nk, 2, 128)
+        lse = arr(batch, 4, 200, dtype=np.float32)
+        tiles = -(-nk // attention.TILES[("bwd", "sm90a", 128)].block_n)
+        for on in (True, False):
+            monkeypatch.setattr(attention, "BWD_PERSISTENT_DIMS", (128,) if on else (64,))
+            p = attention.BackwardPlan(do, q, k, v, out, lse, scale=0.1, variant=Variant(causal=causal),
+                                       algorithm="fa2", block_q=None, block_k=None, order="kv_outer")
+            launch = p._steps[1][0]
+            assert launch.spec.family == ("bwd_dkdv_sm90_tma_persistent" if on else "bwd_dkdv_sm90_tma")
+            assert launch.spec.name.endswith(", true, true>" if on else ", true>")  # (has_dq, persistent)
+            interleave = int(np.frombuffer(launch._buffer[launch.offsets[14]:launch.offsets[14] + 4], np.int32)[0])
+            # (the counter: the last argument before the maps)
+            counter = int(np.frombuffer(launch._buffer[launch.offsets[-1]:launch.offsets[-1] + 8], np.uint64)[0])
+            order = 4 if causal else 1
+            if on:
+                assert launch.grid == (min(tiles * 4 * batch, 132), 1, 1) and interleave == order + 256 * batch
+                assert counter != 0 and counter not in counters
+                counters.add(counter)
+            else:
+                assert launch.grid == (tiles, 4, batch) and interleave == order and counter == 0
+            calls, _ = p.flat_calls()
+            (dkdv,) = [c for c in calls if "dkdv" in c[1]]
+            assert "sm90_flat_kernel" in dkdv[1] and tuple(dkdv[2]) == (tiles, 4, batch)
+            assert dkdv[3][14] == ("i32", order)  # (q ... dkv_accum, rows_q, rows_k, heads_q, group, interleave)

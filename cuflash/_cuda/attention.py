@@ -14,6 +14,7 @@ kernels index as one batch of ``total`` rows, as they do D and the float32 dQ an
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import threading
 from typing import Any, NamedTuple
@@ -232,6 +233,11 @@ BWD_DQ_TILE = bool(define("CUFLASH_BWD_DQ_TILE", 1))
 # tile: half the per-tile copies, barriers and dQ reductions; each warpgroup its own 64 rows of dQ), where the
 # whole-tile dQ is on: CUFLASH_DEFINES=CUFLASH_BWD_ROWS128=1 (read here only). Built, not yet run on a GPU.
 BWD_TMA_TILES = {64: Tile(128, 128, 8, 2)} if define("CUFLASH_BWD_ROWS128", 0) and BWD_DQ_TILE else {}
+# [bwd persistent] The head dims whose TMA dK/dV launch runs persistent (flash_bwd_dkdv_sm90_tma_kernel<..., true>: a
+# block per SM taking the key tiles from a counter). H200 2026-11-29 (tools/bwd_ab.py, backward alone, bf16, two
+# rounds): d 64 +3-6 % (N 8192 dense 420 against 396 TFLOP/s, causal 386 against 371; GQA 4:1 at N 2048 +3-6 %), d 128
+# -2..+2 %, N 1000 within the noise. CUFLASH_BWD_PERSISTENT=0 turns it off, =1 on at every TMA head dim.
+BWD_PERSISTENT_DIMS = {"0": (), "1": (64, 128)}.get(os.environ.get("CUFLASH_BWD_PERSISTENT", ""), (64,))
 # The longest query sequence that runs a head dim's ("fwd", "sm90a_tma_short", d) tile instead of its row's (d 64: one
 # computing warpgroup of 64 rows, two blocks per SM: 1.03-1.31x the 192-row tile and 1.05-1.20x the cp.async kernel
 # at N 512-2048, H100 2026-11-28).
@@ -1141,24 +1147,36 @@ class BackwardPlan(_Plan):
             variants.append(_VariantArgs(variant, scale, shp, launch_spec, transposed, head_dims))
             return variants[-1].params
 
-        self._steps, flat = [], []
-        for launch_spec, grid, args in _backward_launches(buffers, shp, d, dtype, spec, spec_q, np.float32(scale),
-                                                          params, backward_interleave(variant, shp), dq_tile):
-            flat.append((flat_spec if launch_spec is spec else launch_spec, grid, args) if launch_spec.family !=
-                        "bwd_convert_dq_tiles" else _convert_dq_launch(buffers.dq_accum, buffers.dq, dtype, d, shp,
-                                                                       np.float32(scale)))
+        self._steps = []
+        interleave = backward_interleave(variant, shp)
+        persistent = spec.family == "bwd_dkdv_sm90_tma" and d in BWD_PERSISTENT_DIMS
+        counter = self._kept_counters(2) if persistent else None  # (None under a capture with no chunk to spare)
+        if counter is not None:
+            spec = kernel_spec("bwd_dkdv_sm90_tma_persistent", dtype, d, spec.tile, spec.variant, spec.has_dq)
+        persistent = counter is not None
+        launches = _backward_launches(buffers, shp, d, dtype, spec, spec_q, np.float32(scale), params, interleave,
+                                      dq_tile, persistent, counter or 0)
+        # (the flat twin: the cp.async kernel, a block a key tile, dQ's rows in order; launches of their own where the
+        # dK/dV launch is the TMA entry point's, whose arguments end with the tile counter)
+        flat = ([(flat_spec if launch_spec is spec else launch_spec, grid, args) for launch_spec, grid, args in launches]
+                if spec is flat_spec else _backward_launches(
+                    buffers, shp, d, dtype, flat_spec, spec_q, np.float32(scale),
+                    lambda s, transposed=False: _VariantArgs(variant, scale, shp, s, transposed, head_dims).params,
+                    interleave))
+        for launch_spec, grid, args in launches:
             more = tuple(m.address for m, _ in self._maps) if launch_spec is spec else ()
             launch = PackedLaunch(self._rt, launch_spec, grid,
                                   tuple(None if isinstance(a, _Layout) else a for a in args), more)
             words = tuple(launch.word(i) for i, a in enumerate(args) if isinstance(a, _Layout))
             slots = tuple(a.slot for a in args if isinstance(a, _Layout))
             variant_args = None
-            if isinstance(args[-1], np.void):  # its VariantParams: the launch's _VariantArgs
+            vp = next((i for i, a in enumerate(args) if isinstance(a, np.void)), None)
+            if vp is not None:  # its VariantParams: the launch's _VariantArgs
                 variant_args = variants.pop(0)
                 if variant_args.constant:  # (no pointer in it to write)
                     variant_args = None
                 else:
-                    words += tuple(launch.word(len(args) - 1, offset) for offset in VARIANT_POINTER_FIELDS)
+                    words += tuple(launch.word(vp, offset) for offset in VARIANT_POINTER_FIELDS)
             self._steps.append((launch, launch.writer(words), slots, variant_args))
         assert not variants
         self.dtypes = (q.dtype, k.dtype, v.dtype)
@@ -1475,21 +1493,28 @@ def backward_interleave(variant: Variant, shp: Shape) -> int:
 
 
 def _backward_launches(a: _BackwardBuffers, shp: Shape, d: int, dtype: str, spec, spec_q, fscale, params,
-                       interleave: int = 1, dq_tile: bool = False) -> list:
+                       interleave: int = 1, dq_tile: bool = False, persistent: bool = False, counter: int = 0) -> list:
     """The 16-bit backward's launches at kernel head dim ``d``, in order, as ``(spec, grid, args)``: [bwd 0] D; dK,
     dV (and dQ into the float32 dq_accum, atomically) by key tiles; dQ by query tiles (split order) or dq_accum's
     conversion (``dq_tile``: from [bwd dq tile]'s fragment order); GQA's sum of dK, dV over each group.
-    ``params(spec, transposed)``: a launch's VariantParams.
+    ``params(spec, transposed)``: a launch's VariantParams. ``persistent`` ([bwd persistent]): the dK/dV launch a
+    block per SM (at most one per key tile), its ``interleave`` argument the order's pairs plus the batch times 256,
+    taking its tiles from ``counter`` (the address of two zeroed int32; the TMA entry point takes it after
+    VariantParams, used or not).
     The one description of these launches: :func:`_backward` launches it through CuPy, :class:`BackwardPlan`
     packs it once."""
     null = np.uintp(0)
     launches = [_preprocess_launch("bwd_pre", dtype, a.do.shape[-1], a.do, a.out, a.delta, shp)]
-    launches.append((spec, (cdiv(shp.max_k, spec.tile.block_n), shp.heads_q, shp.batch), (
+    grid = (cdiv(shp.max_k, spec.tile.block_n), shp.heads_q, shp.batch)
+    if persistent:
+        assert interleave < 256 and shp.max_k == shp.rows_k, (interleave, shp)  # (the TMA kernel: no packed rows)
+        grid, interleave = (min(math.prod(grid), sm_count()), 1, 1), interleave + 256 * shp.batch
+    launches.append((spec, grid, (
         a.q, a.k, a.v, a.do, a.lse, a.delta,
         a.dq_accum if a.dq_accum is not None else null, a.dk, a.dv, a.dkv_accum if a.dkv_accum is not None else null,
         i32(shp.rows_q), i32(shp.rows_k), i32(shp.heads_q), i32(shp.group), i32(interleave),
         *strides(a.q), *strides(a.k), *strides(a.v), *strides(a.do), *strides(a.dk), *strides(a.dv), fscale,
-        params(spec, True))))
+        params(spec, True), *((np.uint64(counter),) if spec.family.startswith("bwd_dkdv_sm90_tma") else ()))))
     if spec_q is not None:
         launches.append((spec_q, (cdiv(shp.max_q, spec_q.tile.block_m), shp.heads_q, shp.batch), (
             a.q, a.k, a.v, a.do, a.lse, a.delta, a.dq, i32(shp.rows_q), i32(shp.rows_k), i32(shp.heads_q),

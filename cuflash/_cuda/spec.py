@@ -536,6 +536,12 @@ def _bwd_sm90_smem(d: int, t: Tile) -> int:
     return 2 * (2 * t.block_n * d + 4 * t.block_m * d + t.block_n * t.block_m) + 16 * t.block_m + 1024
 
 
+def _bwd_sm90_tma_smem(d: int, t: Tile) -> int:
+    """The TMA dK/dV entry point's (Sm90BwdConfig::kTmaSmemBytes): the cp.async kernel's + 64 bytes of mbarriers + its
+    float32 dQ tile of block_m rows of d + 8 + a second dS^T, 1024-byte aligned."""
+    return _bwd_sm90_smem(d, t) + 64 + 4 * t.block_m * (d + 8) + 2 * t.block_n * t.block_m + 1024
+
+
 def _dkdv_smem(d: int, t: Tile) -> int:
     tiles = 2 * t.block_n * d + 2 * t.stages * t.block_m * d + 2 * t.block_n * t.block_m  # K, V; Q, dO; P^T, dS^T
     return 2 * tiles + 4 * 2 * t.stages * t.block_m  # 16-bit tiles + float32 lse and D per stage
@@ -647,15 +653,18 @@ FAMILIES: dict[str, Family] = {
     "bwd_dkdv_sm90": Family(
         "backward_sm90.cu", "flash_bwd_dkdv_sm90_kernel", lambda s: f"{_t16(s)}, {_b(s.has_dq)}", _bwd_sm90_smem,
         SM90A_OPTIONS, bias_tiles=2, flat_kernel="flash_bwd_dkdv_sm90_flat_kernel"),
-    # Its TMA entry point (the tensor maps of q, k, v and dO after the launcher's parameters; + 64 bytes: its
-    # mbarriers, + its float32 dQ tile of block_m rows of d + 8, + a second dS^T 1024-byte aligned:
-    # Sm90BwdConfig::kTmaSmemBytes, reserved whether or not a build uses them ([bwd dq bulk], [bwd flow]: compile-time
-    # options; one block per SM either way); no flat entry point and no staged bias: cuflash.jax's kernel calls and a
-    # staged bias take "bwd_dkdv_sm90")
+    # Its TMA entry point (the tile counter of [bwd persistent] and the tensor maps of q, k, v and dO after the
+    # launcher's parameters; _bwd_sm90_tma_smem, reserved whether or not a build uses it all ([bwd dq bulk], [bwd
+    # flow]: compile-time options; one block per SM either way); no flat entry point and no staged bias: cuflash.jax's
+    # kernel calls and a staged bias take "bwd_dkdv_sm90")
     "bwd_dkdv_sm90_tma": Family(
         "backward_sm90.cu", "flash_bwd_dkdv_sm90_tma_kernel", lambda s: f"{_t16(s)}, {_b(s.has_dq)}",
-        lambda d, t: _bwd_sm90_smem(d, t) + 64 + 4 * t.block_m * (d + 8) + 2 * t.block_n * t.block_m + 1024,
-        SM90A_OPTIONS),
+        _bwd_sm90_tma_smem, SM90A_OPTIONS),
+    # ... run persistent ([bwd persistent]: a block per SM taking key tiles from a counter; the same shared memory
+    # and two int32 of its own: attention.BWD_PERSISTENT_DIMS)
+    "bwd_dkdv_sm90_tma_persistent": Family(
+        "backward_sm90.cu", "flash_bwd_dkdv_sm90_tma_kernel", lambda s: f"{_t16(s)}, {_b(s.has_dq)}, true",
+        _bwd_sm90_tma_smem, SM90A_OPTIONS),
     "bwd_dkdv_f32": Family(
         "backward.cu", "flash_bwd_dkdv_f32_kernel",
         lambda s: f"{s.head_dim}, {s.tile.block_n}, {s.variant}, {_b(s.has_dq)}", _bwd_f32_smem),
@@ -984,6 +993,10 @@ def instantiations() -> list[KernelSpec]:
         for dtype in CTYPES:
             add(KernelSpec("bwd_convert_dq_tiles", dtype, d, Tile(TILES[("bwd", "sm90a", d)].block_m, 0, 8, 1),
                            arch="sm90a"))
+            for var in (DENSE, variant_type(Variant(causal=True))) if d == 64 else ():  # [bwd persistent]'s head dim
+                for has_dq in (True, False):
+                    add(KernelSpec("bwd_dkdv_sm90_tma_persistent", dtype, d, TILES[("bwd", "sm90a", d)], var, has_dq,
+                                   "sm90a"))
     # [variant head dim] head dims read in place below the kernel's (d 80 on the 96 kernel; 200 on 224), causal.
     causal_pads = _policy((False, True, False, False, False, False, False, False), None, True)
     # (d 80: its own instantiation, rows padded to 96 in shared memory; 200: the 208 one with zero-filled chunks)
@@ -1000,8 +1013,8 @@ def instantiations() -> list[KernelSpec]:
                        arch="sm90a"))
         # ... and from the backward's ([bwd tma pad]: attention._tma_padded_backward)
         for has_dq in (True, False):
-            add(KernelSpec("bwd_dkdv_sm90_tma", "bfloat16", d, TILES[("bwd", "sm90a", d)], causal_pads, has_dq,
-                           "sm90a"))
+            for fam in ("bwd_dkdv_sm90_tma", "bwd_dkdv_sm90_tma_persistent") if d == 64 else ("bwd_dkdv_sm90_tma",):
+                add(KernelSpec(fam, "bfloat16", d, TILES[("bwd", "sm90a", d)], causal_pads, has_dq, "sm90a"))
     for d, dv, cc in [(d, d, 0) for d in DECODE_HEAD_DIMS] + [(*DECODE_MLA_DIMS, 0), (*DECODE_MLA_DIMS, 90)]:
         fam, tile, arch = decode_family(d, dv, cc)
         for dtype in CTYPES:
