@@ -295,22 +295,6 @@ def test_other_schedules_of_the_tma_backward_compile_without_spills(changes):
     check(_cuda.compile.nvrtc_offline(text, names, options, "sm_90a")["ptx"], {**_BWD_SCHEDULE_DEFAULTS, **changes})
 
 
-def test_the_d64_backward_on_128_row_query_tiles_compiles_without_spills():
-    """[bwd rows 128] (off: CUFLASH_BWD_ROWS128=1) The TMA dK/dV entry point at d 64 with 128-row query tiles (S^T and
-    dP^T of m64n128, each warpgroup its own 64 rows of dQ) and the conversion of its 128-row dQ tiles compile for
-    sm_90a without spills or serialized wgmma, with and without dQ, dense and causal."""
-    from cuflash._cuda.spec import DENSE, KernelSpec, Tile, variant_type
-    from cuflash._ops.variant import Variant
-
-    nvrtc = _nvrtc()
-    causal = variant_type(Variant(causal=True))
-    names = [KernelSpec("bwd_dkdv_sm90_tma", dtype, 64, Tile(128, 128, 8, 2), var, has_dq, "sm90a").name
-             for dtype in ("bfloat16", "float16") for var in (DENSE, causal) for has_dq in (True, False)]
-    names += [KernelSpec("bwd_convert_dq_tiles", dtype, 64, Tile(128, 0, 8, 1)).name for dtype in ("bfloat16", "float16")]
-    text = _cuda.compile_source_for_nvrtc("backward_sm90.cu")
-    assert_compiles_without_spills(nvrtc, text, names, _cuda.SM90A_OPTIONS, "sm_90a", "backward_sm90.cu, 128-row tiles")
-
-
 @pytest.mark.parametrize("family,count", [("fwd", 38), ("fwd_sm90", 38), ("fwd_tf32x3", 38), ("bwd_dkdv", 50),
                                           ("bwd_dkdv_sm90", 50), ("bwd_dq", 43)])
 def test_flat_entry_points_compile_with_their_parameters_one_by_one(family, count):

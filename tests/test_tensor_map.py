@@ -826,19 +826,18 @@ def test_the_backward_adds_dq_a_tile_at_a_time_where_switched_on(monkeypatch):
 
 
 def test_the_d64_backward_on_128_row_query_tiles_where_switched_on(monkeypatch):
-    """(CPU, stand-in CuPy) [bwd rows 128] With BWD_TMA_TILES (CUFLASH_BWD_ROWS128=1), a planned d-64 backward's TMA
+    """(CPU, stand-in CuPy) [bwd rows 128] With BWD_ROWS128 (on by default), a planned d-64 backward's TMA
     dK/dV launch takes 128-row query tiles: Q's and dO's maps copy 128-row boxes, dQ's planes are padded to whole
     128-row tiles (200 rows: 256) and converted a block a 128-row tile; the split order (no dQ in the launch), the flat
     twin (rows in order) and a softcap keep the table's 64-row tile."""
 
     from cuflash._cuda import attention
-    from cuflash._cuda.spec import Tile
     from cuflash._ops.variant import Variant
 
     cp, _, _ = _tma_stand_in(monkeypatch)
     monkeypatch.setattr(attention, "TMA_BACKWARD", True)
     monkeypatch.setattr(attention, "BWD_DQ_TILE", True)
-    monkeypatch.setattr(attention, "BWD_TMA_TILES", {64: Tile(128, 128, 8, 2)})
+    monkeypatch.setattr(attention, "BWD_ROWS128", True)
     q, k, v, do, out, lse = _backward_inputs(cp, 23, 64)
     for order, rows in (("kv_outer", 128), ("split", 64)):
         p = attention.BackwardPlan(do, q, k, v, out, lse, scale=0.125, variant=Variant(causal=True), algorithm="fa2",

@@ -229,10 +229,12 @@ TMA_BACKWARD = os.environ.get("CUFLASH_TMA_BACKWARD", "1") == "1"
 # compile-time switch CUFLASH_BWD_DQ_TILE, read here too): the workspace's planes padded to whole 64-row tiles and
 # converted by flash_bwd_convert_dq_tiles_kernel. On (CUFLASH_DEFINES=CUFLASH_BWD_DQ_TILE=0 turns it off).
 BWD_DQ_TILE = bool(define("CUFLASH_BWD_DQ_TILE", 1))
-# [bwd rows 128] (an experiment, off) the TMA dK/dV launch at d 64 with query tiles of 128 rows (FlashAttention-3's d 64
-# tile: half the per-tile copies, barriers and dQ reductions; each warpgroup its own 64 rows of dQ), where the
-# whole-tile dQ is on: CUFLASH_DEFINES=CUFLASH_BWD_ROWS128=1 (read here only). Built, not yet run on a GPU.
-BWD_TMA_TILES = {64: Tile(128, 128, 8, 2)} if define("CUFLASH_BWD_ROWS128", 0) and BWD_DQ_TILE else {}
+# [bwd rows 128] the TMA dK/dV launch at d 64 with query tiles of 128 rows (FlashAttention-3's d 64 tile: half the
+# per-tile copies, barriers and dQ reductions; each warpgroup its own 64 rows of dQ), where the whole-tile dQ is on.
+# H200 2026-11-29, backward alone, TFLOP/s against the 64-row tile: dense N 1000 / 2048 / 8192 302 / 383 / 465 against
+# 265 / 333 / 385, causal 210 / 304 / 441 against 205 / 292 / 386. On (CUFLASH_DEFINES=CUFLASH_BWD_ROWS128=0 turns it
+# off; read here only).
+BWD_ROWS128 = bool(define("CUFLASH_BWD_ROWS128", 1)) and BWD_DQ_TILE  # (the tile: TILES' ("bwd", "sm90a_tma", d) row)
 # [bwd persistent] The head dims whose TMA dK/dV launch runs persistent (flash_bwd_dkdv_sm90_tma_kernel<..., true>: a
 # block per SM taking the key tiles from a counter). H200 2026-11-29 (tools/bwd_ab.py, backward alone, bf16, two
 # rounds): d 64 +3-6 % (N 8192 dense 420 against 396 TFLOP/s, causal 386 against 371; GQA 4:1 at N 2048 +3-6 %), d 128
@@ -1109,8 +1111,9 @@ class BackwardPlan(_Plan):
         # maps of q, k, v and dO, each pointed at a run's array ((map, slot) pairs)
         flat_spec = spec
         if _tma_backward(spec, variant, (q, k, v, do)):
-            spec = kernel_spec("bwd_dkdv_sm90_tma", dtype, d, BWD_TMA_TILES.get(d, spec.tile) if spec.has_dq
-                               and _rows128_takes(variant) else spec.tile, spec.variant, spec.has_dq)
+            tile = (TILES.get(("bwd", "sm90a_tma", d), spec.tile) if BWD_ROWS128 and spec.has_dq
+                    and _rows128_takes(variant) else spec.tile)
+            spec = kernel_spec("bwd_dkdv_sm90_tma", dtype, d, tile, spec.variant, spec.has_dq)
             check_smem(spec)
             t = spec.tile
             self._maps = tuple((_tensor_map(a, rows), slot(name)) for a, name, rows in

@@ -166,6 +166,10 @@ TILES: dict[tuple[str, str, int], Tile] = {
     # block_m = 64 streamed query rows, 2 query buffers).
     ("bwd", "sm90a", 64): Tile(64, 128, 8, 2),
     ("bwd", "sm90a", 128): Tile(64, 128, 8, 2),
+    # ("bwd", "sm90a_tma", d): the TMA entry point's tile where dQ is in the launch with the whole-tile dQ
+    # (attention.BWD_ROWS128, [bwd rows 128]): d 64 on 128-row query tiles, FlashAttention-3's d 64 tile, each
+    # warpgroup its own 64 rows of dQ (218-249 registers, no spills, 200 KiB; H200: 1.03-1.21x the 64-row tile).
+    ("bwd", "sm90a_tma", 64): Tile(128, 128, 8, 2),
     ("bwd", "sm90", 32): Tile(64, 128, 8, 2),
     ("bwd", "sm90", 64): Tile(64, 64, 4, 2),
     ("bwd", "sm90", 96): Tile(64, 64, 4, 2),
@@ -842,6 +846,7 @@ _FA2_FAMILIES = {  # tile direction, arch class -> families that take that row
     ("fwd", "sm90a_tma_short"): ("fwd_sm90_tma",), ("fwd", "f32"): ("fwd_f32",), ("fwd", "sm90a_fp8"): ("fwd_sm90_fp8",),
     ("fwd", "sm90a_tf32"): ("fwd_sm90_tf32",), ("fwd", "sm90a_f16x2"): ("fwd_sm90_f16x2",),
     ("bwd", "sm90a"): ("bwd_dkdv_sm90", "bwd_dkdv_sm90_tma"),
+    ("bwd", "sm90a_tma"): ("bwd_dkdv_sm90_tma", "bwd_dkdv_sm90_tma_persistent"),
     ("fwd_tf32x3", None): ("fwd_tf32x3",), ("fwd_tf32", None): ("fwd_tf32",),
     ("bwd", "f32"): ("bwd_dkdv_f32",), ("fwd", None): ("fwd",), ("bwd", None): ("bwd_dkdv",),
     ("bwd_dq", None): ("bwd_dq",),
@@ -885,8 +890,10 @@ def instantiations() -> list[KernelSpec]:
             variants = ("false", "true") if is_fa1 else (DENSE, variant_type(Variant(causal=True)))
             for dtype in dtypes:
                 for var in variants:
-                    for has_dq in ((True, False) if fam.startswith("bwd_dkdv") else (False,)):
-                        add(KernelSpec(fam, dtype, d, t, var, has_dq, arch))
+                    # (the TMA dK/dV row: only where dQ is in the launch)
+                    for has_dq in ((True,) if arch == "sm90a_tma" else (True, False) if fam.startswith("bwd_dkdv")
+                                   else (False,)):
+                        add(KernelSpec(fam, dtype, d, t, var, has_dq, "sm90a" if arch == "sm90a_tma" else arch))
     # Every variant flag in every FA2 family, once each, at the H100's head-dim-128 tile (bf16; float32 for
     # the SIMT kernels), the register-heaviest common case.
     for fam, row in _SHOWCASE_ROWS.items():
@@ -991,8 +998,10 @@ def instantiations() -> list[KernelSpec]:
     add(KernelSpec("bwd_dkdv_sm90_tma", "bfloat16", 128, bwd_tile, causal_mod, True, "sm90a"))
     for d in (64, 128):  # [bwd dq tile] (the TMA dK/dV entry point's head dims)
         for dtype in CTYPES:
-            add(KernelSpec("bwd_convert_dq_tiles", dtype, d, Tile(TILES[("bwd", "sm90a", d)].block_m, 0, 8, 1),
-                           arch="sm90a"))
+            for row in ("sm90a", "sm90a_tma"):  # ([bwd rows 128]'s tiles too)
+                if ("bwd", row, d) in TILES:
+                    add(KernelSpec("bwd_convert_dq_tiles", dtype, d, Tile(TILES[("bwd", row, d)].block_m, 0, 8, 1),
+                                   arch="sm90a"))
             for var in (DENSE, variant_type(Variant(causal=True))) if d == 64 else ():  # [bwd persistent]'s head dim
                 for has_dq in (True, False):
                     add(KernelSpec("bwd_dkdv_sm90_tma_persistent", dtype, d, TILES[("bwd", "sm90a", d)], var, has_dq,
