@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
-# The experiments built and switched off, each measured against the shipped build, in one call on the GPU machine
-# (run from the repository root with PYTHONPATH set as tools/device_all.sh sets it; about 3 minutes):
-#   bash tools/pending_ab.sh
-# [decode occupancy] and [decode l2] (docs/decoding.md): the decode step's bandwidth beside cuDNN's, a process a build.
-# Then the forward's d 128 at N <= 2048 (0.88-0.91x cuDNN on the H200, 2026-11-29) on 64-row tiles of one computing
-# warpgroup, as d 64's short tile (they compile, 128 registers, no spills; 64 x 64: 83-99 KiB, two blocks an SM;
-# 64 x 128: 149-165 KiB, one). Then [bwd rows 128] (on since session 23) against its 64-row tile (CUFLASH_BWD_ROWS128=0).
-# Session 23 (H200) measured all of them: the decode and tile experiments lose, [bwd rows 128] gains 3-21 %.
+# What is built and not yet run on a GPU, in one call on the GPU machine (run from the repository root with
+# PYTHONPATH set as tools/device_all.sh sets it; about 5 minutes):
+#   bash tools/pending_ab.sh [BRANCH_TREE]
+# BRANCH_TREE: a checkout of the branch bwd-side-launches (e.g. `git archive bwd-side-launches | tar -x -C DIR` on the
+# development machine, carried to the GPU machine): D's launch zeroes dQ's float32 workspace (no memset) with 16-byte
+# loads, dQ's conversion stores 16 bytes a thread (docs/performance.md, "The backward's side launches"). Its first form
+# lost one pytest-xdist worker in a run that also held test_jax: test_jax runs in a process of its own first here.
+# Session 23 (H200) measured the earlier experiments of this script: the decode occupancy / L2 builds and d 128's
+# 64-row forward tiles lose (kept off), [bwd rows 128] gains 3-21 % (on).
 set -uo pipefail
-# First the decode GPU tests: flash_decode_kernel's ring took its stage count from the tile after this suite last ran
-# (its contiguous path then ran on the H200 beside cuDNN in tools/decode_tile_trial.py; paged, append and guards not).
-timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -x -rfE --tb=short tests/test_cuda_decode.py 2>&1 | tail -4
-for defines in "" "CUFLASH_DECODE_MIN_BLOCKS=3" "CUFLASH_DECODE_L2=1" "CUFLASH_DECODE_L2=2"; do
-    CUFLASH_DEFINES="$defines" timeout 120 python3 tools/decode_tile_trial.py --tiles 2>&1 | grep -v Warning | tail -11
-done
-timeout 240 python3 tools/tile_trial.py --dim 128 --seqlens 512 1024 2048 --tiles 64,64,8 64,64,8,p 64,128,8 64,128,8,p
-timeout 150 python3 tools/bwd_ab.py --builds "" "CUFLASH_BWD_ROWS128=0" --dims 64 --n 1000 2048 8192 --rounds 2 2>&1 | tail -3
+tree=${1:-.}
+cd "$tree" || exit 1
+echo "== test_jax alone"
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --tb=short tests/test_jax.py 2>&1 | tail -15
+echo "== the backward's GPU files, 8 workers"
+timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --tb=short -n 8 tests/test_cuda_attention.py \
+    tests/test_backward_head_dims.py tests/test_cuda_variants.py tests/test_head_dim_v.py tests/test_bias.py \
+    tests/test_tensor_map.py tests/test_dropout.py tests/test_torch_cuda_graphs.py > /tmp/pending_tests.log 2>&1
+grep -n "node down\|Fatal Python\|FAILED\|passed\|failed" /tmp/pending_tests.log | head -20
+echo "== memcheck"
+timeout 70 compute-sanitizer --tool memcheck python3 tools/gpu_check.py --sanitize --planned-only 2>&1 | tail -2
+echo "== the backward's launches"
+timeout 60 python3 tools/bwd_parts.py 2>&1 | grep -v Warn
