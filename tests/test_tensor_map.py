@@ -867,7 +867,6 @@ def test_the_persistent_backward_takes_the_key_tiles_from_one_block_per_sm(monke
     batch, and a tile counter of its own after VariantParams (two zeroed int32 from the kept chunks, a different one
     for each plan); its flat calls keep a block per key tile; at other head dims, the (key tiles, heads, batch) grid
     and a null counter."""
-    import ml_dtypes
     import numpy as np
 
     from cuflash._cuda import attention
@@ -875,16 +874,9 @@ def test_the_persistent_backward_takes_the_key_tiles_from_one_block_per_sm(monke
 
     cp, _, _ = _tma_stand_in(monkeypatch)
     monkeypatch.setattr(attention, "TMA_BACKWARD", True)
-    rng = np.random.default_rng(17)
-
-    def arr(*shape, dtype=ml_dtypes.bfloat16):
-        return cp.asarray(rng.standard_normal(shape).astype(np.float32).astype(dtype))
-
     counters = set()
     for batch, nk, causal in ((3, 300, True), (1, 130, False)):
-        q, do, out = arr(batch, 200, 4, 128), arr(batch, 200, 4, 128), arr(batch, 200, 4, 128)
-        k, v = arr(batch, nk, 2, 128), arr(batch, nk, 2, 128)
-        lse = arr(batch, 4, 200, dtype=np.float32)
+        q, k, v, do, out, lse = _backward_inputs(cp, 17, 128, batch, nk)
         tiles = -(-nk // attention.TILES[("bwd", "sm90a", 128)].block_n)
         for on in (True, False):
             monkeypatch.setattr(attention, "BWD_PERSISTENT_DIMS", (128,) if on else (64,))

@@ -46,39 +46,37 @@ def main(argv=None) -> int:
                 plan = attention.BackwardPlan(do, q, k, v, out, lse, scale=d ** -0.5, variant=Variant(causal=causal),
                                               algorithm="fa2", block_q=None, block_k=None, order="kv_outer")
                 plan.run(do, q, k, v, out, lse)  # (compiles)
-                names = ["memset"] + [launch.spec.family if hasattr(launch, "spec") else "launch"
-                                      for launch, *_ in plan._steps]
-                times = [[] for _ in names]
-                whole = []
                 stream = cupy.cuda.get_current_stream()
+                marks = []  # (a run's events: after its memset, after each launch)
+
+                def after(name, fn):
+                    def timed(*args):
+                        fn(*args)
+                        seen = sum(mark[0].split(" #")[0] == name for mark in marks)  # (a second memset: "memset #2")
+                        marks.append((f"{name} #{seen + 1}" if seen else name, cupy.cuda.Event()))
+                        marks[-1][1].record(stream)
+                    return timed
+                # plan.run itself, each of its memsets and launches followed by an event
+                plan._memset = after("memset", plan._memset)
+                for launch, *_ in plan._steps:
+                    launch.run = after(launch.spec.family, launch.run)
+                times: dict = {}
+                whole = []
                 for _ in range(args.reps):
-                    events = [cupy.cuda.Event() for _ in range(len(names) + 1)]
-                    ws = cupy.empty((plan._ws_bytes,), dtype=np.uint8)
-                    dq, dk, dv = (cupy.empty(s, dtype=t) for s, t in zip(plan.shapes, plan.dtypes))
-                    base = ws.data.ptr
-                    events[0].record(stream)
-                    if plan._zero_bytes:
-                        plan._memset(base, 0, plan._zero_bytes, stream.ptr)
-                    events[1].record(stream)
-                    addresses = (q.data.ptr, k.data.ptr, v.data.ptr, do.data.ptr, out.data.ptr, lse.data.ptr,
-                                 dq.data.ptr, dk.data.ptr, dv.data.ptr,
-                                 *(None if o is None else base + o for o in plan._offsets))
-                    for tmap, s in plan._maps:
-                        tmap.point(addresses[s])
-                    for i, (launch, write, slots, variant_args) in enumerate(plan._steps):
-                        ptrs = [addresses[s] for s in slots]
-                        if variant_args is not None:
-                            ptrs += variant_args.pointers(attention.VariantArrays())
-                        write(*ptrs)
-                        launch.run(stream.ptr)
-                        events[i + 2].record(stream)
-                    events[-1].synchronize()
-                    for i in range(len(names)):
-                        times[i].append(cupy.cuda.get_elapsed_time(events[i], events[i + 1]) * 1e3)
-                    whole.append(cupy.cuda.get_elapsed_time(events[0], events[-1]) * 1e3)
+                    marks.clear()
+                    start = cupy.cuda.Event()
+                    start.record(stream)
+                    plan.run(do, q, k, v, out, lse, stream=stream.ptr)
+                    marks[-1][1].synchronize()
+                    before = start
+                    for name, event in marks:
+                        times.setdefault(name, []).append(cupy.cuda.get_elapsed_time(before, event) * 1e3)
+                        before = event
+                    whole.append(cupy.cuda.get_elapsed_time(start, marks[-1][1]) * 1e3)
+                names = list(times)
                 flops = 2.5 * 4 * batch * args.heads * n * n * d / (2 if causal else 1)
-                med = [statistics.median(t) for t in times]
-                main_us = max(med[1:], default=0)
+                med = [statistics.median(times[name]) for name in names]
+                main_us = next(t for name, t in zip(names, med) if name.startswith("bwd_dkdv"))
                 parts = " | ".join(f"{name} {t:.1f}" for name, t in zip(names, med))
                 print(f"d {d:3d} {'causal' if causal else 'dense '} N {n:5d}: whole {statistics.median(whole):7.1f} "
                       f"us ({flops / statistics.median(whole) / 1e6:.0f} TFLOP/s; main launch alone "

@@ -1152,13 +1152,13 @@ class BackwardPlan(_Plan):
 
         self._steps = []
         interleave = backward_interleave(variant, shp)
-        persistent = spec.family == "bwd_dkdv_sm90_tma" and d in BWD_PERSISTENT_DIMS
-        counter = self._kept_counters(2) if persistent else None  # (None under a capture with no chunk to spare)
+        # [bwd persistent] its tile counter (None under a capture with no chunk to spare: one block a tile then)
+        counter = (self._kept_counters(2) if spec.family == "bwd_dkdv_sm90_tma" and d in BWD_PERSISTENT_DIMS
+                   else None)
         if counter is not None:
             spec = kernel_spec("bwd_dkdv_sm90_tma_persistent", dtype, d, spec.tile, spec.variant, spec.has_dq)
-        persistent = counter is not None
         launches = _backward_launches(buffers, shp, d, dtype, spec, spec_q, np.float32(scale), params, interleave,
-                                      dq_tile, persistent, counter or 0)
+                                      dq_tile, counter is not None, counter or 0)
         # (the flat twin: the cp.async kernel, a block a key tile, dQ's rows in order; launches of their own where the
         # dK/dV launch is the TMA entry point's, whose arguments end with the tile counter)
         flat = ([(flat_spec if launch_spec is spec else launch_spec, grid, args) for launch_spec, grid, args in launches]
