@@ -2,8 +2,8 @@
 // cuflash/reference.py:blocked_backward (order "kv_outer"; with Has_dQ = false the first pass of "split")
 // and flash_bwd_dkdv_kernel in backward.cu, whose kernel arguments, grid, dQ workspace and GQA workspace it
 // keeps: the launcher (cuflash/_cuda.py, TILES rows ("bwd", "sm90a", d)) swaps it in for the dK/dV kernel
-// on sm_90 at head dims 64 and 128; the preprocess, convert-dQ, GQA-reduce and split-order dQ kernels stay
-// those of backward.cu.
+// on sm_90 at head dims 64 and 128 (and 256 with [bwd shared keys], below, where switched on); the preprocess,
+// convert-dQ, GQA-reduce and split-order dQ kernels stay those of backward.cu.
 //
 // Algorithm (flash_bwd_dkdv_sm90_kernel): one thread block owns one key/value tile of kBlockN = 64 rows
 // per warpgroup (kNWarps / 4 computing warpgroups; no producer warpgroup yet) of one (batch, query head);
@@ -166,7 +166,9 @@ struct BwdMaps {
 };
 
 // Template arguments as flash_bwd_dkdv_kernel's (the launcher's Tile): kBlockM streamed query rows (64),
-// kBlockN = 16 * kNWarps key rows (64 per warpgroup), kStages = 2 query buffers. kTma (the TMA entry point,
+// kBlockN = 16 * kNWarps key rows (64 per warpgroup; [bwd shared keys]: 8 * kNWarps, 64 shared by the two warpgroups,
+// each with half the queries of S^T and dP^T and half the columns of dK and dV, P^T and dS^T through shared memory),
+// kStages = 2 query buffers. kTma (the TMA entry point,
 // flash_bwd_dkdv_sm90_tma_kernel): [bwd tma] K, V and each query tile's Q and dO are copied by one thread with
 // tensor copies through `maps` (64-column boxes in the same swizzle, zeros past the tensors' rows), each landing
 // on an mbarrier (K and V: full_kv; query buffer i: full_q + 8 i); the rows' lse and D stay cp.async copies (rows
@@ -232,7 +234,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
     constexpr int kDqIssuer = 32;  // (warp 1's first lane: thread 0 issues the TMA copies)
     float* sDq = sD + 2 * kBlockM + 16;
     // [bwd flow] the TMA entry point with dQ: no barrier at the loop's top, dS^T in two buffers (the second after the
-    // dQ tile)
+    // dQ tile; [bwd shared keys] after P^T's, P^T's second after it)
     constexpr bool kFlow = kTma && Has_dQ && CUFLASH_BWD_FLOW;
     u16* const sdSt2 = kShare ? sPt + kBlockN * kBlockM : reinterpret_cast<u16*>(
         smem_raw + (((smem_u32(sDq + kBlockM * Cfg::kDqStride) + 1023u) & ~1023u) - raw_addr));
@@ -441,7 +443,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
             const float* tD = sD + buf * kBlockM + (m0s - m0);
 
             // This tile's stage (and, the first time, K and V) landed and is visible to the tensor cores;
-            // every warpgroup is done with the previous tile (its wgmma retired), so buf ^ 1 and dS^T are free.
+            // every warpgroup is done with the previous tile (its wgmma retired), so buf ^ 1 and dS^T (and [bwd shared
+            // keys] P^T) are free.
             // [bwd flow] Not this barrier: the stage's mbarrier counts its lse and D copies too, the next copies wait
             // for dS^T's barrier below (next_stage), and dS^T alternates between two buffers.
             if constexpr (!kFlow) {

@@ -243,7 +243,7 @@ BWD_PERSISTENT_DIMS = {"0": (), "1": (64, 128)}.get(os.environ.get("CUFLASH_BWD_
 # [bwd shared keys] d 256's backward on the wgmma kernel (TILES' ("bwd", "sm90a", 256) row: both warpgroups on 64 keys,
 # P^T and dS^T through shared memory; docs/kernel-notes.md's plan). Built and compiled, not yet run on a GPU: off
 # (CUFLASH_DEFINES=CUFLASH_BWD_SM90_D256=1 turns it on, read here only, so that tools/bwd_ab.py's builds compare it;
-# d 160-255 then run it padded from the TMA entry point too).
+# d 193-255 then run it padded from the TMA entry point too).
 BWD_SM90_D256 = bool(define("CUFLASH_BWD_SM90_D256", 0))
 
 
@@ -394,6 +394,8 @@ def _tma_padded_backward(variant: Variant, arrays, algorithm, block_q, block_k) 
               0)
     if not kd or (kd == d == dv) or not _tma_backward_takes(variant, arrays):
         return 0
+    if kd == 256 and max(d, dv) <= 192:
+        return 0  # ([bwd shared keys] not below d 193: the mma.sync kernels of d 192 and under, until measured)
     return kd
 
 

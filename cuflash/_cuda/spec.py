@@ -1012,6 +1012,9 @@ def instantiations() -> list[KernelSpec]:
     for v in (*(v for v in _SHOWCASE if not v[2] and not v[3]), (True, True, False, False, True, True, True, True)):
         add(KernelSpec("bwd_dkdv_sm90_tma", "bfloat16", 128, bwd_tile, _policy(v), True, "sm90a"))
     add(KernelSpec("bwd_dkdv_sm90_tma", "bfloat16", 128, bwd_tile, causal_mod, True, "sm90a"))
+    # [bwd shared keys] d 256's TMA entry point with the flags it takes at its most (window, softcap, ALiBi, dropout)
+    add(KernelSpec("bwd_dkdv_sm90_tma", "bfloat16", 256, TILES[("bwd", "sm90a", 256)],
+                   _policy((True, True, False, False, True, True, False, True)), True, "sm90a"))
     for d in (64, 128):  # [bwd dq tile] (the TMA dK/dV entry point's head dims)
         for dtype in CTYPES:
             for row in ("sm90a", "sm90a_tma"):  # ([bwd rows 128]'s tiles too)
