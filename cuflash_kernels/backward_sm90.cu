@@ -2,8 +2,8 @@
 // cuflash/reference.py:blocked_backward (order "kv_outer"; with Has_dQ = false the first pass of "split")
 // and flash_bwd_dkdv_kernel in backward.cu, whose kernel arguments, grid, dQ workspace and GQA workspace it
 // keeps: the launcher (cuflash/_cuda.py, TILES rows ("bwd", "sm90a", d)) swaps it in for the dK/dV kernel
-// on sm_90 at head dims 64 and 128; the preprocess, convert-dQ, GQA-reduce and split-order dQ kernels stay
-// those of backward.cu.
+// on sm_90 at head dims 64 and 128 (and 256 with [bwd shared keys], below, where switched on); the preprocess,
+// convert-dQ, GQA-reduce and split-order dQ kernels stay those of backward.cu.
 //
 // Algorithm (flash_bwd_dkdv_sm90_kernel): one thread block owns one key/value tile of kBlockN = 64 rows
 // per warpgroup (kNWarps / 4 computing warpgroups; no producer warpgroup yet) of one (batch, query head);
@@ -55,18 +55,26 @@ namespace cuflash {
 
 template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps>
 struct Sm90BwdConfig {
-    static constexpr int kNWG = kNWarps / 4;  // computing warpgroups, 64 key rows each
+    static constexpr int kNWG = kNWarps / 4;  // computing warpgroups, 64 key rows each (or [bwd shared keys] 64 shared)
+    // [bwd shared keys] (d 256: Tile(64, 64, 8, 2)) both warpgroups on the block's 64 keys: S^T and dP^T split by
+    // queries (kSN each), dK and dV by head-dim columns (kDN each), P^T and dS^T through shared memory
+    static constexpr bool kShareKeys = kBlockN == 8 * kNWarps && kNWG == 2;
+    static constexpr int kSN = kShareKeys ? kBlockM / kNWG : kBlockM;  // S^T / dP^T query columns per warpgroup
+    static constexpr int kDN = kShareKeys ? kHeadDim / kNWG : kHeadDim;  // dK / dV columns per warpgroup
     // dQ = dS K over all keys: each warpgroup a slice of the head-dim columns of the 64 query rows, or [bwd rows 128]
     // with 128 query rows, its own 64 rows and every column
     static constexpr bool kDqRowSplit = kBlockM == 128;
     static constexpr int kDqN = kDqRowSplit ? kHeadDim : kHeadDim / kNWG;  // dQ columns per warpgroup
-    static constexpr int kSmemBytes =
-        2 * (2 * kBlockN * kHeadDim + 4 * kBlockM * kHeadDim + kBlockN * kBlockM) + 4 * 4 * kBlockM + 1024;
+    // ([bwd shared keys]: P^T's tile after dS^T's)
+    static constexpr int kSmemBytes = 2 * (2 * kBlockN * kHeadDim + 4 * kBlockM * kHeadDim +
+                                           (kShareKeys ? 2 : 1) * kBlockN * kBlockM) + 4 * 4 * kBlockM + 1024;
     // [bwd dq bulk] the TMA entry point's float32 dQ tile, rows padded by 8 floats (a half-warp's 64-bit stores,
     // 4 rows x 4 lanes, fall in distinct banks), after its 64 bytes of mbarriers
     static constexpr int kDqStride = kHeadDim + 8;
-    // [bwd flow] dS^T's second buffer after it, 1024-byte aligned
-    static constexpr int kTmaSmemBytes = kSmemBytes + 64 + 4 * kBlockM * kDqStride + 2 * kBlockN * kBlockM + 1024;
+    // [bwd flow] dS^T's second buffer after it, 1024-byte aligned ([bwd shared keys]: no dQ tile; the second dS^T and
+    // P^T right after the first ones, before the rows' statistics)
+    static constexpr int kTmaSmemBytes = kShareKeys ? kSmemBytes + 64 + 4 * kBlockN * kBlockM
+                                                    : kSmemBytes + 64 + 4 * kBlockM * kDqStride + 2 * kBlockN * kBlockM + 1024;
 };
 
 // [bwd dq bulk] off (0, the default: the TMA entry point adds dQ with red.global.add as the others do) or on (1).
@@ -158,7 +166,9 @@ struct BwdMaps {
 };
 
 // Template arguments as flash_bwd_dkdv_kernel's (the launcher's Tile): kBlockM streamed query rows (64),
-// kBlockN = 16 * kNWarps key rows (64 per warpgroup), kStages = 2 query buffers. kTma (the TMA entry point,
+// kBlockN = 16 * kNWarps key rows (64 per warpgroup; [bwd shared keys]: 8 * kNWarps, 64 shared by the two warpgroups,
+// each with half the queries of S^T and dP^T and half the columns of dK and dV, P^T and dS^T through shared memory),
+// kStages = 2 query buffers. kTma (the TMA entry point,
 // flash_bwd_dkdv_sm90_tma_kernel): [bwd tma] K, V and each query tile's Q and dO are copied by one thread with
 // tensor copies through `maps` (64-column boxes in the same swizzle, zeros past the tensors' rows), each landing
 // on an mbarrier (K and V: full_kv; query buffer i: full_q + 8 i); the rows' lse and D stay cp.async copies (rows
@@ -172,9 +182,12 @@ template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kSta
 __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, const VariantParams vp,
                                                     const BwdMaps maps = BwdMaps{}) {
     using Cfg = Sm90BwdConfig<kHeadDim, kBlockM, kBlockN, kNWarps>;
-    static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim: whole 64-column swizzle blocks, n = d <= 128");
+    constexpr bool kShare = Cfg::kShareKeys;  // [bwd shared keys]
+    static_assert(kHeadDim == 64 || kHeadDim == 128 || (kShare && kHeadDim == 256),
+                  "head dim: whole 64-column swizzle blocks, n = d <= 128 (d 256: two warpgroups sharing the keys)");
     static_assert(kNWarps == 4 || kNWarps == 8, "one or two computing warpgroups");
-    static_assert(kBlockN == 16 * kNWarps, "each warpgroup owns 64 key rows");
+    static_assert(kBlockN == 16 * kNWarps || kShare, "each warpgroup owns 64 key rows, or both share 64");
+    static_assert(!kShare || (kBlockM == 64 && !V::Bias::kStaged), "[bwd shared keys]: 64 query rows, no staged bias");
     // [bwd rows 128] 128 query rows: the TMA entry point at d 64 with the whole-tile dQ (each warpgroup its 64 rows)
     static_assert(kBlockM == 64 || (kBlockM == 128 && kTma && kHeadDim == 64),
                   "query tile: 64 rows (wgmma n = 64 for S^T, m = 64 for dQ), or 128 for the TMA entry point at d 64");
@@ -184,10 +197,11 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
                   "TMA: sequences that end with their tensors, no staged bias");
     static_assert(kTma || !V::Pads_head_dim, "head dims below the kernel's: the TMA entry point only ([bwd tma pad])");
     constexpr int kThreads = kNWarps * 32;
-    constexpr int kNT = kBlockM / 8;    // n8 fragments of an S^T row block (queries)
-    constexpr int kDT = kHeadDim / 8;   // n8 fragments of a dK / dV row block
+    constexpr int kNT = Cfg::kSN / 8;   // n8 fragments of an S^T row block (this warpgroup's queries)
+    constexpr int kDT = Cfg::kDN / 8;   // n8 fragments of a dK / dV row block (this warpgroup's columns)
     constexpr int kKT = kHeadDim / 16;  // k16 steps of S^T and dP^T
     constexpr int kMT = kBlockM / 16;   // k16 steps of dV and dK (A fragments of P^T, dS^T)
+    constexpr int kSMT = Cfg::kSN / 16;  // this warpgroup's A fragments of P^T, dS^T (kMT but [bwd shared keys])
     constexpr int kDqChunk = Cfg::kDqN > 64 ? 64 : Cfg::kDqN;  // dQ columns per wgmma batch
     constexpr int kQTile = kBlockM * kHeadDim;
     constexpr int kKVTile = kBlockN * kHeadDim;
@@ -200,7 +214,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
     u16* sQ = sV + kKVTile;                                             // 2 buffers
     u16* sdO = sQ + 2 * kQTile;                                         // 2 buffers
     u16* sdSt = sdO + 2 * kQTile;                                       // dS^T, kBlockN x kBlockM
-    float* sLse = reinterpret_cast<float*>(sdSt + kBlockN * kBlockM);  // 2 x kBlockM, raw lse
+    // [bwd shared keys] P^T's tile after dS^T's (the TMA entry point: then the second dS^T and P^T)
+    u16* sPt = sdSt + kBlockN * kBlockM;
+    constexpr int kPtTiles = kShare ? (kTma ? 3 : 1) : 0;
+    float* sLse = reinterpret_cast<float*>(sdSt + (1 + kPtTiles) * kBlockN * kBlockM);  // 2 x kBlockM, raw lse
     float* sD = sLse + 2 * kBlockM;                                     // 2 x kBlockM, D
     // [variant bias tile] 2 x (kBlockM x kBlockN) bias entries (V::Bias::kStaged)
     using BiasT = typename BlockInfo<V>::BiasT;
@@ -211,16 +228,17 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
     // buffer 0, 1 landed
     const u32 full_kv = smem_u32(sD + 2 * kBlockM), full_q = full_kv + 8;
     // [bwd dq bulk] the float32 dQ tile (kBlockM x kDqStride), after the 64 bytes of mbarriers
-    constexpr bool kDqBulk = kTma && Has_dQ && CUFLASH_BWD_DQ_BULK;
+    constexpr bool kDqBulk = kTma && Has_dQ && CUFLASH_BWD_DQ_BULK && !kShare;
     // [bwd dq tile] (the whole tile in fragment order, in the same shared memory; thread kDqIssuer adds it)
-    constexpr bool kDqTile = kTma && Has_dQ && CUFLASH_BWD_DQ_TILE && !kDqBulk;
+    constexpr bool kDqTile = kTma && Has_dQ && CUFLASH_BWD_DQ_TILE && !kDqBulk && !kShare;
     constexpr int kDqIssuer = 32;  // (warp 1's first lane: thread 0 issues the TMA copies)
     float* sDq = sD + 2 * kBlockM + 16;
     // [bwd flow] the TMA entry point with dQ: no barrier at the loop's top, dS^T in two buffers (the second after the
-    // dQ tile)
+    // dQ tile; [bwd shared keys] after P^T's, P^T's second after it)
     constexpr bool kFlow = kTma && Has_dQ && CUFLASH_BWD_FLOW;
-    u16* const sdSt2 = reinterpret_cast<u16*>(
+    u16* const sdSt2 = kShare ? sPt + kBlockN * kBlockM : reinterpret_cast<u16*>(
         smem_raw + (((smem_u32(sDq + kBlockM * Cfg::kDqStride) + 1023u) & ~1023u) - raw_addr));
+    u16* const sPt2 = sdSt2 + kBlockN * kBlockM;  // ([bwd shared keys] [bwd flow])
     // [bwd dq first] where a warpgroup's dQ slice is one batch of columns (two computing warpgroups)
     constexpr bool kDqFirst = Has_dQ && CUFLASH_BWD_DQ_FIRST && Cfg::kDqN == kDqChunk;
     static_assert(!kDqTile || (kDqFirst && Cfg::kNWG == 2), "[bwd dq tile]: one dQ product a tile, two warpgroups");
@@ -314,7 +332,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
         tile_of(linear, n_block, h, b);
         const int h_kv = h / group;
         const int n0 = n_block * kBlockN;
-        const int key_base = n0 + wg * 64 + warp_in_wg * 16;  // this warp's fragment rows: + g, + g + 8
+        const int key_base = n0 + (kShare ? 0 : wg * 64) + warp_in_wg * 16;  // this warp's fragment rows: + g, + g + 8
 
         const BlockInfo<V> bi(vp, b, h, seqlen_q, seqlen_k);
         // keys of a shorter sequence (padding keys' dK, dV are zeroed by the launcher; never in the TMA entry point's
@@ -371,15 +389,24 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
         // 64-column block; MN-major operands advance 2048 bytes (16 rows of the reduction dim) per k16 step.
         const u32 k_addr = smem_u32(sK), v_addr = smem_u32(sV), q_addr = smem_u32(sQ), do_addr = smem_u32(sdO);
         // A of S^T / dP^T: this warpgroup's 64 rows of K / V.
+        // ([bwd shared keys] all 64 rows, both warpgroups)
         auto desc_kv = [&](u32 base, int kk) {
-            return sw128_desc(base + wg * 64 * 128 + (kk >> 2) * kBlockN * 128 + (kk & 3) * 32, 16, 1024);
+            return sw128_desc(base + (kShare ? 0 : wg * 64 * 128) + (kk >> 2) * kBlockN * 128 + (kk & 3) * 32, 16,
+                              1024);
         };
-        // B of S^T / dP^T: the kBlockM rows of Q / dO, K-major.
+        // B of S^T / dP^T: the kBlockM rows of Q / dO, K-major ([bwd shared keys] this warpgroup's kSN of them).
         auto desc_qk = [&](u32 base, int kk) {
-            return sw128_desc(base + (kk >> 2) * kBlockM * 128 + (kk & 3) * 32, 16, 1024);
+            return sw128_desc(base + (kShare ? wg * Cfg::kSN * 128 : 0) + (kk >> 2) * kBlockM * 128 + (kk & 3) * 32,
+                              16, 1024);
         };
-        // B of dV / dK: dO / Q read as (queries x d), MN-major.
-        auto desc_qmn = [&](u32 base, int kk) { return sw128_desc(base + kk * 2048, kBlockM * 128, 1024); };
+        // B of dV / dK: dO / Q read as (queries x d), MN-major ([bwd shared keys] from this warpgroup's first column
+        // block).
+        auto desc_qmn = [&](u32 base, int kk) {
+            return sw128_desc(base + (kShare ? wg * (Cfg::kDN / 64) * kBlockM * 128 : 0) + kk * 2048, kBlockM * 128,
+                              1024);
+        };
+        // [bwd shared keys] A of dV / dK: P^T / dS^T from shared memory (keys x queries, K-major: one column block)
+        auto desc_kq = [&](u32 base, int kk) { return sw128_desc(base + kk * 32, 16, 1024); };
         // dQ: A = dS^T read as dS (queries x keys), MN-major (M = 64: one column block, LBO unused);
         // B = K read as (keys x d), MN-major, from this warpgroup's first dQ column.
         constexpr int kDqKT = kBlockN / 16;
@@ -410,11 +437,14 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
             const int buf = (q_base + it) & 1;
             const int m0 = mi * kBlockM;
             const u32 tq = q_addr + buf * kQTile * 2, tdo = do_addr + buf * kQTile * 2;
-            const float* tLse = sLse + buf * kBlockM;
-            const float* tD = sD + buf * kBlockM;
+            // ([bwd shared keys] this warpgroup's queries: its kSN columns of S^T from m0s, their lse and D)
+            const int m0s = m0 + (kShare ? wg * Cfg::kSN : 0);
+            const float* tLse = sLse + buf * kBlockM + (m0s - m0);
+            const float* tD = sD + buf * kBlockM + (m0s - m0);
 
             // This tile's stage (and, the first time, K and V) landed and is visible to the tensor cores;
-            // every warpgroup is done with the previous tile (its wgmma retired), so buf ^ 1 and dS^T are free.
+            // every warpgroup is done with the previous tile (its wgmma retired), so buf ^ 1 and dS^T (and [bwd shared
+            // keys] P^T) are free.
             // [bwd flow] Not this barrier: the stage's mbarrier counts its lse and D copies too, the next copies wait
             // for dS^T's barrier below (next_stage), and dS^T alternates between two buffers.
             if constexpr (!kFlow) {
@@ -439,19 +469,19 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < kKT; ++kk) {
-                Wgmma<T>::ss(st, desc_kv(k_addr, kk), desc_qk(tq, kk), kk > 0 ? 1 : 0, Int<kBlockM>());
+                Wgmma<T>::ss(st, desc_kv(k_addr, kk), desc_qk(tq, kk), kk > 0 ? 1 : 0, Int<Cfg::kSN>());
             }
             wgmma_commit();
 #pragma unroll
             for (int kk = 0; kk < kKT; ++kk) {
-                Wgmma<T>::ss(dpt, desc_kv(v_addr, kk), desc_qk(tdo, kk), kk > 0 ? 1 : 0, Int<kBlockM>());
+                Wgmma<T>::ss(dpt, desc_kv(v_addr, kk), desc_qk(tdo, kk), kk > 0 ? 1 : 0, Int<Cfg::kSN>());
             }
             wgmma_commit();
             // [variant dropout] The keep bits of the tile (indices only), drawn while the tensor cores work; P^T and
             // dP^T both use them.
             u32 keep_bits[V::Has_dropout ? (4 * kNT + 31) / 32 : 1];
             if constexpr (V::Has_dropout) {
-                dropout_bits<true, kNT>(keep_bits, bi, key_base, m0, lane);
+                dropout_bits<true, kNT>(keep_bits, bi, key_base, m0s, lane);
                 keep_fence(keep_bits);
             }
 
@@ -461,16 +491,16 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
             fence_regs(st);
             u32 dmod[V::Has_grad ? kNT : 1][2];  // [variant grad] d mod / d s
             if constexpr (kStagedBias) {  // [variant mod] with the staged bias ([variant bias tile])
-                const BiasTile<V, kBlockN> bt{sBias + buf * kBiasTile, m0, n0};
+                const BiasTile<V, kBlockN> bt{sBias + buf * kBiasTile, m0, n0};  // (never [bwd shared keys])
                 if constexpr (V::Has_grad) {
-                    mod_scores_grad<true>(st, dmod, bi, key_base, m0, lane, queries.partial(it), bt);
+                    mod_scores_grad<true>(st, dmod, bi, key_base, m0s, lane, queries.partial(it), bt);
                 } else {
-                    mod_scores<true>(st, bi, key_base, m0, lane, queries.partial(it), bt);
+                    mod_scores<true>(st, bi, key_base, m0s, lane, queries.partial(it), bt);
                 }
             } else if constexpr (V::Has_grad) {
-                mod_scores_grad<true>(st, dmod, bi, key_base, m0, lane, queries.partial(it));
+                mod_scores_grad<true>(st, dmod, bi, key_base, m0s, lane, queries.partial(it));
             } else {
-                mod_scores<true>(st, bi, key_base, m0, lane, queries.partial(it));  // [variant mod]
+                mod_scores<true>(st, bi, key_base, m0s, lane, queries.partial(it));  // [variant mod]
             }
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt) {
@@ -481,24 +511,24 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
             }
             const bool mask_mod = queries.mask_mod_in_mask(it);  // [variant mask]
             if (bi.needs_mask(m0, kBlockM, n0, kBlockN) || mask_mod) {
-                mask_block<true>(st, bi, key_base, m0, lane, 0.f, mask_mod);
+                mask_block<true>(st, bi, key_base, m0s, lane, 0.f, mask_mod);
             }
             // P^T in the input dtype as A fragments (as it enters dV, and as dS^T uses it). [variant dropout]
             // dV takes P^T dropped (its 1 / (1 - p) applied to dV once, at the end), dS^T the dropped dP^T.
-            u32 pt[kMT][4];
+            u32 pt[kSMT][4];
 #pragma unroll
-            for (int kk = 0; kk < kMT; ++kk) c_to_a<T, kNT>(pt[kk], st, kk);
-            u32 ptd[V::Has_dropout ? kMT : 1][4];
+            for (int kk = 0; kk < kSMT; ++kk) c_to_a<T, kNT>(pt[kk], st, kk);
+            u32 ptd[V::Has_dropout ? kSMT : 1][4];
             if constexpr (V::Has_dropout) {
 #pragma unroll
-                for (int kk = 0; kk < kMT; ++kk) dropout_pairs<kNT>(ptd[kk], pt[kk], keep_bits, kk);
+                for (int kk = 0; kk < kSMT; ++kk) dropout_pairs<kNT>(ptd[kk], pt[kk], keep_bits, kk);
             }
 
             // [bwd 4] dS^T = P^T (dP^T - D), in place of dP^T, then packed to the input dtype.
             wgmma_wait<0>();
             fence_regs(dpt);
 #pragma unroll
-            for (int kk = 0; kk < kMT; ++kk) {
+            for (int kk = 0; kk < kSMT; ++kk) {
 #pragma unroll
                 for (int hn = 0; hn < 2; ++hn) {
                     const int nt = 2 * kk + hn;
@@ -515,7 +545,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
             }
             // [variant grad] dbias = dS (the bias is added after softcap), then dS times softcap's derivative.
             if constexpr (V::Has_bias) {
-                for_each_score<true>(dpt, key_base, m0, lane, [&](float& x, int qi, int kj, int nt, int e) {
+                for_each_score<true>(dpt, key_base, m0s, lane, [&](float& x, int qi, int kj, int nt, int e) {
                     // (a score_mod comes after the bias: its derivative is in dbias)
                     if constexpr (V::Mod::Has_score_mod) {
                         bi.store_dbias(qi, kj, x * grad_at(dmod, nt, e));
@@ -528,23 +558,37 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
                 for_each_score<true>(dpt, 0, 0, lane,
                                      [&](float& x, int, int, int nt, int e) { x *= grad_at(dmod, nt, e); });
             }
-            u32 dst[kMT][4];
+            u32 dst[kSMT][4];
 #pragma unroll
-            for (int kk = 0; kk < kMT; ++kk) c_to_a<T, kNT>(dst[kk], dpt, kk);
+            for (int kk = 0; kk < kSMT; ++kk) c_to_a<T, kNT>(dst[kk], dpt, kk);
 
-            if constexpr (Has_dQ) {
+            // [bwd shared keys] P^T's tile of this tile (its buffer alternates as dS^T's)
+            u16* const spt = kFlow && buf ? sPt2 : sPt;
+            const u32 pt_addr = smem_u32(spt);
+            if constexpr (Has_dQ || kShare) {
                 // [bwd 5] dQ += dS K, part 1: dS^T to shared memory (row = key, 32-bit stores: the 8 rows of a store
                 // phase hit 8 different 16-byte chunks, conflict-free), visible to the tensor cores of both
                 // warpgroups after the proxy fence and the barrier below. Stored before dK's wgmma is issued:
-                // the PTX ISA leaves any access to an in-flight wgmma's A registers undefined.
-                {
-                    const int r = wg * 64 + warp_in_wg * 16 + g;
+                // the PTX ISA leaves any access to an in-flight wgmma's A registers undefined. [bwd shared keys]
+                // P^T too (dropped under dropout, as dV takes it), each warpgroup its kSN query columns: dV's and
+                // dK's products read both warpgroups' halves from here.
+                const int r = (kShare ? 0 : wg * 64) + warp_in_wg * 16 + g, c0 = kShare ? wg * (Cfg::kSN / 8) : 0;
+                auto store_a = [&](u16* tile, const u32 (&a)[kSMT][4]) {
 #pragma unroll
-                    for (int kk = 0; kk < kMT; ++kk) {
-                        *reinterpret_cast<u32*>(sds + sw128_offset<kBlockN>(r, 2 * kk) + 2 * t) = dst[kk][0];
-                        *reinterpret_cast<u32*>(sds + sw128_offset<kBlockN>(r + 8, 2 * kk) + 2 * t) = dst[kk][1];
-                        *reinterpret_cast<u32*>(sds + sw128_offset<kBlockN>(r, 2 * kk + 1) + 2 * t) = dst[kk][2];
-                        *reinterpret_cast<u32*>(sds + sw128_offset<kBlockN>(r + 8, 2 * kk + 1) + 2 * t) = dst[kk][3];
+                    for (int kk = 0; kk < kSMT; ++kk) {
+                        const int c = c0 + 2 * kk;
+                        *reinterpret_cast<u32*>(tile + sw128_offset<kBlockN>(r, c) + 2 * t) = a[kk][0];
+                        *reinterpret_cast<u32*>(tile + sw128_offset<kBlockN>(r + 8, c) + 2 * t) = a[kk][1];
+                        *reinterpret_cast<u32*>(tile + sw128_offset<kBlockN>(r, c + 1) + 2 * t) = a[kk][2];
+                        *reinterpret_cast<u32*>(tile + sw128_offset<kBlockN>(r + 8, c + 1) + 2 * t) = a[kk][3];
+                    }
+                };
+                store_a(sds, dst);
+                if constexpr (kShare) {
+                    if constexpr (V::Has_dropout) {
+                        store_a(spt, ptd);
+                    } else {
+                        store_a(spt, pt);
                     }
                 }
                 fence_proxy_async();
@@ -552,19 +596,36 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
 
             // [bwd 2] dV += P^T dO and [bwd 6] dK += dS^T Q (scale applied once at the end), A from registers
             // (the caller fenced the registers: wgmma_fence).
+            // [bwd shared keys] A from shared memory, both warpgroups' P^T and dS^T (after the barrier that follows
+            // their stores), B this warpgroup's kDN columns of dO and Q.
             auto issue_dv_dk = [&]() {
+                if constexpr (kShare) {
 #pragma unroll
-                for (int kk = 0; kk < kMT; ++kk) {
-                    if constexpr (V::Has_dropout) {
-                        Wgmma<T>::rs_tb(dv_acc, ptd[kk], desc_qmn(tdo, kk), 1, Int<kHeadDim>());
-                    } else {
-                        Wgmma<T>::rs_tb(dv_acc, pt[kk], desc_qmn(tdo, kk), 1, Int<kHeadDim>());
+                    for (int kk = 0; kk < kMT; ++kk) {
+                        WgmmaTT<T>::ss_tb(dv_acc, desc_kq(pt_addr, kk), desc_qmn(tdo, kk), 1, Int<Cfg::kDN>());
                     }
-                }
-                wgmma_commit();
+                    wgmma_commit();
 #pragma unroll
-                for (int kk = 0; kk < kMT; ++kk) Wgmma<T>::rs_tb(dk_acc, dst[kk], desc_qmn(tq, kk), 1, Int<kHeadDim>());
-                wgmma_commit();
+                    for (int kk = 0; kk < kMT; ++kk) {
+                        WgmmaTT<T>::ss_tb(dk_acc, desc_kq(ds_addr, kk), desc_qmn(tq, kk), 1, Int<Cfg::kDN>());
+                    }
+                    wgmma_commit();
+                } else {
+#pragma unroll
+                    for (int kk = 0; kk < kMT; ++kk) {
+                        if constexpr (V::Has_dropout) {
+                            Wgmma<T>::rs_tb(dv_acc, ptd[kk], desc_qmn(tdo, kk), 1, Int<Cfg::kDN>());
+                        } else {
+                            Wgmma<T>::rs_tb(dv_acc, pt[kk], desc_qmn(tdo, kk), 1, Int<Cfg::kDN>());
+                        }
+                    }
+                    wgmma_commit();
+#pragma unroll
+                    for (int kk = 0; kk < kMT; ++kk) {
+                        Wgmma<T>::rs_tb(dk_acc, dst[kk], desc_qmn(tq, kk), 1, Int<Cfg::kDN>());
+                    }
+                    wgmma_commit();
+                }
             };
             // [bwd 5] part 2: dS K, kDqChunk columns from col0, once every warpgroup's dS^T is in shared memory; then
             // this warp's 16 query rows (+ g, + g + 8) of the warpgroup's 64 x kDqChunk slice added into dQ.
@@ -669,10 +730,19 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
                     }
                     wgmma_wait<0>();
                 } else {
-                    wgmma_fence();
-                    issue_dv_dk();
-                    __syncthreads();
-                    next_stage();
+                    if constexpr (kShare) {
+                        // [bwd shared keys] dV's and dK's products read both warpgroups' P^T and dS^T: after the
+                        // barrier
+                        __syncthreads();
+                        next_stage();
+                        wgmma_fence();
+                        issue_dv_dk();
+                    } else {
+                        wgmma_fence();
+                        issue_dv_dk();
+                        __syncthreads();
+                        next_stage();
+                    }
                     // At most 64 columns at a time (32 accumulator registers): a 128-column slice (one warpgroup
                     // at d = 128) would spill next to dK and dV.
 #pragma unroll
@@ -698,6 +768,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
                     if (lane < 16) bulk_commit();
                 }
             } else {
+                if constexpr (kShare) __syncthreads();  // [bwd shared keys] every warpgroup's P^T and dS^T stored
                 wgmma_fence();
                 issue_dv_dk();
                 wgmma_wait<0>();
@@ -728,21 +799,22 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
             }
         }
         const int qk8 = bi.template qk_cols8<kHeadDim>(), v8 = bi.template v_cols8<kHeadDim>();  // [bwd tma pad]
+        const int dt0 = kShare ? wg * kDT : 0;  // ([bwd shared keys] this warpgroup's columns: n8 fragment dt0 on)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int row = key_base + g + 8 * hh;
             if (row >= len_k) continue;
-            const int col0 = 2 * t;
+            const int col0 = 8 * dt0 + 2 * t;
             if (group == 1) {
                 u16* dkr = dk + b * dk_sb + h * dk_sh + (i64)(bi.k0 + row) * dk_ss + col0;
                 u16* dvr = dv + b * dv_sb + h * dv_sh + (i64)(bi.k0 + row) * dv_ss + col0;
 #pragma unroll
                 for (int dt = 0; dt < kDT; ++dt) {
-                    if (!V::Pads_head_dim || dt < qk8) {  // [bwd tma pad] the arrays' columns only
+                    if (!V::Pads_head_dim || dt0 + dt < qk8) {  // [bwd tma pad] the arrays' columns only
                         *reinterpret_cast<u32*>(dkr + dt * 8) =
                             Elem<T>::pack(dk_acc[dt][2 * hh] * scale, dk_acc[dt][2 * hh + 1] * scale);
                     }
-                    if (!V::Pads_head_dim || dt < v8) {
+                    if (!V::Pads_head_dim || dt0 + dt < v8) {
                         *reinterpret_cast<u32*>(dvr + dt * 8) =
                             Elem<T>::pack(dv_acc[dt][2 * hh], dv_acc[dt][2 * hh + 1]);
                     }

@@ -570,7 +570,8 @@ __device__ __forceinline__ float pow2f(int e) { return __int_as_float((127 + e) 
 // Descriptors as the MN-major operand of hopper_tiles.cuh's layout note: start + 2048 bytes per k16 step,
 // SBO = 1024 (8-row groups of the reduction dim), LBO = the distance between 64-column blocks.
 // PTX ISA: the transpose immediates are valid for .f16 / .bf16 only. Generated for N = 32, 64, 128, written
-// once for both types as Wgmma's wrappers are.
+// once for both types as Wgmma's wrappers are. ss_tb (N = 128): A K-major, B MN-major, both in shared memory (the
+// shared-keys backward's dV += P^T dO and dK += dS^T Q, P^T and dS^T from shared memory).
 template <class T> struct WgmmaTT;
 #define CUFLASH_WGMMA_TT_OPS(TY) \
     __device__ __forceinline__ static void ss_tt(float (&d)[4][4], u64 da, u64 db, int scale_d, Int<32>) { \
@@ -600,6 +601,22 @@ template <class T> struct WgmmaTT;
                      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {" \
                      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63" \
                      "}, %64, %65, p, 1, 1, 1, 1;\n}\n" \
+                     : \
+                     "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
+                     "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
+                     "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
+                     "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), \
+                     "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), \
+                     "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), \
+                     "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), \
+                     "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]) \
+                     : "l"(da), "l"(db), "r"(scale_d)); \
+    } \
+    __device__ __forceinline__ static void ss_tb(float (&d)[16][4], u64 da, u64 db, int scale_d, Int<128>) { \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {" \
+                     "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63" \
+                     "}, %64, %65, p, 1, 1, 0, 1;\n}\n" \
                      : \
                      "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
                      "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \

@@ -161,7 +161,9 @@ def test_padded_batch_variants(requires_gpu, label, d, dtname):
 @pytest.mark.parametrize("label", ["causal-window", "softcap-causal", "alibi-batch", "seqused", "bias-broadcast-causal",
                                    "dropout"])
 def test_other_head_dims(requires_gpu, d, label):
-    """The mma.sync kernels (no wgmma at these head dims) and, at 256, the float32 backward on upcast inputs."""
+    """Head dims without a wgmma row of their own (32 and 96 run padded onto 64's and 128's from the TMA entry points;
+    256's backward the mma.sync kernel, or with CUFLASH_DEFINES=CUFLASH_BWD_SM90_D256=1 [bwd shared keys]), and at
+    256 the float32 backward on upcast inputs."""
     rng = np.random.default_rng(d)
     q, k, v, do = _inputs(rng, (2, 150, 4, d), (2, 333, 2, d), DTYPES["bfloat16"])
     check_variant(requires_gpu, q, k, v, do, **_resolve(PADDED_CASES[label], rng, 2, 4, 150))

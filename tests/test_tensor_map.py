@@ -899,3 +899,30 @@ def test_the_persistent_backward_takes_the_key_tiles_from_one_block_per_sm(monke
             (dkdv,) = [c for c in calls if "dkdv" in c[1]]
             assert "sm90_flat_kernel" in dkdv[1] and tuple(dkdv[2]) == (tiles, 4, batch)
             assert dkdv[3][14] == ("i32", order)  # (q ... dkv_accum, rows_q, rows_k, heads_q, group, interleave)
+
+
+def test_the_d256_backward_on_the_wgmma_kernel_where_switched_on(monkeypatch):
+    """(CPU, stand-in CuPy) [bwd shared keys] With BWD_SM90_D256 (CUFLASH_DEFINES=CUFLASH_BWD_SM90_D256=1), a planned d-256 backward's
+    dK/dV launch is the wgmma kernel's TMA entry point on d 256's row (both warpgroups on 64 keys): 226 KiB of shared
+    memory, dQ added row by row into unpadded planes (no whole-tile dQ: the tile would not fit) and converted by
+    flash_bwd_convert_dq_kernel; a head dim of 200 runs it padded; off (the default), the mma.sync kernel."""
+    from cuflash._cuda import attention
+    from cuflash._cuda.spec import TILES, Tile
+    from cuflash._ops.variant import Variant
+
+    cp, _, _ = _tma_stand_in(monkeypatch)
+    monkeypatch.setattr(attention, "TMA_BACKWARD", True)
+    assert TILES[("bwd", "sm90a", 256)] == Tile(64, 64, 8, 2)
+    for on, d in ((True, 256), (True, 200), (False, 256)):
+        monkeypatch.setattr(attention, "BWD_SM90_D256", on)
+        q, k, v, do, out, lse = _backward_inputs(cp, 29, d)
+        p = attention.BackwardPlan(do, q, k, v, out, lse, scale=0.1, variant=Variant(causal=True), algorithm="fa2",
+                                   block_q=None, block_k=None, order="kv_outer")
+        dkdv, convert = p._steps[1][0].spec, p._steps[2][0].spec
+        if not on:
+            assert dkdv.family == "bwd_dkdv", dkdv.name
+            continue
+        assert dkdv.family == "bwd_dkdv_sm90_tma" and dkdv.tile == Tile(64, 64, 8, 2) and dkdv.head_dim == 256
+        assert dkdv.smem == 231488 and convert.family == "bwd_convert_dq"
+        assert [m._spec[2][1] for m, _ in p._maps] == [64, 64, 64, 64]  # (the boxes' rows: q, k, v, dO)
+        assert p._offsets[1] == 0 and p._offsets[2] == -(-2 * 4 * 200 * 256 * 4 // 256) * 256  # (dQ's planes unpadded)

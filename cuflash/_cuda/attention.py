@@ -28,8 +28,8 @@ from .compile import PackedLaunch, arch_class, check_smem, define, device_info, 
 from .spec import (BIAS_CTYPES, BLOCK_COMPACT, BWD_HEAD_DIMS, CTYPES, EXTRA_POINTER_FIELDS, F16X2_HEAD_DIMS,
                    FA1_BWD_HEAD_DIMS, FA1_HEAD_DIMS, FAMILIES, HEAD_DIMS, PERSISTENT_HEAD_DIMS, PREFILL_APPEND_DTYPE,
                    TF32_FAMILIES, TF32_HEAD_DIMS, TF32_SM90_HEAD_DIMS, TILES, VARIANT_POINTER_FIELDS, Tile,
-                   device_record, extra_params, extra_record, has_dropout, mask_policy, staged_bias_bytes,
-                   variant_params, variant_type)
+                   bwd_sm90_shares_keys, device_record, extra_params, extra_record, has_dropout, mask_policy,
+                   staged_bias_bytes, variant_params, variant_type)
 from .spec import spec as kernel_spec
 
 __all__ = ["forward", "backward", "check_supported", "plan_forward", "ForwardPlan", "plan_backward", "BackwardPlan",
@@ -240,6 +240,18 @@ BWD_ROWS128 = bool(define("CUFLASH_BWD_ROWS128", 1)) and BWD_DQ_TILE  # (the til
 # rounds): d 64 +3-6 % (N 8192 dense 420 against 396 TFLOP/s, causal 386 against 371; GQA 4:1 at N 2048 +3-6 %), d 128
 # -2..+2 %, N 1000 within the noise. CUFLASH_BWD_PERSISTENT=0 turns it off, =1 on at every TMA head dim.
 BWD_PERSISTENT_DIMS = {"0": (), "1": (64, 128)}.get(os.environ.get("CUFLASH_BWD_PERSISTENT", ""), (64,))
+# [bwd shared keys] d 256's backward on the wgmma kernel (TILES' ("bwd", "sm90a", 256) row: both warpgroups on 64 keys,
+# P^T and dS^T through shared memory; docs/kernel-notes.md's plan). Built and compiled, not yet run on a GPU: off
+# (CUFLASH_DEFINES=CUFLASH_BWD_SM90_D256=1 turns it on, read here only, so that tools/bwd_ab.py's builds compare it;
+# d 193-255 then run it padded from the TMA entry point too).
+BWD_SM90_D256 = bool(define("CUFLASH_BWD_SM90_D256", 0))
+
+
+def _sm90_row(direction: str, d: int) -> bool:
+    """Whether the wgmma kernel's row of ``direction`` at head dim ``d`` is in use (d 256's backward: the switch)."""
+    return BWD_SM90_D256 or not (direction == "bwd" and d == 256)
+
+
 # The longest query sequence that runs a head dim's ("fwd", "sm90a_tma_short", d) tile instead of its row's (d 64: one
 # computing warpgroup of 64 rows, two blocks per SM: 1.03-1.31x the 192-row tile and 1.05-1.20x the cp.async kernel
 # at N 512-2048, H100 2026-11-28).
@@ -378,9 +390,12 @@ def _tma_padded_backward(variant: Variant, arrays, algorithm, block_q, block_k) 
     if (not TMA_PADDED_BACKWARD or not SM90A_BACKWARD or algorithm != "fa2" or block_q is not None
             or block_k is not None or np.dtype(q.dtype).name not in CTYPES or device_info()[0] != 90):
         return 0
-    kd = next((x for x in BWD_HEAD_DIMS if x >= max(d, dv) and ("bwd", "sm90a", x) in TILES), 0)
+    kd = next((x for x in BWD_HEAD_DIMS if x >= max(d, dv) and ("bwd", "sm90a", x) in TILES and _sm90_row("bwd", x)),
+              0)
     if not kd or (kd == d == dv) or not _tma_backward_takes(variant, arrays):
         return 0
+    if kd == 256 and max(d, dv) <= 192:
+        return 0  # ([bwd shared keys] not below d 193: the mma.sync kernels of d 192 and under, until measured)
     return kd
 
 
@@ -411,8 +426,9 @@ def rows_map(shape, strides, box_rows: int, element_bytes: int):
 
 
 def _hopper_tile(direction: str, d: int, block_q, block_k, enabled: bool) -> Tile | None:
-    """The wgmma kernel's tile where it runs: sm_90, the table has a row, the caller chose no block sizes."""
-    t = TILES.get((direction, "sm90a", d))
+    """The wgmma kernel's tile where it runs: sm_90, the table has a row, the caller chose no block sizes (d 256's
+    backward row only with :data:`BWD_SM90_D256`)."""
+    t = TILES.get((direction, "sm90a", d)) if _sm90_row(direction, d) else None
     if enabled and t is not None and block_q is None and block_k is None and device_info()[0] == 90:
         return t
     return None
@@ -1121,7 +1137,8 @@ class BackwardPlan(_Plan):
         # (the cp.async entry point reads whole rows of the kernel's head dim: never a padded one's)
         assert not tma_pad or spec.family == "bwd_dkdv_sm90_tma", spec.name
         # [bwd dq tile] dQ's planes of whole tiles (64 or 128 rows), in fragment order (the flat twin keeps rows in order)
-        dq_tile = BWD_DQ_TILE and spec.family == "bwd_dkdv_sm90_tma" and spec.has_dq
+        dq_tile = (BWD_DQ_TILE and spec.family == "bwd_dkdv_sm90_tma" and spec.has_dq
+                   and not bwd_sm90_shares_keys(spec.tile))  # ([bwd shared keys]: dQ by red.global.add)
         dq_rows = cdiv(shp.rows_q, spec.tile.block_m) * spec.tile.block_m if dq_tile else shp.rows_q
         f32 = np.dtype(np.float32).itemsize
         # The workspace: the accumulators the kernels add into first (zeroed), then D. 256-byte aligned parts.
@@ -1317,6 +1334,8 @@ def _staged_bias_spec(family: str, dtype: str, d: int, t: Tile, variant: Variant
         return None
     if family == "fwd_sm90" and t.block_m == 16 * (t.warps - 4):
         return None  # (the warp-specialized forward: its loading warpgroup does not stage a bias; Sm90Config::kWS)
+    if family == "bwd_dkdv_sm90" and bwd_sm90_shares_keys(t):
+        return None  # ([bwd shared keys] d 256: no staged bias yet, its shared memory is full)
     if family == "bwd_dkdv_sm90" and variant.bias.itemsize == 4:
         # (a float32 bias in the backward's transposed layout is one 4-byte read per score: beside dK, dV and dQ at
         # d 128, ptxas spills 28 bytes where the global-memory reads spill 4: those stay)

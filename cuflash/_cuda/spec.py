@@ -166,6 +166,11 @@ TILES: dict[tuple[str, str, int], Tile] = {
     # block_m = 64 streamed query rows, 2 query buffers).
     ("bwd", "sm90a", 64): Tile(64, 128, 8, 2),
     ("bwd", "sm90a", 128): Tile(64, 128, 8, 2),
+    # d 256: [bwd shared keys] (backward_sm90.cu's Sm90BwdConfig::kShareKeys): both warpgroups on the block's 64 keys,
+    # S^T and dP^T split by queries, dK and dV by head-dim columns, P^T and dS^T through shared memory (210 / 226 KiB).
+    # Built, not yet run on a GPU: the launcher takes it only with CUFLASH_DEFINES=CUFLASH_BWD_SM90_D256=1
+    # (attention.BWD_SM90_D256).
+    ("bwd", "sm90a", 256): Tile(64, 64, 8, 2),
     # ("bwd", "sm90a_tma", d): the TMA entry point's tile where dQ is in the launch with the whole-tile dQ
     # (attention.BWD_ROWS128, [bwd rows 128]): d 64 on 128-row query tiles, FlashAttention-3's d 64 tile, each
     # warpgroup its own 64 rows of dQ (218-249 registers, no spills, 200 KiB; H200: 1.03-1.21x the 64-row tile).
@@ -535,14 +540,25 @@ def _fwd_sm90_vt_smem(element_bytes: int):
                          + 128)
 
 
+def bwd_sm90_shares_keys(t: Tile) -> bool:
+    """[bwd shared keys] Whether the wgmma dK/dV kernel's two warpgroups share the tile's keys (Sm90BwdConfig::
+    kShareKeys: 64 keys, eight warps; d 256's row) instead of owning 64 each."""
+    return t.block_n == 8 * t.warps and t.warps == 8
+
+
 def _bwd_sm90_smem(d: int, t: Tile) -> int:
-    # Sm90BwdConfig::kSmemBytes: K, V; 2 x (Q, dO); dS^T (16-bit); 2 x (lse, D) float32; + 1024 alignment
-    return 2 * (2 * t.block_n * d + 4 * t.block_m * d + t.block_n * t.block_m) + 16 * t.block_m + 1024
+    # Sm90BwdConfig::kSmemBytes: K, V; 2 x (Q, dO); dS^T (16-bit; [bwd shared keys] and P^T); 2 x (lse, D) float32;
+    # + 1024 alignment
+    pt = 2 if bwd_sm90_shares_keys(t) else 1
+    return 2 * (2 * t.block_n * d + 4 * t.block_m * d + pt * t.block_n * t.block_m) + 16 * t.block_m + 1024
 
 
 def _bwd_sm90_tma_smem(d: int, t: Tile) -> int:
     """The TMA dK/dV entry point's (Sm90BwdConfig::kTmaSmemBytes): the cp.async kernel's + 64 bytes of mbarriers + its
-    float32 dQ tile of block_m rows of d + 8 + a second dS^T, 1024-byte aligned."""
+    float32 dQ tile of block_m rows of d + 8 + a second dS^T, 1024-byte aligned; [bwd shared keys]: no dQ tile, a
+    second dS^T and P^T."""
+    if bwd_sm90_shares_keys(t):
+        return _bwd_sm90_smem(d, t) + 64 + 4 * t.block_n * t.block_m
     return _bwd_sm90_smem(d, t) + 64 + 4 * t.block_m * (d + 8) + 2 * t.block_n * t.block_m + 1024
 
 
@@ -996,6 +1012,9 @@ def instantiations() -> list[KernelSpec]:
     for v in (*(v for v in _SHOWCASE if not v[2] and not v[3]), (True, True, False, False, True, True, True, True)):
         add(KernelSpec("bwd_dkdv_sm90_tma", "bfloat16", 128, bwd_tile, _policy(v), True, "sm90a"))
     add(KernelSpec("bwd_dkdv_sm90_tma", "bfloat16", 128, bwd_tile, causal_mod, True, "sm90a"))
+    # [bwd shared keys] d 256's TMA entry point with the flags it takes at its most (window, softcap, ALiBi, dropout)
+    add(KernelSpec("bwd_dkdv_sm90_tma", "bfloat16", 256, TILES[("bwd", "sm90a", 256)],
+                   _policy((True, True, False, False, True, True, False, True)), True, "sm90a"))
     for d in (64, 128):  # [bwd dq tile] (the TMA dK/dV entry point's head dims)
         for dtype in CTYPES:
             for row in ("sm90a", "sm90a_tma"):  # ([bwd rows 128]'s tiles too)

@@ -231,7 +231,8 @@ def tune(directions, head_dims=None, *, batch: int = 2, heads: int = 16, seqlen:
         for direction in directions:
             dims = TUNABLE[direction][1] if head_dims is None else [d for d in head_dims if d in TUNABLE[direction][1]]
             for d in dims:
-                if cc == 90 and (hopper.get(direction), "sm90a", d) in TILES:
+                if (cc == 90 and (hopper.get(direction), "sm90a", d) in TILES
+                        and attention._sm90_row(hopper[direction], d)):
                     say(f"{direction} d {d}: runs the wgmma kernel on this GPU (its tile is not tuned); skipped")
                     continue
                 fn = _call(direction, d, batch=batch, heads=heads, seqlen=seqlen, causal=causal)
