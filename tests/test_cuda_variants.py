@@ -162,7 +162,7 @@ def test_padded_batch_variants(requires_gpu, label, d, dtname):
                                    "dropout"])
 def test_other_head_dims(requires_gpu, d, label):
     """Head dims without a wgmma row of their own (32 and 96 run padded onto 64's and 128's from the TMA entry points;
-    256's backward the mma.sync kernel, or with CUFLASH_DEFINES=CUFLASH_BWD_SM90_D256=1 [bwd shared keys]), and at
+    256's backward the wgmma kernel with both warpgroups on 64 keys [bwd shared keys]), and at
     256 the float32 backward on upcast inputs."""
     rng = np.random.default_rng(d)
     q, k, v, do = _inputs(rng, (2, 150, 4, d), (2, 333, 2, d), DTYPES["bfloat16"])

@@ -902,10 +902,11 @@ def test_the_persistent_backward_takes_the_key_tiles_from_one_block_per_sm(monke
 
 
 def test_the_d256_backward_on_the_wgmma_kernel_where_switched_on(monkeypatch):
-    """(CPU, stand-in CuPy) [bwd shared keys] With BWD_SM90_D256 (CUFLASH_DEFINES=CUFLASH_BWD_SM90_D256=1), a planned d-256 backward's
+    """(CPU, stand-in CuPy) [bwd shared keys] With BWD_SM90_D256 (the default), a planned d-256 backward's
     dK/dV launch is the wgmma kernel's TMA entry point on d 256's row (both warpgroups on 64 keys): 226 KiB of shared
     memory, dQ added row by row into unpadded planes (no whole-tile dQ: the tile would not fit) and converted by
-    flash_bwd_convert_dq_kernel; a head dim of 200 runs it padded; off (the default), the mma.sync kernel."""
+    flash_bwd_convert_dq_kernel; a head dim of 200 runs it padded; off (CUFLASH_DEFINES=CUFLASH_BWD_SM90_D256=0), the
+    mma.sync kernel."""
     from cuflash._cuda import attention
     from cuflash._cuda.spec import TILES, Tile
     from cuflash._ops.variant import Variant

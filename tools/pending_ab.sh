@@ -16,23 +16,26 @@ here=$PWD
 side=${1:?SIDE_TREE}
 d256=${2:?D256_TREE}
 cd "$side" || exit 1
+export PYTHONPATH=$PWD:/tmp/site  # this tree's cuflash, not the caller's
+logs=${OUT:-/tmp}
 echo "== [side] test_jax alone"
 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --tb=short tests/test_jax.py 2>&1 | tail -6
 echo "== [side] the backward's GPU files, 8 workers"
 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --tb=short -n 8 tests/test_cuda_attention.py \
     tests/test_backward_head_dims.py tests/test_cuda_variants.py tests/test_head_dim_v.py tests/test_bias.py \
-    tests/test_tensor_map.py tests/test_dropout.py tests/test_torch_cuda_graphs.py > /tmp/pending_side.log 2>&1
-grep -n "node down\|Fatal Python\|FAILED\|passed\|failed" /tmp/pending_side.log | head -20
+    tests/test_tensor_map.py tests/test_dropout.py tests/test_torch_cuda_graphs.py > "$logs/pending_side.log" 2>&1
+grep -n "node down\|Fatal Python\|FAILED\|passed\|failed" "$logs/pending_side.log" | head -20
 echo "== [side] memcheck"
 timeout 60 compute-sanitizer --tool memcheck python3 tools/gpu_check.py --sanitize --planned-only 2>&1 | tail -2
 echo "== [side] the backward's launches"
 timeout 40 python3 tools/bwd_parts.py --n 1024 8192 2>&1 | grep -v Warn
 cd "$here" && cd "$d256" || exit 1
+export PYTHONPATH=$PWD:/tmp/site
 echo "== [d256] GPU tests with the switch"
 CUFLASH_DEFINES=CUFLASH_BWD_SM90_D256=1 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --tb=short \
     -n 8 tests/test_cuda_attention.py tests/test_head_dim_v.py tests/test_cuda_variants.py -k "256 or 200 or 192" \
-    > /tmp/pending_d256.log 2>&1
-grep -n "node down\|Fatal Python\|FAILED\|passed\|failed" /tmp/pending_d256.log | head -20
+    > "$logs/pending_d256.log" 2>&1
+grep -n "node down\|Fatal Python\|FAILED\|passed\|failed" "$logs/pending_d256.log" | head -20
 echo "== [d256] memcheck and racecheck, bf16 causal GQA 2:1, 200 queries x 333 keys"
 cat > /tmp/d256_case.py <<'PY'
 import cupy, ml_dtypes, numpy as np, cuflash

@@ -241,10 +241,11 @@ BWD_ROWS128 = bool(define("CUFLASH_BWD_ROWS128", 1)) and BWD_DQ_TILE  # (the til
 # -2..+2 %, N 1000 within the noise. CUFLASH_BWD_PERSISTENT=0 turns it off, =1 on at every TMA head dim.
 BWD_PERSISTENT_DIMS = {"0": (), "1": (64, 128)}.get(os.environ.get("CUFLASH_BWD_PERSISTENT", ""), (64,))
 # [bwd shared keys] d 256's backward on the wgmma kernel (TILES' ("bwd", "sm90a", 256) row: both warpgroups on 64 keys,
-# P^T and dS^T through shared memory; docs/kernel-notes.md's plan). Built and compiled, not yet run on a GPU: off
-# (CUFLASH_DEFINES=CUFLASH_BWD_SM90_D256=1 turns it on, read here only, so that tools/bwd_ab.py's builds compare it;
-# d 193-255 then run it padded from the TMA entry point too).
-BWD_SM90_D256 = bool(define("CUFLASH_BWD_SM90_D256", 0))
+# P^T and dS^T through shared memory; docs/kernel-notes.md). H200 2026-11-29 (tools/bwd_ab.py, backward alone, bf16):
+# 1.37-1.50x the mma.sync kernel (dense N 1024 / 4096: 252 / 300 TFLOP/s against 184 / 205; causal 204 / 283 against
+# 150 / 189). On; CUFLASH_DEFINES=CUFLASH_BWD_SM90_D256=0 runs the mma.sync kernel (read here only, so that
+# tools/bwd_ab.py's builds compare them; d 193-255 run it padded from the TMA entry point too).
+BWD_SM90_D256 = bool(define("CUFLASH_BWD_SM90_D256", 1))
 
 
 def _sm90_row(direction: str, d: int) -> bool:
