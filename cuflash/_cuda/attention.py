@@ -1277,14 +1277,16 @@ def _preprocess(spec_family, dtype, d, do, out, shp: Shape):
     return delta
 
 
-def _preprocess_launch(spec_family, dtype, d, do, out, delta, shp: Shape, zero=None):
+def _preprocess_launch(spec_family, dtype, d, do, out, delta, shp, zero=None):
     """[bwd 0]'s launch; ``zero``: ``(buffer, count)``, the float32 accumulator whose first ``count`` float4 the launch
     zeroes too (a planned backward's dQ workspace: no memset of its own), or None. The 16-bit kernel strides over
-    the rows (128 a block at d 64 and 128), the float32 one takes 4 a block."""
+    the rows (128 a block at d 64 and 128), the float32 one takes 4 a block. ``shp``: a :class:`Shape`, or
+    ``(rows_q, heads_q, batch)`` (the FA1 launcher's)."""
+    rows_q, heads_q, batch = (shp.rows_q, shp.heads_q, shp.ws_batch) if isinstance(shp, Shape) else shp
     rows = 4 if spec_family == "bwd_pre_f32" else 128
     buffer, count = zero or (np.uintp(0), 0)
-    return (kernel_spec(spec_family, dtype, d), (cdiv(shp.rows_q, rows), shp.heads_q, shp.ws_batch), (
-        do, out, delta, i32(shp.rows_q), i32(shp.heads_q), *strides(do), *strides(out), buffer, np.int64(count)))
+    return (kernel_spec(spec_family, dtype, d), (cdiv(rows_q, rows), heads_q, batch), (
+        do, out, delta, i32(rows_q), i32(heads_q), *strides(do), *strides(out), buffer, np.int64(count)))
 
 
 def _kernel_ready(variant: Variant) -> Variant:
