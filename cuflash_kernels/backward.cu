@@ -59,13 +59,14 @@ flash_bwd_preprocess_kernel(const u16* __restrict__ dout, const u16* __restrict_
     const u16* obase = out + b * o_sb + h * o_sh;
     const bool aligned = kHeadDim % 8 == 0 && ((((unsigned long long)dbase | (unsigned long long)obase) & 15) == 0)
                          && do_ss % 8 == 0 && o_ss % 8 == 0;
-    for (int row0 = (blockIdx.x * 8 + warp) * kRowsPerWarp; row0 < seqlen_q; row0 += gridDim.x * 8 * kRowsPerWarp) {
+    for (i64 row0 = ((i64)blockIdx.x * 8 + warp) * kRowsPerWarp; row0 < seqlen_q;
+         row0 += (i64)gridDim.x * 8 * kRowsPerWarp) {
         float acc[kSteps];
         if (aligned) {
             uint4 x[kSteps][kIters], y[kSteps][kIters];
 #pragma unroll
             for (int s = 0; s < kSteps; ++s) {
-                const int row = row0 + s * kPerWarp + sub;
+                const i64 row = row0 + s * kPerWarp + sub;
 #pragma unroll
                 for (int it = 0; it < kIters; ++it) {
                     const int c = chunk + it * kLanes;
@@ -94,7 +95,7 @@ flash_bwd_preprocess_kernel(const u16* __restrict__ dout, const u16* __restrict_
         } else {
 #pragma unroll
             for (int s = 0; s < kSteps; ++s) {
-                const int row = row0 + s * kPerWarp + sub;
+                const i64 row = row0 + s * kPerWarp + sub;
                 acc[s] = 0.f;
                 if (row >= seqlen_q) continue;
                 for (int e = chunk; e < kHeadDim; e += kLanes)
@@ -106,7 +107,7 @@ flash_bwd_preprocess_kernel(const u16* __restrict__ dout, const u16* __restrict_
         for (int s = 0; s < kSteps; ++s) {
 #pragma unroll
             for (int o = kLanes / 2; o > 0; o >>= 1) acc[s] += __shfl_xor_sync(0xffffffffu, acc[s], o);
-            const int row = row0 + s * kPerWarp + sub;
+            const i64 row = row0 + s * kPerWarp + sub;
             if (chunk == 0 && row < seqlen_q) delta[((i64)b * heads_q + h) * seqlen_q + row] = acc[s];
         }
     }

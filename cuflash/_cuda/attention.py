@@ -1085,8 +1085,9 @@ class BackwardPlan(_Plan):
     """The 16-bit FA2 backward of one call's layouts and options (:func:`_backward_launches`: D, dK/dV with dQ, or
     dQ's own pass for the split order, dQ's conversion, GQA's sum), each launch packed once. :meth:`run` takes the
     arrays of the planned layouts (the caller checks them: the front door keys its plans by layout) and returns
-    ``(dq, dk, dv)``. A run allocates the gradients and one workspace (D, the float32 dQ and GQA accumulators:
-    zeroed where the kernels accumulate, by a memset on the stream), writes the addresses and launches."""
+    ``(dq, dk, dv)``. A run allocates the gradients and one workspace (D, the float32 dQ and GQA accumulators,
+    zeroed where the kernels accumulate: dQ's by D's launch, others by a memset on the stream), writes the addresses
+    and launches."""
 
     # A run's addresses, in this order: the inputs, the gradients, the workspace's parts.
     _SLOTS = ("q", "k", "v", "do", "out", "lse", "dq", "dk", "dv", "delta", "dq_accum", "dkv_accum")
@@ -1280,13 +1281,22 @@ def _preprocess(spec_family, dtype, d, do, out, shp: Shape):
 def _preprocess_launch(spec_family, dtype, d, do, out, delta, shp, zero=None):
     """[bwd 0]'s launch; ``zero``: ``(buffer, count)``, the float32 accumulator whose first ``count`` float4 the launch
     zeroes too (a planned backward's dQ workspace: no memset of its own), or None. The 16-bit kernel strides over
-    the rows (128 a block at d 64 and 128), the float32 one takes 4 a block. ``shp``: a :class:`Shape`, or
+    the rows (:func:`_preprocess_rows` a block), the float32 one takes 4 a block. ``shp``: a :class:`Shape`, or
     ``(rows_q, heads_q, batch)`` (the FA1 launcher's)."""
     rows_q, heads_q, batch = (shp.rows_q, shp.heads_q, shp.ws_batch) if isinstance(shp, Shape) else shp
-    rows = 4 if spec_family == "bwd_pre_f32" else 128
+    rows = 4 if spec_family == "bwd_pre_f32" else _preprocess_rows(d)
     buffer, count = zero or (np.uintp(0), 0)
     return (kernel_spec(spec_family, dtype, d), (cdiv(rows_q, rows), heads_q, batch), (
         do, out, delta, i32(rows_q), i32(heads_q), *strides(do), *strides(out), buffer, np.int64(count)))
+
+
+def _preprocess_rows(d: int) -> int:
+    """The rows one block of flash_bwd_preprocess_kernel covers a step at head dim ``d`` (its 8 warps' kSteps x
+    kPerWarp rows, backward.cu; its blocks stride over the rows, so a grid of another size is slower, not wrong):
+    256 at d <= 32, 128 at 64, 64 at 128, 32 at 256."""
+    lanes = min(32, max(4, 1 << (cdiv(d, 8) - 1).bit_length()))
+    steps = 4 if cdiv(d, 8) <= lanes else 2
+    return 8 * steps * (32 // lanes)
 
 
 def _kernel_ready(variant: Variant) -> Variant:
