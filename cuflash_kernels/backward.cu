@@ -1,7 +1,8 @@
 // cuflash backward kernels, mirroring cuflash/reference.py:blocked_backward.
 //
 // Algorithm (float16/bfloat16, order "kv_outer", FlashAttention-2 backward):
-//   flash_bwd_preprocess_kernel  [bwd 0] D = rowsum(dO * O), float32 (batch, heads_q, seqlen_q).
+//   flash_bwd_preprocess_kernel  [bwd 0] D = rowsum(dO * O), float32 (batch, heads_q, seqlen_q); the workspace's
+//       accumulators zeroed in the same launch.
 //   flash_bwd_dkdv_kernel        one thread block per key/value tile of kBlockN rows of one (batch, query
 //       head), FlashAttention-2's two-dimensional warp tiling: the key rows come in groups of 32 and the
 //       kNWarps / (kBlockN / 32) warps of a group split the query columns of S^T, dP^T and the head-dim
@@ -29,28 +30,98 @@
 
 namespace cuflash {
 
-// [bwd 0] D = rowsum(dO * O): one warp per query row.
-template <class T, int kHeadDim>
-__global__ void __launch_bounds__(128, 1)
-flash_bwd_preprocess_kernel(const u16* __restrict__ dout, const u16* __restrict__ out, float* __restrict__ delta,
-                            int seqlen_q, int heads_q, i64 do_sb, i64 do_ss, i64 do_sh,
-                            i64 o_sb, i64 o_ss, i64 o_sh) {
-    const int row = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    const int h = blockIdx.y, b = blockIdx.z;
-    if (row >= seqlen_q) return;
-    const u16* dr = dout + b * do_sb + h * do_sh + (i64)row * do_ss;
-    const u16* orow = out + b * o_sb + h * o_sh + (i64)row * o_ss;
-    float acc = 0.f;
-    for (int d = lane; d < kHeadDim; d += 32) acc = fmaf(Elem<T>::to_float(dr[d]), Elem<T>::to_float(orow[d]), acc);
-    acc = warp_sum(acc);
-    if (lane == 0) delta[((i64)b * heads_q + h) * seqlen_q + row] = acc;
+// The workspace's accumulators zeroed by the preprocess launch (a planned backward's, in place of a memset of its own):
+// `count` float4 from `zero`, a grid-stride share a block (none where zero is null).
+__device__ __forceinline__ void zero_share(float4* __restrict__ zero, i64 count) {
+    const i64 block = ((i64)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    const i64 step = (i64)gridDim.x * gridDim.y * gridDim.z * blockDim.x;
+    for (i64 i = block * blockDim.x + threadIdx.x; i < count; i += step) zero[i] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
+// [bwd 0] D = rowsum(dO * O), and the accumulators zeroed. 16-bit rows read 16 bytes a lane: kLanes lanes a row
+// (the head dim's 8-element chunks rounded up to a power of two), 32 / kLanes rows a warp at a time, each warp
+// kRowsPerWarp rows a step, all of a step's loads issued before its sums; blocks stride over the rows (any grid.x).
+// Where dO's or O's rows are not all 16-byte aligned (a base address or a row stride), an element at a time.
+// Grid (x, heads_q, batch), 256 threads.
+template <class T, int kHeadDim>
+__global__ void __launch_bounds__(256)
+flash_bwd_preprocess_kernel(const u16* __restrict__ dout, const u16* __restrict__ out, float* __restrict__ delta,
+                            int seqlen_q, int heads_q, i64 do_sb, i64 do_ss, i64 do_sh,
+                            i64 o_sb, i64 o_ss, i64 o_sh, float4* __restrict__ zero, i64 zero_count) {
+    constexpr int kChunks = (kHeadDim + 7) / 8;
+    constexpr int kLanes = kChunks <= 4 ? 4 : kChunks <= 8 ? 8 : kChunks <= 16 ? 16 : 32;
+    constexpr int kPerWarp = 32 / kLanes, kIters = (kChunks + kLanes - 1) / kLanes;
+    constexpr int kSteps = kIters == 1 ? 4 : 2;  // (rows of kPerWarp a warp loads at once: 8 or 16 loads in flight)
+    constexpr int kRowsPerWarp = kSteps * kPerWarp;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sub = lane / kLanes, chunk = lane % kLanes;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const u16* dbase = dout + b * do_sb + h * do_sh;
+    const u16* obase = out + b * o_sb + h * o_sh;
+    const bool aligned = kHeadDim % 8 == 0 && ((((unsigned long long)dbase | (unsigned long long)obase) & 15) == 0)
+                         && do_ss % 8 == 0 && o_ss % 8 == 0;
+    for (i64 row0 = ((i64)blockIdx.x * 8 + warp) * kRowsPerWarp; row0 < seqlen_q;
+         row0 += (i64)gridDim.x * 8 * kRowsPerWarp) {
+        float acc[kSteps];
+        if (aligned) {
+            uint4 x[kSteps][kIters], y[kSteps][kIters];
+#pragma unroll
+            for (int s = 0; s < kSteps; ++s) {
+                const i64 row = row0 + s * kPerWarp + sub;
+#pragma unroll
+                for (int it = 0; it < kIters; ++it) {
+                    const int c = chunk + it * kLanes;
+                    x[s][it] = y[s][it] = make_uint4(0u, 0u, 0u, 0u);
+                    if (row < seqlen_q && c < kChunks) {
+                        x[s][it] = *reinterpret_cast<const uint4*>(dbase + (i64)row * do_ss + 8 * c);
+                        y[s][it] = *reinterpret_cast<const uint4*>(obase + (i64)row * o_ss + 8 * c);
+                    }
+                }
+            }
+#pragma unroll
+            for (int s = 0; s < kSteps; ++s) {
+                acc[s] = 0.f;
+#pragma unroll
+                for (int it = 0; it < kIters; ++it) {
+                    const u32 xs[4] = {x[s][it].x, x[s][it].y, x[s][it].z, x[s][it].w};
+                    const u32 ys[4] = {y[s][it].x, y[s][it].y, y[s][it].z, y[s][it].w};
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        acc[s] = fmaf(Elem<T>::to_float(u16(xs[j] & 0xffff)), Elem<T>::to_float(u16(ys[j] & 0xffff)),
+                                      acc[s]);
+                        acc[s] = fmaf(Elem<T>::to_float(u16(xs[j] >> 16)), Elem<T>::to_float(u16(ys[j] >> 16)), acc[s]);
+                    }
+                }
+            }
+        } else {
+#pragma unroll
+            for (int s = 0; s < kSteps; ++s) {
+                const i64 row = row0 + s * kPerWarp + sub;
+                acc[s] = 0.f;
+                if (row >= seqlen_q) continue;
+                for (int e = chunk; e < kHeadDim; e += kLanes)
+                    acc[s] = fmaf(Elem<T>::to_float(dbase[(i64)row * do_ss + e]),
+                                  Elem<T>::to_float(obase[(i64)row * o_ss + e]), acc[s]);
+            }
+        }
+#pragma unroll
+        for (int s = 0; s < kSteps; ++s) {
+#pragma unroll
+            for (int o = kLanes / 2; o > 0; o >>= 1) acc[s] += __shfl_xor_sync(0xffffffffu, acc[s], o);
+            const i64 row = row0 + s * kPerWarp + sub;
+            if (chunk == 0 && row < seqlen_q) delta[((i64)b * heads_q + h) * seqlen_q + row] = acc[s];
+        }
+    }
+    if (zero != nullptr) zero_share(zero, zero_count);
+}
+
+// ... float32: one warp a query row, 4 rows a block (128 threads); grid (ceil(seqlen_q / 4), heads_q, batch).
 template <int kHeadDim>
 __global__ void __launch_bounds__(128, 1)
 flash_bwd_preprocess_f32_kernel(const float* __restrict__ dout, const float* __restrict__ out,
                                 float* __restrict__ delta, int seqlen_q, int heads_q,
-                                i64 do_sb, i64 do_ss, i64 do_sh, i64 o_sb, i64 o_ss, i64 o_sh) {
+                                i64 do_sb, i64 do_ss, i64 do_sh, i64 o_sb, i64 o_ss, i64 o_sh,
+                                float4* __restrict__ zero, i64 zero_count) {
+    if (zero != nullptr) zero_share(zero, zero_count);
     const int row = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     const int h = blockIdx.y, b = blockIdx.z;
     if (row >= seqlen_q) return;

@@ -885,12 +885,24 @@ flash_bwd_convert_dq_tiles_kernel(const float* __restrict__ dq_accum, u16* __res
     const float4* src = reinterpret_cast<const float4*>(dq_accum + (((i64)b * heads_q + h) * rows + m0) * kHeadDim);
     for (int i = threadIdx.x; i < kTile / 4; i += 256) reinterpret_cast<float4*>(tile)[i] = src[i];
     __syncthreads();
-    for (int e = threadIdx.x; e < kTile / 2; e += 256) {
-        const int r = e / (kHeadDim / 2), c = 2 * (e % (kHeadDim / 2));
+    // eight columns a thread: one 16-byte store where the row's eight lie whole and aligned, else pair by pair
+    for (int e = threadIdx.x; e < kTile / 8; e += 256) {
+        const int r = e / (kHeadDim / 8), c = 8 * (e % (kHeadDim / 8));
         if (m0 + r >= seqlen_q || c >= cols) continue;
-        const float2 x = *reinterpret_cast<const float2*>(tile + dq_tile_pos<kHeadDim, kRows>(r, c));
-        *reinterpret_cast<u32*>(dq + b * dq_sb + h * dq_sh + (i64)(m0 + r) * dq_ss + c) =
-            Elem<T>::pack(x.x * scale, x.y * scale);
+        u16* dst = dq + b * dq_sb + h * dq_sh + (i64)(m0 + r) * dq_ss + c;
+        u32 packed[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float2 x = *reinterpret_cast<const float2*>(tile + dq_tile_pos<kHeadDim, kRows>(r, c + 2 * j));
+            packed[j] = Elem<T>::pack(x.x * scale, x.y * scale);
+        }
+        if (c + 8 <= cols && ((unsigned long long)dst & 15) == 0) {
+            *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                if (c + 2 * j < cols) *reinterpret_cast<u32*>(dst + 2 * j) = packed[j];
+        }
     }
 }
 

@@ -346,6 +346,23 @@ def _backward_launches(launches, grads, inputs):
     return normal, {ptr: name for ptr, name in [*names.items(), *workspaces.items()]}
 
 
+def _zeroed_by_d(launches):
+    """``(address, bytes)`` that D's 16-bit launches zero (their last two arguments: a float4 pointer and a count)."""
+    out = []
+    for launch in launches:
+        if "flash_bwd_preprocess_kernel" not in launch[0]:
+            continue
+        ptr, count = launch[-1][-2:]
+        if isinstance(ptr, bytes):
+            ptr = int.from_bytes(ptr, "little")
+        else:
+            ptr = ptr.data.ptr if hasattr(ptr, "data") and hasattr(ptr.data, "ptr") else int(ptr)
+        count = int.from_bytes(count, "little") if isinstance(count, bytes) else int(count)
+        if ptr and count:
+            out.append((ptr, 16 * count))
+    return out
+
+
 def _zeroed(zeroed, names):
     """The named buffers that start in zeroed memory, with the bytes zeroed from their start."""
     return {names[ptr]: start + size - ptr for ptr in names for start, size in zeroed if start <= ptr < start + size}
@@ -428,7 +445,7 @@ def test_a_planned_backward_launches_what_the_unplanned_backward_launches(fake, 
         grads = call()
         launches = recorder.take()
         normal, names = _backward_launches(launches, grads, inputs)
-        return normal, _zeroed(recorder.take_zeroed(), names), launches
+        return normal, _zeroed(recorder.take_zeroed() + _zeroed_by_d(launches), names), launches
 
     unplanned = {}
     with monkeypatch.context() as m:
@@ -860,3 +877,33 @@ def test_the_host_profile_tool_runs_on_the_stand_in():
     rows = [line.split() for line in run.stdout.splitlines() if "-new-arrays" in line]
     assert [row[0] for row in rows] == ["causal-new-arrays", "dense-new-arrays"], run.stdout
     assert all(float(row[1]) > 0 and row[2] == "us/call" for row in rows), run.stdout
+
+
+@pytest.mark.parametrize("algorithm", ["fa2", "fa1"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_every_backward_launch_of_d_passes_the_kernels_parameters(fake, algorithm, dtype):
+    """Each launcher of D's kernel (the FA2 backward's and the FA1 backward's, 16-bit and float32) passes as many
+    arguments as the compiled kernel takes (its PTX entry's parameters): a launcher left behind by a change of the
+    kernel's signature would hand it garbage for the missing ones (found so: the FA1 launch after D's launch began
+    zeroing dQ's workspace)."""
+    cp, recorder = fake
+    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings not installed (pip install .[nvrtc])")
+    from cuflash import _cuda
+
+    rng = np.random.default_rng(5)
+    q, k, v, do, out = (cp.asarray(rng.standard_normal((1, 40, 2, 64)).astype(dtype)) for _ in range(5))
+    lse = cp.asarray(rng.standard_normal((1, 2, 40)).astype(np.float32))
+    recorder.take()
+    cuflash.attention_backward(do, q, k, v, out, lse, causal=True, algorithm=algorithm)
+    pre = [launch for launch in recorder.take() if "preprocess" in launch[0]]
+    assert len(pre) == 1, [launch[0] for launch in pre]
+    name, _, args = pre[0][:3] if len(pre[0]) == 3 else (pre[0][0], None, pre[0][5])
+    family = "bwd_pre_f32" if dtype == np.float32 else "bwd_pre"
+    spec = _cuda.spec.spec(family, np.dtype(dtype).name, 64)
+    assert spec.name == name
+    compiled = _cuda.compile.nvrtc_offline(_cuda.compile_source_for_nvrtc(spec.source), [name], spec.options,
+                                           spec.targets[-1])
+    if not compiled["ok"]:
+        pytest.skip("NVRTC could not compile here: " + compiled["log"][-300:])
+    entry = compiled["ptx"][compiled["ptx"].index(".entry " + compiled["lowered"][name]):]
+    assert entry[:entry.index(")")].count(".param") == len(args), (algorithm, dtype)

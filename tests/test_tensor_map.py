@@ -820,9 +820,13 @@ def test_the_backward_adds_dq_a_tile_at_a_time_where_switched_on(monkeypatch):
         assert flat_names[1] == "cuflash::flash_bwd_dkdv_sm90_flat_kernel"  # (VariantParams' fields, no counter)
         assert flat_names[2] == "cuflash::flash_bwd_convert_dq_kernel"
         assert workspace["dq_accum"] == (2, 4, 200, 128)
-        # (a run: the zeroed part covers the padded planes)
+        # (a run: D's launch zeroes the padded planes from the workspace's start, no memset)
+        recorder.take()
         p.run(do, q, k, v, out, lse)
-        assert p._zero_bytes >= dq_bytes
+        pre, dkdv = recorder.take()[:2]
+        assert pre[0].startswith("cuflash::flash_bwd_preprocess_kernel") and p._zero_bytes == 0
+        assert int.from_bytes(pre[5][-1], "little") * 16 == dq_bytes
+        assert pre[5][-2] == dkdv[5][6]  # (dK/dV's dq_accum argument)
 
 
 def test_the_d64_backward_on_128_row_query_tiles_where_switched_on(monkeypatch):

@@ -1102,8 +1102,9 @@ class BackwardPlan(_Plan):
     """The 16-bit FA2 backward of one call's layouts and options (:func:`_backward_launches`: D, dK/dV with dQ, or
     dQ's own pass for the split order, dQ's conversion, GQA's sum), each launch packed once. :meth:`run` takes the
     arrays of the planned layouts (the caller checks them: the front door keys its plans by layout) and returns
-    ``(dq, dk, dv)``. A run allocates the gradients and one workspace (D, the float32 dQ and GQA accumulators:
-    zeroed where the kernels accumulate, by a memset on the stream), writes the addresses and launches."""
+    ``(dq, dk, dv)``. A run allocates the gradients and one workspace (D, the float32 dQ and GQA accumulators,
+    zeroed where the kernels accumulate: dQ's by D's launch, others by a memset on the stream), writes the addresses
+    and launches."""
 
     # A run's addresses, in this order: the inputs, the gradients, the workspace's parts.
     _SLOTS = ("q", "k", "v", "do", "out", "lse", "dq", "dk", "dv", "delta", "dq_accum", "dkv_accum")
@@ -1147,13 +1148,14 @@ class BackwardPlan(_Plan):
                  "dkv_accum": (2, shp.ws_batch, shp.heads_q, shp.rows_k, d) if shp.group > 1 else None,
                  "delta": (shp.ws_batch, shp.heads_q, shp.rows_q)}
         zeroed = {"dq_accum": True, "dkv_accum": variant.seqused_k is not None, "delta": False}
+        zero_dq = _zero_dq_in_d(split, shp, variant)
         offsets, size, self._zero_bytes = {}, 0, 0
         for name, shape in sorted(parts.items(), key=lambda item: not zeroed[item[0]]):
             if shape is None:
                 continue
             offsets[name] = size
             size += -(-int(np.prod(shape)) * f32 // 256) * 256
-            if zeroed[name]:
+            if zeroed[name] and not zero_dq:
                 self._zero_bytes = size
         self._ws_bytes, self._offsets = max(size, 256), tuple(offsets.get(name) for name in self._SLOTS[9:])
         itemsize = q.dtype.itemsize
@@ -1176,14 +1178,14 @@ class BackwardPlan(_Plan):
         if counter is not None:
             spec = kernel_spec("bwd_dkdv_sm90_tma_persistent", dtype, d, spec.tile, spec.variant, spec.has_dq)
         launches = _backward_launches(buffers, shp, d, dtype, spec, spec_q, np.float32(scale), params, interleave,
-                                      dq_tile, counter is not None, counter or 0)
+                                      dq_tile, counter is not None, counter or 0, zero_dq)
         # (the flat twin: the cp.async kernel, a block a key tile, dQ's rows in order; launches of their own where the
         # dK/dV launch is the TMA entry point's, whose arguments end with the tile counter)
         flat = ([(flat_spec if launch_spec is spec else launch_spec, grid, args) for launch_spec, grid, args in launches]
                 if spec is flat_spec else _backward_launches(
                     buffers, shp, d, dtype, flat_spec, spec_q, np.float32(scale),
                     lambda s, transposed=False: _VariantArgs(variant, scale, shp, s, transposed, head_dims).params,
-                    interleave))
+                    interleave))  # (no zeroing there: flat_calls' caller zeroes its workspace, dQ's unpadded)
         for launch_spec, grid, args in launches:
             more = tuple(m.address for m, _ in self._maps) if launch_spec is spec else ()
             launch = PackedLaunch(self._rt, launch_spec, grid,
@@ -1294,9 +1296,25 @@ def _preprocess(spec_family, dtype, d, do, out, shp: Shape):
     return delta
 
 
-def _preprocess_launch(spec_family, dtype, d, do, out, delta, shp: Shape):
-    return (kernel_spec(spec_family, dtype, d), (cdiv(shp.rows_q, 4), shp.heads_q, shp.ws_batch), (
-        do, out, delta, i32(shp.rows_q), i32(shp.heads_q), *strides(do), *strides(out)))
+def _preprocess_launch(spec_family, dtype, d, do, out, delta, shp, zero=None):
+    """[bwd 0]'s launch; ``zero``: ``(buffer, count)``, the float32 accumulator whose first ``count`` float4 the launch
+    zeroes too (a planned backward's dQ workspace: no memset of its own), or None. The 16-bit kernel strides over
+    the rows (:func:`_preprocess_rows` a block), the float32 one takes 4 a block. ``shp``: a :class:`Shape`, or
+    ``(rows_q, heads_q, batch)`` (the FA1 launcher's)."""
+    rows_q, heads_q, batch = (shp.rows_q, shp.heads_q, shp.ws_batch) if isinstance(shp, Shape) else shp
+    rows = 4 if spec_family == "bwd_pre_f32" else _preprocess_rows(d)
+    buffer, count = zero or (np.uintp(0), 0)
+    return (kernel_spec(spec_family, dtype, d), (cdiv(rows_q, rows), heads_q, batch), (
+        do, out, delta, i32(rows_q), i32(heads_q), *strides(do), *strides(out), buffer, np.int64(count)))
+
+
+def _preprocess_rows(d: int) -> int:
+    """The rows one block of flash_bwd_preprocess_kernel covers a step at head dim ``d`` (its 8 warps' kSteps x
+    kPerWarp rows, backward.cu; its blocks stride over the rows, so a grid of another size is slower, not wrong):
+    256 at d <= 32, 128 at 64, 64 at 128, 32 at 256."""
+    lanes = min(32, max(4, 1 << (cdiv(d, 8) - 1).bit_length()))
+    steps = 4 if cdiv(d, 8) <= lanes else 2
+    return 8 * steps * (32 // lanes)
 
 
 def _kernel_ready(variant: Variant) -> Variant:
@@ -1445,7 +1463,9 @@ def _backward(do, q, k, v, out, lse, shp: Shape, d, variant, vtype, params, fsca
                                                                       dbias_dtype=dbias_dtype))
     delta = cupy.empty((shp.ws_batch, shp.heads_q, shp.rows_q), dtype=cupy.float32)
     dq, dk, dv = _grad_buffers(q, k, v, variant)
-    dq_accum = None if split else cupy.zeros((shp.ws_batch, shp.heads_q, shp.rows_q, d), dtype=cupy.float32)
+    zero_dq = _zero_dq_in_d(split, shp, variant)
+    dq_accum = None if split else (cupy.empty if zero_dq else cupy.zeros)((shp.ws_batch, shp.heads_q, shp.rows_q, d),
+                                                                         dtype=cupy.float32)
     dkv_accum = None
     if shp.group > 1:
         alloc = cupy.zeros if variant.seqused_k is not None else cupy.empty
@@ -1459,7 +1479,7 @@ def _backward(do, q, k, v, out, lse, shp: Shape, d, variant, vtype, params, fsca
 
     buffers = _BackwardBuffers(q, k, v, do, out, lse, dq, dk, dv, delta, dq_accum, dkv_accum)
     for launch_spec, grid, args in _backward_launches(buffers, shp, d, dtype, spec, spec_q, fscale, launch_vp,
-                                                      backward_interleave(variant, shp)):
+                                                      backward_interleave(variant, shp), zero_dq=zero_dq):
         launch(launch_spec, grid, args)
     return dq, dk, dv
 
@@ -1516,18 +1536,20 @@ def backward_interleave(variant: Variant, shp: Shape) -> int:
 
 
 def _backward_launches(a: _BackwardBuffers, shp: Shape, d: int, dtype: str, spec, spec_q, fscale, params,
-                       interleave: int = 1, dq_tile: bool = False, persistent: bool = False, counter: int = 0) -> list:
+                       interleave: int = 1, dq_tile: bool = False, persistent: bool = False, counter: int = 0,
+                       zero_dq: bool = False) -> list:
     """The 16-bit backward's launches at kernel head dim ``d``, in order, as ``(spec, grid, args)``: [bwd 0] D; dK,
     dV (and dQ into the float32 dq_accum, atomically) by key tiles; dQ by query tiles (split order) or dq_accum's
     conversion (``dq_tile``: from [bwd dq tile]'s fragment order); GQA's sum of dK, dV over each group.
     ``params(spec, transposed)``: a launch's VariantParams. ``persistent`` ([bwd persistent]): the dK/dV launch a
     block per SM (at most one per key tile), its ``interleave`` argument the order's pairs plus the batch times 256,
     taking its tiles from ``counter`` (the address of two zeroed int32; the TMA entry point takes it after
-    VariantParams, used or not).
+    VariantParams, used or not). ``zero_dq``: D's launch zeroes dq_accum first (in place of a memset).
     The one description of these launches: :func:`_backward` launches it through CuPy, :class:`BackwardPlan`
     packs it once."""
     null = np.uintp(0)
-    launches = [_preprocess_launch("bwd_pre", dtype, a.do.shape[-1], a.do, a.out, a.delta, shp)]
+    zero = (a.dq_accum, _quads(a.dq_accum.shape)) if zero_dq else None
+    launches = [_preprocess_launch("bwd_pre", dtype, a.do.shape[-1], a.do, a.out, a.delta, shp, zero)]
     grid = (cdiv(shp.max_k, spec.tile.block_n), shp.heads_q, shp.batch)
     if persistent:
         assert interleave < 256 and shp.max_k == shp.rows_k, (interleave, shp)  # (the TMA kernel: no packed rows)
@@ -1549,6 +1571,19 @@ def _backward_launches(a: _BackwardBuffers, shp: Shape, d: int, dtype: str, spec
     if shp.group > 1:
         launches.append(_reduce_dkv_launch(a.dkv_accum, a.dk, a.dv, dtype, d, shp))
     return launches
+
+
+def _zero_dq_in_d(split: bool, shp: Shape, variant: Variant) -> bool:
+    """Whether D's launch zeroes the float32 dQ accumulator (no memset, no cupy.zeros): where there is one and it is
+    the only buffer of the backward to start at zero (GQA's accumulator does too under seqused_k: a memset of both)."""
+    return not split and not (shp.group > 1 and variant.seqused_k is not None)
+
+
+def _quads(shape) -> int:
+    """The float4 of a float32 buffer of ``shape`` (the accumulators' last axis is a head dim, a multiple of 8)."""
+    n = math.prod(int(x) for x in shape)
+    assert n % 4 == 0, shape
+    return n // 4
 
 
 def convert_dq(dq_accum, dq, dtype: str, d: int, shp: Shape, fscale) -> None:

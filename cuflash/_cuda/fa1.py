@@ -91,7 +91,7 @@ def backward(do, q, k, v, out, lse, *, scale, causal_offset, block_q, block_k):
     the dQ scale/cast and the GQA dK/dV group sum are backward.cu's small kernels, shared with FA2."""
     import cupy
 
-    from .attention import Shape, aligned, cdiv, convert_dq, reduce_dkv, strides
+    from .attention import Shape, _preprocess_launch, aligned, convert_dq, reduce_dkv, strides
 
     B, Nq, Hq, d = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
@@ -106,8 +106,7 @@ def backward(do, q, k, v, out, lse, *, scale, causal_offset, block_q, block_k):
     if not f32:
         q, k, v, do = aligned(q), aligned(k), aligned(v), aligned(do)
     # [bwd 0] D = rowsum(dO * O)
-    launch(kernel_spec("bwd_pre_f32" if f32 else "bwd_pre", dtype, d), (cdiv(Nq, 4), Hq, B), (
-        do, out, delta, np.int32(Nq), np.int32(Hq), *strides(do), *strides(out)))
+    launch(*_preprocess_launch("bwd_pre_f32" if f32 else "bwd_pre", dtype, d, do, out, delta, (Nq, Hq, B)))
     if f32:
         spec = kernel_spec("fa1_bwd_f32", dtype, d, _fa1_tile("fa1_bwd", d, None, block_k, f32=True), _b(causal))
         check_smem(spec)

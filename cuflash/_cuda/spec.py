@@ -693,7 +693,7 @@ FAMILIES: dict[str, Family] = {
         "backward.cu", "flash_bwd_dq_f32_kernel", lambda s: f"{s.head_dim}, {s.variant}", _no_smem, threads=128),
     # Small kernels of the backward (no variant: they see rows only).
     "bwd_pre": Family(
-        "backward.cu", "flash_bwd_preprocess_kernel", lambda s: f"{CTYPES[s.dtype]}, {s.head_dim}", _no_smem, threads=128),
+        "backward.cu", "flash_bwd_preprocess_kernel", lambda s: f"{CTYPES[s.dtype]}, {s.head_dim}", _no_smem, threads=256),
     "bwd_pre_f32": Family(
         "backward.cu", "flash_bwd_preprocess_f32_kernel", lambda s: f"{s.head_dim}", _no_smem, threads=128),
     "bwd_convert_dq": Family(
