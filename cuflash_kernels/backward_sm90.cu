@@ -158,6 +158,12 @@ __device__ __forceinline__ int dq_tile_pos(int r, int c) {
 #ifndef CUFLASH_BWD_DQ_FIRST
 #define CUFLASH_BWD_DQ_FIRST 1
 #endif
+// [bwd share dq] (an experiment, off: 0) [bwd shared keys]' two dQ chunks each under one of dV's and dK's products:
+// dQ's first chunk and dV's product issued, the chunk added while dV's runs, then the second chunk and dK's, the same
+// way (1); off, dV's and dK's products, then each chunk issued, waited for and added with the tensor cores idle.
+#ifndef CUFLASH_BWD_SHARE_DQ
+#define CUFLASH_BWD_SHARE_DQ 0
+#endif
 
 // The tensor maps of the TMA entry point: q, k, v and dO as 4-d tensors (columns, rows, heads, batch).
 struct BwdMaps {
@@ -598,18 +604,29 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
             // (the caller fenced the registers: wgmma_fence).
             // [bwd shared keys] A from shared memory, both warpgroups' P^T and dS^T (after the barrier that follows
             // their stores), B this warpgroup's kDN columns of dO and Q.
-            auto issue_dv_dk = [&]() {
+            // [bwd shared keys] dV's and dK's products apart (A from shared memory)
+            auto issue_dv_share = [&]() {
                 if constexpr (kShare) {
 #pragma unroll
                     for (int kk = 0; kk < kMT; ++kk) {
                         WgmmaTT<T>::ss_tb(dv_acc, desc_kq(pt_addr, kk), desc_qmn(tdo, kk), 1, Int<Cfg::kDN>());
                     }
                     wgmma_commit();
+                }
+            };
+            auto issue_dk_share = [&]() {
+                if constexpr (kShare) {
 #pragma unroll
                     for (int kk = 0; kk < kMT; ++kk) {
                         WgmmaTT<T>::ss_tb(dk_acc, desc_kq(ds_addr, kk), desc_qmn(tq, kk), 1, Int<Cfg::kDN>());
                     }
                     wgmma_commit();
+                }
+            };
+            auto issue_dv_dk = [&]() {
+                if constexpr (kShare) {
+                    issue_dv_share();
+                    issue_dk_share();
                 } else {
 #pragma unroll
                     for (int kk = 0; kk < kMT; ++kk) {
@@ -728,6 +745,26 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
                             named_bar_arrive(1, kThreads);
                         }
                     }
+                    wgmma_wait<0>();
+                } else if constexpr (kShare && CUFLASH_BWD_SHARE_DQ) {
+                    // [bwd share dq] after the barrier (dV's, dK's and dQ's products read both warpgroups' tiles): a
+                    // chunk of dQ added under each of dV's and dK's products
+                    static_assert(Cfg::kDqN == 2 * kDqChunk, "[bwd share dq]: two dQ chunks");
+                    __syncthreads();
+                    next_stage();
+                    float dq[kDqChunk / 8][4];
+                    wgmma_fence();
+                    issue_dq(dq, dq_col0);
+                    issue_dv_share();
+                    wgmma_wait<1>();
+                    fence_regs(dq);
+                    add_dq(dq, dq_col0);
+                    wgmma_fence();
+                    issue_dq(dq, dq_col0 + kDqChunk);
+                    issue_dk_share();
+                    wgmma_wait<1>();
+                    fence_regs(dq);
+                    add_dq(dq, dq_col0 + kDqChunk);
                     wgmma_wait<0>();
                 } else {
                     if constexpr (kShare) {
