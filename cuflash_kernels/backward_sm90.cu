@@ -158,11 +158,16 @@ __device__ __forceinline__ int dq_tile_pos(int r, int c) {
 #ifndef CUFLASH_BWD_DQ_FIRST
 #define CUFLASH_BWD_DQ_FIRST 1
 #endif
-// [bwd share dq] (an experiment, off: 0) [bwd shared keys]' two dQ chunks each under one of dV's and dK's products:
-// dQ's first chunk and dV's product issued, the chunk added while dV's runs, then the second chunk and dK's, the same
-// way (1); off, dV's and dK's products, then each chunk issued, waited for and added with the tensor cores idle.
+// [bwd share dq] on (1, the default) [bwd shared keys]' two dQ chunks each under one of dV's and dK's products: dQ's
+// first chunk and dV's product issued, the chunk added while dV's runs, then the second chunk and dK's, the same way;
+// off (0), dV's and dK's products, then each chunk issued, waited for and added with the tensor cores idle. H200
+// 2026-11-29, bf16, d 256, backward alone, three rounds over two calls against off: dense N 1024 253-256
+// against 247-253 TFLOP/s, N 4096 311-314 against 301-302, causal N 1024 205-206 against 203-204, N 4096 284-290
+// against 280-285 (+1-4 %); d 256's GPU tests pass either way. (ncu, d 256 N 4096 dense: the tensor pipe busy about
+// a third of the cycles, L2 66 % busy with dQ's red.global.add, 35 % of the stalls on their registers (L1TEX
+// scoreboard); red.global.add.v4 ([bwd dq v4]) there: 297 against 311, not taken.)
 #ifndef CUFLASH_BWD_SHARE_DQ
-#define CUFLASH_BWD_SHARE_DQ 0
+#define CUFLASH_BWD_SHARE_DQ 1
 #endif
 
 // The tensor maps of the TMA entry point: q, k, v and dO as 4-d tensors (columns, rows, heads, batch).
