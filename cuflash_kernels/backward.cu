@@ -42,9 +42,10 @@ __device__ __forceinline__ void zero_share(float4* __restrict__ zero, i64 count)
 // (the head dim's 8-element chunks rounded up to a power of two), 32 / kLanes rows a warp at a time, each warp
 // kRowsPerWarp rows a step, all of a step's loads issued before its sums; blocks stride over the rows (any grid.x).
 // Where dO's or O's rows are not all 16-byte aligned (a base address or a row stride), an element at a time.
-// Grid (x, heads_q, batch), 256 threads.
+// Grid (x, heads_q, batch), 256 threads; four blocks an SM asked (64 registers at most: sm_80's ptxas otherwise picks
+// 40 and spills 8 bytes; sm_90a's takes 62-64 either way).
 template <class T, int kHeadDim>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(256, 4)
 flash_bwd_preprocess_kernel(const u16* __restrict__ dout, const u16* __restrict__ out, float* __restrict__ delta,
                             int seqlen_q, int heads_q, i64 do_sb, i64 do_ss, i64 do_sh,
                             i64 o_sb, i64 o_ss, i64 o_sh, float4* __restrict__ zero, i64 zero_count) {
