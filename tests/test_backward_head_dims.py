@@ -44,13 +44,15 @@ def _kernels(recorder):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # (the upcast path casts uninitialized memory)
 @pytest.mark.parametrize(("cc", "d", "kernel"), [
-    (90, 256, "flash_bwd_dkdv_kernel"), (90, 200, "flash_bwd_dkdv_kernel"), (90, 160, "flash_bwd_dkdv_kernel"),
+    (90, 256, "flash_bwd_dkdv_sm90_kernel"), (90, 200, "flash_bwd_dkdv_kernel"), (90, 160, "flash_bwd_dkdv_kernel"),
     (80, 192, "flash_bwd_dkdv_kernel"), (80, 256, "flash_bwd_dkdv_f32_kernel"), (86, 192, "flash_bwd_dkdv_f32_kernel"),
     (120, 256, "flash_bwd_dkdv_f32_kernel"),
     (90, 128, "flash_bwd_dkdv_sm90_kernel")])  # (no driver to encode maps: not its TMA entry point)
 def test_the_16_bit_backward_runs_the_tensor_core_kernels_where_it_can(fake, monkeypatch, cc, d, kernel):
-    """The dK/dV launch of a bf16 backward (causal, GQA) by compute capability and head dim; at 160 and 200 the
-    launch names the next head dim's kernel (192, 256) and its VariantParams the arrays' head dims."""
+    """The dK/dV launch of a bf16 backward (causal, GQA) by compute capability and head dim (sm_90's d 256: the wgmma
+    kernel, [bwd shared keys]); at 160 and 200 the launch names the next head dim's mma.sync kernel (192, 256: no
+    driver here to encode the TMA entry point's maps, which a padded head dim needs) and its VariantParams the
+    arrays' head dims."""
     cp, recorder = fake
     monkeypatch.setitem(compile._device_cache, 0, (cc, SMEM[cc]))
     rng = np.random.default_rng(d)
