@@ -20,10 +20,8 @@
 //   [bwd 5] dQ  += dS K (Has_dQ)         dS^T is written to shared memory (swizzled, 16-bit); after a
 //       block barrier each warpgroup computes a 64 x d / kNWG slice of dS K with wgmma, A = dS^T read as dS
 //       (MN-major, transpose bit), B = K (MN-major, transpose bit), and adds it to the float32 dQ workspace
-//       with red.global.add.v2.f32; flash_bwd_convert_dq_kernel scales and casts. [bwd dq bulk] The TMA entry
-//       point can add it by bulk reductions instead: each warp stores its 16 rows of the slice to a float32 tile
-//       in shared memory and 16 of its lanes each add one row's slice (cp.reduce.async.bulk .add.f32, 128-256
-//       bytes) into the workspace: 128 bulk operations per query tile in place of 4096 vector reductions. The
+//       with red.global.add.v2.f32; flash_bwd_convert_dq_kernel scales and casts. [bwd dq tile] The TMA entry
+//       point adds the whole tile by one bulk reduction instead (below). The
 //       warpgroups split the head-dim columns of dQ (measured on the H100 against splitting the keys, each warpgroup a
 //       full-width partial over its own 64 keys: the column split is 15-30% faster, half the reductions).
 // dK = scale * dK_acc and dV are written as backward.cu does: straight to dk / dv for MHA, per query head
@@ -68,8 +66,8 @@ struct Sm90BwdConfig {
     // ([bwd shared keys]: P^T's tile after dS^T's)
     static constexpr int kSmemBytes = 2 * (2 * kBlockN * kHeadDim + 4 * kBlockM * kHeadDim +
                                            (kShareKeys ? 2 : 1) * kBlockN * kBlockM) + 4 * 4 * kBlockM + 1024;
-    // [bwd dq bulk] the TMA entry point's float32 dQ tile, rows padded by 8 floats (a half-warp's 64-bit stores,
-    // 4 rows x 4 lanes, fall in distinct banks), after its 64 bytes of mbarriers
+    // The TMA entry point's float32 dQ tile ([bwd dq tile]'s, kBlockM x kHeadDim of it), after its 64 bytes of
+    // mbarriers, sized with rows of kHeadDim + 8 floats (the removed [bwd dq bulk]'s padded rows)
     static constexpr int kDqStride = kHeadDim + 8;
     // [bwd flow] dS^T's second buffer after it, 1024-byte aligned ([bwd shared keys]: no dQ tile; the second dS^T and
     // P^T right after the first ones, before the rows' statistics)
@@ -77,22 +75,9 @@ struct Sm90BwdConfig {
                                                     : kSmemBytes + 64 + 4 * kBlockM * kDqStride + 2 * kBlockN * kBlockM + 1024;
 };
 
-// [bwd dq bulk] off (0, the default: the TMA entry point adds dQ with red.global.add as the others do) or on (1).
-// H100 2026-11-28, bf16, backward alone, one process each: on, d 64 3-6 % slower, d 128 -11 % to +6 % (dense +1-3 %;
-// causal N 4096 318 against 358 TFLOP/s, N 16384 391 against 370); results equal either way (dK, dV bit for bit,
-// dQ within the atomics' order), sanitizer clean. Per-row bulk operations of 128-256 bytes; a whole-tile one issued
-// by one thread after a warpgroup barrier (FA3's) is the next thing to try.
-#ifndef CUFLASH_BWD_DQ_BULK
-#define CUFLASH_BWD_DQ_BULK 0
-#endif
-// [bwd dq v4] (an experiment, off: 0) dQ added by 16-byte vector reductions (red.global.add.v4.f32): the lanes of
-// each pair of a quad swap a half of their accumulator pairs (two shuffles a column block), so that each adds four
-// neighbouring columns of one row; half the reductions of the v2 form, for two shuffles each.
-// H200 2026-11-29, bf16, backward alone, three rounds: slower everywhere, d 64 338-354 against 351-372 TFLOP/s,
-// d 128 399-430 against 411-451 (-3 to -5 %): the shuffles cost more than the halved reductions save.
-#ifndef CUFLASH_BWD_DQ_V4
-#define CUFLASH_BWD_DQ_V4 0
-#endif
+// Measured slower and removed (session 24; docs/kernel-notes.md keeps their numbers): [bwd dq bulk], dQ added by a
+// bulk reduction a fragment row from a padded float32 tile (kDqStride's 8 floats), and [bwd dq v4], dQ added by
+// red.global.add.v4.f32 after two shuffles a column block.
 // [bwd dq tile] (on: 1; 0 restores the per-fragment red.global.add) the TMA entry point adds its dQ tile by one bulk
 // reduction (FlashAttention-3's dQaccum order): each thread stores its dQ accumulators contiguously to a float32 tile
 // in shared memory, in the fragments' order (its float4 chunks rotated by dq_tile_slot: a quarter-warp's 16-byte stores
@@ -165,7 +150,7 @@ __device__ __forceinline__ int dq_tile_pos(int r, int c) {
 // against 247-253 TFLOP/s, N 4096 311-314 against 301-302, causal N 1024 205-206 against 203-204, N 4096 284-290
 // against 280-285 (+1-4 %); d 256's GPU tests pass either way. (ncu, d 256 N 4096 dense: the tensor pipe busy about
 // a third of the cycles, L2 66 % busy with dQ's red.global.add, 35 % of the stalls on their registers (L1TEX
-// scoreboard); red.global.add.v4 ([bwd dq v4]) there: 297 against 311, not taken.)
+// scoreboard); the removed [bwd dq v4]'s red.global.add.v4 there: 297 against 311.)
 #ifndef CUFLASH_BWD_SHARE_DQ
 #define CUFLASH_BWD_SHARE_DQ 1
 #endif
@@ -238,10 +223,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
     // [bwd tma] mbarriers where a staged bias would be (the TMA entry point stages none): K and V landed, query
     // buffer 0, 1 landed
     const u32 full_kv = smem_u32(sD + 2 * kBlockM), full_q = full_kv + 8;
-    // [bwd dq bulk] the float32 dQ tile (kBlockM x kDqStride), after the 64 bytes of mbarriers
-    constexpr bool kDqBulk = kTma && Has_dQ && CUFLASH_BWD_DQ_BULK && !kShare;
-    // [bwd dq tile] (the whole tile in fragment order, in the same shared memory; thread kDqIssuer adds it)
-    constexpr bool kDqTile = kTma && Has_dQ && CUFLASH_BWD_DQ_TILE && !kDqBulk && !kShare;
+    // [bwd dq tile] the float32 dQ tile in fragment order, after the 64 bytes of mbarriers; thread kDqIssuer adds it
+    constexpr bool kDqTile = kTma && Has_dQ && CUFLASH_BWD_DQ_TILE && !kShare;
     constexpr int kDqIssuer = 32;  // (warp 1's first lane: thread 0 issues the TMA copies)
     float* sDq = sD + 2 * kBlockM + 16;
     // [bwd flow] the TMA entry point with dQ: no barrier at the loop's top, dS^T in two buffers (the second after the
@@ -666,33 +649,11 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
                         *reinterpret_cast<float4*>(st + dq_tile_slot<kDqChunk / 8>(tid, dt) * 4) =
                             make_float4(dq[dt][0], dq[dt][1], dq[dt][2], dq[dt][3]);
                     }
-                } else if constexpr (CUFLASH_BWD_DQ_V4 && !kDqBulk) {  // [bwd dq v4]
-                    // even lanes of a pair: row g, columns 2t .. 2t + 3 (their own pair, then the odd lane's); odd
-                    // lanes: row g + 8, the even lane's pair then their own
-                    const int odd = t & 1, r = warp_in_wg * 16 + g + 8 * odd;
-                    float* dqr = dqg + (i64)(m0 + r) * kHeadDim + col0 + 2 * (t & ~1);
-                    const bool in = m0 + r < len_q;
-#pragma unroll
-                    for (int dt = 0; dt < kDqChunk / 8; ++dt) {
-                        const float x = __shfl_xor_sync(0xffffffffu, odd ? dq[dt][0] : dq[dt][2], 1);
-                        const float y = __shfl_xor_sync(0xffffffffu, odd ? dq[dt][1] : dq[dt][3], 1);
-                        if (in) {
-                            if (odd) red_add_v4_f32(dqr + dt * 8, x, y, dq[dt][2], dq[dt][3]);
-                            else red_add_v4_f32(dqr + dt * 8, dq[dt][0], dq[dt][1], x, y);
-                        }
-                    }
                 } else {
 #pragma unroll
                     for (int hh = 0; hh < 2; ++hh) {
                         const int r = warp_in_wg * 16 + g + 8 * hh;
-                        if constexpr (kDqBulk) {  // [bwd dq bulk] into the dQ tile
-                            float* sr = sDq + r * Cfg::kDqStride + col0 + 2 * t;
-#pragma unroll
-                            for (int dt = 0; dt < kDqChunk / 8; ++dt) {
-                                *reinterpret_cast<float2*>(sr + dt * 8) =
-                                    make_float2(dq[dt][2 * hh], dq[dt][2 * hh + 1]);
-                            }
-                        } else if (m0 + r < len_q) {
+                        if (m0 + r < len_q) {
                             float* dqr = dqg + (i64)(m0 + r) * kHeadDim + col0 + 2 * t;
 #pragma unroll
                             for (int dt = 0; dt < kDqChunk / 8; ++dt) {
@@ -715,11 +676,6 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
             };
 
             if constexpr (Has_dQ) {
-                // [bwd dq bulk] This warp's rows of the dQ tile are free once the bulk reductions its lanes issued for
-                // the previous tile have read them.
-                if constexpr (kDqBulk) {
-                    if (lane < 16) bulk_wait_read<0>();
-                }
                 if constexpr (kDqTile) {  // [bwd dq tile] the tile is free once the last tile's reduction has read it
                     if (tid == kDqIssuer) bulk_wait_read<0>();
                 }
@@ -797,18 +753,6 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
                         add_dq(dq, dq_col0 + c * kDqChunk);
                     }
                 }
-                if constexpr (kDqBulk) {
-                    // [bwd dq bulk] the warp's stores visible to the bulk copies; lane i adds row i of the warp's 16
-                    // (its slice of the warpgroup's columns).
-                    fence_proxy_async();
-                    __syncwarp();
-                    const int r = warp_in_wg * 16 + lane;
-                    if (lane < 16 && m0 + r < len_q) {
-                        bulk_reduce_add_f32(dqg + (i64)(m0 + r) * kHeadDim + dq_col0,
-                                            smem_u32(sDq + r * Cfg::kDqStride + dq_col0), Cfg::kDqN * 4);
-                    }
-                    if (lane < 16) bulk_commit();
-                }
             } else {
                 if constexpr (kShare) __syncthreads();  // [bwd shared keys] every warpgroup's P^T and dS^T stored
                 wgmma_fence();
@@ -878,11 +822,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(CUFLASH_BWD_DKDV_PARAMS, con
         if (!kPersistent || linear >= n_tiles) break;
     }  // (the tiles' loop)
     if constexpr (kPersistent) done_taking();  // (its last take, past the tiles, was in its last pass)
-    if constexpr (kDqBulk) {
-        if (lane < 16) bulk_wait<0>();  // [bwd dq bulk] (the dQ tile stays while the last reductions read it)
-    }
     if constexpr (kDqTile) {
-        if (tid == kDqIssuer) bulk_wait<0>();  // [bwd dq tile] (likewise)
+        if (tid == kDqIssuer) bulk_wait<0>();  // [bwd dq tile] (the dQ tile stays while the last reduction reads it)
     }
 }
 

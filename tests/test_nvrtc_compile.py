@@ -254,24 +254,20 @@ def test_fp8_exponentials_on_the_16_bit_path_compile_without_spills():
     assert "ex2.approx.f16x2" in _cuda.compile.nvrtc_offline(text, names, options, "sm_90a")["ptx"]
 
 
-_BWD_SCHEDULE_DEFAULTS = {"CUFLASH_BWD_DQ_BULK": 0, "CUFLASH_BWD_DQ_FIRST": 1, "CUFLASH_BWD_FLOW": 1,
-                          "CUFLASH_BWD_DQ_V4": 0, "CUFLASH_BWD_DQ_TILE": 1}
+_BWD_SCHEDULE_DEFAULTS = {"CUFLASH_BWD_DQ_FIRST": 1, "CUFLASH_BWD_FLOW": 1, "CUFLASH_BWD_DQ_TILE": 1}
 
 
-@pytest.mark.parametrize("changes", [{"CUFLASH_BWD_DQ_TILE": 0}, {"CUFLASH_BWD_DQ_BULK": 1, "CUFLASH_BWD_DQ_TILE": 0},
-                                     {"CUFLASH_BWD_DQ_FIRST": 0, "CUFLASH_BWD_DQ_TILE": 0}, {"CUFLASH_BWD_FLOW": 0},
-                                     {"CUFLASH_BWD_DQ_V4": 1, "CUFLASH_BWD_DQ_TILE": 0},
-                                     {"CUFLASH_BWD_FLOW": 0, "CUFLASH_BWD_DQ_FIRST": 0, "CUFLASH_BWD_DQ_TILE": 0},
-                                     {"CUFLASH_BWD_DQ_BULK": 1, "CUFLASH_BWD_DQ_TILE": 0, "CUFLASH_BWD_FLOW": 0}],
+@pytest.mark.parametrize("changes", [{"CUFLASH_BWD_DQ_TILE": 0}, {"CUFLASH_BWD_DQ_FIRST": 0, "CUFLASH_BWD_DQ_TILE": 0},
+                                     {"CUFLASH_BWD_FLOW": 0},
+                                     {"CUFLASH_BWD_FLOW": 0, "CUFLASH_BWD_DQ_FIRST": 0, "CUFLASH_BWD_DQ_TILE": 0}],
                          ids=lambda c: ",".join(f"{k[len('CUFLASH_BWD_'):]}={v}" for k, v in c.items()))
 def test_other_schedules_of_the_tma_backward_compile_without_spills(changes):
     """The backward's TMA entry point built with its dQ schedules (backward_sm90.cu) other than the shipped ones:
-    [bwd dq bulk] (dQ added by a bulk reduction a fragment row, cp.reduce.async.bulk; off by default), [bwd dq first]
-    (dQ's product issued before dV's and dK's, waited for alone: wait_group 2; on) and
+    [bwd dq first] (dQ's product issued before dV's and dK's, waited for alone: wait_group 2; on),
     [bwd flow] (lse and D copies counted by the query buffers' mbarriers, cp.async.mbarrier.arrive, instead of a block
-    barrier; on), [bwd dq v4] (16-byte vector reductions of dQ; off) and [bwd dq tile] (one bulk reduction a query
-    tile, issued by one thread after a named barrier; on; off, dQ's red.global.add) compile for sm_90a without
-    spills, each schedule's instructions present exactly where it is on."""
+    barrier; on) and [bwd dq tile] (one bulk reduction a query tile, issued by one thread after a named barrier; on;
+    off, dQ's red.global.add) compile for sm_90a without spills, each schedule's instructions present exactly where it
+    is on."""
     nvrtc = _nvrtc()
     names = [s.name for s in _cuda.instantiations() if s.family == "bwd_dkdv_sm90_tma" and s.has_dq
              and not variant_flags(s.name)][:2]
@@ -279,13 +275,12 @@ def test_other_schedules_of_the_tma_backward_compile_without_spills(changes):
     text = _cuda.compile_source_for_nvrtc("backward_sm90.cu")
 
     def check(ptx, settings):
-        bulk = settings["CUFLASH_BWD_DQ_BULK"] or settings["CUFLASH_BWD_DQ_TILE"]
+        bulk = settings["CUFLASH_BWD_DQ_TILE"]
         assert ("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx) == bool(bulk)
         assert ("red.global.add" in ptx) == (not bulk)
-        assert ("bar.arrive" in ptx) == bool(settings["CUFLASH_BWD_DQ_TILE"] and not settings["CUFLASH_BWD_DQ_BULK"])
+        assert ("bar.arrive" in ptx) == bool(bulk)
         assert ("wgmma.wait_group.sync.aligned 2;" in ptx) == bool(settings["CUFLASH_BWD_DQ_FIRST"])
         assert ("cp.async.mbarrier.arrive.noinc" in ptx) == bool(settings["CUFLASH_BWD_FLOW"])
-        assert ("red.global.add.v4.f32" in ptx) == bool(settings["CUFLASH_BWD_DQ_V4"] and not bulk)
 
     shipped = _cuda.compile.nvrtc_offline(text, names, _cuda.SM90A_OPTIONS, "sm_90a")
     assert shipped["ok"], shipped["log"][-3000:]

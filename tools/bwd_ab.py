@@ -4,7 +4,7 @@
 float16; --heads-kv for GQA), dense and causal, and whether each build's dK and dV are bit for bit the first build's
 (dQ: its max |difference|, the float32 additions' order).
 
-    python tools/bwd_ab.py --builds "" "CUFLASH_BWD_DQ_V4=1" [--rounds 3] [--n 4096 16384] [--dims 64 128]
+    python tools/bwd_ab.py --builds "" "CUFLASH_BWD_SHARE_DQ=0" [--rounds 3] [--n 4096 16384] [--dims 64 128]
 
 (run on the GPU machine from the repository root; ``--one`` is the per-process worker)."""
 
@@ -58,7 +58,7 @@ def one(args) -> None:
 
 
 def main() -> None:
-    p = ab_parser(__doc__, "CUFLASH_BWD_DQ_V4=1")
+    p = ab_parser(__doc__, "CUFLASH_BWD_SHARE_DQ=0")
     p.add_argument("--dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--n", type=int, nargs="+", default=[4096, 16384])
     p.add_argument("--tokens", type=int, default=32768, help="batch x N")
