@@ -294,7 +294,7 @@ __device__ __forceinline__ void flash_fwd_sm90(CUFLASH_FWD_PARAMS(u16), const Va
     // stored); the cp.async loads read whole rows.
     static_assert(!V::Pads_head_dim || kTma, "head dims below the kernel's: the TMA entry point");
     static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head dim: whole 64-column swizzle blocks, wgmma n <= 256");
-    static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "key tile: wgmma n = kBlockN");
+    static_assert((kBlockN % 64 == 0 || kBlockN == 80) && kBlockN <= 256, "key tile: wgmma n = kBlockN (64k or 80)");
     static_assert(kNWarps % 4 == 0 && kNWarps >= 4 && kNWarps <= 16, "one to four warpgroups");
     static_assert(kBlockM % 64 == 0 && (kBlockM == 16 * kNWarps || kWS), "each computing warpgroup owns 64 query rows");
     static_assert(kStages == 2, "two K/V buffers (the loop loads one tile ahead)");

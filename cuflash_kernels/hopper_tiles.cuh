@@ -208,7 +208,8 @@ template <int N> __device__ __forceinline__ void setmaxnreg_dec() {
 //   ss:    D (+)= A B^T, A (64 x 16) and B (N x 16) K-major in shared memory (descriptors da, db).
 //   rs_tb: D (+)= A B,   A (64 x 16) from registers (an mma.sync A fragment per warp), B (16 x N)
 //          MN-major in shared memory (transpose bit set).
-// scale_d = 0 overwrites D, 1 accumulates. Generated for N = 64, 128, 192, 256 (ss also 32: MLA decoding). The
+// scale_d = 0 overwrites D, 1 accumulates. Generated for N = 64, 128, 192, 256 (ss also 32: MLA decoding; 80: d 256's
+// forward on 80-key tiles, FlashAttention-3's). The
 // wrappers are written once for the PTX type TY of A and B ("f16" or "bf16", the only difference between the two
 // specializations); a macro, because an asm string must be a literal.
 template <class T> struct Wgmma;
@@ -234,6 +235,19 @@ template <class T> struct Wgmma;
                      "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
                      "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
                      "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]) \
+                     : "l"(da), "l"(db), "r"(scale_d)); \
+    } \
+    __device__ __forceinline__ static void ss(float (&d)[10][4], u64 da, u64 db, int scale_d, Int<80>) { \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n" \
+                     "wgmma.mma_async.sync.aligned.m64n80k16.f32." TY "." TY " {" \
+                     "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39" \
+                     "}, %40, %41, p, 1, 1, 0, 0;\n}\n" \
+                     : \
+                     "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
+                     "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
+                     "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
+                     "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), \
+                     "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]) \
                      : "l"(da), "l"(db), "r"(scale_d)); \
     } \
     __device__ __forceinline__ static void rs_tb(float (&d)[8][4], const u32 (&a)[4], u64 db, int scale_d, Int<64>) { \

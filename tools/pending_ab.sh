@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What is built and not yet run on a GPU, in one call on the GPU machine (run from the repository root with
-# PYTHONPATH set as tools/device_all.sh sets it; about 6 minutes):
+# PYTHONPATH set as tools/device_all.sh sets it; about 8 minutes):
 #   bash tools/pending_ab.sh V4_TREE
 # V4_TREE: a checkout of the branch bwd-share-v4 (on the development machine `git archive bwd-share-v4 | tar -x -C DIR`,
 #   carried over): [bwd share v4], d 256's dQ added in its fragments' order by 16-byte reductions (off unless
@@ -38,3 +38,7 @@ for tool in memcheck racecheck; do
 done
 echo "== [v4] against the shipped d 256 backward, backward alone"
 timeout 150 python3 tools/bwd_ab.py --builds "" "CUFLASH_BWD_SHARE_V4=1" --dims 256 --n 1024 4096 --rounds 2 2>&1 | tail -4
+cd - > /dev/null || exit 1
+export PYTHONPATH=$PWD:/tmp/site
+echo "== d 256's forward on 80-key tiles (main's tree; outputs checked against cuDNN's)"
+timeout 150 python3 tools/tile_trial.py --dim 256 --seqlens 1024 4096 16384 --tiles 128,64,12 128,80,12 2>&1 | tail -12

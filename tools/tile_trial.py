@@ -5,7 +5,8 @@ cuflash's forward with each candidate tile of the Hopper TMA entry point (one ti
 
 bf16, batch x N = 16384, heads x d = 2048 (the ANCHORS grid), dense and causal. Each candidate replaces the head dim's
 ("fwd", "sm90a_tma_short", d) row for N up to 2048 and its ("fwd", "sm90a_tma", d) row above (the launcher's plans are
-forgotten between candidates); "shipped" is the table as packaged. Times: 20 calls back to back between CUDA events,
+forgotten between candidates); "shipped" is the table as packaged. d 256: `--dim 256 --tiles 128,64,12 128,80,12` (80-key
+tiles, FlashAttention-3's d 256 forward tile: 225 KiB of shared memory, built by the kernel's n = 80 product). Times: 20 calls back to back between CUDA events,
 the median of 5 rounds, every implementation in each round in turn; each output is checked against cuDNN's first.
 """
 
