@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What is built and not yet run on a GPU, in one call on the GPU machine (run from the repository root with
-# PYTHONPATH set as tools/device_all.sh sets it; about 8 minutes):
+# PYTHONPATH set as tools/device_all.sh sets it; about 10 minutes):
 #   bash tools/pending_ab.sh V4_TREE
 # V4_TREE: a checkout of the branch bwd-share-v4 (on the development machine `git archive bwd-share-v4 | tar -x -C DIR`,
 #   carried over): [bwd share v4], d 256's dQ added in its fragments' order by 16-byte reductions (off unless
@@ -42,3 +42,5 @@ cd - > /dev/null || exit 1
 export PYTHONPATH=$PWD:/tmp/site
 echo "== d 256's forward on 80-key tiles (main's tree; outputs checked against cuDNN's)"
 timeout 150 python3 tools/tile_trial.py --dim 256 --seqlens 1024 4096 16384 --tiles 128,64,12 128,80,12 2>&1 | tail -12
+echo "== ncu survey (main's tree): forward / backward at d 128 N 1024, d 256 N 4096"
+timeout 200 python3 tools/ncu_survey.py --cases fwd:128:1024 bwd:128:1024 fwd:256:4096 bwd:256:4096 --out "$logs/ncu" 2>&1 | tail -30
