@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# What is built and not yet run on a GPU, in one call on the GPU machine (run from the repository root with
-# PYTHONPATH set as tools/device_all.sh sets it; about 10 minutes):
-#   bash tools/pending_ab.sh V4_TREE
+# What is built and not yet run on a GPU, in two calls on the GPU machine (run from the repository root with
+# PYTHONPATH set as tools/device_all.sh sets it; each under 10 minutes):
+#   bash tools/pending_ab.sh v4 V4_TREE     the branch's tests, sanitizers and A/B
+#   bash tools/pending_ab.sh main           main's experiments: d 256's 80-key forward tile, the ncu survey
 # V4_TREE: a checkout of the branch bwd-share-v4 (on the development machine `git archive bwd-share-v4 | tar -x -C DIR`,
 #   carried over): [bwd share v4], d 256's dQ added in its fragments' order by 16-byte reductions (off unless
 #   CUFLASH_DEFINES=CUFLASH_BWD_SHARE_V4=1), and dQ's tile conversion restructured for two 32 KiB halves at d 256 (every
@@ -9,10 +10,12 @@
 # Session 24 (H200) measured the earlier contents of this script: bwd-side-launches merged (+4.5-12 % at d 64, N <= 2048),
 # bwd-d256 merged and on (1.37-1.50x the mma.sync kernel).
 set -uo pipefail
-tree=${1:?V4_TREE}
+part=${1:?v4 or main}
+logs=${OUT:-/tmp}
+if [ "$part" = v4 ]; then
+tree=${2:?V4_TREE}
 cd "$tree" || exit 1
 export PYTHONPATH=$PWD:/tmp/site  # this tree's cuflash, not the caller's
-logs=${OUT:-/tmp}
 echo "== [v4] the backward's GPU files, shipped build, 8 workers"
 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --tb=short -n 8 tests/test_cuda_attention.py \
     tests/test_backward_head_dims.py tests/test_cuda_variants.py tests/test_head_dim_v.py tests/test_tensor_map.py \
@@ -38,7 +41,8 @@ for tool in memcheck racecheck; do
 done
 echo "== [v4] against the shipped d 256 backward, backward alone"
 timeout 150 python3 tools/bwd_ab.py --builds "" "CUFLASH_BWD_SHARE_V4=1" --dims 256 --n 1024 4096 --rounds 2 2>&1 | tail -4
-cd - > /dev/null || exit 1
+exit 0
+fi
 export PYTHONPATH=$PWD:/tmp/site
 echo "== d 256's forward on 80-key tiles (main's tree; outputs checked against cuDNN's)"
 timeout 150 python3 tools/tile_trial.py --dim 256 --seqlens 1024 4096 16384 --tiles 128,64,12 128,80,12 2>&1 | tail -12
