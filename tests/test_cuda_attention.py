@@ -44,7 +44,7 @@ def test_non_contiguous_views_gqa(requires_gpu, algorithm, d):
     check(requires_gpu, (2, 300, 300, 8, 2), d, "float16", "br", algorithm=algorithm, layout="bhnd")
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_deterministic_is_bitwise_reproducible(requires_gpu, d):
     cp = requires_gpu
     _, grads = check(cp, (2, 257, 300, 4, 2), d, "bfloat16", "br", deterministic=True)
