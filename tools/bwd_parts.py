@@ -1,8 +1,11 @@
 """Where a planned backward's time goes: each of its launches (D, the workspace's memset, dK/dV with dQ, dQ's
 conversion, GQA's sum) timed alone between CUDA events inside one run, median over repeats, beside the whole run, and
 the backward's TFLOP/s with and without the side launches (issue 14: the backward at N <= 2048 against cuDNN's).
+``--order split`` times the two-pass order instead (dK / dV without dQ, then dQ by query tiles: no atomics; the
+"main launch" then the dK/dV one).
 
     python3 tools/bwd_parts.py [--dims 64 128] [--n 1024 2048 8192] [--tokens 16384] [--heads 16] [--reps 20]
+        [--order split]
 
 (on the GPU machine from the repository root, as bench-gpu's grid: batch x N = tokens, bf16)."""
 
@@ -21,6 +24,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--order", default="kv_outer", choices=("kv_outer", "split"))
     args = ap.parse_args(argv)
 
     import cupy
@@ -44,7 +48,7 @@ def main(argv=None) -> int:
                 q, k, v, do = draw(), draw(), draw(), draw()
                 out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
                 plan = attention.BackwardPlan(do, q, k, v, out, lse, scale=d ** -0.5, variant=Variant(causal=causal),
-                                              algorithm="fa2", block_q=None, block_k=None, order="kv_outer")
+                                              algorithm="fa2", block_q=None, block_k=None, order=args.order)
                 plan.run(do, q, k, v, out, lse)  # (compiles)
                 stream = cupy.cuda.get_current_stream()
                 marks = []  # (a run's events: after its memset, after each launch)

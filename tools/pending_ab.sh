@@ -46,5 +46,9 @@ fi
 export PYTHONPATH=$PWD:/tmp/site
 echo "== d 256's forward on 80-key tiles (main's tree; outputs checked against cuDNN's)"
 timeout 150 python3 tools/tile_trial.py --dim 256 --seqlens 1024 4096 16384 --tiles 128,64,12 128,80,12 2>&1 | tail -12
+echo "== the two backward orders' launches at d 128 and 256 (split: dK / dV without dQ's atomics, then dQ by query tiles)"
+for order in kv_outer split; do
+    timeout 60 python3 tools/bwd_parts.py --dims 128 256 --n 1024 4096 --order $order 2>&1 | grep "^d"
+done
 echo "== ncu survey (main's tree): forward / backward at d 128 N 1024, d 256 N 4096"
 timeout 200 python3 tools/ncu_survey.py --cases fwd:128:1024 bwd:128:1024 fwd:256:4096 bwd:256:4096 --out "$logs/ncu" 2>&1 | tail -30
