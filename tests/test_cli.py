@@ -214,6 +214,11 @@ def test_the_gpu_table_gives_both_ratios_and_the_cudnn_target_count():
     assert "in 2 of 3" in summary.splitlines()[1]  # (0.92 at N 512 meets 0.9; 1.00 meets 1.0; 0.91 does not)
     assert "fwd+bwd cuflash / torch-cudnn: 0.45-0.50 (median 0.46, 3 cells); at or above target (1.0, 0.9 at N <= 512)" \
            " in 0 of 3" in summary
+    assert len(summary.splitlines()) == 4  # (one head dim: no lines by head dim)
+    rows[2]["d"] = 256  # (by head dim where there are several)
+    assert bench_gpu.summarize(rows).splitlines()[-2:] == [
+        "d 128    cuflash / torch-cudnn: fwd 0.92-1.00, fwd+bwd 0.46-0.50",
+        "d 256    cuflash / torch-cudnn: fwd 0.91-0.91, fwd+bwd 0.45-0.45"]
     rows[0]["cuflash-fa1 fwd"] = 230.0
     assert bench_gpu.format_table(rows).splitlines()[2].endswith("| 0.92 | 230 | 2.0 |")
 

@@ -345,7 +345,8 @@ def cudnn_target(n: int) -> float:
 
 def summarize(rows) -> str:
     """Per pass, cuflash's ratio to each peer over the grid (range, median) and, against torch-cudnn, the cells at or
-    above :func:`cudnn_target`: the lines the side-by-side table is judged by."""
+    above :func:`cudnn_target`: the lines the side-by-side table is judged by; then, where the grid has several head
+    dims, the ratio to torch-cudnn by head dim (one line each, both passes)."""
     lines = []
     for pass_ in ("fwd", "fwd+bwd"):
         for peer in ("torch-flash", "torch-cudnn"):
@@ -360,6 +361,16 @@ def summarize(rows) -> str:
                 met = sum(x >= cudnn_target(n) - 5e-3 for x, n in cells)
                 line += f"; at or above target (1.0, 0.9 at N <= 512) in {met} of {len(cells)}"
             lines.append(line)
+    dims = sorted({r["d"] for r in rows})
+    for d in dims if len(dims) > 1 else ():
+        parts = []
+        for pass_ in ("fwd", "fwd+bwd"):
+            ratios = sorted(r[f"cuflash {pass_}"] / r[f"torch-cudnn {pass_}"] for r in rows
+                            if r["d"] == d and r.get(f"torch-cudnn {pass_}", 0) > 0 and f"cuflash {pass_}" in r)
+            if ratios:
+                parts.append(f"{pass_} {ratios[0]:.2f}-{ratios[-1]:.2f}")
+        if parts:
+            lines.append(f"d {d:3d}    cuflash / torch-cudnn: " + ", ".join(parts))
     return "\n".join(lines)
 
 
