@@ -347,11 +347,15 @@ def summarize(rows) -> str:
     """Per pass, cuflash's ratio to each peer over the grid (range, median) and, against torch-cudnn, the cells at or
     above :func:`cudnn_target`: the lines the side-by-side table is judged by; then, where the grid has several head
     dims, the ratio to torch-cudnn by head dim (one line each, both passes)."""
+    def cells_of(pass_, peer, selected):
+        """(cuflash / peer, N) of the rows in ``selected`` where both ran."""
+        return [(r[f"cuflash {pass_}"] / r[f"{peer} {pass_}"], r["N"]) for r in selected
+                if r.get(f"{peer} {pass_}", 0) > 0 and f"cuflash {pass_}" in r]
+
     lines = []
     for pass_ in ("fwd", "fwd+bwd"):
         for peer in ("torch-flash", "torch-cudnn"):
-            cells = [(r[f"cuflash {pass_}"] / r[f"{peer} {pass_}"], r["N"]) for r in rows
-                     if r.get(f"{peer} {pass_}", 0) > 0 and f"cuflash {pass_}" in r]
+            cells = cells_of(pass_, peer, rows)
             if not cells:
                 continue
             ratios = sorted(x for x, _ in cells)
@@ -365,8 +369,7 @@ def summarize(rows) -> str:
     for d in dims if len(dims) > 1 else ():
         parts = []
         for pass_ in ("fwd", "fwd+bwd"):
-            ratios = sorted(r[f"cuflash {pass_}"] / r[f"torch-cudnn {pass_}"] for r in rows
-                            if r["d"] == d and r.get(f"torch-cudnn {pass_}", 0) > 0 and f"cuflash {pass_}" in r)
+            ratios = sorted(x for x, _ in cells_of(pass_, "torch-cudnn", [r for r in rows if r["d"] == d]))
             if ratios:
                 parts.append(f"{pass_} {ratios[0]:.2f}-{ratios[-1]:.2f}")
         if parts:
